@@ -1,0 +1,380 @@
+// flash_attn_ext CPU kernels: FlashAttention-2 (Dao 2023) Alg. 1 (forward) and Alg. 2
+// (backward) on tiles of kBlockM query rows x kBlockN key rows. See flash_cpu.h.
+//
+// Every tile is copied into dense scratch in the accumulation type `Acc` (float, or double
+// for float64 inputs). K and V are also kept transposed (headdim x kBlockN, zero padded),
+// so S = Q K^T and dP = dO V^T are axpy loops over a contiguous row of kBlockN: the inner
+// loops of every product run over contiguous memory with a fixed trip count and vectorize
+// without -ffast-math.
+#include "kernels/cpu/flash_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace flash {
+namespace cpu {
+namespace {
+
+constexpr int kBlockM = 64;  // query rows per tile
+constexpr int kBlockN = 64;  // key/value rows per tile
+
+// Number of keys query row i may see: causal is bottom-right aligned, key j is visible
+// iff j <= i + seqlen_k - seqlen_q. Clamped to [0, seqlen_k].
+inline int visible_keys(int i, int seqlen_q, int seqlen_k, bool causal) {
+  if (!causal) return seqlen_k;
+  const int64_t n = int64_t(i) + seqlen_k - seqlen_q + 1;
+  return int(std::min<int64_t>(std::max<int64_t>(n, 0), seqlen_k));
+}
+
+// Visible keys of row i inside the key tile starting at n0 with rows_n rows. Visible keys
+// of a row form a prefix, so the causal mask is a column count.
+inline int visible_in_tile(int i, int n0, int rows_n, int seqlen_q, int seqlen_k, bool causal) {
+  return std::min(std::max(visible_keys(i, seqlen_q, seqlen_k, causal) - n0, 0), rows_n);
+}
+
+// rows x d tile (row-major, leading dim d) <- rows of one head starting at `src`.
+template <typename T, typename Acc>
+void load_rows(const T* src, int64_t row_stride, int rows, int d, Acc* dst) {
+  for (int r = 0; r < rows; ++r) {
+    const T* s = src + r * row_stride;
+    Acc* o = dst + int64_t(r) * d;
+    for (int c = 0; c < d; ++c) o[c] = static_cast<Acc>(s[c]);
+  }
+}
+
+// d x kBlockN transposed tile (columns >= rows are zero) <- rows of one head.
+template <typename T, typename Acc>
+void load_rows_transposed(const T* src, int64_t row_stride, int rows, int d, Acc* dst) {
+  if (rows < kBlockN) std::fill(dst, dst + int64_t(d) * kBlockN, Acc(0));
+  for (int r = 0; r < rows; ++r) {
+    const T* s = src + r * row_stride;
+    for (int c = 0; c < d; ++c) dst[int64_t(c) * kBlockN + r] = static_cast<Acc>(s[c]);
+  }
+}
+
+// C (rows_m x kBlockN) = A (rows_m x d) * Bt (d x kBlockN): the S = Q K^T / dP = dO V^T product.
+template <typename Acc>
+void matmul_abt(const Acc* A, int rows_m, const Acc* Bt, int d, Acc* C) {
+  for (int i = 0; i < rows_m; ++i) {
+    Acc* c_row = C + int64_t(i) * kBlockN;
+    std::fill(c_row, c_row + kBlockN, Acc(0));
+    const Acc* a_row = A + int64_t(i) * d;
+    for (int kk = 0; kk < d; ++kk) {
+      const Acc a = a_row[kk];
+      const Acc* b_row = Bt + int64_t(kk) * kBlockN;
+      for (int j = 0; j < kBlockN; ++j) c_row[j] += a * b_row[j];
+    }
+  }
+}
+
+// y[0:d] += alpha * x[0:d]
+template <typename Acc>
+inline void axpy(Acc alpha, const Acc* x, Acc* y, int d) {
+  for (int c = 0; c < d; ++c) y[c] += alpha * x[c];
+}
+
+// ------------------------------------------------------------------------------------------
+// Forward: one task = one (batch, head, query tile). FA2 Alg. 1.
+// kLseOnly: compute only LSE (no V, no output) into lse_acc[(b * h + head) * seqlen_q + i] in
+// the accumulation type. The float64 backward uses it: the op's softmax_lse is float32, too
+// coarse to recompute float64 probabilities from.
+template <typename T, typename Acc, bool kLseOnly>
+void fwd_impl(const Flash_fwd_params& p, Acc* lse_acc) {
+  const int d = p.d;
+  const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const int64_t num_tasks = int64_t(p.b) * p.h * num_m_blocks;
+  const Acc scale = static_cast<Acc>(p.scale_softmax);
+  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Acc> q_tile(int64_t(kBlockM) * d), acc(int64_t(kBlockM) * d);
+    std::vector<Acc> kt_tile(int64_t(d) * kBlockN), v_tile(int64_t(kBlockN) * d);
+    std::vector<Acc> s_tile(int64_t(kBlockM) * kBlockN), m_row(kBlockM), l_row(kBlockM);
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int mb = int(task % num_m_blocks);
+      const int h = int((task / num_m_blocks) % p.h);
+      const int b = int(task / (int64_t(num_m_blocks) * p.h));
+      const int h_k = h / p.h_h_k_ratio;
+      const int m0 = mb * kBlockM;
+      const int rows_m = std::min(kBlockM, p.seqlen_q - m0);
+
+      const T* q = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
+      const T* k = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_k * p.k_head_stride;
+      const T* v = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_k * p.v_head_stride;
+
+      // Alg. 1 lines 5-6: load Q_i; O_i = 0, l_i = 0, m_i = -inf.
+      load_rows(q + m0 * p.q_row_stride, p.q_row_stride, rows_m, d, q_tile.data());
+      std::fill(acc.begin(), acc.end(), Acc(0));
+      std::fill(l_row.begin(), l_row.end(), Acc(0));
+      std::fill(m_row.begin(), m_row.end(), neg_inf);
+
+      // Causal: the tile's last row sees the most keys; later key tiles are skipped.
+      const int n_end = visible_keys(m0 + rows_m - 1, p.seqlen_q, p.seqlen_k, p.is_causal);
+      for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+        const int rows_n = std::min(kBlockN, p.seqlen_k - n0);
+        // Alg. 1 line 8: load K_j, V_j.
+        load_rows_transposed(k + n0 * p.k_row_stride, p.k_row_stride, rows_n, d, kt_tile.data());
+        if (!kLseOnly) load_rows(v + n0 * p.v_row_stride, p.v_row_stride, rows_n, d, v_tile.data());
+        // Alg. 1 line 9: S_ij = Q_i K_j^T (softmax_scale applied per row below).
+        matmul_abt(q_tile.data(), rows_m, kt_tile.data(), d, s_tile.data());
+
+        for (int i = 0; i < rows_m; ++i) {
+          const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
+          if (ncols == 0) continue;  // masked entries contribute exp(-inf) = 0
+          Acc* s = s_tile.data() + int64_t(i) * kBlockN;
+          // Alg. 1 line 10: m_new = max(m_old, rowmax(S_ij)).
+          Acc m_new = m_row[i];
+          for (int j = 0; j < ncols; ++j) {
+            s[j] *= scale;
+            m_new = std::max(m_new, s[j]);
+          }
+          // Alg. 1 line 10: P~ = exp(S - m_new), l_new = exp(m_old - m_new) l_old + rowsum(P~).
+          const Acc alpha = std::exp(m_row[i] - m_new);  // 0 on the first visible tile
+          Acc row_sum = 0;
+          for (int j = 0; j < ncols; ++j) {
+            s[j] = std::exp(s[j] - m_new);
+            row_sum += s[j];
+          }
+          l_row[i] = alpha * l_row[i] + row_sum;
+          m_row[i] = m_new;
+          if (kLseOnly) continue;
+          // Alg. 1 line 11: O_i = diag(exp(m_old - m_new)) O_i + P~ V_j.
+          Acc* o = acc.data() + int64_t(i) * d;
+          for (int c = 0; c < d; ++c) o[c] *= alpha;
+          for (int j = 0; j < ncols; ++j) axpy(s[j], v_tile.data() + int64_t(j) * d, o, d);
+        }
+      }
+
+      if (kLseOnly) {
+        Acc* lse = lse_acc + (int64_t(b) * p.h + h) * p.seqlen_q;
+        for (int i = 0; i < rows_m; ++i) {
+          lse[m0 + i] = l_row[i] == Acc(0) ? std::numeric_limits<Acc>::infinity()
+                                           : m_row[i] + std::log(l_row[i]);
+        }
+        continue;
+      }
+      // Alg. 1 lines 13-16: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i); write both.
+      T* out = static_cast<T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+      float* lse = p.softmax_lse_ptr + (int64_t(b) * p.h + h) * p.seqlen_q;
+      for (int i = 0; i < rows_m; ++i) {
+        T* o_row = out + (m0 + i) * p.o_row_stride;
+        const Acc* a = acc.data() + int64_t(i) * d;
+        if (l_row[i] == Acc(0)) {  // no visible key: out = 0, lse = +inf
+          for (int c = 0; c < d; ++c) o_row[c] = static_cast<T>(0.0f);
+          lse[m0 + i] = std::numeric_limits<float>::infinity();
+          continue;
+        }
+        const Acc inv_l = Acc(1) / l_row[i];
+        for (int c = 0; c < d; ++c) o_row[c] = static_cast<T>(a[c] * inv_l);
+        lse[m0 + i] = static_cast<float>(m_row[i] + std::log(l_row[i]));
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------
+// Backward. P is recomputed from LSE: P_ij = exp(softmax_scale * q_i.k_j - LSE_i).
+template <typename T, typename Acc>
+void bwd_impl(const Flash_bwd_params& p) {
+  const int d = p.d;
+  const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  const Acc scale = static_cast<Acc>(p.scale_softmax);
+  const int64_t rows_total = int64_t(p.b) * p.h * p.seqlen_q;
+
+  // Alg. 2 line 5: D_i = rowsum(dO_i * O_i), one value per (batch, head, query row).
+  std::vector<Acc> dsum(rows_total);
+  at::parallel_for(0, int64_t(p.b) * p.h, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int b = int(bh / p.h), h = int(bh % p.h);
+      const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+      const T* out = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+      for (int i = 0; i < p.seqlen_q; ++i) {
+        const T* dr = dout + i * p.do_row_stride;
+        const T* orow = out + i * p.o_row_stride;
+        Acc sum = 0;
+        for (int c = 0; c < d; ++c) sum += static_cast<Acc>(dr[c]) * static_cast<Acc>(orow[c]);
+        dsum[bh * p.seqlen_q + i] = sum;
+      }
+    }
+  });
+
+  // L_i for recomputing P. float64: recomputed in float64 (one more pass over K).
+  std::vector<Acc> lse_acc;
+  if (std::is_same<Acc, double>::value) {
+    lse_acc.resize(rows_total);
+    fwd_impl<T, Acc, /*kLseOnly=*/true>(p, lse_acc.data());
+  }
+  auto row_lse = [&](int b, int h, int i) {
+    const int64_t idx = (int64_t(b) * p.h + h) * p.seqlen_q + i;
+    return lse_acc.empty() ? static_cast<Acc>(p.softmax_lse_ptr[idx]) : lse_acc[idx];
+  };
+  auto row_dsum = [&](int b, int h, int i) { return dsum[(int64_t(b) * p.h + h) * p.seqlen_q + i]; };
+
+  // dK/dV pass: one task = one (batch, kv head, key tile); Alg. 2 lines 6-19 without dQ.
+  // GQA/MQA: the task loops over every query head of its group, so each dK_j/dV_j is
+  // written by exactly one task.
+  at::parallel_for(0, int64_t(p.b) * p.h_k * num_n_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Acc> kt_tile(int64_t(d) * kBlockN), vt_tile(int64_t(d) * kBlockN);
+    std::vector<Acc> q_tile(int64_t(kBlockM) * d), do_tile(int64_t(kBlockM) * d);
+    std::vector<Acc> s_tile(int64_t(kBlockM) * kBlockN), dp_tile(int64_t(kBlockM) * kBlockN);
+    std::vector<Acc> dk_acc(int64_t(kBlockN) * d), dv_acc(int64_t(kBlockN) * d);
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int nb = int(task % num_n_blocks);
+      const int h_k = int((task / num_n_blocks) % p.h_k);
+      const int b = int(task / (int64_t(num_n_blocks) * p.h_k));
+      const int n0 = nb * kBlockN;
+      const int rows_n = std::min(kBlockN, p.seqlen_k - n0);
+
+      // Alg. 2 lines 7-8: load K_j, V_j; dK_j = 0, dV_j = 0.
+      const T* k = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_k * p.k_head_stride;
+      const T* v = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_k * p.v_head_stride;
+      load_rows_transposed(k + n0 * p.k_row_stride, p.k_row_stride, rows_n, d, kt_tile.data());
+      load_rows_transposed(v + n0 * p.v_row_stride, p.v_row_stride, rows_n, d, vt_tile.data());
+      std::fill(dk_acc.begin(), dk_acc.end(), Acc(0));
+      std::fill(dv_acc.begin(), dv_acc.end(), Acc(0));
+
+      // Causal: query row i sees key n0 iff i >= n0 - (seqlen_k - seqlen_q); earlier Q tiles are skipped.
+      const int64_t first_row = std::max<int64_t>(0, int64_t(n0) - (int64_t(p.seqlen_k) - p.seqlen_q));
+      const int m_begin = p.is_causal ? int(first_row / kBlockM) * kBlockM : 0;
+
+      for (int h = h_k * p.h_h_k_ratio; h < (h_k + 1) * p.h_h_k_ratio; ++h) {
+        const T* q = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
+        const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+        for (int m0 = m_begin; m0 < p.seqlen_q; m0 += kBlockM) {
+          const int rows_m = std::min(kBlockM, p.seqlen_q - m0);
+          // Alg. 2 line 10: load Q_i, dO_i (L_i, D_i read per row below).
+          load_rows(q + m0 * p.q_row_stride, p.q_row_stride, rows_m, d, q_tile.data());
+          load_rows(dout + m0 * p.do_row_stride, p.do_row_stride, rows_m, d, do_tile.data());
+          // Alg. 2 line 11: S_ij = Q_i K_j^T; line 14: dP_ij = dO_i V_j^T.
+          matmul_abt(q_tile.data(), rows_m, kt_tile.data(), d, s_tile.data());
+          matmul_abt(do_tile.data(), rows_m, vt_tile.data(), d, dp_tile.data());
+
+          for (int i = 0; i < rows_m; ++i) {
+            const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
+            if (ncols == 0) continue;  // P = 0: no contribution (also rows with LSE = +inf)
+            const Acc lse = row_lse(b, h, m0 + i), dsum_i = row_dsum(b, h, m0 + i);
+            const Acc* s = s_tile.data() + int64_t(i) * kBlockN;
+            const Acc* dp = dp_tile.data() + int64_t(i) * kBlockN;
+            const Acc* q_row = q_tile.data() + int64_t(i) * d;
+            const Acc* do_row = do_tile.data() + int64_t(i) * d;
+            for (int j = 0; j < ncols; ++j) {
+              // Alg. 2 line 12: P_ij = exp(S_ij - L_i).
+              const Acc prob = std::exp(s[j] * scale - lse);
+              // Alg. 2 line 15: dS_ij = P_ij * (dP_ij - D_i).
+              const Acc ds = prob * (dp[j] - dsum_i);
+              // Alg. 2 line 13: dV_j += P_ij^T dO_i.
+              axpy(prob, do_row, dv_acc.data() + int64_t(j) * d, d);
+              // Alg. 2 line 17: dK_j += dS_ij^T Q_i (softmax_scale applied once at the end).
+              axpy(ds, q_row, dk_acc.data() + int64_t(j) * d, d);
+            }
+          }
+        }
+      }
+
+      // Alg. 2 line 19: write dK_j, dV_j.
+      T* dk = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_k * p.dk_head_stride;
+      T* dv = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_k * p.dv_head_stride;
+      for (int j = 0; j < rows_n; ++j) {
+        T* dk_row = dk + (n0 + j) * p.dk_row_stride;
+        T* dv_row = dv + (n0 + j) * p.dv_row_stride;
+        const Acc* dk_a = dk_acc.data() + int64_t(j) * d;
+        const Acc* dv_a = dv_acc.data() + int64_t(j) * d;
+        for (int c = 0; c < d; ++c) {
+          dk_row[c] = static_cast<T>(dk_a[c] * scale);
+          dv_row[c] = static_cast<T>(dv_a[c]);
+        }
+      }
+    }
+  });
+
+  // dQ pass: one task = one (batch, head, query tile), loop over key tiles; Alg. 2 line 16
+  // done as its own loop (as in FA2's CUDA backward) so no two tasks write one dQ row.
+  at::parallel_for(0, int64_t(p.b) * p.h * num_m_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Acc> q_tile(int64_t(kBlockM) * d), do_tile(int64_t(kBlockM) * d);
+    std::vector<Acc> dq_acc(int64_t(kBlockM) * d), k_tile(int64_t(kBlockN) * d);
+    std::vector<Acc> kt_tile(int64_t(d) * kBlockN), vt_tile(int64_t(d) * kBlockN);
+    std::vector<Acc> s_tile(int64_t(kBlockM) * kBlockN), dp_tile(int64_t(kBlockM) * kBlockN);
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int mb = int(task % num_m_blocks);
+      const int h = int((task / num_m_blocks) % p.h);
+      const int b = int(task / (int64_t(num_m_blocks) * p.h));
+      const int h_k = h / p.h_h_k_ratio;
+      const int m0 = mb * kBlockM;
+      const int rows_m = std::min(kBlockM, p.seqlen_q - m0);
+
+      const T* q = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
+      const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+      const T* k = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_k * p.k_head_stride;
+      const T* v = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_k * p.v_head_stride;
+      load_rows(q + m0 * p.q_row_stride, p.q_row_stride, rows_m, d, q_tile.data());
+      load_rows(dout + m0 * p.do_row_stride, p.do_row_stride, rows_m, d, do_tile.data());
+      std::fill(dq_acc.begin(), dq_acc.end(), Acc(0));
+
+      const int n_end = visible_keys(m0 + rows_m - 1, p.seqlen_q, p.seqlen_k, p.is_causal);
+      for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+        const int rows_n = std::min(kBlockN, p.seqlen_k - n0);
+        load_rows(k + n0 * p.k_row_stride, p.k_row_stride, rows_n, d, k_tile.data());
+        load_rows_transposed(k + n0 * p.k_row_stride, p.k_row_stride, rows_n, d, kt_tile.data());
+        load_rows_transposed(v + n0 * p.v_row_stride, p.v_row_stride, rows_n, d, vt_tile.data());
+        // Alg. 2 lines 11, 14: S_ij = Q_i K_j^T, dP_ij = dO_i V_j^T.
+        matmul_abt(q_tile.data(), rows_m, kt_tile.data(), d, s_tile.data());
+        matmul_abt(do_tile.data(), rows_m, vt_tile.data(), d, dp_tile.data());
+        for (int i = 0; i < rows_m; ++i) {
+          const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
+          if (ncols == 0) continue;
+          const Acc lse = row_lse(b, h, m0 + i), dsum_i = row_dsum(b, h, m0 + i);
+          const Acc* s = s_tile.data() + int64_t(i) * kBlockN;
+          const Acc* dp = dp_tile.data() + int64_t(i) * kBlockN;
+          Acc* dq_row = dq_acc.data() + int64_t(i) * d;
+          for (int j = 0; j < ncols; ++j) {
+            // Alg. 2 lines 12, 15, 16: P_ij = exp(S_ij - L_i), dS = P (dP - D_i), dQ_i += dS K_j.
+            const Acc ds = std::exp(s[j] * scale - lse) * (dp[j] - dsum_i);
+            axpy(ds, k_tile.data() + int64_t(j) * d, dq_row, d);
+          }
+        }
+      }
+
+      T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride;
+      for (int i = 0; i < rows_m; ++i) {  // rows that see no key keep dQ = 0
+        T* dq_row = dq + (m0 + i) * p.dq_row_stride;
+        const Acc* a = dq_acc.data() + int64_t(i) * d;
+        for (int c = 0; c < d; ++c) dq_row[c] = static_cast<T>(a[c] * scale);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void run_mha_fwd_cpu(const Flash_fwd_params& params, Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kFloat32: return fwd_impl<float, float, false>(params, nullptr);
+    case Dtype::kFloat64: return fwd_impl<double, double, false>(params, nullptr);
+    case Dtype::kFloat16: return fwd_impl<c10::Half, float, false>(params, nullptr);
+    case Dtype::kBFloat16: return fwd_impl<c10::BFloat16, float, false>(params, nullptr);
+  }
+}
+
+void run_mha_bwd_cpu(const Flash_bwd_params& params, Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kFloat32: return bwd_impl<float, float>(params);
+    case Dtype::kFloat64: return bwd_impl<double, double>(params);
+    case Dtype::kFloat16: return bwd_impl<c10::Half, float>(params);
+    case Dtype::kBFloat16: return bwd_impl<c10::BFloat16, float>(params);
+  }
+}
+
+}  // namespace cpu
+}  // namespace flash

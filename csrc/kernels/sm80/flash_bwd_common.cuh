@@ -1,0 +1,168 @@
+// Tile movement shared by the sm80 backward kernels (flash_bwd_dkv_kernel.cuh,
+// flash_bwd_dq_kernel.cuh): global <-> shared tiles of (rows x kHeadDim) 16-bit elements and
+// mma C fragments -> shared memory.
+//
+// Shared tiles are row-major with a row pitch of kHeadDim + 8 elements: the 16-byte pad puts
+// the 8 row addresses of every ldmatrix 8x8 matrix in 8 distinct 4-bank groups (pitch in
+// 32-bit words = kHeadDim/2 + 4 = 4 or 20 mod 32), so ldmatrix and the fragment stores below
+// are bank-conflict free.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "primitives/cp_async.cuh"
+#include "primitives/ldmatrix.cuh"
+#include "primitives/mma.cuh"
+
+namespace flash {
+namespace bwd {
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+template <int kHeadDim>
+struct SmemTile {
+  static constexpr int kPitch = kHeadDim + 8;  // elements per shared row
+};
+
+// Asynchronous copy of a (kRows x kHeadDim) tile starting at `gmem` (row stride `row_stride`
+// elements, may be 0) into shared memory. Rows >= rows_valid and columns >= d_valid (the user's
+// head dim, a multiple of 8) are zero-filled without touching global memory, so ragged tile
+// edges and padded head-dim columns contribute exact zeros to every product.
+template <int kRows, int kHeadDim, int kThreads, typename Element>
+__device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem,
+                                                int64_t row_stride, int rows_valid, int d_valid,
+                                                int tid) {
+  constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks
+  constexpr int kChunks = kRows * kChunksPerRow;
+  constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
+  // Opaque copy of the stride: inside a K/V or Q/dO loop the compiler would otherwise hoist
+  // every chunk's 64-bit row offset (loop-invariant) into registers for the whole loop, which
+  // costs up to 48 registers next to the mma accumulators; one IMAD per chunk is cheaper.
+  int64_t stride = row_stride;
+  asm volatile("" : "+l"(stride));
+#pragma unroll
+  for (int it = 0; it < ceil_div(kChunks, kThreads); ++it) {
+    const int c = it * kThreads + tid;
+    if (kChunks % kThreads == 0 || c < kChunks) {
+      const int row = c / kChunksPerRow;
+      const int col = (c % kChunksPerRow) * 8;
+      const bool pred = row < rows_valid && col < d_valid;
+      // A predicated-off copy reads nothing; the tile base (row 0 is always in range) keeps
+      // the address valid anyway.
+      const Element* src = pred ? gmem + row * stride + col : gmem;
+      cp_async_16(smem_u32addr(smem + row * kPitch + col), src, pred);
+    }
+  }
+}
+
+// Coalesced 16-byte stores of a shared (kRows x kHeadDim) tile to global memory; only rows
+// < rows_valid and columns < d_valid are written (padded columns are never stored).
+template <int kRows, int kHeadDim, int kThreads, typename Element>
+__device__ __forceinline__ void store_tile(Element* gmem, int64_t row_stride, const Element* smem,
+                                           int rows_valid, int d_valid, int tid) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
+#pragma unroll
+  for (int it = 0; it < ceil_div(kChunks, kThreads); ++it) {
+    const int c = it * kThreads + tid;
+    if (kChunks % kThreads == 0 || c < kChunks) {
+      const int row = c / kChunksPerRow;
+      const int col = (c % kChunksPerRow) * 8;
+      if (row < rows_valid && col < d_valid) {
+        *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
+            *reinterpret_cast<const uint4*>(smem + row * kPitch + col);
+      }
+    }
+  }
+}
+
+// Writes a warp's fp32 accumulator tile (16 rows x kNBlk*8 columns, mma C fragments:
+// acc[nb][0..1] = C[g][nb*8 + 2t..+1], acc[nb][2..3] = C[g+8][nb*8 + 2t..+1], lane = 4g + t)
+// times `scale` into a shared tile at (row0, col0), converted to Element.
+template <int kNBlk, int kPitch, typename Element>
+__device__ __forceinline__ void store_acc_to_smem(Element* smem, const float (&acc)[kNBlk][4],
+                                                  int row0, int col0, float scale, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nb = 0; nb < kNBlk; ++nb) {
+    Element* p = smem + (row0 + g) * kPitch + col0 + nb * 8 + 2 * t;
+    *reinterpret_cast<uint32_t*>(p) = pack2<Element>(acc[nb][0] * scale, acc[nb][1] * scale);
+    *reinterpret_cast<uint32_t*>(p + 8 * kPitch) =
+        pack2<Element>(acc[nb][2] * scale, acc[nb][3] * scale);
+  }
+}
+
+// acc (16 x kNBlk*8, C fragments) += A (16 x kHeadDim, rows [a_row0, a_row0+16) of a shared
+// [row][d] tile) * B^T, where B is a shared [n][d] tile (rows [0, kNBlk*8)): the "S = Q K^T"
+// shape. A comes through ldmatrix (A recipe), B through non-transposed ldmatrix (K-like recipe,
+// primitives/ldmatrix.cuh), one x4 giving the k16 fragments of two n8 blocks.
+template <int kNBlk, int kHeadDim, typename Element>
+__device__ __forceinline__ void gemm_abt_smem(float (&acc)[kNBlk][4], const Element* sA,
+                                              int a_row0, const Element* sB, int lane) {
+  constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
+  static_assert(kNBlk % 2 == 0, "n8 blocks come in pairs (ldmatrix x4)");
+  const Element* a_ptr = sA + (a_row0 + lane % 16) * kPitch + (lane / 16) * 8;
+  const Element* b_ptr = sB + ((lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t a[4];
+    ldmatrix_x4(a, smem_u32addr(a_ptr + kk * 16));
+#pragma unroll
+    for (int nb2 = 0; nb2 < kNBlk / 2; ++nb2) {
+      uint32_t b[4];
+      ldmatrix_x4(b, smem_u32addr(b_ptr + nb2 * 16 * kPitch + kk * 16));
+      const uint32_t b0[2] = {b[0], b[1]};
+      const uint32_t b1[2] = {b[2], b[3]};
+      mma_m16n8k16<Element>(acc[2 * nb2], a, b0);
+      mma_m16n8k16<Element>(acc[2 * nb2 + 1], a, b1);
+    }
+  }
+}
+
+// A fragment (16 x 16) of the k16 step kk from a warp's fp32 C-fragment tile x[kNBlk][4]
+// (16 x kNBlk*8), rounded to Element: columns 16kk..16kk+15 are n8 blocks 2kk and 2kk+1, and
+// a[0] = X[g][16kk+2t..], a[1] = X[g+8][16kk+2t..], a[2] = X[g][16kk+8+2t..], a[3] = X[g+8][..]
+// are exactly those blocks' c[0..1], c[2..3] (mma.cuh layouts). No shuffles, no shared memory.
+template <int kNBlk, typename Element>
+__device__ __forceinline__ void acc_to_a_frag(uint32_t (&a)[4], const float (&x)[kNBlk][4], int kk) {
+  a[0] = pack2<Element>(x[2 * kk][0], x[2 * kk][1]);
+  a[1] = pack2<Element>(x[2 * kk][2], x[2 * kk][3]);
+  a[2] = pack2<Element>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+  a[3] = pack2<Element>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+}
+
+// acc (16 x kNBlkD*8 columns [col0, col0 + kNBlkD*8) of d) += A (16 x 16) * B, B = rows
+// [k0, k0+16) of a shared [k][d] tile, read with ldmatrix.trans (V-like recipe): the
+// "O += P V", "dV += P^T dO", "dQ += dS K" shape.
+template <int kNBlkD, int kPitch, typename Element>
+__device__ __forceinline__ void gemm_ab_trans_smem(float (&acc)[kNBlkD][4], const uint32_t (&a)[4],
+                                                   const Element* sB, int k0, int col0, int lane) {
+  static_assert(kNBlkD % 2 == 0, "d8 blocks come in pairs (ldmatrix x4)");
+  const Element* b_ptr = sB + (k0 + ((lane / 8) % 2) * 8 + lane % 8) * kPitch + col0 + (lane / 16) * 8;
+#pragma unroll
+  for (int db2 = 0; db2 < kNBlkD / 2; ++db2) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, smem_u32addr(b_ptr + db2 * 16));
+    const uint32_t b0[2] = {b[0], b[1]};
+    const uint32_t b1[2] = {b[2], b[3]};
+    mma_m16n8k16<Element>(acc[2 * db2], a, b0);
+    mma_m16n8k16<Element>(acc[2 * db2 + 1], a, b1);
+  }
+}
+
+template <int kRows, int kCols>
+__device__ __forceinline__ void zero_acc(float (&acc)[kRows][kCols]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) acc[i][j] = 0.f;
+  }
+}
+
+}  // namespace bwd
+}  // namespace flash

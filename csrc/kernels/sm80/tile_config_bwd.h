@@ -1,0 +1,52 @@
+// Tile configuration of the sm80 backward path (mma.sync + ldmatrix + cp.async), one row per
+// compiled head dim. This is THE backward table: flash_bwd_launch.cuh and the kernels read only it.
+//
+// dK/dV kernel (flash_bwd_dkv_kernel.cuh), one CTA per K/V tile of kDkvBlockN rows:
+//   kDkvBlockN    key/value rows per CTA (K_j, V_j stay resident in shared memory)
+//   kDkvBlockM    query rows per streamed Q_i / dO_i tile (2-stage cp.async pipeline)
+//   kDkvColSplit  warps sharing one 16-row slice of K_j: each owns kHeadDim/kDkvColSplit columns
+//                 of the dK/dV accumulators (1 for d <= 128; 2 above, where 16 rows x d x 2 fp32
+//                 accumulators would not fit one warp's registers). Split warps recompute the
+//                 same S^T / dP^T slice, so P^T and dS^T never leave registers.
+//   warps = kDkvBlockN / 16 * kDkvColSplit
+// dQ kernel (flash_bwd_dq_kernel.cuh), one CTA per Q tile of kDqBlockM rows:
+//   kDqBlockM     query rows per CTA (Q_i, dO_i resident), warps = kDqBlockM / 16
+//   kDqBlockN     key/value rows per streamed K_j / V_j tile (2-stage cp.async pipeline)
+//
+// Shared memory (rows padded by 8 elements = 16 B, conflict-free ldmatrix), fp16/bf16:
+//   dkv = (2*kDkvBlockN + 4*kDkvBlockM) * (d + 8) * 2 B + 16*kDkvBlockM B
+//   dq  = (2*kDqBlockM + 4*kDqBlockN)   * (d + 8) * 2 B
+//   d32  dkv  41 KB dq  60 KB     d64  dkv  73 KB dq 108 KB     d96  dkv 105 KB dq 104 KB
+//   d128 dkv 137 KB dq 136 KB     d192 dkv 151 KB dq 150 KB     d256 dkv 133 KB dq 132 KB
+// Registers (ptxas, sm_90a / sm_80, 255 max): the d64 / d128 kernels use 213-255 per thread with
+// no spills inside the main loops (the few spilled bytes of d96-d256 sit in prologue/epilogue).
+// Every row fits sm_80's 163 KB and sm_90's 227 KB (kMaxSmemSm80 below is asserted).
+// kDkvBlockM and kDqBlockM divide 128 so the (b, h, seqlen_q_rounded) workspaces cover every tile.
+#pragma once
+
+namespace flash {
+
+template <int kDkvBlockN_, int kDkvBlockM_, int kDkvColSplit_, int kDqBlockM_, int kDqBlockN_>
+struct BwdTileConfig {
+  static constexpr int kDkvBlockN = kDkvBlockN_;
+  static constexpr int kDkvBlockM = kDkvBlockM_;
+  static constexpr int kDkvColSplit = kDkvColSplit_;
+  static constexpr int kDqBlockM = kDqBlockM_;
+  static constexpr int kDqBlockN = kDqBlockN_;
+};
+
+// Largest opt-in dynamic shared memory per block on sm_80 (A100): 163 KB.
+constexpr int kMaxSmemSm80 = 163 * 1024;
+
+template <int kHeadDim>
+struct BwdTileConfigSm80;
+
+//                                                 dkv: BLOCK_N BLOCK_M colsplit  dq: BLOCK_M BLOCK_N
+template <> struct BwdTileConfigSm80<32>  : BwdTileConfig<128,    64,     1,          128,    128> {};
+template <> struct BwdTileConfigSm80<64>  : BwdTileConfig<128,    64,     1,          128,    128> {};
+template <> struct BwdTileConfigSm80<96>  : BwdTileConfig<128,    64,     1,          128,     64> {};
+template <> struct BwdTileConfigSm80<128> : BwdTileConfig<128,    64,     1,          128,     64> {};
+template <> struct BwdTileConfigSm80<192> : BwdTileConfig< 64,    64,     2,           64,     64> {};
+template <> struct BwdTileConfigSm80<256> : BwdTileConfig< 64,    32,     2,           64,     32> {};
+
+}  // namespace flash

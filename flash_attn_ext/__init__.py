@@ -1,0 +1,55 @@
+"""flash_attn_ext: FlashAttention-2 (Dao 2023) as a PyTorch C++/CUDA extension.
+
+Public API:
+    flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
+        BSHD attention with autograd (flash_attn_ext.interface).
+    scaled_dot_product_attention(...): BHSD drop-in for torch's SDPA (flash_attn_ext.sdpa,
+        loaded on first use).
+    build_info() -> dict: CUDA archs / head dims compiled, CUDA and torch versions built against.
+    torch.ops.flash_attn_ext.forward / backward: the raw ops (flash_attn_ext.ops).
+Submodules loaded on first use: nn, reference, benchmark, integrations, sdpa.
+"""
+
+import importlib
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+__version__ = "0.1.0"
+
+try:
+    from . import _C
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "flash_attn_ext._C (the compiled extension) could not be imported: " + str(e) + ". "
+        "Build it from the repository root with `pip install --no-build-isolation -e .` "
+        "(FLASH_ATTN_EXT_CUDA_ARCHS=none for a quick CPU-only build), using the same torch "
+        "that is installed now."
+    ) from e
+
+from . import ops  # noqa: E402,F401  (fake kernels + autograd for the C++ ops)
+from .interface import flash_attn_func  # noqa: E402
+
+
+def build_info() -> dict:
+    """Facts about the compiled extension.
+
+    Returns a dict with keys: ``with_cuda`` (bool), ``cuda_archs`` (';'-separated SMs, "" for a
+    CPU-only build), ``head_dims`` (','-separated compiled CUDA head dims), ``cuda_version`` and
+    ``torch_version`` (the versions the extension was built against), ``cpu`` (True: the CPU
+    path is always built).
+    """
+    return dict(_C.build_info())
+
+
+_LAZY_SUBMODULES = ("nn", "reference", "benchmark", "integrations", "sdpa")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name == "scaled_dot_product_attention":
+        return importlib.import_module(f"{__name__}.sdpa").scaled_dot_product_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["flash_attn_func", "scaled_dot_product_attention", "build_info", "__version__"]

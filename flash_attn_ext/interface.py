@@ -1,0 +1,62 @@
+"""User-facing functions over the ``torch.ops.flash_attn_ext`` ops (autograd included)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import ops  # noqa: F401  (registers fake kernels + autograd)
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    return_lse: bool = False,
+):
+    """Exact attention ``softmax(softmax_scale * Q K^T) V`` without materialising the scores.
+
+    FlashAttention-2 (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and
+    Work Partitioning"): forward = Alg. 1 (tiled online softmax, saves the row log-sum-exp),
+    backward = Alg. 2 (recomputes the probabilities from the saved LSE). Differentiable in q, k, v.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), BSHD.
+        k: (batch, seqlen_k, nheads_k, headdim). nheads must be a multiple of nheads_k
+            (nheads_k < nheads: grouped-query / multi-query attention; query head h reads
+            key/value head h // (nheads // nheads_k)).
+        v: like k.
+            q, k, v: one device, one dtype, stride 1 along headdim (other strides free, so
+            transposed BHSD tensors and slices of a fused qkv tensor work without a copy).
+            dtype: float16 or bfloat16 on CUDA; float32, float64, float16 or bfloat16 on CPU.
+            headdim: a multiple of 8, at most 256.
+        softmax_scale: multiplies Q K^T before the softmax; default 1 / sqrt(headdim).
+        causal: mask aligned to the bottom-right corner: query i sees key j iff
+            j <= i + seqlen_k - seqlen_q. When seqlen_q > seqlen_k the first query rows see no
+            key: their output is 0, their LSE is +inf and their gradients are 0 (never NaN).
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
+        softmax_lse (only if return_lse): (batch, nheads, seqlen_q) float32,
+            LSE_i = log(sum_j exp(softmax_scale * q_i . k_j)) in natural log (+inf when no key is
+            visible). It carries no gradient.
+
+    Raises:
+        RuntimeError: before any work, with a message naming the argument, for: tensors on
+            different devices; mismatched or unsupported dtypes; rank != 4; batch / seqlen_k /
+            nheads_k / headdim mismatches between q, k and v; nheads not divisible by nheads_k;
+            headdim not a multiple of 8 or > 256 (or a CUDA head dim not compiled in this build);
+            a last dimension that is not contiguous; a non-finite softmax_scale.
+
+    Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0
+    gives out = 0 and LSE = +inf.
+    """
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    out, softmax_lse = torch.ops.flash_attn_ext.forward(q, k, v, float(softmax_scale), bool(causal))
+    return (out, softmax_lse) if return_lse else out
+

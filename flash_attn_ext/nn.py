@@ -1,0 +1,276 @@
+"""torch.nn modules over flash_attn_ext's attention.
+
+- ``FlashAttention``: the attention core as a module, BSHD q, k, v in, BSHD out.
+- ``MultiheadFlashAttention``: input projections (fused QKV), grouped-query attention,
+  optional rotary position embedding, output projection; called like
+  ``torch.nn.MultiheadAttention(batch_first=True)``.
+
+Both accept the dtypes of ``flash_attn_ext.flash_attn_func``: CPU float32/float64/float16/bfloat16,
+CUDA float16/bfloat16. On CUDA, float32 parameters work under ``torch.autocast`` (the projections
+then produce bf16/fp16 activations; the attention inputs are cast to the autocast dtype as torch's
+SDPA does); outside autocast, float32 CUDA inputs raise a TypeError that says so.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .interface import flash_attn_func
+from .sdpa import _autocast_and_check_dtype
+
+__all__ = ["FlashAttention", "MultiheadFlashAttention", "apply_rotary", "rotary_cos_sin"]
+
+
+class FlashAttention(nn.Module):
+    """softmax(softmax_scale * Q K^T) V over BSHD tensors (FlashAttention-2, Dao 2023, Alg. 1).
+
+    Args:
+        softmax_scale: default 1 / sqrt(headdim).
+        causal: bottom-right aligned causal mask: query i sees key j <= i + seqlen_k - seqlen_q
+            (the usual mask when seqlen_q == seqlen_k).
+
+    Forward:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
+        nheads % nheads_k == 0 (GQA/MQA); headdim a multiple of 8, at most 256; last dim
+        contiguous. Returns (batch, seqlen_q, nheads, headdim) in the inputs' dtype.
+
+    Raises: TypeError for mixed dtypes or float32 on CUDA outside autocast; the op's
+    RuntimeError/ValueError for bad shapes.
+    """
+
+    def __init__(self, softmax_scale: float | None = None, causal: bool = False):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+        self.causal = causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = _autocast_and_check_dtype({"q": q, "k": k, "v": v})
+        return flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal)
+
+    def extra_repr(self) -> str:
+        return f"softmax_scale={self.softmax_scale}, causal={self.causal}"
+
+
+def rotary_cos_sin(seqlen: int, headdim: int, base: float = 10000.0, device=None,
+                   offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables of rotary position embedding, float32, shape (seqlen, headdim).
+
+    RoFormer (Su et al. 2021), eq. 34 with theta_i = base^(-2i/d), i = 0..d/2-1, in the
+    rotate-half layout of GPT-NeoX/LLaMA: channel c and c + d/2 form the rotated pair, so
+    both halves of the table repeat the same d/2 angles. Positions are offset..offset+seqlen-1.
+    """
+    inv_freq = base ** (-torch.arange(0, headdim, 2, device=device, dtype=torch.float32) / headdim)
+    pos = torch.arange(offset, offset + seqlen, device=device, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)                       # (seqlen, d/2): m * theta_i
+    angles = torch.cat([angles, angles], dim=-1)              # (seqlen, d)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate BSHD ``x`` (batch, seqlen, nheads, headdim) by position: RoFormer eq. 34,
+    x * cos + rotate_half(x) * sin with rotate_half([x1, x2]) = [-x2, x1].
+
+    Computed in float32, returned in x's dtype. cos, sin: (seqlen, headdim) from rotary_cos_sin.
+    """
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]               # broadcast over heads
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class MultiheadFlashAttention(nn.Module):
+    """Multi-head attention (Vaswani et al. 2017, sec. 3.2.2) on flash_attn_ext, with optional
+    grouped-query attention (Ainslie et al. 2023) and rotary position embedding (Su et al. 2021).
+
+    Called like ``torch.nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)``, with the
+    same parameter names (``in_proj_weight``, ``in_proj_bias``, ``out_proj``), so with
+    ``num_kv_heads == num_heads`` and ``rotary=False`` a state_dict loads in either direction and
+    the outputs agree. Swapping one for the other is a one-line change when the call passes no
+    mask and ``need_weights=False``.
+
+    Args:
+        embed_dim: model width E; ``E % num_heads == 0``, headdim = E // num_heads (a multiple of
+            8, at most 256).
+        num_heads: query heads H.
+        num_kv_heads: key/value heads Hk (default H); ``H % Hk == 0``. Hk < H is GQA, Hk = 1 MQA.
+        bias: biases in the input and output projections.
+        causal: causal self-attention (bottom-right aligned when seqlen_q != seqlen_k).
+        rotary: apply rotary position embedding to q and k, positions 0..seqlen-1 of each.
+        rotary_base: the base of the rotary frequencies (theta_i = base^(-2i/headdim)).
+        device, dtype: of the parameters.
+        backend: "flash_attn_ext" (default) or "torch_sdpa": the same module computing the
+            attention core with torch.nn.functional.scaled_dot_product_attention (same mask,
+            same GQA), for comparisons such as examples/train_gpt.py.
+
+    Parameters: ``in_proj_weight`` ((H + 2 Hk) * headdim, E): rows [Wq; Wk; Wv];
+    ``in_proj_bias`` ((H + 2 Hk) * headdim,) or None; ``out_proj``: Linear(E, E).
+
+    Differences from torch.nn.MultiheadAttention: always batch-first; no dropout, add_bias_kv,
+    add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
+    matmul); ``need_weights`` must be False (attention weights are never materialised);
+    ``key_padding_mask`` is not supported and ``attn_mask`` only as the causal hint
+    (``is_causal=True`` with a causal mask, which is checked) — otherwise a clear error.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
+                 bias: bool = True, causal: bool = False, rotary: bool = False,
+                 rotary_base: float = 10000.0, device=None, dtype=None, *,
+                 backend: str = "flash_attn_ext"):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"MultiheadFlashAttention: embed_dim ({embed_dim}) must be divisible "
+                             f"by num_heads ({num_heads})")
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"MultiheadFlashAttention: num_heads ({num_heads}) must be a multiple "
+                             f"of num_kv_heads ({num_kv_heads})")
+        head_dim = embed_dim // num_heads
+        if rotary and head_dim % 2 != 0:
+            raise ValueError(f"MultiheadFlashAttention: rotary needs an even headdim, got {head_dim}")
+        if backend not in ("flash_attn_ext", "torch_sdpa"):
+            raise ValueError(f"MultiheadFlashAttention: backend must be 'flash_attn_ext' or "
+                             f"'torch_sdpa', got {backend!r}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = head_dim
+        self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
+        self.backend = backend
+        self.batch_first = True  # for code that inspects nn.MultiheadAttention's attribute
+        factory = {"device": device, "dtype": dtype}
+        qkv_dim = (num_heads + 2 * num_kv_heads) * head_dim
+        self.in_proj_weight = nn.Parameter(torch.empty(qkv_dim, embed_dim, **factory))
+        self.in_proj_bias = nn.Parameter(torch.empty(qkv_dim, **factory)) if bias else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        # As torch.nn.MultiheadAttention: xavier-uniform in-projection, zero biases.
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+    def _project(self, x: torch.Tensor, part: slice, nheads: int) -> torch.Tensor:
+        b = self.in_proj_bias[part] if self.in_proj_bias is not None else None
+        y = F.linear(x, self.in_proj_weight[part], b)
+        return y.view(x.shape[0], x.shape[1], nheads, self.head_dim)
+
+    def _attention(self, q, k, v, causal: bool) -> torch.Tensor:
+        if self.backend == "flash_attn_ext":
+            q, k, v = _autocast_and_check_dtype({"query": q, "key": k, "value": v})
+            return flash_attn_func(q, k, v, causal=causal)
+        # Reference path: torch SDPA on BHSD views; an explicit bottom-right mask when the
+        # alignments differ (seqlen_q != seqlen_k), so both backends compute the same function.
+        Lq, Lk = q.shape[1], k.shape[1]
+        mask = None
+        if causal and Lq != Lk:
+            i = torch.arange(Lq, device=q.device)[:, None]
+            j = torch.arange(Lk, device=q.device)[None, :]
+            mask = j <= i + (Lk - Lq)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=causal and mask is None, enable_gqa=self.num_kv_heads != self.num_heads)
+        return out.transpose(1, 2)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
+                need_weights: bool = False, attn_mask: torch.Tensor | None = None,
+                average_attn_weights: bool = True, is_causal: bool = False,
+                ) -> tuple[torch.Tensor, None]:
+        """
+        Args:
+            query: (batch, seqlen_q, embed_dim).
+            key, value: (batch, seqlen_k, embed_dim), both or neither; omitted means
+                self-attention (key = value = query, one fused QKV matmul).
+            key_padding_mask: must be None.
+            need_weights: must be False.
+            attn_mask: None, or (with is_causal=True) the causal mask itself — bool
+                (seqlen_q, seqlen_k) True = attend, or float with 0 / -inf — as torch's hint.
+            average_attn_weights: ignored (no weights are returned).
+            is_causal: causal attention for this call (also when the module has causal=False).
+        Returns:
+            (out, None): out (batch, seqlen_q, embed_dim) in the activations' dtype.
+        Raises:
+            NotImplementedError: need_weights=True, key_padding_mask given, or attn_mask other
+                than the causal hint.
+            ValueError: wrong ranks or widths, key without value.
+        """
+        if need_weights:
+            raise NotImplementedError(
+                "MultiheadFlashAttention: need_weights=True is not supported (attention weights "
+                "are never materialised); pass need_weights=False")
+        if key_padding_mask is not None:
+            raise NotImplementedError(
+                "MultiheadFlashAttention: key_padding_mask is not supported; run sequences of "
+                "equal length (or unpad them) and pass key_padding_mask=None")
+        if (key is None) != (value is None):
+            raise ValueError("MultiheadFlashAttention: pass both key and value, or neither")
+        self_attn = key is None or (key is query and value is query)
+        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
+            raise ValueError(f"MultiheadFlashAttention: query must be (batch, seqlen, "
+                             f"{self.embed_dim}), got {tuple(query.shape)}")
+        if not self_attn:
+            for name, t in (("key", key), ("value", value)):
+                if t.dim() != 3 or t.shape[-1] != self.embed_dim or t.shape[0] != query.shape[0]:
+                    raise ValueError(
+                        f"MultiheadFlashAttention: {name} must be (batch={query.shape[0]}, seqlen_k, "
+                        f"{self.embed_dim}), got {tuple(t.shape)}")
+            if key.shape[1] != value.shape[1]:
+                raise ValueError("MultiheadFlashAttention: key and value must have the same seqlen, "
+                                 f"got {key.shape[1]} and {value.shape[1]}")
+        seqlen_k = query.shape[1] if self_attn else key.shape[1]
+        causal = self.causal or is_causal
+        if attn_mask is not None:
+            if not is_causal:
+                raise NotImplementedError(
+                    "MultiheadFlashAttention: attn_mask is only accepted as the causal hint "
+                    "(is_causal=True with the causal mask); arbitrary masks are not supported")
+            self._check_causal_hint(attn_mask, query.shape[1], seqlen_k)
+
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self_attn:
+            b = self.in_proj_bias
+            qkv = F.linear(query, self.in_proj_weight, b)
+            qkv = qkv.view(query.shape[0], query.shape[1], H + 2 * Hk, D)
+            q, k, v = qkv.split([H, Hk, Hk], dim=2)   # BSHD views, last dim contiguous
+        else:
+            q = self._project(query, slice(0, H * D), H)
+            k = self._project(key, slice(H * D, (H + Hk) * D), Hk)
+            v = self._project(value, slice((H + Hk) * D, (H + 2 * Hk) * D), Hk)
+        if self.rotary:
+            cos_q, sin_q = rotary_cos_sin(q.shape[1], D, self.rotary_base, device=q.device)
+            q = apply_rotary(q, cos_q, sin_q)
+            if k.shape[1] != q.shape[1]:
+                cos_q, sin_q = rotary_cos_sin(k.shape[1], D, self.rotary_base, device=k.device)
+            k = apply_rotary(k, cos_q, sin_q)
+        out = self._attention(q, k, v, causal)                  # (B, Lq, H, D)
+        out = out.reshape(out.shape[0], out.shape[1], H * D)
+        return self.out_proj(out), None
+
+    @staticmethod
+    def _check_causal_hint(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> None:
+        if torch.compiler.is_compiling():
+            return  # a data-dependent check would break the graph; torch trusts the hint too
+        i = torch.arange(seqlen_q, device=attn_mask.device)[:, None]
+        j = torch.arange(seqlen_k, device=attn_mask.device)[None, :]
+        # torch.nn.MultiheadAttention's causal hint is top-left (torch.nn.Transformer
+        # .generate_square_subsequent_mask); for seqlen_q == seqlen_k it equals ours.
+        expected = j <= i
+        if attn_mask.dtype == torch.bool:
+            allowed, well_formed = attn_mask, True
+        else:  # additive float mask: 0 = attend, -inf = blocked, nothing else
+            allowed = attn_mask == 0
+            well_formed = bool((allowed | torch.isneginf(attn_mask)).all())
+        if seqlen_q != seqlen_k or tuple(attn_mask.shape) != (seqlen_q, seqlen_k) or \
+                not well_formed or not torch.equal(allowed, expected):
+            raise NotImplementedError(
+                "MultiheadFlashAttention: with is_causal=True, attn_mask must be the square causal "
+                f"mask of shape ({seqlen_q}, {seqlen_k}) (or None); other masks are not supported")
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, causal={self.causal}, rotary={self.rotary}, "
+                f"backend={self.backend!r}")

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build, GPU tests, sanitizer, benchmark; a short table last.
+#
+#   bash scripts/gpu_run.sh                      # everything, all head dims
+#   STEPS="build test" HDIMS=64,128 bash scripts/gpu_run.sh
+#   TESTS="tests/test_cuda_forward.py" BENCH_ARGS="--hdim 128 --mode fwd" bash scripts/gpu_run.sh
+#
+# Logs go to ./gpu_out; when $OUT is set (the device tool brings that folder back), they are
+# also packed into $OUT/gpu_out.tgz at the end (the tool returns at most 8 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEST=${OUT:-}
+OUT=$PWD/gpu_out
+rm -rf "$OUT"; mkdir -p "$OUT"
+STEPS=${STEPS:-"build test sanitize bench"}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export FLASH_ATTN_EXT_CUDA_ARCHS=${FLASH_ATTN_EXT_CUDA_ARCHS:-90a}
+export FLASH_ATTN_EXT_PTX=${FLASH_ATTN_EXT_PTX:-0}
+export FLASH_ATTN_EXT_PTXAS_V=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+[ -n "${HDIMS:-}" ] && export FLASH_ATTN_EXT_HDIMS=$HDIMS
+summary=()
+t0=$(date +%s)
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
+$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')" | tee -a "$OUT/gpu.txt"
+
+if [[ " $STEPS " == *" build "* ]]; then
+  tb=$(date +%s)
+  if $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+    summary+=("build: ok in $(( $(date +%s) - tb )) s (archs=$FLASH_ATTN_EXT_CUDA_ARCHS hdims=${FLASH_ATTN_EXT_HDIMS:-all})")
+  else
+    tail -n 60 "$OUT/build.log"
+    echo "BUILD FAILED"; exit 1
+  fi
+  # ptxas resource report: one line per kernel (registers, spills, smem).
+  grep -E "Compiling entry|registers|spill" "$OUT/build.log" \
+    | sed -E 's/ptxas info *: //' >"$OUT/ptxas.txt" || true
+  spills=$(grep -cE "[1-9][0-9]* bytes spill" "$OUT/ptxas.txt" || true)
+  summary+=("ptxas: $(grep -c 'Used' "$OUT/ptxas.txt") kernels, $spills with spills (ptxas.txt)")
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+$PY -c "import flash_attn_ext as f; print(f.build_info())" | tee -a "$OUT/gpu.txt"
+
+if [[ " $STEPS " == *" test "* ]]; then
+  TESTS=${TESTS:-tests}
+  $PY -m pytest -q -x -rs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -n 40
+  summary+=("pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)")
+fi
+
+if [[ " $STEPS " == *" sanitize "* ]]; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py >"$OUT/sanitize_$tool.log" 2>&1
+    rc=$?
+    summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")
+  done
+fi
+
+if [[ " $STEPS " == *" bench "* ]]; then
+  $PY -m flash_attn_ext.benchmark --out "$OUT/bench" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  summary+=("benchmark: rc=$? (bench.log, bench/)")
+  tail -n 80 "$OUT/bench.log"
+fi
+
+echo
+echo "== gpu_run summary ($(( $(date +%s) - t0 )) s) =="
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+if [ -n "$DEST" ]; then
+  tar czf "$DEST/gpu_out.tgz" -C "$PWD" gpu_out && cp "$OUT/summary.txt" "$DEST/"
+fi

@@ -1,0 +1,185 @@
+"""Build flash_attn_ext._C through torch.utils.cpp_extension (ninja; MAX_JOBS respected).
+
+Environment variables (all optional):
+  FLASH_ATTN_EXT_CUDA_ARCHS  ';'-separated SM list, e.g. "80;90a" or "90". "90" means
+                             sm_90a (wgmma-capable). "none" (or "cpu") builds the CPU-only
+                             module. Default: the visible GPU's arch, else "80;90a".
+  FLASH_ATTN_EXT_HDIMS       ','-separated compiled head dims (subset of
+                             32,64,96,128,192,256). Default: all. Narrow for dev builds.
+  FLASH_ATTN_EXT_PTX         1 (default) embeds portable PTX (compute_80 or compute_90,
+                             never 90a) so newer GPUs can JIT the generic path; 0 skips it.
+  FLASH_ATTN_EXT_PTXAS_V     1 prints the ptxas resource report (registers, spills).
+  CUDA_HOME                  the CUDA toolkit; found automatically otherwise, also when
+                             the `nvcc` on PATH is a wrapper script outside the toolkit.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+ALL_HDIMS = [32, 64, 96, 128, 192, 256]
+# One .cu per (arch path, kernel, head dim, dtype), written by csrc/kernels/generate_kernels.py.
+KERNEL_KINDS = ["fwd", "bwd_dkv", "bwd_dq"]
+
+
+def _is_toolkit(path):
+    if not path or not os.path.isfile(os.path.join(path, "bin", "nvcc")):
+        return False
+    return any(
+        os.path.exists(os.path.join(path, sub, "libcudart.so"))
+        for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
+                    os.path.join("targets", "sbsa-linux", "lib"))
+    )
+
+
+def find_cuda_home():
+    """The real toolkit folder (holding bin/nvcc and lib64/libcudart.so), or None."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        candidates.append(os.path.dirname(os.path.dirname(real)))
+        # A wrapper script ("exec /usr/local/cuda-13.0/bin/nvcc "$@"") names the real one.
+        try:
+            with open(real, "r", errors="ignore") as f:
+                head = f.read(4096)
+            for m in re.finditer(r"(/[^\s\"']+)/bin/nvcc", head):
+                candidates.append(m.group(1))
+        except OSError:
+            pass
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for c in candidates:
+        if c and _is_toolkit(c):
+            return os.path.realpath(c)
+    return None
+
+
+def _env_list(name, default, sep):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    return [x.strip() for x in raw.replace(",", sep).replace(";", sep).split(sep) if x.strip()]
+
+
+def parse_archs(torch):
+    raw = os.environ.get("FLASH_ATTN_EXT_CUDA_ARCHS", "").strip().lower()
+    if raw in ("none", "cpu", "0"):
+        return []
+    if raw:
+        archs = [a.strip() for a in raw.replace(",", ";").split(";") if a.strip()]
+    elif torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        archs = [f"{major}{minor}"]
+    else:
+        archs = ["80", "90a"]
+    out = []
+    for a in archs:
+        a = a.replace(".", "").replace("sm_", "")
+        if a == "90":
+            a = "90a"  # the Hopper path (wgmma, setmaxnreg) needs the arch-specific target
+        if int(re.match(r"\d+", a).group()) < 80:
+            sys.exit(f"FLASH_ATTN_EXT_CUDA_ARCHS: sm_{a} is below sm_80, which is not supported")
+        out.append(a)
+    return sorted(set(out), key=lambda s: int(re.match(r"\d+", s).group()))
+
+
+def gencode_flags(archs, with_ptx):
+    # Portable PTX of the lowest generic arch (never an 'a' target: that would not JIT on
+    # other GPUs). When that arch is compiled anyway, its front-end pass also emits the PTX.
+    base = re.match(r"\d+", archs[0]).group()
+    flags = []
+    for a in archs:
+        code = f"[sm_{a},compute_{a}]" if (with_ptx and a == base) else f"sm_{a}"
+        flags += ["-gencode", f"arch=compute_{a},code={code}"]
+    if with_ptx and archs[0] != base:
+        flags += ["-gencode", f"arch=compute_{base},code=compute_{base}"]
+    return flags
+
+
+def write_build_config(torch, archs, hdims, cuda_version):
+    path = os.path.join(ROOT, "csrc", "generated", "build_config.h")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    text = (
+        "// Written by setup.py; do not edit.\n#pragma once\n"
+        f'#define FLASH_ATTN_EXT_BUILD_ARCHS "{";".join(archs)}"\n'
+        f'#define FLASH_ATTN_EXT_BUILD_HDIMS "{",".join(map(str, hdims)) if archs else ""}"\n'
+        f'#define FLASH_ATTN_EXT_BUILD_CUDA "{cuda_version}"\n'
+        f'#define FLASH_ATTN_EXT_BUILD_TORCH "{torch.__version__}"\n'
+    )
+    old = open(path).read() if os.path.exists(path) else None
+    if old != text:  # keep the mtime when nothing changed, so ninja rebuilds nothing
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def kernel_sources(archs, hdims):
+    srcs = ["csrc/kernels/flash_fwd_dispatch.cu", "csrc/kernels/flash_bwd_dispatch.cu"]
+    for kind in KERNEL_KINDS:
+        for d in hdims:
+            for dtype in ("fp16", "bf16"):
+                srcs.append(f"csrc/kernels/sm80/instantiations/flash_{kind}_hdim{d}_{dtype}_sm80.cu")
+    missing = [s for s in srcs if not os.path.exists(os.path.join(ROOT, s))]
+    if missing:
+        sys.exit("missing kernel sources (run python csrc/kernels/generate_kernels.py): "
+                 + ", ".join(missing))
+    return srcs
+
+
+def build_extension():
+    cuda_home = find_cuda_home()
+    if cuda_home and not os.environ.get("CUDA_HOME"):
+        os.environ["CUDA_HOME"] = cuda_home  # must precede the cpp_extension import
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    archs = parse_archs(torch)
+    hdims = sorted(int(h) for h in _env_list("FLASH_ATTN_EXT_HDIMS", [str(h) for h in ALL_HDIMS], ","))
+    bad = [h for h in hdims if h not in ALL_HDIMS]
+    if bad:
+        sys.exit(f"FLASH_ATTN_EXT_HDIMS: {bad} not in {ALL_HDIMS}")
+    use_cuda = bool(archs) and torch.version.cuda is not None and cuda_home is not None
+    if archs and not use_cuda:
+        why = "torch is a CPU build" if torch.version.cuda is None else "no CUDA toolkit (nvcc) found"
+        print(f"flash_attn_ext: building the CPU-only module ({why}); CUDA ops will be absent.")
+        archs = []
+    write_build_config(torch, archs, hdims, torch.version.cuda if use_cuda else "")
+
+    cxx_flags = ["-O3", "-std=c++20"]
+    sources = ["csrc/flash_api.cpp", "csrc/kernels/cpu/flash_cpu.cpp"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if not use_cuda:
+        ext = CppExtension("flash_attn_ext._C", sources, include_dirs=include_dirs,
+                           extra_compile_args={"cxx": cxx_flags})
+        return ext, BuildExtension
+
+    hdim_defs = [f"-DFLASH_ATTN_EXT_HDIM_{h}" for h in hdims]
+    nvcc_flags = [
+        "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
+        "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "-Xfatbin", "-compress-all",
+    ] + hdim_defs + gencode_flags(archs, os.environ.get("FLASH_ATTN_EXT_PTX", "1") != "0")
+    if os.environ.get("FLASH_ATTN_EXT_PTXAS_V", "0") == "1":
+        nvcc_flags += ["-Xptxas", "-v"]
+    ext = CUDAExtension(
+        "flash_attn_ext._C",
+        sources + kernel_sources(archs, hdims),
+        include_dirs=include_dirs,
+        define_macros=[("FLASH_ATTN_EXT_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags + ["-DFLASH_ATTN_EXT_WITH_CUDA"] + hdim_defs,
+                            "nvcc": nvcc_flags},
+    )
+    return ext, BuildExtension
+
+
+ext, build_cls = build_extension()
+setup(
+    ext_modules=[ext],
+    cmdclass={"build_ext": build_cls.with_options(use_ninja=True)},
+)

@@ -1,0 +1,36 @@
+"""The accuracy criterion every test uses (FlashAttention's rule, DEVELOPERS.md):
+
+    max |ours - ref| <= factor * max |baseline - ref| + atol
+
+ref: the math reference in float64 (flash_attn_ext.reference.attention_ref, upcast=True);
+baseline: the same math in the inputs' own dtype (upcast=False), from the same inputs.
+``atol`` is a floor for where the baseline's own error can be exactly 0 while a differently
+ordered (tiled) fp32 summation differs by a few fp32 ulps: float32/float64 inputs, and gradients
+that are exactly 0 in exact arithmetic (e.g. dq with seqlen_k = 1, where dS = P (dP - D) = 0 but
+dP and D are two fp32 sums in different orders). 1e-5 is ~400x below bf16's resolution at 1.0.
+NaN anywhere fails.
+"""
+
+import torch
+
+
+def default_atol(dtype: torch.dtype) -> float:
+    return {torch.float64: 1e-10, torch.float32: 2e-5}.get(dtype, 1e-5)
+
+
+def check_accuracy(name, ours, ref, baseline, factor=2.0, atol=None):
+    """Raise AssertionError naming ``name`` unless ``ours`` meets the criterion."""
+    ours_f, ref_f, base_f = ours.double(), ref.double(), baseline.double()
+    assert not torch.isnan(ours_f).any(), f"{name}: NaN in output"
+    assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    finite = torch.isfinite(ref_f)
+    # +inf LSE rows (no visible key) must match exactly.
+    assert torch.equal(torch.isfinite(ours_f), finite), f"{name}: inf pattern differs from reference"
+    if atol is None:
+        atol = default_atol(ours.dtype)
+    err = (ours_f - ref_f)[finite].abs().max().item() if finite.any() else 0.0
+    base_err = (base_f - ref_f)[finite].abs().max().item() if finite.any() else 0.0
+    assert err <= factor * base_err + atol, (
+        f"{name}: max|ours-ref|={err:.3e} > {factor}*max|baseline-ref|={factor * base_err:.3e} + {atol:.1e}"
+    )
+    return err, base_err

@@ -1,0 +1,75 @@
+"""Shared pytest setup: report header with the build facts, input factories, output poisoning."""
+
+import pytest
+import torch
+
+import flash_attn_ext
+
+
+def pytest_report_header(config):
+    info = flash_attn_ext.build_info()
+    cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (GPU tests skip)"
+    return [f"flash_attn_ext {flash_attn_ext.__version__}: build_info={info}", f"torch {torch.__version__}, GPU: {cuda}"]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def poison_empty():
+    """Make torch.empty (also at::empty inside the extension) fill new float tensors with NaN,
+    so an output element the kernel forgets to write shows up as NaN."""
+    old = torch.are_deterministic_algorithms_enabled()
+    old_fill = torch.utils.deterministic.fill_uninitialized_memory
+    # warn_only: the reference's cuBLAS matmuls would otherwise need CUBLAS_WORKSPACE_CONFIG.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(old)
+    torch.utils.deterministic.fill_uninitialized_memory = old_fill
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cpu", requires_grad=True):
+    """Fresh random BSHD q, k, v (standard normal, never zeros)."""
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
+
+    return (rnd(batch, seqlen_q, nheads, headdim), rnd(batch, seqlen_k, nheads_k, headdim),
+            rnd(batch, seqlen_k, nheads_k, headdim))
+
+
+@pytest.fixture
+def qkv_factory():
+    return make_qkv
+
+
+def check_against_reference(q, k, v, causal=False, softmax_scale=None, dout=None):
+    """Forward + backward of flash_attn_func vs the float64 reference (tests/accuracy.py rule).
+
+    q, k, v must require grad (they may be views, e.g. slices of a fused qkv tensor). Returns
+    (out, softmax_lse, (dq, dk, dv)) for further checks.
+    """
+    from accuracy import check_accuracy
+    from flash_attn_ext.reference import attention_ref
+
+    out, lse = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                              return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, softmax_scale, causal, upcast=True)
+    base_out, base_lse = attention_ref(q, k, v, softmax_scale, causal, upcast=False)
+    check_accuracy("out", out, ref_out, base_out)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+    if dout is None:
+        dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout.to(ref_out.dtype))
+    base_grads = torch.autograd.grad(base_out, (q, k, v), dout)
+    for name, g, rg, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
+        check_accuracy(name, g, rg, bg)
+    return out, lse, grads
+
+
+@pytest.fixture
+def check_attention():
+    return check_against_reference

@@ -1,0 +1,149 @@
+"""Every bad input raises a RuntimeError naming the argument and what was expected, before any work."""
+
+import pytest
+import torch
+
+import flash_attn_ext
+
+fwd = torch.ops.flash_attn_ext.forward
+bwd = torch.ops.flash_attn_ext.backward
+
+
+def qkv(b=2, sq=16, sk=24, h=4, hk=2, d=32, dtype=torch.float32):
+    return (torch.randn(b, sq, h, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype),
+            torch.randn(b, sk, hk, d, dtype=dtype))
+
+
+def raises(match, fn, *args):
+    with pytest.raises(RuntimeError, match=match):
+        fn(*args)
+
+
+@pytest.mark.parametrize("name,index", [("q", 0), ("k", 1), ("v", 2)])
+def test_rank(name, index):
+    args = list(qkv())
+    args[index] = args[index][0]
+    raises(rf"{name} must be 4-D .* got 3-D", fwd, *args, 0.1, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.complex64, torch.float8_e4m3fn])
+def test_unsupported_dtype(dtype):
+    q, k, v = (torch.ones(2, 8, 2, 16).to(dtype) for _ in range(3))
+    raises(r"q has dtype .*CPU supports float32, float64, float16 and bfloat16", fwd, q, k, v, 0.1, False)
+
+
+@pytest.mark.parametrize("name,index", [("k", 1), ("v", 2)])
+def test_mismatched_dtype(name, index):
+    args = list(qkv())
+    args[index] = args[index].double()
+    raises(rf"{name} has dtype Double but q has dtype Float", fwd, *args, 0.1, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to place a tensor elsewhere")
+@pytest.mark.parametrize("name,index", [("k", 1), ("v", 2)])
+def test_different_devices(name, index):
+    args = [t.half().cuda() for t in qkv()]
+    args[index] = args[index].cpu()
+    raises(rf"{name} is on cpu but q is on cuda", fwd, *args, 0.1, False)
+
+
+def test_batch_mismatch():
+    q, k, v = qkv()
+    raises(r"batch mismatch: q has batch 2, k has 1", fwd, q, k[:1], v[:1], 0.1, False)
+    raises(r"batch mismatch: q has batch 2, k has 2, v has 1", fwd, q, k, v[:1], 0.1, False)
+
+
+def test_seqlen_mismatch_k_v():
+    q, k, v = qkv()
+    raises(r"v has seqlen 23 but k has seqlen_k 24", fwd, q, k, v[:, :23], 0.1, False)
+
+
+def test_nheads_mismatch_k_v():
+    q, k, v = qkv(h=4, hk=2)
+    raises(r"v has 1 heads but k has nheads_k 2", fwd, q, k, v[:, :, :1], 0.1, False)
+
+
+def test_nheads_not_divisible():
+    q, k, v = qkv(h=6, hk=4)
+    raises(r"nheads \(q.size\(2\) = 6\) must be a multiple of nheads_k \(k.size\(2\) = 4\)", fwd, q, k, v, 0.1, False)
+
+
+def test_headdim_mismatch():
+    q, k, v = qkv(d=32)
+    raises(r"headdim mismatch: q has headdim 32, k has 24", fwd, q, k[..., :24], v[..., :24], 0.1, False)
+    raises(r"headdim mismatch: q has headdim 32, k has 32, v has 24", fwd, q, k, v[..., :24].contiguous(), 0.1, False)
+
+
+@pytest.mark.parametrize("d", [4, 20, 100, 264, 512])
+def test_headdim_unsupported(d):
+    q, k, v = qkv(d=d)
+    raises(rf"headdim {d} is not supported; expected a multiple of 8 in \[8, 256\]", fwd, q, k, v, 0.1, False)
+
+
+@pytest.mark.parametrize("name,index", [("q", 0), ("k", 1), ("v", 2)])
+def test_last_dim_not_contiguous(name, index):
+    args = list(qkv())
+    args[index] = torch.randn(*args[index].shape[:3], 64)[..., ::2]
+    raises(rf"{name} must have a contiguous last dimension", fwd, *args, 0.1, False)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+def test_softmax_scale_not_finite(scale):
+    raises(r"softmax_scale must be finite", fwd, *qkv(), scale, False)
+
+
+def test_interface_errors_too():
+    q, k, v = qkv(h=6, hk=4)
+    with pytest.raises(RuntimeError, match="must be a multiple of nheads_k"):
+        flash_attn_ext.flash_attn_func(q, k, v)
+
+
+# ---- backward-only arguments -------------------------------------------------------------
+
+def _bwd_args():
+    q, k, v = qkv()
+    out, lse = fwd(q, k, v, 0.1, True)
+    return [torch.randn_like(out), q, k, v, out, lse, 0.1, True]
+
+
+def test_bwd_dout_shape():
+    args = _bwd_args()
+    args[0] = args[0][:, :8]
+    raises(r"dout has shape \[2, 8, 4, 32\]; expected q's shape \[2, 16, 4, 32\]", bwd, *args)
+
+
+def test_bwd_dout_rank():
+    args = _bwd_args()
+    args[0] = args[0][0]
+    raises(r"dout must be 4-D", bwd, *args)
+
+
+def test_bwd_dout_dtype():
+    args = _bwd_args()
+    args[0] = args[0].double()
+    raises(r"dout has dtype Double but q has dtype Float", bwd, *args)
+
+
+def test_bwd_out_shape():
+    args = _bwd_args()
+    args[4] = args[4][:, :, :2]
+    raises(r"out has shape \[2, 16, 2, 32\]; expected q's shape", bwd, *args)
+
+
+def test_bwd_lse_shape():
+    args = _bwd_args()
+    args[5] = args[5][:, :, :8]
+    raises(r"softmax_lse has shape \[2, 4, 8\]; expected \(batch, nheads, seqlen_q\) = \(2, 4, 16\)", bwd, *args)
+
+
+def test_bwd_lse_dtype():
+    args = _bwd_args()
+    args[5] = args[5].double()
+    raises(r"softmax_lse has dtype Double; expected float32", bwd, *args)
+
+
+def test_cuda_only_dtypes_documented_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: checks that CUDA rejects float32 with a clear error")
+    q, k, v = (t.cuda() for t in qkv())
+    raises(r"q has dtype Float; CUDA supports float16 and bfloat16|this build has no CUDA kernels", fwd, q, k, v, 0.1, False)

@@ -1,0 +1,87 @@
+"""CPU forward + backward vs the float64 reference (tests/accuracy.py criterion).
+
+The grid covers every (seqlen_q, seqlen_k) pair x causal x dtype; head layouts (MHA, GQA 8:2,
+MQA 4:1) and head dims (32, 64, 80, 128) rotate through it, so each appears with every seqlen
+shape without a full cartesian product (CI has 2 cores).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+SEQLENS = [(1, 1), (17, 17), (128, 128), (300, 300), (1, 128), (17, 300), (300, 17), (128, 17), (113, 203)]
+HEADS = [(4, 4), (8, 2), (4, 1)]  # (nheads, nheads_k): MHA, GQA 8:2, MQA 4:1
+HEADDIMS = [32, 64, 80, 128]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _grid():
+    cases = []
+    for i, ((sq, sk), causal, dtype) in enumerate(itertools.product(SEQLENS, [False, True], DTYPES)):
+        h, hk = HEADS[i % len(HEADS)]
+        d = HEADDIMS[(i // 2) % len(HEADDIMS)]
+        batch = 2 if sq * sk <= 128 * 128 else 1
+        cases.append(pytest.param(batch, sq, sk, h, hk, d, causal, dtype,
+                                  id=f"b{batch}-q{sq}-k{sk}-h{h}:{hk}-d{d}-{'causal' if causal else 'full'}-"
+                                     f"{str(dtype).split('.')[-1]}"))
+    return cases
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,nheads,nheads_k,headdim,causal,dtype", _grid())
+def test_forward_backward_matches_reference(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype,
+                                            qkv_factory, check_attention, poison_empty):
+    q, k, v = qkv_factory(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
+    check_attention(q, k, v, causal=causal)
+
+
+def test_grid_covers_every_headdim_and_head_layout():
+    ids = [p.id for p in _grid()]
+    for d in HEADDIMS:
+        assert any(f"-d{d}-" in i for i in ids), d
+    for h, hk in HEADS:
+        assert any(f"-h{h}:{hk}-" in i for i in ids), (h, hk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_other_cpu_dtypes(dtype, causal, qkv_factory, check_attention, poison_empty):
+    q, k, v = qkv_factory(2, 77, 130, 4, 2, 64, dtype)
+    check_attention(q, k, v, causal=causal)
+
+
+def test_causal_gqa_seqlen_q_300_seqlen_k_17(qkv_factory, check_attention, poison_empty):
+    """The op itself (torch.ops.flash_attn_ext.forward) on causal 300x17 GQA: rows 0..282 see no key."""
+    from flash_attn_ext.reference import attention_ref
+
+    q, k, v = qkv_factory(2, 300, 17, 8, 2, 64, torch.float32)
+    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, 64 ** -0.5, True)
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=0)
+    out, lse, (dq, dk, dv) = check_attention(q, k, v, causal=True)
+    no_key = 300 - 17
+    assert torch.all(out[:, :no_key] == 0)
+    assert torch.all(torch.isposinf(lse[:, :, :no_key]))
+    assert torch.all(torch.isfinite(lse[:, :, no_key:]))
+    assert torch.all(dq[:, :no_key] == 0)
+
+
+def test_softmax_scale_is_used(qkv_factory, check_attention):
+    q, k, v = qkv_factory(1, 40, 50, 2, 2, 32, torch.float32)
+    check_attention(q, k, v, causal=True, softmax_scale=0.37)
+
+
+def test_deterministic(qkv_factory):
+    q, k, v = qkv_factory(2, 150, 90, 4, 2, 64, torch.float32)
+    out1, lse1 = torch.ops.flash_attn_ext.forward(q, k, v, 0.125, True)
+    out2, lse2 = torch.ops.flash_attn_ext.forward(q, k, v, 0.125, True)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+def test_poison_fixture_poisons(poison_empty):
+    """The accuracy tests above rely on this: an output element never written stays NaN."""
+    assert torch.isnan(torch.empty(5)).all()
+    q = torch.randn(1, 3, 1, 8)
+    out, lse = torch.ops.flash_attn_ext.forward(q, q, q, 1.0, False)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()

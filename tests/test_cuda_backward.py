@@ -1,0 +1,238 @@
+"""CUDA backward kernels (csrc/kernels/flash_bwd_dispatch.cu, csrc/kernels/sm80/flash_bwd_*.cuh):
+FlashAttention-2 Alg. 2 (Dao 2023) split into preprocess, dK/dV and dQ kernels.
+
+dq, dk, dv are checked against the autograd of flash_attn_ext.reference.attention_ref with the
+accuracy rule of tests/accuracy.py (max|ours - ref| <= 2 * max|same-dtype torch - ref|, ref in
+float64), through the op directly (torch.ops.flash_attn_ext.backward with the forward's out and
+softmax_lse) and through autograd of torch.ops.flash_attn_ext.forward. Outputs are poisoned (NaN
+fill of torch.empty) so an unwritten element fails.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import flash_attn_ext  # noqa: F401  (registers torch.ops.flash_attn_ext)
+from accuracy import check_accuracy
+from flash_attn_ext.reference import attention_ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="the CUDA backward kernels need an NVIDIA GPU (sm_80 or newer)")
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def poison_empty():
+    """NaN-fill every new float tensor from torch.empty, also the extension's dq/dk/dv, so an
+    element a kernel forgets to write fails the test. Same as conftest's fixture but warn_only:
+    strict deterministic mode would reject the reference's cuBLAS matmuls on CUDA unless
+    CUBLAS_WORKSPACE_CONFIG is set."""
+    old = torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    old_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    torch.use_deterministic_algorithms(old, warn_only=old_warn)
+    torch.utils.deterministic.fill_uninitialized_memory = old_fill
+
+
+def _compiled_hdims():
+    info = flash_attn_ext.build_info()
+    return sorted(int(h) for h in info.get("head_dims", "").split(",") if h.strip())
+
+
+def _require_hdim(headdim):
+    """Skip (naming why) when this build compiled no head dim >= headdim (a narrowed dev build)."""
+    info = flash_attn_ext.build_info()
+    assert info.get("with_cuda"), "CUDA is available but flash_attn_ext was built without CUDA kernels"
+    if not any(h >= headdim for h in _compiled_hdims()):
+        pytest.skip(f"head dim {headdim} not covered by this build (FLASH_ATTN_EXT_HDIMS={info['head_dims']})")
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype, device="cuda")
+
+
+def _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, layout="bshd"):
+    """q, k, v in the requested memory layout (always BSHD-shaped views, last dim contiguous):
+    bshd: contiguous; bhsd: transposed views of (b, h, s, d) tensors; qkv_slice: q/k/v are slices
+    of one fused (b, s, h + 2 h_k, d + 8) tensor (row/head strides not of the plain shape)."""
+    if layout == "bshd":
+        return (_rand(batch, seqlen_q, nheads, headdim, dtype=dtype),
+                _rand(batch, seqlen_k, nheads_k, headdim, dtype=dtype),
+                _rand(batch, seqlen_k, nheads_k, headdim, dtype=dtype))
+    if layout == "bhsd":
+        return (_rand(batch, nheads, seqlen_q, headdim, dtype=dtype).transpose(1, 2),
+                _rand(batch, nheads_k, seqlen_k, headdim, dtype=dtype).transpose(1, 2),
+                _rand(batch, nheads_k, seqlen_k, headdim, dtype=dtype).transpose(1, 2))
+    assert layout == "qkv_slice" and seqlen_q == seqlen_k
+    fused = _rand(batch, seqlen_q, nheads + 2 * nheads_k, headdim + 8, dtype=dtype)
+    q = fused[:, :, :nheads, :headdim]
+    k = fused[:, :, nheads:nheads + nheads_k, :headdim]
+    v = fused[:, :, nheads + nheads_k:, :headdim]
+    return q, k, v
+
+
+def _reference_grads(q, k, v, dout, causal, softmax_scale):
+    """(ref grads in float64, baseline grads in q's dtype) of attention_ref for upstream dout."""
+    grads = []
+    for upcast in (True, False):
+        qr, kr, vr = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out, _ = attention_ref(qr, kr, vr, softmax_scale, causal, upcast=upcast)
+        out.backward(dout.to(out.dtype))
+        grads.append((qr.grad, kr.grad, vr.grad))
+    return grads
+
+
+def _flash_bwd(q, k, v, dout, causal, softmax_scale):
+    """Forward op for out / softmax_lse, then the backward op directly."""
+    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+    return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, softmax_scale, causal)
+
+
+def _check_grads(q, k, v, dout, causal, grads):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    ref, base = _reference_grads(q, k, v, dout, causal, scale)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref, base):
+        assert g.shape == r.shape and g.dtype == q.dtype, f"{name}: {g.shape} {g.dtype}"
+        check_accuracy(name, g, r, b)
+
+
+SEQLENS = [(1, 1), (17, 128), (128, 255), (255, 17), (1000, 1000), (2048, 1000)]
+
+
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [32, 64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_accuracy(dtype, headdim, causal, seqlens, poison_empty):
+    """dq, dk, dv over the forward's grid (hdim 80 runs padded to 96 inside the kernel)."""
+    _require_hdim(headdim)
+    seqlen_q, seqlen_k = seqlens
+    batch, nheads = (2, 2) if seqlen_q * seqlen_k <= 10**6 else (1, 2)
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, nheads, headdim, dtype)
+    dout = _rand(*q.shape, dtype=dtype)
+    grads = _flash_bwd(q, k, v, dout, causal, 1.0 / math.sqrt(headdim))
+    _check_grads(q, k, v, dout, causal, grads)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "qkv_slice"])
+@pytest.mark.parametrize("seqlens", [(255, 255), (1000, 1000), (300, 1000), (1000, 300)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_gqa_layouts(dtype, headdim, causal, seqlens, layout, poison_empty):
+    """GQA 4:1 (dK/dV sum over the 4 query heads of a group) with non-contiguous q/k/v views."""
+    _require_hdim(headdim)
+    seqlen_q, seqlen_k = seqlens
+    if layout == "qkv_slice" and seqlen_q != seqlen_k:
+        pytest.skip("a fused qkv tensor has one sequence length")
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, 8, 2, headdim, dtype, layout)
+    dout = _rand(2, 8, seqlen_q, headdim, dtype=dtype).transpose(1, 2)  # non-contiguous dout too
+    grads = _flash_bwd(q, k, v, dout, causal, 1.0 / math.sqrt(headdim))
+    _check_grads(q, k, v, dout, causal, grads)
+
+
+@pytest.mark.parametrize("nheads_k", [8, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_autograd(dtype, nheads_k, poison_empty):
+    """Autograd through torch.ops.flash_attn_ext.forward (ops.py wiring) gives the op's grads."""
+    _require_hdim(128)
+    q, k, v = (t.requires_grad_(True) for t in _qkv(2, 700, 900, 8, nheads_k, 128, dtype))
+    scale = 1.0 / math.sqrt(128)
+    out, _ = torch.ops.flash_attn_ext.forward(q, k, v, scale, True)
+    dout = _rand(*out.shape, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    direct = _flash_bwd(q.detach(), k.detach(), v.detach(), dout, True, scale)
+    for g, d in zip(grads, direct):
+        assert torch.equal(g, d)
+    _check_grads(q.detach(), k.detach(), v.detach(), dout, True, grads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_deterministic(dtype):
+    """No atomics: two runs are bitwise equal (GQA 4:1, causal, ragged lengths)."""
+    _require_hdim(128)
+    q, k, v = _qkv(2, 1000, 1100, 8, 2, 128, dtype)
+    dout = _rand(*q.shape, dtype=dtype)
+    scale = 1.0 / math.sqrt(128)
+    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, scale, True)
+    first = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, True)
+    for _ in range(2):
+        again = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name} differs between runs"
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_rows_without_keys(dtype, headdim, poison_empty):
+    """Causal with seqlen_q > seqlen_k: query rows i < seqlen_q - seqlen_k see no key. Their dq is
+    exactly 0, nothing is NaN, and the rest still meets the accuracy rule."""
+    _require_hdim(headdim)
+    seqlen_q, seqlen_k = 300, 100
+    q, k, v = _qkv(2, seqlen_q, seqlen_k, 4, 2, headdim, dtype)
+    dout = _rand(*q.shape, dtype=dtype)
+    dq, dk, dv = _flash_bwd(q, k, v, dout, True, 1.0 / math.sqrt(headdim))
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(g).any(), f"{name} has NaN"
+    blind = seqlen_q - seqlen_k
+    assert torch.equal(dq[:, :blind], torch.zeros_like(dq[:, :blind]))
+    assert dq[:, blind:].abs().amax() > 0
+    _check_grads(q, k, v, dout, True, (dq, dk, dv))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_zero_stride_dout(dtype, causal, poison_empty):
+    """out.sum().backward(): autograd hands the backward an all-zero-stride dout (expanded ones)."""
+    _require_hdim(64)
+    q, k, v = (t.requires_grad_(True) for t in _qkv(2, 333, 257, 4, 4, 64, dtype))
+    scale = 1.0 / math.sqrt(64)
+    out, _ = torch.ops.flash_attn_ext.forward(q, k, v, scale, causal)
+    out.sum().backward()
+    dout = torch.ones(1, dtype=dtype, device="cuda").expand(q.shape)
+    assert dout.stride() == (0, 0, 0, 0)
+    direct = _flash_bwd(q.detach(), k.detach(), v.detach(), dout, causal, scale)
+    for g, d in zip((q.grad, k.grad, v.grad), direct):
+        assert torch.equal(g, d)
+    _check_grads(q.detach(), k.detach(), v.detach(), dout, causal, direct)
+    # stride(-1) == 1 with every other stride 0 reaches the kernels without a copy.
+    dout = _rand(1, 1, 1, 64, dtype=dtype).expand(q.shape)
+    assert dout.stride() == (0, 0, 0, 1)
+    grads = _flash_bwd(q.detach(), k.detach(), v.detach(), dout, causal, scale)
+    _check_grads(q.detach(), k.detach(), v.detach(), dout, causal, grads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_noncontiguous_dout(dtype, poison_empty):
+    """dout a strided slice (row stride != nheads * headdim) and a broadcast over heads."""
+    _require_hdim(128)
+    q, k, v = _qkv(2, 200, 300, 4, 4, 128, dtype)
+    wide = _rand(2, 200, 4, 136, dtype=dtype)
+    for dout in (wide[..., :128], _rand(2, 200, 1, 128, dtype=dtype).expand(2, 200, 4, 128)):
+        assert not dout.is_contiguous()
+        grads = _flash_bwd(q, k, v, dout, False, 1.0 / math.sqrt(128))
+        _check_grads(q, k, v, dout, False, grads)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_many_heads(causal, poison_empty):
+    """batch * nheads = 70,000 > 65,535: the 1-D grids cover every (batch, head)."""
+    _require_hdim(64)
+    dtype = torch.bfloat16
+    q, k, v = _qkv(4375, 9, 7, 16, 16, 64, dtype)
+    dout = _rand(*q.shape, dtype=dtype)
+    grads = _flash_bwd(q, k, v, dout, causal, 0.125)
+    ref, base = _reference_grads(q, k, v, dout, causal, 0.125)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, ref, base):
+        check_accuracy(name, g, r, b)
+    # The last (batch, head) pairs are written too (a 16-bit grid dimension would miss them).
+    assert grads[2][-1].abs().amax() > 0 and grads[0][-1, -1].abs().amax() > 0

@@ -1,0 +1,247 @@
+"""GPU tests of the CUDA forward kernel (csrc/kernels/sm80/flash_fwd_kernel.cuh, FlashAttention-2
+Algorithm 1) through ``torch.ops.flash_attn_ext.forward``.
+
+Criterion (tests/accuracy.py): max|ours - ref| <= 2 * max|baseline - ref| for out and softmax_lse,
+ref = flash_attn_ext.reference.attention_ref(upcast=True) (float64), baseline = the same math in the
+inputs' dtype (upcast=False). Every output buffer is poisoned with NaN before the op writes it.
+
+Issue 3 "Must show" grid: {fp16, bf16} x headdim {32, 64, 96, 128, 192, 256, padded 80} x causal x
+seqlen_q, seqlen_k in {1, 17, 128, 255, 1000, 2048} (unequal pairs included) x GQA {1:1, 4:1} x
+non-contiguous views; batch*heads = 70,000; a k/v tensor of more than 2^31 elements.
+The cartesian product is covered by slices that keep the whole file at ~1-2 minutes on an H200:
+every (hdim, dtype, causal, GQA) on a core set of seqlen pairs, every seqlen pair on hdim 128 and
+hdim 64.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_attn_ext
+from accuracy import check_accuracy
+from flash_attn_ext.reference import attention_ref
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA forward kernel tests need a CUDA GPU (none visible)"
+)
+
+SEQLENS = [1, 17, 128, 255, 1000, 2048]
+ALL_PAIRS = [(sq, sk) for sq in SEQLENS for sk in SEQLENS]
+# Equal, unequal both ways, 1-row and 1-key edges, ragged (not multiples of any tile), causal
+# rows that see no key (seqlen_q > seqlen_k).
+CORE_PAIRS = [(1, 1), (17, 1000), (255, 128), (128, 255), (1000, 17), (2048, 2048)]
+HDIMS = [32, 64, 80, 96, 128, 192, 256]  # 80 runs on the 96 kernel, zero-padded
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _compiled_hdims():
+    info = flash_attn_ext.build_info()
+    if not info.get("with_cuda"):
+        return []
+    return [int(x) for x in str(info.get("head_dims", "")).split(",") if x.strip()]
+
+
+def _require_hdim(d):
+    compiled = _compiled_hdims()
+    if not compiled:
+        pytest.skip("flash_attn_ext was built without CUDA kernels")
+    if not any(h >= d for h in compiled):
+        pytest.skip(f"no compiled CUDA head dim >= {d} in this build (compiled: {compiled})")
+
+
+def _poison_allocator(nbytes_list, device="cuda"):
+    """Leave NaN garbage in the CUDA caching allocator: the blocks the op allocates next (out,
+    softmax_lse) are likely to be these bytes, so an element the kernel forgets to write reads NaN."""
+    bufs = [torch.full((n // 4 + 1,), float("nan"), dtype=torch.float32, device=device) for n in nbytes_list]
+    del bufs
+
+
+class _nan_filled_empty:
+    """Inside: torch.empty / at::empty (also in the extension) return NaN-filled float tensors."""
+
+    def __enter__(self):
+        self.old = (torch.are_deterministic_algorithms_enabled(),
+                    torch.utils.deterministic.fill_uninitialized_memory)
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.old[0])
+        torch.utils.deterministic.fill_uninitialized_memory = self.old[1]
+
+
+def fwd_poisoned(q, k, v, softmax_scale, causal):
+    """Run the op twice with poisoned outputs (NaN garbage left in the caching allocator, then
+    NaN-filled empty): both results must be NaN-free and agree bit-for-bit (deterministic)."""
+    sizes = [q.numel() * q.element_size(), q.shape[0] * q.shape[2] * q.shape[1] * 4]
+    _poison_allocator(sizes)
+    o1, l1 = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+    with _nan_filled_empty():
+        o2, l2 = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+    for o, l in ((o1, l1), (o2, l2)):
+        assert not torch.isnan(o).any(), "out: NaN (an element was left unwritten or overflowed)"
+        assert not torch.isnan(l).any(), "softmax_lse: NaN (a row was left unwritten)"
+    assert torch.equal(o1, o2), "out differs between two identical calls"
+    assert torch.equal(l1, l2), "softmax_lse differs between two identical calls"
+    return o1, l1
+
+
+def check_forward(q, k, v, causal, softmax_scale=None):
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = fwd_poisoned(q, k, v, softmax_scale, causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    ref_out, ref_lse = attention_ref(q, k, v, softmax_scale, causal, upcast=True)
+    base_out, base_lse = attention_ref(q, k, v, softmax_scale, causal, upcast=False)
+    check_accuracy("out", out, ref_out, base_out)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+    if causal and q.shape[1] > k.shape[1]:
+        # Rows that see no key (bottom-right alignment): exactly 0 and +inf.
+        n_empty = q.shape[1] - k.shape[1]
+        assert torch.all(out[:, :n_empty] == 0)
+        assert torch.all(torch.isposinf(lse[:, :, :n_empty]))
+    return out, lse
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dtype):
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=dtype, device="cuda")
+
+    return rnd(batch, seqlen_q, nheads, d), rnd(batch, seqlen_k, nheads_k, d), rnd(batch, seqlen_k, nheads_k, d)
+
+
+def _shape_for(seqlen_q, seqlen_k):
+    # Small batch/heads, smaller still for the largest problems (the fp64 reference dominates).
+    big = seqlen_q * seqlen_k >= 1000 * 1000
+    return (1, 4) if big else (2, 4)
+
+
+@pytest.mark.parametrize("gqa", [1, 4], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", CORE_PAIRS)
+@pytest.mark.parametrize("d", HDIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_forward_hdim_grid(dtype, d, seqlen_q, seqlen_k, causal, gqa):
+    _require_hdim(d)
+    batch, nheads = _shape_for(seqlen_q, seqlen_k)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads // gqa, d, dtype)
+    check_forward(q, k, v, causal)
+
+
+@pytest.mark.parametrize("gqa", [1, 4], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", ALL_PAIRS)
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["d128-bf16", "d64-fp16"])
+def test_forward_seqlen_grid(d, dtype, seqlen_q, seqlen_k, causal, gqa):
+    _require_hdim(d)
+    batch, nheads = _shape_for(seqlen_q, seqlen_k)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads // gqa, d, dtype)
+    check_forward(q, k, v, causal)
+
+
+@pytest.mark.parametrize("d", [8, 40, 72, 136, 200, 248])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_padded_headdims(d, causal):
+    """Head dims between instantiations run on the next one, zero-padded inside the kernel."""
+    _require_hdim(d)
+    q, k, v = make_qkv(2, 255, 300, 4, 2, d, torch.bfloat16)
+    check_forward(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_forward_noncontiguous_views(dtype, causal):
+    _require_hdim(64)
+    b, s, h, d = 2, 300, 4, 64
+    # BHSD tensors viewed as BSHD (torch-style layout transposed).
+    q = torch.randn(b, h, s, d, dtype=dtype, device="cuda").transpose(1, 2)
+    k = torch.randn(b, h, s + 17, d, dtype=dtype, device="cuda").transpose(1, 2)
+    v = torch.randn(b, h, s + 17, d, dtype=dtype, device="cuda").transpose(1, 2)
+    assert not q.is_contiguous()
+    check_forward(q, k, v, causal)
+    # Slices of a fused qkv projection output (b, s, 3, h, d).
+    qkv = torch.randn(b, s, 3, h, d, dtype=dtype, device="cuda")
+    q, k, v = qkv.unbind(2)
+    check_forward(q, k, v, causal)
+    # Head-dim slice of a wider tensor: row stride larger than the head dim.
+    wide = torch.randn(b, s, h, 2 * d, dtype=dtype, device="cuda")
+    check_forward(wide[..., :d], k, v, causal)
+    # GQA with K/V heads broadcast by a zero batch stride.
+    kb = torch.randn(1, s, 2, d, dtype=dtype, device="cuda").expand(b, s, 2, d)
+    vb = torch.randn(1, s, 2, d, dtype=dtype, device="cuda").expand(b, s, 2, d)
+    check_forward(q, kb, vb, causal)
+
+
+def test_forward_large_scores_no_nan():
+    """Large logits (scale 10x, -inf masks on causal diagonals): no overflow, no NaN."""
+    _require_hdim(128)
+    q, k, v = make_qkv(2, 333, 517, 4, 4, 128, torch.bfloat16)
+    check_forward(q * 8, k * 8, v, causal=True, softmax_scale=10.0 / math.sqrt(128))
+    check_forward(q * 8, k * 8, v, causal=False, softmax_scale=10.0 / math.sqrt(128))
+
+
+def test_forward_causal_rows_without_keys():
+    """seqlen_q > seqlen_k, causal: whole query tiles (>= 128 rows) see no key -> 0 and +inf."""
+    _require_hdim(64)
+    q, k, v = make_qkv(1, 1000, 40, 2, 1, 64, torch.float16)
+    check_forward(q, k, v, causal=True)
+
+
+def test_forward_batch_heads_70000():
+    """batch*nheads = 70,000 (> 65,535 grid-y/z limit): the 1-D grid decomposition."""
+    _require_hdim(32)
+    batch, nheads, s, d = 35, 2000, 16, 32
+    q, k, v = make_qkv(batch, s, s, nheads, nheads // 4, d, torch.bfloat16)
+    check_forward(q, k, v, causal=True)
+
+
+def _chunked_ref(q, k, v, softmax_scale, chunk, upcast):
+    """Attention over a very long k/v, one key chunk at a time, merged exactly by LSE weights.
+    upcast=True: float64 per chunk (the reference); False: the inputs' dtype per chunk (the
+    same-dtype baseline), merged in float32."""
+    out_acc, lse_acc = None, None
+    for start in range(0, k.shape[1], chunk):
+        o, l = attention_ref(q, k[:, start:start + chunk], v[:, start:start + chunk], softmax_scale,
+                             causal=False, upcast=upcast)
+        acc_dtype = torch.float64 if upcast else torch.float32
+        o = o.to(acc_dtype)
+        l = l.to(acc_dtype).transpose(1, 2).unsqueeze(-1)  # (b, s, h, 1)
+        if out_acc is None:
+            out_acc, lse_acc = o, l
+        else:
+            new = torch.logaddexp(lse_acc, l)
+            out_acc = out_acc * torch.exp(lse_acc - new) + o * torch.exp(l - new)
+            lse_acc = new
+    # The baseline ends in the inputs' dtype, like a same-dtype computation would.
+    out_acc = out_acc if upcast else out_acc.to(q.dtype)
+    return out_acc, lse_acc.squeeze(-1).transpose(1, 2).float()
+
+
+def test_forward_tensor_over_2pow31_elements():
+    """k and v of > 2^31 elements each (bf16, ~4.3 GB): 64-bit offsets in the kernel."""
+    _require_hdim(128)
+    free, _ = torch.cuda.mem_get_info()
+    if free < 24 * 2**30:
+        pytest.skip(f"needs ~24 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    h, d = 8, 128
+    seqlen_k = 2**31 // (h * d) + 1000  # k.numel() = 2^31 + 8,192,000
+    q = torch.randn(1, 16, h, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, seqlen_k, h, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(1, seqlen_k, h, d, dtype=torch.bfloat16, device="cuda")
+    assert k.numel() > 2**31
+    # Make the keys past element 2^31 matter: every query row gets a dominant key (score ~45)
+    # among the last 1000 keys, all of which lie past element 2^31, plus a shifted value block.
+    # (Without dominant keys each row would average ~2M comparable terms in one fp32 mma
+    # accumulator, whose truncating adds drift by ~1%: a precision limit of fp32 tensor-core
+    # accumulation that FA2 shares, not what this test is about.)
+    v[:, -(1 << 20):] += 2.0
+    for i in range(q.shape[1]):
+        k[:, -3 - i] = q[:, i] * 4
+    scale = 1.0 / math.sqrt(d)
+    out, lse = fwd_poisoned(q, k, v, scale, False)
+    ref_out, ref_lse = _chunked_ref(q, k, v, scale, 1 << 17, upcast=True)
+    base_out, base_lse = _chunked_ref(q, k, v, scale, 1 << 17, upcast=False)
+    check_accuracy("out", out, ref_out, base_out)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)

