@@ -36,27 +36,58 @@ struct OnlineSoftmax {
     }
   }
 
+  // A row's running max may lag its true max by up to this many log2 units (P <= 2^8): the
+  // accumulator is rescaled only when some row of the warp grew by more (conditional rescaling,
+  // as in FlashAttention-4). Exact: P, l and O all use the same (stale) max, and the final
+  // normalization and LSE use it too; P <= 256 keeps bf16/fp16's relative precision.
+  static constexpr float kRescaleThreshold = 8.f;
+
   // One K tile (FA2 Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S)); P = exp2(S*c - m_new*c)
   // in place of S; l = alpha*l + rowsum(P); acc_o *= alpha with alpha = exp2((m_old - m_new)*c).
   template <int kNAtoms, int kDAtoms>
   __device__ __forceinline__ void update(float (&s)[kMAtoms][kNAtoms][4],
                                          float (&acc_o)[kMAtoms][kDAtoms][4], float scale_log2) {
+    float tile_max[kRows];
+    bool grew = false;
 #pragma unroll
     for (int mi = 0; mi < kMAtoms; ++mi) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * mi + h;
-        float m_new = row_max[r];
+        float m = row_max[r];
 #pragma unroll
         for (int ni = 0; ni < kNAtoms; ++ni) {
-          m_new = fmaxf(m_new, fmaxf(s[mi][ni][2 * h], s[mi][ni][2 * h + 1]));
+          m = fmaxf(m, fmaxf(s[mi][ni][2 * h], s[mi][ni][2 * h + 1]));
         }
-        m_new = quad_allreduce_max(m_new);
-        // -inf max (no visible key yet): subtract 0 so masked scores give exp2(-inf) = 0.
-        const float m_scaled = (m_new == -INFINITY) ? 0.f : m_new * scale_log2;
+        tile_max[r] = quad_allreduce_max(m);
+        // True when the max moved past the threshold, or from -inf to finite (-inf to -inf is
+        // NaN > 8 = false: such a row's P is 0 whatever the max).
+        grew |= (tile_max[r] - row_max[r]) * scale_log2 > kRescaleThreshold;
+      }
+    }
+    // Warp-uniform decision: the whole warp rescales (to the exact new max) or none of it does.
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        // -inf max (no visible key yet): subtract 0 so masked scores give exp2(-inf) = 0;
         // m_old = -inf gives alpha = 0 (row_sum and acc_o are 0 then anyway).
+        const float m_scaled = (tile_max[r] == -INFINITY) ? 0.f : tile_max[r] * scale_log2;
         const float alpha = fast_exp2(row_max[r] * scale_log2 - m_scaled);
-        row_max[r] = m_new;
+        row_max[r] = tile_max[r];
+        row_sum[r] *= alpha;
+#pragma unroll
+        for (int di = 0; di < kDAtoms; ++di) {
+          acc_o[r / 2][di][2 * (r % 2)] *= alpha;
+          acc_o[r / 2][di][2 * (r % 2) + 1] *= alpha;
+        }
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < kMAtoms; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * mi + h;
+        const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
         float sum = 0.f;
 #pragma unroll
         for (int ni = 0; ni < kNAtoms; ++ni) {
@@ -66,12 +97,7 @@ struct OnlineSoftmax {
             sum += s[mi][ni][e];
           }
         }
-        row_sum[r] = alpha * row_sum[r] + sum;
-#pragma unroll
-        for (int di = 0; di < kDAtoms; ++di) {
-          acc_o[mi][di][2 * h] *= alpha;
-          acc_o[mi][di][2 * h + 1] *= alpha;
-        }
+        row_sum[r] += sum;
       }
     }
   }

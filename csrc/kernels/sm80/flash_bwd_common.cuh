@@ -97,12 +97,13 @@ __device__ __forceinline__ void store_acc_to_smem(Element* smem, const float (&a
   }
 }
 
-// acc (16 x kNBlk*8, C fragments) += A (16 x kHeadDim, rows [a_row0, a_row0+16) of a shared
-// [row][d] tile) * B^T, where B is a shared [n][d] tile (rows [0, kNBlk*8)): the "S = Q K^T"
-// shape. A comes through ldmatrix (A recipe), B through non-transposed ldmatrix (K-like recipe,
-// primitives/ldmatrix.cuh), one x4 giving the k16 fragments of two n8 blocks.
-template <int kNBlk, int kHeadDim, typename Element>
-__device__ __forceinline__ void gemm_abt_smem(float (&acc)[kNBlk][4], const Element* sA,
+// acc[ma] (16 x kNBlk*8, C fragments) += A (16 x kHeadDim, rows [a_row0 + 16ma, +16) of a shared
+// [row][d] tile) * B^T for ma < kMA, where B is a shared [n][d] tile (rows [0, kNBlk*8)): the
+// "S = Q K^T" shape. A comes through ldmatrix (A recipe), B through non-transposed ldmatrix
+// (K-like recipe, primitives/ldmatrix.cuh), one x4 giving the k16 fragments of two n8 blocks,
+// which feed all kMA m16 atoms of the warp (kMA = 2 halves the B traffic per mma).
+template <int kMA, int kNBlk, int kHeadDim, typename Element>
+__device__ __forceinline__ void gemm_abt_smem(float (&acc)[kMA][kNBlk][4], const Element* sA,
                                               int a_row0, const Element* sB, int lane) {
   constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
   static_assert(kNBlk % 2 == 0, "n8 blocks come in pairs (ldmatrix x4)");
@@ -110,16 +111,20 @@ __device__ __forceinline__ void gemm_abt_smem(float (&acc)[kNBlk][4], const Elem
   const Element* b_ptr = sB + ((lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8;
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    uint32_t a[4];
-    ldmatrix_x4(a, smem_u32addr(a_ptr + kk * 16));
+    uint32_t a[kMA][4];
+#pragma unroll
+    for (int ma = 0; ma < kMA; ++ma) ldmatrix_x4(a[ma], smem_u32addr(a_ptr + ma * 16 * kPitch + kk * 16));
 #pragma unroll
     for (int nb2 = 0; nb2 < kNBlk / 2; ++nb2) {
       uint32_t b[4];
       ldmatrix_x4(b, smem_u32addr(b_ptr + nb2 * 16 * kPitch + kk * 16));
       const uint32_t b0[2] = {b[0], b[1]};
       const uint32_t b1[2] = {b[2], b[3]};
-      mma_m16n8k16<Element>(acc[2 * nb2], a, b0);
-      mma_m16n8k16<Element>(acc[2 * nb2 + 1], a, b1);
+#pragma unroll
+      for (int ma = 0; ma < kMA; ++ma) {
+        mma_m16n8k16<Element>(acc[ma][2 * nb2], a[ma], b0);
+        mma_m16n8k16<Element>(acc[ma][2 * nb2 + 1], a[ma], b1);
+      }
     }
   }
 }
@@ -136,12 +141,13 @@ __device__ __forceinline__ void acc_to_a_frag(uint32_t (&a)[4], const float (&x)
   a[3] = pack2<Element>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
 }
 
-// acc (16 x kNBlkD*8 columns [col0, col0 + kNBlkD*8) of d) += A (16 x 16) * B, B = rows
-// [k0, k0+16) of a shared [k][d] tile, read with ldmatrix.trans (V-like recipe): the
-// "O += P V", "dV += P^T dO", "dQ += dS K" shape.
-template <int kNBlkD, int kPitch, typename Element>
-__device__ __forceinline__ void gemm_ab_trans_smem(float (&acc)[kNBlkD][4], const uint32_t (&a)[4],
-                                                   const Element* sB, int k0, int col0, int lane) {
+// acc[ma] (16 x kNBlkD*8 columns [col0, col0 + kNBlkD*8) of d) += A[ma] (16 x 16) * B for
+// ma < kMA, B = rows [k0, k0+16) of a shared [k][d] tile, read with ldmatrix.trans (V-like
+// recipe): the "O += P V", "dV += P^T dO", "dQ += dS K" shape. Each B x4 feeds 2*kMA mma.
+template <int kMA, int kNBlkD, int kPitch, typename Element>
+__device__ __forceinline__ void gemm_ab_trans_smem(float (&acc)[kMA][kNBlkD][4],
+                                                   const uint32_t (&a)[kMA][4], const Element* sB,
+                                                   int k0, int col0, int lane) {
   static_assert(kNBlkD % 2 == 0, "d8 blocks come in pairs (ldmatrix x4)");
   const Element* b_ptr = sB + (k0 + ((lane / 8) % 2) * 8 + lane % 8) * kPitch + col0 + (lane / 16) * 8;
 #pragma unroll
@@ -150,17 +156,23 @@ __device__ __forceinline__ void gemm_ab_trans_smem(float (&acc)[kNBlkD][4], cons
     ldmatrix_x4_trans(b, smem_u32addr(b_ptr + db2 * 16));
     const uint32_t b0[2] = {b[0], b[1]};
     const uint32_t b1[2] = {b[2], b[3]};
-    mma_m16n8k16<Element>(acc[2 * db2], a, b0);
-    mma_m16n8k16<Element>(acc[2 * db2 + 1], a, b1);
+#pragma unroll
+    for (int ma = 0; ma < kMA; ++ma) {
+      mma_m16n8k16<Element>(acc[ma][2 * db2], a[ma], b0);
+      mma_m16n8k16<Element>(acc[ma][2 * db2 + 1], a[ma], b1);
+    }
   }
 }
 
-template <int kRows, int kCols>
-__device__ __forceinline__ void zero_acc(float (&acc)[kRows][kCols]) {
+template <int kA, int kRows, int kCols>
+__device__ __forceinline__ void zero_acc(float (&acc)[kA][kRows][kCols]) {
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
+  for (int a = 0; a < kA; ++a) {
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) acc[i][j] = 0.f;
+    for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) acc[a][i][j] = 0.f;
+    }
   }
 }
 

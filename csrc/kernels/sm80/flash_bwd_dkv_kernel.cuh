@@ -11,11 +11,13 @@
 //   dS^T = P^T o (dP^T - D_i)                         (line 15)
 //   dK_j += dS^T Q_i                                  (line 17; times softmax_scale at the end)
 // Transposed products put the K-tile rows on the mma M axis: warp w owns K rows
-// [16*(w % kRowWarps), +16), so P^T and dS^T come out as C fragments whose k16 slices are
-// exactly the A fragments of the dV / dK products (acc_to_a_frag): no shared-memory round trip.
+// [kWarpRows*(w % kRowWarps), +kWarpRows) as kMA = kWarpRows/16 m16 atoms, so P^T and dS^T come
+// out as C fragments whose k16 slices are exactly the A fragments of the dV / dK products
+// (acc_to_a_frag): no shared-memory round trip. kWarpRows = 32 (d <= 64 only: the dK/dV
+// accumulators take kWarpRows*kDW/16 registers) lets every Q / dO B fragment feed two mma.
 //
-// Fragment bookkeeping (lane = 4g + t, mma.cuh): S^T acc[nb][e] holds
-//   K row n = 16*warp_n + g + 8*(e/2),  Q row m = m0 + 8*nb + 2t + (e%2),
+// Fragment bookkeeping (lane = 4g + t, mma.cuh): S^T acc[ma][nb][e] holds
+//   K row n = kWarpRows*warp_n + 16*ma + g + 8*(e/2),  Q row m = m0 + 8*nb + 2t + (e%2),
 // so lse_log2 and D depend only on (nb, t, e%2): one float2 at tile column 8nb + 2t.
 //
 // Causal (bottom-right, off = seqlen_k - seqlen_q): query i sees key j iff j <= i + off. Tile
@@ -41,34 +43,39 @@
 namespace flash {
 namespace bwd {
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit>
+// kWarpRows: K rows per warp, 16 (one m16 atom) or 32 (two).
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit, int kWarpRows = 16>
 struct DkvKernelTraits {
-  static constexpr int kRowWarps = kBlockN / 16;
+  static constexpr int kMA = kWarpRows / 16;  // m16 atoms per warp
+  static constexpr int kRowWarps = kBlockN / kWarpRows;
   static constexpr int kNWarps = kRowWarps * kColSplit;
   static constexpr int kThreads = kNWarps * 32;
   static constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
   static constexpr int kDW = kHeadDim / kColSplit;  // dK/dV columns per warp
   static constexpr int kNBlkM = kBlockM / 8;        // n8 blocks of S^T (Q rows)
   static constexpr int kNBlkD = kDW / 8;            // n8 blocks of a warp's dK/dV slice
-  // dS^T from the Element-rounded P^T where the dK/dV accumulators (2 * kDW / 2 fp32 per thread)
-  // leave no room for an fp32 copy of P^T next to dP^T (kDW >= 128).
-  static constexpr bool kPRounded = kDW >= 128;
+  // dS^T from the Element-rounded P^T where the dK/dV accumulators (kMA * kDW fp32 per thread)
+  // leave no room for an fp32 copy of P^T next to dP^T (kMA * kDW >= 128).
+  static constexpr bool kPRounded = kMA * kDW >= 128;
   // Shared layout: sK, sV (kBlockN rows), then 2 stages of sQ, sdO (kBlockM rows), then
   // 2 stages of lse_log2 and D (kBlockM floats each).
   static constexpr int kTileKV = kBlockN * kPitch;
   static constexpr int kTileQ = kBlockM * kPitch;
   static constexpr int kSmemBytes =
       (2 * kTileKV + 4 * kTileQ) * int(sizeof(Element)) + 4 * kBlockM * int(sizeof(float));
-  static_assert(kBlockN % 16 == 0 && kBlockM % 16 == 0, "tiles are multiples of the m16/k16 atom");
+  static_assert(kWarpRows == 16 || kWarpRows == 32, "a warp owns one or two m16 atoms");
+  static_assert(kBlockN % kWarpRows == 0 && kBlockM % 16 == 0, "tiles are multiples of the warp / k16 atom");
   static_assert(kDW % 16 == 0, "a warp's dK/dV slice is a multiple of 16 columns");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
   static_assert(kBlockM / 4 * 2 <= kThreads, "one thread per 16 B of the lse/D tiles");
 };
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit>
-__global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit>::kThreads, 1)
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit, int kWarpRows = 16>
+__global__ void __launch_bounds__(
+    DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit, kWarpRows>::kThreads, 1)
 flash_bwd_dkv_kernel(const Flash_bwd_params params) {
-  using T = DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit>;
+  using T = DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit, kWarpRows>;
+  constexpr int kMA = T::kMA;
   constexpr int kPitch = T::kPitch;
   constexpr int kThreads = T::kThreads;
 
@@ -81,7 +88,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   float* sDsum0 = sLse0 + 2 * kBlockM;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int warp_n = warp % T::kRowWarps;  // K rows [16*warp_n, +16)
+  const int warp_n = warp % T::kRowWarps;  // K rows [kWarpRows*warp_n, +kWarpRows)
   const int warp_d = warp / T::kRowWarps;  // dK/dV columns [kDW*warp_d, +kDW)
   const int g = lane / 4, t = lane % 4;
 
@@ -139,8 +146,8 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   if (n_iter > 0) load_q_tile(0, 0);
   cp_async_commit();
 
-  // Alg. 2 line 8: dK_j = dV_j = 0 (this warp's 16 rows x kDW columns).
-  float acc_dk[T::kNBlkD][4], acc_dv[T::kNBlkD][4];
+  // Alg. 2 line 8: dK_j = dV_j = 0 (this warp's kWarpRows rows x kDW columns).
+  float acc_dk[kMA][T::kNBlkD][4], acc_dv[kMA][T::kNBlkD][4];
   zero_acc(acc_dk);
   zero_acc(acc_dv);
 
@@ -160,10 +167,10 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     const float* sDsum = sDsum0 + stage * kBlockM;
     const int m0 = (m_block_min + it % num_m) * kBlockM;
 
-    // Alg. 2 line 11 (transposed): S^T = K_j Q_i^T, this warp's 16 K rows x kBlockM Q rows.
-    float acc_s[T::kNBlkM][4];
+    // Alg. 2 line 11 (transposed): S^T = K_j Q_i^T, this warp's kWarpRows K rows x kBlockM Q rows.
+    float acc_s[kMA][T::kNBlkM][4];
     zero_acc(acc_s);
-    gemm_abt_smem<T::kNBlkM, kHeadDim>(acc_s, sK, 16 * warp_n, sQ, lane);
+    gemm_abt_smem<kMA, T::kNBlkM, kHeadDim>(acc_s, sK, kWarpRows * warp_n, sQ, lane);
 
     // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - lse_log2) in place (fp32; masked pairs -> 0).
     const bool need_mask = params.is_causal && n0 + kBlockN - 1 > m0 + off;
@@ -172,25 +179,31 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
       const int mc = nb * 8 + 2 * t;  // tile column (Q row) of e = 0; e = 1 is mc + 1
       const float2 lse2 = *reinterpret_cast<const float2*>(sLse + mc);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = acc_s[nb][e] * params.scale_softmax_log2 - ((e % 2) ? lse2.y : lse2.x);
-        if (need_mask) {
-          const int key = n0 + 16 * warp_n + g + 8 * (e / 2);
-          const int query = m0 + mc + (e % 2);
-          if (key > query + off) x = -INFINITY;
+      for (int ma = 0; ma < kMA; ++ma) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = acc_s[ma][nb][e] * params.scale_softmax_log2 - ((e % 2) ? lse2.y : lse2.x);
+          if (need_mask) {
+            const int key = n0 + kWarpRows * warp_n + g + 8 * (e / 2) + 16 * ma;
+            const int query = m0 + mc + (e % 2);
+            if (key > query + off) x = -INFINITY;
+          }
+          acc_s[ma][nb][e] = fast_exp2(x);
         }
-        acc_s[nb][e] = fast_exp2(x);
       }
     }
-    // P^T as Element A fragments (k16 slices of Q rows) for dV += P^T dO.
-    uint32_t a_p[kBlockM / 16][4];
+    // P^T as Element A fragments (k16 slices of Q rows, per atom) for dV += P^T dO.
+    uint32_t a_p[kBlockM / 16][kMA][4];
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<T::kNBlkM, Element>(a_p[kk], acc_s, kk);
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+      for (int ma = 0; ma < kMA; ++ma) acc_to_a_frag<T::kNBlkM, Element>(a_p[kk][ma], acc_s[ma], kk);
+    }
 
     // Alg. 2 line 14 (transposed): dP^T = V_j dO_i^T.
-    float acc_dp[T::kNBlkM][4];
+    float acc_dp[kMA][T::kNBlkM][4];
     zero_acc(acc_dp);
-    gemm_abt_smem<T::kNBlkM, kHeadDim>(acc_dp, sV, 16 * warp_n, sdO, lane);
+    gemm_abt_smem<kMA, T::kNBlkM, kHeadDim>(acc_dp, sV, kWarpRows * warp_n, sdO, lane);
 
     // Alg. 2 line 15: dS^T = P^T o (dP^T - D) in place (D broadcast along the K rows). With
     // kPRounded, P^T is read back from its Element fragments (what the baseline's softmax
@@ -199,15 +212,18 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     for (int nb = 0; nb < T::kNBlkM; ++nb) {
       const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + nb * 8 + 2 * t);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // h: row g (e = 0,1) or g + 8 (e = 2,3)
-        float2 p;
-        if constexpr (T::kPRounded) {
-          p = unpack2<Element>(a_p[nb / 2][(nb % 2) * 2 + h]);
-        } else {
-          p = make_float2(acc_s[nb][2 * h], acc_s[nb][2 * h + 1]);
+      for (int ma = 0; ma < kMA; ++ma) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // h: row g (e = 0,1) or g + 8 (e = 2,3)
+          float2 p;
+          if constexpr (T::kPRounded) {
+            p = unpack2<Element>(a_p[nb / 2][ma][(nb % 2) * 2 + h]);
+          } else {
+            p = make_float2(acc_s[ma][nb][2 * h], acc_s[ma][nb][2 * h + 1]);
+          }
+          acc_dp[ma][nb][2 * h] = p.x * (acc_dp[ma][nb][2 * h] - dsum2.x);
+          acc_dp[ma][nb][2 * h + 1] = p.y * (acc_dp[ma][nb][2 * h + 1] - dsum2.y);
         }
-        acc_dp[nb][2 * h] = p.x * (acc_dp[nb][2 * h] - dsum2.x);
-        acc_dp[nb][2 * h + 1] = p.y * (acc_dp[nb][2 * h + 1] - dsum2.y);
       }
     }
 
@@ -215,10 +231,11 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     // register A fragments (k = Q rows) and dO_i / Q_i as ldmatrix.trans B fragments.
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      uint32_t a_ds[4];
-      acc_to_a_frag<T::kNBlkM, Element>(a_ds, acc_dp, kk);
-      gemm_ab_trans_smem<T::kNBlkD, kPitch>(acc_dv, a_p[kk], sdO, 16 * kk, T::kDW * warp_d, lane);
-      gemm_ab_trans_smem<T::kNBlkD, kPitch>(acc_dk, a_ds, sQ, 16 * kk, T::kDW * warp_d, lane);
+      uint32_t a_ds[kMA][4];
+#pragma unroll
+      for (int ma = 0; ma < kMA; ++ma) acc_to_a_frag<T::kNBlkM, Element>(a_ds[ma], acc_dp[ma], kk);
+      gemm_ab_trans_smem<kMA, T::kNBlkD, kPitch>(acc_dv, a_p[kk], sdO, 16 * kk, T::kDW * warp_d, lane);
+      gemm_ab_trans_smem<kMA, T::kNBlkD, kPitch>(acc_dk, a_ds, sQ, 16 * kk, T::kDW * warp_d, lane);
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
@@ -227,9 +244,13 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   // K/V buffers (no copy may still be writing them) for coalesced 16-byte stores.
   cp_async_wait<0>();
   __syncthreads();
-  store_acc_to_smem<T::kNBlkD, kPitch>(sK, acc_dk, 16 * warp_n, T::kDW * warp_d,
-                                       params.scale_softmax, lane);
-  store_acc_to_smem<T::kNBlkD, kPitch>(sV, acc_dv, 16 * warp_n, T::kDW * warp_d, 1.f, lane);
+#pragma unroll
+  for (int ma = 0; ma < kMA; ++ma) {
+    store_acc_to_smem<T::kNBlkD, kPitch>(sK, acc_dk[ma], kWarpRows * warp_n + 16 * ma, T::kDW * warp_d,
+                                         params.scale_softmax, lane);
+    store_acc_to_smem<T::kNBlkD, kPitch>(sV, acc_dv[ma], kWarpRows * warp_n + 16 * ma, T::kDW * warp_d, 1.f,
+                                         lane);
+  }
   __syncthreads();
   Element* dk_tile = reinterpret_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride +
                      bidhk * params.dk_head_stride + n0 * params.dk_row_stride;

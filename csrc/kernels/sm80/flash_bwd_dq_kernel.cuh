@@ -2,7 +2,10 @@
 // loop over K/V blocks per Q tile instead of FA2's atomicAdd into dQ, so the summation order is
 // fixed and the result bitwise deterministic. Recomputes S and dP (Alg. 2 lines 11-15).
 //
-// One CTA per (Q tile i of kBlockM rows, batch, query head); warp w owns Q rows [16w, 16w+16).
+// One CTA per (Q tile i of kBlockM rows, batch, query head); warp w owns Q rows
+// [kWarpRows*w, +kWarpRows) as kMA = kWarpRows/16 m16 atoms (atom ma: rows +16ma): with
+// kWarpRows = 32 every K / V B fragment loaded by ldmatrix feeds two mma (half the shared-memory
+// traffic per FLOP, as in the forward kernel).
 // Q_i and dO_i stay in shared memory, lse_log2 / D of the thread's two rows in registers;
 // K_j, V_j stream through a 2-stage cp.async pipeline:
 //   S   = Q_i K_j^T                               (line 11)
@@ -12,8 +15,8 @@
 //   dQ_i += dS K_j                                (line 16; times softmax_scale at the end)
 // dS stays in registers: its C fragments are the A fragments of dS K_j (acc_to_a_frag).
 //
-// Fragment bookkeeping (lane = 4g + t): S acc[nb][e] holds
-//   Q row m = m0 + 16*warp + g + 8*(e/2),  key n = n0 + 8*nb + 2t + (e%2).
+// Fragment bookkeeping (lane = 4g + t): S acc[ma][nb][e] holds
+//   Q row m = m0 + kWarpRows*warp + 16*ma + g + 8*(e/2),  key n = n0 + 8*nb + 2t + (e%2).
 // Causal (bottom-right, off = seqlen_k - seqlen_q): the tile's last row m0 + kBlockM - 1 sees keys
 // < m0 + kBlockM + off, so key blocks [0, ceil((m0 + kBlockM + off) / kBlockN)) are visited; a
 // block needs the mask only if it crosses seqlen_k or j0 + kBlockN - 1 > m0 + off. A row that
@@ -36,26 +39,35 @@
 namespace flash {
 namespace bwd {
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
+// kWarpRows: Q rows per warp, 16 (one m16 atom) or 32 (two).
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarpRows = 16>
 struct DqKernelTraits {
-  static constexpr int kNWarps = kBlockM / 16;
+  static constexpr int kMA = kWarpRows / 16;     // m16 atoms per warp
+  static constexpr int kNWarps = kBlockM / kWarpRows;
   static constexpr int kThreads = kNWarps * 32;
   static constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
   static constexpr int kNBlkN = kBlockN / 8;    // n8 blocks of S (keys)
   static constexpr int kNBlkD = kHeadDim / 8;   // n8 blocks of dQ
+  // With two atoms per warp the dQ, S and dP accumulators (kMA * (kHeadDim/2 + 2*kBlockN/2)
+  // fp32 per thread) leave no room for an fp32 P next to dP: P is rounded to Element right
+  // after S (as the dK/dV kernel does for kPRounded) and dS computed from the rounded P.
+  static constexpr bool kPRounded = kMA > 1;
   // Shared layout: sQ, sdO (kBlockM rows), then 2 stages of sK and sV (kBlockN rows).
   static constexpr int kTileQ = kBlockM * kPitch;
   static constexpr int kTileKV = kBlockN * kPitch;
   static constexpr int kSmemBytes = (2 * kTileQ + 4 * kTileKV) * int(sizeof(Element));
-  static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "tiles are multiples of the m16/k16 atom");
+  static_assert(kWarpRows == 16 || kWarpRows == 32, "a warp owns one or two m16 atoms");
+  static_assert(kBlockM % kWarpRows == 0 && kBlockN % 16 == 0, "tiles are multiples of the warp / k16 atom");
   static_assert(kHeadDim % 16 == 0, "head dim is a multiple of 16");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
-__global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN>::kThreads, 1)
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarpRows = 16>
+__global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kWarpRows>::kThreads, 1)
 flash_bwd_dq_kernel(const Flash_bwd_params params) {
-  using T = DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN>;
+  using T = DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kWarpRows>;
+  constexpr int kMA = T::kMA;
+  constexpr bool kPRounded = T::kPRounded;
   constexpr int kPitch = T::kPitch;
   constexpr int kThreads = T::kThreads;
 
@@ -114,16 +126,21 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   if (n_block_max > 0) load_kv_tile(0, 0);
   cp_async_commit();
 
-  const int row_lo = m0 + 16 * warp + g;  // query rows of e = 0,1; e = 2,3 are row_lo + 8
+  const int warp_row0 = kWarpRows * warp;  // first tile row of this warp
+  // Query row of atom ma, e = 0,1: row_lo + 16*ma; e = 2,3 are 8 rows further.
+  const int row_lo = m0 + warp_row0 + g;
   const int64_t ws = (int64_t(bidb) * params.h + bidh) * params.seqlen_q_rounded;
-  float lse_log2[2], dsum[2];  // rows < seqlen_q_rounded: whole tiles are in the workspace
+  float lse_log2[kMA][2], dsum[kMA][2];  // rows < seqlen_q_rounded: whole tiles are in the workspace
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    lse_log2[r] = params.softmax_lse_log2_ptr[ws + row_lo + 8 * r];
-    dsum[r] = params.dsoftmax_sum_ptr[ws + row_lo + 8 * r];
+  for (int ma = 0; ma < kMA; ++ma) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      lse_log2[ma][r] = params.softmax_lse_log2_ptr[ws + row_lo + 16 * ma + 8 * r];
+      dsum[ma][r] = params.dsoftmax_sum_ptr[ws + row_lo + 16 * ma + 8 * r];
+    }
   }
 
-  float acc_dq[T::kNBlkD][4];
+  float acc_dq[kMA][T::kNBlkD][4];
   zero_acc(acc_dq);
 
   for (int n_block = 0; n_block < n_block_max; ++n_block) {
@@ -139,39 +156,71 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     const Element* sV = sV0 + stage * T::kTileKV;
     const int n0 = n_block * kBlockN;
 
-    // Alg. 2 line 11: S = Q_i K_j^T (this warp's 16 rows x kBlockN keys).
-    float acc_s[T::kNBlkN][4];
+    // Alg. 2 line 11: S = Q_i K_j^T (this warp's kWarpRows rows x kBlockN keys).
+    float acc_s[kMA][T::kNBlkN][4];
     zero_acc(acc_s);
-    gemm_abt_smem<T::kNBlkN, kHeadDim>(acc_s, sQ, 16 * warp, sK, lane);
-    // Alg. 2 line 14: dP = dO_i V_j^T.
-    float acc_dp[T::kNBlkN][4];
-    zero_acc(acc_dp);
-    gemm_abt_smem<T::kNBlkN, kHeadDim>(acc_dp, sdO, 16 * warp, sV, lane);
+    gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_s, sQ, warp_row0, sK, lane);
 
-    // Alg. 2 lines 12 and 15: P = exp2(S scale_log2 - lse_log2), dS = P o (dP - D) (in acc_dp).
+    // Alg. 2 line 12: P = exp2(S scale_log2 - lse_log2) (masked keys -> 0), element e of
+    // fragment (ma, nb) at key n0 + 8nb + 2t + (e%2), query row_lo + 16ma + 8(e/2).
     const bool need_mask =
         n0 + kBlockN > params.seqlen_k || (params.is_causal && n0 + kBlockN - 1 > m0 + off);
+    auto p_of = [&](int ma, int nb, int e) {
+      float x = acc_s[ma][nb][e] * params.scale_softmax_log2 - lse_log2[ma][e / 2];
+      if (need_mask) {
+        const int key = n0 + nb * 8 + 2 * t + (e % 2);
+        const int query = row_lo + 16 * ma + 8 * (e / 2);
+        if (key >= params.seqlen_k || (params.is_causal && key > query + off)) x = -INFINITY;
+      }
+      return fast_exp2(x);
+    };
+    // kPRounded: P as Element pairs (rows g, g + 8: h = e / 2) before dP is computed, so the
+    // fp32 S is dead during the dP product.
+    uint32_t p_rounded[kPRounded ? kMA : 1][kPRounded ? T::kNBlkN : 1][2];
+    if constexpr (kPRounded) {
 #pragma unroll
-    for (int nb = 0; nb < T::kNBlkN; ++nb) {
+      for (int ma = 0; ma < kMA; ++ma) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = acc_s[nb][e] * params.scale_softmax_log2 - lse_log2[e / 2];
-        if (need_mask) {
-          const int key = n0 + nb * 8 + 2 * t + (e % 2);
-          const int query = row_lo + 8 * (e / 2);
-          if (key >= params.seqlen_k || (params.is_causal && key > query + off)) x = -INFINITY;
+        for (int nb = 0; nb < T::kNBlkN; ++nb) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            p_rounded[ma][nb][h] = pack2<Element>(p_of(ma, nb, 2 * h), p_of(ma, nb, 2 * h + 1));
+          }
         }
-        const float p = fast_exp2(x);
-        acc_dp[nb][e] = p * (acc_dp[nb][e] - dsum[e / 2]);
+      }
+    }
+
+    // Alg. 2 line 14: dP = dO_i V_j^T.
+    float acc_dp[kMA][T::kNBlkN][4];
+    zero_acc(acc_dp);
+    gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_dp, sdO, warp_row0, sV, lane);
+
+    // Alg. 2 line 15: dS = P o (dP - D) (in acc_dp).
+#pragma unroll
+    for (int ma = 0; ma < kMA; ++ma) {
+#pragma unroll
+      for (int nb = 0; nb < T::kNBlkN; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p;
+          if constexpr (kPRounded) {
+            const float2 p2 = unpack2<Element>(p_rounded[ma][nb][e / 2]);
+            p = (e % 2) ? p2.y : p2.x;
+          } else {
+            p = p_of(ma, nb, e);
+          }
+          acc_dp[ma][nb][e] = p * (acc_dp[ma][nb][e] - dsum[ma][e / 2]);
+        }
       }
     }
 
     // Alg. 2 line 16: dQ_i += dS K_j (A = dS from registers, B = K_j via ldmatrix.trans).
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t a_ds[4];
-      acc_to_a_frag<T::kNBlkN, Element>(a_ds, acc_dp, kk);
-      gemm_ab_trans_smem<T::kNBlkD, kPitch>(acc_dq, a_ds, sK, 16 * kk, 0, lane);
+      uint32_t a_ds[kMA][4];
+#pragma unroll
+      for (int ma = 0; ma < kMA; ++ma) acc_to_a_frag<T::kNBlkN, Element>(a_ds[ma], acc_dp[ma], kk);
+      gemm_ab_trans_smem<kMA, T::kNBlkD, kPitch>(acc_dq, a_ds, sK, 16 * kk, 0, lane);
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
@@ -179,7 +228,10 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   // Write dQ_i (times softmax_scale), staged through sQ for coalesced 16-byte stores.
   cp_async_wait<0>();
   __syncthreads();
-  store_acc_to_smem<T::kNBlkD, kPitch>(sQ, acc_dq, 16 * warp, 0, params.scale_softmax, lane);
+#pragma unroll
+  for (int ma = 0; ma < kMA; ++ma) {
+    store_acc_to_smem<T::kNBlkD, kPitch>(sQ, acc_dq[ma], warp_row0 + 16 * ma, 0, params.scale_softmax, lane);
+  }
   __syncthreads();
   Element* dq_tile = reinterpret_cast<Element*>(params.dq_ptr) + bidb * params.dq_batch_stride +
                      bidh * params.dq_head_stride + m0 * params.dq_row_stride;

@@ -49,16 +49,14 @@ inline unsigned checked_grid(int64_t blocks, const char* what) {
 
 }  // namespace bwd
 
-// dK, dV for every (K/V block, batch, kv head): 1-D grid, key block fastest.
-template <typename Arch, typename Element, int kHeadDim>
-void run_mha_bwd_dkv_(Flash_bwd_params& params, cudaStream_t stream) {
-  static_assert(std::is_same<Arch, Sm80>::value, "flash_bwd_launch.cuh is the sm80 path");
-  using Cfg = BwdTileConfigSm80<kHeadDim>;
-  using Traits = bwd::DkvKernelTraits<Element, kHeadDim, Cfg::kDkvBlockM, Cfg::kDkvBlockN, Cfg::kDkvColSplit>;
-  static_assert(Traits::kSmemBytes <= kMaxSmemSm80, "dK/dV tile config exceeds sm_80 shared memory");
-  auto kernel = bwd::flash_bwd_dkv_kernel<Element, kHeadDim, Cfg::kDkvBlockM, Cfg::kDkvBlockN, Cfg::kDkvColSplit>;
-  const int64_t blocks =
-      int64_t(bwd::ceil_div(params.seqlen_k, Cfg::kDkvBlockN)) * params.b * params.h_k;
+// dK, dV for every (K/V block, batch, kv head): 1-D grid, key block fastest. Any tile shape:
+// run_mha_bwd_dkv_ passes the production row of tile_config_bwd.h, the tuning harness
+// (benchmarks/tune_sm80.cu) others.
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit>
+void launch_bwd_dkv(Flash_bwd_params& params, cudaStream_t stream) {
+  using Traits = bwd::DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit>;
+  auto kernel = bwd::flash_bwd_dkv_kernel<Element, kHeadDim, kBlockM, kBlockN, kColSplit>;
+  const int64_t blocks = int64_t(bwd::ceil_div(params.seqlen_k, kBlockN)) * params.b * params.h_k;
   if (blocks == 0) return;
   const unsigned grid = bwd::checked_grid(blocks, "dK/dV");
   bwd::set_smem_or_throw(kernel, Traits::kSmemBytes, "dK/dV", kHeadDim);
@@ -67,19 +65,36 @@ void run_mha_bwd_dkv_(Flash_bwd_params& params, cudaStream_t stream) {
 }
 
 // dQ for every (Q tile, batch, query head): 1-D grid, Q tile fastest.
-template <typename Arch, typename Element, int kHeadDim>
-void run_mha_bwd_dq_(Flash_bwd_params& params, cudaStream_t stream) {
-  static_assert(std::is_same<Arch, Sm80>::value, "flash_bwd_launch.cuh is the sm80 path");
-  using Cfg = BwdTileConfigSm80<kHeadDim>;
-  using Traits = bwd::DqKernelTraits<Element, kHeadDim, Cfg::kDqBlockM, Cfg::kDqBlockN>;
-  static_assert(Traits::kSmemBytes <= kMaxSmemSm80, "dQ tile config exceeds sm_80 shared memory");
-  auto kernel = bwd::flash_bwd_dq_kernel<Element, kHeadDim, Cfg::kDqBlockM, Cfg::kDqBlockN>;
-  const int64_t blocks = int64_t(bwd::ceil_div(params.seqlen_q, Cfg::kDqBlockM)) * params.b * params.h;
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
+void launch_bwd_dq(Flash_bwd_params& params, cudaStream_t stream) {
+  using Traits = bwd::DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN>;
+  auto kernel = bwd::flash_bwd_dq_kernel<Element, kHeadDim, kBlockM, kBlockN>;
+  const int64_t blocks = int64_t(bwd::ceil_div(params.seqlen_q, kBlockM)) * params.b * params.h;
   if (blocks == 0) return;
   const unsigned grid = bwd::checked_grid(blocks, "dQ");
   bwd::set_smem_or_throw(kernel, Traits::kSmemBytes, "dQ", kHeadDim);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   FLASH_CHECK_LAUNCH();
+}
+
+template <typename Arch, typename Element, int kHeadDim>
+void run_mha_bwd_dkv_(Flash_bwd_params& params, cudaStream_t stream) {
+  static_assert(std::is_same<Arch, Sm80>::value, "flash_bwd_launch.cuh is the sm80 path");
+  using Cfg = BwdTileConfigSm80<kHeadDim>;
+  static_assert(bwd::DkvKernelTraits<Element, kHeadDim, Cfg::kDkvBlockM, Cfg::kDkvBlockN,
+                                     Cfg::kDkvColSplit>::kSmemBytes <= kMaxSmemSm80,
+                "dK/dV tile config exceeds sm_80 shared memory");
+  launch_bwd_dkv<Element, kHeadDim, Cfg::kDkvBlockM, Cfg::kDkvBlockN, Cfg::kDkvColSplit>(params, stream);
+}
+
+template <typename Arch, typename Element, int kHeadDim>
+void run_mha_bwd_dq_(Flash_bwd_params& params, cudaStream_t stream) {
+  static_assert(std::is_same<Arch, Sm80>::value, "flash_bwd_launch.cuh is the sm80 path");
+  using Cfg = BwdTileConfigSm80<kHeadDim>;
+  static_assert(bwd::DqKernelTraits<Element, kHeadDim, Cfg::kDqBlockM, Cfg::kDqBlockN>::kSmemBytes <=
+                    kMaxSmemSm80,
+                "dQ tile config exceeds sm_80 shared memory");
+  launch_bwd_dq<Element, kHeadDim, Cfg::kDqBlockM, Cfg::kDqBlockN>(params, stream);
 }
 
 }  // namespace flash

@@ -41,10 +41,12 @@
 
 namespace flash {
 
-template <typename Element_, int kHeadDim_>
+// Config defaults to the production row of tile_config.h; the tuning harness
+// (benchmarks/tune_sm80.cu) instantiates other TileConfigs to compare them in one binary.
+template <typename Element_, int kHeadDim_, typename Config_ = FwdTileConfigSm80<kHeadDim_>>
 struct FwdKernelTraits {
   using Element = Element_;
-  using Config = FwdTileConfigSm80<kHeadDim_>;
+  using Config = Config_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;

@@ -17,10 +17,11 @@
 
 namespace flash {
 
-template <typename Arch, typename Element, int kHeadDim>
-void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream) {
-  static_assert(std::is_same<Arch, Sm80>::value, "flash_fwd_launch.cuh is the Sm80 path");
-  using Traits = FwdKernelTraits<Element, kHeadDim>;
+// Launches flash_fwd_kernel<Traits> (any tile config: the production one comes from
+// run_mha_fwd_ below, others from the tuning harness benchmarks/tune_sm80.cu).
+template <typename Traits>
+void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
+  constexpr int kHeadDim = Traits::kHeadDim;
   if (params.d_rounded != kHeadDim || params.d < 8 || params.d > kHeadDim || params.d % 8 != 0) {
     throw std::runtime_error("flash_attn_ext: forward kernel hdim" + std::to_string(kHeadDim) +
                              " called with headdim " + std::to_string(params.d) +
@@ -52,6 +53,12 @@ void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream) {
   }
   kernel<<<dim3(unsigned(num_blocks)), dim3(Traits::kNThreads), kSmem, stream>>>(params);
   FLASH_CHECK_LAUNCH();
+}
+
+template <typename Arch, typename Element, int kHeadDim>
+void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream) {
+  static_assert(std::is_same<Arch, Sm80>::value, "flash_fwd_launch.cuh is the Sm80 path");
+  launch_fwd<FwdKernelTraits<Element, kHeadDim>>(params, stream);
 }
 
 }  // namespace flash

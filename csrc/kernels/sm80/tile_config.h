@@ -16,9 +16,12 @@
 // Starting point: FlashAttention-2's sm80/sm90 mma.sync choices, then narrowed until ptxas
 // reports no spills at the 255-register cap (nvcc 13, sm_80 and sm_90a): 4 warps x 32 rows keep
 // 2 m16 atoms per warp (K/V fragments reused twice: half the ldmatrix traffic of 16-row warps),
-// and kBlockN shrinks where acc_o + S would spill (d128: 128x64 spills 16-170 B, 128x32 none).
+// and kBlockN shrinks where acc_o + S would spill (d128: 128x64 spills 8 B, 128x48 none).
+// Measured on the H200 with benchmarks/tune_sm80.py (bf16, 16k tokens, TFLOP/s at N=1024/4096/16384,
+// non-causal, 2026-11-29): d128 128x32 305/338/349, 128x48 313/347/362, 128x64 301/328/352;
+// d64 128x64 283/314/325, 128x64 Q-in-regs 289/324/329, 128x128 Q-in-regs 272/290/301.
 // Shared memory per CTA = (kBlockM + 2*kBlockN) * (kHeadDim + 8) * 2 bytes (rows padded by
-// 16 B, no bank conflicts): d32 20 KB, d64 36 KB, d96 39 KB, d128 51 KB, d192 100 KB, d256 132 KB.
+// 16 B, no bank conflicts): d32 20 KB, d64 36 KB, d96 39 KB, d128 60 KB, d192 100 KB, d256 132 KB.
 #pragma once
 
 namespace flash {
@@ -38,9 +41,9 @@ struct FwdTileConfigSm80;
 
 //                                                  BLOCK_M BLOCK_N warps stages Q-in-regs minCTAs
 template <> struct FwdTileConfigSm80<32>  : TileConfig<128,     64,    4,    1,     true,     2> {};
-template <> struct FwdTileConfigSm80<64>  : TileConfig<128,     64,    4,    1,     false,    2> {};
+template <> struct FwdTileConfigSm80<64>  : TileConfig<128,     64,    4,    1,     true,     2> {};
 template <> struct FwdTileConfigSm80<96>  : TileConfig<128,     32,    4,    1,     false,    2> {};
-template <> struct FwdTileConfigSm80<128> : TileConfig<128,     32,    4,    1,     false,    2> {};
+template <> struct FwdTileConfigSm80<128> : TileConfig<128,     48,    4,    1,     false,    2> {};
 template <> struct FwdTileConfigSm80<192> : TileConfig<128,     64,    8,    1,     false,    1> {};
 template <> struct FwdTileConfigSm80<256> : TileConfig<128,     64,    8,    1,     false,    1> {};
 

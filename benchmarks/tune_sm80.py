@@ -1,0 +1,86 @@
+"""Compare tile configs of the sm80 kernels on the GPU in one call (no torch needed).
+
+    python benchmarks/tune_sm80.py [--arch 90a] [--seqlen 1024,4096,16384] [VARIANT ...]
+
+A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv or dq and ARGS the kernel's template arguments:
+    fwd:128:128,32,4,false,2     TileConfig<BLOCK_M, BLOCK_N, warps, 1 stage, Q-in-regs, min CTAs/SM>
+    dkv:128:64,128,1             launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N, colsplit[, extra...]>
+    dq:128:128,64                launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N[, extra...]>
+The first variant of each (kind, hdim) is the reference the others' outputs are checked against
+(put the production row of tile_config*.h first). One translation unit per variant is compiled
+in parallel (benchmarks/tune_sm80.cu), then the binary prints one line per (problem, variant).
+"""
+
+import argparse
+import concurrent.futures as cf
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(ROOT, "benchmarks", "tune_sm80.cu")
+KINDS = {"fwd": 0, "dkv": 1, "dq": 2}
+DEFAULT = [
+    "fwd:64:128,64,4,false,2", "fwd:128:128,32,4,false,2",
+    "dkv:64:64,128,1", "dq:64:128,128", "dkv:128:64,128,1", "dq:128:128,64",
+]
+
+
+def nvcc():
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    return os.path.join(home, "bin", "nvcc") if os.path.exists(os.path.join(home, "bin", "nvcc")) else "nvcc"
+
+
+def flags(arch):
+    return ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "-I" + os.path.join(ROOT, "csrc"),
+            f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+
+def variant_defines(spec):
+    kind, hdim, args = spec.split(":")
+    a = args.split(",")
+    n_fixed = {"fwd": 5, "dkv": 3, "dq": 2}[kind]
+    if len(a) < n_fixed:
+        sys.exit(f"variant {spec}: {kind} needs at least {n_fixed} template arguments")
+    defs = [f"-DTUNE_VARIANT", f"-DKIND={KINDS[kind]}", f"-DHD={hdim}"]
+    defs += [f"-DA{i + 1}={x}" for i, x in enumerate(a[:n_fixed])]
+    extra = a[n_fixed:]
+    defs += ["-DEXTRA_ARGS=" + "".join("," + x for x in extra), "-DEXTRA=" + "_".join(extra)]
+    return defs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="90a")
+    ap.add_argument("--seqlen", default="1024,4096,16384")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count())
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("variants", nargs="*")
+    args = ap.parse_args()
+    variants = args.variants or DEFAULT
+    work = tempfile.mkdtemp(prefix="tune_sm80_")
+    jobs = [(os.path.join(work, "main.o"), [])]
+    jobs += [(os.path.join(work, f"v{i:02d}.o"), variant_defines(v)) for i, v in enumerate(variants)]
+
+    def compile_one(job):
+        obj, defs = job
+        cmd = [nvcc()] + flags(args.arch) + defs + ["-c", SRC, "-o", obj]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        return obj, r.returncode, r.stderr
+
+    with cf.ThreadPoolExecutor(args.jobs) as ex:
+        for obj, rc, err in ex.map(compile_one, jobs):
+            if rc != 0:
+                print(err[-4000:])
+                sys.exit(f"compile failed: {obj}")
+    exe = os.path.join(work, "tune_sm80")
+    subprocess.run([nvcc(), "-o", exe] + [j[0] for j in jobs], check=True)
+    print(f"built {len(variants)} variants in {work}", flush=True)
+    if args.compile_only:
+        return
+    sys.exit(subprocess.run([exe] + args.seqlen.split(",")).returncode)
+
+
+if __name__ == "__main__":
+    main()
