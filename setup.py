@@ -150,7 +150,9 @@ def build_extension():
         archs = []
     write_build_config(torch, archs, hdims, torch.version.cuda if use_cuda else "")
 
-    cxx_flags = ["-O3", "-std=c++20"]
+    # No -std for C++: BuildExtension adds the standard this torch's headers are built for
+    # (C++17 for older torch, C++20 for newer); mixing standards across torch's ABI is unsafe.
+    cxx_flags = ["-O3"]
     sources = ["csrc/flash_api.cpp", "csrc/kernels/cpu/flash_cpu.cpp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not use_cuda:

@@ -42,14 +42,20 @@ static TuneRegistrar tune_reg({0, HD, "fwd BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2)
                                  flash::launch_fwd<flash::FwdKernelTraits<Bf16, HD, flash::TileConfig<A1, A2, A3, 1, A4, A5>>>(p, s);
                                }});
 #elif KIND == 1
-static TuneRegistrar tune_reg({1, HD, "dkv BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3) " " TUNE_STR(EXTRA),
+#ifndef A4
+#define A4 16
+#endif
+static TuneRegistrar tune_reg({1, HD, "dkv BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3) " warp_rows=" TUNE_STR(A4),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::launch_bwd_dkv<Bf16, HD, A1, A2, A3 EXTRA_ARGS>(p, s);
+                                 flash::launch_bwd_dkv<Bf16, HD, A1, A2, A3, A4>(p, s);
                                }});
 #else
-static TuneRegistrar tune_reg({2, HD, "dq BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " " TUNE_STR(EXTRA),
+#ifndef A3
+#define A3 16
+#endif
+static TuneRegistrar tune_reg({2, HD, "dq BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " warp_rows=" TUNE_STR(A3),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::launch_bwd_dq<Bf16, HD, A1, A2 EXTRA_ARGS>(p, s);
+                                 flash::launch_bwd_dq<Bf16, HD, A1, A2, A3>(p, s);
                                }});
 #endif
 

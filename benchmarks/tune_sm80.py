@@ -4,8 +4,8 @@
 
 A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv or dq and ARGS the kernel's template arguments:
     fwd:128:128,32,4,false,2     TileConfig<BLOCK_M, BLOCK_N, warps, 1 stage, Q-in-regs, min CTAs/SM>
-    dkv:128:64,128,1             launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N, colsplit[, extra...]>
-    dq:128:128,64                launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N[, extra...]>
+    dkv:128:64,128,1             launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N, colsplit[, warp rows]>
+    dq:128:128,64                launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N[, warp rows]>
 The first variant of each (kind, hdim) is the reference the others' outputs are checked against
 (put the production row of tile_config*.h first). One translation unit per variant is compiled
 in parallel (benchmarks/tune_sm80.cu), then the binary prints one line per (problem, variant).
@@ -38,16 +38,14 @@ def flags(arch):
 
 
 def variant_defines(spec):
+    # No commas inside -D values: nvcc splits option values at commas.
     kind, hdim, args = spec.split(":")
     a = args.split(",")
-    n_fixed = {"fwd": 5, "dkv": 3, "dq": 2}[kind]
-    if len(a) < n_fixed:
-        sys.exit(f"variant {spec}: {kind} needs at least {n_fixed} template arguments")
-    defs = [f"-DTUNE_VARIANT", f"-DKIND={KINDS[kind]}", f"-DHD={hdim}"]
-    defs += [f"-DA{i + 1}={x}" for i, x in enumerate(a[:n_fixed])]
-    extra = a[n_fixed:]
-    defs += ["-DEXTRA_ARGS=" + "".join("," + x for x in extra), "-DEXTRA=" + "_".join(extra)]
-    return defs
+    n_args = {"fwd": (5, 5), "dkv": (3, 4), "dq": (2, 3)}[kind]  # (required, allowed)
+    if not n_args[0] <= len(a) <= n_args[1]:
+        sys.exit(f"variant {spec}: {kind} takes {n_args[0]} to {n_args[1]} template arguments")
+    defs = ["-DTUNE_VARIANT", f"-DKIND={KINDS[kind]}", f"-DHD={hdim}"]
+    return defs + [f"-DA{i + 1}={x}" for i, x in enumerate(a)]
 
 
 def main():

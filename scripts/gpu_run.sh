@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 DEST=${OUT:-}
 OUT=$PWD/gpu_out
 rm -rf "$OUT"; mkdir -p "$OUT"
-STEPS=${STEPS:-"build test sanitize bench"}
+STEPS=${STEPS:-"build test sanitize memory bench"}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export FLASH_ATTN_EXT_CUDA_ARCHS=${FLASH_ATTN_EXT_CUDA_ARCHS:-90a}
@@ -41,6 +41,16 @@ if [[ " $STEPS " == *" build "* ]]; then
   summary+=("ptxas: $(grep -c 'Used' "$OUT/ptxas.txt") kernels, $spills with spills (ptxas.txt)")
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [[ " $STEPS " == *" build "* ]]; then
+  # SASS of the production hdim-128 forward kernel: tensor-core (HMMA) and ldmatrix (LDSM) counts.
+  obj=$(find build -name 'flash_fwd_hdim128_bf16_sm80.o' | head -n 1)
+  if [ -n "$obj" ]; then
+    cuobjdump --dump-sass "$obj" >"$OUT/sass_fwd_hdim128_bf16.txt" 2>&1
+    summary+=("SASS fwd hdim128 bf16: $(grep -c HMMA "$OUT/sass_fwd_hdim128_bf16.txt") HMMA, $(grep -c LDSM "$OUT/sass_fwd_hdim128_bf16.txt") LDSM, $(grep -cE 'STL|LDL' "$OUT/sass_fwd_hdim128_bf16.txt") local ld/st")
+    grep -A2 "flash_fwd_kernel.*Li128E" "$OUT/ptxas.txt" | grep -E "registers|spill" | head -n 4 | sed 's/^/    fwd hdim128 ptxas: /' >"$OUT/ptxas_fwd128.txt"
+    while read -r l; do summary+=("$l"); done <"$OUT/ptxas_fwd128.txt"
+  fi
+fi
 $PY -c "import flash_attn_ext as f; print(f.build_info())" | tee -a "$OUT/gpu.txt"
 
 if [[ " $STEPS " == *" test "* ]]; then
@@ -55,6 +65,11 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
     rc=$?
     summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")
   done
+fi
+
+if [[ " $STEPS " == *" memory "* ]]; then
+  $PY scripts/peak_memory.py >"$OUT/memory.txt" 2>&1
+  summary+=("$(tail -n 1 "$OUT/memory.txt")")
 fi
 
 if [[ " $STEPS " == *" bench "* ]]; then

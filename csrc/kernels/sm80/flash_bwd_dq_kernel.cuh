@@ -161,31 +161,28 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     zero_acc(acc_s);
     gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_s, sQ, warp_row0, sK, lane);
 
-    // Alg. 2 line 12: P = exp2(S scale_log2 - lse_log2) (masked keys -> 0), element e of
-    // fragment (ma, nb) at key n0 + 8nb + 2t + (e%2), query row_lo + 16ma + 8(e/2).
+    // Alg. 2 line 12: P = exp2(S scale_log2 - lse_log2), masked keys -> 0.
     const bool need_mask =
         n0 + kBlockN > params.seqlen_k || (params.is_causal && n0 + kBlockN - 1 > m0 + off);
-    auto p_of = [&](int ma, int nb, int e) {
-      float x = acc_s[ma][nb][e] * params.scale_softmax_log2 - lse_log2[ma][e / 2];
-      if (need_mask) {
-        const int key = n0 + nb * 8 + 2 * t + (e % 2);
-        const int query = row_lo + 16 * ma + 8 * (e / 2);
-        if (key >= params.seqlen_k || (params.is_causal && key > query + off)) x = -INFINITY;
-      }
-      return fast_exp2(x);
-    };
-    // kPRounded: P as Element pairs (rows g, g + 8: h = e / 2) before dP is computed, so the
-    // fp32 S is dead during the dP product.
+    // kPRounded: P as Element pairs p_rounded[ma][nb][h] (row g + 8h, keys 8nb + 2t, +1) before
+    // dP is computed, so the fp32 S is dead during the dP product.
     uint32_t p_rounded[kPRounded ? kMA : 1][kPRounded ? T::kNBlkN : 1][2];
     if constexpr (kPRounded) {
 #pragma unroll
       for (int ma = 0; ma < kMA; ++ma) {
 #pragma unroll
         for (int nb = 0; nb < T::kNBlkN; ++nb) {
+          auto p_of = [&](int e) {
+            float x = acc_s[ma][nb][e] * params.scale_softmax_log2 - lse_log2[ma][e / 2];
+            if (need_mask) {
+              const int key = n0 + nb * 8 + 2 * t + (e % 2);
+              const int query = row_lo + 16 * ma + 8 * (e / 2);
+              if (key >= params.seqlen_k || (params.is_causal && key > query + off)) x = -INFINITY;
+            }
+            return fast_exp2(x);
+          };
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            p_rounded[ma][nb][h] = pack2<Element>(p_of(ma, nb, 2 * h), p_of(ma, nb, 2 * h + 1));
-          }
+          for (int h = 0; h < 2; ++h) p_rounded[ma][nb][h] = pack2<Element>(p_of(2 * h), p_of(2 * h + 1));
         }
       }
     }
@@ -195,7 +192,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     zero_acc(acc_dp);
     gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_dp, sdO, warp_row0, sV, lane);
 
-    // Alg. 2 line 15: dS = P o (dP - D) (in acc_dp).
+    // Alg. 2 line 15: dS = P o (dP - D) (in acc_dp; without kPRounded, P (line 12) is made here).
 #pragma unroll
     for (int ma = 0; ma < kMA; ++ma) {
 #pragma unroll
@@ -207,7 +204,13 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
             const float2 p2 = unpack2<Element>(p_rounded[ma][nb][e / 2]);
             p = (e % 2) ? p2.y : p2.x;
           } else {
-            p = p_of(ma, nb, e);
+            float x = acc_s[ma][nb][e] * params.scale_softmax_log2 - lse_log2[ma][e / 2];
+            if (need_mask) {
+              const int key = n0 + nb * 8 + 2 * t + (e % 2);
+              const int query = row_lo + 16 * ma + 8 * (e / 2);
+              if (key >= params.seqlen_k || (params.is_causal && key > query + off)) x = -INFINITY;
+            }
+            p = fast_exp2(x);
           }
           acc_dp[ma][nb][e] = p * (acc_dp[ma][nb][e] - dsum[ma][e / 2]);
         }

@@ -52,10 +52,10 @@ inline unsigned checked_grid(int64_t blocks, const char* what) {
 // dK, dV for every (K/V block, batch, kv head): 1-D grid, key block fastest. Any tile shape:
 // run_mha_bwd_dkv_ passes the production row of tile_config_bwd.h, the tuning harness
 // (benchmarks/tune_sm80.cu) others.
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit>
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit, int kWarpRows = 16>
 void launch_bwd_dkv(Flash_bwd_params& params, cudaStream_t stream) {
-  using Traits = bwd::DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit>;
-  auto kernel = bwd::flash_bwd_dkv_kernel<Element, kHeadDim, kBlockM, kBlockN, kColSplit>;
+  using Traits = bwd::DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit, kWarpRows>;
+  auto kernel = bwd::flash_bwd_dkv_kernel<Element, kHeadDim, kBlockM, kBlockN, kColSplit, kWarpRows>;
   const int64_t blocks = int64_t(bwd::ceil_div(params.seqlen_k, kBlockN)) * params.b * params.h_k;
   if (blocks == 0) return;
   const unsigned grid = bwd::checked_grid(blocks, "dK/dV");
@@ -65,10 +65,10 @@ void launch_bwd_dkv(Flash_bwd_params& params, cudaStream_t stream) {
 }
 
 // dQ for every (Q tile, batch, query head): 1-D grid, Q tile fastest.
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarpRows = 16>
 void launch_bwd_dq(Flash_bwd_params& params, cudaStream_t stream) {
-  using Traits = bwd::DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN>;
-  auto kernel = bwd::flash_bwd_dq_kernel<Element, kHeadDim, kBlockM, kBlockN>;
+  using Traits = bwd::DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kWarpRows>;
+  auto kernel = bwd::flash_bwd_dq_kernel<Element, kHeadDim, kBlockM, kBlockN, kWarpRows>;
   const int64_t blocks = int64_t(bwd::ceil_div(params.seqlen_q, kBlockM)) * params.b * params.h;
   if (blocks == 0) return;
   const unsigned grid = bwd::checked_grid(blocks, "dQ");
@@ -81,20 +81,21 @@ template <typename Arch, typename Element, int kHeadDim>
 void run_mha_bwd_dkv_(Flash_bwd_params& params, cudaStream_t stream) {
   static_assert(std::is_same<Arch, Sm80>::value, "flash_bwd_launch.cuh is the sm80 path");
   using Cfg = BwdTileConfigSm80<kHeadDim>;
-  static_assert(bwd::DkvKernelTraits<Element, kHeadDim, Cfg::kDkvBlockM, Cfg::kDkvBlockN,
-                                     Cfg::kDkvColSplit>::kSmemBytes <= kMaxSmemSm80,
+  static_assert(bwd::DkvKernelTraits<Element, kHeadDim, Cfg::kDkvBlockM, Cfg::kDkvBlockN, Cfg::kDkvColSplit,
+                                     Cfg::kDkvWarpRows>::kSmemBytes <= kMaxSmemSm80,
                 "dK/dV tile config exceeds sm_80 shared memory");
-  launch_bwd_dkv<Element, kHeadDim, Cfg::kDkvBlockM, Cfg::kDkvBlockN, Cfg::kDkvColSplit>(params, stream);
+  launch_bwd_dkv<Element, kHeadDim, Cfg::kDkvBlockM, Cfg::kDkvBlockN, Cfg::kDkvColSplit, Cfg::kDkvWarpRows>(
+      params, stream);
 }
 
 template <typename Arch, typename Element, int kHeadDim>
 void run_mha_bwd_dq_(Flash_bwd_params& params, cudaStream_t stream) {
   static_assert(std::is_same<Arch, Sm80>::value, "flash_bwd_launch.cuh is the sm80 path");
   using Cfg = BwdTileConfigSm80<kHeadDim>;
-  static_assert(bwd::DqKernelTraits<Element, kHeadDim, Cfg::kDqBlockM, Cfg::kDqBlockN>::kSmemBytes <=
-                    kMaxSmemSm80,
+  static_assert(bwd::DqKernelTraits<Element, kHeadDim, Cfg::kDqBlockM, Cfg::kDqBlockN,
+                                    Cfg::kDqWarpRows>::kSmemBytes <= kMaxSmemSm80,
                 "dQ tile config exceeds sm_80 shared memory");
-  launch_bwd_dq<Element, kHeadDim, Cfg::kDqBlockM, Cfg::kDqBlockN>(params, stream);
+  launch_bwd_dq<Element, kHeadDim, Cfg::kDqBlockM, Cfg::kDqBlockN, Cfg::kDqWarpRows>(params, stream);
 }
 
 }  // namespace flash
