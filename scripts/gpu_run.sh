@@ -20,7 +20,12 @@ export FLASH_ATTN_EXT_PTX=${FLASH_ATTN_EXT_PTX:-0}
 export FLASH_ATTN_EXT_PTXAS_V=1
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 [ -n "${HDIMS:-}" ] && export FLASH_ATTN_EXT_HDIMS=$HDIMS
+# The lent H200 image sets CXX to a g++ wrapper that links libstdc++ statically: C++ exceptions
+# thrown by the extension (every TORCH_CHECK) then crash the process instead of raising in Python.
+# Build with the system compiler, which links libstdc++ dynamically like torch does.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
 summary=()
+pack() { if [ -n "$DEST" ]; then printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"; tar czf "$DEST/gpu_out.tgz" -C "$PWD" gpu_out; fi; }
 t0=$(date +%s)
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
@@ -57,6 +62,7 @@ if [[ " $STEPS " == *" test "* ]]; then
   TESTS=${TESTS:-tests}
   $PY -m pytest -q -x -rs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -n 40
   summary+=("pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)")
+  pack
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
@@ -75,6 +81,12 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
   $PY -m flash_attn_ext.benchmark --out "$OUT/bench" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   summary+=("benchmark: rc=$? (bench.log, bench/)")
+  pack
+  if [ -n "${BENCH2_ARGS:-}" ]; then  # a second sweep (e.g. fp16), kept apart
+    $PY -m flash_attn_ext.benchmark --out "$OUT/bench2" $BENCH2_ARGS >"$OUT/bench2.log" 2>&1
+    summary+=("benchmark 2: rc=$? (bench2.log, bench2/)")
+    pack
+  fi
   tail -n 80 "$OUT/bench.log"
 fi
 
