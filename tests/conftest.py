@@ -1,5 +1,7 @@
 """Shared pytest setup: report header with the build facts, input factories, output poisoning."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -19,15 +21,18 @@ def _seed():
 
 @pytest.fixture
 def poison_empty():
-    """Make torch.empty (also at::empty inside the extension) fill new float tensors with NaN,
-    so an output element the kernel forgets to write shows up as NaN."""
+    """Make torch.empty (also at::empty inside the extension) fill new float tensors with NaN, so
+    an output element a kernel forgets to write shows up as NaN. warn_only: strict deterministic
+    mode would reject the reference's cuBLAS matmuls on CUDA unless CUBLAS_WORKSPACE_CONFIG is set."""
     old = torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     old_fill = torch.utils.deterministic.fill_uninitialized_memory
-    # warn_only: the reference's cuBLAS matmuls would otherwise need CUBLAS_WORKSPACE_CONFIG.
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    torch.use_deterministic_algorithms(old, warn_only=old_warn)
     torch.utils.deterministic.fill_uninitialized_memory = old_fill
 
 

@@ -9,7 +9,6 @@ fill of torch.empty) so an unwritten element fails.
 """
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -22,24 +21,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the CUDA backward kernels need an NVIDIA GPU (sm_80 or newer)")
 
 DTYPES = [torch.float16, torch.bfloat16]
-
-
-@pytest.fixture
-def poison_empty():
-    """NaN-fill every new float tensor from torch.empty, also the extension's dq/dk/dv, so an
-    element a kernel forgets to write fails the test. Same as conftest's fixture but warn_only:
-    strict deterministic mode would reject the reference's cuBLAS matmuls on CUDA unless
-    CUBLAS_WORKSPACE_CONFIG is set."""
-    old = torch.are_deterministic_algorithms_enabled()
-    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    old_fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    torch.use_deterministic_algorithms(old, warn_only=old_warn)
-    torch.utils.deterministic.fill_uninitialized_memory = old_fill
 
 
 def _compiled_hdims():
