@@ -167,8 +167,8 @@ int main(int argc, char** argv) {
         p.h = p.h_k = h; p.h_h_k_ratio = 1;
         p.softmax_lse_ptr = lse; p.dsoftmax_sum_ptr = dsum; p.softmax_lse_log2_ptr = lse2;
         p.b = b; p.seqlen_q = p.seqlen_k = n; p.seqlen_q_rounded = n_round; p.d = p.d_rounded = d;
-        p.scale_softmax = 1.f / sqrtf(float(d));
-        p.scale_softmax_log2 = p.scale_softmax * 1.4426950408889634f;
+        p.scale_softmax = 1.0 / sqrt(double(d));
+        p.scale_softmax_log2 = float(p.scale_softmax * 1.4426950408889634);
         p.is_causal = causal; p.is_bf16 = true;
         p.arch = prop.major * 10 + prop.minor; p.num_sms = prop.multiProcessorCount;
         const double fwd_flops = 4.0 * b * h * double(n) * n * d * (causal ? 0.5 : 1.0);

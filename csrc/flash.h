@@ -47,7 +47,8 @@ struct Flash_fwd_params : public Qkv_params {
   int d_rounded = 0;  // compiled head dim the kernel runs with (>= d); columns
                       // d..d_rounded are zero-padded inside the kernel
 
-  float scale_softmax = 0.f;       // softmax_scale
+  double scale_softmax = 0.0;      // softmax_scale (double: exact for the CPU float64 path;
+                                   // the CUDA kernels use it as float)
   float scale_softmax_log2 = 0.f;  // softmax_scale * log2(e): scores go through exp2
 
   bool is_causal = false;  // bottom-right aligned: query i sees key j <= i + seqlen_k - seqlen_q

@@ -163,7 +163,7 @@ void set_fwd_params(flash::Flash_fwd_params& p, const Sizes& s, const Tensor& q,
   p.seqlen_k = int(s.seqlen_k);
   p.d = int(s.headdim);
   p.d_rounded = p.d;  // the CUDA path overrides with the compiled head dim
-  p.scale_softmax = float(softmax_scale);
+  p.scale_softmax = softmax_scale;
   p.scale_softmax_log2 = float(softmax_scale * M_LOG2E);
   p.is_causal = causal;
   p.is_bf16 = q.scalar_type() == at::kBFloat16;

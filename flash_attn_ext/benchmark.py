@@ -7,7 +7,7 @@
 Each case is (dtype, headdim, causal, seqlen, GQA ratio, mode) with mode one of ``fwd``, ``bwd``
 (the backward pass alone, given a saved forward graph) or ``fwd_bwd``. Inputs are BSHD
 ``(batch, seqlen, nheads, headdim)`` random normal tensors; batch = tokens // seqlen (16k tokens
-by default) and nheads = 2048 // headdim on CUDA, as in the anchor table (../shared/ANCHORS.md).
+by default) and nheads = 2048 // headdim on CUDA, as in the team's anchor measurements (README, Benchmark).
 SDPA peers get ``transpose(1, 2)`` views (BHSD) of the same tensors.
 
 Implementations compared in one run:

@@ -56,7 +56,8 @@ def flash_attn_func(
     gives out = 0 and LSE = +inf.
     """
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        # headdim 0 is rejected by the op with a message naming headdim; don't divide by zero first.
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
     out, softmax_lse = torch.ops.flash_attn_ext.forward(q, k, v, float(softmax_scale), bool(causal))
     return (out, softmax_lse) if return_lse else out
 

@@ -71,7 +71,7 @@ def attention_ref(
 
 def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int,
                     causal: bool, mode: str = "fwd") -> float:
-    """Matmul FLOPs by the standard count (the one ../shared/ANCHORS.md and FlashAttention's
+    """Matmul FLOPs by the standard count (the one FlashAttention's
     benchmarks use): forward 4·B·H·Nq·Nk·d, halved when causal; backward 2.5 × forward;
     "fwd_bwd" 3.5 × forward."""
     f = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim * (0.5 if causal else 1.0)

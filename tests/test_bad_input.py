@@ -147,3 +147,26 @@ def test_cuda_only_dtypes_documented_on_cuda():
         pytest.skip("needs a CUDA device: checks that CUDA rejects float32 with a clear error")
     q, k, v = (t.cuda() for t in qkv())
     raises(r"q has dtype Float; CUDA supports float16 and bfloat16|this build has no CUDA kernels", fwd, q, k, v, 0.1, False)
+
+
+def test_double_backward_raises():
+    """Differentiating the gradients is not implemented: a clear error, never a silent wrong value."""
+    q, k, v = (t.double().requires_grad_() for t in qkv(b=1, sq=8, sk=8, h=2, hk=2, d=16))
+    out, _ = fwd(q, k, v, 0.25, False)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dq.pow(2).sum().backward()
+
+
+def test_meta_tensors_are_checked():
+    """The fake (meta) kernels run the same checks as the real ones."""
+    q, k, v = (t.to("meta") for t in qkv(d=12))
+    raises(r"headdim must be a positive multiple of 8", fwd, q, k, v, 0.1, False)
+    q, k, v = qkv()
+    raises(r"k is on meta but q is on cpu", fwd, q, k.to("meta"), v.to("meta"), 0.1, False)
+
+
+def test_headdim_zero_with_default_scale():
+    q = torch.randn(1, 4, 2, 0)
+    with pytest.raises(RuntimeError, match="headdim"):
+        flash_attn_ext.flash_attn_func(q, q, q)

@@ -6,9 +6,12 @@ shape without a full cartesian product (CI has 2 cores).
 """
 
 import itertools
+import math
 
 import pytest
 import torch
+
+from flash_attn_ext.reference import attention_ref
 
 SEQLENS = [(1, 1), (17, 17), (128, 128), (300, 300), (1, 128), (17, 300), (300, 17), (128, 17), (113, 203)]
 HEADS = [(4, 4), (8, 2), (4, 1)]  # (nheads, nheads_k): MHA, GQA 8:2, MQA 4:1
@@ -85,3 +88,14 @@ def test_poison_fixture_poisons(poison_empty):
     q = torch.randn(1, 3, 1, 8)
     out, lse = torch.ops.flash_attn_ext.forward(q, q, q, 1.0, False)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+@pytest.mark.parametrize("headdim", [32, 40, 96])
+def test_float64_is_float64_accurate(headdim):
+    """softmax_scale travels as a double: a float64 call is accurate to float64 rounding for head
+    dims whose 1/sqrt(headdim) is not exact in float32."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 37, 4, headdim, dtype=torch.float64) for _ in range(3))
+    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, 1.0 / math.sqrt(headdim), True)
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+    assert (out - ref_out).abs().max().item() < 1e-12

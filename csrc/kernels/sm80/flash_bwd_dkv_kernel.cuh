@@ -247,7 +247,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 #pragma unroll
   for (int ma = 0; ma < kMA; ++ma) {
     store_acc_to_smem<T::kNBlkD, kPitch>(sK, acc_dk[ma], kWarpRows * warp_n + 16 * ma, T::kDW * warp_d,
-                                         params.scale_softmax, lane);
+                                         float(params.scale_softmax), lane);
     store_acc_to_smem<T::kNBlkD, kPitch>(sV, acc_dv[ma], kWarpRows * warp_n + 16 * ma, T::kDW * warp_d, 1.f,
                                          lane);
   }

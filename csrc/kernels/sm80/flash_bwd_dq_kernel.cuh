@@ -233,7 +233,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   __syncthreads();
 #pragma unroll
   for (int ma = 0; ma < kMA; ++ma) {
-    store_acc_to_smem<T::kNBlkD, kPitch>(sQ, acc_dq[ma], warp_row0 + 16 * ma, 0, params.scale_softmax, lane);
+    store_acc_to_smem<T::kNBlkD, kPitch>(sQ, acc_dq[ma], warp_row0 + 16 * ma, 0, float(params.scale_softmax), lane);
   }
   __syncthreads();
   Element* dq_tile = reinterpret_cast<Element*>(params.dq_ptr) + bidb * params.dq_batch_stride +
