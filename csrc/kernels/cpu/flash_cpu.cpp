@@ -81,6 +81,21 @@ inline void axpy(Acc alpha, const Acc* x, Acc* y, int d) {
   for (int c = 0; c < d; ++c) y[c] += alpha * x[c];
 }
 
+// The unit of parallel work of the forward and the dQ pass: one query tile of one (batch, head).
+// task = (b * nheads + h) * num_m_blocks + m_block.
+struct QTile {
+  int b, h, h_k;  // batch, query head, its kv head (GQA)
+  int m0, rows_m;  // first row and number of valid rows of the tile
+};
+
+inline QTile q_tile_of(const Flash_fwd_params& p, int64_t task, int num_m_blocks) {
+  const int mb = int(task % num_m_blocks);
+  const int h = int((task / num_m_blocks) % p.h);
+  const int m0 = mb * kBlockM;
+  return {int(task / (int64_t(num_m_blocks) * p.h)), h, h / p.h_h_k_ratio, m0,
+          std::min(kBlockM, p.seqlen_q - m0)};
+}
+
 // ------------------------------------------------------------------------------------------
 // Forward: one task = one (batch, head, query tile). FA2 Alg. 1.
 // kLseOnly: compute only LSE (no V, no output) into lse_acc[(b * h + head) * seqlen_q + i] in
@@ -100,12 +115,7 @@ void fwd_impl(const Flash_fwd_params& p, Acc* lse_acc) {
     std::vector<Acc> s_tile(int64_t(kBlockM) * kBlockN), m_row(kBlockM), l_row(kBlockM);
 
     for (int64_t task = begin; task < end; ++task) {
-      const int mb = int(task % num_m_blocks);
-      const int h = int((task / num_m_blocks) % p.h);
-      const int b = int(task / (int64_t(num_m_blocks) * p.h));
-      const int h_k = h / p.h_h_k_ratio;
-      const int m0 = mb * kBlockM;
-      const int rows_m = std::min(kBlockM, p.seqlen_q - m0);
+      const auto [b, h, h_k, m0, rows_m] = q_tile_of(p, task, num_m_blocks);
 
       const T* q = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
       const T* k = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_k * p.k_head_stride;
@@ -307,12 +317,7 @@ void bwd_impl(const Flash_bwd_params& p) {
     std::vector<Acc> s_tile(int64_t(kBlockM) * kBlockN), dp_tile(int64_t(kBlockM) * kBlockN);
 
     for (int64_t task = begin; task < end; ++task) {
-      const int mb = int(task % num_m_blocks);
-      const int h = int((task / num_m_blocks) % p.h);
-      const int b = int(task / (int64_t(num_m_blocks) * p.h));
-      const int h_k = h / p.h_h_k_ratio;
-      const int m0 = mb * kBlockM;
-      const int rows_m = std::min(kBlockM, p.seqlen_q - m0);
+      const auto [b, h, h_k, m0, rows_m] = q_tile_of(p, task, num_m_blocks);
 
       const T* q = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
       const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
