@@ -26,6 +26,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 ALL_HDIMS = [32, 64, 96, 128, 192, 256]
 # One .cu per (arch path, kernel, head dim, dtype), written by csrc/kernels/generate_kernels.py.
 KERNEL_KINDS = ["fwd", "bwd_dkv", "bwd_dq"]
+# Hopper (wgmma) path: backward kernels for these head dims, built when 90a is targeted.
+SM90_KINDS = ["bwd_dkv", "bwd_dq"]
+SM90_BWD_HDIMS = [64, 128]
 
 
 def _is_toolkit(path):
@@ -124,6 +127,12 @@ def kernel_sources(archs, hdims):
         for d in hdims:
             for dtype in ("fp16", "bf16"):
                 srcs.append(f"csrc/kernels/sm80/instantiations/flash_{kind}_hdim{d}_{dtype}_sm80.cu")
+    if "90a" in archs:
+        for kind in SM90_KINDS:
+            for d in hdims:
+                if d in SM90_BWD_HDIMS:
+                    for dtype in ("fp16", "bf16"):
+                        srcs.append(f"csrc/kernels/sm90/instantiations/flash_{kind}_hdim{d}_{dtype}_sm90.cu")
     missing = [s for s in srcs if not os.path.exists(os.path.join(ROOT, s))]
     if missing:
         sys.exit("missing kernel sources (run python csrc/kernels/generate_kernels.py): "
@@ -161,6 +170,8 @@ def build_extension():
         return ext, BuildExtension
 
     hdim_defs = [f"-DFLASH_ATTN_EXT_HDIM_{h}" for h in hdims]
+    if "90a" in archs:
+        hdim_defs.append("-DFLASH_ATTN_EXT_WITH_SM90")  # the dispatch may pick the wgmma kernels
     nvcc_flags = [
         "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",

@@ -60,7 +60,7 @@ $PY -c "import flash_attn_ext as f; print(f.build_info())" | tee -a "$OUT/gpu.tx
 
 if [[ " $STEPS " == *" test "* ]]; then
   TESTS=${TESTS:-tests}
-  $PY -m pytest -q -x -rs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -n 40
+  $PY -m pytest -x -rs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -n 40
   summary+=("pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)")
   pack
 fi

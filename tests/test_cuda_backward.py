@@ -1,5 +1,9 @@
-"""CUDA backward kernels (csrc/kernels/flash_bwd_dispatch.cu, csrc/kernels/sm80/flash_bwd_*.cuh):
+"""CUDA backward kernels (csrc/kernels/flash_bwd_dispatch.cu, csrc/kernels/{sm80,sm90}/flash_bwd_*.cuh):
 FlashAttention-2 Alg. 2 (Dao 2023) split into preprocess, dK/dV and dQ kernels.
+
+Every test runs once per backward arch path the GPU can take: "auto" (what the dispatch picks: the
+sm90 wgmma kernels on an sm_90 GPU for the head dims they cover, sm80 otherwise) and, on sm_90
+with a build that has sm_90a code, "sm80" (FLASH_ATTN_EXT_DISABLE_SM90=1 forces the mma.sync path).
 
 dq, dk, dv are checked against the autograd of flash_attn_ext.reference.attention_ref with the
 accuracy rule of tests/accuracy.py (max|ours - ref| <= 2 * max|same-dtype torch - ref|, ref in
@@ -21,6 +25,19 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the CUDA backward kernels need an NVIDIA GPU (sm_80 or newer)")
 
 DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True, params=["auto", "sm80"])
+def bwd_path(request, monkeypatch):
+    """Runs the test on the dispatch's default backward path and, where it differs (sm_90 GPU, sm_90a
+    build), again on the sm80 path."""
+    if request.param == "sm80":
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the sm80 path is the default backward path on this GPU")
+        if "90a" not in flash_attn_ext.build_info().get("cuda_archs", ""):
+            pytest.skip("this build has no sm_90a code, so the sm80 path is the default")
+        monkeypatch.setenv("FLASH_ATTN_EXT_DISABLE_SM90", "1")
+    return request.param
 
 
 def _compiled_hdims():

@@ -1,4 +1,4 @@
-// Forward dispatch: arch path x head dim x dtype -> run_mha_fwd_<Arch, Element, kHeadDim>.
+// Forward dispatch: arch path x head dim x dtype -> run_mha_fwd_<Element, kHeadDim>(Arch{}, ...).
 // Only head dims compiled in this build (setup.py defines FLASH_ATTN_EXT_HDIM_<d>) are reachable;
 // anything else raises std::runtime_error naming what is missing.
 #include <cuda_bf16.h>
@@ -41,22 +41,22 @@ template <typename Arch, typename Element>
 void run_fwd_hdim(Flash_fwd_params& params, cudaStream_t stream) {
   switch (params.d_rounded) {
 #ifdef FLASH_ATTN_EXT_HDIM_32
-    case 32: run_mha_fwd_<Arch, Element, 32>(params, stream); return;
+    case 32: run_mha_fwd_<Element, 32>(Arch{}, params, stream); return;
 #endif
 #ifdef FLASH_ATTN_EXT_HDIM_64
-    case 64: run_mha_fwd_<Arch, Element, 64>(params, stream); return;
+    case 64: run_mha_fwd_<Element, 64>(Arch{}, params, stream); return;
 #endif
 #ifdef FLASH_ATTN_EXT_HDIM_96
-    case 96: run_mha_fwd_<Arch, Element, 96>(params, stream); return;
+    case 96: run_mha_fwd_<Element, 96>(Arch{}, params, stream); return;
 #endif
 #ifdef FLASH_ATTN_EXT_HDIM_128
-    case 128: run_mha_fwd_<Arch, Element, 128>(params, stream); return;
+    case 128: run_mha_fwd_<Element, 128>(Arch{}, params, stream); return;
 #endif
 #ifdef FLASH_ATTN_EXT_HDIM_192
-    case 192: run_mha_fwd_<Arch, Element, 192>(params, stream); return;
+    case 192: run_mha_fwd_<Element, 192>(Arch{}, params, stream); return;
 #endif
 #ifdef FLASH_ATTN_EXT_HDIM_256
-    case 256: run_mha_fwd_<Arch, Element, 256>(params, stream); return;
+    case 256: run_mha_fwd_<Element, 256>(Arch{}, params, stream); return;
 #endif
     default: break;
   }

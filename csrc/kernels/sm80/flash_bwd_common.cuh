@@ -129,18 +129,6 @@ __device__ __forceinline__ void gemm_abt_smem(float (&acc)[kMA][kNBlk][4], const
   }
 }
 
-// A fragment (16 x 16) of the k16 step kk from a warp's fp32 C-fragment tile x[kNBlk][4]
-// (16 x kNBlk*8), rounded to Element: columns 16kk..16kk+15 are n8 blocks 2kk and 2kk+1, and
-// a[0] = X[g][16kk+2t..], a[1] = X[g+8][16kk+2t..], a[2] = X[g][16kk+8+2t..], a[3] = X[g+8][..]
-// are exactly those blocks' c[0..1], c[2..3] (mma.cuh layouts). No shuffles, no shared memory.
-template <int kNBlk, typename Element>
-__device__ __forceinline__ void acc_to_a_frag(uint32_t (&a)[4], const float (&x)[kNBlk][4], int kk) {
-  a[0] = pack2<Element>(x[2 * kk][0], x[2 * kk][1]);
-  a[1] = pack2<Element>(x[2 * kk][2], x[2 * kk][3]);
-  a[2] = pack2<Element>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-  a[3] = pack2<Element>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
-}
-
 // acc[ma] (16 x kNBlkD*8 columns [col0, col0 + kNBlkD*8) of d) += A[ma] (16 x 16) * B for
 // ma < kMA, B = rows [k0, k0+16) of a shared [k][d] tile, read with ldmatrix.trans (V-like
 // recipe): the "O += P V", "dV += P^T dO", "dQ += dS K" shape. Each B x4 feeds 2*kMA mma.

@@ -51,7 +51,7 @@ inline unsigned checked_grid(int64_t blocks, const char* what) {
 
 // dK, dV for every (K/V block, batch, kv head): 1-D grid, key block fastest. Any tile shape:
 // run_mha_bwd_dkv_ passes the production row of tile_config_bwd.h, the tuning harness
-// (benchmarks/tune_sm80.cu) others.
+// (benchmarks/tune_kernels.cu) others.
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit, int kWarpRows = 16>
 void launch_bwd_dkv(Flash_bwd_params& params, cudaStream_t stream) {
   using Traits = bwd::DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit, kWarpRows>;
@@ -77,9 +77,8 @@ void launch_bwd_dq(Flash_bwd_params& params, cudaStream_t stream) {
   FLASH_CHECK_LAUNCH();
 }
 
-template <typename Arch, typename Element, int kHeadDim>
-void run_mha_bwd_dkv_(Flash_bwd_params& params, cudaStream_t stream) {
-  static_assert(std::is_same<Arch, Sm80>::value, "flash_bwd_launch.cuh is the sm80 path");
+template <typename Element, int kHeadDim>
+void run_mha_bwd_dkv_(Sm80, Flash_bwd_params& params, cudaStream_t stream) {
   using Cfg = BwdTileConfigSm80<kHeadDim>;
   static_assert(bwd::DkvKernelTraits<Element, kHeadDim, Cfg::kDkvBlockM, Cfg::kDkvBlockN, Cfg::kDkvColSplit,
                                      Cfg::kDkvWarpRows>::kSmemBytes <= kMaxSmemSm80,
@@ -88,9 +87,8 @@ void run_mha_bwd_dkv_(Flash_bwd_params& params, cudaStream_t stream) {
       params, stream);
 }
 
-template <typename Arch, typename Element, int kHeadDim>
-void run_mha_bwd_dq_(Flash_bwd_params& params, cudaStream_t stream) {
-  static_assert(std::is_same<Arch, Sm80>::value, "flash_bwd_launch.cuh is the sm80 path");
+template <typename Element, int kHeadDim>
+void run_mha_bwd_dq_(Sm80, Flash_bwd_params& params, cudaStream_t stream) {
   using Cfg = BwdTileConfigSm80<kHeadDim>;
   static_assert(bwd::DqKernelTraits<Element, kHeadDim, Cfg::kDqBlockM, Cfg::kDqBlockN,
                                     Cfg::kDqWarpRows>::kSmemBytes <= kMaxSmemSm80,

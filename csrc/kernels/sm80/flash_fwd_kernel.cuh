@@ -42,7 +42,7 @@
 namespace flash {
 
 // Config defaults to the production row of tile_config.h; the tuning harness
-// (benchmarks/tune_sm80.cu) instantiates other TileConfigs to compare them in one binary.
+// (benchmarks/tune_kernels.cu) instantiates other TileConfigs to compare them in one binary.
 template <typename Element_, int kHeadDim_, typename Config_ = FwdTileConfigSm80<kHeadDim_>>
 struct FwdKernelTraits {
   using Element = Element_;

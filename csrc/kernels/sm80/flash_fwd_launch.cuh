@@ -18,7 +18,7 @@
 namespace flash {
 
 // Launches flash_fwd_kernel<Traits> (any tile config: the production one comes from
-// run_mha_fwd_ below, others from the tuning harness benchmarks/tune_sm80.cu).
+// run_mha_fwd_ below, others from the tuning harness benchmarks/tune_kernels.cu).
 template <typename Traits>
 void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -55,9 +55,8 @@ void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   FLASH_CHECK_LAUNCH();
 }
 
-template <typename Arch, typename Element, int kHeadDim>
-void run_mha_fwd_(Flash_fwd_params& params, cudaStream_t stream) {
-  static_assert(std::is_same<Arch, Sm80>::value, "flash_fwd_launch.cuh is the Sm80 path");
+template <typename Element, int kHeadDim>
+void run_mha_fwd_(Sm80, Flash_fwd_params& params, cudaStream_t stream) {
   launch_fwd<FwdKernelTraits<Element, kHeadDim>>(params, stream);
 }
 

@@ -17,7 +17,7 @@
 // reports no spills at the 255-register cap (nvcc 13, sm_80 and sm_90a): 4 warps x 32 rows keep
 // 2 m16 atoms per warp (K/V fragments reused twice: half the ldmatrix traffic of 16-row warps),
 // and kBlockN shrinks where acc_o + S would spill (d128: 128x64 spills 8 B, 128x48 none).
-// Measured on the H200 with benchmarks/tune_sm80.py (bf16, 16k tokens, TFLOP/s at N=1024/4096/16384,
+// Measured on the H200 with benchmarks/tune_kernels.py (bf16, 16k tokens, TFLOP/s at N=1024/4096/16384,
 // non-causal, 2026-11-29): d128 128x32 305/338/349, 128x48 313/347/362, 128x64 301/328/352;
 // d64 128x64 283/314/325, 128x64 Q-in-regs 289/324/329, 128x128 Q-in-regs 272/290/301.
 // Shared memory per CTA = (kBlockM + 2*kBlockN) * (kHeadDim + 8) * 2 bytes (rows padded by

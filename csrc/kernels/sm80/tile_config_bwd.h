@@ -49,7 +49,7 @@ constexpr int kMaxSmemSm80 = 163 * 1024;
 template <int kHeadDim>
 struct BwdTileConfigSm80;
 
-// Measured on the H200 with benchmarks/tune_sm80.py (bf16, 16k tokens, 2026-11-29): 32 rows per
+// Measured on the H200 with benchmarks/tune_kernels.py (bf16, 16k tokens, 2026-11-29): 32 rows per
 // warp (every ldmatrix'd B fragment feeds two mma) made the d64 dK/dV kernel 12-17 % faster and the
 // dQ kernels 25-30 % faster (d64 128x64, d128 128x32) than 16 rows; at d128 the dK/dV accumulators
 // of 32 rows do not fit the registers, and other dK/dV tile shapes were within +-2 %.

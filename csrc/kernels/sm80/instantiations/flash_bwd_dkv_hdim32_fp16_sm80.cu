@@ -2,5 +2,5 @@
 #include "../flash_bwd_launch.cuh"
 
 namespace flash {
-template void run_mha_bwd_dkv_<Sm80, __half, 32>(Flash_bwd_params& params, cudaStream_t stream);
+template void run_mha_bwd_dkv_<__half, 32>(Sm80, Flash_bwd_params& params, cudaStream_t stream);
 }  // namespace flash

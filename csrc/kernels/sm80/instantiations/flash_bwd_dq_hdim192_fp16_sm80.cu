@@ -2,5 +2,5 @@
 #include "../flash_bwd_launch.cuh"
 
 namespace flash {
-template void run_mha_bwd_dq_<Sm80, __half, 192>(Flash_bwd_params& params, cudaStream_t stream);
+template void run_mha_bwd_dq_<__half, 192>(Sm80, Flash_bwd_params& params, cudaStream_t stream);
 }  // namespace flash

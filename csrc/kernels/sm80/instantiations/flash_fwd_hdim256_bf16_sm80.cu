@@ -2,5 +2,5 @@
 #include "../flash_fwd_launch.cuh"
 
 namespace flash {
-template void run_mha_fwd_<Sm80, __nv_bfloat16, 256>(Flash_fwd_params& params, cudaStream_t stream);
+template void run_mha_fwd_<__nv_bfloat16, 256>(Sm80, Flash_fwd_params& params, cudaStream_t stream);
 }  // namespace flash

@@ -2,5 +2,5 @@
 #include "../flash_fwd_launch.cuh"
 
 namespace flash {
-template void run_mha_fwd_<Sm80, __half, 96>(Flash_fwd_params& params, cudaStream_t stream);
+template void run_mha_fwd_<__half, 96>(Sm80, Flash_fwd_params& params, cudaStream_t stream);
 }  // namespace flash

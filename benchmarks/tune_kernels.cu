@@ -1,7 +1,7 @@
-// Tile-config tuning harness for the sm80 kernels: times several tile shapes of the forward,
-// dK/dV and dQ kernels in one binary, without torch, on bf16 random inputs (BSHD, 16k tokens,
+// Tile-config tuning harness for the CUDA kernels: times several tile shapes of the forward,
+// dK/dV and dQ kernels (sm80 path; dK/dV and dQ of the sm90 path too) in one binary, without torch, on bf16 random inputs (BSHD, 16k tokens,
 // 2048/hdim heads, like ../shared/ANCHORS.md), and checks every variant against the production
-// config (max |difference| of its outputs). Driven by benchmarks/tune_sm80.py, which compiles one
+// config (max |difference| of its outputs). Driven by benchmarks/tune_kernels.py, which compiles one
 // translation unit per variant (-DTUNE_VARIANT) in parallel and links them with this file's main.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -18,6 +18,9 @@
 #include "kernels/sm80/flash_bwd_launch.cuh"
 #include "kernels/sm80/flash_bwd_preprocess_kernel.cuh"
 #include "kernels/sm80/flash_fwd_launch.cuh"
+#ifdef TUNE_SM90
+#include "kernels/sm90/flash_bwd_launch.cuh"
+#endif
 
 struct TuneVariant {
   int kind;  // 0 fwd, 1 dkv, 2 dq
@@ -40,6 +43,19 @@ using Bf16 = __nv_bfloat16;
 static TuneRegistrar tune_reg({0, HD, "fwd BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " warps=" TUNE_STR(A3) " qregs=" TUNE_STR(A4) " minB=" TUNE_STR(A5),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
                                  flash::launch_fwd<flash::FwdKernelTraits<Bf16, HD, flash::TileConfig<A1, A2, A3, 1, A4, A5>>>(p, s);
+                               }});
+#elif KIND == 1 && defined(TUNE_SM90)
+#ifndef A3
+#define A3 1
+#endif
+static TuneRegistrar tune_reg({1, HD, "dkv90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3),
+                               [](flash::Flash_bwd_params& p, cudaStream_t s) {
+                                 flash::sm90::launch_bwd_dkv<Bf16, HD, A1, A2, A3>(p, s);
+                               }});
+#elif KIND == 2 && defined(TUNE_SM90)
+static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2),
+                               [](flash::Flash_bwd_params& p, cudaStream_t s) {
+                                 flash::sm90::launch_bwd_dq<Bf16, HD, A1, A2>(p, s);
                                }});
 #elif KIND == 1
 #ifndef A4
@@ -112,7 +128,7 @@ static float time_ms(const std::function<void()>& fn) {
 }
 
 int main(int argc, char** argv) {
-  // Usage: tune_sm80 [seqlen ...]   (default 1024 4096 16384); hdims and causal from the registry.
+  // Usage: tune_kernels [seqlen ...]   (default 1024 4096 16384); hdims and causal from the registry.
   std::vector<int> seqlens;
   for (int i = 1; i < argc; ++i) seqlens.push_back(atoi(argv[i]));
   if (seqlens.empty()) seqlens = {1024, 4096, 16384};

@@ -1,14 +1,18 @@
-"""Compare tile configs of the sm80 kernels on the GPU in one call (no torch needed).
+"""Compare tile configs of the CUDA kernels on the GPU in one call (no torch needed).
 
-    python benchmarks/tune_sm80.py [--arch 90a] [--seqlen 1024,4096,16384] [VARIANT ...]
+    python benchmarks/tune_kernels.py [--arch 90a] [--seqlen 1024,4096,16384] [VARIANT ...]
 
-A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv or dq and ARGS the kernel's template arguments:
+A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path) or dkv90, dq90 (sm90 wgmma path,
+--arch 90a only) and ARGS the kernel's template arguments:
     fwd:128:128,32,4,false,2     TileConfig<BLOCK_M, BLOCK_N, warps, 1 stage, Q-in-regs, min CTAs/SM>
     dkv:128:64,128,1             launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N, colsplit[, warp rows]>
     dq:128:128,64                launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N[, warp rows]>
-The first variant of each (kind, hdim) is the reference the others' outputs are checked against
-(put the production row of tile_config*.h first). One translation unit per variant is compiled
-in parallel (benchmarks/tune_sm80.cu), then the binary prints one line per (problem, variant).
+    dkv90:128:64,128             sm90::launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N[, split]>
+    dq90:128:128,64              sm90::launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N>
+The first variant of each (output, hdim) is the reference the others' outputs are checked against
+(dkv and dkv90 both write dK, dq and dq90 dQ; put the production row of tile_config*.h first, and
+a fwd variant of each hdim: it makes the backward inputs). One translation unit per variant is compiled
+in parallel (benchmarks/tune_kernels.cu), then the binary prints one line per (problem, variant).
 """
 
 import argparse
@@ -19,8 +23,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SRC = os.path.join(ROOT, "benchmarks", "tune_sm80.cu")
-KINDS = {"fwd": 0, "dkv": 1, "dq": 2}
+SRC = os.path.join(ROOT, "benchmarks", "tune_kernels.cu")
+KINDS = {"fwd": 0, "dkv": 1, "dq": 2, "dkv90": 1, "dq90": 2}  # kind -> output compared
 DEFAULT = [
     "fwd:64:128,64,4,false,2", "fwd:128:128,32,4,false,2",
     "dkv:64:64,128,1", "dq:64:128,128", "dkv:128:64,128,1", "dq:128:128,64",
@@ -41,10 +45,12 @@ def variant_defines(spec):
     # No commas inside -D values: nvcc splits option values at commas.
     kind, hdim, args = spec.split(":")
     a = args.split(",")
-    n_args = {"fwd": (5, 5), "dkv": (3, 4), "dq": (2, 3)}[kind]  # (required, allowed)
-    if not n_args[0] <= len(a) <= n_args[1]:
+    n_args = {"fwd": (5, 5), "dkv": (3, 4), "dq": (2, 3), "dkv90": (2, 3), "dq90": (2, 2)}[kind]
+    if not n_args[0] <= len(a) <= n_args[1]:  # (required, allowed)
         sys.exit(f"variant {spec}: {kind} takes {n_args[0]} to {n_args[1]} template arguments")
     defs = ["-DTUNE_VARIANT", f"-DKIND={KINDS[kind]}", f"-DHD={hdim}"]
+    if kind.endswith("90"):
+        defs.append("-DTUNE_SM90")
     return defs + [f"-DA{i + 1}={x}" for i, x in enumerate(a)]
 
 
@@ -57,7 +63,7 @@ def main():
     ap.add_argument("variants", nargs="*")
     args = ap.parse_args()
     variants = args.variants or DEFAULT
-    work = tempfile.mkdtemp(prefix="tune_sm80_")
+    work = tempfile.mkdtemp(prefix="tune_kernels_")
     jobs = [(os.path.join(work, "main.o"), [])]
     jobs += [(os.path.join(work, f"v{i:02d}.o"), variant_defines(v)) for i, v in enumerate(variants)]
 
@@ -72,7 +78,7 @@ def main():
             if rc != 0:
                 print(err[-4000:])
                 sys.exit(f"compile failed: {obj}")
-    exe = os.path.join(work, "tune_sm80")
+    exe = os.path.join(work, "tune_kernels")
     subprocess.run([nvcc(), "-o", exe] + [j[0] for j in jobs], check=True)
     print(f"built {len(variants)} variants in {work}", flush=True)
     if args.compile_only:

@@ -1,0 +1,268 @@
+// FlashAttention-2 backward, dK/dV kernel on Hopper tensor cores (wgmma): the same algorithm as
+// csrc/kernels/sm80/flash_bwd_dkv_kernel.cuh (Dao 2023, Alg. 2 outer loop over K/V blocks j; dQ
+// left to the dQ kernel, so no atomics and a deterministic result), with every product a
+// warpgroup-wide asynchronous wgmma instead of per-warp mma.sync.
+//
+// One CTA per (K/V block j of kBlockN rows, batch, kv head); warpgroup wg owns K rows
+// [64 wg, 64 wg + 64). K_j, V_j stay in shared memory; for every query head of the GQA group and
+// every Q tile i of kBlockM rows that sees block j, Q_i, dO_i, lse_log2_i, D_i stream in through
+// a double-buffered cp.async pipeline, and each warpgroup computes
+//   S^T  = K_j Q_i^T                    wgmma SS, B = Q_i K-major         (Alg. 2 line 11)
+//   dP^T = V_j dO_i^T                   wgmma SS, B = dO_i K-major        (line 14)
+//   P^T  = exp2(S^T scale_log2 - lse_log2_i)   while dP^T runs            (line 12; masked -> 0)
+//   dV_j += P^T dO_i                    wgmma RS, A = P^T from registers, B = dO_i N-major (13)
+//   dS^T = P^T o (dP^T - D_i)                                             (line 15)
+//   dK_j += dS^T Q_i                    wgmma RS, A = dS^T, B = Q_i N-major  (line 17)
+// The transposed products put K rows on the wgmma M axis, so P^T and dS^T are produced as
+// accumulators whose k16 slices are the register A operands of the next products: no shared
+// memory round trip, and Q_i / dO_i each serve as a K-major and an N-major operand from one copy.
+//
+// Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S^T acc[j][e] holds
+//   K row n = n0 + 64 wg + 16 w + g + 8 (e / 2),  Q row m = m0 + 8 j + 2 t + (e % 2),
+// so lse_log2 and D are one float2 per n8 block j. Causal masking, ragged edges and GQA are
+// exactly as in the sm80 kernel (see its header).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "flash.h"
+#include "kernels/sm90/smem_layout.cuh"
+#include "primitives/cp_async.cuh"
+#include "primitives/math.cuh"
+#include "primitives/mma.cuh"
+#include "primitives/wgmma.cuh"
+
+namespace flash {
+namespace sm90 {
+
+// kSplit: parts of the Q tile whose products are queued together (see the main loop).
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kSplit = 1>
+struct DkvKernelTraits {
+  static constexpr int kWarpGroups = kBlockN / 64;
+  static constexpr int kThreads = kWarpGroups * 128;
+  using TileKV = SwizzledTile<kBlockN, kHeadDim>;
+  using TileQ = SwizzledTile<kBlockM, kHeadDim>;
+  // Shared layout (1024-byte aligned): sK, sV, then 2 stages x (sQ, sdO), then 2 stages x
+  // (lse_log2, D) of kBlockM floats each.
+  static constexpr int kOffV = TileKV::kBytes;
+  static constexpr int kOffQ = 2 * TileKV::kBytes;
+  static constexpr int kOffDO = kOffQ + 2 * TileQ::kBytes;
+  static constexpr int kOffLse = kOffDO + 2 * TileQ::kBytes;
+  static constexpr int kOffDsum = kOffLse + 2 * kBlockM * 4;
+  static constexpr int kSmemBytes = kOffDsum + 2 * kBlockM * 4 + 1024;  // + alignment slack
+  // dS^T from the Element-rounded P^T (as the sm80 kernel's kPRounded) where the fp32 P^T
+  // (kBlockM / 2 registers) would not fit next to dP^T and the dK/dV accumulators.
+  static constexpr bool kPRounded = kBlockM >= 128;
+  static_assert(kBlockN % 64 == 0 && kBlockM % 16 == 0, "64 K rows per warpgroup, k16 steps of Q rows");
+  static_assert(kBlockM / kSplit == 64 || kBlockM / kSplit == 128, "a part's S^T is one m64nNk16 wgmma wide");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "dK/dV are one m64nNk16 wgmma wide (N = d)");
+  static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
+};
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kSplit = 1>
+__global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kSplit>::kThreads, 1)
+flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kSplit>;
+  using TileKV = typename T::TileKV;
+  using TileQ = typename T::TileQ;
+  constexpr int kThreads = T::kThreads;
+  constexpr int kPart = kBlockM / kSplit;  // Q rows per part
+  constexpr int kNBlkP = kPart / 8;        // n8 blocks of a part's S^T
+  constexpr int kNBlkD = kHeadDim / 8;   // n8 blocks of dK / dV
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = smem_u32addr(smem_raw);
+  const uint32_t smem_addr = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
+  unsigned char* smem = smem_raw + (smem_addr - raw_addr);
+  const uint32_t sK = smem_addr, sV = smem_addr + T::kOffV;
+  float* sLse0 = reinterpret_cast<float*>(smem + T::kOffLse);    // stage s: + s * kBlockM
+  float* sDsum0 = reinterpret_cast<float*>(smem + T::kOffDsum);
+
+  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128;
+  const int lane = tid % 32, warp_wg = tid_wg / 32;
+  const int g = lane / 4, t = lane % 4;
+
+  // Block index: n_block fastest, so the heavy (early, under causal) key blocks go first and
+  // CTAs of one (batch, kv head) run together and share Q / dO in L2.
+  const int num_n_blocks = ceil_div(params.seqlen_k, kBlockN);
+  const int n_block = blockIdx.x % num_n_blocks;
+  const int bh = blockIdx.x / num_n_blocks;
+  const int bidb = bh / params.h_k, bidhk = bh % params.h_k;
+  const int n0 = n_block * kBlockN;
+  const int off = params.seqlen_k - params.seqlen_q;
+
+  // Q tiles that see this key block, per query head of the GQA group.
+  int m_block_min = 0;
+  if (params.is_causal && n0 - off > 0) m_block_min = (n0 - off) / kBlockM;
+  const int m_block_max = ceil_div(params.seqlen_q, kBlockM);
+  const int num_m = m_block_max > m_block_min ? m_block_max - m_block_min : 0;
+  const int ratio = params.h_h_k_ratio;
+  const int n_iter = num_m * ratio;
+
+  const Element* q_base = reinterpret_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride;
+  const Element* do_base = reinterpret_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride;
+
+  // Alg. 2 line 10: cp.async copies of iteration `it` (query head, Q tile) into `stage`.
+  auto load_q_tile = [&](int it, int stage) {
+    const int bidh = bidhk * ratio + it / num_m;
+    const int m0 = (m_block_min + it % num_m) * kBlockM;
+    load_tile_async<kBlockM, kHeadDim, kThreads>(
+        smem_addr + T::kOffQ + stage * TileQ::kBytes, q_base + bidh * params.q_head_stride + m0 * params.q_row_stride,
+        params.q_row_stride, params.seqlen_q - m0, params.d, tid);
+    load_tile_async<kBlockM, kHeadDim, kThreads>(
+        smem_addr + T::kOffDO + stage * TileQ::kBytes,
+        do_base + bidh * params.do_head_stride + m0 * params.do_row_stride, params.do_row_stride,
+        params.seqlen_q - m0, params.d, tid);
+    // lse_log2 / D: kBlockM floats each, in range for whole tiles (rows rounded to 128).
+    const int64_t ws = (int64_t(bidb) * params.h + bidh) * params.seqlen_q_rounded + m0;
+    constexpr int kChunks = kBlockM / 4;  // 16 B = 4 floats
+    if (tid < kChunks) {
+      cp_async_16(smem_u32addr(sLse0 + stage * kBlockM + tid * 4), params.softmax_lse_log2_ptr + ws + tid * 4, true);
+    } else if (tid < 2 * kChunks) {
+      cp_async_16(smem_u32addr(sDsum0 + stage * kBlockM + (tid - kChunks) * 4),
+                  params.dsoftmax_sum_ptr + ws + (tid - kChunks) * 4, true);
+    }
+  };
+
+  // Alg. 2 line 7: K_j, V_j (resident), with the first Q tile.
+  const Element* k_tile = reinterpret_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride +
+                          bidhk * params.k_head_stride + n0 * params.k_row_stride;
+  const Element* v_tile = reinterpret_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride +
+                          bidhk * params.v_head_stride + n0 * params.v_row_stride;
+  load_tile_async<kBlockN, kHeadDim, kThreads>(sK, k_tile, params.k_row_stride, params.seqlen_k - n0, params.d, tid);
+  load_tile_async<kBlockN, kHeadDim, kThreads>(sV, v_tile, params.v_row_stride, params.seqlen_k - n0, params.d, tid);
+  if (n_iter > 0) load_q_tile(0, 0);
+  cp_async_commit();
+
+  // Alg. 2 line 8: dK_j = dV_j = 0 (this warpgroup's 64 rows x d).
+  float acc_dk[kNBlkD][4], acc_dv[kNBlkD][4];
+#pragma unroll
+  for (int j = 0; j < kNBlkD; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
+  }
+
+  for (int it = 0; it < n_iter; ++it) {
+    const int stage = it % 2;
+    // Prefetch tile it + 1 into the buffer tile it - 1 used (freed by the barrier that ended it);
+    // one commit group per iteration, possibly empty, so wait_group 1 = "tile it has landed".
+    if (it + 1 < n_iter) load_q_tile(it + 1, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();  // cp.async wrote the tiles that wgmma (async proxy) reads next
+    __syncthreads();
+
+    const uint32_t sQ = smem_addr + T::kOffQ + stage * TileQ::kBytes;
+    const uint32_t sdO = smem_addr + T::kOffDO + stage * TileQ::kBytes;
+    const float* sLse = sLse0 + stage * kBlockM;
+    const float* sDsum = sDsum0 + stage * kBlockM;
+    const int m0 = (m_block_min + it % num_m) * kBlockM;
+
+    // Alg. 2 lines 11 and 14 (transposed), all issued up front: for each of the kSplit parts of
+    // the Q tile (kPart rows), S^T = K_j Q_part^T and dP^T = V_j dO_part^T. The tensor cores then
+    // have the later parts queued while this warpgroup does the softmax math of the first.
+    float acc_s[kSplit][kNBlkP][4], acc_dp[kSplit][kNBlkP][4];
+    wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < kSplit; ++h) {
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        Wgmma<Element, kPart>::template ss<0>(flat(acc_s[h]), TileKV::desc_k_major(sK, 64 * wg, kk),
+                                              TileQ::desc_k_major(sQ, h * kPart, kk), kk > 0);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        Wgmma<Element, kPart>::template ss<0>(flat(acc_dp[h]), TileKV::desc_k_major(sV, 64 * wg, kk),
+                                              TileQ::desc_k_major(sdO, h * kPart, kk), kk > 0);
+      }
+      wgmma_commit();
+    }
+
+    const bool need_mask = params.is_causal && n0 + kBlockN - 1 > m0 + off;
+    const int key0 = n0 + 64 * wg + 16 * warp_wg + g;
+    uint32_t a_p[kSplit][kPart / 16][4], a_ds[kSplit][kPart / 16][4];
+#pragma unroll
+    for (int h = 0; h < kSplit; ++h) {
+      // wgmma groups complete in order and 2 * kSplit - 1 are younger than S^T of part h (the
+      // other products of the parts, and dV / dK of the earlier parts): S^T_h is done.
+      wgmma_wait<2 * kSplit - 1>();
+      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - lse_log2) (fp32; masked pairs -> 0).
+      const int q0 = h * kPart;  // first tile row of part h
+#pragma unroll
+      for (int j = 0; j < kNBlkP; ++j) {
+        const float2 lse2 = *reinterpret_cast<const float2*>(sLse + q0 + 8 * j + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = acc_s[h][j][e] * params.scale_softmax_log2 - ((e % 2) ? lse2.y : lse2.x);
+          if (need_mask && key0 + 8 * (e / 2) > m0 + q0 + 8 * j + 2 * t + (e % 2) + off) x = -INFINITY;
+          acc_s[h][j][e] = fast_exp2(x);
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
+
+      // Alg. 2 line 13: dV_j += P^T dO_part.
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kPart / 16; ++kk) {
+        Wgmma<Element, kHeadDim>::template rs<1>(flat(acc_dv), a_p[h][kk],
+                                                 TileQ::desc_mn_major(sdO, q0 / 16 + kk), 1);
+      }
+      wgmma_commit();
+
+      // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows. With kPRounded, P^T
+      // is read back from its Element A operands, so the fp32 copy is dead while dP^T is pending.
+      wgmma_wait<2 * kSplit - 1>();  // dP^T_h is done
+#pragma unroll
+      for (int j = 0; j < kNBlkP; ++j) {
+        const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // r: row g (e = 0,1) or g + 8 (e = 2,3)
+          const float2 p = T::kPRounded ? unpack2<Element>(a_p[h][j / 2][(j % 2) * 2 + r])
+                                        : make_float2(acc_s[h][j][2 * r], acc_s[h][j][2 * r + 1]);
+          acc_dp[h][j][2 * r] = p.x * (acc_dp[h][j][2 * r] - dsum2.x);
+          acc_dp[h][j][2 * r + 1] = p.y * (acc_dp[h][j][2 * r + 1] - dsum2.y);
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_ds[h][kk], acc_dp[h], kk);
+
+      // Alg. 2 line 17: dK_j += dS^T Q_part.
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kPart / 16; ++kk) {
+        Wgmma<Element, kHeadDim>::template rs<1>(flat(acc_dk), a_ds[h][kk],
+                                                 TileQ::desc_mn_major(sQ, q0 / 16 + kk), 1);
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    __syncthreads();  // every warpgroup is done with this buffer before it is refilled
+  }
+
+  // Alg. 2 line 19: dK_j (times softmax_scale: S was scaled) and dV_j, staged through the K/V
+  // tiles (no copy may still be writing them) for coalesced 16-byte stores.
+  cp_async_wait<0>();
+  __syncthreads();
+  store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem, acc_dk, 64 * wg, float(params.scale_softmax), tid_wg);
+  store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg, 1.f, tid_wg);
+  __syncthreads();
+  Element* dk_tile = reinterpret_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride +
+                     bidhk * params.dk_head_stride + n0 * params.dk_row_stride;
+  Element* dv_tile = reinterpret_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride +
+                     bidhk * params.dv_head_stride + n0 * params.dv_row_stride;
+  store_tile<kBlockN, kHeadDim, kThreads>(dk_tile, params.dk_row_stride, smem, params.seqlen_k - n0, params.d, tid);
+  store_tile<kBlockN, kHeadDim, kThreads>(dv_tile, params.dv_row_stride, smem + T::kOffV, params.seqlen_k - n0,
+                                          params.d, tid);
+#endif
+}
+
+}  // namespace sm90
+}  // namespace flash

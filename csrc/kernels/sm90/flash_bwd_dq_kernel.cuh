@@ -1,0 +1,212 @@
+// FlashAttention-2 backward, dQ kernel on Hopper tensor cores (wgmma): the same algorithm as
+// csrc/kernels/sm80/flash_bwd_dq_kernel.cuh (Alg. 2 line 16, dQ_i += dS_i^(j) K_j, as its own loop
+// over K/V blocks per Q tile instead of atomics: fixed summation order, bitwise deterministic),
+// recomputing S and dP (Alg. 2 lines 11-15) with warpgroup-wide asynchronous wgmma.
+//
+// One CTA per (Q tile i of kBlockM rows, batch, query head); warpgroup wg owns Q rows
+// [64 wg, 64 wg + 64). Q_i and dO_i stay in shared memory, lse_log2 / D of the thread's two rows
+// in registers; K_j, V_j stream through a double-buffered cp.async pipeline:
+//   S   = Q_i K_j^T                    wgmma SS, B = K_j K-major            (line 11)
+//   dP  = dO_i V_j^T                   wgmma SS, B = V_j K-major            (line 14)
+//   P   = exp2(S scale_log2 - lse_log2_i)   while dP runs                   (line 12; masked -> 0)
+//   dS  = P o (dP - D_i)                                                    (line 15)
+//   dQ_i += dS K_j                     wgmma RS, A = dS from registers, B = K_j N-major (line 16)
+//
+// Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S acc[j][e] holds
+//   Q row m = m0 + 64 wg + 16 w + g + 8 (e / 2),  key n = n0 + 8 j + 2 t + (e % 2).
+// Causal (bottom-right, off = seqlen_k - seqlen_q) and ragged edges as in the sm80 kernel: key
+// blocks [0, ceil((m0 + kBlockM + off) / kBlockN)) are visited, a block is masked only if it
+// crosses seqlen_k or the diagonal; a row that sees no key gets P = dS = 0 and dQ = 0 exactly.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "flash.h"
+#include "kernels/sm90/smem_layout.cuh"
+#include "primitives/cp_async.cuh"
+#include "primitives/math.cuh"
+#include "primitives/mma.cuh"
+#include "primitives/wgmma.cuh"
+
+namespace flash {
+namespace sm90 {
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
+struct DqKernelTraits {
+  static constexpr int kWarpGroups = kBlockM / 64;
+  static constexpr int kThreads = kWarpGroups * 128;
+  using TileQ = SwizzledTile<kBlockM, kHeadDim>;
+  using TileKV = SwizzledTile<kBlockN, kHeadDim>;
+  // Shared layout (1024-byte aligned): sQ, sdO, then 2 stages x (sK, sV).
+  static constexpr int kOffDO = TileQ::kBytes;
+  static constexpr int kOffK = 2 * TileQ::kBytes;
+  static constexpr int kOffV = kOffK + 2 * TileKV::kBytes;
+  static constexpr int kSmemBytes = kOffV + 2 * TileKV::kBytes + 1024;  // + alignment slack
+  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0, "64 Q rows per warpgroup, k16 steps of keys");
+  static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64nNk16 wgmma wide (N = kBlockN)");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "dQ is one m64nNk16 wgmma wide (N = d)");
+  static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
+};
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
+__global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN>::kThreads, 1)
+flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN>;
+  using TileQ = typename T::TileQ;
+  using TileKV = typename T::TileKV;
+  constexpr int kThreads = T::kThreads;
+  constexpr int kNBlkN = kBlockN / 8;    // n8 blocks of S (keys)
+  constexpr int kNBlkD = kHeadDim / 8;   // n8 blocks of dQ
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = smem_u32addr(smem_raw);
+  const uint32_t smem_addr = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
+  unsigned char* smem = smem_raw + (smem_addr - raw_addr);
+  const uint32_t sQ = smem_addr, sdO = smem_addr + T::kOffDO;
+
+  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128;
+  const int lane = tid % 32, warp_wg = tid_wg / 32;
+  const int g = lane / 4, t = lane % 4;
+
+  // Block index: m_block fastest and reversed, so the heavy (late, under causal) Q tiles go
+  // first and CTAs of one (batch, head) run together and share K / V in L2.
+  const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
+  const int m_block = num_m_blocks - 1 - int(blockIdx.x % num_m_blocks);
+  const int bh = blockIdx.x / num_m_blocks;
+  const int bidb = bh / params.h, bidh = bh % params.h;
+  const int bidhk = bidh / params.h_h_k_ratio;
+  const int m0 = m_block * kBlockM;
+  const int off = params.seqlen_k - params.seqlen_q;
+
+  int n_block_max = ceil_div(params.seqlen_k, kBlockN);
+  if (params.is_causal) {
+    const int keys_seen = m0 + kBlockM + off;  // keys [0, keys_seen) are visible to some row
+    n_block_max = keys_seen <= 0 ? 0 : min(n_block_max, ceil_div(keys_seen, kBlockN));
+  }
+
+  const Element* k_base = reinterpret_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride +
+                          bidhk * params.k_head_stride;
+  const Element* v_base = reinterpret_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride +
+                          bidhk * params.v_head_stride;
+  // Alg. 2 line 7 (K_j, V_j), into `stage`.
+  auto load_kv_tile = [&](int n_block, int stage) {
+    const int n0 = n_block * kBlockN;
+    load_tile_async<kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffK + stage * TileKV::kBytes,
+                                                 k_base + n0 * params.k_row_stride, params.k_row_stride,
+                                                 params.seqlen_k - n0, params.d, tid);
+    load_tile_async<kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffV + stage * TileKV::kBytes,
+                                                 v_base + n0 * params.v_row_stride, params.v_row_stride,
+                                                 params.seqlen_k - n0, params.d, tid);
+  };
+
+  // Alg. 2 line 10: Q_i, dO_i (resident) with the first K/V tile.
+  const Element* q_tile = reinterpret_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride +
+                          bidh * params.q_head_stride + m0 * params.q_row_stride;
+  const Element* do_tile = reinterpret_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride +
+                           bidh * params.do_head_stride + m0 * params.do_row_stride;
+  load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_tile, params.q_row_stride, params.seqlen_q - m0, params.d, tid);
+  load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, do_tile, params.do_row_stride, params.seqlen_q - m0, params.d,
+                                               tid);
+  if (n_block_max > 0) load_kv_tile(0, 0);
+  cp_async_commit();
+
+  // lse_log2 and D of this thread's rows (whole tiles lie inside the 128-rounded workspaces).
+  const int row0 = m0 + 64 * wg + 16 * warp_wg + g;  // e = 0,1; e = 2,3 are row0 + 8
+  const int64_t ws = (int64_t(bidb) * params.h + bidh) * params.seqlen_q_rounded + row0;
+  const float lse_log2[2] = {params.softmax_lse_log2_ptr[ws], params.softmax_lse_log2_ptr[ws + 8]};
+  const float dsum[2] = {params.dsoftmax_sum_ptr[ws], params.dsoftmax_sum_ptr[ws + 8]};
+
+  float acc_dq[kNBlkD][4];
+#pragma unroll
+  for (int j = 0; j < kNBlkD; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.f;
+  }
+
+  for (int n_block = 0; n_block < n_block_max; ++n_block) {
+    const int stage = n_block % 2;
+    // Prefetch K_{j+1}, V_{j+1} into the buffer block j - 1 used (freed by the barrier that ended
+    // it); one commit group per iteration, possibly empty, so wait_group 1 = "K_j, V_j landed".
+    if (n_block + 1 < n_block_max) load_kv_tile(n_block + 1, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();  // cp.async wrote the tiles that wgmma (async proxy) reads next
+    __syncthreads();
+
+    const uint32_t sK = smem_addr + T::kOffK + stage * TileKV::kBytes;
+    const uint32_t sV = smem_addr + T::kOffV + stage * TileKV::kBytes;
+    const int n0 = n_block * kBlockN;
+
+    // Alg. 2 lines 11 and 14, issued back to back: S = Q_i K_j^T, dP = dO_i V_j^T.
+    float acc_s[kNBlkN][4], acc_dp[kNBlkN][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      Wgmma<Element, kBlockN>::template ss<0>(flat(acc_s), TileQ::desc_k_major(sQ, 64 * wg, kk),
+                                              TileKV::desc_k_major(sK, 0, kk), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      Wgmma<Element, kBlockN>::template ss<0>(flat(acc_dp), TileQ::desc_k_major(sdO, 64 * wg, kk),
+                                              TileKV::desc_k_major(sV, 0, kk), kk > 0);
+    }
+    wgmma_commit();
+
+    // Alg. 2 line 12: P = exp2(S scale_log2 - lse_log2), masked keys -> 0, while dP runs.
+    wgmma_wait<1>();
+    const bool need_mask = n0 + kBlockN > params.seqlen_k || (params.is_causal && n0 + kBlockN - 1 > m0 + off);
+#pragma unroll
+    for (int j = 0; j < kNBlkN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = acc_s[j][e] * params.scale_softmax_log2 - lse_log2[e / 2];
+        if (need_mask) {
+          const int key = n0 + 8 * j + 2 * t + (e % 2);
+          if (key >= params.seqlen_k || (params.is_causal && key > row0 + 8 * (e / 2) + off)) x = -INFINITY;
+        }
+        acc_s[j][e] = fast_exp2(x);
+      }
+    }
+
+    // Alg. 2 line 15: dS = P o (dP - D).
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < kNBlkN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dp[j][e] = acc_s[j][e] * (acc_dp[j][e] - dsum[e / 2]);
+    }
+    uint32_t a_ds[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(a_ds[kk], acc_dp, kk);
+
+    // Alg. 2 line 16: dQ_i += dS K_j.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      Wgmma<Element, kHeadDim>::template rs<1>(flat(acc_dq), a_ds[kk], TileKV::desc_mn_major(sK, kk), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    __syncthreads();  // every warpgroup is done with this buffer before it is refilled
+  }
+
+  // dQ_i (times softmax_scale), staged through sQ for coalesced 16-byte stores.
+  cp_async_wait<0>();
+  __syncthreads();
+  store_acc_to_smem<kBlockM, kHeadDim, kNBlkD, Element>(smem, acc_dq, 64 * wg, float(params.scale_softmax), tid_wg);
+  __syncthreads();
+  Element* dq_tile = reinterpret_cast<Element*>(params.dq_ptr) + bidb * params.dq_batch_stride +
+                     bidh * params.dq_head_stride + m0 * params.dq_row_stride;
+  store_tile<kBlockM, kHeadDim, kThreads>(dq_tile, params.dq_row_stride, smem, params.seqlen_q - m0, params.d, tid);
+#endif
+}
+
+}  // namespace sm90
+}  // namespace flash

@@ -1,0 +1,52 @@
+// Tile configuration of the Hopper (sm90: wgmma) backward path, one row per head dim it
+// covers. This is THE sm90 backward table: sm90/flash_bwd_launch.cuh reads only it.
+//
+// dK/dV kernel (sm90/flash_bwd_dkv_kernel.cuh), one CTA per K/V tile of kDkvBlockN rows
+// (kDkvBlockN / 64 warpgroups); Q_i / dO_i tiles of kDkvBlockM rows stream through two
+// shared-memory buffers, and each is processed as kDkvSplit parts whose products are queued together.
+// dQ kernel (sm90/flash_bwd_dq_kernel.cuh), one CTA per Q tile of kDqBlockM rows (kDqBlockM / 64
+// warpgroups); K_j / V_j tiles of kDqBlockN rows stream through two buffers.
+//
+// Registers per thread (fp32 accumulators): dK/dV kernel d/2 * 2 (dK, dV) + kDkvBlockM/2 * 2
+// (S^T, dP^T) + kDkvBlockM/4 (P^T, dS^T as 16-bit A operands); dQ kernel d/2 + kDqBlockN/2 * 2 +
+// kDqBlockN/4. Shared memory, 16-bit elements:
+//   dkv = 2 * kDkvBlockN * d * 2 B + 2 * (2 * kDkvBlockM * d * 2 B + 8 * kDkvBlockM B)
+//   dq  = 2 * kDqBlockM  * d * 2 B + 2 *  2 * kDqBlockN  * d * 2 B
+#pragma once
+
+namespace flash {
+
+template <int kDkvBlockN_, int kDkvBlockM_, int kDkvSplit_, int kDqBlockM_, int kDqBlockN_>
+struct BwdTileConfigSm90Row {
+  static constexpr int kDkvBlockN = kDkvBlockN_;
+  static constexpr int kDkvBlockM = kDkvBlockM_;
+  static constexpr int kDkvSplit = kDkvSplit_;
+  static constexpr int kDqBlockM = kDqBlockM_;
+  static constexpr int kDqBlockN = kDqBlockN_;
+};
+
+// Largest opt-in dynamic shared memory per block on sm_90 (H100/H200): 227 KB.
+constexpr int kMaxSmemSm90 = 227 * 1024;
+
+// Head dims without a row here run the sm80 kernels on sm_90 too.
+template <int kHeadDim>
+struct BwdTileConfigSm90 {
+  static constexpr bool kSupported = false;
+};
+
+// Measured on the H200 with benchmarks/tune_kernels.py (bf16, 16k tokens, 2048/hdim heads, per-kernel
+// TFLOP/s at N = 1024 / 4096 / 16384, non-causal; docs/PERF_NOTES.md has the full table):
+//   d64  dK/dV 128x64 (one warpgroup, two CTAs per SM) 386 / 410 / 405, against 355 / 379 / 390 for
+//        64x128; dQ 64x64 (one warpgroup) 374 / 405 / 390, against 346 / 388 / 401 for 128x128.
+//   d128 dK/dV 64x128 445 / 465 / 498; dQ 128x64 407 / 442 / 459 (64x64: 422 / 442 / 422).
+// Independent one-warpgroup CTAs sharing an SM overlap one CTA's softmax math with the other's
+// wgmma; a third buffer cost that second CTA its shared memory and was slower everywhere.
+//                                                        dkv: BLOCK_N BLOCK_M split   dq: BLOCK_M BLOCK_N
+template <> struct BwdTileConfigSm90<64> : BwdTileConfigSm90Row< 64,    128,    1,          64,     64> {
+  static constexpr bool kSupported = true;
+};
+template <> struct BwdTileConfigSm90<128> : BwdTileConfigSm90Row<128,    64,    1,         128,     64> {
+  static constexpr bool kSupported = true;
+};
+
+}  // namespace flash
