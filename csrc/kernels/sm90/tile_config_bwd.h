@@ -40,7 +40,8 @@ struct BwdTileConfigSm90 {
 //        64x128; dQ 64x64 (one warpgroup) 374 / 405 / 390, against 346 / 388 / 401 for 128x128.
 //   d128 dK/dV 64x128 445 / 465 / 498; dQ 128x64 407 / 442 / 459 (64x64: 422 / 442 / 422).
 // Independent one-warpgroup CTAs sharing an SM overlap one CTA's softmax math with the other's
-// wgmma; a third buffer cost that second CTA its shared memory and was slower everywhere.
+// wgmma; a third buffer cost that second CTA its shared memory and was slower everywhere, and
+// split 2 (queueing two parts of the Q tile together) was 3-8 % slower at d64 (docs/PERF_NOTES.md).
 //                                                        dkv: BLOCK_N BLOCK_M split   dq: BLOCK_M BLOCK_N
 template <> struct BwdTileConfigSm90<64> : BwdTileConfigSm90Row< 64,    128,    1,          64,     64> {
   static constexpr bool kSupported = true;
