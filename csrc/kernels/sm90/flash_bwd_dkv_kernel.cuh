@@ -16,9 +16,11 @@
 // The transposed products put K rows on the wgmma M axis, so P^T and dS^T are produced as
 // accumulators whose k16 slices are the register A operands of the next products: no shared
 // memory round trip, and Q_i / dO_i each serve as a K-major and an N-major operand from one copy.
+// kSplit > 1 cuts Q_i into parts of kPart rows whose S^T and dP^T products are all issued first
+// (the production table uses 1: the tuning harness measured 2 slower, docs/PERF_NOTES.md).
 //
-// Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S^T acc[j][e] holds
-//   K row n = n0 + 64 wg + 16 w + g + 8 (e / 2),  Q row m = m0 + 8 j + 2 t + (e % 2),
+// Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S^T acc[h][j][e] of part h holds
+//   K row n = n0 + 64 wg + 16 w + g + 8 (e / 2),  Q row m = m0 + h kPart + 8 j + 2 t + (e % 2),
 // so lse_log2 and D are one float2 per n8 block j. Causal masking, ragged edges and GQA are
 // exactly as in the sm80 kernel (see its header).
 #pragma once
