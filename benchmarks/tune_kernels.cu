@@ -61,17 +61,23 @@ static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2
 #ifndef A4
 #define A4 16
 #endif
-static TuneRegistrar tune_reg({1, HD, "dkv BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3) " warp_rows=" TUNE_STR(A4),
+#ifndef A5
+#define A5 1
+#endif
+static TuneRegistrar tune_reg({1, HD, "dkv BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3) " warp_rows=" TUNE_STR(A4) " fast_copy=" TUNE_STR(A5),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::launch_bwd_dkv<Bf16, HD, A1, A2, A3, A4>(p, s);
+                                 flash::launch_bwd_dkv<Bf16, HD, A1, A2, A3, A4, bool(A5)>(p, s);
                                }});
 #else
 #ifndef A3
 #define A3 16
 #endif
-static TuneRegistrar tune_reg({2, HD, "dq BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " warp_rows=" TUNE_STR(A3),
+#ifndef A4
+#define A4 1
+#endif
+static TuneRegistrar tune_reg({2, HD, "dq BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " warp_rows=" TUNE_STR(A3) " fast_copy=" TUNE_STR(A4),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::launch_bwd_dq<Bf16, HD, A1, A2, A3>(p, s);
+                                 flash::launch_bwd_dq<Bf16, HD, A1, A2, A3, bool(A4)>(p, s);
                                }});
 #endif
 

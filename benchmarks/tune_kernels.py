@@ -5,8 +5,8 @@
 A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path) or dkv90, dq90 (sm90 wgmma path,
 --arch 90a only) and ARGS the kernel's template arguments:
     fwd:128:128,32,4,false,2     TileConfig<BLOCK_M, BLOCK_N, warps, 1 stage, Q-in-regs, min CTAs/SM>
-    dkv:128:64,128,1             launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N, colsplit[, warp rows]>
-    dq:128:128,64                launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N[, warp rows]>
+    dkv:128:64,128,1             launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N, colsplit[, warp rows[, fast copy 0|1]]>
+    dq:128:128,64                launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N[, warp rows[, fast copy 0|1]]>
     dkv90:128:64,128             sm90::launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N[, split]>
     dq90:128:128,64              sm90::launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N>
 The first variant of each (output, hdim) is the reference the others' outputs are checked against
@@ -45,7 +45,7 @@ def variant_defines(spec):
     # No commas inside -D values: nvcc splits option values at commas.
     kind, hdim, args = spec.split(":")
     a = args.split(",")
-    n_args = {"fwd": (5, 5), "dkv": (3, 4), "dq": (2, 3), "dkv90": (2, 3), "dq90": (2, 2)}[kind]
+    n_args = {"fwd": (5, 5), "dkv": (3, 5), "dq": (2, 4), "dkv90": (2, 3), "dq90": (2, 2)}[kind]
     if not n_args[0] <= len(a) <= n_args[1]:  # (required, allowed)
         sys.exit(f"variant {spec}: {kind} takes {n_args[0]} to {n_args[1]} template arguments")
     defs = ["-DTUNE_VARIANT", f"-DKIND={KINDS[kind]}", f"-DHD={hdim}"]

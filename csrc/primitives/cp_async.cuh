@@ -25,4 +25,24 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Orders this thread's earlier generic-proxy shared-memory writes (st.shared, cp.async) before
+// later async-proxy reads (wgmma operands, sm_90); follow it with a barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Head of step `step` of a two-buffer cp.async pipeline of n_steps steps: starts the copies of
+// step + 1 (load(step + 1, buffer)) into the buffer step - 1 used, freed by the barrier that
+// ended step - 1, then waits until step's copies have landed for the whole CTA. One commit group
+// per step, possibly empty, so wait_group 1 always means "all but the prefetch".
+// kAsyncProxy: the tiles are read by wgmma (the async proxy) next.
+template <bool kAsyncProxy = false, typename Load>
+__device__ __forceinline__ void pipeline_step(int step, int n_steps, Load&& load) {
+  if (step + 1 < n_steps) load(step + 1, (step + 1) % 2);
+  cp_async_commit();
+  cp_async_wait<1>();
+  if constexpr (kAsyncProxy) fence_proxy_async();
+  __syncthreads();
+}
+
 }  // namespace flash

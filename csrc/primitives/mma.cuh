@@ -70,6 +70,25 @@ __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t r) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r));
 }
 
+// Elementwise product of two registers of two 16-bit elements, rounded once to Element
+// (fma with a -0 addend: exact sign of zero, one rounding; sm_80+ for both types).
+template <typename Element>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b);
+
+template <>
+__device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+template <>
+__device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
 // A fragment (16 x 16) of the k16 step kk from a warp's fp32 C-fragment tile x[kNBlk][4]
 // (16 x kNBlk*8), rounded to Element: columns 16kk..16kk+15 are n8 blocks 2kk and 2kk+1, and
 // a[0] = X[g][16kk+2t..], a[1] = X[g+8][16kk+2t..], a[2] = X[g][16kk+8+2t..], a[3] = X[g+8][..]

@@ -1,6 +1,7 @@
-// Tile movement shared by the sm80 backward kernels (flash_bwd_dkv_kernel.cuh,
-// flash_bwd_dq_kernel.cuh): global <-> shared tiles of (rows x kHeadDim) 16-bit elements and
-// mma C fragments -> shared memory.
+// Shared-memory helpers of the sm80 backward kernels (flash_bwd_dkv_kernel.cuh,
+// flash_bwd_dq_kernel.cuh): the tile layout, mma C fragments -> shared memory, and the
+// ldmatrix-fed mma.sync products. Global <-> shared tile copies are primitives/tile_copy.cuh with
+// the SmemTile layout below; the CTA's work split is kernels/bwd_work.cuh.
 //
 // Shared tiles are row-major with a row pitch of kHeadDim + 8 elements: the 16-byte pad puts
 // the 8 row addresses of every ldmatrix 8x8 matrix in 8 distinct 4-bank groups (pitch in
@@ -14,72 +15,23 @@
 
 #include <cstdint>
 
+#include "kernels/bwd_work.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/ldmatrix.cuh"
 #include "primitives/mma.cuh"
+#include "primitives/tile_copy.cuh"
 
 namespace flash {
 namespace bwd {
 
-__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
+// Shared tile layout of the sm80 kernels (the Layout of primitives/tile_copy.cuh): row-major,
+// kPitch elements per row.
 template <int kHeadDim>
 struct SmemTile {
   static constexpr int kPitch = kHeadDim + 8;  // elements per shared row
+  static constexpr int kRowAlign = 1, kRowBytes = kPitch * 2;
+  __device__ __forceinline__ static uint32_t offset(int r, int c) { return uint32_t(r * kPitch + c) * 2; }
 };
-
-// Asynchronous copy of a (kRows x kHeadDim) tile starting at `gmem` (row stride `row_stride`
-// elements, may be 0) into shared memory. Rows >= rows_valid and columns >= d_valid (the user's
-// head dim, a multiple of 8) are zero-filled without touching global memory, so ragged tile
-// edges and padded head-dim columns contribute exact zeros to every product.
-template <int kRows, int kHeadDim, int kThreads, typename Element>
-__device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem,
-                                                int64_t row_stride, int rows_valid, int d_valid,
-                                                int tid) {
-  constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks
-  constexpr int kChunks = kRows * kChunksPerRow;
-  constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
-  // Opaque copy of the stride: inside a K/V or Q/dO loop the compiler would otherwise hoist
-  // every chunk's 64-bit row offset (loop-invariant) into registers for the whole loop, which
-  // costs up to 48 registers next to the mma accumulators; one IMAD per chunk is cheaper.
-  int64_t stride = row_stride;
-  asm volatile("" : "+l"(stride));
-#pragma unroll
-  for (int it = 0; it < ceil_div(kChunks, kThreads); ++it) {
-    const int c = it * kThreads + tid;
-    if (kChunks % kThreads == 0 || c < kChunks) {
-      const int row = c / kChunksPerRow;
-      const int col = (c % kChunksPerRow) * 8;
-      const bool pred = row < rows_valid && col < d_valid;
-      // A predicated-off copy reads nothing; the tile base (row 0 is always in range) keeps
-      // the address valid anyway.
-      const Element* src = pred ? gmem + row * stride + col : gmem;
-      cp_async_16(smem_u32addr(smem + row * kPitch + col), src, pred);
-    }
-  }
-}
-
-// Coalesced 16-byte stores of a shared (kRows x kHeadDim) tile to global memory; only rows
-// < rows_valid and columns < d_valid are written (padded columns are never stored).
-template <int kRows, int kHeadDim, int kThreads, typename Element>
-__device__ __forceinline__ void store_tile(Element* gmem, int64_t row_stride, const Element* smem,
-                                           int rows_valid, int d_valid, int tid) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kChunks = kRows * kChunksPerRow;
-  constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
-#pragma unroll
-  for (int it = 0; it < ceil_div(kChunks, kThreads); ++it) {
-    const int c = it * kThreads + tid;
-    if (kChunks % kThreads == 0 || c < kChunks) {
-      const int row = c / kChunksPerRow;
-      const int col = (c % kChunksPerRow) * 8;
-      if (row < rows_valid && col < d_valid) {
-        *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
-            *reinterpret_cast<const uint4*>(smem + row * kPitch + col);
-      }
-    }
-  }
-}
 
 // Writes a warp's fp32 accumulator tile (16 rows x kNBlk*8 columns, mma C fragments:
 // acc[nb][0..1] = C[g][nb*8 + 2t..+1], acc[nb][2..3] = C[g+8][nb*8 + 2t..+1], lane = 4g + t)

@@ -70,11 +70,15 @@ struct DkvKernelTraits {
   static_assert(kBlockM / 4 * 2 <= kThreads, "one thread per 16 B of the lse/D tiles");
 };
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit, int kWarpRows = 16>
+// kFastCopy: predicate-free copies of whole Q / dO tiles (primitives/tile_copy.cuh), used where
+// the registers allow it (tile_config_bwd.h).
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit, int kWarpRows = 16,
+          bool kFastCopy = true>
 __global__ void __launch_bounds__(
     DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit, kWarpRows>::kThreads, 1)
 flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   using T = DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit, kWarpRows>;
+  using Tile = SmemTile<kHeadDim>;
   constexpr int kMA = T::kMA;
   constexpr int kPitch = T::kPitch;
   constexpr int kThreads = T::kThreads;
@@ -92,38 +96,24 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   const int warp_d = warp / T::kRowWarps;  // dK/dV columns [kDW*warp_d, +kDW)
   const int g = lane / 4, t = lane % 4;
 
-  // Block index: n_block fastest, so the heavy (early, under causal) key blocks go first and
-  // CTAs of one (batch, kv head) run together and share Q / dO in L2.
-  const int num_n_blocks = ceil_div(params.seqlen_k, kBlockN);
-  const int n_block = blockIdx.x % num_n_blocks;
-  const int bh = blockIdx.x / num_n_blocks;
-  const int bidb = bh / params.h_k, bidhk = bh % params.h_k;
-  const int n0 = n_block * kBlockN;
-  const int off = params.seqlen_k - params.seqlen_q;
+  // This CTA's key block, batch, kv head and the Q tiles that see the block (see the header).
+  const DkvWork<kBlockM, kBlockN> w(params);
 
-  // Q tiles that see this key block (see header), per query head of the GQA group.
-  int m_block_min = 0;
-  if (params.is_causal && n0 - off > 0) m_block_min = (n0 - off) / kBlockM;
-  const int m_block_max = ceil_div(params.seqlen_q, kBlockM);
-  const int num_m = m_block_max > m_block_min ? m_block_max - m_block_min : 0;
-  const int ratio = params.h_h_k_ratio;
-  const int n_iter = num_m * ratio;
-
-  const Element* q_base = reinterpret_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride;
-  const Element* do_base = reinterpret_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride;
+  const Element* q_base = reinterpret_cast<const Element*>(params.q_ptr) + w.bidb * params.q_batch_stride;
+  const Element* do_base = reinterpret_cast<const Element*>(params.do_ptr) + w.bidb * params.do_batch_stride;
 
   // Alg. 2 line 10: issues the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {
-    const int bidh = bidhk * ratio + it / num_m;
-    const int m0 = (m_block_min + it % num_m) * kBlockM;
-    load_tile_async<kBlockM, kHeadDim, kThreads>(
-        sQ0 + stage * T::kTileQ, q_base + bidh * params.q_head_stride + m0 * params.q_row_stride,
+    const int bidh = w.head(it);
+    const int m0 = w.m0(it);
+    copy_tile_async<Tile, kBlockM, kHeadDim, kThreads, kFastCopy>(
+        smem_u32addr(sQ0 + stage * T::kTileQ), q_base + bidh * params.q_head_stride + m0 * params.q_row_stride,
         params.q_row_stride, params.seqlen_q - m0, params.d, tid);
-    load_tile_async<kBlockM, kHeadDim, kThreads>(
-        sdO0 + stage * T::kTileQ, do_base + bidh * params.do_head_stride + m0 * params.do_row_stride,
+    copy_tile_async<Tile, kBlockM, kHeadDim, kThreads, kFastCopy>(
+        smem_u32addr(sdO0 + stage * T::kTileQ), do_base + bidh * params.do_head_stride + m0 * params.do_row_stride,
         params.do_row_stride, params.seqlen_q - m0, params.d, tid);
     // lse_log2 / D: kBlockM floats each, in range for whole tiles (rows rounded to 128).
-    const int64_t ws = (int64_t(bidb) * params.h + bidh) * params.seqlen_q_rounded + m0;
+    const int64_t ws = (int64_t(w.bidb) * params.h + bidh) * params.seqlen_q_rounded + m0;
     constexpr int kChunks = kBlockM / 4;  // 16 B = 4 floats
     if (tid < kChunks) {
       cp_async_16(smem_u32addr(sLse0 + stage * kBlockM + tid * 4),
@@ -135,15 +125,15 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   };
 
   // Alg. 2 line 7: load K_j, V_j (resident for the whole CTA), with the first Q tile.
-  const Element* k_tile = reinterpret_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride +
-                          bidhk * params.k_head_stride + n0 * params.k_row_stride;
-  const Element* v_tile = reinterpret_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride +
-                          bidhk * params.v_head_stride + n0 * params.v_row_stride;
-  load_tile_async<kBlockN, kHeadDim, kThreads>(sK, k_tile, params.k_row_stride,
-                                               params.seqlen_k - n0, params.d, tid);
-  load_tile_async<kBlockN, kHeadDim, kThreads>(sV, v_tile, params.v_row_stride,
-                                               params.seqlen_k - n0, params.d, tid);
-  if (n_iter > 0) load_q_tile(0, 0);
+  const Element* k_tile = reinterpret_cast<const Element*>(params.k_ptr) + w.bidb * params.k_batch_stride +
+                          w.bidhk * params.k_head_stride + w.n0 * params.k_row_stride;
+  const Element* v_tile = reinterpret_cast<const Element*>(params.v_ptr) + w.bidb * params.v_batch_stride +
+                          w.bidhk * params.v_head_stride + w.n0 * params.v_row_stride;
+  copy_tile_async<Tile, kBlockN, kHeadDim, kThreads>(
+      smem_u32addr(sK), k_tile, params.k_row_stride, params.seqlen_k - w.n0, params.d, tid);
+  copy_tile_async<Tile, kBlockN, kHeadDim, kThreads>(
+      smem_u32addr(sV), v_tile, params.v_row_stride, params.seqlen_k - w.n0, params.d, tid);
+  if (w.n_iter > 0) load_q_tile(0, 0);
   cp_async_commit();
 
   // Alg. 2 line 8: dK_j = dV_j = 0 (this warp's kWarpRows rows x kDW columns).
@@ -151,21 +141,15 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   zero_acc(acc_dk);
   zero_acc(acc_dv);
 
-  for (int it = 0; it < n_iter; ++it) {
+  for (int it = 0; it < w.n_iter; ++it) {
     const int stage = it % 2;
-    // Prefetch the next (head, Q tile) into the other stage, freed by the __syncthreads()
-    // that ended the previous iteration. One group per iteration (possibly empty), so
-    // wait_group 1 always means "everything but the prefetch has landed".
-    if (it + 1 < n_iter) load_q_tile(it + 1, stage ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
+    pipeline_step(it, w.n_iter, load_q_tile);  // Q_{it+1}, dO_{it+1} in flight; Q_it, dO_it landed
 
     const Element* sQ = sQ0 + stage * T::kTileQ;
     const Element* sdO = sdO0 + stage * T::kTileQ;
     const float* sLse = sLse0 + stage * kBlockM;
     const float* sDsum = sDsum0 + stage * kBlockM;
-    const int m0 = (m_block_min + it % num_m) * kBlockM;
+    const int m0 = w.m0(it);
 
     // Alg. 2 line 11 (transposed): S^T = K_j Q_i^T, this warp's kWarpRows K rows x kBlockM Q rows.
     float acc_s[kMA][T::kNBlkM][4];
@@ -173,7 +157,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     gemm_abt_smem<kMA, T::kNBlkM, kHeadDim>(acc_s, sK, kWarpRows * warp_n, sQ, lane);
 
     // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - lse_log2) in place (fp32; masked pairs -> 0).
-    const bool need_mask = params.is_causal && n0 + kBlockN - 1 > m0 + off;
+    const bool need_mask = params.is_causal && w.n0 + kBlockN - 1 > m0 + w.off;
 #pragma unroll
     for (int nb = 0; nb < T::kNBlkM; ++nb) {
       const int mc = nb * 8 + 2 * t;  // tile column (Q row) of e = 0; e = 1 is mc + 1
@@ -184,9 +168,9 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
         for (int e = 0; e < 4; ++e) {
           float x = acc_s[ma][nb][e] * params.scale_softmax_log2 - ((e % 2) ? lse2.y : lse2.x);
           if (need_mask) {
-            const int key = n0 + kWarpRows * warp_n + g + 8 * (e / 2) + 16 * ma;
+            const int key = w.n0 + kWarpRows * warp_n + g + 8 * (e / 2) + 16 * ma;
             const int query = m0 + mc + (e % 2);
-            if (key > query + off) x = -INFINITY;
+            if (key > query + w.off) x = -INFINITY;
           }
           acc_s[ma][nb][e] = fast_exp2(x);
         }
@@ -252,14 +236,14 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
                                          lane);
   }
   __syncthreads();
-  Element* dk_tile = reinterpret_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride +
-                     bidhk * params.dk_head_stride + n0 * params.dk_row_stride;
-  Element* dv_tile = reinterpret_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride +
-                     bidhk * params.dv_head_stride + n0 * params.dv_row_stride;
-  store_tile<kBlockN, kHeadDim, kThreads>(dk_tile, params.dk_row_stride, sK, params.seqlen_k - n0,
-                                          params.d, tid);
-  store_tile<kBlockN, kHeadDim, kThreads>(dv_tile, params.dv_row_stride, sV, params.seqlen_k - n0,
-                                          params.d, tid);
+  Element* dk_tile = reinterpret_cast<Element*>(params.dk_ptr) + w.bidb * params.dk_batch_stride +
+                     w.bidhk * params.dk_head_stride + w.n0 * params.dk_row_stride;
+  Element* dv_tile = reinterpret_cast<Element*>(params.dv_ptr) + w.bidb * params.dv_batch_stride +
+                     w.bidhk * params.dv_head_stride + w.n0 * params.dv_row_stride;
+  store_tile<Tile, kBlockN, kHeadDim, kThreads>(
+      dk_tile, params.dk_row_stride, sK, params.seqlen_k - w.n0, params.d, tid);
+  store_tile<Tile, kBlockN, kHeadDim, kThreads>(
+      dv_tile, params.dv_row_stride, sV, params.seqlen_k - w.n0, params.d, tid);
 }
 
 }  // namespace bwd

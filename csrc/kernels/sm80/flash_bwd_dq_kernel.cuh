@@ -62,10 +62,13 @@ struct DqKernelTraits {
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarpRows = 16>
+// kFastCopy: predicate-free copies of whole K / V tiles (primitives/tile_copy.cuh), used where
+// the registers allow it (tile_config_bwd.h).
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarpRows = 16, bool kFastCopy = true>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kWarpRows>::kThreads, 1)
 flash_bwd_dq_kernel(const Flash_bwd_params params) {
   using T = DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kWarpRows>;
+  using Tile = SmemTile<kHeadDim>;
   constexpr int kMA = T::kMA;
   constexpr bool kPRounded = T::kPRounded;
   constexpr int kPitch = T::kPitch;
@@ -80,56 +83,41 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
 
-  // Block index: m_block fastest and reversed, so the heavy (late, under causal) Q tiles go
-  // first and CTAs of one (batch, head) run together and share K / V in L2.
-  const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
-  const int m_block = num_m_blocks - 1 - int(blockIdx.x % num_m_blocks);
-  const int bh = blockIdx.x / num_m_blocks;
-  const int bidb = bh / params.h, bidh = bh % params.h;
-  const int bidhk = bidh / params.h_h_k_ratio;
-  const int m0 = m_block * kBlockM;
-  const int off = params.seqlen_k - params.seqlen_q;
+  // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/bwd_work.cuh).
+  const DqWork<kBlockM, kBlockN> w(params);
 
-  int n_block_max = ceil_div(params.seqlen_k, kBlockN);
-  if (params.is_causal) {
-    const int keys_seen = m0 + kBlockM + off;  // keys [0, keys_seen) are visible to some row
-    n_block_max = keys_seen <= 0 ? 0 : min(n_block_max, ceil_div(keys_seen, kBlockN));
-  }
-
-  const Element* k_base = reinterpret_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride +
-                          bidhk * params.k_head_stride;
-  const Element* v_base = reinterpret_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride +
-                          bidhk * params.v_head_stride;
+  const Element* k_base = reinterpret_cast<const Element*>(params.k_ptr) + w.bidb * params.k_batch_stride +
+                          w.bidhk * params.k_head_stride;
+  const Element* v_base = reinterpret_cast<const Element*>(params.v_ptr) + w.bidb * params.v_batch_stride +
+                          w.bidhk * params.v_head_stride;
   // Alg. 2 line 7 (K_j, V_j), into `stage`.
   auto load_kv_tile = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
-    load_tile_async<kBlockN, kHeadDim, kThreads>(sK0 + stage * T::kTileKV,
-                                                 k_base + n0 * params.k_row_stride,
-                                                 params.k_row_stride, params.seqlen_k - n0,
-                                                 params.d, tid);
-    load_tile_async<kBlockN, kHeadDim, kThreads>(sV0 + stage * T::kTileKV,
-                                                 v_base + n0 * params.v_row_stride,
-                                                 params.v_row_stride, params.seqlen_k - n0,
-                                                 params.d, tid);
+    copy_tile_async<Tile, kBlockN, kHeadDim, kThreads, kFastCopy>(
+        smem_u32addr(sK0 + stage * T::kTileKV), k_base + n0 * params.k_row_stride, params.k_row_stride,
+        params.seqlen_k - n0, params.d, tid);
+    copy_tile_async<Tile, kBlockN, kHeadDim, kThreads, kFastCopy>(
+        smem_u32addr(sV0 + stage * T::kTileKV), v_base + n0 * params.v_row_stride, params.v_row_stride,
+        params.seqlen_k - n0, params.d, tid);
   };
 
   // Alg. 2 line 10: Q_i, dO_i (resident), lse_log2 and D of this thread's rows r and r + 8.
-  const Element* q_tile = reinterpret_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride +
-                          bidh * params.q_head_stride + m0 * params.q_row_stride;
+  const Element* q_tile = reinterpret_cast<const Element*>(params.q_ptr) + w.bidb * params.q_batch_stride +
+                          w.bidh * params.q_head_stride + w.m0 * params.q_row_stride;
   const Element* do_tile = reinterpret_cast<const Element*>(params.do_ptr) +
-                           bidb * params.do_batch_stride + bidh * params.do_head_stride +
-                           m0 * params.do_row_stride;
-  load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_tile, params.q_row_stride,
-                                               params.seqlen_q - m0, params.d, tid);
-  load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, do_tile, params.do_row_stride,
-                                               params.seqlen_q - m0, params.d, tid);
-  if (n_block_max > 0) load_kv_tile(0, 0);
+                           w.bidb * params.do_batch_stride + w.bidh * params.do_head_stride +
+                           w.m0 * params.do_row_stride;
+  copy_tile_async<Tile, kBlockM, kHeadDim, kThreads>(
+      smem_u32addr(sQ), q_tile, params.q_row_stride, params.seqlen_q - w.m0, params.d, tid);
+  copy_tile_async<Tile, kBlockM, kHeadDim, kThreads>(
+      smem_u32addr(sdO), do_tile, params.do_row_stride, params.seqlen_q - w.m0, params.d, tid);
+  if (w.n_block_max > 0) load_kv_tile(0, 0);
   cp_async_commit();
 
   const int warp_row0 = kWarpRows * warp;  // first tile row of this warp
   // Query row of atom ma, e = 0,1: row_lo + 16*ma; e = 2,3 are 8 rows further.
-  const int row_lo = m0 + warp_row0 + g;
-  const int64_t ws = (int64_t(bidb) * params.h + bidh) * params.seqlen_q_rounded;
+  const int row_lo = w.m0 + warp_row0 + g;
+  const int64_t ws = (int64_t(w.bidb) * params.h + w.bidh) * params.seqlen_q_rounded;
   float lse_log2[kMA][2], dsum[kMA][2];  // rows < seqlen_q_rounded: whole tiles are in the workspace
 #pragma unroll
   for (int ma = 0; ma < kMA; ++ma) {
@@ -143,14 +131,9 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   float acc_dq[kMA][T::kNBlkD][4];
   zero_acc(acc_dq);
 
-  for (int n_block = 0; n_block < n_block_max; ++n_block) {
+  for (int n_block = 0; n_block < w.n_block_max; ++n_block) {
     const int stage = n_block % 2;
-    // Prefetch K_{j+1}, V_{j+1} into the stage freed at the end of the previous iteration;
-    // one (possibly empty) group per iteration, so wait_group 1 = "all but the prefetch".
-    if (n_block + 1 < n_block_max) load_kv_tile(n_block + 1, stage ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
+    pipeline_step(n_block, w.n_block_max, load_kv_tile);  // K_{j+1}, V_{j+1} in flight; K_j, V_j landed
 
     const Element* sK = sK0 + stage * T::kTileKV;
     const Element* sV = sV0 + stage * T::kTileKV;
@@ -163,7 +146,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
 
     // Alg. 2 line 12: P = exp2(S scale_log2 - lse_log2), masked keys -> 0.
     const bool need_mask =
-        n0 + kBlockN > params.seqlen_k || (params.is_causal && n0 + kBlockN - 1 > m0 + off);
+        n0 + kBlockN > params.seqlen_k || (params.is_causal && n0 + kBlockN - 1 > w.m0 + w.off);
     // kPRounded: P as Element pairs p_rounded[ma][nb][h] (row g + 8h, keys 8nb + 2t, +1) before
     // dP is computed, so the fp32 S is dead during the dP product.
     uint32_t p_rounded[kPRounded ? kMA : 1][kPRounded ? T::kNBlkN : 1][2];
@@ -177,7 +160,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
             if (need_mask) {
               const int key = n0 + nb * 8 + 2 * t + (e % 2);
               const int query = row_lo + 16 * ma + 8 * (e / 2);
-              if (key >= params.seqlen_k || (params.is_causal && key > query + off)) x = -INFINITY;
+              if (key >= params.seqlen_k || (params.is_causal && key > query + w.off)) x = -INFINITY;
             }
             return fast_exp2(x);
           };
@@ -208,7 +191,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
             if (need_mask) {
               const int key = n0 + nb * 8 + 2 * t + (e % 2);
               const int query = row_lo + 16 * ma + 8 * (e / 2);
-              if (key >= params.seqlen_k || (params.is_causal && key > query + off)) x = -INFINITY;
+              if (key >= params.seqlen_k || (params.is_causal && key > query + w.off)) x = -INFINITY;
             }
             p = fast_exp2(x);
           }
@@ -236,10 +219,10 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     store_acc_to_smem<T::kNBlkD, kPitch>(sQ, acc_dq[ma], warp_row0 + 16 * ma, 0, float(params.scale_softmax), lane);
   }
   __syncthreads();
-  Element* dq_tile = reinterpret_cast<Element*>(params.dq_ptr) + bidb * params.dq_batch_stride +
-                     bidh * params.dq_head_stride + m0 * params.dq_row_stride;
-  store_tile<kBlockM, kHeadDim, kThreads>(dq_tile, params.dq_row_stride, sQ, params.seqlen_q - m0,
-                                          params.d, tid);
+  Element* dq_tile = reinterpret_cast<Element*>(params.dq_ptr) + w.bidb * params.dq_batch_stride +
+                     w.bidh * params.dq_head_stride + w.m0 * params.dq_row_stride;
+  store_tile<Tile, kBlockM, kHeadDim, kThreads>(
+      dq_tile, params.dq_row_stride, sQ, params.seqlen_q - w.m0, params.d, tid);
 }
 
 }  // namespace bwd

@@ -14,11 +14,10 @@
 
 #include <cmath>
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 
 #include "flash.h"
 #include "kernels/cuda_check.h"
+#include "kernels/launch_utils.h"
 #include "kernels/sm80/flash_bwd_common.cuh"
 #include "primitives/mma.cuh"
 
@@ -82,14 +81,9 @@ flash_bwd_preprocess_kernel(const Flash_bwd_params params, int num_row_blocks) {
 template <typename Element>
 void run_bwd_preprocess(Flash_bwd_params& params, cudaStream_t stream) {
   const int num_row_blocks = ceil_div(params.seqlen_q_rounded, kPreRowsPerBlock);
-  const int64_t grid = int64_t(num_row_blocks) * params.b * params.h;
-  if (grid == 0) return;
-  if (grid > INT32_MAX) {
-    throw std::runtime_error("flash_attn_ext backward: batch * nheads * seqlen_q too large for the "
-                             "preprocess grid (" + std::to_string(grid) + " blocks)");
-  }
-  flash_bwd_preprocess_kernel<Element><<<unsigned(grid), kPreThreads, 0, stream>>>(params, num_row_blocks);
-  FLASH_CHECK_LAUNCH();
+  const int64_t blocks = int64_t(num_row_blocks) * params.b * params.h;
+  launch_1d(flash_bwd_preprocess_kernel<Element>, blocks, kPreThreads, 0, "preprocess", params.d, stream, params,
+            num_row_blocks);
 }
 
 }  // namespace bwd

@@ -32,7 +32,7 @@
 namespace flash {
 
 template <int kDkvBlockN_, int kDkvBlockM_, int kDkvColSplit_, int kDqBlockM_, int kDqBlockN_,
-          int kDkvWarpRows_ = 16, int kDqWarpRows_ = 16>
+          int kDkvWarpRows_ = 16, int kDqWarpRows_ = 16, bool kDkvFastCopy_ = true, bool kDqFastCopy_ = true>
 struct BwdTileConfig {
   static constexpr int kDkvBlockN = kDkvBlockN_;
   static constexpr int kDkvBlockM = kDkvBlockM_;
@@ -41,6 +41,8 @@ struct BwdTileConfig {
   static constexpr int kDqBlockN = kDqBlockN_;
   static constexpr int kDkvWarpRows = kDkvWarpRows_;
   static constexpr int kDqWarpRows = kDqWarpRows_;
+  static constexpr bool kDkvFastCopy = kDkvFastCopy_;  // predicate-free whole-tile copies in the main loop
+  static constexpr bool kDqFastCopy = kDqFastCopy_;
 };
 
 // Largest opt-in dynamic shared memory per block on sm_80 (A100): 163 KB.
@@ -53,12 +55,16 @@ struct BwdTileConfigSm80;
 // warp (every ldmatrix'd B fragment feeds two mma) made the d64 dK/dV kernel 12-17 % faster and the
 // dQ kernels 25-30 % faster (d64 128x64, d128 128x32) than 16 rows; at d128 the dK/dV accumulators
 // of 32 rows do not fit the registers, and other dK/dV tile shapes were within +-2 %.
-//                                                 dkv: BLOCK_N BLOCK_M colsplit  dq: BLOCK_M BLOCK_N  warp rows: dkv  dq
-template <> struct BwdTileConfigSm80<32>  : BwdTileConfig<128,    32,     1,          128,     64,              32, 32> {};
-template <> struct BwdTileConfigSm80<64>  : BwdTileConfig<128,    32,     1,          128,     64,              32, 32> {};
-template <> struct BwdTileConfigSm80<96>  : BwdTileConfig<128,    64,     1,          128,     32,              16, 32> {};
-template <> struct BwdTileConfigSm80<128> : BwdTileConfig<128,    64,     1,          128,     32,              16, 32> {};
-template <> struct BwdTileConfigSm80<192> : BwdTileConfig< 64,    64,     2,           64,     64> {};
-template <> struct BwdTileConfigSm80<256> : BwdTileConfig< 64,    32,     2,           64,     32> {};
+// Fast copy (predicate-free whole-tile cp.async in the main loop, primitives/tile_copy.cuh), same
+// harness, on vs off at N = 16384 non-causal: dQ d64 +3 %, d128 +6 %, d256 +4 %; dK/dV d256 +3 %;
+// dK/dV d32 -6 %, d64 -10 %, d128 -1 % (those kernels sit at 255 registers and the second copy
+// loop pushes spills into the main loop), so it is off there; d96 and d192 within +-0.5 %.
+// Columns: dK/dV BLOCK_N, BLOCK_M, colsplit | dQ BLOCK_M, BLOCK_N | warp rows dK/dV, dQ | fast copy dK/dV, dQ
+template <> struct BwdTileConfigSm80<32>  : BwdTileConfig<128,  32, 1, 128,  64, 32, 32, false, true> {};
+template <> struct BwdTileConfigSm80<64>  : BwdTileConfig<128,  32, 1, 128,  64, 32, 32, false, true> {};
+template <> struct BwdTileConfigSm80<96>  : BwdTileConfig<128,  64, 1, 128,  32, 16, 32> {};
+template <> struct BwdTileConfigSm80<128> : BwdTileConfig<128,  64, 1, 128,  32, 16, 32, false, true> {};
+template <> struct BwdTileConfigSm80<192> : BwdTileConfig< 64,  64, 2,  64,  64> {};
+template <> struct BwdTileConfigSm80<256> : BwdTileConfig< 64,  32, 2,  64,  32> {};
 
 }  // namespace flash

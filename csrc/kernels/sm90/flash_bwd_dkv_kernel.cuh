@@ -31,8 +31,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "flash.h"
+#include "kernels/bwd_work.cuh"
 #include "kernels/sm90/smem_layout.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/math.cuh"
@@ -90,39 +92,25 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   const int lane = tid % 32, warp_wg = tid_wg / 32;
   const int g = lane / 4, t = lane % 4;
 
-  // Block index: n_block fastest, so the heavy (early, under causal) key blocks go first and
-  // CTAs of one (batch, kv head) run together and share Q / dO in L2.
-  const int num_n_blocks = ceil_div(params.seqlen_k, kBlockN);
-  const int n_block = blockIdx.x % num_n_blocks;
-  const int bh = blockIdx.x / num_n_blocks;
-  const int bidb = bh / params.h_k, bidhk = bh % params.h_k;
-  const int n0 = n_block * kBlockN;
-  const int off = params.seqlen_k - params.seqlen_q;
+  // This CTA's key block, batch, kv head and the Q tiles that see the block (kernels/bwd_work.cuh).
+  const DkvWork<kBlockM, kBlockN> w(params);
 
-  // Q tiles that see this key block, per query head of the GQA group.
-  int m_block_min = 0;
-  if (params.is_causal && n0 - off > 0) m_block_min = (n0 - off) / kBlockM;
-  const int m_block_max = ceil_div(params.seqlen_q, kBlockM);
-  const int num_m = m_block_max > m_block_min ? m_block_max - m_block_min : 0;
-  const int ratio = params.h_h_k_ratio;
-  const int n_iter = num_m * ratio;
-
-  const Element* q_base = reinterpret_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride;
-  const Element* do_base = reinterpret_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride;
+  const Element* q_base = reinterpret_cast<const Element*>(params.q_ptr) + w.bidb * params.q_batch_stride;
+  const Element* do_base = reinterpret_cast<const Element*>(params.do_ptr) + w.bidb * params.do_batch_stride;
 
   // Alg. 2 line 10: cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {
-    const int bidh = bidhk * ratio + it / num_m;
-    const int m0 = (m_block_min + it % num_m) * kBlockM;
-    load_tile_async<kBlockM, kHeadDim, kThreads>(
+    const int bidh = w.head(it);
+    const int m0 = w.m0(it);
+    copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
         smem_addr + T::kOffQ + stage * TileQ::kBytes, q_base + bidh * params.q_head_stride + m0 * params.q_row_stride,
         params.q_row_stride, params.seqlen_q - m0, params.d, tid);
-    load_tile_async<kBlockM, kHeadDim, kThreads>(
+    copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
         smem_addr + T::kOffDO + stage * TileQ::kBytes,
         do_base + bidh * params.do_head_stride + m0 * params.do_row_stride, params.do_row_stride,
         params.seqlen_q - m0, params.d, tid);
     // lse_log2 / D: kBlockM floats each, in range for whole tiles (rows rounded to 128).
-    const int64_t ws = (int64_t(bidb) * params.h + bidh) * params.seqlen_q_rounded + m0;
+    const int64_t ws = (int64_t(w.bidb) * params.h + bidh) * params.seqlen_q_rounded + m0;
     constexpr int kChunks = kBlockM / 4;  // 16 B = 4 floats
     if (tid < kChunks) {
       cp_async_16(smem_u32addr(sLse0 + stage * kBlockM + tid * 4), params.softmax_lse_log2_ptr + ws + tid * 4, true);
@@ -133,13 +121,15 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   };
 
   // Alg. 2 line 7: K_j, V_j (resident), with the first Q tile.
-  const Element* k_tile = reinterpret_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride +
-                          bidhk * params.k_head_stride + n0 * params.k_row_stride;
-  const Element* v_tile = reinterpret_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride +
-                          bidhk * params.v_head_stride + n0 * params.v_row_stride;
-  load_tile_async<kBlockN, kHeadDim, kThreads>(sK, k_tile, params.k_row_stride, params.seqlen_k - n0, params.d, tid);
-  load_tile_async<kBlockN, kHeadDim, kThreads>(sV, v_tile, params.v_row_stride, params.seqlen_k - n0, params.d, tid);
-  if (n_iter > 0) load_q_tile(0, 0);
+  const Element* k_tile = reinterpret_cast<const Element*>(params.k_ptr) + w.bidb * params.k_batch_stride +
+                          w.bidhk * params.k_head_stride + w.n0 * params.k_row_stride;
+  const Element* v_tile = reinterpret_cast<const Element*>(params.v_ptr) + w.bidb * params.v_batch_stride +
+                          w.bidhk * params.v_head_stride + w.n0 * params.v_row_stride;
+  copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(
+      sK, k_tile, params.k_row_stride, params.seqlen_k - w.n0, params.d, tid);
+  copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(
+      sV, v_tile, params.v_row_stride, params.seqlen_k - w.n0, params.d, tid);
+  if (w.n_iter > 0) load_q_tile(0, 0);
   cp_async_commit();
 
   // Alg. 2 line 8: dK_j = dV_j = 0 (this warpgroup's 64 rows x d).
@@ -150,21 +140,16 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
     for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
   }
 
-  for (int it = 0; it < n_iter; ++it) {
+  for (int it = 0; it < w.n_iter; ++it) {
     const int stage = it % 2;
-    // Prefetch tile it + 1 into the buffer tile it - 1 used (freed by the barrier that ended it);
-    // one commit group per iteration, possibly empty, so wait_group 1 = "tile it has landed".
-    if (it + 1 < n_iter) load_q_tile(it + 1, stage ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();  // cp.async wrote the tiles that wgmma (async proxy) reads next
-    __syncthreads();
+    // Q_{it+1}, dO_{it+1} in flight; Q_it, dO_it landed and visible to wgmma.
+    pipeline_step</*kAsyncProxy=*/true>(it, w.n_iter, load_q_tile);
 
     const uint32_t sQ = smem_addr + T::kOffQ + stage * TileQ::kBytes;
     const uint32_t sdO = smem_addr + T::kOffDO + stage * TileQ::kBytes;
     const float* sLse = sLse0 + stage * kBlockM;
     const float* sDsum = sDsum0 + stage * kBlockM;
-    const int m0 = (m_block_min + it % num_m) * kBlockM;
+    const int m0 = w.m0(it);
 
     // Alg. 2 lines 11 and 14 (transposed), all issued up front: for each of the kSplit parts of
     // the Q tile (kPart rows), S^T = K_j Q_part^T and dP^T = V_j dO_part^T. The tensor cores then
@@ -187,25 +172,37 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       wgmma_commit();
     }
 
-    const bool need_mask = params.is_causal && n0 + kBlockN - 1 > m0 + off;
-    const int key0 = n0 + 64 * wg + 16 * warp_wg + g;
+    const bool need_mask = params.is_causal && w.n0 + kBlockN - 1 > m0 + w.off;
+    const int key0 = w.n0 + 64 * wg + 16 * warp_wg + g;
     uint32_t a_p[kSplit][kPart / 16][4], a_ds[kSplit][kPart / 16][4];
 #pragma unroll
     for (int h = 0; h < kSplit; ++h) {
       // wgmma groups complete in order and 2 * kSplit - 1 are younger than S^T of part h (the
       // other products of the parts, and dV / dK of the earlier parts): S^T_h is done.
       wgmma_wait<2 * kSplit - 1>();
-      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - lse_log2) (fp32; masked pairs -> 0).
       const int q0 = h * kPart;  // first tile row of part h
+      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - lse_log2) (fp32). The causal mask (a key after
+      // the query -> P^T = 0) is compiled into a second copy of the loop that runs on diagonal
+      // tiles only: need_mask is uniform, so the other tiles pay nothing for it.
+      auto scores_to_p = [&](auto masked) {
 #pragma unroll
-      for (int j = 0; j < kNBlkP; ++j) {
-        const float2 lse2 = *reinterpret_cast<const float2*>(sLse + q0 + 8 * j + 2 * t);
+        for (int j = 0; j < kNBlkP; ++j) {
+          const float2 lse2 = *reinterpret_cast<const float2*>(sLse + q0 + 8 * j + 2 * t);
+          const int query = m0 + q0 + 8 * j + 2 * t + w.off;  // of e = 0, in key coordinates
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = acc_s[h][j][e] * params.scale_softmax_log2 - ((e % 2) ? lse2.y : lse2.x);
-          if (need_mask && key0 + 8 * (e / 2) > m0 + q0 + 8 * j + 2 * t + (e % 2) + off) x = -INFINITY;
-          acc_s[h][j][e] = fast_exp2(x);
+          for (int e = 0; e < 4; ++e) {
+            float x = acc_s[h][j][e] * params.scale_softmax_log2 - ((e % 2) ? lse2.y : lse2.x);
+            if constexpr (decltype(masked)::value) {
+              if (key0 + 8 * (e / 2) > query + (e % 2)) x = -INFINITY;
+            }
+            acc_s[h][j][e] = fast_exp2(x);
+          }
         }
+      };
+      if (need_mask) {
+        scores_to_p(std::true_type{});
+      } else {
+        scores_to_p(std::false_type{});
       }
 #pragma unroll
       for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
@@ -219,22 +216,34 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       }
       wgmma_commit();
 
-      // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows. With kPRounded, P^T
-      // is read back from its Element A operands, so the fp32 copy is dead while dP^T is pending.
+      // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows.
       wgmma_wait<2 * kSplit - 1>();  // dP^T_h is done
+      if constexpr (T::kPRounded) {
+        // P^T lives only as its Element A operands (the fp32 copy is dead while dP^T is pending):
+        // dS^T = P^T o Element(dP^T - D), one packed multiply per two elements and no unpacking.
+        // The register a_p[..][(j % 2) * 2 + r] holds row r (g or g + 8) of n8 block j.
 #pragma unroll
-      for (int j = 0; j < kNBlkP; ++j) {
-        const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
+        for (int j = 0; j < kNBlkP; ++j) {
+          const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {  // r: row g (e = 0,1) or g + 8 (e = 2,3)
-          const float2 p = T::kPRounded ? unpack2<Element>(a_p[h][j / 2][(j % 2) * 2 + r])
-                                        : make_float2(acc_s[h][j][2 * r], acc_s[h][j][2 * r + 1]);
-          acc_dp[h][j][2 * r] = p.x * (acc_dp[h][j][2 * r] - dsum2.x);
-          acc_dp[h][j][2 * r + 1] = p.y * (acc_dp[h][j][2 * r + 1] - dsum2.y);
+          for (int r = 0; r < 2; ++r) {
+            const int i = (j % 2) * 2 + r;
+            a_ds[h][j / 2][i] = mul2<Element>(
+                a_p[h][j / 2][i], pack2<Element>(acc_dp[h][j][2 * r] - dsum2.x, acc_dp[h][j][2 * r + 1] - dsum2.y));
+          }
         }
-      }
+      } else {
 #pragma unroll
-      for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_ds[h][kk], acc_dp[h], kk);
+        for (int j = 0; j < kNBlkP; ++j) {
+          const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            acc_dp[h][j][e] = acc_s[h][j][e] * (acc_dp[h][j][e] - ((e % 2) ? dsum2.y : dsum2.x));
+          }
+        }
+#pragma unroll
+        for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_ds[h][kk], acc_dp[h], kk);
+      }
 
       // Alg. 2 line 17: dK_j += dS^T Q_part.
       wgmma_fence();
@@ -256,13 +265,14 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem, acc_dk, 64 * wg, float(params.scale_softmax), tid_wg);
   store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg, 1.f, tid_wg);
   __syncthreads();
-  Element* dk_tile = reinterpret_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride +
-                     bidhk * params.dk_head_stride + n0 * params.dk_row_stride;
-  Element* dv_tile = reinterpret_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride +
-                     bidhk * params.dv_head_stride + n0 * params.dv_row_stride;
-  store_tile<kBlockN, kHeadDim, kThreads>(dk_tile, params.dk_row_stride, smem, params.seqlen_k - n0, params.d, tid);
-  store_tile<kBlockN, kHeadDim, kThreads>(dv_tile, params.dv_row_stride, smem + T::kOffV, params.seqlen_k - n0,
-                                          params.d, tid);
+  Element* dk_tile = reinterpret_cast<Element*>(params.dk_ptr) + w.bidb * params.dk_batch_stride +
+                     w.bidhk * params.dk_head_stride + w.n0 * params.dk_row_stride;
+  Element* dv_tile = reinterpret_cast<Element*>(params.dv_ptr) + w.bidb * params.dv_batch_stride +
+                     w.bidhk * params.dv_head_stride + w.n0 * params.dv_row_stride;
+  store_tile<TileKV, kBlockN, kHeadDim, kThreads>(
+      dk_tile, params.dk_row_stride, smem, params.seqlen_k - w.n0, params.d, tid);
+  store_tile<TileKV, kBlockN, kHeadDim, kThreads>(
+      dv_tile, params.dv_row_stride, smem + T::kOffV, params.seqlen_k - w.n0, params.d, tid);
 #endif
 }
 

@@ -25,8 +25,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "flash.h"
+#include "kernels/bwd_work.cuh"
 #include "kernels/sm90/smem_layout.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/math.cuh"
@@ -74,51 +76,39 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   const int lane = tid % 32, warp_wg = tid_wg / 32;
   const int g = lane / 4, t = lane % 4;
 
-  // Block index: m_block fastest and reversed, so the heavy (late, under causal) Q tiles go
-  // first and CTAs of one (batch, head) run together and share K / V in L2.
-  const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
-  const int m_block = num_m_blocks - 1 - int(blockIdx.x % num_m_blocks);
-  const int bh = blockIdx.x / num_m_blocks;
-  const int bidb = bh / params.h, bidh = bh % params.h;
-  const int bidhk = bidh / params.h_h_k_ratio;
-  const int m0 = m_block * kBlockM;
-  const int off = params.seqlen_k - params.seqlen_q;
+  // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/bwd_work.cuh).
+  const DqWork<kBlockM, kBlockN> w(params);
 
-  int n_block_max = ceil_div(params.seqlen_k, kBlockN);
-  if (params.is_causal) {
-    const int keys_seen = m0 + kBlockM + off;  // keys [0, keys_seen) are visible to some row
-    n_block_max = keys_seen <= 0 ? 0 : min(n_block_max, ceil_div(keys_seen, kBlockN));
-  }
-
-  const Element* k_base = reinterpret_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride +
-                          bidhk * params.k_head_stride;
-  const Element* v_base = reinterpret_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride +
-                          bidhk * params.v_head_stride;
+  const Element* k_base = reinterpret_cast<const Element*>(params.k_ptr) + w.bidb * params.k_batch_stride +
+                          w.bidhk * params.k_head_stride;
+  const Element* v_base = reinterpret_cast<const Element*>(params.v_ptr) + w.bidb * params.v_batch_stride +
+                          w.bidhk * params.v_head_stride;
   // Alg. 2 line 7 (K_j, V_j), into `stage`.
   auto load_kv_tile = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
-    load_tile_async<kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffK + stage * TileKV::kBytes,
+    copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffK + stage * TileKV::kBytes,
                                                  k_base + n0 * params.k_row_stride, params.k_row_stride,
                                                  params.seqlen_k - n0, params.d, tid);
-    load_tile_async<kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffV + stage * TileKV::kBytes,
+    copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffV + stage * TileKV::kBytes,
                                                  v_base + n0 * params.v_row_stride, params.v_row_stride,
                                                  params.seqlen_k - n0, params.d, tid);
   };
 
   // Alg. 2 line 10: Q_i, dO_i (resident) with the first K/V tile.
-  const Element* q_tile = reinterpret_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride +
-                          bidh * params.q_head_stride + m0 * params.q_row_stride;
-  const Element* do_tile = reinterpret_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride +
-                           bidh * params.do_head_stride + m0 * params.do_row_stride;
-  load_tile_async<kBlockM, kHeadDim, kThreads>(sQ, q_tile, params.q_row_stride, params.seqlen_q - m0, params.d, tid);
-  load_tile_async<kBlockM, kHeadDim, kThreads>(sdO, do_tile, params.do_row_stride, params.seqlen_q - m0, params.d,
-                                               tid);
-  if (n_block_max > 0) load_kv_tile(0, 0);
+  const Element* q_tile = reinterpret_cast<const Element*>(params.q_ptr) + w.bidb * params.q_batch_stride +
+                          w.bidh * params.q_head_stride + w.m0 * params.q_row_stride;
+  const Element* do_tile = reinterpret_cast<const Element*>(params.do_ptr) + w.bidb * params.do_batch_stride +
+                           w.bidh * params.do_head_stride + w.m0 * params.do_row_stride;
+  copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
+      sQ, q_tile, params.q_row_stride, params.seqlen_q - w.m0, params.d, tid);
+  copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
+      sdO, do_tile, params.do_row_stride, params.seqlen_q - w.m0, params.d, tid);
+  if (w.n_block_max > 0) load_kv_tile(0, 0);
   cp_async_commit();
 
   // lse_log2 and D of this thread's rows (whole tiles lie inside the 128-rounded workspaces).
-  const int row0 = m0 + 64 * wg + 16 * warp_wg + g;  // e = 0,1; e = 2,3 are row0 + 8
-  const int64_t ws = (int64_t(bidb) * params.h + bidh) * params.seqlen_q_rounded + row0;
+  const int row0 = w.m0 + 64 * wg + 16 * warp_wg + g;  // e = 0,1; e = 2,3 are row0 + 8
+  const int64_t ws = (int64_t(w.bidb) * params.h + w.bidh) * params.seqlen_q_rounded + row0;
   const float lse_log2[2] = {params.softmax_lse_log2_ptr[ws], params.softmax_lse_log2_ptr[ws + 8]};
   const float dsum[2] = {params.dsoftmax_sum_ptr[ws], params.dsoftmax_sum_ptr[ws + 8]};
 
@@ -129,15 +119,10 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
     for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.f;
   }
 
-  for (int n_block = 0; n_block < n_block_max; ++n_block) {
+  for (int n_block = 0; n_block < w.n_block_max; ++n_block) {
     const int stage = n_block % 2;
-    // Prefetch K_{j+1}, V_{j+1} into the buffer block j - 1 used (freed by the barrier that ended
-    // it); one commit group per iteration, possibly empty, so wait_group 1 = "K_j, V_j landed".
-    if (n_block + 1 < n_block_max) load_kv_tile(n_block + 1, stage ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();  // cp.async wrote the tiles that wgmma (async proxy) reads next
-    __syncthreads();
+    // K_{j+1}, V_{j+1} in flight; K_j, V_j landed and visible to wgmma.
+    pipeline_step</*kAsyncProxy=*/true>(n_block, w.n_block_max, load_kv_tile);
 
     const uint32_t sK = smem_addr + T::kOffK + stage * TileKV::kBytes;
     const uint32_t sV = smem_addr + T::kOffV + stage * TileKV::kBytes;
@@ -159,20 +144,29 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
     }
     wgmma_commit();
 
-    // Alg. 2 line 12: P = exp2(S scale_log2 - lse_log2), masked keys -> 0, while dP runs.
     wgmma_wait<1>();
-    const bool need_mask = n0 + kBlockN > params.seqlen_k || (params.is_causal && n0 + kBlockN - 1 > m0 + off);
+    // Alg. 2 line 12: P = exp2(S scale_log2 - lse_log2), while dP runs. The masks (a key past
+    // seqlen_k or after the query -> P = 0) are compiled into a second copy of the loop that runs
+    // on the last key block and causal diagonal blocks only (need_mask is uniform).
+    const bool need_mask = n0 + kBlockN > params.seqlen_k || (params.is_causal && n0 + kBlockN - 1 > w.m0 + w.off);
+    auto scores_to_p = [&](auto masked) {
 #pragma unroll
-    for (int j = 0; j < kNBlkN; ++j) {
+      for (int j = 0; j < kNBlkN; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = acc_s[j][e] * params.scale_softmax_log2 - lse_log2[e / 2];
-        if (need_mask) {
-          const int key = n0 + 8 * j + 2 * t + (e % 2);
-          if (key >= params.seqlen_k || (params.is_causal && key > row0 + 8 * (e / 2) + off)) x = -INFINITY;
+        for (int e = 0; e < 4; ++e) {
+          float x = acc_s[j][e] * params.scale_softmax_log2 - lse_log2[e / 2];
+          if constexpr (decltype(masked)::value) {
+            const int key = n0 + 8 * j + 2 * t + (e % 2);
+            if (key >= params.seqlen_k || (params.is_causal && key > row0 + 8 * (e / 2) + w.off)) x = -INFINITY;
+          }
+          acc_s[j][e] = fast_exp2(x);
         }
-        acc_s[j][e] = fast_exp2(x);
       }
+    };
+    if (need_mask) {
+      scores_to_p(std::true_type{});
+    } else {
+      scores_to_p(std::false_type{});
     }
 
     // Alg. 2 line 15: dS = P o (dP - D).
@@ -202,9 +196,10 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   __syncthreads();
   store_acc_to_smem<kBlockM, kHeadDim, kNBlkD, Element>(smem, acc_dq, 64 * wg, float(params.scale_softmax), tid_wg);
   __syncthreads();
-  Element* dq_tile = reinterpret_cast<Element*>(params.dq_ptr) + bidb * params.dq_batch_stride +
-                     bidh * params.dq_head_stride + m0 * params.dq_row_stride;
-  store_tile<kBlockM, kHeadDim, kThreads>(dq_tile, params.dq_row_stride, smem, params.seqlen_q - m0, params.d, tid);
+  Element* dq_tile = reinterpret_cast<Element*>(params.dq_ptr) + w.bidb * params.dq_batch_stride +
+                     w.bidh * params.dq_head_stride + w.m0 * params.dq_row_stride;
+  store_tile<TileQ, kBlockM, kHeadDim, kThreads>(
+      dq_tile, params.dq_row_stride, smem, params.seqlen_q - w.m0, params.d, tid);
 #endif
 }
 

@@ -12,7 +12,7 @@
 #include "flash.h"
 #include "kernels/arch.h"
 #include "kernels/cuda_check.h"
-#include "kernels/sm80/flash_bwd_launch.cuh"  // bwd::set_smem_or_throw, bwd::checked_grid
+#include "kernels/launch_utils.h"
 #include "kernels/sm90/flash_bwd_dkv_kernel.cuh"
 #include "kernels/sm90/flash_bwd_dq_kernel.cuh"
 #include "kernels/sm90/tile_config_bwd.h"
@@ -26,11 +26,7 @@ void launch_bwd_dkv(Flash_bwd_params& params, cudaStream_t stream) {
   using Traits = DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kSplit>;
   auto kernel = flash_bwd_dkv_kernel<Element, kHeadDim, kBlockM, kBlockN, kSplit>;
   const int64_t blocks = int64_t(ceil_div(params.seqlen_k, kBlockN)) * params.b * params.h_k;
-  if (blocks == 0) return;
-  const unsigned grid = bwd::checked_grid(blocks, "dK/dV");
-  bwd::set_smem_or_throw(kernel, Traits::kSmemBytes, "dK/dV", kHeadDim);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
-  FLASH_CHECK_LAUNCH();
+  launch_1d(kernel, blocks, Traits::kThreads, Traits::kSmemBytes, "dK/dV", kHeadDim, stream, params);
 }
 
 // dQ for every (Q tile, batch, query head): 1-D grid, Q tile fastest.
@@ -39,11 +35,7 @@ void launch_bwd_dq(Flash_bwd_params& params, cudaStream_t stream) {
   using Traits = DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN>;
   auto kernel = flash_bwd_dq_kernel<Element, kHeadDim, kBlockM, kBlockN>;
   const int64_t blocks = int64_t(ceil_div(params.seqlen_q, kBlockM)) * params.b * params.h;
-  if (blocks == 0) return;
-  const unsigned grid = bwd::checked_grid(blocks, "dQ");
-  bwd::set_smem_or_throw(kernel, Traits::kSmemBytes, "dQ", kHeadDim);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
-  FLASH_CHECK_LAUNCH();
+  launch_1d(kernel, blocks, Traits::kThreads, Traits::kSmemBytes, "dQ", kHeadDim, stream, params);
 }
 
 }  // namespace sm90

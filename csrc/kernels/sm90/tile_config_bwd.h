@@ -35,10 +35,15 @@ struct BwdTileConfigSm90 {
 };
 
 // Measured on the H200 with benchmarks/tune_kernels.py (bf16, 16k tokens, 2048/hdim heads, per-kernel
-// TFLOP/s at N = 1024 / 4096 / 16384, non-causal; docs/PERF_NOTES.md has the full table):
-//   d64  dK/dV 128x64 (one warpgroup, two CTAs per SM) 386 / 410 / 405, against 355 / 379 / 390 for
-//        64x128; dQ 64x64 (one warpgroup) 374 / 405 / 390, against 346 / 388 / 401 for 128x128.
-//   d128 dK/dV 64x128 445 / 465 / 498; dQ 128x64 407 / 442 / 459 (64x64: 422 / 442 / 422).
+// TFLOP/s at N = 1024 / 4096 / 16384; docs/PERF_NOTES.md has the full table). After the
+// 2026-11-29 instruction diet (uniform-branch masks, packed dS, predicate-free whole-tile copies):
+//   d64  dK/dV 128x64 (one warpgroup, two CTAs per SM) 474 / 525 / 505 non-causal, 372 / 484 / 497
+//        causal; dQ 64x64 (one warpgroup) 471 / 479 / 485 and 379 / 450 / 448, against
+//        394 / 396 / 442 and 305 / 334 / 429 for 128x128.
+//   d128 dK/dV 64x128 444 / 484 / 502 and 308 / 433 / 492; dQ 128x64 463 / 517 / 516 and
+//        314 / 461 / 518. dQ 64x64 measured 516 / 538 / 503 and 372 / 517 / 534 per kernel, but end
+//        to end (python -m flash_attn_ext.benchmark, same session) it was +2-5 % only for causal
+//        N <= 2048 in bf16, -1 to -2 % at N >= 8192 and -2 to -3 % in fp16: kept 128x64.
 // Independent one-warpgroup CTAs sharing an SM overlap one CTA's softmax math with the other's
 // wgmma; a third buffer cost that second CTA its shared memory and was slower everywhere, and
 // split 2 (queueing two parts of the Q tile together) was 3-8 % slower at d64 (docs/PERF_NOTES.md).

@@ -1,0 +1,49 @@
+// Host-side launch helpers shared by the backward launchers of every arch path (sm80/, sm90/):
+// the checks that come before a launch, each failure a std::runtime_error naming the kernel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda_check.h"
+
+namespace flash {
+
+// Opts the kernel into `smem_bytes` of dynamic shared memory (needed above 48 KB) after checking
+// the device allows it; the error names the head dim and the limit.
+template <typename Kernel>
+void set_smem_or_throw(Kernel kernel, int smem_bytes, const char* what, int head_dim) {
+  int device = 0, max_optin = 0;
+  FLASH_CHECK_CUDA(cudaGetDevice(&device));
+  FLASH_CHECK_CUDA(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (smem_bytes > max_optin) {
+    throw std::runtime_error(std::string("flash_attn_ext backward: the ") + what + " kernel for head dim " +
+                             std::to_string(head_dim) + " needs " + std::to_string(smem_bytes) +
+                             " bytes of shared memory per block; this GPU allows " +
+                             std::to_string(max_optin));
+  }
+  if (smem_bytes > 48 * 1024) {
+    FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  }
+}
+
+// Launches kernel<<<blocks, threads, smem_bytes, stream>>>(args...) on a 1-D grid (nothing when
+// blocks == 0), after checking the grid fits and opting into the shared memory; the launch is
+// checked.
+template <typename Kernel, typename... Args>
+void launch_1d(Kernel kernel, int64_t blocks, int threads, int smem_bytes, const char* what, int head_dim,
+               cudaStream_t stream, const Args&... args) {
+  if (blocks == 0) return;
+  if (blocks > INT32_MAX) {
+    throw std::runtime_error(std::string("flash_attn_ext backward: ") + what + " grid of " +
+                             std::to_string(blocks) + " blocks exceeds 2^31 - 1");
+  }
+  set_smem_or_throw(kernel, smem_bytes, what, head_dim);
+  kernel<<<unsigned(blocks), threads, smem_bytes, stream>>>(args...);
+  FLASH_CHECK_LAUNCH();
+}
+
+}  // namespace flash
