@@ -62,6 +62,10 @@ struct DkvKernelTraits {
   // dS^T from the Element-rounded P^T (as the sm80 kernel's kPRounded) where the fp32 P^T
   // (kBlockM / 2 registers) would not fit next to dP^T and the dK/dV accumulators.
   static constexpr bool kPRounded = kBlockM >= 128;
+  // dS^T as one packed bf16 multiply of the rounded P^T and bf16(dP^T - D): bf16 has fp32's range,
+  // so the extra rounding cannot overflow. Not for fp16: a dP^T - D past 65504 (large dO, e.g.
+  // under loss scaling) would round to inf and turn P^T = 0 into NaN; fp16 multiplies in fp32.
+  static constexpr bool kPackedDs = kPRounded && std::is_same<Element, __nv_bfloat16>::value;
   static_assert(kBlockN % 64 == 0 && kBlockM % 16 == 0, "64 K rows per warpgroup, k16 steps of Q rows");
   static_assert(kBlockM / kSplit == 64 || kBlockM / kSplit == 128, "a part's S^T is one m64nNk16 wgmma wide");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "dK/dV are one m64nNk16 wgmma wide (N = d)");
@@ -216,12 +220,12 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       }
       wgmma_commit();
 
-      // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows.
+      // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows. With kPRounded, P^T
+      // lives only as its Element A operands (the fp32 copy is dead while dP^T is pending).
       wgmma_wait<2 * kSplit - 1>();  // dP^T_h is done
-      if constexpr (T::kPRounded) {
-        // P^T lives only as its Element A operands (the fp32 copy is dead while dP^T is pending):
-        // dS^T = P^T o Element(dP^T - D), one packed multiply per two elements and no unpacking.
-        // The register a_p[..][(j % 2) * 2 + r] holds row r (g or g + 8) of n8 block j.
+      if constexpr (T::kPackedDs) {
+        // dS^T = P^T o bf16(dP^T - D): one packed multiply per two elements, no unpacking. The
+        // register a_p[..][(j % 2) * 2 + r] holds row r (g or g + 8) of n8 block j.
 #pragma unroll
         for (int j = 0; j < kNBlkP; ++j) {
           const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
@@ -237,8 +241,11 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
         for (int j = 0; j < kNBlkP; ++j) {
           const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc_dp[h][j][e] = acc_s[h][j][e] * (acc_dp[h][j][e] - ((e % 2) ? dsum2.y : dsum2.x));
+          for (int r = 0; r < 2; ++r) {  // r: row g (e = 0,1) or g + 8 (e = 2,3)
+            const float2 p = T::kPRounded ? unpack2<Element>(a_p[h][j / 2][(j % 2) * 2 + r])
+                                          : make_float2(acc_s[h][j][2 * r], acc_s[h][j][2 * r + 1]);
+            acc_dp[h][j][2 * r] = p.x * (acc_dp[h][j][2 * r] - dsum2.x);
+            acc_dp[h][j][2 * r + 1] = p.y * (acc_dp[h][j][2 * r + 1] - dsum2.y);
           }
         }
 #pragma unroll
