@@ -58,7 +58,8 @@ struct BwdTileConfigSm80;
 // Fast copy (predicate-free whole-tile cp.async in the main loop, primitives/tile_copy.cuh), same
 // harness, on vs off at N = 16384 non-causal: dQ d64 +3 %, d128 +6 %, d256 +4 %; dK/dV d256 +3 %;
 // dK/dV d32 -6 %, d64 -10 %, d128 -1 % (those kernels sit at 255 registers and the second copy
-// loop pushes spills into the main loop), so it is off there; d96 and d192 within +-0.5 %.
+// loop pushes spills into the main loop), so it is off there. d96 and d192 have no fast path
+// (12 and 24 chunks per row do not divide the thread count), so their flags change nothing.
 // Columns: dK/dV BLOCK_N, BLOCK_M, colsplit | dQ BLOCK_M, BLOCK_N | warp rows dK/dV, dQ | fast copy dK/dV, dQ
 template <> struct BwdTileConfigSm80<32>  : BwdTileConfig<128,  32, 1, 128,  64, 32, 32, false, true> {};
 template <> struct BwdTileConfigSm80<64>  : BwdTileConfig<128,  32, 1, 128,  64, 32, 32, false, true> {};
