@@ -6,6 +6,8 @@
 #pragma once
 
 #include "flash.h"
+#include "primitives/cp_async.cuh"
+#include "primitives/ldmatrix.cuh"
 
 namespace flash {
 
@@ -36,6 +38,20 @@ struct DkvWork {
   }
   __device__ __forceinline__ int head(int it) const { return bidhk * ratio + it / num_m; }  // query head
   __device__ __forceinline__ int m0(int it) const { return (m_block_min + it % num_m) * kBlockM; }  // first Q row
+
+  // Alg. 2 line 10, the row statistics of iteration it: lse_log2 and D of its kBlockM rows into
+  // sLse / sDsum by cp.async, 16 bytes per thread of the first kBlockM / 2 threads. Whole tiles lie
+  // inside the workspaces (rows rounded up to 128).
+  __device__ __forceinline__ void copy_row_stats_async(const Flash_bwd_params& params, int it, float* sLse,
+                                                       float* sDsum, int tid) const {
+    const int64_t ws = (int64_t(bidb) * params.h + head(it)) * params.seqlen_q_rounded + m0(it);
+    constexpr int kChunks = kBlockM / 4;  // 16 B = 4 floats
+    if (tid < kChunks) {
+      cp_async_16(smem_u32addr(sLse + tid * 4), params.softmax_lse_log2_ptr + ws + tid * 4, true);
+    } else if (tid < 2 * kChunks) {
+      cp_async_16(smem_u32addr(sDsum + (tid - kChunks) * 4), params.dsoftmax_sum_ptr + ws + (tid - kChunks) * 4, true);
+    }
+  }
 };
 
 // dQ CTA: Q tile of kBlockM rows from m0 of (batch bidb, head bidh; kv head bidhk). blockIdx.x

@@ -12,10 +12,12 @@
 
 namespace flash {
 
-// Opts the kernel into `smem_bytes` of dynamic shared memory (needed above 48 KB) after checking
-// the device allows it; the error names the head dim and the limit.
+// Opts the kernel into `smem_bytes` of dynamic shared memory (needed above 48 KB, which every GPU
+// allows without opting in) after checking the device allows it; the error names the head dim and
+// the limit.
 template <typename Kernel>
 void set_smem_or_throw(Kernel kernel, int smem_bytes, const char* what, int head_dim) {
+  if (smem_bytes <= 48 * 1024) return;
   int device = 0, max_optin = 0;
   FLASH_CHECK_CUDA(cudaGetDevice(&device));
   FLASH_CHECK_CUDA(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -25,9 +27,7 @@ void set_smem_or_throw(Kernel kernel, int smem_bytes, const char* what, int head
                              " bytes of shared memory per block; this GPU allows " +
                              std::to_string(max_optin));
   }
-  if (smem_bytes > 48 * 1024) {
-    FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  }
+  FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
 }
 
 // Launches kernel<<<blocks, threads, smem_bytes, stream>>>(args...) on a 1-D grid (nothing when

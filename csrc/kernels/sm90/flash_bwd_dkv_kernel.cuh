@@ -113,15 +113,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
         smem_addr + T::kOffDO + stage * TileQ::kBytes,
         do_base + bidh * params.do_head_stride + m0 * params.do_row_stride, params.do_row_stride,
         params.seqlen_q - m0, params.d, tid);
-    // lse_log2 / D: kBlockM floats each, in range for whole tiles (rows rounded to 128).
-    const int64_t ws = (int64_t(w.bidb) * params.h + bidh) * params.seqlen_q_rounded + m0;
-    constexpr int kChunks = kBlockM / 4;  // 16 B = 4 floats
-    if (tid < kChunks) {
-      cp_async_16(smem_u32addr(sLse0 + stage * kBlockM + tid * 4), params.softmax_lse_log2_ptr + ws + tid * 4, true);
-    } else if (tid < 2 * kChunks) {
-      cp_async_16(smem_u32addr(sDsum0 + stage * kBlockM + (tid - kChunks) * 4),
-                  params.dsoftmax_sum_ptr + ws + (tid - kChunks) * 4, true);
-    }
+    w.copy_row_stats_async(params, it, sLse0 + stage * kBlockM, sDsum0 + stage * kBlockM, tid);
   };
 
   // Alg. 2 line 7: K_j, V_j (resident), with the first Q tile.
