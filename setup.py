@@ -14,21 +14,28 @@ Environment variables (all optional):
 """
 
 import glob
+import importlib.util
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-ALL_HDIMS = [32, 64, 96, 128, 192, 256]
-# One .cu per (arch path, kernel, head dim, dtype), written by csrc/kernels/generate_kernels.py.
-KERNEL_KINDS = ["fwd", "bwd_dkv", "bwd_dq"]
-# Hopper (wgmma) path: backward kernels for these head dims, built when 90a is targeted.
-SM90_KINDS = ["bwd_dkv", "bwd_dq"]
-SM90_BWD_HDIMS = [64, 128]
+
+
+def _load_manifest():
+    """csrc/kernels/generate_kernels.py: the one list of (arch path, kernel, head dim, dtype)."""
+    spec = importlib.util.spec_from_file_location(
+        "flash_attn_ext_manifest", os.path.join(ROOT, "csrc", "kernels", "generate_kernels.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MANIFEST = _load_manifest()
+ALL_HDIMS = MANIFEST.HDIMS
 
 
 def _is_toolkit(path):
@@ -114,7 +121,7 @@ def write_build_config(torch, archs, hdims, cuda_version):
         f'#define FLASH_ATTN_EXT_BUILD_HDIMS "{",".join(map(str, hdims)) if archs else ""}"\n'
         f'#define FLASH_ATTN_EXT_BUILD_CUDA "{cuda_version}"\n'
         f'#define FLASH_ATTN_EXT_BUILD_TORCH "{torch.__version__}"\n'
-    )
+    ) + MANIFEST.config_macros(archs, hdims)
     old = open(path).read() if os.path.exists(path) else None
     if old != text:  # keep the mtime when nothing changed, so ninja rebuilds nothing
         with open(path, "w") as f:
@@ -122,17 +129,7 @@ def write_build_config(torch, archs, hdims, cuda_version):
 
 
 def kernel_sources(archs, hdims):
-    srcs = ["csrc/kernels/flash_fwd_dispatch.cu", "csrc/kernels/flash_bwd_dispatch.cu"]
-    for kind in KERNEL_KINDS:
-        for d in hdims:
-            for dtype in ("fp16", "bf16"):
-                srcs.append(f"csrc/kernels/sm80/instantiations/flash_{kind}_hdim{d}_{dtype}_sm80.cu")
-    if "90a" in archs:
-        for kind in SM90_KINDS:
-            for d in hdims:
-                if d in SM90_BWD_HDIMS:
-                    for dtype in ("fp16", "bf16"):
-                        srcs.append(f"csrc/kernels/sm90/instantiations/flash_{kind}_hdim{d}_{dtype}_sm90.cu")
+    srcs = ["csrc/kernels/dispatch.cu"] + MANIFEST.sources(archs, hdims)
     missing = [s for s in srcs if not os.path.exists(os.path.join(ROOT, s))]
     if missing:
         sys.exit("missing kernel sources (run python csrc/kernels/generate_kernels.py): "
@@ -169,15 +166,12 @@ def build_extension():
                            extra_compile_args={"cxx": cxx_flags})
         return ext, BuildExtension
 
-    hdim_defs = [f"-DFLASH_ATTN_EXT_HDIM_{h}" for h in hdims]
-    if "90a" in archs:
-        hdim_defs.append("-DFLASH_ATTN_EXT_WITH_SM90")  # the dispatch may pick the wgmma kernels
     nvcc_flags = [
         "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
         "-Xfatbin", "-compress-all",
-    ] + hdim_defs + gencode_flags(archs, os.environ.get("FLASH_ATTN_EXT_PTX", "1") != "0")
+    ] + gencode_flags(archs, os.environ.get("FLASH_ATTN_EXT_PTX", "1") != "0")
     if os.environ.get("FLASH_ATTN_EXT_PTXAS_V", "0") == "1":
         nvcc_flags += ["-Xptxas", "-v"]
     ext = CUDAExtension(
@@ -185,7 +179,7 @@ def build_extension():
         sources + kernel_sources(archs, hdims),
         include_dirs=include_dirs,
         define_macros=[("FLASH_ATTN_EXT_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx_flags + ["-DFLASH_ATTN_EXT_WITH_CUDA"] + hdim_defs,
+        extra_compile_args={"cxx": cxx_flags + ["-DFLASH_ATTN_EXT_WITH_CUDA"],
                             "nvcc": nvcc_flags},
     )
     return ext, BuildExtension

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/bwd_preprocess.cuh"
 #include "kernels/cuda_check.h"
 #include "kernels/sm80/flash_bwd_launch.cuh"
-#include "kernels/sm80/flash_bwd_preprocess_kernel.cuh"
 #include "kernels/sm80/flash_fwd_launch.cuh"
 #ifdef TUNE_SM90
 #include "kernels/sm90/flash_bwd_launch.cuh"
@@ -42,7 +42,7 @@ using Bf16 = __nv_bfloat16;
 #if KIND == 0
 static TuneRegistrar tune_reg({0, HD, "fwd BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " warps=" TUNE_STR(A3) " qregs=" TUNE_STR(A4) " minB=" TUNE_STR(A5),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::launch_fwd<flash::FwdKernelTraits<Bf16, HD, flash::TileConfig<A1, A2, A3, 1, A4, A5>>>(p, s);
+                                 flash::sm80::launch_fwd<flash::sm80::FwdKernelTraits<Bf16, HD, flash::FwdTileShape<A1, A2, A3, A4, A5>>>(p, s);
                                }});
 #elif KIND == 1 && defined(TUNE_SM90)
 #ifndef A3
@@ -50,12 +50,12 @@ static TuneRegistrar tune_reg({0, HD, "fwd BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2)
 #endif
 static TuneRegistrar tune_reg({1, HD, "dkv90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::sm90::launch_bwd_dkv<Bf16, HD, A1, A2, A3>(p, s);
+                                 flash::sm90::launch_bwd_dkv<Bf16, HD, flash::DkvTileShape<A2, A1, A3>>(p, s);
                                }});
 #elif KIND == 2 && defined(TUNE_SM90)
 static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::sm90::launch_bwd_dq<Bf16, HD, A1, A2>(p, s);
+                                 flash::sm90::launch_bwd_dq<Bf16, HD, flash::DqTileShape<A1, A2>>(p, s);
                                }});
 #elif KIND == 1
 #ifndef A4
@@ -66,7 +66,7 @@ static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2
 #endif
 static TuneRegistrar tune_reg({1, HD, "dkv BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3) " warp_rows=" TUNE_STR(A4) " fast_copy=" TUNE_STR(A5),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::launch_bwd_dkv<Bf16, HD, A1, A2, A3, A4, bool(A5)>(p, s);
+                                 flash::sm80::launch_bwd_dkv<Bf16, HD, flash::DkvTileShape<A2, A1, A3, A4, bool(A5)>>(p, s);
                                }});
 #else
 #ifndef A3
@@ -77,7 +77,7 @@ static TuneRegistrar tune_reg({1, HD, "dkv BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2)
 #endif
 static TuneRegistrar tune_reg({2, HD, "dq BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " warp_rows=" TUNE_STR(A3) " fast_copy=" TUNE_STR(A4),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::launch_bwd_dq<Bf16, HD, A1, A2, A3, bool(A4)>(p, s);
+                                 flash::sm80::launch_bwd_dq<Bf16, HD, flash::DqTileShape<A1, A2, A3, bool(A4)>>(p, s);
                                }});
 #endif
 
@@ -167,27 +167,32 @@ int main(int argc, char** argv) {
         __nv_bfloat16 *q = alloc(numel), *k = alloc(numel), *v = alloc(numel), *o = alloc(numel),
                       *dout = alloc(numel), *dq = alloc(numel), *dk = alloc(numel), *dv = alloc(numel),
                       *ref0 = alloc(numel), *ref1 = alloc(numel), *ref2 = alloc(numel);
-        float *lse, *dsum, *lse2;
+        float *lse, *stats, *ws;  // softmax_lse, (row max, log2 sum), (D, hi, lo)
+        int* precise;
         FLASH_CHECK_CUDA(cudaMalloc(&lse, size_t(b) * h * n * 4));
-        FLASH_CHECK_CUDA(cudaMalloc(&dsum, size_t(b) * h * n_round * 4));
-        FLASH_CHECK_CUDA(cudaMalloc(&lse2, size_t(b) * h * n_round * 4));
+        FLASH_CHECK_CUDA(cudaMalloc(&stats, 2 * size_t(b) * h * n * 4));
+        FLASH_CHECK_CUDA(cudaMalloc(&ws, 3 * size_t(b) * h * n_round * 4));
+        FLASH_CHECK_CUDA(cudaMalloc(&precise, size_t(b) * h * (n_round / 128) * 4));
         fill_random<<<1024, 256>>>(q, numel, 1);
         fill_random<<<1024, 256>>>(k, numel, 2);
         fill_random<<<1024, 256>>>(v, numel, 3);
         fill_random<<<1024, 256>>>(dout, numel, 4);
         FLASH_CHECK_LAUNCH();
         flash::Flash_bwd_params p;
-        p.q_ptr = q; p.k_ptr = k; p.v_ptr = v; p.o_ptr = o; p.do_ptr = dout;
-        p.dq_ptr = dq; p.dk_ptr = dk; p.dv_ptr = dv;
         const int64_t row = int64_t(h) * d, batch = int64_t(n) * row;
-        p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = p.do_batch_stride =
-            p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = batch;
-        p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = p.do_row_stride =
-            p.dq_row_stride = p.dk_row_stride = p.dv_row_stride = row;
-        p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = p.do_head_stride =
-            p.dq_head_stride = p.dk_head_stride = p.dv_head_stride = d;
+        auto bshd = [&](__nv_bfloat16* ptr) {
+          flash::TensorView t;
+          t.ptr = ptr, t.batch_stride = batch, t.row_stride = row, t.head_stride = d;
+          return t;
+        };
+        p.q = bshd(q), p.k = bshd(k), p.v = bshd(v), p.o = bshd(o), p.dout = bshd(dout);
+        p.dq = bshd(dq), p.dk = bshd(dk), p.dv = bshd(dv);
         p.h = p.h_k = h; p.h_h_k_ratio = 1;
-        p.softmax_lse_ptr = lse; p.dsoftmax_sum_ptr = dsum; p.softmax_lse_log2_ptr = lse2;
+        p.softmax_lse_ptr = lse;
+        p.row_max_ptr = stats, p.row_log2sum_ptr = stats + size_t(b) * h * n;
+        p.dsoftmax_sum_ptr = ws, p.softmax_lse_log2_ptr = ws + size_t(b) * h * n_round;
+        p.softmax_lse_log2_lo_ptr = ws + 2 * size_t(b) * h * n_round;
+        p.precise_rows_ptr = precise;
         p.b = b; p.seqlen_q = p.seqlen_k = n; p.seqlen_q_rounded = n_round; p.d = p.d_rounded = d;
         p.scale_softmax = 1.0 / sqrt(double(d));
         p.scale_softmax_log2 = float(p.scale_softmax * 1.4426950408889634);
@@ -204,7 +209,7 @@ int main(int argc, char** argv) {
             // Backward inputs: o and lse from the reference forward config, then the preprocess.
             if (!fwd_ref) { fprintf(stderr, "hdim %d: register a fwd variant first\n", d); return 1; }
             fwd_ref->run(p, nullptr);
-            flash::bwd::run_bwd_preprocess<__nv_bfloat16>(p, nullptr);
+            flash::run_bwd_preprocess<__nv_bfloat16>(p, nullptr);
             FLASH_CHECK_CUDA(cudaDeviceSynchronize());
             bwd_ready = true;
           }
@@ -231,9 +236,10 @@ int main(int argc, char** argv) {
           fflush(stdout);
         }
         for (auto* ptr : bufs) FLASH_CHECK_CUDA(cudaFree(ptr));
-        FLASH_CHECK_CUDA(cudaFree(lse));
-        FLASH_CHECK_CUDA(cudaFree(dsum));
-        FLASH_CHECK_CUDA(cudaFree(lse2));
+        for (void* ptr : {static_cast<void*>(lse), static_cast<void*>(stats), static_cast<void*>(ws),
+                          static_cast<void*>(precise)}) {
+          FLASH_CHECK_CUDA(cudaFree(ptr));
+        }
       }
     }
   }

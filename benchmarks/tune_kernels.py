@@ -4,13 +4,14 @@
 
 A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path) or dkv90, dq90 (sm90 wgmma path,
 --arch 90a only) and ARGS the kernel's template arguments:
-    fwd:128:128,32,4,false,2     TileConfig<BLOCK_M, BLOCK_N, warps, 1 stage, Q-in-regs, min CTAs/SM>
-    dkv:128:64,128,1             launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N, colsplit[, warp rows[, fast copy 0|1]]>
-    dq:128:128,64                launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N[, warp rows[, fast copy 0|1]]>
-    dkv90:128:64,128             sm90::launch_bwd_dkv<bf16, 128, BLOCK_M, BLOCK_N[, split]>
-    dq90:128:128,64              sm90::launch_bwd_dq<bf16, 128, BLOCK_M, BLOCK_N>
+    fwd:128:128,32,4,false,2     FwdTileShape<BLOCK_M, BLOCK_N, warps, Q-in-regs, min CTAs/SM>
+    dkv:128:64,128,1             DkvTileShape of BLOCK_M, BLOCK_N, colsplit[, warp rows[, fast copy 0|1]]
+    dq:128:128,64                DqTileShape<BLOCK_M, BLOCK_N[, warp rows[, fast copy 0|1]]>
+    dkv90:128:64,128             sm90 DkvTileShape of BLOCK_M, BLOCK_N[, split]
+    dq90:128:128,64              sm90 DqTileShape<BLOCK_M, BLOCK_N>
+(csrc/kernels/common/tile_shapes.h; the rows of csrc/kernels/<arch>/tile_config.h)
 The first variant of each (output, hdim) is the reference the others' outputs are checked against
-(dkv and dkv90 both write dK, dq and dq90 dQ; put the production row of tile_config*.h first, and
+(dkv and dkv90 both write dK, dq and dq90 dQ; put the production row of tile_config.h first, and
 a fwd variant of each hdim: it makes the backward inputs). One translation unit per variant is compiled
 in parallel (benchmarks/tune_kernels.cu), then the binary prints one line per (problem, variant).
 """

@@ -1,12 +1,13 @@
 // flash_attn_ext: the one parameter block that crosses from the torch-facing API
-// (csrc/flash_api.cpp) into the kernels. Plain C++: no torch, no CUDA headers, so
-// every kernel translation unit compiles without torch and the CPU build compiles
-// it too.
+// (csrc/flash_api.cpp) into the kernels. Plain C++: no torch, no CUDA headers, so every kernel
+// translation unit compiles without torch and the CPU build compiles it too.
 //
-// Layout is BSHD: q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k,
-// nheads_k, headdim); the last dim is contiguous (stride 1), every other stride is
-// free (in elements, 64-bit). softmax_lse is (batch, nheads, seqlen_q) float32,
-// contiguous, natural log.
+// Layout is BSHD: q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim);
+// the last dim is contiguous (stride 1), every other stride is free (in elements, 64-bit). Each
+// tensor is a TensorView {ptr, strides}; kernels never compute an offset themselves: the
+// per-sequence view of csrc/kernels/common/seqlen.cuh does (today dense, tomorrow from
+// cu_seqlens / cache_seqlens / a block table without touching the kernels' bodies).
+// softmax_lse is (batch, nheads, seqlen_q) float32, contiguous, natural log.
 #pragma once
 
 #include <cstdint>
@@ -16,29 +17,33 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace flash {
 
+// One BSHD tensor: element (b, s, h, c) is at ptr + b*batch_stride + s*row_stride + h*head_stride + c.
+struct TensorView {
+  void* __restrict__ ptr = nullptr;
+  int64_t batch_stride = 0, row_stride = 0, head_stride = 0;
+};
+
 struct Qkv_params {
-  // Base pointers (element type given by is_bf16 / is_fp16 / float).
-  void* __restrict__ q_ptr = nullptr;
-  void* __restrict__ k_ptr = nullptr;
-  void* __restrict__ v_ptr = nullptr;
-
-  // Strides in elements.
-  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
-  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
-  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
-
-  int h = 0;          // nheads (query heads)
-  int h_k = 0;        // nheads_k (key/value heads); h % h_k == 0
+  TensorView q, k, v;  // element type given by is_bf16 (else fp16), or float/double on the CPU
+  int h = 0;            // nheads (query heads)
+  int h_k = 0;          // nheads_k (key/value heads); h % h_k == 0
   int h_h_k_ratio = 1;  // h / h_k: query head hq reads kv head hq / h_h_k_ratio
 };
 
 struct Flash_fwd_params : public Qkv_params {
-  void* __restrict__ o_ptr = nullptr;
-  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  TensorView o;
 
-  // (b, h, seqlen_q) float32 contiguous, natural log. For a query row that sees no
-  // key (causal with seqlen_q > seqlen_k), lse = +inf and out = 0.
+  // (b, h, seqlen_q) float32 contiguous, natural log. For a query row that sees no key (causal
+  // with seqlen_q > seqlen_k), lse = +inf and out = 0.
   float* __restrict__ softmax_lse_ptr = nullptr;
+  // The same LSE as an unevaluated sum in log2 units, exact at any input magnitude (the forward
+  // writes it when non-null; the backward reads it when non-null, else derives it from the LSE):
+  //   row_max_ptr[r]     = m_r = max_j (softmax_scale * log2(e) * S_rj), as the forward rounded it
+  //   row_log2sum_ptr[r] = log2(sum_j exp2(softmax_scale * log2(e) * S_rj - m_r))
+  // so LSE_r * log2(e) = m_r + log2sum_r. A row with no visible key has (+inf, 0). Both (b, h,
+  // seqlen_q) float32 contiguous: the two planes of the op's softmax_stats output.
+  float* __restrict__ row_max_ptr = nullptr;
+  float* __restrict__ row_log2sum_ptr = nullptr;
 
   int b = 0;          // batch
   int seqlen_q = 0;
@@ -47,8 +52,8 @@ struct Flash_fwd_params : public Qkv_params {
   int d_rounded = 0;  // compiled head dim the kernel runs with (>= d); columns
                       // d..d_rounded are zero-padded inside the kernel
 
-  double scale_softmax = 0.0;      // softmax_scale (double: exact for the CPU float64 path;
-                                   // the CUDA kernels use it as float)
+  double scale_softmax = 0.0;      // softmax_scale, any finite value (double: exact for the CPU
+                                   // float64 path; the CUDA kernels use it as float)
   float scale_softmax_log2 = 0.f;  // softmax_scale * log2(e): scores go through exp2
 
   bool is_causal = false;  // bottom-right aligned: query i sees key j <= i + seqlen_k - seqlen_q
@@ -58,43 +63,47 @@ struct Flash_fwd_params : public Qkv_params {
   int arch = 0;     // compute capability major*10 + minor (80, 86, 89, 90, ...)
   int num_sms = 0;
 
-  // Roadmap (not implemented yet; a feature = a field here + a kernel file):
-  // cu_seqlens_q/k (varlen), window_size_left/right, alibi_slopes, softcap,
-  // p_dropout, paged KV block table, split-KV accumulators.
+  // Roadmap (docs/DESIGN.md: a feature = fields here + a file in csrc/kernels/): cu_seqlens_q/k
+  // (varlen), cache_seqlens and block_table (KV cache, paged), num_splits with the split-KV
+  // accumulators, window_size_left/right.
 };
 
 struct Flash_bwd_params : public Flash_fwd_params {
   // dO: same shape as out; last dim contiguous (the API makes it so), other strides free
   // (zero strides allowed: out.sum().backward()).
-  void* __restrict__ do_ptr = nullptr;
-  int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
-
+  TensorView dout;
   // Gradients: dq like q, dk/dv like k/v (nheads_k heads), written, never accumulated.
-  void* __restrict__ dq_ptr = nullptr;
-  void* __restrict__ dk_ptr = nullptr;
-  void* __restrict__ dv_ptr = nullptr;
-  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
-  int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
-  int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  TensorView dq, dk, dv;
 
-  // Workspace written by the preprocess kernel, (b, h, seqlen_q_rounded) float32:
-  //   dsoftmax_sum[i]      = D_i = rowsum(dO_i * O_i)             (Alg. 2 line 4 of FA2)
-  //   softmax_lse_log2[i]  = LSE_i * log2(e), +inf rows mapped so P = 0
+  // Workspaces written by the preprocess kernel (kernels/common/bwd_preprocess.cuh),
+  // (b, h, seqlen_q_rounded) float32, and one flag per 128 query rows:
+  //   dsoftmax_sum[i]      = D_i = rowsum(dO_i * O_i)                        (FA2 Alg. 2 line 4)
+  //   softmax_lse_log2[i]  = hi_i, softmax_lse_log2_lo[i] = lo_i: LSE_i * log2(e) = hi_i + lo_i
+  //                          (+inf, 0 for rows without keys and rows past seqlen_q: P = 0)
+  //   precise_rows[(b*h + head) * (seqlen_q_rounded / 128) + i / 128] = 1 when a row of the block
+  //                          needs the exact P recompute (lo_i != 0: large-magnitude scores),
+  //                          else 0: lo is 0 there and P = exp2(S * scale_log2 - hi) in one FFMA.
   float* __restrict__ dsoftmax_sum_ptr = nullptr;
   float* __restrict__ softmax_lse_log2_ptr = nullptr;
+  float* __restrict__ softmax_lse_log2_lo_ptr = nullptr;
+  int* __restrict__ precise_rows_ptr = nullptr;
   int seqlen_q_rounded = 0;  // seqlen_q rounded up to a multiple of 128
 };
 
 // ---- Dispatch points (one per op). Defined in csrc/kernels/flash_{fwd,bwd}_dispatch.cu.
-// They pick the arch path (today: sm80 for every SM >= 8.0), head dim and dtype, and
-// throw std::runtime_error on a combination that was not compiled or on a failed launch.
+// They pick the arch path (kernels/arch.h: select_arch), head dim and dtype, and throw
+// std::runtime_error on a combination that was not compiled or on a failed launch.
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream);
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
 
-// Head dim the kernels will run a user head dim `d` with (the next compiled one),
-// or 0 if none compiled in this build covers it.
-int fwd_rounded_headdim(int d);
-int bwd_rounded_headdim(int d);
+// Head dim the kernels run a user head dim `d` with (the smallest compiled one >= d), or 0 if
+// none compiled in this build covers it. One rule for the forward and the backward.
+int rounded_headdim(int d);
+
+// Forces (true) or releases (false) the sm80 path on GPUs where select_arch (kernels/arch.h) would
+// pick another; returns the previous setting. The environment variable FLASH_ATTN_EXT_DISABLE_SM90
+// gives the initial setting, read once. For tests and comparisons (flash_attn_ext.force_sm80_path).
+bool force_sm80_path(bool force);
 
 // Compiled head dims, for build_info(); comma separated, e.g. "32,64,96,128,192,256".
 const char* compiled_headdims();

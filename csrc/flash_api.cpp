@@ -4,7 +4,7 @@
 // work (errors name the argument and what was expected), allocates outputs and workspaces,
 // fills flash::Flash_fwd_params / Flash_bwd_params (csrc/flash.h) and dispatches:
 //   CPU  -> flash::cpu::run_mha_{fwd,bwd}_cpu   (csrc/kernels/cpu/flash_cpu.cpp)
-//   CUDA -> flash::run_mha_fwd / run_mha_bwd    (csrc/kernels/flash_{fwd,bwd}_dispatch.cu)
+//   CUDA -> flash::run_mha_fwd / run_mha_bwd    (csrc/kernels/dispatch.cu)
 // Autograd and the fake (meta) kernels are registered in Python: flash_attn_ext/ops.py.
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "flash.h"
 #include "kernels/cpu/flash_cpu.h"
@@ -118,6 +119,18 @@ Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softma
   return s;
 }
 
+// softmax_stats: (2, batch, nheads, seqlen_q) float32 on q's device (the forward's third output).
+void check_stats(const Tensor& stats, const Tensor& q, const Sizes& s) {
+  check_same_device(stats, "softmax_stats", q);
+  TORCH_CHECK(stats.scalar_type() == at::kFloat, "flash_attn_ext: softmax_stats has dtype ", stats.scalar_type(),
+              "; expected float32");
+  TORCH_CHECK(stats.dim() == 4 && stats.size(0) == 2 && stats.size(1) == s.batch && stats.size(2) == s.nheads &&
+                  stats.size(3) == s.seqlen_q,
+              "flash_attn_ext: softmax_stats has shape ", stats.sizes(),
+              "; expected (2, batch, nheads, seqlen_q) = (2, ", s.batch, ", ", s.nheads, ", ", s.seqlen_q,
+              "), the forward's third output");
+}
+
 // Backward-only checks: dout/out like q, softmax_lse (batch, nheads, seqlen_q) float32.
 void check_bwd_extra(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& softmax_lse,
                      const Sizes& s) {
@@ -141,22 +154,27 @@ void check_bwd_extra(const Tensor& dout, const Tensor& q, const Tensor& out, con
 
 // ---- Params ----------------------------------------------------------------------------
 
+// A BSHD tensor's {ptr, batch/row/head strides} (flash.h).
+flash::TensorView view(const Tensor& t) {
+  flash::TensorView v;
+  v.ptr = t.data_ptr();
+  v.batch_stride = t.stride(0), v.row_stride = t.stride(1), v.head_stride = t.stride(2);
+  return v;
+}
+
+// stats: the (2, batch, nheads, seqlen_q) float32 contiguous softmax_stats, or undefined.
 void set_fwd_params(flash::Flash_fwd_params& p, const Sizes& s, const Tensor& q, const Tensor& k,
-                    const Tensor& v, const Tensor& out, const Tensor& softmax_lse, double softmax_scale,
-                    bool causal) {
-  p.q_ptr = q.data_ptr();
-  p.k_ptr = k.data_ptr();
-  p.v_ptr = v.data_ptr();
-  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
+                    const Tensor& v, const Tensor& out, const Tensor& softmax_lse, const Tensor& stats,
+                    double softmax_scale, bool causal) {
+  p.q = view(q), p.k = view(k), p.v = view(v), p.o = view(out);
   p.h = int(s.nheads);
   p.h_k = int(s.nheads_k);
   p.h_h_k_ratio = int(s.nheads / s.nheads_k);
-
-  p.o_ptr = out.data_ptr();
-  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
   p.softmax_lse_ptr = softmax_lse.data_ptr<float>();
+  if (stats.defined()) {
+    p.row_max_ptr = stats.data_ptr<float>();
+    p.row_log2sum_ptr = p.row_max_ptr + stats.numel() / 2;
+  }
 
   p.b = int(s.batch);
   p.seqlen_q = int(s.seqlen_q);
@@ -171,38 +189,45 @@ void set_fwd_params(flash::Flash_fwd_params& p, const Sizes& s, const Tensor& q,
 
 void set_bwd_params(flash::Flash_bwd_params& p, const Sizes& s, const Tensor& dout, const Tensor& q,
                     const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
-                    const Tensor& dq, const Tensor& dk, const Tensor& dv, double softmax_scale, bool causal) {
-  set_fwd_params(p, s, q, k, v, out, softmax_lse, softmax_scale, causal);
-  p.do_ptr = dout.data_ptr();
-  p.do_batch_stride = dout.stride(0), p.do_row_stride = dout.stride(1), p.do_head_stride = dout.stride(2);
-  p.dq_ptr = dq.data_ptr();
-  p.dk_ptr = dk.data_ptr();
-  p.dv_ptr = dv.data_ptr();
-  p.dq_batch_stride = dq.stride(0), p.dq_row_stride = dq.stride(1), p.dq_head_stride = dq.stride(2);
-  p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
-  p.dv_batch_stride = dv.stride(0), p.dv_row_stride = dv.stride(1), p.dv_head_stride = dv.stride(2);
+                    const Tensor& stats, const Tensor& dq, const Tensor& dk, const Tensor& dv, double softmax_scale,
+                    bool causal) {
+  set_fwd_params(p, s, q, k, v, out, softmax_lse, stats, softmax_scale, causal);
+  p.dout = view(dout), p.dq = view(dq), p.dk = view(dk), p.dv = view(dv);
 }
 
 // ---- Shared op bodies ------------------------------------------------------------------
-// Outputs are contiguous BSHD; softmax_lse (batch, nheads, seqlen_q) float32. Empty inputs
-// never reach a kernel: batch or seqlen_q == 0 gives empty outputs; seqlen_k == 0 means no
-// query sees a key (out = 0, lse = +inf, dq = 0).
+// Outputs are contiguous BSHD; softmax_lse (batch, nheads, seqlen_q) float32; softmax_stats
+// (2, batch, nheads, seqlen_q) float32 (flash.h: row max and log2 row sum, log2 units). Empty
+// inputs never reach a kernel: batch or seqlen_q == 0 gives empty outputs; seqlen_k == 0 means no
+// query sees a key (out = 0, lse = +inf, stats = (+inf, 0), dq = 0).
 
-std::tuple<Tensor, Tensor> alloc_fwd(const Tensor& q, const Sizes& s) {
+using FwdOut = std::tuple<Tensor, Tensor, Tensor>;
+
+FwdOut alloc_fwd(const Tensor& q, const Sizes& s) {
   Tensor out = torch::empty(q.sizes(), q.options());
   Tensor lse = torch::empty({s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
-  return {out, lse};
+  Tensor stats = torch::empty({2, s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
+  return {out, lse, stats};
 }
 
 // True if the kernel must run; otherwise the outputs are already final.
-bool fwd_nonempty(Tensor& out, Tensor& lse, const Sizes& s) {
+bool fwd_nonempty(FwdOut& outs, const Sizes& s) {
   if (s.batch == 0 || s.seqlen_q == 0) return false;
   if (s.seqlen_k == 0) {
-    out.zero_();
-    lse.fill_(std::numeric_limits<float>::infinity());
+    std::get<0>(outs).zero_();
+    std::get<1>(outs).fill_(std::numeric_limits<float>::infinity());
+    std::get<2>(outs)[0].fill_(std::numeric_limits<float>::infinity());
+    std::get<2>(outs)[1].zero_();
     return false;
   }
   return true;
+}
+
+// The backward's softmax_stats: the caller's (checked, made contiguous) or undefined.
+Tensor bwd_stats(const c10::optional<Tensor>& softmax_stats, const Tensor& q, const Sizes& s) {
+  if (!softmax_stats.has_value() || !softmax_stats->defined()) return Tensor();
+  check_stats(*softmax_stats, q, s);
+  return softmax_stats->contiguous();
 }
 
 bool bwd_nonempty(Tensor& dq, Tensor& dk, Tensor& dv, const Sizes& s) {
@@ -227,24 +252,26 @@ flash::cpu::Dtype cpu_dtype(at::ScalarType t) {
   }
 }
 
-std::tuple<Tensor, Tensor> forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale,
-                                       bool causal) {
+FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal) {
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
-  auto [out, lse] = alloc_fwd(q, s);
-  if (!fwd_nonempty(out, lse, s)) return {out, lse};
+  FwdOut outs = alloc_fwd(q, s);
+  if (!fwd_nonempty(outs, s)) return outs;
+  const auto& [out, lse, stats] = outs;
   flash::Flash_fwd_params params;
-  set_fwd_params(params, s, q, k, v, out, lse, softmax_scale, causal);
+  set_fwd_params(params, s, q, k, v, out, lse, stats, softmax_scale, causal);
   flash::cpu::run_mha_fwd_cpu(params, cpu_dtype(q.scalar_type()));
-  return {out, lse};
+  return outs;
 }
 
 std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Tensor& q, const Tensor& k,
                                                 const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
-                                                double softmax_scale, bool causal) {
+                                                double softmax_scale, bool causal,
+                                                const c10::optional<Tensor>& softmax_stats) {
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   check_rank4(dout_in, "dout", "(batch, seqlen_q, nheads, headdim)");
   check_rank4(out, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q, out, softmax_lse, s);
+  const Tensor stats = bwd_stats(softmax_stats, q, s);
   Tensor dq = torch::empty(q.sizes(), q.options());
   Tensor dk = torch::empty(k.sizes(), k.options());
   Tensor dv = torch::empty(v.sizes(), v.options());
@@ -253,7 +280,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   const Tensor dout = dout_in.stride(-1) == 1 ? dout_in : dout_in.contiguous();
   const Tensor lse = softmax_lse.contiguous();
   flash::Flash_bwd_params params;
-  set_bwd_params(params, s, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal);
+  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, softmax_scale, causal);
   flash::cpu::run_mha_bwd_cpu(params, cpu_dtype(q.scalar_type()));
   return {dq, dk, dv};
 }
@@ -269,6 +296,16 @@ Tensor aligned_for_cuda(const Tensor& t) {
   return ok ? t : t.contiguous();
 }
 
+// The CUDA kernels take softmax_scale > 0 (their softmax keeps the row max of the raw scores,
+// primitives/softmax.cuh). Scores only enter as softmax_scale * q.k, so a negative scale runs as
+// |scale| on -q, and a zero scale (every visible key weighs the same) as scale 1 on q = 0; the
+// backward maps dq back (dq = -dq' and dq = 0; dk and dv need nothing: scale' q' = scale q).
+std::pair<Tensor, double> positive_scale(const Tensor& q, double softmax_scale) {
+  if (softmax_scale > 0) return {q, softmax_scale};
+  if (softmax_scale < 0) return {q.neg(), -softmax_scale};
+  return {torch::zeros_like(q), 1.0};
+}
+
 void set_device_facts(flash::Flash_fwd_params& p, int device) {
   int major = 0, minor = 0, num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -278,25 +315,26 @@ void set_device_facts(flash::Flash_fwd_params& p, int device) {
   p.num_sms = num_sms;
 }
 
-int cuda_rounded_headdim(int d, bool bwd) {
-  const int d_rounded = bwd ? flash::bwd_rounded_headdim(d) : flash::fwd_rounded_headdim(d);
+int cuda_rounded_headdim(int d) {
+  const int d_rounded = flash::rounded_headdim(d);
   TORCH_CHECK(d_rounded > 0, "flash_attn_ext: headdim ", d, " is not compiled in this build (compiled head dims: ",
               flash::compiled_headdims(), "); rebuild with FLASH_ATTN_EXT_HDIMS including a head dim >= ", d);
   return d_rounded;
 }
 
-std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
-                                        double softmax_scale, bool causal) {
+FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, double softmax_scale, bool causal) {
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
-  const int d_rounded = cuda_rounded_headdim(int(s.headdim), /*bwd=*/false);
+  const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
-  auto [out, lse] = alloc_fwd(q_in, s);
-  if (!fwd_nonempty(out, lse, s)) return {out, lse};
-  const Tensor q = aligned_for_cuda(q_in), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
+  FwdOut outs = alloc_fwd(q_in, s);
+  if (!fwd_nonempty(outs, s)) return outs;
+  const auto& [out, lse, stats] = outs;
+  const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
+  const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
 
   flash::Flash_fwd_params params;
-  set_fwd_params(params, s, q, k, v, out, lse, softmax_scale, causal);
+  set_fwd_params(params, s, q, k, v, out, lse, stats, scale, causal);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
   try {
@@ -304,40 +342,45 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q_in, const Tensor& k_in, 
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, e.what());
   }
-  return {out, lse};
+  return outs;
 }
 
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
                                                  const Tensor& v_in, const Tensor& out_in,
-                                                 const Tensor& softmax_lse, double softmax_scale, bool causal) {
+                                                 const Tensor& softmax_lse, double softmax_scale, bool causal,
+                                                 const c10::optional<Tensor>& softmax_stats) {
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   check_rank4(dout_in, "dout", "(batch, seqlen_q, nheads, headdim)");
   check_rank4(out_in, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q_in, out_in, softmax_lse, s);
-  const int d_rounded = cuda_rounded_headdim(int(s.headdim), /*bwd=*/true);
+  const Tensor stats = bwd_stats(softmax_stats, q_in, s);
+  const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
   Tensor dk = torch::empty(k_in.sizes(), k_in.options());
   Tensor dv = torch::empty(v_in.sizes(), v_in.options());
   if (!bwd_nonempty(dq, dk, dv, s)) return {dq, dk, dv};
 
-  const Tensor q = aligned_for_cuda(q_in), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
+  const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
+  const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
   const Tensor out = aligned_for_cuda(out_in);
   // dout from out.sum().backward() has all-zero strides: fine, except a non-unit last stride.
   const Tensor dout = aligned_for_cuda(dout_in.stride(-1) == 1 ? dout_in : dout_in.contiguous());
   const Tensor lse = softmax_lse.contiguous();
-  // FA2 Alg. 2 line 5 workspaces (written by the preprocess kernel), rows rounded up to 128.
+  // FA2 Alg. 2 line 5 workspaces (written by the preprocess kernel), rows rounded up to 128: D,
+  // LSE_log2 = hi + lo, and one precise_rows flag per 128 rows (flash.h).
   const int64_t seqlen_q_rounded = (s.seqlen_q + 127) / 128 * 128;
-  const auto f32 = q.options().dtype(at::kFloat);
-  Tensor dsoftmax_sum = torch::empty({s.batch, s.nheads, seqlen_q_rounded}, f32);
-  Tensor softmax_lse_log2 = torch::empty({s.batch, s.nheads, seqlen_q_rounded}, f32);
+  Tensor ws = torch::empty({3, s.batch, s.nheads, seqlen_q_rounded}, q.options().dtype(at::kFloat));
+  Tensor precise_rows = torch::empty({s.batch, s.nheads, seqlen_q_rounded / 128}, q.options().dtype(at::kInt));
 
   flash::Flash_bwd_params params;
-  set_bwd_params(params, s, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal);
+  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, causal);
   params.d_rounded = d_rounded;
-  params.dsoftmax_sum_ptr = dsoftmax_sum.data_ptr<float>();
-  params.softmax_lse_log2_ptr = softmax_lse_log2.data_ptr<float>();
+  params.dsoftmax_sum_ptr = ws[0].data_ptr<float>();
+  params.softmax_lse_log2_ptr = ws[1].data_ptr<float>();
+  params.softmax_lse_log2_lo_ptr = ws[2].data_ptr<float>();
+  params.precise_rows_ptr = precise_rows.data_ptr<int>();
   params.seqlen_q_rounded = int(seqlen_q_rounded);
   set_device_facts(params, q.get_device());
   try {
@@ -345,6 +388,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, e.what());
   }
+  if (softmax_scale < 0) dq.neg_();
+  if (softmax_scale == 0) dq.zero_();
   return {dq, dk, dv};
 }
 
@@ -354,7 +399,7 @@ void no_cuda() {
   TORCH_CHECK(false, "flash_attn_ext: this build has no CUDA kernels (built with FLASH_ATTN_EXT_CUDA_ARCHS=none "
                      "or without nvcc / a CUDA-enabled torch); rebuild with CUDA to run on a GPU");
 }
-std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool) {
+FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool) {
   check_same_device(k, "k", q);  // a mixed CPU/CUDA call is a device error first
   check_same_device(v, "v", q);
   no_cuda();
@@ -362,7 +407,7 @@ std::tuple<Tensor, Tensor> forward_cuda(const Tensor& q, const Tensor& k, const 
 }
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                  const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
-                                                 double, bool) {
+                                                 double, bool, const c10::optional<Tensor>&) {
   check_same_device(dout, "dout", q);
   check_same_device(k, "k", q);
   check_same_device(v, "v", q);
@@ -379,10 +424,12 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout, const Tenso
 TORCH_LIBRARY(flash_attn_ext, m) {
   // Fake kernels and autograd live in this Python module; torch imports it on demand.
   m.set_python_module("flash_attn_ext.ops");
-  m.def("forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor softmax_lse, "
+      "Tensor softmax_stats)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
-      "bool causal) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "bool causal, Tensor? softmax_stats=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
@@ -415,4 +462,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return info;
       },
       "Build facts: CUDA archs and head dims compiled, the CUDA and torch versions built against.");
+  m.def(
+      "force_sm80_path",
+      [](bool force) {
+#ifdef FLASH_ATTN_EXT_WITH_CUDA
+        return flash::force_sm80_path(force);
+#else
+        (void)force;
+        return false;
+#endif
+      },
+      "Forces (True) or releases (False) the sm80 kernels on GPUs where another arch path would run; "
+      "returns the previous setting. The initial setting is FLASH_ATTN_EXT_DISABLE_SM90 (read once).");
 }

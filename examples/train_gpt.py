@@ -15,7 +15,9 @@ concatenated, as bytes (vocabulary 256); the last 10% is the validation split.
     python examples/train_gpt.py --device cpu --steps 30 --tiny
 
 Prints the two curves side by side and a final table (final train loss = mean of the last 10
-steps, validation loss, ms/step); writes every step's losses to --csv.
+steps, validation loss, ms/step); writes every step's losses to --out-dir/--csv (default
+train_gpt_out/losses.csv, a folder the repository's .gitignore ignores; an absolute --csv is
+used as is, --csv "" writes nothing).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from flash_attn_ext.nn import MultiheadFlashAttention
 TEXT_DIR = "/usr/share/common-licenses"
 TEXT_FILES = ["GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3"]
 ATTN_BACKENDS = {"flash_attn_ext": "flash_attn_ext", "sdpa": "torch_sdpa"}
+DEFAULT_OUT_DIR = "train_gpt_out"  # listed in .gitignore
 
 CONFIGS = {  # d_model, heads, kv heads, layers, seqlen, batch, lr
     "default": dict(d_model=384, n_heads=6, n_kv_heads=2, n_layers=6, seqlen=256, batch=32, lr=1e-3),
@@ -155,7 +158,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--csv", default="train_gpt_losses.csv", help="per-step losses (CSV)")
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                   help="folder for the outputs, created if missing (default: %(default)s, "
+                        "ignored by git)")
+    p.add_argument("--csv", default="losses.csv",
+                   help="per-step losses (CSV), relative to --out-dir; '' to skip")
     p.add_argument("--text-dir", default=TEXT_DIR)
     p.add_argument("--text-files", nargs="+", default=TEXT_FILES)
     args = p.parse_args(argv)
@@ -190,12 +197,14 @@ def main(argv=None):
         a, b = (results[n]["final_loss"] for n in names)
         print(f"relative difference of final train losses: {abs(a - b) / b:.2e}")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
+        path = os.path.join(args.out_dir, args.csv)  # an absolute --csv stays as given
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["step"] + [f"loss_{n}" for n in names])
             for s in range(args.steps):
                 w.writerow([s] + [f"{results[n]['losses'][s]:.6f}" for n in names])
-        print(f"wrote {args.csv}")
+        print(f"wrote {path}")
     return results
 
 

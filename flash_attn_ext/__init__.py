@@ -6,6 +6,7 @@ Public API:
     scaled_dot_product_attention(...): BHSD drop-in for torch's SDPA (flash_attn_ext.sdpa,
         loaded on first use).
     build_info() -> dict: CUDA archs / head dims compiled, CUDA and torch versions built against.
+    force_sm80_path(force=True) -> bool: run the sm80 kernels on every GPU (tests, comparisons).
     torch.ops.flash_attn_ext.forward / backward: the raw ops (flash_attn_ext.ops).
 Submodules loaded on first use: nn, reference, benchmark, integrations, sdpa.
 """
@@ -41,7 +42,15 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
-_LAZY_SUBMODULES = ("nn", "reference", "benchmark", "integrations", "sdpa")
+def force_sm80_path(force: bool = True) -> bool:
+    """Run the sm80 (mma.sync) kernels even where another arch path would be chosen (the sm90
+    wgmma kernels on an H100/H200 with an sm_90a build), or release that with ``force=False``.
+    For tests and comparisons; the initial setting comes from the environment variable
+    ``FLASH_ATTN_EXT_DISABLE_SM90`` (read once). Returns the previous setting."""
+    return bool(_C.force_sm80_path(bool(force)))
+
+
+_LAZY_SUBMODULES = ("nn", "reference", "benchmark", "bench", "integrations", "sdpa")
 
 
 def __getattr__(name):
@@ -52,4 +61,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["flash_attn_func", "scaled_dot_product_attention", "build_info", "__version__"]
+__all__ = ["flash_attn_func", "scaled_dot_product_attention", "build_info", "force_sm80_path", "__version__"]

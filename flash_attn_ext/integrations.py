@@ -23,11 +23,16 @@ Masks (never ignored):
   * A 4-D mask (batch or 1, 1, q_len, kv_len), boolean (True = attend) or additive float
     (0 = attend, -inf or dtype-min = blocked): handled per sequence by unpadding. For each batch
     element the queries and keys that take part are gathered, and the mask restricted to them
-    must be all-True (padding only) or the bottom-right causal pattern (causal + padding, incl.
-    left padding and decoding with a cache); the kernel then runs on that sequence and the
-    output rows are scattered back (rows that see no key are 0). Any other pattern (sliding
-    windows, packed sequences, per-head masks, additive biases) raises NotImplementedError
-    naming the cause: use attn_implementation="sdpa" for those models.
+    must be all-True (padding only) or causal with a diagonal offset (query i sees key
+    j <= i + off: causal + padding). That covers left padding and decoding with a cache
+    (bottom-right, off = kv_len - q_len) and right padding under a causal mask: transformers
+    then builds the top-left pattern (off = 0) in which each real query row sees the real keys
+    up to itself (plain causal attention) and each pad query row sees every real key. The
+    kernel runs on that sequence (the rows that see every key, such as right-padding pad rows,
+    in a second non-causal call) and the output rows are scattered back, so every row equals
+    sdpa's; rows that see no key are 0. Any other pattern (sliding windows, packed sequences,
+    per-head masks, additive biases) raises NotImplementedError naming the cause: use
+    attn_implementation="sdpa" for those models.
 """
 
 from __future__ import annotations
@@ -81,24 +86,44 @@ def _masked_attention(q, k, v, attention_mask, scaling):
         kv_idx = m.any(dim=0).nonzero().squeeze(1)               # keys seen by some query
         sub = m[q_idx][:, kv_idx]
         nq, nk = q_idx.numel(), kv_idx.numel()
-        if bool(sub.all()):
-            causal = False
-        else:
-            i = torch.arange(nq, device=m.device)[:, None]
-            j = torch.arange(nk, device=m.device)[None, :]
-            if not torch.equal(sub, j <= i + (nk - nq)):
-                raise NotImplementedError(
-                    f"flash_attn_ext attention: the attention mask of batch element {b} is neither "
-                    "padding nor causal+padding (e.g. a sliding window or packed sequences); "
-                    'those patterns are not supported, use attn_implementation="sdpa"')
-            causal = True
         out_b = q.new_zeros(q.shape[1:])                         # rows seeing no key stay 0
         if nq > 0:
-            o = flash_attn_func(q[b:b + 1, q_idx], k[b:b + 1, kv_idx], v[b:b + 1, kv_idx],
-                                softmax_scale=scaling, causal=causal)[0]
+            o = _causal_offset_attention(q[b:b + 1, q_idx], k[b:b + 1, kv_idx],
+                                         v[b:b + 1, kv_idx], sub, scaling, b)[0]
             out_b = out_b.index_copy(0, q_idx, o)
         outs.append(out_b)
     return torch.stack(outs)
+
+
+def _causal_offset_attention(q, k, v, sub, scaling, b):
+    """Attention of one unpadded sequence whose mask ``sub`` (nq, nk) is all-True or causal
+    with some diagonal offset: query i sees key j iff j <= i + off.
+
+    Every row sees a key and every key is seen (the caller gathered them), so
+    0 <= off and nk - nq <= off. off = nk - nq is the bottom-right mask of the kernel (left
+    padding, decoding with a cache); off = 0 with nq > nk is the top-left mask that
+    transformers builds for right padding with a causal mask (pad query rows after the last
+    real key see every real key). In general the first h = min(nq, nk - off) rows are the
+    bottom-right causal problem (h rows, h + off keys) and the remaining rows see every key.
+    """
+    nq, nk = sub.shape
+    if bool(sub.all()):
+        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False)
+    off = int(sub[0].sum()) - 1
+    i = torch.arange(nq, device=sub.device)[:, None]
+    j = torch.arange(nk, device=sub.device)[None, :]
+    if off < 0 or not torch.equal(sub, j <= i + off):
+        raise NotImplementedError(
+            f"flash_attn_ext attention: the attention mask of batch element {b} is neither "
+            "padding nor causal+padding (e.g. a sliding window or packed sequences); "
+            'those patterns are not supported, use attn_implementation="sdpa"')
+    h = min(nq, nk - off)
+    head = flash_attn_func(q[:, :h], k[:, :h + off], v[:, :h + off], softmax_scale=scaling,
+                           causal=True)
+    if h == nq:
+        return head
+    tail = flash_attn_func(q[:, h:], k, v, softmax_scale=scaling, causal=False)
+    return torch.cat([head, tail], dim=1)
 
 
 def flash_attn_ext_attention_forward(

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from . import ops  # noqa: F401  (registers fake kernels + autograd)
+from . import ops  # registers fake kernels, autograd and vmap rules
 
 
 def flash_attn_func(
@@ -20,8 +20,21 @@ def flash_attn_func(
     """Exact attention ``softmax(softmax_scale * Q K^T) V`` without materialising the scores.
 
     FlashAttention-2 (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and
-    Work Partitioning"): forward = Alg. 1 (tiled online softmax, saves the row log-sum-exp),
-    backward = Alg. 2 (recomputes the probabilities from the saved LSE). Differentiable in q, k, v.
+    Work Partitioning"): forward = Alg. 1 (tiled online softmax, saves the row softmax
+    statistics), backward = Alg. 2 (recomputes the probabilities from the saved statistics).
+
+    Differentiation (w.r.t. q, k, v):
+      * reverse mode (``.backward()``, ``torch.autograd.grad``, ``torch.func.grad`` / ``vjp`` /
+        ``jacrev``): the FlashAttention-2 backward kernel. Not twice differentiable: double
+        backward raises RuntimeError.
+      * forward mode (``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``): exact,
+        computed with plain torch ops from q, k, v and their tangents (dS = c (dQ K^T + Q dK^T),
+        dO = (P * (dS - rowsum(P * dS))) V + P dV). This materialises the probabilities P,
+        (batch, nheads, seqlen_q, seqlen_k) in float32 (float64 for float64 inputs), so it costs
+        O(seqlen_q * seqlen_k) memory, unlike the forward and backward passes. Forward mode over
+        reverse mode (``torch.func.hessian``) raises NotImplementedError.
+      * ``torch.vmap`` (also around ``torch.func.grad`` for per-sample gradients): the vmapped
+        dimension is folded into the batch, one kernel call for the whole vmapped batch.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim), BSHD.
@@ -50,7 +63,8 @@ def flash_attn_func(
             different devices; mismatched or unsupported dtypes; rank != 4; batch / seqlen_k /
             nheads_k / headdim mismatches between q, k and v; nheads not divisible by nheads_k;
             headdim not a multiple of 8 or > 256 (or a CUDA head dim not compiled in this build);
-            a last dimension that is not contiguous; a non-finite softmax_scale.
+            a last dimension that is not contiguous; a non-finite softmax_scale; double backward.
+        NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian).
 
     Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0
     gives out = 0 and LSE = +inf.
@@ -58,6 +72,6 @@ def flash_attn_func(
     if softmax_scale is None:
         # headdim 0 is rejected by the op with a message naming headdim; don't divide by zero first.
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
-    out, softmax_lse = torch.ops.flash_attn_ext.forward(q, k, v, float(softmax_scale), bool(causal))
+    out, softmax_lse, _ = ops.attention_forward(q, k, v, float(softmax_scale), bool(causal))
     return (out, softmax_lse) if return_lse else out
 

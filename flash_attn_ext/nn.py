@@ -37,8 +37,11 @@ class FlashAttention(nn.Module):
         nheads % nheads_k == 0 (GQA/MQA); headdim a multiple of 8, at most 256; last dim
         contiguous. Returns (batch, seqlen_q, nheads, headdim) in the inputs' dtype.
 
-    Raises: TypeError for mixed dtypes or float32 on CUDA outside autocast; the op's
-    RuntimeError/ValueError for bad shapes.
+    Raises: TypeError for mixed dtypes, a non-floating dtype, or float32 on CUDA outside
+    autocast; the op's RuntimeError/ValueError for bad shapes.
+
+    Differentiable in reverse and forward mode, and usable under torch.func transforms (grad,
+    vjp, jvp, jacrev, jacfwd, vmap): see ``flash_attn_ext.flash_attn_func``.
     """
 
     def __init__(self, softmax_scale: float | None = None, causal: bool = False):
@@ -113,7 +116,12 @@ class MultiheadFlashAttention(nn.Module):
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
     matmul); ``need_weights`` must be False (attention weights are never materialised);
     ``key_padding_mask`` is not supported and ``attn_mask`` only as the causal hint
-    (``is_causal=True`` with a causal mask, which is checked) — otherwise a clear error.
+    (``is_causal=True`` with a causal mask, which is checked, also under torch.compile: see
+    ``forward``) — otherwise a clear error.
+
+    Differentiable in reverse and forward mode, and usable under torch.func transforms
+    (``torch.func.functional_call`` with grad, vjp, jvp, jacrev, jacfwd, and
+    ``vmap(grad(...))`` for per-sample gradients): see ``flash_attn_ext.flash_attn_func``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
@@ -189,13 +197,19 @@ class MultiheadFlashAttention(nn.Module):
             need_weights: must be False.
             attn_mask: None, or (with is_causal=True) the causal mask itself — bool
                 (seqlen_q, seqlen_k) True = attend, or float with 0 / -inf — as torch's hint.
+                It is verified: eagerly (NotImplementedError), and under torch.compile too:
+                its shape while tracing (NotImplementedError; with fullgraph=True wrapped in
+                torch._dynamo's Unsupported error, a RuntimeError), its values inside the
+                graph with torch._assert_async when the compiled code runs (RuntimeError on
+                CPU, a device-side assertion on CUDA).
             average_attn_weights: ignored (no weights are returned).
             is_causal: causal attention for this call (also when the module has causal=False).
         Returns:
             (out, None): out (batch, seqlen_q, embed_dim) in the activations' dtype.
         Raises:
             NotImplementedError: need_weights=True, key_padding_mask given, or attn_mask other
-                than the causal hint.
+                than the causal hint (compiled: see attn_mask).
+            RuntimeError: under torch.compile on CPU, an attn_mask whose values are not causal.
             ValueError: wrong ranks or widths, key without value.
         """
         if need_weights:
@@ -252,23 +266,33 @@ class MultiheadFlashAttention(nn.Module):
 
     @staticmethod
     def _check_causal_hint(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> None:
-        if torch.compiler.is_compiling():
-            return  # a data-dependent check would break the graph; torch trusts the hint too
+        """Check that ``attn_mask`` is the square causal mask (the is_causal hint).
+
+        Eager: raises NotImplementedError. Under torch.compile the shape part is the same
+        Python check (shapes are known while tracing; with fullgraph=True dynamo reports the
+        NotImplementedError inside its Unsupported error); the values are checked inside the graph
+        with ``torch._assert_async`` (no graph break, no host sync): a wrong mask raises
+        RuntimeError when the compiled code runs on CPU, and is a device-side assertion on
+        CUDA (which leaves the CUDA context unusable, as torch's own in-graph asserts do).
+        """
+        msg = ("MultiheadFlashAttention: with is_causal=True, attn_mask must be the square causal "
+               f"mask of shape ({seqlen_q}, {seqlen_k}) (or None); other masks are not supported")
+        if seqlen_q != seqlen_k or tuple(attn_mask.shape) != (seqlen_q, seqlen_k):
+            raise NotImplementedError(msg)
         i = torch.arange(seqlen_q, device=attn_mask.device)[:, None]
         j = torch.arange(seqlen_k, device=attn_mask.device)[None, :]
         # torch.nn.MultiheadAttention's causal hint is top-left (torch.nn.Transformer
         # .generate_square_subsequent_mask); for seqlen_q == seqlen_k it equals ours.
         expected = j <= i
         if attn_mask.dtype == torch.bool:
-            allowed, well_formed = attn_mask, True
+            ok = (attn_mask == expected).all()
         else:  # additive float mask: 0 = attend, -inf = blocked, nothing else
-            allowed = attn_mask == 0
-            well_formed = bool((allowed | torch.isneginf(attn_mask)).all())
-        if seqlen_q != seqlen_k or tuple(attn_mask.shape) != (seqlen_q, seqlen_k) or \
-                not well_formed or not torch.equal(allowed, expected):
-            raise NotImplementedError(
-                "MultiheadFlashAttention: with is_causal=True, attn_mask must be the square causal "
-                f"mask of shape ({seqlen_q}, {seqlen_k}) (or None); other masks are not supported")
+            ok = torch.where(expected, attn_mask == 0, torch.isneginf(attn_mask)).all()
+        if torch.compiler.is_compiling():
+            torch._assert_async(ok, msg)  # in-graph, data-dependent: no graph break
+            return
+        if not bool(ok):
+            raise NotImplementedError(msg)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "

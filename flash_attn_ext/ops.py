@@ -4,18 +4,35 @@ The schemas and the CPU/CUDA kernels are registered in C++ (csrc/flash_api.cpp);
 adds what lives in Python:
   * fake (meta) kernels for both ops, so torch.compile(fullgraph=True) and FakeTensor tracing
     see output shapes without running anything;
-  * autograd for ``forward``: the backward calls ``torch.ops.flash_attn_ext.backward``
-    (FlashAttention-2, Dao 2023, Alg. 2: recomputation from the saved LSE). ``softmax_lse`` is
-    an output without gradient: a gradient flowing into it is ignored.
+  * autograd for both ops (an ``Autograd`` dispatch kernel each, calling a
+    ``torch.autograd.Function`` with ``setup_context``, so the ``torch.func`` transforms work):
+      - ``forward``: reverse mode calls ``torch.ops.flash_attn_ext.backward`` (FlashAttention-2,
+        Dao 2023, Alg. 2: recomputation from the saved softmax statistics); forward mode (jvp,
+        ``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``) is computed exactly with
+        plain torch ops from the inputs (see ``attention_jvp``); ``softmax_lse`` and
+        ``softmax_stats`` are outputs without gradient (a gradient flowing into them is ignored,
+        their tangent is None);
+      - ``backward``: not differentiable; differentiating it (double backward, or forward mode
+        over reverse mode such as ``torch.func.hessian``) raises a clear error instead of a
+        silently wrong result;
+  * vmap (batching) rules for both ops (``torch.library.register_vmap``): the vmapped dimension
+    is folded into the batch dimension, one kernel call for the whole vmapped batch, so
+    ``torch.vmap`` and per-sample gradients ``torch.vmap(torch.func.grad(...))`` need no
+    per-sample fallback loop.
 
 Op contract (docs/DESIGN.md):
-  forward(q, k, v, softmax_scale, causal) -> (out, softmax_lse)
+  forward(q, k, v, softmax_scale, causal) -> (out, softmax_lse, softmax_stats)
       q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim), BSHD with a
       contiguous last dim; out: q's shape, contiguous; softmax_lse: (batch, nheads, seqlen_q)
-      float32, natural log, +inf for a query row that sees no key.
-  backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal) -> (dq, dk, dv)
-      contiguous, shaped like q, k, v.
+      float32, natural log, +inf for a query row that sees no key; softmax_stats: (2, batch,
+      nheads, seqlen_q) float32, [0] the row max of softmax_scale*log2(e)*S, [1] log2 of the row
+      sum of exp2(scaled - max) (lets the backward recompute P exactly at large magnitudes).
+  backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None)
+      -> (dq, dk, dv), contiguous, shaped like q, k, v. With softmax_stats the backward uses it
+      instead of softmax_lse.
 """
+
+from __future__ import annotations
 
 import torch
 
@@ -26,6 +43,9 @@ backward = torch.ops.flash_attn_ext.backward
 
 
 _MAX_HEADDIM = 256
+
+# Kernels registered from Python (Autograd); kept alive for the life of the process.
+_lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
 
 
 def _check_fake_inputs(q, k, v):
@@ -61,60 +81,270 @@ def _check_fake_inputs(q, k, v):
                            f"{_MAX_HEADDIM}, got {headdim}")
 
 
+# ---- fake kernels ------------------------------------------------------------------------
+
 @torch.library.register_fake("flash_attn_ext::forward")
 def _forward_fake(q, k, v, softmax_scale, causal):
     _check_fake_inputs(q, k, v)
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    return out, softmax_lse
+    softmax_stats = torch.empty((2, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    return out, softmax_lse, softmax_stats
 
 
 @torch.library.register_fake("flash_attn_ext::backward")
-def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal):
+def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None):
     _check_fake_inputs(q, k, v)
     if dout.shape != q.shape or out.shape != q.shape:
         raise RuntimeError(f"flash_attn_ext: dout {tuple(dout.shape)} and out {tuple(out.shape)} must "
                            f"have q's shape {tuple(q.shape)}")
+    batch, seqlen_q, nheads, _ = q.shape
+    if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (batch, nheads, seqlen_q):
+        raise RuntimeError(f"flash_attn_ext: softmax_lse has shape {tuple(softmax_lse.shape)} and dtype "
+                           f"{softmax_lse.dtype}; expected (batch, nheads, seqlen_q) = "
+                           f"{(batch, nheads, seqlen_q)} float32")
+    if softmax_stats is not None and (softmax_stats.dtype != torch.float32 or
+                                      tuple(softmax_stats.shape) != (2, batch, nheads, seqlen_q)):
+        raise RuntimeError(f"flash_attn_ext: softmax_stats has shape {tuple(softmax_stats.shape)} and "
+                           f"dtype {softmax_stats.dtype}; expected (2, batch, nheads, seqlen_q) = "
+                           f"{(2, batch, nheads, seqlen_q)} float32")
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return dq, dk, dv
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
-    out, softmax_lse = output
-    ctx.save_for_backward(q, k, v, out, softmax_lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.mark_non_differentiable(softmax_lse)
+# ---- forward-mode AD ---------------------------------------------------------------------
+
+def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool) -> torch.Tensor:
+    """Tangent of ``out`` (forward-mode derivative) of ``out = softmax(c Q K^T) V``.
+
+    With S = c Q K^T (causal entries -inf), P = softmax(S) row-wise, O = P V:
+        dS = c (dQ K^T + Q dK^T),  dP = P * (dS - rowsum(P * dS)),  dO = dP V + P dV.
+    Computed with plain torch ops, materialising P of shape (batch, nheads, seqlen_q,
+    seqlen_k) in float32 (float64 for float64 inputs): memory O(seqlen_q * seqlen_k), exact up
+    to that dtype's rounding. Query rows that see no key have P = 0, so their tangent is 0.
+
+    Args: q, k, v as the forward op (BSHD, GQA allowed); q_t, k_t, v_t: their tangents (same
+    shapes) or None (zero). Returns the tangent of out: q's shape and dtype. Autocast is
+    disabled inside (the float32 products stay float32).
+    """
+    if q_t is None and k_t is None and v_t is None:
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):  # keep the float32 matmuls float32
+            return attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale, causal)
+    B, Sq, H, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    G = H // Hk
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    # Grouped heads, (batch, nheads_k, group, seqlen, headdim): query head h = hk * G + g reads
+    # key/value head hk, with no copy of K/V per group (plain matmuls: every vmap supports them).
+    def qlayout(t):
+        return t.to(cdt).reshape(B, Sq, Hk, G, D).permute(0, 2, 3, 1, 4)
+
+    def kvlayout(t):
+        return t.to(cdt).permute(0, 2, 1, 3).unsqueeze(2)
+
+    qh, kh, vh = qlayout(q), kvlayout(k), kvlayout(v)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale          # (B, Hk, G, Sq, Sk)
+    i = torch.arange(Sq, device=q.device)[:, None]
+    j = torch.arange(Sk, device=q.device)[None, :]
+    has_key = torch.full((Sq, 1), Sk > 0, dtype=torch.bool, device=q.device)
+    if causal:
+        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
+        has_key = has_key & (i + (Sk - Sq) >= 0)
+    # Rows that see no key: softmax of all -inf is NaN; by the op's convention P = 0 there.
+    # (torch.where, not nan_to_num: a NaN coming from the inputs must stay NaN.)
+    p = torch.where(has_key, torch.softmax(s, dim=-1), 0.0)
+    out_t = None
+    ds = None
+    if q_t is not None:
+        ds = torch.matmul(qlayout(q_t), kh.transpose(-1, -2))
+    if k_t is not None:
+        term = torch.matmul(qh, kvlayout(k_t).transpose(-1, -2))
+        ds = term if ds is None else ds + term
+    if ds is not None:
+        pds = p * (ds * softmax_scale)
+        dp = pds - p * pds.sum(dim=-1, keepdim=True)
+        out_t = torch.matmul(dp, vh)
+    if v_t is not None:
+        term = torch.matmul(p, kvlayout(v_t))
+        out_t = term if out_t is None else out_t + term
+    out_t = out_t.permute(0, 3, 1, 2, 4)                                 # (B, Sq, Hk, G, D)
+    return out_t.reshape(B, Sq, H, D).to(q.dtype)
 
 
-def _backward(ctx, dout, dlse):
-    # dlse is ignored: softmax_lse is marked non-differentiable.
-    q, k, v, out, softmax_lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flash_attn_ext.backward(
-        dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal
-    )
-    return dq, dk, dv, None, None
+# ---- autograd ----------------------------------------------------------------------------
+
+_DOUBLE_BACKWARD_MSG = (
+    "flash_attn_ext: double backward (differentiating the gradients, e.g. create_graph=True "
+    "with a gradient penalty, or torch.func.grad of torch.func.grad) is not implemented; use "
+    "torch.nn.functional.scaled_dot_product_attention's math backend for that part of the model")
+
+_FWD_OVER_REV_MSG = (
+    "flash_attn_ext: forward-mode AD through the backward pass (e.g. torch.func.hessian, "
+    "torch.func.jacfwd(torch.func.jacrev(...)), or a jvp of gradients) is not implemented; "
+    "forward-mode AD of the attention output itself (torch.func.jvp / jacfwd) is supported")
+
+_RAW_OP_FUNCTORCH_MSG = (
+    "flash_attn_ext: torch.func transforms (grad, vjp, jvp, jacrev, jacfwd) of the raw op "
+    "torch.ops.flash_attn_ext.{} are not supported: an autograd kernel inside the dispatcher "
+    "cannot reach torch.func's autograd.Function support. Call flash_attn_ext.flash_attn_func "
+    "(or flash_attn_ext.ops.attention_forward) instead: they support every torch.func transform")
 
 
-torch.library.register_autograd("flash_attn_ext::forward", _backward, setup_context=_setup_context)
+class FlashAttnFunction(torch.autograd.Function):
+    """Autograd for ``flash_attn_ext::forward``: reverse mode (the FlashAttention-2 backward
+    kernel), forward mode (``attention_jvp``) and torch.func (``setup_context`` plus a vmap rule
+    generated from the ops' batching rules). Inputs/outputs as the op:
+    ``apply(q, k, v, softmax_scale, causal) -> (out, softmax_lse, softmax_stats)``."""
+
+    generate_vmap_rule = True  # vmaps forward/backward/jvp through the ops' batching rules
+
+    @staticmethod
+    def forward(q, k, v, softmax_scale, causal):
+        # Grad mode and forward grad mode are off here, so this reaches the kernel directly.
+        return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, softmax_scale, causal = inputs
+        out, softmax_lse, softmax_stats = output
+        ctx.save_for_backward(q, k, v, out, softmax_lse, softmax_stats)
+        ctx.save_for_forward(q, k, v)
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.mark_non_differentiable(softmax_lse, softmax_stats)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dstats):
+        # dlse, dstats are ignored: softmax_lse and softmax_stats are non-differentiable.
+        q, k, v, out, softmax_lse, softmax_stats = ctx.saved_tensors
+        dq, dk, dv = FlashAttnBackwardFunction.apply(
+            dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats)
+        return dq, dk, dv, None, None
+
+    @staticmethod
+    def jvp(ctx, q_t, k_t, v_t, _scale_t, _causal_t):
+        q, k, v = ctx.saved_tensors
+        out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal)
+        return out_t, None, None
 
 
-def _double_backward_setup(ctx, inputs, output):
-    pass
+class FlashAttnBackwardFunction(torch.autograd.Function):
+    """``flash_attn_ext::backward`` as an autograd.Function that runs the op and refuses to be
+    differentiated (double backward: RuntimeError; forward mode: NotImplementedError)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None):
+        return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
+                                                 causal, softmax_stats)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, ddq, ddk, ddv):
+        raise RuntimeError(_DOUBLE_BACKWARD_MSG)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(_FWD_OVER_REV_MSG)
 
 
-def _double_backward(ctx, ddq, ddk, ddv):
-    raise RuntimeError(
-        "flash_attn_ext: double backward (differentiating the gradients, e.g. create_graph=True "
-        "with a gradient penalty) is not implemented; use torch.nn.functional."
-        "scaled_dot_product_attention's math backend for that part of the model")
+def _needs_autograd(tensors) -> bool:
+    """True if a call on ``tensors`` must record a graph (reverse mode) or carry tangents
+    (forward mode) under the current grad modes."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    level = getattr(torch.autograd.forward_ad, "_current_level", -1)
+    if level >= 0 and torch._C._is_fwd_grad_enabled():
+        return any(torch.autograd.forward_ad.unpack_dual(t, level=level).tangent is not None
+                   for t in tensors)
+    return False
 
 
-# The backward op is not differentiable. Registering an autograd kernel that raises turns the
-# silently wrong result torch would otherwise give for double backward into a clear error.
-torch.library.register_autograd("flash_attn_ext::backward", _double_backward,
-                                setup_context=_double_backward_setup)
+def _autograd_kernel(name, function):
+    op = getattr(torch.ops.flash_attn_ext, name).default
+
+    def kernel(*args):
+        if _needs_autograd(args):
+            if torch._C._are_functorch_transforms_active():
+                raise NotImplementedError(_RAW_OP_FUNCTORCH_MSG.format(name))
+            return function.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    return kernel
+
+
+# The ops' Autograd dispatch kernels (what torch.library.register_autograd would install, but
+# with forward-mode AD: a dual tensor need not require grad, and its tangent must not be
+# dropped). They serve the raw ops and torch.compile; eager code under torch.func transforms
+# enters through attention_forward, above the dispatcher.
+_lib.impl("forward", _autograd_kernel("forward", FlashAttnFunction), "Autograd")
+_lib.impl("backward", _autograd_kernel("backward", FlashAttnBackwardFunction), "Autograd")
+
+
+def attention_forward(q, k, v, softmax_scale: float, causal: bool):
+    """``torch.ops.flash_attn_ext.forward`` with autograd that every transform understands:
+    returns ``(out, softmax_lse, softmax_stats)`` exactly as the op (see the module docstring).
+
+    Under torch.func transforms (grad, vjp, jvp, jacrev, jacfwd, vmap, functional_call) in
+    eager mode it applies ``FlashAttnFunction`` directly (torch.func handles an
+    autograd.Function only when it is applied outside the dispatcher); otherwise it calls the
+    op, whose Autograd kernel applies the same Function (reverse and forward mode), and which
+    torch.compile traces as one op.
+    """
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        return FlashAttnFunction.apply(q, k, v, softmax_scale, causal)
+    return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+
+
+# ---- vmap (batching rules) ---------------------------------------------------------------
+
+def _fold(t, bdim, batch_size, at=0, contiguous_last=True):
+    """Move the vmapped dim ``bdim`` of ``t`` (None: not vmapped, broadcast) to position ``at``
+    and merge it with the dim after it (the op's batch dim)."""
+    if bdim is None:
+        t = t.unsqueeze(at).expand(*t.shape[:at], batch_size, *t.shape[at:])
+    else:
+        t = t.movedim(bdim, at)
+    t = t.flatten(at, at + 1)
+    if contiguous_last and t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    return t
+
+
+def _unfold(t, batch_size, at=0):
+    """Inverse of _fold for an output: split dim ``at`` into (batch_size, batch)."""
+    return t.unflatten(at, (batch_size, t.shape[at] // batch_size))
+
+
+@torch.library.register_vmap("flash_attn_ext::forward")
+def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal):
+    n = info.batch_size
+    q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
+    out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+    return (_unfold(out, n), _unfold(lse, n), _unfold(stats, n, at=1)), (0, 0, 1)
+
+
+@torch.library.register_vmap("flash_attn_ext::backward")
+def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale, causal,
+                   softmax_stats=None):
+    n = info.batch_size
+    dout, q, k, v, out = (_fold(t, d, n) for t, d in zip((dout, q, k, v, out), in_dims[:5]))
+    softmax_lse = _fold(softmax_lse, in_dims[5], n).contiguous()
+    if softmax_stats is not None:
+        softmax_stats = _fold(softmax_stats, in_dims[8] if len(in_dims) > 8 else None, n,
+                              at=1).contiguous()
+    dq, dk, dv = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
+                                                   causal, softmax_stats)
+    return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)

@@ -43,10 +43,17 @@ def attention_ref(
         softmax_scale: defaults to 1 / sqrt(headdim).
         causal: bottom-right aligned causal mask.
         upcast: compute in ``ref_dtype`` (float64 by default) if True, else in q's dtype.
+        ref_dtype: the compute dtype when ``upcast`` is True.
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in the compute dtype (differentiable).
         lse: (batch, nheads, seqlen_q) float32 natural-log logsumexp of the scaled scores
              (+inf for rows that see no key).
+
+    Rows that see no key (decided by the mask alone: causal with seqlen_q > seqlen_k, or
+    seqlen_k == 0) get out = 0 and lse = +inf, with zero gradients. Non-finite inputs are not
+    hidden: a NaN (or an inf that makes a score NaN) in q or k propagates to every row whose
+    scores it enters, and one in v to the rows that read it (P V is a matmul, so as in torch's
+    math SDPA it also reaches rows that see a key but give it probability 0).
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -56,16 +63,23 @@ def attention_ref(
     if nheads != nheads_k:
         kf = kf.repeat_interleave(nheads // nheads_k, dim=2)
         vf = vf.repeat_interleave(nheads // nheads_k, dim=2)
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
+    # Rows that see at least one key (by the mask alone, never by the values).
+    has_key = torch.full((seqlen_q, 1), seqlen_k > 0, dtype=torch.bool, device=q.device)
     if causal:
-        mask = causal_mask(q.shape[1], k.shape[1], device=q.device)
+        mask = causal_mask(seqlen_q, seqlen_k, device=q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
+        has_key = has_key & mask.any(dim=-1, keepdim=True)
     lse = torch.logsumexp(scores.float() if dtype != torch.float64 else scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
-    # Rows with no visible key: softmax of all -inf is NaN; the convention is P = 0.
-    probs = torch.nan_to_num(probs, nan=0.0)
+    # Rows with no visible key: softmax of all -inf is NaN; the convention is P = 0 there. Only
+    # there: a NaN/inf coming from the inputs propagates (no nan_to_num).
+    zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
+    probs = torch.where(has_key, probs, zero)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
-    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    out = torch.where(has_key[:, :, None], out, zero)  # also when v holds a NaN
+    lse = torch.where(has_key.squeeze(-1), lse, torch.full_like(lse, float("inf")))
     return out, lse.float()
 
 

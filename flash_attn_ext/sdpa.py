@@ -10,25 +10,44 @@ aligned, also when L != S), ``enable_gqa`` rules, autocast behaviour (under an e
 region the inputs are cast to the autocast dtype, as torch does for this op).
 What is refused (clear error, never ignored): ``attn_mask`` other than None, ``dropout_p`` != 0,
 inputs that are not 4-D, and float32/float64 inputs on CUDA outside autocast (the CUDA kernels
-are float16/bfloat16 only).
+are float16/bfloat16 only). Every check runs here, before the kernels, and names the arguments
+as torch does (query, key, value; BHSD shapes), never the kernels' internal BSHD q/k/v views.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from . import _C
 from .interface import flash_attn_func
 
 __all__ = ["scaled_dot_product_attention"]
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
+_ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_HEADDIM = 256
+
+
+def _compiled_cuda_head_dims() -> tuple[int, ...]:
+    """Head dims with compiled CUDA kernels (empty for a CPU-only build)."""
+    info = dict(_C.build_info())
+    if not info.get("with_cuda"):
+        return ()
+    return tuple(int(x) for x in str(info.get("head_dims", "")).split(",") if x.strip())
+
+
+# Read once at import (a constant for torch.compile, no call into the extension while tracing).
+_CUDA_HEAD_DIMS = _compiled_cuda_head_dims()
 
 
 def _autocast_and_check_dtype(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Apply autocast like torch's SDPA does, then check the dtypes the device supports.
 
     ``tensors`` maps argument names (for error messages) to q, k, v in that order.
-    Raises TypeError for mixed dtypes or for a dtype the device's kernels do not support.
+    Raises TypeError for mixed dtypes, a non-floating dtype, or a dtype the device's kernels do
+    not support.
     """
     names = list(tensors)
     ts = list(tensors.values())
@@ -37,6 +56,10 @@ def _autocast_and_check_dtype(tensors: dict[str, torch.Tensor]) -> list[torch.Te
         dt = torch.get_autocast_dtype(device_type)
         ts = [t.to(dt) if t.is_floating_point() else t for t in ts]
     dtype = ts[0].dtype
+    if dtype not in _ALL_DTYPES:
+        raise TypeError(
+            f"flash_attn_ext: {names[0]} has dtype {dtype}; supported: float16, bfloat16 (CUDA and "
+            "CPU), float32, float64 (CPU)")
     for name, t in zip(names[1:], ts[1:]):
         if t.dtype != dtype:
             raise TypeError(
@@ -67,15 +90,21 @@ def scaled_dot_product_attention(
         key, value: (batch, nheads_k, S, headdim). ``nheads_k == nheads`` unless
             ``enable_gqa=True``, then ``nheads % nheads_k == 0`` (grouped-query attention,
             Ainslie et al. 2023: query head h uses key/value head h // (nheads // nheads_k)).
-            headdim: a multiple of 8, at most 256. Last dim contiguous; other strides are free,
-            so the usual ``x.view(B, S, H, D).transpose(1, 2)`` views cost no copy.
+            headdim: a multiple of 8, at most 256 (on CUDA, with a compiled kernel head dim
+            >= headdim). Any strides: the usual ``x.view(B, S, H, D).transpose(1, 2)`` views
+            cost no copy; a last dim with a stride other than 1 is made contiguous first (a
+            copy), as torch does.
+            query, key, value: one device (cpu or cuda).
         attn_mask: must be None (masks are not supported; use ``is_causal``).
         dropout_p: must be 0.0 (no attention dropout).
         is_causal: causal mask aligned to the top-left corner, exactly as torch: query i sees
             key j <= i. (flash_attn_ext's own ``causal`` is bottom-right aligned; this function
             converts, so the result equals torch's also when L != S.)
-        scale: softmax scale, default 1 / sqrt(headdim).
+        scale: softmax scale, default 1 / sqrt(headdim); must be finite.
         enable_gqa: allow nheads_k < nheads (see above).
+
+    Differentiable in reverse mode and forward mode, and usable under torch.func transforms
+    (grad, vjp, jvp, jacrev, jacfwd, vmap): see ``flash_attn_ext.flash_attn_func``.
 
     Dtypes: CPU float32/float64/float16/bfloat16; CUDA float16/bfloat16. Under an enabled
     ``torch.autocast`` region the inputs are first cast to the autocast dtype (as torch does).
@@ -84,11 +113,16 @@ def scaled_dot_product_attention(
         (batch, nheads, L, headdim), a transposed view of a contiguous BSHD tensor, in the
         (possibly autocast) input dtype. Differentiable w.r.t. query, key, value.
 
-    Raises:
+    Raises (before any kernel runs; messages name query/key/value and their BHSD shapes):
         NotImplementedError: ``attn_mask`` is not None or ``dropout_p`` != 0.
-        ValueError: not 4-D, mismatched batch/headdim/seqlen, or head counts that torch would
-            also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0).
-        TypeError: mixed dtypes, or float32/float64 on CUDA outside autocast.
+        ValueError: not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
+            also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0),
+            headdim not a multiple of 8 or > 256 (or without a compiled CUDA kernel), a
+            non-finite scale.
+        RuntimeError: query, key, value on different devices, or on a device other than
+            cpu/cuda.
+        TypeError: mixed dtypes, a dtype other than float16/bfloat16/float32/float64, or
+            float32/float64 on CUDA outside autocast.
     """
     if attn_mask is not None:
         raise NotImplementedError(
@@ -122,7 +156,33 @@ def scaled_dot_product_attention(
         raise ValueError(
             f"flash_attn_ext.scaled_dot_product_attention: nheads ({H}) must be a multiple of "
             f"nheads_k ({Hk})")
+    for name, t in (("key", key), ("value", value)):
+        if t.device != query.device:
+            raise RuntimeError(
+                f"flash_attn_ext.scaled_dot_product_attention: query is on {query.device} but "
+                f"{name} is on {t.device}; query, key and value must be on one device")
+    if query.device.type not in ("cpu", "cuda", "meta"):
+        raise RuntimeError(
+            f"flash_attn_ext.scaled_dot_product_attention: query is on {query.device}; the kernels "
+            "run on cpu and cuda")
+    if D <= 0 or D % 8 != 0 or D > _MAX_HEADDIM:
+        raise ValueError(
+            f"flash_attn_ext.scaled_dot_product_attention: headdim (query.size(-1)) must be a "
+            f"positive multiple of 8 and at most {_MAX_HEADDIM}, got {D} (query shape "
+            f"{tuple(query.shape)}, (batch, nheads, L, headdim))")
+    if query.device.type == "cuda" and not any(d >= D for d in _CUDA_HEAD_DIMS):
+        raise ValueError(
+            f"flash_attn_ext.scaled_dot_product_attention: no CUDA kernel for headdim "
+            f"(query.size(-1)) {D} in this build (compiled head dims: "
+            f"{','.join(map(str, _CUDA_HEAD_DIMS)) or 'none'}); rebuild with "
+            f"FLASH_ATTN_EXT_HDIMS including a head dim >= {D}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"flash_attn_ext.scaled_dot_product_attention: scale must be finite, got "
+                         f"{scale}")
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
+    # As torch: a last dim with a stride other than 1 is copied to a contiguous tensor (the
+    # kernels read rows of headdim contiguous elements); every other stride is used as is.
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
 
     # BHSD -> BSHD: views, no copy (the op takes any strides with a contiguous last dim).
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

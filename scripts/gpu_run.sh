@@ -66,7 +66,7 @@ if [[ " $STEPS " == *" test "* ]]; then
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py >"$OUT/sanitize_$tool.log" 2>&1
     rc=$?
     summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")

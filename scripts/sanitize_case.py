@@ -1,16 +1,26 @@
-"""A small causal, ragged case (seqlen_q=77 > seqlen_k=45, GQA 4:2, headdim 64 and 80 padded)
-through forward and backward, for compute-sanitizer memcheck / racecheck (scripts/gpu_run.sh)."""
+"""Small causal / ragged / GQA cases (seqlen_q != seqlen_k, headdim 64, 80 padded to 96, 128),
+one with large-magnitude inputs (the exact P path) and one with a negative softmax_scale, through
+forward and backward on every arch path of the GPU, for compute-sanitizer memcheck / racecheck /
+synccheck (scripts/gpu_run.sh)."""
 
 import torch
 
 import flash_attn_ext
 
 torch.manual_seed(0)
-for headdim, causal, (sq, sk) in [(64, True, (77, 45)), (80, True, (45, 77)), (128, False, (130, 70))]:
-    q = torch.randn(2, sq, 4, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(2, sk, 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(2, sk, 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal)
-    out.backward(torch.randn_like(out))
+paths = [False]
+if torch.cuda.get_device_capability() == (9, 0) and "90a" in flash_attn_ext.build_info()["cuda_archs"]:
+    paths.append(True)  # the sm80 kernels on an sm_90 GPU too
+cases = [(64, True, (77, 45), 1.0, None), (80, True, (45, 77), 1.0, None), (128, False, (130, 70), 1.0, None),
+         (64, True, (150, 150), 1e4, None), (128, True, (70, 130), 1.0, -0.2)]
+for force_sm80 in paths:
+    flash_attn_ext.force_sm80_path(force_sm80)
+    for headdim, causal, (sq, sk), magnitude, scale in cases:
+        q = (magnitude * torch.randn(2, sq, 4, headdim, device="cuda")).bfloat16().requires_grad_()
+        k = (magnitude * torch.randn(2, sk, 2, headdim, device="cuda")).bfloat16().requires_grad_()
+        v = torch.randn(2, sk, 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        out.backward(torch.randn_like(out))
+        assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
 torch.cuda.synchronize()
 print("sanitize case ok")

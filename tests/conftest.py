@@ -78,3 +78,20 @@ def check_against_reference(q, k, v, causal=False, softmax_scale=None, dout=None
 @pytest.fixture
 def check_attention():
     return check_against_reference
+
+
+@pytest.fixture(params=["auto", "sm80"])
+def arch_path(request):
+    """The CUDA arch paths a test runs on: "auto" (what the dispatch picks: the sm90 wgmma kernels on
+    an sm_90 GPU for the kernels and head dims they cover, sm80 otherwise) and, on sm_90 with a
+    build that has sm_90a code, "sm80" (flash_attn_ext.force_sm80_path)."""
+    if request.param == "sm80":
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the sm80 path is the only CUDA path on this machine")
+        if "90a" not in flash_attn_ext.build_info().get("cuda_archs", ""):
+            pytest.skip("this build has no sm_90a code, so the sm80 path is the default")
+        previous = flash_attn_ext.force_sm80_path(True)
+        yield request.param
+        flash_attn_ext.force_sm80_path(previous)
+    else:
+        yield request.param

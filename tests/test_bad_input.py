@@ -102,7 +102,7 @@ def test_interface_errors_too():
 
 def _bwd_args():
     q, k, v = qkv()
-    out, lse = fwd(q, k, v, 0.1, True)
+    out, lse, _ = fwd(q, k, v, 0.1, True)
     return [torch.randn_like(out), q, k, v, out, lse, 0.1, True]
 
 
@@ -152,7 +152,7 @@ def test_cuda_only_dtypes_documented_on_cuda():
 def test_double_backward_raises():
     """Differentiating the gradients is not implemented: a clear error, never a silent wrong value."""
     q, k, v = (t.double().requires_grad_() for t in qkv(b=1, sq=8, sk=8, h=2, hk=2, d=16))
-    out, _ = fwd(q, k, v, 0.25, False)
+    out = fwd(q, k, v, 0.25, False)[0]
     (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         dq.pow(2).sum().backward()

@@ -58,7 +58,7 @@ def test_causal_gqa_seqlen_q_300_seqlen_k_17(qkv_factory, check_attention, poiso
     from flash_attn_ext.reference import attention_ref
 
     q, k, v = qkv_factory(2, 300, 17, 8, 2, 64, torch.float32)
-    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, 64 ** -0.5, True)
+    out, lse, _ = torch.ops.flash_attn_ext.forward(q, k, v, 64 ** -0.5, True)
     ref_out, ref_lse = attention_ref(q, k, v, causal=True)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=0)
@@ -77,17 +77,19 @@ def test_softmax_scale_is_used(qkv_factory, check_attention):
 
 def test_deterministic(qkv_factory):
     q, k, v = qkv_factory(2, 150, 90, 4, 2, 64, torch.float32)
-    out1, lse1 = torch.ops.flash_attn_ext.forward(q, k, v, 0.125, True)
-    out2, lse2 = torch.ops.flash_attn_ext.forward(q, k, v, 0.125, True)
+    out1, lse1, stats1 = torch.ops.flash_attn_ext.forward(q, k, v, 0.125, True)
+    out2, lse2, stats2 = torch.ops.flash_attn_ext.forward(q, k, v, 0.125, True)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    # (rows that see no key may hold non-finite statistics; they must be bitwise equal too)
+    torch.testing.assert_close(stats1, stats2, rtol=0, atol=0, equal_nan=True)
 
 
 def test_poison_fixture_poisons(poison_empty):
     """The accuracy tests above rely on this: an output element never written stays NaN."""
     assert torch.isnan(torch.empty(5)).all()
     q = torch.randn(1, 3, 1, 8)
-    out, lse = torch.ops.flash_attn_ext.forward(q, q, q, 1.0, False)
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    out, lse, stats = torch.ops.flash_attn_ext.forward(q, q, q, 1.0, False)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any() and not torch.isnan(stats).any()
 
 
 @pytest.mark.parametrize("headdim", [32, 40, 96])
@@ -96,6 +98,50 @@ def test_float64_is_float64_accurate(headdim):
     dims whose 1/sqrt(headdim) is not exact in float32."""
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 37, 4, headdim, dtype=torch.float64) for _ in range(3))
-    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, 1.0 / math.sqrt(headdim), True)
+    out, lse, _ = torch.ops.flash_attn_ext.forward(q, k, v, 1.0 / math.sqrt(headdim), True)
     ref_out, ref_lse = attention_ref(q, k, v, causal=True)
     assert (out - ref_out).abs().max().item() < 1e-12
+
+
+# ---- the reference itself (issue 11 item 5) ----------------------------------------------
+
+@pytest.mark.parametrize("upcast", [True, False])
+def test_reference_propagates_nan_inputs(upcast):
+    """A NaN in q or k used to come out finite (nan_to_num on the probabilities). It must reach
+    every row that sees it; rows that see no key stay 0 / +inf."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    k = k[:, :5]
+    v = v[:, :5]
+    # causal 8 x 5: rows 0..2 see no key, row i >= 3 sees keys 0..i-3
+    q_nan = q.clone()
+    q_nan[0, 6, 1, 3] = float("nan")
+    out, lse = attention_ref(q_nan, k, v, causal=True, upcast=upcast)
+    assert torch.isnan(out[0, 6, 1]).all() and torch.isnan(lse[0, 1, 6])
+    nan_rows = torch.zeros(1, 8, 2, dtype=torch.bool)
+    nan_rows[0, 6, 1] = True
+    assert torch.isfinite(out[~nan_rows]).all()
+    k_nan = k.clone()
+    k_nan[0, 2, 0, 0] = float("nan")                       # key 2 is seen by rows 5, 6, 7
+    out, lse = attention_ref(q, k_nan, v, causal=True, upcast=upcast)
+    assert torch.isnan(out[0, 5:, 0]).all() and torch.isnan(lse[0, 0, 5:]).all()
+    assert torch.isfinite(out[0, :5, 0]).all() and torch.isfinite(out[0, :, 1]).all()
+    assert (out[0, :3] == 0).all() and torch.isposinf(lse[0, :, :3]).all()
+    v_nan = v.clone()
+    v_nan[0, 4, 1, 0] = float("nan")                       # value 4 is read by row 7
+    out, _ = attention_ref(q, k, v_nan, causal=True, upcast=upcast)
+    assert torch.isnan(out[0, 7, 1, 0]) and torch.isfinite(out[0, :, 0]).all()
+    assert (out[0, :3] == 0).all()                         # no key: 0 whatever v holds
+
+
+def test_reference_no_key_rows_unchanged():
+    """Finite inputs: rows that see no key (causal seqlen_q > seqlen_k, seqlen_k = 0) give
+    out 0, lse +inf and zero gradients, never NaN, as before."""
+    q = torch.randn(1, 6, 2, 8, requires_grad=True)
+    k = torch.randn(1, 2, 2, 8, requires_grad=True)
+    out, lse = attention_ref(q, k, k, causal=True)
+    assert (out[:, :4] == 0).all() and torch.isposinf(lse[..., :4]).all()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and (q.grad[:, :4] == 0).all() and torch.isfinite(k.grad).all()
+    out, lse = attention_ref(q, k[:, :0], k[:, :0])
+    assert (out == 0).all() and torch.isposinf(lse).all()

@@ -1,9 +1,9 @@
-"""CUDA backward kernels (csrc/kernels/flash_bwd_dispatch.cu, csrc/kernels/{sm80,sm90}/flash_bwd_*.cuh):
+"""CUDA backward kernels (csrc/kernels/dispatch.cu, csrc/kernels/{sm80,sm90}/flash_bwd_*.cuh):
 FlashAttention-2 Alg. 2 (Dao 2023) split into preprocess, dK/dV and dQ kernels.
 
 Every test runs once per backward arch path the GPU can take: "auto" (what the dispatch picks: the
 sm90 wgmma kernels on an sm_90 GPU for the head dims they cover, sm80 otherwise) and, on sm_90
-with a build that has sm_90a code, "sm80" (FLASH_ATTN_EXT_DISABLE_SM90=1 forces the mma.sync path).
+with a build that has sm_90a code, "sm80" (flash_attn_ext.force_sm80_path forces the mma.sync path).
 
 dq, dk, dv are checked against the autograd of flash_attn_ext.reference.attention_ref with the
 accuracy rule of tests/accuracy.py (max|ours - ref| <= 2 * max|same-dtype torch - ref|, ref in
@@ -27,17 +27,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 DTYPES = [torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True, params=["auto", "sm80"])
-def bwd_path(request, monkeypatch):
-    """Runs the test on the dispatch's default backward path and, where it differs (sm_90 GPU, sm_90a
-    build), again on the sm80 path."""
-    if request.param == "sm80":
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the sm80 path is the default backward path on this GPU")
-        if "90a" not in flash_attn_ext.build_info().get("cuda_archs", ""):
-            pytest.skip("this build has no sm_90a code, so the sm80 path is the default")
-        monkeypatch.setenv("FLASH_ATTN_EXT_DISABLE_SM90", "1")
-    return request.param
+@pytest.fixture(autouse=True)
+def bwd_path(arch_path):
+    """Runs the test on every arch path the GPU can take (conftest.py: arch_path)."""
+    return arch_path
 
 
 def _compiled_hdims():
@@ -90,8 +83,8 @@ def _reference_grads(q, k, v, dout, causal, softmax_scale):
 
 def _flash_bwd(q, k, v, dout, causal, softmax_scale):
     """Forward op for out / softmax_lse, then the backward op directly."""
-    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
-    return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, softmax_scale, causal)
+    out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+    return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, softmax_scale, causal, stats)
 
 
 def _check_grads(q, k, v, dout, causal, grads):
@@ -145,7 +138,7 @@ def test_backward_autograd(dtype, nheads_k, poison_empty):
     _require_hdim(128)
     q, k, v = (t.requires_grad_(True) for t in _qkv(2, 700, 900, 8, nheads_k, 128, dtype))
     scale = 1.0 / math.sqrt(128)
-    out, _ = torch.ops.flash_attn_ext.forward(q, k, v, scale, True)
+    out = torch.ops.flash_attn_ext.forward(q, k, v, scale, True)[0]
     dout = _rand(*out.shape, dtype=dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     direct = _flash_bwd(q.detach(), k.detach(), v.detach(), dout, True, scale)
@@ -161,10 +154,10 @@ def test_backward_deterministic(dtype):
     q, k, v = _qkv(2, 1000, 1100, 8, 2, 128, dtype)
     dout = _rand(*q.shape, dtype=dtype)
     scale = 1.0 / math.sqrt(128)
-    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, scale, True)
-    first = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, True)
+    out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, scale, True)
+    first = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, True, stats)
     for _ in range(2):
-        again = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, True)
+        again = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, True, stats)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(a, b), f"{name} differs between runs"
 
@@ -215,7 +208,7 @@ def test_backward_zero_stride_dout(dtype, causal, poison_empty):
     _require_hdim(64)
     q, k, v = (t.requires_grad_(True) for t in _qkv(2, 333, 257, 4, 4, 64, dtype))
     scale = 1.0 / math.sqrt(64)
-    out, _ = torch.ops.flash_attn_ext.forward(q, k, v, scale, causal)
+    out = torch.ops.flash_attn_ext.forward(q, k, v, scale, causal)[0]
     out.sum().backward()
     dout = torch.ones(1, dtype=dtype, device="cuda").expand(q.shape)
     assert dout.stride() == (0, 0, 0, 0)

@@ -76,9 +76,9 @@ def fwd_poisoned(q, k, v, softmax_scale, causal):
     NaN-filled empty): both results must be NaN-free and agree bit-for-bit (deterministic)."""
     sizes = [q.numel() * q.element_size(), q.shape[0] * q.shape[2] * q.shape[1] * 4]
     _poison_allocator(sizes)
-    o1, l1 = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+    o1, l1, _ = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
     with _nan_filled_empty():
-        o2, l2 = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+        o2, l2, _ = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
     for o, l in ((o1, l1), (o2, l2)):
         assert not torch.isnan(o).any(), "out: NaN (an element was left unwritten or overflowed)"
         assert not torch.isnan(l).any(), "softmax_lse: NaN (a row was left unwritten)"

@@ -273,3 +273,104 @@ def test_minilm_cpu_matches_sdpa(minilm, name, dtype, count_calls):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_minilm_cuda_matches_sdpa(minilm, name, dtype, count_calls):
     _minilm_check(minilm, name, dtype, "cuda", count_calls)
+
+
+# ------------------------------------------------------------ right padding under a causal mask
+
+
+def test_right_padding_causal_mask_pattern(count_calls):
+    """The (B, 1, L, L) mask sdpa_mask builds for right padding + causal: real rows plain
+    causal, pad rows (after the last real key) see every real key. It was refused ("neither
+    padding nor causal+padding"); every row must now equal sdpa's."""
+    B, L = 3, 21
+    pad = _padding_mask([21, 14, 6], L)
+    mask = pad[:, None, None, :] & torch.ones(L, L, dtype=torch.bool).tril()
+    q, k, v = _bhsd(B, 4, L, 32, 20), _bhsd(B, 2, L, 32, 21), _bhsd(B, 2, L, 32, 22)
+    _check_vs_sdpa("right padding causal", q, k, v, mask, True)
+    fmask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    _check_vs_sdpa("right padding causal, additive mask", q, k, v, fmask, True)
+    # full-length sequence: one causal call; padded ones: the causal square + the pad rows
+    assert count_calls == [True, True, False, True, False] * 2
+
+
+def test_right_padding_mask_is_what_transformers_builds():
+    """Guard the assumption above against the installed transformers: the mask a Llama layer
+    receives for a right-padded batch is causal & padding."""
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kw):
+        seen.append(attention_mask)
+        return fx.flash_attn_ext_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("fa_ext_spy", spy)
+    AttentionMaskInterface.register("fa_ext_spy", sdpa_mask)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    m = LlamaForCausalLM(cfg).eval()
+    m.set_attn_implementation("fa_ext_spy")
+    attn = _padding_mask([9, 5], 9).long()
+    with torch.no_grad():
+        m(input_ids=torch.randint(3, 64, (2, 9)), attention_mask=attn)
+    expected = attn.bool()[:, None, None, :] & torch.ones(9, 9, dtype=torch.bool).tril()
+    assert seen and torch.equal(fx._allowed_from_mask(seen[0]), expected)
+
+
+def _tiny_causal_lm(arch):
+    import transformers as tf
+
+    if arch == "llama":
+        cfg = tf.LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64)
+        return cfg, tf.LlamaForCausalLM
+    if arch == "mistral":
+        cfg = tf.MistralConfig(vocab_size=96, hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                               max_position_embeddings=64, sliding_window=None)
+        return cfg, tf.MistralForCausalLM
+    cfg = tf.GPT2Config(vocab_size=96, n_positions=64, n_embd=128, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return cfg, tf.GPT2LMHeadModel
+
+
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
+                                          pytest.param("cuda", torch.bfloat16, id="cuda-bf16",
+                                                       marks=requires_cuda)])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+def test_causal_lm_right_padding_forward_and_training_step(arch, device, dtype, name, count_calls):
+    """Random small Llama / GPT-2 / Mistral, right-padded batch: logits of real tokens, the loss
+    with labels (-100 on padding) and every parameter gradient match sdpa (accuracy rule vs a
+    float64 sdpa run); pad rows are finite. (Used to raise NotImplementedError.)"""
+    cfg, cls = _tiny_causal_lm(arch)
+    torch.manual_seed(0)
+    base_model = cls(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (3, 18), generator=g).to(device)
+    attn = _padding_mask([18, 11, 4], 18).long().to(device)
+    labels = ids.masked_fill(attn == 0, -100)
+
+    def run(impl, dtype):
+        m = cls(cfg)
+        m.load_state_dict(base_model.state_dict())
+        m = m.to(device=device, dtype=dtype).train()   # training mode; all dropouts are 0
+        m.set_attn_implementation(impl)
+        out = m(input_ids=ids, attention_mask=attn, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        return out.logits.detach(), out.loss.detach(), grads
+
+    ref = run("sdpa", torch.float64)
+    base = run("sdpa", dtype)
+    n_before = len(count_calls)
+    ours = run(name, dtype)
+    assert len(count_calls) > n_before                    # our attention ran
+    valid = attn.bool()
+    assert torch.isfinite(ours[0]).all()                  # pad rows too
+    check_accuracy(f"{arch} logits (real tokens)", ours[0][valid], ref[0][valid], base[0][valid])
+    check_accuracy(f"{arch} loss", ours[1], ref[1], base[1])
+    assert set(ours[2]) == set(ref[2])
+    for n in ours[2]:
+        check_accuracy(f"{arch} grad {n}", ours[2][n], ref[2][n], base[2][n])

@@ -5,6 +5,7 @@ Accuracy: the project criterion (tests/accuracy.py): max|ours - ref| <= 2 * max|
 """
 
 import copy
+import re
 
 import pytest
 import torch
@@ -313,3 +314,115 @@ def test_torch_compile_cuda_graphs_reduce_overhead():
         eager2 = model(x2)
     torch.testing.assert_close(out2, eager2, rtol=2e-2, atol=2e-2)
     assert not torch.allclose(out2, out)
+
+
+# ---------------------------------------------------------------- SDPA drop-in: layout, errors
+
+
+DEVICE_DTYPES = [pytest.param("cpu", torch.float32, id="cpu-fp32"),
+                 pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=requires_cuda)]
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("which", ["query", "key", "all"])
+def test_sdpa_accepts_non_contiguous_last_dim(device, dtype, which):
+    """torch's SDPA takes a last dim with stride != 1 (it copies); so must the drop-in (the
+    op underneath used to refuse it with an error about BSHD q/k/v)."""
+    def make(shape, seed, strided):
+        t = _randn(*shape[:2], shape[3], shape[2], dtype=dtype, device=device, seed=seed)
+        t = t.transpose(-1, -2) if strided else t.transpose(-1, -2).contiguous()
+        return t.requires_grad_()
+
+    strided = {"query": which in ("query", "all"), "key": which in ("key", "all"),
+               "value": which == "all"}
+    q = make((2, 4, 20, 32), 60, strided["query"])
+    k = make((2, 2, 27, 32), 61, strided["key"])
+    v = make((2, 2, 27, 32), 62, strided["value"])
+    assert (q.stride(-1) != 1) == strided["query"] and (k.stride(-1) != 1) == strided["key"]
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # The same values in contiguous tensors: the kernels see the same numbers, so the results are
+    # bitwise equal (the accuracy of those kernels is tested elsewhere against the reference).
+    dense = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    expected = scaled_dot_product_attention(*dense, is_causal=True, enable_gqa=True)
+    assert torch.equal(out, expected)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        args64 = [t.detach().double() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*args64, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out.double(), ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)))
+    dout = _randn(*out.shape, dtype=dtype, device=device, seed=63)
+    out.backward(dout)
+    expected.backward(dout)
+    for name, t, td in zip(("query", "key", "value"), (q, k, v), dense):
+        assert t.grad.shape == t.shape
+        assert torch.equal(t.grad, td.grad), f"d{name} of strided inputs differs from contiguous inputs"
+
+
+def _sdpa_error(exc, match, *args, **kwargs):
+    with pytest.raises(exc, match=match) as info:
+        scaled_dot_product_attention(*args, **kwargs)
+    msg = str(info.value)
+    # torch's terms only: argument names query/key/value and BHSD, never the kernel's BSHD q/k/v
+    assert "BSHD" not in msg and "(batch, seqlen_q, nheads" not in msg, msg
+    assert not re.search(r"\b[qkv]\b", msg), msg
+    return msg
+
+
+def test_sdpa_errors_are_in_torch_terms():
+    q = _randn(1, 4, 8, 32)
+    _sdpa_error(ValueError, r"headdim \(query.size\(-1\)\) must be a positive multiple of 8",
+                _randn(1, 4, 8, 12), _randn(1, 4, 8, 12), _randn(1, 4, 8, 12))
+    _sdpa_error(ValueError, r"at most 256, got 264", *(_randn(1, 1, 2, 264),) * 3)
+    _sdpa_error(RuntimeError, r"query is on cpu but key is on meta", q, q.to("meta"), q.to("meta"))
+    _sdpa_error(RuntimeError, r"query is on cpu but value is on meta", q, q, q.to("meta"))
+    _sdpa_error(TypeError, r"query has dtype torch.int32", *(q.int(),) * 3)
+    _sdpa_error(TypeError, r"value has dtype torch.float64 but query has torch.float32", q, q,
+                q.double())
+    _sdpa_error(ValueError, r"scale must be finite", q, q, q, scale=float("nan"))
+    _sdpa_error(ValueError, r"key/value shape \(1, 4, 8, 16\) does not match query \(1, 4, 8, 32\)",
+                q, _randn(1, 4, 8, 16), _randn(1, 4, 8, 16))
+
+
+# ---------------------------------------------------------------- causal hint under torch.compile
+
+
+def _hint_module(device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    return MultiheadFlashAttention(64, 2, device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_causal_hint_is_checked_under_compile(backend):
+    """The eager check that attn_mask is the causal mask was skipped when compiled: a wrong
+    mask silently ran as causal. Now it is an in-graph assert (fullgraph: no graph break)."""
+    torch._dynamo.reset()
+    m = _hint_module()
+    cm = torch.compile(m, fullgraph=True, backend=backend)
+    x = _randn(2, 8, 64, seed=70)
+    for good in (torch.nn.Transformer.generate_square_subsequent_mask(8),
+                 torch.ones(8, 8, dtype=torch.bool).tril()):
+        torch.testing.assert_close(cm(x, x, x, attn_mask=good, is_causal=True)[0],
+                                   m(x, attn_mask=good, is_causal=True)[0])
+    not_causal_float = torch.zeros(8, 8)                              # attends everywhere
+    not_causal_bool = torch.ones(8, 8, dtype=torch.bool).tril(-1)     # misses the diagonal
+    bad_values = torch.nn.Transformer.generate_square_subsequent_mask(8).masked_fill(
+        torch.ones(8, 8, dtype=torch.bool).triu(1), -1e9)             # not -inf: a bias
+    for bad in (not_causal_float, not_causal_bool, bad_values):
+        with pytest.raises(NotImplementedError, match="causal mask"):
+            m(x, attn_mask=bad, is_causal=True)
+        with pytest.raises(RuntimeError, match="square causal mask"):
+            cm(x, x, x, attn_mask=bad, is_causal=True)
+    with pytest.raises(RuntimeError, match="square causal mask"):           # shape, at trace time
+        cm(x, x, x, attn_mask=torch.zeros(7, 8), is_causal=True)
+
+
+@requires_cuda
+def test_causal_hint_under_compile_cuda():
+    """CUDA: the good mask compiles with no graph break and matches eager. (A wrong mask is a
+    device-side assertion, which would leave this process's CUDA context unusable: not run.)"""
+    torch._dynamo.reset()
+    m = _hint_module("cuda", torch.bfloat16)
+    cm = torch.compile(m, fullgraph=True)
+    x = _randn(2, 64, 64, dtype=torch.bfloat16, device="cuda", seed=71)
+    mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
+    torch.testing.assert_close(cm(x, x, x, attn_mask=mask, is_causal=True)[0],
+                               m(x, attn_mask=mask, is_causal=True)[0], rtol=2e-2, atol=2e-2)

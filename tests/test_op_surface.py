@@ -1,7 +1,10 @@
 """The op surface: torch.library registration (opcheck), autograd, torch.compile, gradcheck,
 non-contiguous layouts, build_info."""
 
+import importlib.util
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -30,9 +33,11 @@ def test_opcheck_forward(causal, qkv_factory):
 @pytest.mark.parametrize("causal", [False, True])
 def test_opcheck_backward(causal, qkv_factory):
     q, k, v = qkv_factory(2, 70, 37, 4, 1, 32, torch.float32, requires_grad=False)
-    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, 0.2, causal)
+    out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, 0.2, causal)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.flash_attn_ext.backward.default, (dout, q, k, v, out, lse, 0.2, causal))
+    torch.library.opcheck(torch.ops.flash_attn_ext.backward.default,
+                          (dout, q, k, v, out, lse, 0.2, causal, stats))
 
 
 def test_op_autograd_direct(qkv_factory):
@@ -56,7 +61,7 @@ def test_lse_gradient_is_ignored(qkv_factory):
 def test_default_scale_and_return_lse(qkv_factory):
     q, k, v = qkv_factory(1, 20, 30, 2, 1, 80, torch.float32, requires_grad=False)
     out = flash_attn_ext.flash_attn_func(q, k, v)
-    out2, lse = torch.ops.flash_attn_ext.forward(q, k, v, 1.0 / math.sqrt(80), False)
+    out2, lse, _ = torch.ops.flash_attn_ext.forward(q, k, v, 1.0 / math.sqrt(80), False)
     assert torch.equal(out, out2)
     out3, lse3 = flash_attn_ext.flash_attn_func(q, k, v, return_lse=True)
     assert torch.equal(lse, lse3) and lse3.shape == (1, 2, 20) and lse3.dtype == torch.float32
@@ -136,14 +141,51 @@ def test_zero_length_inputs():
 
     for (b, sq, sk) in [(0, 8, 8), (2, 0, 8), (2, 0, 0)]:
         q, k, v = t(b, sq, 4, 32), t(b, sk, 2, 32), t(b, sk, 2, 32)
-        out, lse = torch.ops.flash_attn_ext.forward(q, k, v, 0.1, True)
-        assert out.shape == q.shape and lse.shape == (b, 4, sq)
+        out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, 0.1, True)
+        assert out.shape == q.shape and lse.shape == (b, 4, sq) and stats.shape == (2, b, 4, sq)
         out.sum().backward()
         assert q.grad.shape == q.shape and k.grad.shape == k.shape
         assert (k.grad == 0).all() and (v.grad == 0).all()
     # seqlen_k == 0: no query sees a key -> out 0, lse +inf, dq 0
     q, k, v = t(2, 5, 4, 32), t(2, 0, 2, 32), t(2, 0, 2, 32)
-    out, lse = torch.ops.flash_attn_ext.forward(q, k, v, 0.1, False)
+    out, lse, _ = torch.ops.flash_attn_ext.forward(q, k, v, 0.1, False)
     assert (out == 0).all() and torch.isposinf(lse).all()
     out.sum().backward()
     assert (q.grad == 0).all()
+
+
+# ---- Friction: README install commands, example outputs (issue 11 item 8) ---------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_readme_editable_installs_use_no_build_isolation():
+    """Every `pip install ... -e` in the README (the Benchmark section's one included) builds
+    against the installed torch: --no-build-isolation."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    installs = [ln for ln in text.splitlines() if re.search(r"pip install\b.*\s-e\s", ln)]
+    assert any(".[bench]" in ln for ln in installs), "the Benchmark section's install line is gone"
+    for ln in installs:
+        for cmd in re.findall(r"pip install[^&#]*", ln):
+            if re.search(r"\s-e\s", cmd):
+                assert "--no-build-isolation" in cmd, ln
+
+
+def test_train_gpt_writes_into_an_ignored_output_folder(tmp_path, monkeypatch):
+    """examples/train_gpt.py wrote its CSV into the working directory; now into --out-dir
+    (default train_gpt_out/, ignored by git)."""
+    spec = importlib.util.spec_from_file_location("train_gpt", os.path.join(ROOT, "examples", "train_gpt.py"))
+    train_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt)
+    args = train_gpt.parse_args([])
+    assert args.out_dir == "train_gpt_out" and args.csv == "losses.csv"
+    ignored = [ln.strip() for ln in open(os.path.join(ROOT, ".gitignore"))]
+    assert "train_gpt_out/" in ignored
+    if not all(os.path.isfile(os.path.join(train_gpt.TEXT_DIR, f)) for f in train_gpt.TEXT_FILES):
+        pytest.skip(f"the Debian license texts in {train_gpt.TEXT_DIR} are not on this machine")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "runs" / "a"
+    train_gpt.main(["--device", "cpu", "--steps", "2", "--tiny", "--attn", "flash_attn_ext",
+                    "--eval-batches", "1", "--out-dir", str(out)])
+    assert (out / "losses.csv").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]   # nothing in the cwd

@@ -1,6 +1,6 @@
-// Arch paths and the launch-template declarations every instantiation file defines.
-// A new arch path is a new tag here, a new folder csrc/kernels/<arch>/ (kernels, launch
-// templates, tile table, generated instantiations), and one branch in each dispatch file.
+// Arch paths, the one arch selector, and the launch-template declarations every instantiation file
+// defines. A new arch path is a new tag here, a folder csrc/kernels/<arch>/ (kernels, launch
+// templates, tile table) and a row of the kernel manifest (csrc/kernels/generate_kernels.py).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,13 +14,22 @@ namespace flash {
 struct Sm80 {};
 
 // Hopper-native path: wgmma (warpgroup MMA from swizzled shared memory) + cp.async.
-// sm_90a machine code only (built when FLASH_ATTN_EXT_CUDA_ARCHS has 90a); today the backward
-// dK/dV and dQ kernels for the head dims in csrc/kernels/sm90/tile_config_bwd.h.
+// sm_90a machine code only (built when FLASH_ATTN_EXT_CUDA_ARCHS has 90a); the kernels and head
+// dims of the manifest's sm90 row.
 struct Sm90 {};
+
+enum class ArchPath { kSm80, kSm90 };
+
+// The arch path of a GPU of compute capability `arch` (major*10 + minor): kSm90 on 9.0 when this
+// build has sm_90a code, unless the environment variable FLASH_ATTN_EXT_DISABLE_SM90 is set to
+// something other than "0" (read once, at the first call) or force_sm80_path(true) (flash.h) was
+// called: the GPU tests run both paths that way. A kernel the manifest has only for sm80 runs the sm80 path on any GPU.
+// Used by the forward and the backward dispatch alike (kernels/dispatch.cu).
+ArchPath select_arch(int arch);
 
 // Launch templates, one overload per arch tag (the tag is the first argument), defined in
 // csrc/kernels/<arch>/flash_{fwd,bwd}_launch.cuh and explicitly instantiated per (dtype, head
-// dim) by csrc/kernels/<arch>/instantiations/*.cu.
+// dim) by the generated csrc/kernels/<arch>/instantiations/*.cu.
 template <typename Element, int kHeadDim>
 void run_mha_fwd_(Sm80, Flash_fwd_params& params, cudaStream_t stream);
 template <typename Element, int kHeadDim>

@@ -1,4 +1,4 @@
-// Host-side launch helpers shared by the backward launchers of every arch path (sm80/, sm90/):
+// Host-side launch helpers shared by the launch templates of every kernel and arch path:
 // the checks that come before a launch, each failure a std::runtime_error naming the kernel.
 #pragma once
 
@@ -22,7 +22,7 @@ void set_smem_or_throw(Kernel kernel, int smem_bytes, const char* what, int head
   FLASH_CHECK_CUDA(cudaGetDevice(&device));
   FLASH_CHECK_CUDA(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   if (smem_bytes > max_optin) {
-    throw std::runtime_error(std::string("flash_attn_ext backward: the ") + what + " kernel for head dim " +
+    throw std::runtime_error(std::string("flash_attn_ext: the ") + what + " kernel for head dim " +
                              std::to_string(head_dim) + " needs " + std::to_string(smem_bytes) +
                              " bytes of shared memory per block; this GPU allows " +
                              std::to_string(max_optin));
@@ -38,7 +38,7 @@ void launch_1d(Kernel kernel, int64_t blocks, int threads, int smem_bytes, const
                cudaStream_t stream, const Args&... args) {
   if (blocks == 0) return;
   if (blocks > INT32_MAX) {
-    throw std::runtime_error(std::string("flash_attn_ext backward: ") + what + " grid of " +
+    throw std::runtime_error(std::string("flash_attn_ext: ") + what + " grid of " +
                              std::to_string(blocks) + " blocks exceeds 2^31 - 1");
   }
   set_smem_or_throw(kernel, smem_bytes, what, head_dim);

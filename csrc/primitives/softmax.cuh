@@ -1,19 +1,22 @@
-// Online softmax in registers (FlashAttention-2, Dao 2023, Algorithm 1 lines 8-12),
-// plus the recompute form the backward pass uses (FA2 Algorithm 2 line 13).
+// Softmax numerics of every kernel: the forward's online softmax in registers (FlashAttention-2,
+// Dao 2023, Algorithm 1 lines 8-12) and the backward's recompute of P (Algorithm 2 line 12).
 //
-// Fragment convention: see primitives/mask.cuh. A thread of a warp holding
-// s[kMAtoms][kNAtoms][4] (scores) and acc_o[kMAtoms][kDAtoms][4] (output accumulator)
-// owns 2*kMAtoms rows; its row r = 2*mi + h is made of the elements s[mi][ni][2h], s[mi][ni][2h+1]
-// (all ni). The 4 lanes of a quad (same lane/4) share those rows, so a full-row reduction
-// is a per-thread reduction plus quad_allreduce_{max,sum} (primitives/math.cuh).
+// Exact at any magnitude. The forward keeps the row max m of the raw scores S and computes
+// P = exp2((S - m) * c), c = softmax_scale * log2(e) > 0 (the API makes the scale positive): the
+// subtraction of two floats is monotone, so P <= 1 (<= 2^8 between rescales, below) and the max
+// itself gets exactly 1. The FFMA S * c - m * c subtracts a rounded m * c from an unrounded S * c:
+// harmless while |m c| < 2^10 (the fast copy of the loop), but for |S * c| ~ 1e11 that rounding
+// alone (~1e4) overflows exp2 (NaN outputs), so larger rows take the exact form. The LSE leaves
+// as two floats in log2 units, (round(m * c), log2 l) (flash.h: row_max / row_log2sum), so the
+// backward can recompute P exactly where one float would lose log2 l below m's last bit.
 //
-// Scores stay unscaled in registers; the scale is applied once inside exp2:
-//     P = exp2(S * scale_log2 - m * scale_log2),   scale_log2 = softmax_scale * log2(e).
-// A row whose running max is still -inf (every key masked so far) uses 0 as the subtrahend,
-// so P = exp2(-inf) = 0 and no (-inf) - (-inf) = NaN ever appears.
+// Fragment convention (mma C fragments, primitives/mma.cuh), lane = 4g + t: a warp's score tile is
+// s[kMAtoms][kNAtoms][4]; a thread owns rows r = 2 mi + h made of s[mi][ni][2h], s[mi][ni][2h+1];
+// the 4 lanes of a quad share those rows (quad_allreduce_*, primitives/math.cuh).
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "primitives/math.cuh"
 
@@ -25,13 +28,15 @@ namespace flash {
 template <int kMAtoms>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMAtoms;
-  float row_max[kRows];  // m: running max of the raw (unscaled) scores
-  float row_sum[kRows];  // l: running sum of P (thread-partial)
+  float row_max[kRows];   // m: the max P is taken against (lags the true max by <= 8 / c, below)
+  float row_sum[kRows];   // l: running sum of P (thread-partial)
+  float true_max[kRows];  // the true running max of the raw scores, for the statistics
+  bool exact_ = false;    // warp-uniform: some row's |m c| >= kExactLimit (P in the exact form)
 
   __device__ __forceinline__ OnlineSoftmax() {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      row_max[r] = -INFINITY;
+      row_max[r] = true_max[r] = -INFINITY;
       row_sum[r] = 0.f;
     }
   }
@@ -41,12 +46,15 @@ struct OnlineSoftmax {
   // as in FlashAttention-4). Exact: P, l and O all use the same (stale) max, and the final
   // normalization and LSE use it too; P <= 256 keeps bf16/fp16's relative precision.
   static constexpr float kRescaleThreshold = 8.f;
+  // |m c| (log2 units) from which P takes the exact form (S - m) c instead of one FFMA.
+  static constexpr float kExactLimit = 1024.f;
 
-  // One K tile (FA2 Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S)); P = exp2(S*c - m_new*c)
-  // in place of S; l = alpha*l + rowsum(P); acc_o *= alpha with alpha = exp2((m_old - m_new)*c).
+  // One K tile of masked raw scores S (FA2 Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S));
+  // P = exp2((S - m_new) * c) in place of S; l = alpha*l + rowsum(P); acc_o *= alpha with
+  // alpha = exp2((m_old - m_new) * c). c = softmax_scale * log2(e) > 0.
   template <int kNAtoms, int kDAtoms>
-  __device__ __forceinline__ void update(float (&s)[kMAtoms][kNAtoms][4],
-                                         float (&acc_o)[kMAtoms][kDAtoms][4], float scale_log2) {
+  __device__ __forceinline__ void update(float (&s)[kMAtoms][kNAtoms][4], float (&acc_o)[kMAtoms][kDAtoms][4],
+                                         float c) {
     float tile_max[kRows];
     bool grew = false;
 #pragma unroll
@@ -60,9 +68,10 @@ struct OnlineSoftmax {
           m = fmaxf(m, fmaxf(s[mi][ni][2 * h], s[mi][ni][2 * h + 1]));
         }
         tile_max[r] = quad_allreduce_max(m);
+        true_max[r] = fmaxf(true_max[r], tile_max[r]);
         // True when the max moved past the threshold, or from -inf to finite (-inf to -inf is
         // NaN > 8 = false: such a row's P is 0 whatever the max).
-        grew |= (tile_max[r] - row_max[r]) * scale_log2 > kRescaleThreshold;
+        grew |= (tile_max[r] - row_max[r]) * c > kRescaleThreshold;
       }
     }
     // Warp-uniform decision: the whole warp rescales (to the exact new max) or none of it does.
@@ -71,8 +80,8 @@ struct OnlineSoftmax {
       for (int r = 0; r < kRows; ++r) {
         // -inf max (no visible key yet): subtract 0 so masked scores give exp2(-inf) = 0;
         // m_old = -inf gives alpha = 0 (row_sum and acc_o are 0 then anyway).
-        const float m_scaled = (tile_max[r] == -INFINITY) ? 0.f : tile_max[r] * scale_log2;
-        const float alpha = fast_exp2(row_max[r] * scale_log2 - m_scaled);
+        const float m_new = (tile_max[r] == -INFINITY) ? 0.f : tile_max[r];
+        const float alpha = fast_exp2((row_max[r] - m_new) * c);
         row_max[r] = tile_max[r];
         row_sum[r] *= alpha;
 #pragma unroll
@@ -81,33 +90,51 @@ struct OnlineSoftmax {
           acc_o[r / 2][di][2 * (r % 2) + 1] *= alpha;
         }
       }
+      // The form of P follows the max: decided here, where the max changes, off the per-tile path.
+      bool large = false;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) large |= fabsf(row_max[r] * c) >= kExactLimit && row_max[r] != -INFINITY;
+      exact_ = __any_sync(0xffffffffu, large);
     }
+    // P = exp2((S - m) c). Where every row of the warp has |m c| < 2^10, one FFMA S c - (m c)
+    // errs by < 2^-14 (m c rounded): the fast copy of the loop; else the exact one (a uniform branch).
+    auto exponentiate = [&](auto exact) {
 #pragma unroll
-    for (int mi = 0; mi < kMAtoms; ++mi) {
+      for (int mi = 0; mi < kMAtoms; ++mi) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = 2 * mi + h;
-        const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
-        float sum = 0.f;
+        for (int h = 0; h < 2; ++h) {
+          const int r = 2 * mi + h;
+          const float m = (row_max[r] == -INFINITY) ? 0.f : row_max[r];
+          const float m_scaled = m * c;
+          float sum = 0.f;
 #pragma unroll
-        for (int ni = 0; ni < kNAtoms; ++ni) {
+          for (int ni = 0; ni < kNAtoms; ++ni) {
 #pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            s[mi][ni][e] = fast_exp2(fmaf(s[mi][ni][e], scale_log2, -m_scaled));
-            sum += s[mi][ni][e];
+            for (int e = 2 * h; e < 2 * h + 2; ++e) {
+              s[mi][ni][e] = fast_exp2(decltype(exact)::value ? __fmul_rn(s[mi][ni][e] - m, c)
+                                                              : fmaf(s[mi][ni][e], c, -m_scaled));
+              sum += s[mi][ni][e];
+            }
           }
+          row_sum[r] += sum;
         }
-        row_sum[r] += sum;
       }
+    };
+    if (exact_) {
+      exponentiate(std::true_type{});
+    } else {
+      exponentiate(std::false_type{});
     }
   }
 
-  // FA2 Alg. 1 lines 12-13: O = acc_o / l (0 for a row with l == 0, i.e. no visible key)
-  // and LSE = m*softmax_scale + log(l) in natural log, +inf when l == 0.
-  // lse[r] receives row r's value (identical on the 4 lanes of the quad).
+  // FA2 Alg. 1 lines 12-13: O = acc_o / l (0 for a row with l == 0, i.e. no visible key), the
+  // LSE's two parts in log2 units against the true row max M (max[r] = round(M c), log2sum[r] =
+  // log2 l + (m - M) c, the sum as if taken against M; +inf and 0 when l == 0) and the natural-log
+  // LSE = (m c + log2 l) ln 2 (+inf when l == 0). Row r's values are identical on the 4 lanes of
+  // its quad.
   template <int kDAtoms>
-  __device__ __forceinline__ void finalize(float (&acc_o)[kMAtoms][kDAtoms][4], float scale_log2,
-                                           float (&lse)[kRows]) {
+  __device__ __forceinline__ void finalize(float (&acc_o)[kMAtoms][kDAtoms][4], float c, float (&lse)[kRows],
+                                           float (&max)[kRows], float (&log2sum)[kRows]) {
 #pragma unroll
     for (int mi = 0; mi < kMAtoms; ++mi) {
 #pragma unroll
@@ -116,9 +143,10 @@ struct OnlineSoftmax {
         const float l = quad_allreduce_sum(row_sum[r]);
         const bool empty = !(l > 0.f);  // also catches a NaN l, never producing NaN output
         const float inv_l = empty ? 0.f : 1.f / l;
-        // log2-domain LSE converted to natural log: (m*c + log2(l)) * ln(2).
-        lse[r] = empty ? INFINITY
-                       : (row_max[r] * scale_log2 + __log2f(l)) * 0.69314718055994530942f;
+        const float log2_l = __log2f(l);
+        max[r] = empty ? INFINITY : __fmul_rn(true_max[r], c);
+        log2sum[r] = empty ? 0.f : fmaf(row_max[r] - true_max[r], c, log2_l);
+        lse[r] = empty ? INFINITY : fmaf(row_max[r], c, log2_l) * 0.69314718055994530942f;
 #pragma unroll
         for (int di = 0; di < kDAtoms; ++di) {
           acc_o[mi][di][2 * h] *= inv_l;
@@ -129,23 +157,46 @@ struct OnlineSoftmax {
   }
 };
 
-// Backward recompute (FA2 Alg. 2 line 13): P = exp2(S*scale_log2 - lse_log2[row]) in place,
-// where lse_log2 = LSE*log2(e) for the thread's rows (r = 2*mi + h). A row with LSE = +inf
-// (no visible key) must be passed as lse_log2 = +inf: every P of it becomes exp2(-inf) = 0
-// (masked scores are -inf too: -inf - inf = -inf, still 0).
-template <int kMAtoms, int kNAtoms>
-__device__ __forceinline__ void scale_apply_exp2(float (&s)[kMAtoms][kNAtoms][4],
-                                                 const float (&lse_log2)[2 * kMAtoms],
-                                                 float scale_log2) {
-#pragma unroll
-  for (int mi = 0; mi < kMAtoms; ++mi) {
-#pragma unroll
-    for (int ni = 0; ni < kNAtoms; ++ni) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[mi][ni][e] = fast_exp2(fmaf(s[mi][ni][e], scale_log2, -lse_log2[2 * mi + e / 2]));
-      }
-    }
+// Backward recompute of one probability (FA2 Alg. 2 line 12): P = exp2(S * scale_log2 - LSE_log2)
+// with the row's LSE_log2 = hi + lo as the preprocess wrote it (flash.h: softmax_lse_log2/_lo).
+// Three copies of a kernel's P loop, picked per tile by a uniform branch (with_p_mode):
+//   kFast   tiles without masked pairs or large-magnitude rows (lo == 0 there): one FFMA and the
+//           exp2; `visible` is ignored (true on such tiles).
+//   kMasked the same for tiles crossing the causal diagonal or the seqlen_k edge: invisible -> 0.
+//   kExact  tiles holding a large-magnitude row: the scaled score rounded first (as the forward's
+//           row max, hi = round(M c)), then hi and lo subtracted, so the max of a row gets exactly
+//           2^-lo at any magnitude (ties included). A recomputed score is a sum in another order
+//           than the forward's and may differ from it in its last bits, which at |hi| >> 2^10 are
+//           whole log2 units: a score within that noise of the row max (kTieTolerance |hi|, ~64
+//           float32 ulps) counts as the max (x = 0), so no P exceeds 1 and a one-hot row stays
+//           one-hot instead of turning 1 ulp of noise into exp2(-2^k) = 0. Invisible -> 0.
+// Rows without keys have hi = +inf: P = 0 in every mode.
+enum class PMode { kFast, kMasked, kExact };
+constexpr float kTieTolerance = 1.f / (1 << 18);
+
+template <PMode kMode>
+__device__ __forceinline__ float recompute_p(float s, float scale_log2, float hi, float lo, bool visible) {
+  if constexpr (kMode == PMode::kExact) {
+    float x = __fsub_rn(__fmul_rn(s, scale_log2), hi);
+    x = x > -kTieTolerance * fabsf(hi) ? 0.f : x;  // not fmaxf/fminf: a NaN score must stay NaN
+    return fast_exp2(visible ? x - lo : -INFINITY);
+  } else {
+    const float x = fmaf(s, scale_log2, -hi);
+    return fast_exp2(kMode == PMode::kFast || visible ? x : -INFINITY);
+  }
+}
+
+// Calls f(std::integral_constant<PMode, mode>{}) for the tile's mode: kExact where the tile holds
+// a large-magnitude row, else kMasked where it holds masked pairs, else kFast. Both flags must be
+// uniform over the threads that share the tile (a branch, not a select).
+template <typename F>
+__device__ __forceinline__ void with_p_mode(bool precise, bool needs_mask, F&& f) {
+  if (precise) {
+    f(std::integral_constant<PMode, PMode::kExact>{});
+  } else if (needs_mask) {
+    f(std::integral_constant<PMode, PMode::kMasked>{});
+  } else {
+    f(std::integral_constant<PMode, PMode::kFast>{});
   }
 }
 

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace flash {
@@ -97,16 +98,18 @@ inline QTile q_tile_of(const Flash_fwd_params& p, int64_t task, int num_m_blocks
 }
 
 // ------------------------------------------------------------------------------------------
-// Forward: one task = one (batch, head, query tile). FA2 Alg. 1.
-// kLseOnly: compute only LSE (no V, no output) into lse_acc[(b * h + head) * seqlen_q + i] in
-// the accumulation type. The float64 backward uses it: the op's softmax_lse is float32, too
-// coarse to recompute float64 probabilities from.
+// Forward: one task = one (batch, head, query tile). FA2 Alg. 1, in log2 units as the CUDA
+// kernels (primitives/softmax.cuh): s' = S * softmax_scale * log2(e) rounded once, m = max s',
+// P = exp2(s' - m), so P <= 1 at any magnitude; the LSE leaves as (m, log2 l) too (flash.h).
+// kLseOnly: compute only the LSE's two parts (no V, no output) into max_acc / log2sum_acc
+// [(b * h + head) * seqlen_q + i] in the accumulation type. The float64 backward uses it: the
+// op's float32 statistics are too coarse to recompute float64 probabilities from.
 template <typename T, typename Acc, bool kLseOnly>
-void fwd_impl(const Flash_fwd_params& p, Acc* lse_acc) {
+void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
   const int d = p.d;
   const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t num_tasks = int64_t(p.b) * p.h * num_m_blocks;
-  const Acc scale = static_cast<Acc>(p.scale_softmax);
+  const Acc scale_log2 = static_cast<Acc>(p.scale_softmax * 1.4426950408889634074);
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
 
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
@@ -117,12 +120,12 @@ void fwd_impl(const Flash_fwd_params& p, Acc* lse_acc) {
     for (int64_t task = begin; task < end; ++task) {
       const auto [b, h, h_k, m0, rows_m] = q_tile_of(p, task, num_m_blocks);
 
-      const T* q = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
-      const T* k = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_k * p.k_head_stride;
-      const T* v = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_k * p.v_head_stride;
+      const T* q = static_cast<const T*>(p.q.ptr) + b * p.q.batch_stride + h * p.q.head_stride;
+      const T* k = static_cast<const T*>(p.k.ptr) + b * p.k.batch_stride + h_k * p.k.head_stride;
+      const T* v = static_cast<const T*>(p.v.ptr) + b * p.v.batch_stride + h_k * p.v.head_stride;
 
       // Alg. 1 lines 5-6: load Q_i; O_i = 0, l_i = 0, m_i = -inf.
-      load_rows(q + m0 * p.q_row_stride, p.q_row_stride, rows_m, d, q_tile.data());
+      load_rows(q + m0 * p.q.row_stride, p.q.row_stride, rows_m, d, q_tile.data());
       std::fill(acc.begin(), acc.end(), Acc(0));
       std::fill(l_row.begin(), l_row.end(), Acc(0));
       std::fill(m_row.begin(), m_row.end(), neg_inf);
@@ -132,8 +135,8 @@ void fwd_impl(const Flash_fwd_params& p, Acc* lse_acc) {
       for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
         const int rows_n = std::min(kBlockN, p.seqlen_k - n0);
         // Alg. 1 line 8: load K_j, V_j.
-        load_rows_transposed(k + n0 * p.k_row_stride, p.k_row_stride, rows_n, d, kt_tile.data());
-        if (!kLseOnly) load_rows(v + n0 * p.v_row_stride, p.v_row_stride, rows_n, d, v_tile.data());
+        load_rows_transposed(k + n0 * p.k.row_stride, p.k.row_stride, rows_n, d, kt_tile.data());
+        if (!kLseOnly) load_rows(v + n0 * p.v.row_stride, p.v.row_stride, rows_n, d, v_tile.data());
         // Alg. 1 line 9: S_ij = Q_i K_j^T (softmax_scale applied per row below).
         matmul_abt(q_tile.data(), rows_m, kt_tile.data(), d, s_tile.data());
 
@@ -141,17 +144,17 @@ void fwd_impl(const Flash_fwd_params& p, Acc* lse_acc) {
           const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
           if (ncols == 0) continue;  // masked entries contribute exp(-inf) = 0
           Acc* s = s_tile.data() + int64_t(i) * kBlockN;
-          // Alg. 1 line 10: m_new = max(m_old, rowmax(S_ij)).
+          // Alg. 1 line 10: m_new = max(m_old, rowmax(S_ij)) (scaled, log2 units).
           Acc m_new = m_row[i];
           for (int j = 0; j < ncols; ++j) {
-            s[j] *= scale;
+            s[j] *= scale_log2;
             m_new = std::max(m_new, s[j]);
           }
-          // Alg. 1 line 10: P~ = exp(S - m_new), l_new = exp(m_old - m_new) l_old + rowsum(P~).
-          const Acc alpha = std::exp(m_row[i] - m_new);  // 0 on the first visible tile
+          // Alg. 1 line 10: P~ = exp2(S - m_new), l_new = exp2(m_old - m_new) l_old + rowsum(P~).
+          const Acc alpha = std::exp2(m_row[i] - m_new);  // 0 on the first visible tile
           Acc row_sum = 0;
           for (int j = 0; j < ncols; ++j) {
-            s[j] = std::exp(s[j] - m_new);
+            s[j] = std::exp2(s[j] - m_new);
             row_sum += s[j];
           }
           l_row[i] = alpha * l_row[i] + row_sum;
@@ -164,41 +167,48 @@ void fwd_impl(const Flash_fwd_params& p, Acc* lse_acc) {
         }
       }
 
+      // The LSE's two parts (m, log2 l), (+inf, 0) for a row without a visible key.
+      const int64_t stat0 = (int64_t(b) * p.h + h) * p.seqlen_q + m0;
+      const Acc inf = std::numeric_limits<Acc>::infinity();
+      auto stat_max = [&](int i) { return l_row[i] == Acc(0) ? inf : m_row[i]; };
+      auto stat_log2sum = [&](int i) { return l_row[i] == Acc(0) ? Acc(0) : std::log2(l_row[i]); };
       if (kLseOnly) {
-        Acc* lse = lse_acc + (int64_t(b) * p.h + h) * p.seqlen_q;
         for (int i = 0; i < rows_m; ++i) {
-          lse[m0 + i] = l_row[i] == Acc(0) ? std::numeric_limits<Acc>::infinity()
-                                           : m_row[i] + std::log(l_row[i]);
+          max_acc[stat0 + i] = stat_max(i);
+          log2sum_acc[stat0 + i] = stat_log2sum(i);
         }
         continue;
       }
-      // Alg. 1 lines 13-16: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i); write both.
-      T* out = static_cast<T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
-      float* lse = p.softmax_lse_ptr + (int64_t(b) * p.h + h) * p.seqlen_q;
+      // Alg. 1 lines 13-16: O_i = diag(l_i)^-1 O_i, L_i = (m_i + log2 l_i) ln 2; write both.
+      T* out = static_cast<T*>(p.o.ptr) + b * p.o.batch_stride + h * p.o.head_stride;
       for (int i = 0; i < rows_m; ++i) {
-        T* o_row = out + (m0 + i) * p.o_row_stride;
+        T* o_row = out + (m0 + i) * p.o.row_stride;
         const Acc* a = acc.data() + int64_t(i) * d;
-        if (l_row[i] == Acc(0)) {  // no visible key: out = 0, lse = +inf
-          for (int c = 0; c < d; ++c) o_row[c] = static_cast<T>(0.0f);
-          lse[m0 + i] = std::numeric_limits<float>::infinity();
-          continue;
-        }
-        const Acc inv_l = Acc(1) / l_row[i];
+        const Acc inv_l = l_row[i] == Acc(0) ? Acc(0) : Acc(1) / l_row[i];  // out = 0 for a row without keys
         for (int c = 0; c < d; ++c) o_row[c] = static_cast<T>(a[c] * inv_l);
-        lse[m0 + i] = static_cast<float>(m_row[i] + std::log(l_row[i]));
+        const Acc m = stat_max(i), l2 = stat_log2sum(i);
+        p.softmax_lse_ptr[stat0 + i] = static_cast<float>((m + l2) * Acc(0.69314718055994530942));
+        if (p.row_max_ptr != nullptr) {
+          p.row_max_ptr[stat0 + i] = static_cast<float>(m);
+          p.row_log2sum_ptr[stat0 + i] = static_cast<float>(l2);
+        }
       }
     }
   });
 }
 
 // ------------------------------------------------------------------------------------------
-// Backward. P is recomputed from LSE: P_ij = exp(softmax_scale * q_i.k_j - LSE_i).
+// Backward. P is recomputed from the LSE as the CUDA kernels' exact path does
+// (primitives/softmax.cuh: recompute_p): P_ij = exp2(min(s'_ij - hi_i, 0) - lo_i) with
+// s' = S * softmax_scale * log2(e) rounded as the forward rounded it and LSE_i log2(e) = hi_i + lo_i
+// = m_i + log2 l_i from the forward's softmax_stats (else hi = LSE log2(e), lo = 0).
 template <typename T, typename Acc>
 void bwd_impl(const Flash_bwd_params& p) {
   const int d = p.d;
   const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   const Acc scale = static_cast<Acc>(p.scale_softmax);
+  const Acc scale_log2 = static_cast<Acc>(p.scale_softmax * 1.4426950408889634074);
   const int64_t rows_total = int64_t(p.b) * p.h * p.seqlen_q;
 
   // Alg. 2 line 5: D_i = rowsum(dO_i * O_i), one value per (batch, head, query row).
@@ -206,11 +216,11 @@ void bwd_impl(const Flash_bwd_params& p) {
   at::parallel_for(0, int64_t(p.b) * p.h, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int b = int(bh / p.h), h = int(bh % p.h);
-      const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
-      const T* out = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+      const T* dout = static_cast<const T*>(p.dout.ptr) + b * p.dout.batch_stride + h * p.dout.head_stride;
+      const T* out = static_cast<const T*>(p.o.ptr) + b * p.o.batch_stride + h * p.o.head_stride;
       for (int i = 0; i < p.seqlen_q; ++i) {
-        const T* dr = dout + i * p.do_row_stride;
-        const T* orow = out + i * p.o_row_stride;
+        const T* dr = dout + i * p.dout.row_stride;
+        const T* orow = out + i * p.o.row_stride;
         Acc sum = 0;
         for (int c = 0; c < d; ++c) sum += static_cast<Acc>(dr[c]) * static_cast<Acc>(orow[c]);
         dsum[bh * p.seqlen_q + i] = sum;
@@ -218,15 +228,25 @@ void bwd_impl(const Flash_bwd_params& p) {
     }
   });
 
-  // L_i for recomputing P. float64: recomputed in float64 (one more pass over K).
-  std::vector<Acc> lse_acc;
+  // (hi_i, lo_i) for recomputing P. float64: recomputed in float64 (one more pass over K).
+  std::vector<Acc> hi_acc, lo_acc;
   if (std::is_same<Acc, double>::value) {
-    lse_acc.resize(rows_total);
-    fwd_impl<T, Acc, /*kLseOnly=*/true>(p, lse_acc.data());
+    hi_acc.resize(rows_total);
+    lo_acc.resize(rows_total);
+    fwd_impl<T, Acc, /*kLseOnly=*/true>(p, hi_acc.data(), lo_acc.data());
   }
-  auto row_lse = [&](int b, int h, int i) {
+  auto row_hi_lo = [&](int b, int h, int i) -> std::pair<Acc, Acc> {
     const int64_t idx = (int64_t(b) * p.h + h) * p.seqlen_q + i;
-    return lse_acc.empty() ? static_cast<Acc>(p.softmax_lse_ptr[idx]) : lse_acc[idx];
+    if (!hi_acc.empty()) return {hi_acc[idx], lo_acc[idx]};
+    if (p.row_max_ptr != nullptr) return {Acc(p.row_max_ptr[idx]), Acc(p.row_log2sum_ptr[idx])};
+    return {Acc(p.softmax_lse_ptr[idx]) * Acc(1.4426950408889634074), Acc(0)};
+  };
+  // Alg. 2 line 12 (see above; the same tie tolerance as recompute_p). A row without keys has
+  // hi = +inf: P = 0.
+  auto prob = [&](Acc s, Acc hi, Acc lo) {
+    Acc x = s * scale_log2 - hi;
+    x = x > -std::abs(hi) * Acc(1.0 / (1 << 18)) ? Acc(0) : x;  // not std::max: NaN stays NaN
+    return std::exp2(x - lo);
   };
   auto row_dsum = [&](int b, int h, int i) { return dsum[(int64_t(b) * p.h + h) * p.seqlen_q + i]; };
 
@@ -247,10 +267,10 @@ void bwd_impl(const Flash_bwd_params& p) {
       const int rows_n = std::min(kBlockN, p.seqlen_k - n0);
 
       // Alg. 2 lines 7-8: load K_j, V_j; dK_j = 0, dV_j = 0.
-      const T* k = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_k * p.k_head_stride;
-      const T* v = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_k * p.v_head_stride;
-      load_rows_transposed(k + n0 * p.k_row_stride, p.k_row_stride, rows_n, d, kt_tile.data());
-      load_rows_transposed(v + n0 * p.v_row_stride, p.v_row_stride, rows_n, d, vt_tile.data());
+      const T* k = static_cast<const T*>(p.k.ptr) + b * p.k.batch_stride + h_k * p.k.head_stride;
+      const T* v = static_cast<const T*>(p.v.ptr) + b * p.v.batch_stride + h_k * p.v.head_stride;
+      load_rows_transposed(k + n0 * p.k.row_stride, p.k.row_stride, rows_n, d, kt_tile.data());
+      load_rows_transposed(v + n0 * p.v.row_stride, p.v.row_stride, rows_n, d, vt_tile.data());
       std::fill(dk_acc.begin(), dk_acc.end(), Acc(0));
       std::fill(dv_acc.begin(), dv_acc.end(), Acc(0));
 
@@ -259,13 +279,13 @@ void bwd_impl(const Flash_bwd_params& p) {
       const int m_begin = p.is_causal ? int(first_row / kBlockM) * kBlockM : 0;
 
       for (int h = h_k * p.h_h_k_ratio; h < (h_k + 1) * p.h_h_k_ratio; ++h) {
-        const T* q = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
-        const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+        const T* q = static_cast<const T*>(p.q.ptr) + b * p.q.batch_stride + h * p.q.head_stride;
+        const T* dout = static_cast<const T*>(p.dout.ptr) + b * p.dout.batch_stride + h * p.dout.head_stride;
         for (int m0 = m_begin; m0 < p.seqlen_q; m0 += kBlockM) {
           const int rows_m = std::min(kBlockM, p.seqlen_q - m0);
           // Alg. 2 line 10: load Q_i, dO_i (L_i, D_i read per row below).
-          load_rows(q + m0 * p.q_row_stride, p.q_row_stride, rows_m, d, q_tile.data());
-          load_rows(dout + m0 * p.do_row_stride, p.do_row_stride, rows_m, d, do_tile.data());
+          load_rows(q + m0 * p.q.row_stride, p.q.row_stride, rows_m, d, q_tile.data());
+          load_rows(dout + m0 * p.dout.row_stride, p.dout.row_stride, rows_m, d, do_tile.data());
           // Alg. 2 line 11: S_ij = Q_i K_j^T; line 14: dP_ij = dO_i V_j^T.
           matmul_abt(q_tile.data(), rows_m, kt_tile.data(), d, s_tile.data());
           matmul_abt(do_tile.data(), rows_m, vt_tile.data(), d, dp_tile.data());
@@ -273,18 +293,19 @@ void bwd_impl(const Flash_bwd_params& p) {
           for (int i = 0; i < rows_m; ++i) {
             const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
             if (ncols == 0) continue;  // P = 0: no contribution (also rows with LSE = +inf)
-            const Acc lse = row_lse(b, h, m0 + i), dsum_i = row_dsum(b, h, m0 + i);
+            const auto [hi, lo] = row_hi_lo(b, h, m0 + i);
+            const Acc dsum_i = row_dsum(b, h, m0 + i);
             const Acc* s = s_tile.data() + int64_t(i) * kBlockN;
             const Acc* dp = dp_tile.data() + int64_t(i) * kBlockN;
             const Acc* q_row = q_tile.data() + int64_t(i) * d;
             const Acc* do_row = do_tile.data() + int64_t(i) * d;
             for (int j = 0; j < ncols; ++j) {
               // Alg. 2 line 12: P_ij = exp(S_ij - L_i).
-              const Acc prob = std::exp(s[j] * scale - lse);
+              const Acc pij = prob(s[j], hi, lo);
               // Alg. 2 line 15: dS_ij = P_ij * (dP_ij - D_i).
-              const Acc ds = prob * (dp[j] - dsum_i);
+              const Acc ds = pij * (dp[j] - dsum_i);
               // Alg. 2 line 13: dV_j += P_ij^T dO_i.
-              axpy(prob, do_row, dv_acc.data() + int64_t(j) * d, d);
+              axpy(pij, do_row, dv_acc.data() + int64_t(j) * d, d);
               // Alg. 2 line 17: dK_j += dS_ij^T Q_i (softmax_scale applied once at the end).
               axpy(ds, q_row, dk_acc.data() + int64_t(j) * d, d);
             }
@@ -293,11 +314,11 @@ void bwd_impl(const Flash_bwd_params& p) {
       }
 
       // Alg. 2 line 19: write dK_j, dV_j.
-      T* dk = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_k * p.dk_head_stride;
-      T* dv = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_k * p.dv_head_stride;
+      T* dk = static_cast<T*>(p.dk.ptr) + b * p.dk.batch_stride + h_k * p.dk.head_stride;
+      T* dv = static_cast<T*>(p.dv.ptr) + b * p.dv.batch_stride + h_k * p.dv.head_stride;
       for (int j = 0; j < rows_n; ++j) {
-        T* dk_row = dk + (n0 + j) * p.dk_row_stride;
-        T* dv_row = dv + (n0 + j) * p.dv_row_stride;
+        T* dk_row = dk + (n0 + j) * p.dk.row_stride;
+        T* dv_row = dv + (n0 + j) * p.dv.row_stride;
         const Acc* dk_a = dk_acc.data() + int64_t(j) * d;
         const Acc* dv_a = dv_acc.data() + int64_t(j) * d;
         for (int c = 0; c < d; ++c) {
@@ -319,41 +340,42 @@ void bwd_impl(const Flash_bwd_params& p) {
     for (int64_t task = begin; task < end; ++task) {
       const auto [b, h, h_k, m0, rows_m] = q_tile_of(p, task, num_m_blocks);
 
-      const T* q = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
-      const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
-      const T* k = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_k * p.k_head_stride;
-      const T* v = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_k * p.v_head_stride;
-      load_rows(q + m0 * p.q_row_stride, p.q_row_stride, rows_m, d, q_tile.data());
-      load_rows(dout + m0 * p.do_row_stride, p.do_row_stride, rows_m, d, do_tile.data());
+      const T* q = static_cast<const T*>(p.q.ptr) + b * p.q.batch_stride + h * p.q.head_stride;
+      const T* dout = static_cast<const T*>(p.dout.ptr) + b * p.dout.batch_stride + h * p.dout.head_stride;
+      const T* k = static_cast<const T*>(p.k.ptr) + b * p.k.batch_stride + h_k * p.k.head_stride;
+      const T* v = static_cast<const T*>(p.v.ptr) + b * p.v.batch_stride + h_k * p.v.head_stride;
+      load_rows(q + m0 * p.q.row_stride, p.q.row_stride, rows_m, d, q_tile.data());
+      load_rows(dout + m0 * p.dout.row_stride, p.dout.row_stride, rows_m, d, do_tile.data());
       std::fill(dq_acc.begin(), dq_acc.end(), Acc(0));
 
       const int n_end = visible_keys(m0 + rows_m - 1, p.seqlen_q, p.seqlen_k, p.is_causal);
       for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
         const int rows_n = std::min(kBlockN, p.seqlen_k - n0);
-        load_rows(k + n0 * p.k_row_stride, p.k_row_stride, rows_n, d, k_tile.data());
-        load_rows_transposed(k + n0 * p.k_row_stride, p.k_row_stride, rows_n, d, kt_tile.data());
-        load_rows_transposed(v + n0 * p.v_row_stride, p.v_row_stride, rows_n, d, vt_tile.data());
+        load_rows(k + n0 * p.k.row_stride, p.k.row_stride, rows_n, d, k_tile.data());
+        load_rows_transposed(k + n0 * p.k.row_stride, p.k.row_stride, rows_n, d, kt_tile.data());
+        load_rows_transposed(v + n0 * p.v.row_stride, p.v.row_stride, rows_n, d, vt_tile.data());
         // Alg. 2 lines 11, 14: S_ij = Q_i K_j^T, dP_ij = dO_i V_j^T.
         matmul_abt(q_tile.data(), rows_m, kt_tile.data(), d, s_tile.data());
         matmul_abt(do_tile.data(), rows_m, vt_tile.data(), d, dp_tile.data());
         for (int i = 0; i < rows_m; ++i) {
           const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
           if (ncols == 0) continue;
-          const Acc lse = row_lse(b, h, m0 + i), dsum_i = row_dsum(b, h, m0 + i);
+          const auto [hi, lo] = row_hi_lo(b, h, m0 + i);
+          const Acc dsum_i = row_dsum(b, h, m0 + i);
           const Acc* s = s_tile.data() + int64_t(i) * kBlockN;
           const Acc* dp = dp_tile.data() + int64_t(i) * kBlockN;
           Acc* dq_row = dq_acc.data() + int64_t(i) * d;
           for (int j = 0; j < ncols; ++j) {
             // Alg. 2 lines 12, 15, 16: P_ij = exp(S_ij - L_i), dS = P (dP - D_i), dQ_i += dS K_j.
-            const Acc ds = std::exp(s[j] * scale - lse) * (dp[j] - dsum_i);
+            const Acc ds = prob(s[j], hi, lo) * (dp[j] - dsum_i);
             axpy(ds, k_tile.data() + int64_t(j) * d, dq_row, d);
           }
         }
       }
 
-      T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride;
+      T* dq = static_cast<T*>(p.dq.ptr) + b * p.dq.batch_stride + h * p.dq.head_stride;
       for (int i = 0; i < rows_m; ++i) {  // rows that see no key keep dQ = 0
-        T* dq_row = dq + (m0 + i) * p.dq_row_stride;
+        T* dq_row = dq + (m0 + i) * p.dq.row_stride;
         const Acc* a = dq_acc.data() + int64_t(i) * d;
         for (int c = 0; c < d; ++c) dq_row[c] = static_cast<T>(a[c] * scale);
       }
@@ -365,10 +387,10 @@ void bwd_impl(const Flash_bwd_params& p) {
 
 void run_mha_fwd_cpu(const Flash_fwd_params& params, Dtype dtype) {
   switch (dtype) {
-    case Dtype::kFloat32: return fwd_impl<float, float, false>(params, nullptr);
-    case Dtype::kFloat64: return fwd_impl<double, double, false>(params, nullptr);
-    case Dtype::kFloat16: return fwd_impl<c10::Half, float, false>(params, nullptr);
-    case Dtype::kBFloat16: return fwd_impl<c10::BFloat16, float, false>(params, nullptr);
+    case Dtype::kFloat32: return fwd_impl<float, float, false>(params, nullptr, nullptr);
+    case Dtype::kFloat64: return fwd_impl<double, double, false>(params, nullptr, nullptr);
+    case Dtype::kFloat16: return fwd_impl<c10::Half, float, false>(params, nullptr, nullptr);
+    case Dtype::kBFloat16: return fwd_impl<c10::BFloat16, float, false>(params, nullptr, nullptr);
   }
 }
 

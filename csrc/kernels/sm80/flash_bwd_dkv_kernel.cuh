@@ -3,9 +3,9 @@
 //
 // One CTA per (K/V block j of kBlockN rows, batch, kv head). K_j, V_j stay in shared memory;
 // for every query head of the GQA group and every Q tile i of kBlockM rows that sees block j,
-// Q_i, dO_i, lse_log2_i, D_i stream in through a 2-stage cp.async pipeline and
+// Q_i, dO_i, LSE_log2_i (hi + lo), D_i stream in through a 2-stage cp.async pipeline and
 //   S^T  = K_j Q_i^T                                  (Alg. 2 line 11, transposed)
-//   P^T  = exp2(S^T * scale_log2 - lse_log2_i)        (line 12; masked keys -> 0)
+//   P^T  = exp2(S^T * scale_log2 - LSE_log2_i)        (line 12; masked keys -> 0)
 //   dV_j += P^T dO_i                                  (line 13)
 //   dP^T = V_j dO_i^T                                 (line 14)
 //   dS^T = P^T o (dP^T - D_i)                         (line 15)
@@ -18,13 +18,13 @@
 //
 // Fragment bookkeeping (lane = 4g + t, mma.cuh): S^T acc[ma][nb][e] holds
 //   K row n = kWarpRows*warp_n + 16*ma + g + 8*(e/2),  Q row m = m0 + 8*nb + 2t + (e%2),
-// so lse_log2 and D depend only on (nb, t, e%2): one float2 at tile column 8nb + 2t.
+// so hi, lo and D depend only on (nb, t, e%2): one float2 each at tile column 8nb + 2t.
 //
-// Causal (bottom-right, off = seqlen_k - seqlen_q): query i sees key j iff j <= i + off. Tile
-// i0 sees block j0 iff j0 <= i0 + kBlockM - 1 + off, i.e. from m_block_min = floor((j0-off)/kBlockM)
-// on; only tiles with j0 + kBlockN - 1 > i0 + off hold masked pairs. Query rows >= seqlen_q are
-// zero-filled with lse_log2 = +inf (preprocess), so their P = 0. Keys >= seqlen_k only touch
-// dK/dV rows that are never stored (each output row depends on its own P^T / dS^T row only).
+// Masks and tile ranges come from kernels/common/mask.cuh (DkvWork): Q tiles before the first
+// one that sees block j are skipped, and only (Q tile, K block) pairs crossing the causal diagonal
+// run the masked copy of the P loop, and tiles holding large-magnitude rows (flash.h: precise_rows)
+// the exact one. Query rows >= seqlen_q are zero-filled with hi = +inf (preprocess), so their
+// P = 0. Keys >= seqlen_k only touch dK/dV rows that are never stored.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -33,19 +33,24 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "flash.h"
-#include "kernels/sm80/flash_bwd_common.cuh"
+#include "kernels/common/work.cuh"
+#include "kernels/sm80/kernel_common.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/math.cuh"
 #include "primitives/mma.cuh"
+#include "primitives/softmax.cuh"
 
 namespace flash {
-namespace bwd {
+namespace sm80 {
 
-// kWarpRows: K rows per warp, 16 (one m16 atom) or 32 (two).
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit, int kWarpRows = 16>
+// Tile: a DkvTileShape row (tile_config.h); kSplit is the column split, kWarpRows 16 or 32.
+template <typename Element, int kHeadDim, typename Tile>
 struct DkvKernelTraits {
+  static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kColSplit = Tile::kSplit;
+  static constexpr int kWarpRows = Tile::kWarpRows;
   static constexpr int kMA = kWarpRows / 16;  // m16 atoms per warp
   static constexpr int kRowWarps = kBlockN / kWarpRows;
   static constexpr int kNWarps = kRowWarps * kColSplit;
@@ -58,27 +63,28 @@ struct DkvKernelTraits {
   // leave no room for an fp32 copy of P^T next to dP^T (kMA * kDW >= 128).
   static constexpr bool kPRounded = kMA * kDW >= 128;
   // Shared layout: sK, sV (kBlockN rows), then 2 stages of sQ, sdO (kBlockM rows), then
-  // 2 stages of lse_log2 and D (kBlockM floats each).
+  // 2 stages of hi, lo and D (kBlockM floats each).
   static constexpr int kTileKV = kBlockN * kPitch;
   static constexpr int kTileQ = kBlockM * kPitch;
   static constexpr int kSmemBytes =
-      (2 * kTileKV + 4 * kTileQ) * int(sizeof(Element)) + 4 * kBlockM * int(sizeof(float));
+      (2 * kTileKV + 4 * kTileQ) * int(sizeof(Element)) + 6 * kBlockM * int(sizeof(float));
   static_assert(kWarpRows == 16 || kWarpRows == 32, "a warp owns one or two m16 atoms");
   static_assert(kBlockN % kWarpRows == 0 && kBlockM % 16 == 0, "tiles are multiples of the warp / k16 atom");
   static_assert(kDW % 16 == 0, "a warp's dK/dV slice is a multiple of 16 columns");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
-  static_assert(kBlockM / 4 * 2 <= kThreads, "one thread per 16 B of the lse/D tiles");
+  static_assert(kBlockM / 4 * 3 <= kThreads, "one thread per 16 B of the hi/lo/D tiles");
 };
 
-// kFastCopy: predicate-free copies of whole Q / dO tiles (primitives/tile_copy.cuh), used where
-// the registers allow it (tile_config_bwd.h).
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kColSplit, int kWarpRows = 16,
-          bool kFastCopy = true>
-__global__ void __launch_bounds__(
-    DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit, kWarpRows>::kThreads, 1)
+// Tile::kFastCopy: predicate-free copies of whole Q / dO tiles (primitives/tile_copy.cuh), used
+// where the registers allow it (tile_config.h).
+template <typename Element, int kHeadDim, typename TileShape>
+__global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const Flash_bwd_params params) {
-  using T = DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kColSplit, kWarpRows>;
+#if defined(__CUDA_ARCH__)  // device code only: the host pass needs just the stub
+  using T = DkvKernelTraits<Element, kHeadDim, TileShape>;
   using Tile = SmemTile<kHeadDim>;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kWarpRows = T::kWarpRows;
+  constexpr bool kFastCopy = TileShape::kFastCopy;
   constexpr int kMA = T::kMA;
   constexpr int kPitch = T::kPitch;
   constexpr int kThreads = T::kThreads;
@@ -88,8 +94,9 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   Element* sV = sK + T::kTileKV;
   Element* sQ0 = sV + T::kTileKV;  // stage s: sQ0 + s * kTileQ
   Element* sdO0 = sQ0 + 2 * T::kTileQ;
-  float* sLse0 = reinterpret_cast<float*>(sdO0 + 2 * T::kTileQ);  // stage s: + s * kBlockM
-  float* sDsum0 = sLse0 + 2 * kBlockM;
+  float* sHi0 = reinterpret_cast<float*>(sdO0 + 2 * T::kTileQ);  // stage s: + s * kBlockM
+  float* sLo0 = sHi0 + 2 * kBlockM;
+  float* sDsum0 = sLo0 + 2 * kBlockM;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int warp_n = warp % T::kRowWarps;  // K rows [kWarpRows*warp_n, +kWarpRows)
@@ -99,31 +106,27 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   // This CTA's key block, batch, kv head and the Q tiles that see the block (see the header).
   const DkvWork<kBlockM, kBlockN> w(params);
 
-  const Element* q_base = reinterpret_cast<const Element*>(params.q_ptr) + w.bidb * params.q_batch_stride;
-  const Element* do_base = reinterpret_cast<const Element*>(params.do_ptr) + w.bidb * params.do_batch_stride;
-
   // Alg. 2 line 10: issues the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {
     const int bidh = w.head(it);
     const int m0 = w.m0(it);
     copy_tile_async<Tile, kBlockM, kHeadDim, kThreads, kFastCopy>(
-        smem_u32addr(sQ0 + stage * T::kTileQ), q_base + bidh * params.q_head_stride + m0 * params.q_row_stride,
-        params.q_row_stride, params.seqlen_q - m0, params.d, tid);
+        smem_u32addr(sQ0 + stage * T::kTileQ), w.seq.template row_ptr<const Element>(params.q, bidh, m0),
+        params.q.row_stride, w.seq.seqlen_q - m0, params.d, tid);
     copy_tile_async<Tile, kBlockM, kHeadDim, kThreads, kFastCopy>(
-        smem_u32addr(sdO0 + stage * T::kTileQ), do_base + bidh * params.do_head_stride + m0 * params.do_row_stride,
-        params.do_row_stride, params.seqlen_q - m0, params.d, tid);
-    w.copy_row_stats_async(params, it, sLse0 + stage * kBlockM, sDsum0 + stage * kBlockM, tid);
+        smem_u32addr(sdO0 + stage * T::kTileQ), w.seq.template row_ptr<const Element>(params.dout, bidh, m0),
+        params.dout.row_stride, w.seq.seqlen_q - m0, params.d, tid);
+    w.copy_row_stats_async(params, it, sHi0 + stage * kBlockM, sLo0 + stage * kBlockM, sDsum0 + stage * kBlockM,
+                           tid);
   };
 
   // Alg. 2 line 7: load K_j, V_j (resident for the whole CTA), with the first Q tile.
-  const Element* k_tile = reinterpret_cast<const Element*>(params.k_ptr) + w.bidb * params.k_batch_stride +
-                          w.bidhk * params.k_head_stride + w.n0 * params.k_row_stride;
-  const Element* v_tile = reinterpret_cast<const Element*>(params.v_ptr) + w.bidb * params.v_batch_stride +
-                          w.bidhk * params.v_head_stride + w.n0 * params.v_row_stride;
   copy_tile_async<Tile, kBlockN, kHeadDim, kThreads>(
-      smem_u32addr(sK), k_tile, params.k_row_stride, params.seqlen_k - w.n0, params.d, tid);
+      smem_u32addr(sK), w.seq.template row_ptr<const Element>(params.k, w.bidhk, w.n0), params.k.row_stride,
+      w.seq.seqlen_k - w.n0, params.d, tid);
   copy_tile_async<Tile, kBlockN, kHeadDim, kThreads>(
-      smem_u32addr(sV), v_tile, params.v_row_stride, params.seqlen_k - w.n0, params.d, tid);
+      smem_u32addr(sV), w.seq.template row_ptr<const Element>(params.v, w.bidhk, w.n0), params.v.row_stride,
+      w.seq.seqlen_k - w.n0, params.d, tid);
   if (w.n_iter > 0) load_q_tile(0, 0);
   cp_async_commit();
 
@@ -132,13 +135,17 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   zero_acc(acc_dk);
   zero_acc(acc_dv);
 
+  bool precise_next = w.precise(params, 0);  // large-magnitude rows in the next Q tile (one load ahead)
   for (int it = 0; it < w.n_iter; ++it) {
     const int stage = it % 2;
+    const bool precise = precise_next;
+    precise_next = w.precise(params, it + 1);
     pipeline_step(it, w.n_iter, load_q_tile);  // Q_{it+1}, dO_{it+1} in flight; Q_it, dO_it landed
 
     const Element* sQ = sQ0 + stage * T::kTileQ;
     const Element* sdO = sdO0 + stage * T::kTileQ;
-    const float* sLse = sLse0 + stage * kBlockM;
+    const float* sHi = sHi0 + stage * kBlockM;
+    const float* sLo = sLo0 + stage * kBlockM;
     const float* sDsum = sDsum0 + stage * kBlockM;
     const int m0 = w.m0(it);
 
@@ -147,26 +154,28 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     zero_acc(acc_s);
     gemm_abt_smem<kMA, T::kNBlkM, kHeadDim>(acc_s, sK, kWarpRows * warp_n, sQ, lane);
 
-    // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - lse_log2) in place (fp32; masked pairs -> 0).
-    const bool need_mask = params.is_causal && w.n0 + kBlockN - 1 > m0 + w.off;
+    // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) in place (fp32; masked pairs -> 0),
+    // primitives/softmax.cuh. The masked and exact copies of the loop run on the tiles that need
+    // them only: the branch is uniform over the CTA.
+    with_p_mode(precise, w.needs_mask(it), [&](auto mode) {
+      constexpr PMode kMode = decltype(mode)::value;
 #pragma unroll
-    for (int nb = 0; nb < T::kNBlkM; ++nb) {
-      const int mc = nb * 8 + 2 * t;  // tile column (Q row) of e = 0; e = 1 is mc + 1
-      const float2 lse2 = *reinterpret_cast<const float2*>(sLse + mc);
+      for (int nb = 0; nb < T::kNBlkM; ++nb) {
+        const int mc = nb * 8 + 2 * t;  // tile column (Q row) of e = 0; e = 1 is mc + 1
+        const float2 hi2 = *reinterpret_cast<const float2*>(sHi + mc);
+        float2 lo2 = make_float2(0.f, 0.f);
+        if constexpr (kMode == PMode::kExact) lo2 = *reinterpret_cast<const float2*>(sLo + mc);
 #pragma unroll
-      for (int ma = 0; ma < kMA; ++ma) {
+        for (int ma = 0; ma < kMA; ++ma) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = acc_s[ma][nb][e] * params.scale_softmax_log2 - ((e % 2) ? lse2.y : lse2.x);
-          if (need_mask) {
+          for (int e = 0; e < 4; ++e) {
             const int key = w.n0 + kWarpRows * warp_n + g + 8 * (e / 2) + 16 * ma;
-            const int query = m0 + mc + (e % 2);
-            if (key > query + w.off) x = -INFINITY;
+            acc_s[ma][nb][e] = recompute_p<kMode>(acc_s[ma][nb][e], params.scale_softmax_log2, (e % 2) ? hi2.y : hi2.x,
+                                                  (e % 2) ? lo2.y : lo2.x, w.mask.visible(m0 + mc + (e % 2), key));
           }
-          acc_s[ma][nb][e] = fast_exp2(x);
         }
       }
-    }
+    });
     // P^T as Element A fragments (k16 slices of Q rows, per atom) for dV += P^T dO.
     uint32_t a_p[kBlockM / 16][kMA][4];
 #pragma unroll
@@ -227,15 +236,12 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
                                          lane);
   }
   __syncthreads();
-  Element* dk_tile = reinterpret_cast<Element*>(params.dk_ptr) + w.bidb * params.dk_batch_stride +
-                     w.bidhk * params.dk_head_stride + w.n0 * params.dk_row_stride;
-  Element* dv_tile = reinterpret_cast<Element*>(params.dv_ptr) + w.bidb * params.dv_batch_stride +
-                     w.bidhk * params.dv_head_stride + w.n0 * params.dv_row_stride;
-  store_tile<Tile, kBlockN, kHeadDim, kThreads>(
-      dk_tile, params.dk_row_stride, sK, params.seqlen_k - w.n0, params.d, tid);
-  store_tile<Tile, kBlockN, kHeadDim, kThreads>(
-      dv_tile, params.dv_row_stride, sV, params.seqlen_k - w.n0, params.d, tid);
+  store_tile<Tile, kBlockN, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dk, w.bidhk, w.n0),
+                                                params.dk.row_stride, sK, w.seq.seqlen_k - w.n0, params.d, tid);
+  store_tile<Tile, kBlockN, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dv, w.bidhk, w.n0),
+                                                params.dv.row_stride, sV, w.seq.seqlen_k - w.n0, params.d, tid);
+#endif
 }
 
-}  // namespace bwd
+}  // namespace sm80
 }  // namespace flash

@@ -6,10 +6,10 @@
 // [kWarpRows*w, +kWarpRows) as kMA = kWarpRows/16 m16 atoms (atom ma: rows +16ma): with
 // kWarpRows = 32 every K / V B fragment loaded by ldmatrix feeds two mma (half the shared-memory
 // traffic per FLOP, as in the forward kernel).
-// Q_i and dO_i stay in shared memory, lse_log2 / D of the thread's two rows in registers;
+// Q_i and dO_i stay in shared memory, hi (LSE_log2) / D of the thread's rows in registers;
 // K_j, V_j stream through a 2-stage cp.async pipeline:
 //   S   = Q_i K_j^T                               (line 11)
-//   P   = exp2(S * scale_log2 - lse_log2_i)       (line 12; masked keys -> 0)
+//   P   = exp2(S * scale_log2 - LSE_log2_i)       (line 12; masked keys -> 0)
 //   dP  = dO_i V_j^T                              (line 14)
 //   dS  = P o (dP - D_i)                          (line 15)
 //   dQ_i += dS K_j                                (line 16; times softmax_scale at the end)
@@ -17,10 +17,10 @@
 //
 // Fragment bookkeeping (lane = 4g + t): S acc[ma][nb][e] holds
 //   Q row m = m0 + kWarpRows*warp + 16*ma + g + 8*(e/2),  key n = n0 + 8*nb + 2t + (e%2).
-// Causal (bottom-right, off = seqlen_k - seqlen_q): the tile's last row m0 + kBlockM - 1 sees keys
-// < m0 + kBlockM + off, so key blocks [0, ceil((m0 + kBlockM + off) / kBlockN)) are visited; a
-// block needs the mask only if it crosses seqlen_k or j0 + kBlockN - 1 > m0 + off. A row that
-// sees no key has every score masked and lse_log2 = +inf: P = dS = 0, dQ row exactly 0.
+// Masks and tile ranges come from kernels/common/mask.cuh (DqWork): key blocks past the last one a
+// row of the tile sees are skipped; blocks crossing seqlen_k or the causal diagonal, and every
+// block of a tile holding a large-magnitude row, run the masked and exact copies of the P code (lo
+// from the workspace). A row that sees no key has hi = +inf: P = dS = 0, dQ row exactly 0.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,19 +29,23 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "flash.h"
-#include "kernels/sm80/flash_bwd_common.cuh"
+#include "kernels/common/work.cuh"
+#include "kernels/sm80/kernel_common.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/math.cuh"
 #include "primitives/mma.cuh"
+#include "primitives/softmax.cuh"
 
 namespace flash {
-namespace bwd {
+namespace sm80 {
 
-// kWarpRows: Q rows per warp, 16 (one m16 atom) or 32 (two).
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarpRows = 16>
+// Tile: a DqTileShape row (tile_config.h); kWarpRows 16 (one m16 atom) or 32 (two).
+template <typename Element, int kHeadDim, typename Tile>
 struct DqKernelTraits {
+  static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kWarpRows = Tile::kWarpRows;
   static constexpr int kMA = kWarpRows / 16;     // m16 atoms per warp
   static constexpr int kNWarps = kBlockM / kWarpRows;
   static constexpr int kThreads = kNWarps * 32;
@@ -62,13 +66,16 @@ struct DqKernelTraits {
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-// kFastCopy: predicate-free copies of whole K / V tiles (primitives/tile_copy.cuh), used where
-// the registers allow it (tile_config_bwd.h).
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarpRows = 16, bool kFastCopy = true>
-__global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kWarpRows>::kThreads, 1)
+// Tile::kFastCopy: predicate-free copies of whole K / V tiles (primitives/tile_copy.cuh), used
+// where the registers allow it (tile_config.h).
+template <typename Element, int kHeadDim, typename TileShape>
+__global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dq_kernel(const Flash_bwd_params params) {
-  using T = DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kWarpRows>;
+#if defined(__CUDA_ARCH__)  // device code only: the host pass needs just the stub
+  using T = DqKernelTraits<Element, kHeadDim, TileShape>;
   using Tile = SmemTile<kHeadDim>;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kWarpRows = T::kWarpRows;
+  constexpr bool kFastCopy = TileShape::kFastCopy;
   constexpr int kMA = T::kMA;
   constexpr bool kPRounded = T::kPRounded;
   constexpr int kPitch = T::kPitch;
@@ -83,50 +90,54 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
 
-  // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/bwd_work.cuh).
+  // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
   const DqWork<kBlockM, kBlockN> w(params);
 
-  const Element* k_base = reinterpret_cast<const Element*>(params.k_ptr) + w.bidb * params.k_batch_stride +
-                          w.bidhk * params.k_head_stride;
-  const Element* v_base = reinterpret_cast<const Element*>(params.v_ptr) + w.bidb * params.v_batch_stride +
-                          w.bidhk * params.v_head_stride;
+  const Element* k_base = w.seq.template row_ptr<const Element>(params.k, w.bidhk, 0);
+  const Element* v_base = w.seq.template row_ptr<const Element>(params.v, w.bidhk, 0);
   // Alg. 2 line 7 (K_j, V_j), into `stage`.
   auto load_kv_tile = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
     copy_tile_async<Tile, kBlockN, kHeadDim, kThreads, kFastCopy>(
-        smem_u32addr(sK0 + stage * T::kTileKV), k_base + n0 * params.k_row_stride, params.k_row_stride,
-        params.seqlen_k - n0, params.d, tid);
+        smem_u32addr(sK0 + stage * T::kTileKV), k_base + n0 * params.k.row_stride, params.k.row_stride,
+        w.seq.seqlen_k - n0, params.d, tid);
     copy_tile_async<Tile, kBlockN, kHeadDim, kThreads, kFastCopy>(
-        smem_u32addr(sV0 + stage * T::kTileKV), v_base + n0 * params.v_row_stride, params.v_row_stride,
-        params.seqlen_k - n0, params.d, tid);
+        smem_u32addr(sV0 + stage * T::kTileKV), v_base + n0 * params.v.row_stride, params.v.row_stride,
+        w.seq.seqlen_k - n0, params.d, tid);
   };
 
-  // Alg. 2 line 10: Q_i, dO_i (resident), lse_log2 and D of this thread's rows r and r + 8.
-  const Element* q_tile = reinterpret_cast<const Element*>(params.q_ptr) + w.bidb * params.q_batch_stride +
-                          w.bidh * params.q_head_stride + w.m0 * params.q_row_stride;
-  const Element* do_tile = reinterpret_cast<const Element*>(params.do_ptr) +
-                           w.bidb * params.do_batch_stride + w.bidh * params.do_head_stride +
-                           w.m0 * params.do_row_stride;
+  // Alg. 2 line 10: Q_i, dO_i (resident), hi and D of this thread's rows r and r + 8.
   copy_tile_async<Tile, kBlockM, kHeadDim, kThreads>(
-      smem_u32addr(sQ), q_tile, params.q_row_stride, params.seqlen_q - w.m0, params.d, tid);
+      smem_u32addr(sQ), w.seq.template row_ptr<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q,
+      params.d, tid);
   copy_tile_async<Tile, kBlockM, kHeadDim, kThreads>(
-      smem_u32addr(sdO), do_tile, params.do_row_stride, params.seqlen_q - w.m0, params.d, tid);
+      smem_u32addr(sdO), w.seq.template row_ptr<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride,
+      w.rows_q, params.d, tid);
   if (w.n_block_max > 0) load_kv_tile(0, 0);
   cp_async_commit();
 
   const int warp_row0 = kWarpRows * warp;  // first tile row of this warp
   // Query row of atom ma, e = 0,1: row_lo + 16*ma; e = 2,3 are 8 rows further.
   const int row_lo = w.m0 + warp_row0 + g;
-  const int64_t ws = (int64_t(w.bidb) * params.h + w.bidh) * params.seqlen_q_rounded;
-  float lse_log2[kMA][2], dsum[kMA][2];  // rows < seqlen_q_rounded: whole tiles are in the workspace
+  const int64_t ws = w.seq.ws_index(params, w.bidh, 0);
+  float hi[kMA][2], dsum[kMA][2];  // rows < seqlen_q_rounded: whole tiles are in the workspace
 #pragma unroll
   for (int ma = 0; ma < kMA; ++ma) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      lse_log2[ma][r] = params.softmax_lse_log2_ptr[ws + row_lo + 16 * ma + 8 * r];
+      hi[ma][r] = params.softmax_lse_log2_ptr[ws + row_lo + 16 * ma + 8 * r];
       dsum[ma][r] = params.dsoftmax_sum_ptr[ws + row_lo + 16 * ma + 8 * r];
     }
   }
+  // P of element e of (atom ma, n8 block nb) of the S tile at key n0 (Alg. 2 line 12) in the
+  // block's mode (primitives/softmax.cuh); the exact one reads lo from the workspace.
+  auto p_of = [&](auto mode, float s, int n0, int ma, int nb, int e) {
+    constexpr PMode kMode = decltype(mode)::value;
+    const int row = row_lo + 16 * ma + 8 * (e / 2);
+    const float lo = kMode == PMode::kExact ? params.softmax_lse_log2_lo_ptr[ws + row] : 0.f;
+    return recompute_p<kMode>(s, params.scale_softmax_log2, hi[ma][e / 2], lo,
+                              w.mask.visible(row, n0 + nb * 8 + 2 * t + (e % 2)));
+  };
 
   float acc_dq[kMA][T::kNBlkD][4];
   zero_acc(acc_dq);
@@ -144,30 +155,27 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     zero_acc(acc_s);
     gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_s, sQ, warp_row0, sK, lane);
 
-    // Alg. 2 line 12: P = exp2(S scale_log2 - lse_log2), masked keys -> 0.
-    const bool need_mask =
-        n0 + kBlockN > params.seqlen_k || (params.is_causal && n0 + kBlockN - 1 > w.m0 + w.off);
+    // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), masked keys -> 0; the masked and exact
+    // copies run on the blocks that need them only (a CTA-uniform branch).
+    const bool needs_mask = w.block_needs_mask(n_block);
     // kPRounded: P as Element pairs p_rounded[ma][nb][h] (row g + 8h, keys 8nb + 2t, +1) before
     // dP is computed, so the fp32 S is dead during the dP product.
     uint32_t p_rounded[kPRounded ? kMA : 1][kPRounded ? T::kNBlkN : 1][2];
     if constexpr (kPRounded) {
+      auto round_p = [&](auto ex) {
 #pragma unroll
-      for (int ma = 0; ma < kMA; ++ma) {
+        for (int ma = 0; ma < kMA; ++ma) {
 #pragma unroll
-        for (int nb = 0; nb < T::kNBlkN; ++nb) {
-          auto p_of = [&](int e) {
-            float x = acc_s[ma][nb][e] * params.scale_softmax_log2 - lse_log2[ma][e / 2];
-            if (need_mask) {
-              const int key = n0 + nb * 8 + 2 * t + (e % 2);
-              const int query = row_lo + 16 * ma + 8 * (e / 2);
-              if (key >= params.seqlen_k || (params.is_causal && key > query + w.off)) x = -INFINITY;
+          for (int nb = 0; nb < T::kNBlkN; ++nb) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              p_rounded[ma][nb][h] = pack2<Element>(p_of(ex, acc_s[ma][nb][2 * h], n0, ma, nb, 2 * h),
+                                                    p_of(ex, acc_s[ma][nb][2 * h + 1], n0, ma, nb, 2 * h + 1));
             }
-            return fast_exp2(x);
-          };
-#pragma unroll
-          for (int h = 0; h < 2; ++h) p_rounded[ma][nb][h] = pack2<Element>(p_of(2 * h), p_of(2 * h + 1));
+          }
         }
-      }
+      };
+      with_p_mode(w.precise, needs_mask, round_p);
     }
 
     // Alg. 2 line 14: dP = dO_i V_j^T.
@@ -176,28 +184,29 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_dp, sdO, warp_row0, sV, lane);
 
     // Alg. 2 line 15: dS = P o (dP - D) (in acc_dp; without kPRounded, P (line 12) is made here).
+    auto make_ds = [&](auto ex) {
 #pragma unroll
-    for (int ma = 0; ma < kMA; ++ma) {
+      for (int ma = 0; ma < kMA; ++ma) {
 #pragma unroll
-      for (int nb = 0; nb < T::kNBlkN; ++nb) {
+        for (int nb = 0; nb < T::kNBlkN; ++nb) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float p;
-          if constexpr (kPRounded) {
-            const float2 p2 = unpack2<Element>(p_rounded[ma][nb][e / 2]);
-            p = (e % 2) ? p2.y : p2.x;
-          } else {
-            float x = acc_s[ma][nb][e] * params.scale_softmax_log2 - lse_log2[ma][e / 2];
-            if (need_mask) {
-              const int key = n0 + nb * 8 + 2 * t + (e % 2);
-              const int query = row_lo + 16 * ma + 8 * (e / 2);
-              if (key >= params.seqlen_k || (params.is_causal && key > query + w.off)) x = -INFINITY;
+          for (int e = 0; e < 4; ++e) {
+            float p;
+            if constexpr (kPRounded) {
+              const float2 p2 = unpack2<Element>(p_rounded[ma][nb][e / 2]);
+              p = (e % 2) ? p2.y : p2.x;
+            } else {
+              p = p_of(ex, acc_s[ma][nb][e], n0, ma, nb, e);
             }
-            p = fast_exp2(x);
+            acc_dp[ma][nb][e] = p * (acc_dp[ma][nb][e] - dsum[ma][e / 2]);
           }
-          acc_dp[ma][nb][e] = p * (acc_dp[ma][nb][e] - dsum[ma][e / 2]);
         }
       }
+    };
+    if constexpr (kPRounded) {
+      make_ds(std::integral_constant<PMode, PMode::kFast>{});  // P comes from p_rounded
+    } else {
+      with_p_mode(w.precise, needs_mask, make_ds);
     }
 
     // Alg. 2 line 16: dQ_i += dS K_j (A = dS from registers, B = K_j via ldmatrix.trans).
@@ -219,11 +228,10 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     store_acc_to_smem<T::kNBlkD, kPitch>(sQ, acc_dq[ma], warp_row0 + 16 * ma, 0, float(params.scale_softmax), lane);
   }
   __syncthreads();
-  Element* dq_tile = reinterpret_cast<Element*>(params.dq_ptr) + w.bidb * params.dq_batch_stride +
-                     w.bidh * params.dq_head_stride + w.m0 * params.dq_row_stride;
-  store_tile<Tile, kBlockM, kHeadDim, kThreads>(
-      dq_tile, params.dq_row_stride, sQ, params.seqlen_q - w.m0, params.d, tid);
+  store_tile<Tile, kBlockM, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dq, w.bidh, w.m0),
+                                                params.dq.row_stride, sQ, w.rows_q, params.d, tid);
+#endif
 }
 
-}  // namespace bwd
+}  // namespace sm80
 }  // namespace flash

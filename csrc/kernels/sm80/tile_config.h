@@ -1,50 +1,66 @@
-// Tile configuration of the sm80 forward path (mma.sync + ldmatrix + cp.async), one row per
-// compiled head dim. This is THE table: the launch template and the kernel read only it.
-// (Backward tiles live in tile_config_bwd.h in the same format.)
+// Tile configuration of the sm80 path (mma.sync + ldmatrix + cp.async), one row per compiled head
+// dim and kernel kind (shapes: kernels/common/tile_shapes.h). This is THE sm80 table: the launch
+// templates and the kernels read only it. Measurement history: docs/PERF_NOTES.md.
 //
-//   kBlockM     query rows per CTA (the Q tile, loaded once)
-//   kBlockN     key/value rows per K/V tile streamed through shared memory
-//   kNWarps     warps per CTA; warp w owns query rows [w*kBlockM/kNWarps, (w+1)*kBlockM/kNWarps),
-//               i.e. kBlockM/kNWarps/16 m16 mma atoms
-//   kStages     K/V pipeline: 1 = FA2 scheme (the one implemented): one K and one V buffer,
-//               loads interleaved (V_j lands while S = Q K_j^T runs, K_{j-1} while O += P V_j)
-//   kQInRegs    Q's mma A fragments are loaded from shared memory once and kept in registers
-//               (only where registers allow; else re-read by ldmatrix each K tile)
-//   kMinBlocks  __launch_bounds__ min CTAs per SM (2 for 4-warp CTAs: costs no registers
-//               below 255/thread and lets two CTAs overlap each other's softmax and loads)
+// Forward (flash_fwd_kernel.cuh): FlashAttention-2's sm80/sm90 mma.sync choices, narrowed until
+// ptxas reports no spills at the 255-register cap (nvcc 13, sm_80 and sm_90a): 4 warps x 32 rows
+// keep 2 m16 atoms per warp (K/V fragments reused twice: half the ldmatrix traffic of 16-row
+// warps), and kBlockN shrinks where acc_o + S would spill (d128: 128x64 spills 8 B, 128x48 none).
+// kMinBlocks 2 for 4-warp CTAs costs no registers below 255/thread and lets two CTAs overlap each
+// other's softmax and loads. Shared memory = (kBlockM + 2 kBlockN) * (d + 8) * 2 B: d32 20 KB,
+// d64 36 KB, d96 39 KB, d128 60 KB, d192 100 KB, d256 132 KB.
 //
-// Starting point: FlashAttention-2's sm80/sm90 mma.sync choices, then narrowed until ptxas
-// reports no spills at the 255-register cap (nvcc 13, sm_80 and sm_90a): 4 warps x 32 rows keep
-// 2 m16 atoms per warp (K/V fragments reused twice: half the ldmatrix traffic of 16-row warps),
-// and kBlockN shrinks where acc_o + S would spill (d128: 128x64 spills 8 B, 128x48 none).
-// Measured on the H200 with benchmarks/tune_kernels.py (bf16, 16k tokens, TFLOP/s at N=1024/4096/16384,
-// non-causal, 2026-11-29): d128 128x32 305/338/349, 128x48 313/347/362, 128x64 301/328/352;
-// d64 128x64 283/314/325, 128x64 Q-in-regs 289/324/329, 128x128 Q-in-regs 272/290/301.
-// Shared memory per CTA = (kBlockM + 2*kBlockN) * (kHeadDim + 8) * 2 bytes (rows padded by
-// 16 B, no bank conflicts): d32 20 KB, d64 36 KB, d96 39 KB, d128 60 KB, d192 100 KB, d256 132 KB.
+// dK/dV (flash_bwd_dkv_kernel.cuh), one CTA per K/V block: kSplit warps share one K row slice,
+// each owning d / kSplit dK/dV columns (1 for d <= 128; 2 above, where 16 rows x d x 2 fp32
+// accumulators would not fit one warp's registers; split warps recompute the same S^T / dP^T
+// slice, so P^T and dS^T never leave registers). 32 K rows per warp (two m16 atoms: each Q / dO B
+// fragment feeds two mma) fits the registers for d <= 64 only. warps = kBlockN / kWarpRows * kSplit.
+// dQ (flash_bwd_dq_kernel.cuh), one CTA per Q tile: warps = kBlockM / kWarpRows; with 32 rows per
+// warp P is rounded to the element type before dP.
+// Fast copy (predicate-free whole-tile cp.async in the main loop) is off where the kernel sits at
+// 255 registers and the second copy loop pushed spills into the main loop (dK/dV d32-d128); d96 and
+// d192 have no fast path (12 and 24 chunks per row do not divide the thread count).
+// Shared memory (rows padded by 16 B), fp16/bf16:
+//   dkv = (2 kBlockN + 4 kBlockM) * (d + 8) * 2 B + 24 kBlockM B,  dq = (2 kBlockM + 4 kBlockN) * (d + 8) * 2 B
+// Every row fits sm_80's 163 KB (asserted in the launch templates); kBlockM of the backward
+// kernels divides 128 so the (b, h, seqlen_q_rounded) workspaces cover every tile.
 #pragma once
 
+#include "kernels/common/tile_shapes.h"
+
 namespace flash {
+namespace sm80 {
 
-template <int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, bool kQInRegs_, int kMinBlocks_>
-struct TileConfig {
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kNWarps = kNWarps_;
-  static constexpr int kStages = kStages_;
-  static constexpr bool kQInRegs = kQInRegs_;
-  static constexpr int kMinBlocks = kMinBlocks_;
-};
+// Largest opt-in dynamic shared memory per block on sm_80 (A100): 163 KB.
+constexpr int kMaxSmem = 163 * 1024;
 
-template <int kHeadDim>
-struct FwdTileConfigSm80;
+template <int kHeadDim> struct FwdTile;
+template <int kHeadDim> struct DkvTile;
+template <int kHeadDim> struct DqTile;
 
-//                                                  BLOCK_M BLOCK_N warps stages Q-in-regs minCTAs
-template <> struct FwdTileConfigSm80<32>  : TileConfig<128,     64,    4,    1,     true,     2> {};
-template <> struct FwdTileConfigSm80<64>  : TileConfig<128,     64,    4,    1,     true,     2> {};
-template <> struct FwdTileConfigSm80<96>  : TileConfig<128,     32,    4,    1,     false,    2> {};
-template <> struct FwdTileConfigSm80<128> : TileConfig<128,     48,    4,    1,     false,    2> {};
-template <> struct FwdTileConfigSm80<192> : TileConfig<128,     64,    8,    1,     false,    1> {};
-template <> struct FwdTileConfigSm80<256> : TileConfig<128,     64,    8,    1,     false,    1> {};
+//                                      BLOCK_M BLOCK_N warps Q-in-regs minCTAs
+template <> struct FwdTile<32>  : FwdTileShape<128,  64,    4,   true,    2> {};
+template <> struct FwdTile<64>  : FwdTileShape<128,  64,    4,   true,    2> {};
+template <> struct FwdTile<96>  : FwdTileShape<128,  32,    4,   false,   2> {};
+template <> struct FwdTile<128> : FwdTileShape<128,  48,    4,   false,   2> {};
+template <> struct FwdTile<192> : FwdTileShape<128,  64,    8,   false,   1> {};
+template <> struct FwdTile<256> : FwdTileShape<128,  64,    8,   false,   1> {};
 
+//                                      BLOCK_N BLOCK_M split warp-rows fast-copy
+template <> struct DkvTile<32>  : DkvTileShape<128,  32,    1,    32,    false> {};
+template <> struct DkvTile<64>  : DkvTileShape<128,  32,    1,    32,    false> {};
+template <> struct DkvTile<96>  : DkvTileShape<128,  64,    1,    16,    true> {};
+template <> struct DkvTile<128> : DkvTileShape<128,  64,    1,    16,    false> {};
+template <> struct DkvTile<192> : DkvTileShape< 64,  64,    2,    16,    true> {};
+template <> struct DkvTile<256> : DkvTileShape< 64,  32,    2,    16,    true> {};
+
+//                                     BLOCK_M BLOCK_N warp-rows fast-copy
+template <> struct DqTile<32>  : DqTileShape<128,  64,    32,    true> {};
+template <> struct DqTile<64>  : DqTileShape<128,  64,    32,    true> {};
+template <> struct DqTile<96>  : DqTileShape<128,  32,    32,    true> {};
+template <> struct DqTile<128> : DqTileShape<128,  32,    32,    true> {};
+template <> struct DqTile<192> : DqTileShape< 64,  64,    16,    true> {};
+template <> struct DqTile<256> : DqTileShape< 64,  32,    16,    true> {};
+
+}  // namespace sm80
 }  // namespace flash

@@ -5,11 +5,11 @@
 //
 // One CTA per (K/V block j of kBlockN rows, batch, kv head); warpgroup wg owns K rows
 // [64 wg, 64 wg + 64). K_j, V_j stay in shared memory; for every query head of the GQA group and
-// every Q tile i of kBlockM rows that sees block j, Q_i, dO_i, lse_log2_i, D_i stream in through
-// a double-buffered cp.async pipeline, and each warpgroup computes
+// every Q tile i of kBlockM rows that sees block j, Q_i, dO_i, LSE_log2_i (hi + lo), D_i stream in
+// through a double-buffered cp.async pipeline, and each warpgroup computes
 //   S^T  = K_j Q_i^T                    wgmma SS, B = Q_i K-major         (Alg. 2 line 11)
 //   dP^T = V_j dO_i^T                   wgmma SS, B = dO_i K-major        (line 14)
-//   P^T  = exp2(S^T scale_log2 - lse_log2_i)   while dP^T runs            (line 12; masked -> 0)
+//   P^T  = exp2(S^T scale_log2 - LSE_log2_i)   while dP^T runs            (line 12; masked -> 0)
 //   dV_j += P^T dO_i                    wgmma RS, A = P^T from registers, B = dO_i N-major (13)
 //   dS^T = P^T o (dP^T - D_i)                                             (line 15)
 //   dK_j += dS^T Q_i                    wgmma RS, A = dS^T, B = Q_i N-major  (line 17)
@@ -21,8 +21,8 @@
 //
 // Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S^T acc[h][j][e] of part h holds
 //   K row n = n0 + 64 wg + 16 w + g + 8 (e / 2),  Q row m = m0 + h kPart + 8 j + 2 t + (e % 2),
-// so lse_log2 and D are one float2 per n8 block j. Causal masking, ragged edges and GQA are
-// exactly as in the sm80 kernel (see its header).
+// so hi, lo and D are one float2 per n8 block j. Masks, tile ranges, ragged edges and GQA are
+// exactly as in the sm80 kernel (kernels/common/mask.cuh, work.cuh; see its header).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,30 +34,34 @@
 #include <type_traits>
 
 #include "flash.h"
-#include "kernels/bwd_work.cuh"
+#include "kernels/common/work.cuh"
 #include "kernels/sm90/smem_layout.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/math.cuh"
 #include "primitives/mma.cuh"
+#include "primitives/softmax.cuh"
 #include "primitives/wgmma.cuh"
 
 namespace flash {
 namespace sm90 {
 
-// kSplit: parts of the Q tile whose products are queued together (see the main loop).
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kSplit = 1>
+// Tile: a DkvTileShape row (tile_config.h); kSplit: parts of the Q tile whose products are
+// queued together (see the main loop).
+template <typename Element, int kHeadDim, typename Tile>
 struct DkvKernelTraits {
+  static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kSplit = Tile::kSplit;
   static constexpr int kWarpGroups = kBlockN / 64;
   static constexpr int kThreads = kWarpGroups * 128;
   using TileKV = SwizzledTile<kBlockN, kHeadDim>;
   using TileQ = SwizzledTile<kBlockM, kHeadDim>;
   // Shared layout (1024-byte aligned): sK, sV, then 2 stages x (sQ, sdO), then 2 stages x
-  // (lse_log2, D) of kBlockM floats each.
+  // (hi, lo, D) of kBlockM floats each.
   static constexpr int kOffV = TileKV::kBytes;
   static constexpr int kOffQ = 2 * TileKV::kBytes;
   static constexpr int kOffDO = kOffQ + 2 * TileQ::kBytes;
-  static constexpr int kOffLse = kOffDO + 2 * TileQ::kBytes;
-  static constexpr int kOffDsum = kOffLse + 2 * kBlockM * 4;
+  static constexpr int kOffHi = kOffDO + 2 * TileQ::kBytes;
+  static constexpr int kOffLo = kOffHi + 2 * kBlockM * 4;
+  static constexpr int kOffDsum = kOffLo + 2 * kBlockM * 4;
   static constexpr int kSmemBytes = kOffDsum + 2 * kBlockM * 4 + 1024;  // + alignment slack
   // dS^T from the Element-rounded P^T (as the sm80 kernel's kPRounded) where the fp32 P^T
   // (kBlockM / 2 registers) would not fit next to dP^T and the dK/dV accumulators.
@@ -72,11 +76,12 @@ struct DkvKernelTraits {
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kSplit = 1>
-__global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kSplit>::kThreads, 1)
+template <typename Element, int kHeadDim, typename TileShape>
+__global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = DkvKernelTraits<Element, kHeadDim, kBlockM, kBlockN, kSplit>;
+  using T = DkvKernelTraits<Element, kHeadDim, TileShape>;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kSplit = T::kSplit;
   using TileKV = typename T::TileKV;
   using TileQ = typename T::TileQ;
   constexpr int kThreads = T::kThreads;
@@ -89,42 +94,38 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   const uint32_t smem_addr = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
   unsigned char* smem = smem_raw + (smem_addr - raw_addr);
   const uint32_t sK = smem_addr, sV = smem_addr + T::kOffV;
-  float* sLse0 = reinterpret_cast<float*>(smem + T::kOffLse);    // stage s: + s * kBlockM
+  float* sHi0 = reinterpret_cast<float*>(smem + T::kOffHi);  // stage s: + s * kBlockM
+  float* sLo0 = reinterpret_cast<float*>(smem + T::kOffLo);
   float* sDsum0 = reinterpret_cast<float*>(smem + T::kOffDsum);
 
   const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128;
   const int lane = tid % 32, warp_wg = tid_wg / 32;
   const int g = lane / 4, t = lane % 4;
 
-  // This CTA's key block, batch, kv head and the Q tiles that see the block (kernels/bwd_work.cuh).
+  // This CTA's key block, batch, kv head and the Q tiles that see the block (kernels/common/work.cuh).
   const DkvWork<kBlockM, kBlockN> w(params);
-
-  const Element* q_base = reinterpret_cast<const Element*>(params.q_ptr) + w.bidb * params.q_batch_stride;
-  const Element* do_base = reinterpret_cast<const Element*>(params.do_ptr) + w.bidb * params.do_batch_stride;
 
   // Alg. 2 line 10: cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {
     const int bidh = w.head(it);
     const int m0 = w.m0(it);
     copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
-        smem_addr + T::kOffQ + stage * TileQ::kBytes, q_base + bidh * params.q_head_stride + m0 * params.q_row_stride,
-        params.q_row_stride, params.seqlen_q - m0, params.d, tid);
+        smem_addr + T::kOffQ + stage * TileQ::kBytes, w.seq.template row_ptr<const Element>(params.q, bidh, m0),
+        params.q.row_stride, w.seq.seqlen_q - m0, params.d, tid);
     copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
-        smem_addr + T::kOffDO + stage * TileQ::kBytes,
-        do_base + bidh * params.do_head_stride + m0 * params.do_row_stride, params.do_row_stride,
-        params.seqlen_q - m0, params.d, tid);
-    w.copy_row_stats_async(params, it, sLse0 + stage * kBlockM, sDsum0 + stage * kBlockM, tid);
+        smem_addr + T::kOffDO + stage * TileQ::kBytes, w.seq.template row_ptr<const Element>(params.dout, bidh, m0),
+        params.dout.row_stride, w.seq.seqlen_q - m0, params.d, tid);
+    w.copy_row_stats_async(params, it, sHi0 + stage * kBlockM, sLo0 + stage * kBlockM, sDsum0 + stage * kBlockM,
+                           tid);
   };
 
   // Alg. 2 line 7: K_j, V_j (resident), with the first Q tile.
-  const Element* k_tile = reinterpret_cast<const Element*>(params.k_ptr) + w.bidb * params.k_batch_stride +
-                          w.bidhk * params.k_head_stride + w.n0 * params.k_row_stride;
-  const Element* v_tile = reinterpret_cast<const Element*>(params.v_ptr) + w.bidb * params.v_batch_stride +
-                          w.bidhk * params.v_head_stride + w.n0 * params.v_row_stride;
   copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(
-      sK, k_tile, params.k_row_stride, params.seqlen_k - w.n0, params.d, tid);
+      sK, w.seq.template row_ptr<const Element>(params.k, w.bidhk, w.n0), params.k.row_stride, w.seq.seqlen_k - w.n0,
+      params.d, tid);
   copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(
-      sV, v_tile, params.v_row_stride, params.seqlen_k - w.n0, params.d, tid);
+      sV, w.seq.template row_ptr<const Element>(params.v, w.bidhk, w.n0), params.v.row_stride, w.seq.seqlen_k - w.n0,
+      params.d, tid);
   if (w.n_iter > 0) load_q_tile(0, 0);
   cp_async_commit();
 
@@ -136,14 +137,18 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
     for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
   }
 
+  bool precise_next = w.precise(params, 0);  // large-magnitude rows in the next Q tile (one load ahead)
   for (int it = 0; it < w.n_iter; ++it) {
     const int stage = it % 2;
+    const bool precise = precise_next;
+    precise_next = w.precise(params, it + 1);
     // Q_{it+1}, dO_{it+1} in flight; Q_it, dO_it landed and visible to wgmma.
     pipeline_step</*kAsyncProxy=*/true>(it, w.n_iter, load_q_tile);
 
     const uint32_t sQ = smem_addr + T::kOffQ + stage * TileQ::kBytes;
     const uint32_t sdO = smem_addr + T::kOffDO + stage * TileQ::kBytes;
-    const float* sLse = sLse0 + stage * kBlockM;
+    const float* sHi = sHi0 + stage * kBlockM;
+    const float* sLo = sLo0 + stage * kBlockM;
     const float* sDsum = sDsum0 + stage * kBlockM;
     const int m0 = w.m0(it);
 
@@ -168,7 +173,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       wgmma_commit();
     }
 
-    const bool need_mask = params.is_causal && w.n0 + kBlockN - 1 > m0 + w.off;
+    const bool needs_mask = w.needs_mask(it);
     const int key0 = w.n0 + 64 * wg + 16 * warp_wg + g;
     uint32_t a_p[kSplit][kPart / 16][4], a_ds[kSplit][kPart / 16][4];
 #pragma unroll
@@ -177,29 +182,26 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       // other products of the parts, and dV / dK of the earlier parts): S^T_h is done.
       wgmma_wait<2 * kSplit - 1>();
       const int q0 = h * kPart;  // first tile row of part h
-      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - lse_log2) (fp32). The causal mask (a key after
-      // the query -> P^T = 0) is compiled into a second copy of the loop that runs on diagonal
-      // tiles only: need_mask is uniform, so the other tiles pay nothing for it.
-      auto scores_to_p = [&](auto masked) {
+      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32, primitives/softmax.cuh). The
+      // mask (a key after the query -> P^T = 0) and the exact recompute are compiled into other
+      // copies of the loop that run on diagonal tiles and large-magnitude rows only: the branch is
+      // uniform, so the other tiles pay nothing for them.
+      with_p_mode(precise, needs_mask, [&](auto mode) {
+        constexpr PMode kMode = decltype(mode)::value;
 #pragma unroll
         for (int j = 0; j < kNBlkP; ++j) {
-          const float2 lse2 = *reinterpret_cast<const float2*>(sLse + q0 + 8 * j + 2 * t);
-          const int query = m0 + q0 + 8 * j + 2 * t + w.off;  // of e = 0, in key coordinates
+          const int mc = q0 + 8 * j + 2 * t;  // tile row (query) of e = 0; e = 1 is mc + 1
+          const float2 hi2 = *reinterpret_cast<const float2*>(sHi + mc);
+          float2 lo2 = make_float2(0.f, 0.f);
+          if constexpr (kMode == PMode::kExact) lo2 = *reinterpret_cast<const float2*>(sLo + mc);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = acc_s[h][j][e] * params.scale_softmax_log2 - ((e % 2) ? lse2.y : lse2.x);
-            if constexpr (decltype(masked)::value) {
-              if (key0 + 8 * (e / 2) > query + (e % 2)) x = -INFINITY;
-            }
-            acc_s[h][j][e] = fast_exp2(x);
+            acc_s[h][j][e] = recompute_p<kMode>(acc_s[h][j][e], params.scale_softmax_log2, (e % 2) ? hi2.y : hi2.x,
+                                                (e % 2) ? lo2.y : lo2.x,
+                                                w.mask.visible(m0 + mc + (e % 2), key0 + 8 * (e / 2)));
           }
         }
-      };
-      if (need_mask) {
-        scores_to_p(std::true_type{});
-      } else {
-        scores_to_p(std::false_type{});
-      }
+      });
 #pragma unroll
       for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
 
@@ -264,14 +266,11 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem, acc_dk, 64 * wg, float(params.scale_softmax), tid_wg);
   store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg, 1.f, tid_wg);
   __syncthreads();
-  Element* dk_tile = reinterpret_cast<Element*>(params.dk_ptr) + w.bidb * params.dk_batch_stride +
-                     w.bidhk * params.dk_head_stride + w.n0 * params.dk_row_stride;
-  Element* dv_tile = reinterpret_cast<Element*>(params.dv_ptr) + w.bidb * params.dv_batch_stride +
-                     w.bidhk * params.dv_head_stride + w.n0 * params.dv_row_stride;
-  store_tile<TileKV, kBlockN, kHeadDim, kThreads>(
-      dk_tile, params.dk_row_stride, smem, params.seqlen_k - w.n0, params.d, tid);
-  store_tile<TileKV, kBlockN, kHeadDim, kThreads>(
-      dv_tile, params.dv_row_stride, smem + T::kOffV, params.seqlen_k - w.n0, params.d, tid);
+  store_tile<TileKV, kBlockN, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dk, w.bidhk, w.n0),
+                                                  params.dk.row_stride, smem, w.seq.seqlen_k - w.n0, params.d, tid);
+  store_tile<TileKV, kBlockN, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dv, w.bidhk, w.n0),
+                                                  params.dv.row_stride, smem + T::kOffV, w.seq.seqlen_k - w.n0, params.d,
+                                                  tid);
 #endif
 }
 

@@ -4,19 +4,18 @@
 // recomputing S and dP (Alg. 2 lines 11-15) with warpgroup-wide asynchronous wgmma.
 //
 // One CTA per (Q tile i of kBlockM rows, batch, query head); warpgroup wg owns Q rows
-// [64 wg, 64 wg + 64). Q_i and dO_i stay in shared memory, lse_log2 / D of the thread's two rows
-// in registers; K_j, V_j stream through a double-buffered cp.async pipeline:
+// [64 wg, 64 wg + 64). Q_i and dO_i stay in shared memory, hi (LSE_log2) / D of the thread's two
+// rows in registers; K_j, V_j stream through a double-buffered cp.async pipeline:
 //   S   = Q_i K_j^T                    wgmma SS, B = K_j K-major            (line 11)
 //   dP  = dO_i V_j^T                   wgmma SS, B = V_j K-major            (line 14)
-//   P   = exp2(S scale_log2 - lse_log2_i)   while dP runs                   (line 12; masked -> 0)
+//   P   = exp2(S scale_log2 - LSE_log2_i)   while dP runs                   (line 12; masked -> 0)
 //   dS  = P o (dP - D_i)                                                    (line 15)
 //   dQ_i += dS K_j                     wgmma RS, A = dS from registers, B = K_j N-major (line 16)
 //
 // Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S acc[j][e] holds
 //   Q row m = m0 + 64 wg + 16 w + g + 8 (e / 2),  key n = n0 + 8 j + 2 t + (e % 2).
-// Causal (bottom-right, off = seqlen_k - seqlen_q) and ragged edges as in the sm80 kernel: key
-// blocks [0, ceil((m0 + kBlockM + off) / kBlockN)) are visited, a block is masked only if it
-// crosses seqlen_k or the diagonal; a row that sees no key gets P = dS = 0 and dQ = 0 exactly.
+// Masks, tile ranges and the exact recompute as in the sm80 kernel (kernels/common/mask.cuh,
+// work.cuh): a row that sees no key gets P = dS = 0 and dQ = 0 exactly.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,18 +27,21 @@
 #include <type_traits>
 
 #include "flash.h"
-#include "kernels/bwd_work.cuh"
+#include "kernels/common/work.cuh"
 #include "kernels/sm90/smem_layout.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/math.cuh"
 #include "primitives/mma.cuh"
+#include "primitives/softmax.cuh"
 #include "primitives/wgmma.cuh"
 
 namespace flash {
 namespace sm90 {
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
+// Tile: a DqTileShape row (tile_config.h).
+template <typename Element, int kHeadDim, typename Tile>
 struct DqKernelTraits {
+  static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kWarpGroups = kBlockM / 64;
   static constexpr int kThreads = kWarpGroups * 128;
   using TileQ = SwizzledTile<kBlockM, kHeadDim>;
@@ -55,11 +57,12 @@ struct DqKernelTraits {
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
-__global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN>::kThreads, 1)
+template <typename Element, int kHeadDim, typename TileShape>
+__global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, TileShape::kMinBlocks)
 flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = DqKernelTraits<Element, kHeadDim, kBlockM, kBlockN>;
+  using T = DqKernelTraits<Element, kHeadDim, TileShape>;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN;
   using TileQ = typename T::TileQ;
   using TileKV = typename T::TileKV;
   constexpr int kThreads = T::kThreads;
@@ -76,40 +79,35 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   const int lane = tid % 32, warp_wg = tid_wg / 32;
   const int g = lane / 4, t = lane % 4;
 
-  // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/bwd_work.cuh).
+  // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
   const DqWork<kBlockM, kBlockN> w(params);
 
-  const Element* k_base = reinterpret_cast<const Element*>(params.k_ptr) + w.bidb * params.k_batch_stride +
-                          w.bidhk * params.k_head_stride;
-  const Element* v_base = reinterpret_cast<const Element*>(params.v_ptr) + w.bidb * params.v_batch_stride +
-                          w.bidhk * params.v_head_stride;
+  const Element* k_base = w.seq.template row_ptr<const Element>(params.k, w.bidhk, 0);
+  const Element* v_base = w.seq.template row_ptr<const Element>(params.v, w.bidhk, 0);
   // Alg. 2 line 7 (K_j, V_j), into `stage`.
   auto load_kv_tile = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
     copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffK + stage * TileKV::kBytes,
-                                                 k_base + n0 * params.k_row_stride, params.k_row_stride,
-                                                 params.seqlen_k - n0, params.d, tid);
+                                                         k_base + n0 * params.k.row_stride, params.k.row_stride,
+                                                         w.seq.seqlen_k - n0, params.d, tid);
     copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffV + stage * TileKV::kBytes,
-                                                 v_base + n0 * params.v_row_stride, params.v_row_stride,
-                                                 params.seqlen_k - n0, params.d, tid);
+                                                         v_base + n0 * params.v.row_stride, params.v.row_stride,
+                                                         w.seq.seqlen_k - n0, params.d, tid);
   };
 
   // Alg. 2 line 10: Q_i, dO_i (resident) with the first K/V tile.
-  const Element* q_tile = reinterpret_cast<const Element*>(params.q_ptr) + w.bidb * params.q_batch_stride +
-                          w.bidh * params.q_head_stride + w.m0 * params.q_row_stride;
-  const Element* do_tile = reinterpret_cast<const Element*>(params.do_ptr) + w.bidb * params.do_batch_stride +
-                           w.bidh * params.do_head_stride + w.m0 * params.do_row_stride;
   copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
-      sQ, q_tile, params.q_row_stride, params.seqlen_q - w.m0, params.d, tid);
+      sQ, w.seq.template row_ptr<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q, params.d, tid);
   copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
-      sdO, do_tile, params.do_row_stride, params.seqlen_q - w.m0, params.d, tid);
+      sdO, w.seq.template row_ptr<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride, w.rows_q,
+      params.d, tid);
   if (w.n_block_max > 0) load_kv_tile(0, 0);
   cp_async_commit();
 
-  // lse_log2 and D of this thread's rows (whole tiles lie inside the 128-rounded workspaces).
+  // hi and D of this thread's rows (whole tiles lie inside the 128-rounded workspaces).
   const int row0 = w.m0 + 64 * wg + 16 * warp_wg + g;  // e = 0,1; e = 2,3 are row0 + 8
-  const int64_t ws = (int64_t(w.bidb) * params.h + w.bidh) * params.seqlen_q_rounded + row0;
-  const float lse_log2[2] = {params.softmax_lse_log2_ptr[ws], params.softmax_lse_log2_ptr[ws + 8]};
+  const int64_t ws = w.seq.ws_index(params, w.bidh, row0);
+  const float hi[2] = {params.softmax_lse_log2_ptr[ws], params.softmax_lse_log2_ptr[ws + 8]};
   const float dsum[2] = {params.dsoftmax_sum_ptr[ws], params.dsoftmax_sum_ptr[ws + 8]};
 
   float acc_dq[kNBlkD][4];
@@ -145,29 +143,26 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
     wgmma_commit();
 
     wgmma_wait<1>();
-    // Alg. 2 line 12: P = exp2(S scale_log2 - lse_log2), while dP runs. The masks (a key past
-    // seqlen_k or after the query -> P = 0) are compiled into a second copy of the loop that runs
-    // on the last key block and causal diagonal blocks only (need_mask is uniform).
-    const bool need_mask = n0 + kBlockN > params.seqlen_k || (params.is_causal && n0 + kBlockN - 1 > w.m0 + w.off);
-    auto scores_to_p = [&](auto masked) {
+    // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), while dP runs (primitives/softmax.cuh).
+    // The masks (a key past seqlen_k or after the query -> P = 0) and the exact recompute are
+    // compiled into other copies of the loop that run on the last key block, causal diagonal
+    // blocks and tiles with large-magnitude rows only (a uniform branch).
+    with_p_mode(w.precise, w.block_needs_mask(n_block), [&](auto mode) {
+      constexpr PMode kMode = decltype(mode)::value;
+      float lo[2] = {0.f, 0.f};
+      if constexpr (kMode == PMode::kExact) {
+        lo[0] = params.softmax_lse_log2_lo_ptr[ws];
+        lo[1] = params.softmax_lse_log2_lo_ptr[ws + 8];
+      }
 #pragma unroll
       for (int j = 0; j < kNBlkN; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float x = acc_s[j][e] * params.scale_softmax_log2 - lse_log2[e / 2];
-          if constexpr (decltype(masked)::value) {
-            const int key = n0 + 8 * j + 2 * t + (e % 2);
-            if (key >= params.seqlen_k || (params.is_causal && key > row0 + 8 * (e / 2) + w.off)) x = -INFINITY;
-          }
-          acc_s[j][e] = fast_exp2(x);
+          acc_s[j][e] = recompute_p<kMode>(acc_s[j][e], params.scale_softmax_log2, hi[e / 2], lo[e / 2],
+                                           w.mask.visible(row0 + 8 * (e / 2), n0 + 8 * j + 2 * t + (e % 2)));
         }
       }
-    };
-    if (need_mask) {
-      scores_to_p(std::true_type{});
-    } else {
-      scores_to_p(std::false_type{});
-    }
+    });
 
     // Alg. 2 line 15: dS = P o (dP - D).
     wgmma_wait<0>();
@@ -196,10 +191,8 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   __syncthreads();
   store_acc_to_smem<kBlockM, kHeadDim, kNBlkD, Element>(smem, acc_dq, 64 * wg, float(params.scale_softmax), tid_wg);
   __syncthreads();
-  Element* dq_tile = reinterpret_cast<Element*>(params.dq_ptr) + w.bidb * params.dq_batch_stride +
-                     w.bidh * params.dq_head_stride + w.m0 * params.dq_row_stride;
-  store_tile<TileQ, kBlockM, kHeadDim, kThreads>(
-      dq_tile, params.dq_row_stride, smem, params.seqlen_q - w.m0, params.d, tid);
+  store_tile<TileQ, kBlockM, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dq, w.bidh, w.m0),
+                                                 params.dq.row_stride, smem, w.rows_q, params.d, tid);
 #endif
 }
 

@@ -1,38 +1,30 @@
 // Tile configuration of the Hopper (sm90: wgmma) backward path, one row per head dim it
-// covers. This is THE sm90 backward table: sm90/flash_bwd_launch.cuh reads only it.
+// covers. This is THE sm90 table (shapes: kernels/common/tile_shapes.h): sm90/flash_bwd_launch.cuh reads only it.
 //
 // dK/dV kernel (sm90/flash_bwd_dkv_kernel.cuh), one CTA per K/V tile of kDkvBlockN rows
 // (kDkvBlockN / 64 warpgroups); Q_i / dO_i tiles of kDkvBlockM rows stream through two
-// shared-memory buffers, and each is processed as kDkvSplit parts whose products are queued together.
+// shared-memory buffers, and each is processed as kSplit parts whose products are queued together.
 // dQ kernel (sm90/flash_bwd_dq_kernel.cuh), one CTA per Q tile of kDqBlockM rows (kDqBlockM / 64
 // warpgroups); K_j / V_j tiles of kDqBlockN rows stream through two buffers.
 //
 // Registers per thread (fp32 accumulators): dK/dV kernel d/2 * 2 (dK, dV) + kDkvBlockM/2 * 2
 // (S^T, dP^T) + kDkvBlockM/4 (P^T, dS^T as 16-bit A operands); dQ kernel d/2 + kDqBlockN/2 * 2 +
 // kDqBlockN/4. Shared memory, 16-bit elements:
-//   dkv = 2 * kDkvBlockN * d * 2 B + 2 * (2 * kDkvBlockM * d * 2 B + 8 * kDkvBlockM B)
+//   dkv = 2 * kDkvBlockN * d * 2 B + 2 * (2 * kDkvBlockM * d * 2 B + 12 * kDkvBlockM B)
 //   dq  = 2 * kDqBlockM  * d * 2 B + 2 *  2 * kDqBlockN  * d * 2 B
 #pragma once
 
-namespace flash {
+#include "kernels/common/tile_shapes.h"
 
-template <int kDkvBlockN_, int kDkvBlockM_, int kDkvSplit_, int kDqBlockM_, int kDqBlockN_>
-struct BwdTileConfigSm90Row {
-  static constexpr int kDkvBlockN = kDkvBlockN_;
-  static constexpr int kDkvBlockM = kDkvBlockM_;
-  static constexpr int kDkvSplit = kDkvSplit_;
-  static constexpr int kDqBlockM = kDqBlockM_;
-  static constexpr int kDqBlockN = kDqBlockN_;
-};
+namespace flash {
+namespace sm90 {
 
 // Largest opt-in dynamic shared memory per block on sm_90 (H100/H200): 227 KB.
-constexpr int kMaxSmemSm90 = 227 * 1024;
+constexpr int kMaxSmem = 227 * 1024;
 
-// Head dims without a row here run the sm80 kernels on sm_90 too.
-template <int kHeadDim>
-struct BwdTileConfigSm90 {
-  static constexpr bool kSupported = false;
-};
+// Head dims without a row here run the sm80 kernels on sm_90 too (kernels/arch.h: select_arch).
+template <int kHeadDim> struct DkvTile { static constexpr bool kSupported = false; };
+template <int kHeadDim> struct DqTile { static constexpr bool kSupported = false; };
 
 // Measured on the H200 with benchmarks/tune_kernels.py (bf16, 16k tokens, 2048/hdim heads, per-kernel
 // TFLOP/s at N = 1024 / 4096 / 16384; docs/PERF_NOTES.md has the full table). After the
@@ -47,12 +39,13 @@ struct BwdTileConfigSm90 {
 // Independent one-warpgroup CTAs sharing an SM overlap one CTA's softmax math with the other's
 // wgmma; a third buffer cost that second CTA its shared memory and was slower everywhere, and
 // split 2 (queueing two parts of the Q tile together) was 3-8 % slower at d64 (docs/PERF_NOTES.md).
-//                                                        dkv: BLOCK_N BLOCK_M split   dq: BLOCK_M BLOCK_N
-template <> struct BwdTileConfigSm90<64> : BwdTileConfigSm90Row< 64,    128,    1,          64,     64> {
-  static constexpr bool kSupported = true;
-};
-template <> struct BwdTileConfigSm90<128> : BwdTileConfigSm90Row<128,    64,    1,         128,     64> {
-  static constexpr bool kSupported = true;
-};
+//                                     BLOCK_N BLOCK_M split
+template <> struct DkvTile<64>  : DkvTileShape< 64,  128,    1> { static constexpr bool kSupported = true; };
+template <> struct DkvTile<128> : DkvTileShape<128,   64,    1> { static constexpr bool kSupported = true; };
+// dQ d64: three one-warpgroup CTAs per SM (168 registers per thread at most, no spills).
+//                                    BLOCK_M BLOCK_N (warp rows, fast copy: sm80 only) min CTAs/SM
+template <> struct DqTile<64>  : DqTileShape< 64,  64,   16, true,                            3> { static constexpr bool kSupported = true; };
+template <> struct DqTile<128> : DqTileShape<128,  64> { static constexpr bool kSupported = true; };
 
+}  // namespace sm90
 }  // namespace flash

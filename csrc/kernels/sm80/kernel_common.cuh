@@ -1,7 +1,7 @@
-// Shared-memory helpers of the sm80 backward kernels (flash_bwd_dkv_kernel.cuh,
-// flash_bwd_dq_kernel.cuh): the tile layout, mma C fragments -> shared memory, and the
-// ldmatrix-fed mma.sync products. Global <-> shared tile copies are primitives/tile_copy.cuh with
-// the SmemTile layout below; the CTA's work split is kernels/bwd_work.cuh.
+// Shared-memory helpers of the sm80 kernels (forward, dK/dV, dQ): the tile layout, mma C
+// fragments -> shared memory, and the ldmatrix-fed mma.sync products of the backward kernels.
+// Global <-> shared tile copies are primitives/tile_copy.cuh with the SmemTile layout below; the
+// CTA's work split is kernels/common/work.cuh.
 //
 // Shared tiles are row-major with a row pitch of kHeadDim + 8 elements: the 16-byte pad puts
 // the 8 row addresses of every ldmatrix 8x8 matrix in 8 distinct 4-bank groups (pitch in
@@ -15,14 +15,13 @@
 
 #include <cstdint>
 
-#include "kernels/bwd_work.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/ldmatrix.cuh"
 #include "primitives/mma.cuh"
 #include "primitives/tile_copy.cuh"
 
 namespace flash {
-namespace bwd {
+namespace sm80 {
 
 // Shared tile layout of the sm80 kernels (the Layout of primitives/tile_copy.cuh): row-major,
 // kPitch elements per row.
@@ -116,5 +115,5 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kA][kRows][kCols]) {
   }
 }
 
-}  // namespace bwd
+}  // namespace sm80
 }  // namespace flash

@@ -1,0 +1,41 @@
+// The tile-config shapes, one per kernel kind, shared by every arch path: an arch's table
+// (csrc/kernels/<arch>/tile_config.h) is one row of each shape per head dim, and the kernels and
+// launch templates are templated on the row (the tuning harness, benchmarks/tune_kernels.cu,
+// passes other rows of the same shapes).
+#pragma once
+
+namespace flash {
+
+// Forward: one CTA per Q tile of kBlockM rows, K/V tiles of kBlockN rows streamed.
+//   kNWarps     warps per CTA (sm80: warp w owns rows [w kBlockM/kNWarps, +kBlockM/kNWarps))
+//   kQInRegs    Q's mma A fragments kept in registers across the K/V loop
+//   kMinBlocks  __launch_bounds__ minimum CTAs per SM
+template <int kBlockM_, int kBlockN_, int kNWarps_, bool kQInRegs_, int kMinBlocks_>
+struct FwdTileShape {
+  static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+  static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+};
+
+// dK/dV: one CTA per K/V block of kBlockN rows (resident), Q / dO tiles of kBlockM rows streamed.
+//   kSplit      sm80: warps sharing one K row slice, each owning kHeadDim / kSplit dK/dV columns;
+//               sm90: parts of the Q tile whose products are queued together
+//   kWarpRows   sm80: K rows per warp (16 or 32)
+//   kFastCopy   sm80: predicate-free whole-tile copies in the main loop
+template <int kBlockN_, int kBlockM_, int kSplit_ = 1, int kWarpRows_ = 16, bool kFastCopy_ = true>
+struct DkvTileShape {
+  static constexpr int kBlockN = kBlockN_, kBlockM = kBlockM_, kSplit = kSplit_, kWarpRows = kWarpRows_;
+  static constexpr bool kFastCopy = kFastCopy_;
+};
+
+// dQ: one CTA per Q tile of kBlockM rows (resident), K/V tiles of kBlockN rows streamed.
+//   kWarpRows   sm80: Q rows per warp (16 or 32);  kFastCopy as above
+//   kMinBlocks  sm90: __launch_bounds__ minimum CTAs per SM (caps the registers per thread)
+template <int kBlockM_, int kBlockN_, int kWarpRows_ = 16, bool kFastCopy_ = true, int kMinBlocks_ = 1>
+struct DqTileShape {
+  static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kWarpRows = kWarpRows_;
+  static constexpr bool kFastCopy = kFastCopy_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+};
+
+}  // namespace flash

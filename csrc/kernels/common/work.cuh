@@ -1,0 +1,107 @@
+// The work of one CTA, for every kernel of every arch path: which (batch, head, tile) blockIdx.x
+// stands for (scheduling order), its per-sequence view (seqlen.cuh) and mask (mask.cuh), and the
+// range of the other operand's tiles its loop visits (FlashAttention-2, Dao 2023: Alg. 1's loop
+// over K/V blocks for the forward; Alg. 2's outer loop over K/V blocks j for dK/dV, and the loop
+// over K/V blocks for dQ). A persistent tile scheduler would replace the blockIdx.x decode here.
+#pragma once
+
+#include "flash.h"
+#include "kernels/common/mask.cuh"
+#include "kernels/common/seqlen.cuh"
+#include "primitives/cp_async.cuh"
+#include "primitives/ldmatrix.cuh"
+
+namespace flash {
+
+// Forward / dQ CTA: Q tile of kBlockM rows from m0 of (batch, head bidh; kv head bidhk).
+// blockIdx.x runs the Q tiles fastest and in reverse, so the heavy (late, under causal) tiles go
+// first and the CTAs of one (batch, head) run together and share K / V in L2. The loop visits
+// the key blocks [0, n_block_max); blocks [0, n_block_unmasked) need no mask.
+template <int kBlockM, int kBlockN>
+struct QTileWork {
+  SeqInfo seq;
+  AttnMask mask;
+  int bidh, bidhk, m0, rows_q, n_block_max, n_block_unmasked;
+
+  __device__ __forceinline__ explicit QTileWork(const Flash_fwd_params& params)
+      : seq(params, decode(params).x), mask(seq, params.is_causal) {
+    const int2 bm = decode(params);
+    bidh = bm.y % params.h;
+    bidhk = bidh / params.h_h_k_ratio;  // GQA/MQA: shared K/V head, never copied
+    m0 = (bm.y / params.h) * kBlockM;
+    rows_q = min(kBlockM, seq.seqlen_q - m0);
+    n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
+    n_block_unmasked = mask.n_block_unmasked(m0, kBlockN);
+  }
+  // (batch, m_block * h + head) of blockIdx.x = (b*h + head) * num_m + (num_m - 1 - m_block).
+  __device__ __forceinline__ static int2 decode(const Flash_fwd_params& params) {
+    const int num_m = ceil_div(params.seqlen_q, kBlockM);
+    const int64_t bh = blockIdx.x / num_m;
+    const int m_block = num_m - 1 - int(blockIdx.x % num_m);
+    return make_int2(int(bh / params.h), m_block * params.h + int(bh % params.h));
+  }
+  __device__ __forceinline__ bool block_needs_mask(int n_block) const { return n_block >= n_block_unmasked; }
+};
+
+// dK/dV CTA: key block n0 of kBlockN rows of (batch, kv head bidhk). blockIdx.x runs the key
+// blocks fastest, so the heavy (early, under causal) key blocks go first and the CTAs of one
+// (batch, kv head) run together and share Q / dO in L2. The CTA loops over n_iter = ratio * num_m
+// iterations: every query head bidhk * ratio + it / num_m of the GQA group, and for each the Q
+// tiles m_block_min + it % num_m of kBlockM rows that see some key of the block.
+template <int kBlockM, int kBlockN>
+struct DkvWork {
+  SeqInfo seq;
+  AttnMask mask;
+  int bidhk, n0, m_block_min, num_m, ratio, n_iter;
+
+  __device__ __forceinline__ explicit DkvWork(const Flash_bwd_params& params)
+      : seq(params, int(blockIdx.x / ceil_div(params.seqlen_k, kBlockN)) / params.h_k),
+        mask(seq, params.is_causal) {
+    const int num_n_blocks = ceil_div(seq.seqlen_k, kBlockN);
+    bidhk = int(blockIdx.x / num_n_blocks) % params.h_k;
+    n0 = int(blockIdx.x % num_n_blocks) * kBlockN;
+    m_block_min = mask.first_m_block(n0, kBlockM);
+    const int m_block_max = ceil_div(seq.seqlen_q, kBlockM);
+    num_m = m_block_max > m_block_min ? m_block_max - m_block_min : 0;
+    ratio = params.h_h_k_ratio;
+    n_iter = num_m * ratio;
+  }
+  __device__ __forceinline__ int head(int it) const { return bidhk * ratio + it / num_m; }  // query head
+  __device__ __forceinline__ int m0(int it) const { return (m_block_min + it % num_m) * kBlockM; }  // first Q row
+  // Iteration it needs the exact P recompute where it holds a masked pair or a large-magnitude row
+  // (flash.h: precise_rows). The flag is a global load: kernels read it one iteration ahead.
+  __device__ __forceinline__ bool needs_mask(int it) const { return mask.kv_block_needs_mask(m0(it), n0, kBlockN); }
+  __device__ __forceinline__ bool precise(const Flash_bwd_params& params, int it) const {
+    return it < n_iter && params.precise_rows_ptr[seq.precise_index(params, head(it), m0(it))] != 0;
+  }
+
+  // Alg. 2 line 10, the row statistics of iteration it: hi, lo (LSE_log2 = hi + lo) and D of its
+  // kBlockM rows into sHi / sLo / sDsum by cp.async, 16 bytes per thread of the first 3 kBlockM / 4
+  // threads. Whole tiles lie inside the workspaces (rows rounded up to 128).
+  __device__ __forceinline__ void copy_row_stats_async(const Flash_bwd_params& params, int it, float* sHi,
+                                                       float* sLo, float* sDsum, int tid) const {
+    const int64_t ws = seq.ws_index(params, head(it), m0(it));
+    constexpr int kChunks = kBlockM / 4;  // 16 B = 4 floats
+    if (tid < kChunks) {
+      cp_async_16(smem_u32addr(sHi + tid * 4), params.softmax_lse_log2_ptr + ws + tid * 4, true);
+    } else if (tid < 2 * kChunks) {
+      cp_async_16(smem_u32addr(sLo + (tid - kChunks) * 4), params.softmax_lse_log2_lo_ptr + ws + (tid - kChunks) * 4,
+                  true);
+    } else if (tid < 3 * kChunks) {
+      cp_async_16(smem_u32addr(sDsum + (tid - 2 * kChunks) * 4), params.dsoftmax_sum_ptr + ws + (tid - 2 * kChunks) * 4,
+                  true);
+    }
+  }
+};
+
+// dQ CTA: the forward's Q tile decomposition (QTileWork), plus whether the tile holds a
+// large-magnitude row (every key block then takes the exact P recompute).
+template <int kBlockM, int kBlockN>
+struct DqWork : QTileWork<kBlockM, kBlockN> {
+  bool precise;
+  __device__ __forceinline__ explicit DqWork(const Flash_bwd_params& params)
+      : QTileWork<kBlockM, kBlockN>(params),
+        precise(params.precise_rows_ptr[this->seq.precise_index(params, this->bidh, this->m0)] != 0) {}
+};
+
+}  // namespace flash

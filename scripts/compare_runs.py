@@ -1,0 +1,51 @@
+"""Speed of two builds of flash_attn_ext from benchmark runs made in one GPU session
+(python -m flash_attn_ext.benchmark --out DIR ...; results.csv in each DIR).
+
+    python scripts/compare_runs.py --old A1,A2 --new B1,B2 [--peer sdpa-flash]
+
+Each side may list several runs (interleaved old/new runs show the noise): a side's TFLOP/s is the
+median over its runs. Prints new/old of ours per (dtype, hdim, causal, seqlen, mode), the spread of
+each side (max/min over its runs) and, with --peer, the same ratio for the peer (the same code in
+both runs: it shows how much the machine itself drifted).
+"""
+
+import argparse
+import os
+
+import pandas as pd
+
+KEYS = ["dtype", "hdim", "causal", "seqlen", "mode"]
+
+
+def load(dirs, impl):
+    frames = []
+    for i, d in enumerate(dirs):
+        df = pd.read_csv(os.path.join(d, "results.csv"))
+        df = df[(df["impl"] == impl) & (df["status"] == "ok")][KEYS + ["tflops"]]
+        frames.append(df.assign(run=i))
+    runs = pd.concat(frames)
+    grouped = runs.groupby(KEYS)["tflops"]
+    return pd.DataFrame({"median": grouped.median(), "spread": grouped.max() / grouped.min()})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", required=True, help="comma list of benchmark output dirs of the old build")
+    ap.add_argument("--new", required=True, help="comma list of benchmark output dirs of the new build")
+    ap.add_argument("--peer", default=None, help="a peer measured in every run, e.g. sdpa-flash")
+    args = ap.parse_args()
+    old_dirs, new_dirs = args.old.split(","), args.new.split(",")
+    old, new = load(old_dirs, "flash_attn_ext"), load(new_dirs, "flash_attn_ext")
+    table = pd.DataFrame({"old TFLOP/s": old["median"], "new TFLOP/s": new["median"],
+                          "new/old": new["median"] / old["median"],
+                          "old spread": old["spread"], "new spread": new["spread"]})
+    if args.peer:
+        table[f"{args.peer} new/old"] = load(new_dirs, args.peer)["median"] / load(old_dirs, args.peer)["median"]
+    print(table.round(3).to_string())
+    ratio = table["new/old"]
+    print(f"\nnew/old over {len(ratio)} cases: min {ratio.min():.3f}, median {ratio.median():.3f}, "
+          f"max {ratio.max():.3f}")
+
+
+if __name__ == "__main__":
+    main()
