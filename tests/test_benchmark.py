@@ -1,6 +1,6 @@
-"""The benchmark CLI (flash_attn_ext.benchmark): runs end to end at tiny sizes, writes its files,
-reports finite numbers that agree with each other, and turns failing peers into statuses.
-No assertion here is about speed."""
+"""The benchmark CLI (flash_attn_ext.benchmark, code in flash_attn_ext.bench): runs end to end at
+tiny sizes, writes its files, reports finite numbers that agree with each other, and turns
+failing peers into statuses. No assertion here is about speed."""
 
 import json
 import math
@@ -172,3 +172,38 @@ def test_input_rotation_covers_four_times_l2():
     n = benchmark.input_sets_needed(1, 1024, 16, 16, 128, bf16, l2)
     one_set = 1024 * 5 * 16 * 128 * 2
     assert n == min(benchmark.MAX_INPUT_SETS, math.ceil(4 * l2 / one_set)) and n > 1
+
+
+def test_bench_package_is_the_same_command():
+    """python -m flash_attn_ext.bench and the flash_attn_ext.benchmark shim are one CLI."""
+    from flash_attn_ext import bench
+
+    helps = [subprocess.run([sys.executable, "-m", mod, "--help"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+             for mod in ("flash_attn_ext.benchmark", "flash_attn_ext.bench")]
+    assert [h.returncode for h in helps] == [0, 0], helps[1].stderr
+    assert helps[0].stdout == helps[1].stdout and "--slow-max-seqlen" in helps[0].stdout
+    assert all(getattr(benchmark, name) is getattr(bench, name) for name in bench.__all__)
+
+
+def test_only_report_imports_pandas_and_matplotlib():
+    import ast
+
+    bench_dir = os.path.join(REPO, "flash_attn_ext", "bench")
+    for fname in sorted(os.listdir(bench_dir)):
+        if not fname.endswith(".py") or fname == "report.py":
+            continue
+        tree = ast.parse(open(os.path.join(bench_dir, fname)).read())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                    for a in n.names}
+        imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not imported & {"pandas", "matplotlib"}, fname
+
+
+def test_plot_label_names_device_batch_and_heads():
+    from flash_attn_ext.bench.report import plot_label
+
+    cpu = plot_label({"device": "cpu", "device_name": "x86_64", "cpu_threads": 1}, 2, None, 4)
+    assert cpu == f"CPU x86_64 ({os.cpu_count()} cores, 1 thread), batch 2, 4 heads"
+    gpu = plot_label({"device": "cuda:0", "device_name": "NVIDIA H200"}, None, 16384, None)
+    assert gpu == "NVIDIA H200, batch = 16384 tokens / seqlen, heads = 2048 / hdim"

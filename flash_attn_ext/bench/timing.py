@@ -1,0 +1,270 @@
+"""Inputs, time and peak memory of one implementation on one case.
+
+ms: median wall time of one call. CUDA: ``triton.testing.do_bench(return_mode="median")``, which
+flushes L2 before each timed call, or (without triton) CUDA events around each call after a
+warm-up with the same L2 flush. CPU: ``time.perf_counter`` median. When one input set is
+smaller than 4x the L2 cache, several input sets are rotated so that a short problem is not
+read from L2.
+TFLOP/s: matmul FLOPs by the standard count (flash_attn_ext.reference.attention_flops): forward
+4*B*H*N^2*d, halved when causal; bwd 2.5x, fwd_bwd 3.5x the forward; over the median time.
+peak_mem_mib: memory allocated at the peak minus what was allocated before, around one forward
+(mode fwd) or forward + backward (modes bwd, fwd_bwd) call: CUDA from
+torch.cuda.max_memory_allocated, CPU from the torch profiler's allocation events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from flash_attn_ext.bench.peers import Impl, run_guarded
+from flash_attn_ext.reference import attention_flops
+
+DEFAULT_L2_BYTES = 60 * 1024 * 1024  # H200; used when the device does not report its L2 size
+MAX_INPUT_SETS = 8
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Median milliseconds of ``fn()``; see the module docstring for the method per device."""
+
+    def __init__(self, device: torch.device, warmup_ms: float, rep_ms: float, min_reps: int = 3):
+        self.device, self.warmup_ms, self.rep_ms, self.min_reps = device, warmup_ms, rep_ms, min_reps
+        self.do_bench = None
+        if device.type == "cuda":
+            try:
+                from triton.testing import do_bench
+                self.do_bench = do_bench
+                params = inspect.signature(do_bench).parameters
+                # return_mode="median" where this triton has it, else the 0.5 quantile
+                self.median_kw = {"return_mode": "median"} if "return_mode" in params \
+                    else {"quantiles": [0.5]}
+            except Exception:
+                self.do_bench = None
+        if device.type == "cpu":
+            self.method = "time.perf_counter median"
+        elif self.do_bench is not None:
+            self.method = "triton.testing.do_bench median (L2 flushed before each call)"
+        else:
+            self.method = "CUDA events median (L2 flushed before each call)"
+
+    def __call__(self, fn: Callable) -> float:
+        if self.device.type == "cpu":
+            return self._cpu(fn)
+        if self.do_bench is not None:
+            ms = self.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, **self.median_kw)
+            return float(ms[0] if isinstance(ms, (list, tuple)) else ms)
+        return self._cuda_events(fn)
+
+    def _cpu(self, fn):
+        t0 = time.perf_counter()
+        fn()  # warm-up, also the estimate
+        est = max(time.perf_counter() - t0, 1e-6) * 1e3
+        reps = max(self.min_reps, min(1000, int(self.rep_ms / est)))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def _cuda_events(self, fn):
+        flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=self.device)
+        fn()
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        torch.cuda.synchronize(self.device)
+        est = max(start.elapsed_time(end) / 3, 1e-3)
+        for _ in range(max(1, int(self.warmup_ms / est))):
+            fn()
+        reps = max(self.min_reps, int(self.rep_ms / est))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(reps)]
+        for s, e in events:
+            flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize(self.device)
+        return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+@dataclasses.dataclass
+class Problem:
+    """One case's inputs: ``sets`` of (q, k, v, dout) BSHD tensors, rotated between calls."""
+
+    batch: int
+    seqlen: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    causal: bool
+    dtype: torch.dtype
+    device: torch.device
+    softmax_scale: float
+    sets: list
+
+    @classmethod
+    def make(cls, batch, seqlen, nheads, nheads_k, headdim, causal, dtype, device, n_sets=1, seed=0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        sets = []
+        for _ in range(n_sets):
+            q = torch.randn(batch, seqlen, nheads, headdim, dtype=dtype, device=device, generator=g)
+            k = torch.randn(batch, seqlen, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            v = torch.randn(batch, seqlen, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            dout = torch.randn_like(q)
+            sets.append((q, k, v, dout))
+        return cls(batch, seqlen, nheads, nheads_k, headdim, causal, dtype, device,
+                   1.0 / math.sqrt(headdim), sets)
+
+    def inputs(self, grad: bool, i: int = 0) -> tuple:
+        """Input set ``i`` as (q, k, v, dout); with ``grad``, q, k, v are fresh leaves that
+        require grad."""
+        q, k, v, dout = self.sets[i]
+        if not grad:
+            return q, k, v, dout
+        return q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(), dout
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 cache size (DEFAULT_L2_BYTES where it reports none); 0 on CPU."""
+    if device.type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def input_sets_needed(batch, seqlen, nheads, nheads_k, headdim, dtype, l2_bytes) -> int:
+    """Input sets to rotate so that the sets together exceed 4x L2 (q, k, v, out, dout)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = batch * seqlen * (3 * nheads + 2 * nheads_k) * headdim * elem
+    if nbytes >= 4 * l2_bytes:
+        return 1
+    return min(MAX_INPUT_SETS, math.ceil(4 * l2_bytes / max(nbytes, 1)))
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (the profiler's C++ start/stop log lines)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _cpu_peak_bytes(fn: Callable) -> float:
+    """Peak of the running sum of CPU allocations minus frees during ``fn()``, from the torch
+    profiler's memory events; NaN if this torch's profiler does not expose them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+    except AttributeError:
+        return float("nan")
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    return float(peak)
+
+
+def peak_extra_memory_mib(impl: Impl, p: Problem, mode: str) -> float:
+    """Peak memory above what was allocated before one forward (mode fwd) or forward+backward
+    call, in MiB. CUDA: torch.cuda.max_memory_allocated; CPU: the profiler's allocation events."""
+    q, k, v, dout = p.inputs(grad=mode != "fwd")
+
+    def one_call():
+        out = impl.fn(q, k, v, p.softmax_scale, p.causal)
+        if mode != "fwd":
+            torch.autograd.grad(out, (q, k, v), dout)
+
+    if p.device.type != "cuda":
+        return _cpu_peak_bytes(one_call) / 2**20
+    _synchronize(p.device)
+    torch.cuda.reset_peak_memory_stats(p.device)
+    base = torch.cuda.memory_allocated(p.device)
+    one_call()
+    _synchronize(p.device)
+    return (torch.cuda.max_memory_allocated(p.device) - base) / 2**20
+
+
+def time_impl(impl: Impl, p: Problem, mode: str, timer: Timer) -> float:
+    """Median ms of one call of ``mode``, rotating over the problem's input sets."""
+    n = len(p.sets)
+    state = {"i": 0}
+
+    def next_index():
+        i = state["i"] % n
+        state["i"] += 1
+        return i
+
+    scale, causal = p.softmax_scale, p.causal
+    if mode == "fwd":
+        def call():
+            q, k, v, _ = p.sets[next_index()]
+            return impl.fn(q, k, v, scale, causal)
+    elif mode == "bwd":
+        leaves = [p.inputs(True, i) for i in range(n)]
+        outs = [impl.fn(q, k, v, scale, causal) for q, k, v, _ in leaves]
+
+        def call():
+            i = next_index()
+            q, k, v, dout = leaves[i]
+            return torch.autograd.grad(outs[i], (q, k, v), dout, retain_graph=True)
+    else:
+        leaves = [p.inputs(True, i) for i in range(n)]
+
+        def call():
+            q, k, v, dout = leaves[next_index()]
+            return torch.autograd.grad(impl.fn(q, k, v, scale, causal), (q, k, v), dout)
+
+    return timer(call)
+
+
+def unmeasured(status: str, note: str) -> dict:
+    """A measurement row without numbers: the given status and note, NaN ms / TFLOP/s / memory."""
+    nan = float("nan")
+    return {"status": status, "note": note, "ms": nan, "tflops": nan, "peak_mem_mib": nan}
+
+
+def measure(impl: Impl, p: Problem, mode: str, timer: Timer) -> dict:
+    """Time and peak memory of one implementation on one case. Never raises for a failing
+    implementation: returns status 'n/a' / 'OOM' / 'error' / 'skipped' with a note instead."""
+    if impl.skips(p.seqlen):
+        return unmeasured("skipped", f"seqlen > {impl.max_seqlen} (--slow-max-seqlen)")
+    row = unmeasured("ok", "")
+
+    def body():
+        row["peak_mem_mib"] = peak_extra_memory_mib(impl, p, mode)
+        row["ms"] = time_impl(impl, p, mode, timer)
+
+    failure = run_guarded(impl, p.device, body)
+    if failure is not None:
+        return unmeasured(*failure)
+    flops = attention_flops(p.batch, p.nheads, p.seqlen, p.seqlen, p.headdim, p.causal, mode)
+    row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+    return row
