@@ -114,8 +114,9 @@ Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softma
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
-  TORCH_CHECK(std::isfinite(softmax_scale), "flash_attn_ext: softmax_scale must be finite, got ",
-              softmax_scale);
+  TORCH_CHECK(std::isfinite(softmax_scale) && std::isfinite(float(softmax_scale * M_LOG2E)),
+              "flash_attn_ext: softmax_scale must be finite with |softmax_scale| * log2(e) < 3.4e38 (float32; "
+              "the kernels scale scores by it), got ", softmax_scale);
   return s;
 }
 

@@ -46,7 +46,17 @@ def flash_attn_func(
             transposed BHSD tensors and slices of a fused qkv tensor work without a copy).
             dtype: float16 or bfloat16 on CUDA; float32, float64, float16 or bfloat16 on CPU.
             headdim: a multiple of 8, at most 256.
-        softmax_scale: multiplies Q K^T before the softmax; default 1 / sqrt(headdim).
+        softmax_scale: multiplies Q K^T before the softmax; default 1 / sqrt(headdim). Any finite
+            value (negative and zero included) with |softmax_scale| * log2(e) < 3.4e38.
+            Magnitude: outputs and gradients stay finite for any finite inputs whose scores q . k
+            and scaled scores softmax_scale * log2(e) * q . k fit in float32 (the softmax keeps
+            its max and sum apart, softmax_stats, so ties stay exact at any magnitude). Past that
+            (|q . k| > 3.4e38 in float32 accumulation) scores overflow to inf and outputs are NaN;
+            float64 CPU inputs compute in float64 but return the LSE in float32 (+inf past its
+            range). Gradients of near-tied scores at magnitudes where float32 score rounding is
+            coarse (|scaled score| >> 1e4) carry that rounding (on CUDA the backward recomputes the
+            scores in another summation order and treats scores within 2-4 float32 ulps of the row
+            max as tied), as any recomputing attention backward does.
         causal: mask aligned to the bottom-right corner: query i sees key j iff
             j <= i + seqlen_k - seqlen_q. When seqlen_q > seqlen_k the first query rows see no
             key: their output is 0, their LSE is +inf and their gradients are 0 (never NaN).
@@ -63,7 +73,8 @@ def flash_attn_func(
             different devices; mismatched or unsupported dtypes; rank != 4; batch / seqlen_k /
             nheads_k / headdim mismatches between q, k and v; nheads not divisible by nheads_k;
             headdim not a multiple of 8 or > 256 (or a CUDA head dim not compiled in this build);
-            a last dimension that is not contiguous; a non-finite softmax_scale; double backward.
+            a last dimension that is not contiguous; a softmax_scale that is not finite or whose
+            |softmax_scale| * log2(e) overflows float32; double backward.
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian).
 
     Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0

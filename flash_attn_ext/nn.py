@@ -38,7 +38,7 @@ class FlashAttention(nn.Module):
         contiguous. Returns (batch, seqlen_q, nheads, headdim) in the inputs' dtype.
 
     Raises: TypeError for mixed dtypes, a non-floating dtype, or float32 on CUDA outside
-    autocast; the op's RuntimeError/ValueError for bad shapes.
+    autocast; the op's RuntimeError for bad shapes.
 
     Differentiable in reverse and forward mode, and usable under torch.func transforms (grad,
     vjp, jvp, jacrev, jacfwd, vmap): see ``flash_attn_ext.flash_attn_func``.
@@ -111,6 +111,9 @@ class MultiheadFlashAttention(nn.Module):
 
     Parameters: ``in_proj_weight`` ((H + 2 Hk) * headdim, E): rows [Wq; Wk; Wv];
     ``in_proj_bias`` ((H + 2 Hk) * headdim,) or None; ``out_proj``: Linear(E, E).
+
+    Raises (construction): ValueError when E is not divisible by H, H not by Hk, rotary with an
+    odd headdim, or an unknown backend.
 
     Differences from torch.nn.MultiheadAttention: always batch-first; no dropout, add_bias_kv,
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused

@@ -83,9 +83,18 @@ def _check_fake_inputs(q, k, v):
 
 # ---- fake kernels ------------------------------------------------------------------------
 
+def _check_fake_scale(softmax_scale):
+    """csrc/flash_api.cpp's softmax_scale check, for the fake kernels."""
+    import math
+    if not math.isfinite(softmax_scale) or abs(softmax_scale) * 1.4426950408889634 >= 3.4028234663852886e38:
+        raise RuntimeError("flash_attn_ext: softmax_scale must be finite with |softmax_scale| * log2(e) < "
+                           f"3.4e38 (float32; the kernels scale scores by it), got {softmax_scale}")
+
+
 @torch.library.register_fake("flash_attn_ext::forward")
 def _forward_fake(q, k, v, softmax_scale, causal):
     _check_fake_inputs(q, k, v)
+    _check_fake_scale(softmax_scale)
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -96,6 +105,11 @@ def _forward_fake(q, k, v, softmax_scale, causal):
 @torch.library.register_fake("flash_attn_ext::backward")
 def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None):
     _check_fake_inputs(q, k, v)
+    _check_fake_scale(softmax_scale)
+    for name, t in (("dout", dout), ("out", out), ("softmax_lse", softmax_lse), ("softmax_stats", softmax_stats)):
+        if t is not None and t.device != q.device:
+            raise RuntimeError(f"flash_attn_ext: {name} is on {t.device} but q is on {q.device}; "
+                               "all tensors must be on one device")
     if dout.shape != q.shape or out.shape != q.shape:
         raise RuntimeError(f"flash_attn_ext: dout {tuple(dout.shape)} and out {tuple(out.shape)} must "
                            f"have q's shape {tuple(q.shape)}")
@@ -193,7 +207,9 @@ _RAW_OP_FUNCTORCH_MSG = (
     "flash_attn_ext: torch.func transforms (grad, vjp, jvp, jacrev, jacfwd) of the raw op "
     "torch.ops.flash_attn_ext.{} are not supported: an autograd kernel inside the dispatcher "
     "cannot reach torch.func's autograd.Function support. Call flash_attn_ext.flash_attn_func "
-    "(or flash_attn_ext.ops.attention_forward) instead: they support every torch.func transform")
+    "(or flash_attn_ext.ops.attention_forward) instead: they support every torch.func transform "
+    "in eager mode. (Under torch.compile the call is traced as the raw op: compile the function "
+    "without fullgraph=True, so the transform runs eagerly behind a graph break.)")
 
 
 class FlashAttnFunction(torch.autograd.Function):
@@ -213,8 +229,11 @@ class FlashAttnFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         q, k, v, softmax_scale, causal = inputs
         out, softmax_lse, softmax_stats = output
-        ctx.save_for_backward(q, k, v, out, softmax_lse, softmax_stats)
-        ctx.save_for_forward(q, k, v)
+        # The same tensors, in the same order, for both modes: the generated vmap rule keeps one
+        # list of batch dims for the saved tensors (two different lists broke reverse over vmap).
+        saved = (q, k, v, out, softmax_lse, softmax_stats)
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
         ctx.mark_non_differentiable(softmax_lse, softmax_stats)
@@ -229,7 +248,7 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, q_t, k_t, v_t, _scale_t, _causal_t):
-        q, k, v = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors[:3]
         out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal)
         return out_t, None, None
 

@@ -87,9 +87,22 @@ def test_last_dim_not_contiguous(name, index):
     raises(rf"{name} must have a contiguous last dimension", fwd, *args, 0.1, False)
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 3e38, -1e300])
 def test_softmax_scale_not_finite(scale):
+    """Also a finite scale whose scale * log2(e) is not a float32 (the kernels scale scores by it)."""
     raises(r"softmax_scale must be finite", fwd, *qkv(), scale, False)
+    q, k, v = (t.to("meta") for t in qkv())
+    raises(r"softmax_scale must be finite", fwd, q, k, v, scale, False)  # the fake kernel too
+
+
+def test_bwd_fake_checks_every_device():
+    """The backward's fake (meta) kernel names a tensor on another device instead of returning
+    uninitialised outputs."""
+    q, k, v = qkv()
+    out, lse, stats = fwd(q, k, v, 0.25, False)
+    dout = torch.randn_like(out)
+    raises(r"softmax_stats is on meta", bwd, dout, q, k, v, out, lse, 0.25, False, stats.to("meta"))
+    raises(r"dout is on meta", bwd, dout.to("meta"), q, k, v, out, lse, 0.25, False, stats)
 
 
 def test_interface_errors_too():

@@ -171,3 +171,60 @@ def test_backward_without_stats_matches_with_stats(device):
     without = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, 0.125, True)
     for a, b in zip(with_stats, without):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cpu_near_ties_are_not_merged(dtype):
+    """Scores 100 apart at 1e8 (one product each, so exact in any order): P is one-hot and the
+    gradients are the reference's. The CPU backward recomputes the forward's scores bit for bit, so
+    it uses no tie tolerance (a relative one merged such scores and made dv [1, 1])."""
+    q = torch.zeros(1, 1, 1, 8, dtype=dtype)
+    q[..., 0] = 1
+    k = torch.zeros(1, 2, 1, 8, dtype=dtype)
+    k[0, :, 0, 0] = torch.tensor([1e8, 1e8 - 100])
+    v = torch.randn(1, 2, 1, 8, dtype=dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=1.0)
+    (dv,) = torch.autograd.grad(out.sum(), v)
+    torch.testing.assert_close(dv[0, :, 0, 0], torch.tensor([1.0, 0.0], dtype=dtype))
+
+
+def test_cpu_near_ties_under_a_shared_offset_float64():
+    """A score offset shared by every key (softmax-invariant) at 1e3 and 1e4: float64 gradients
+    equal the reference's to float64 precision (they were off by up to 4 with a tie tolerance)."""
+    g = torch.Generator().manual_seed(3)
+    for offset in (1e3, 1e4):
+        q = torch.randn(1, 128, 2, 64, generator=g, dtype=torch.float64)
+        k = torch.randn(1, 128, 2, 64, generator=g, dtype=torch.float64)
+        v = torch.randn(1, 128, 2, 64, generator=g, dtype=torch.float64)
+        q[..., 0] = 1.0
+        k[..., 0] = offset * 8.0  # scale 1/8: every scaled score shifted by `offset`
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = flash_attn_ext.flash_attn_func(q, k, v, causal=True)
+        ref, _ = attention_ref(q, k, v, 0.125, True, upcast=True)
+        dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9 * offset)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_backward_with_a_merged_lse(dtype):
+    """Ring-attention style: K/V in two chunks, each chunk's backward run with the LSE merged over
+    both (no softmax_stats): the chunks' dq add up to the full dq, dk/dv are the full ones' slices.
+    float64 uses the caller's LSE too (it recomputes its own statistics only from softmax_stats);
+    that LSE is float32, so float64 gradients are float32-accurate then."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 40, 2, 16, generator=g, dtype=dtype) for _ in range(3))
+    dout = torch.randn(1, 40, 2, 16, generator=g, dtype=dtype)
+    fwd, bwd = torch.ops.flash_attn_ext.forward, torch.ops.flash_attn_ext.backward
+    out, lse, stats = fwd(q, k, v, 0.25, False)
+    full = bwd(dout, q, k, v, out, lse, 0.25, False, stats)
+    parts = [slice(0, 17), slice(17, 40)]
+    lses = [fwd(q, k[:, s], v[:, s], 0.25, False)[1] for s in parts]
+    merged = torch.logaddexp(lses[0], lses[1])
+    chunks = [bwd(dout, q, k[:, s], v[:, s], out, merged, 0.25, False) for s in parts]
+    tol = dict(rtol=2e-5, atol=2e-5)  # the op's LSE is float32: so are merged probabilities
+    torch.testing.assert_close(chunks[0][0] + chunks[1][0], full[0], **tol)
+    for s, (_, dk, dv) in zip(parts, chunks):
+        torch.testing.assert_close(dk, full[1][:, s], **tol)
+        torch.testing.assert_close(dv, full[2][:, s], **tol)

@@ -409,3 +409,17 @@ def test_sdpa_and_modules_vjp_jacrev_float64():
         jr = jacrev(lambda p: functional_call(ref, p, (x,))[0])(params)
     for n in params:
         torch.testing.assert_close(jo[n], jr[n], rtol=0, atol=1e-12, msg=n)
+
+
+def test_reverse_mode_over_vmap_float64():
+    """Reverse mode through a vmapped call (vmap inside grad, and a plain .backward() of a vmapped
+    output): the saved tensors keep one list of batch dims (forward and reverse mode save the same)."""
+    q, k, v = (torch.randn(3, 1, 5, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    batched = torch.func.vmap(lambda q, k, v: flash_attn_ext.flash_attn_func(q, k, v, causal=True))
+    g = torch.autograd.grad(batched(q, k, v).pow(2).sum(), (q, k, v))
+    looped = [flash_attn_ext.flash_attn_func(q[i], k[i], v[i], causal=True) for i in range(3)]
+    g_ref = torch.autograd.grad(sum(o.pow(2).sum() for o in looped), (q, k, v))
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)
+    g_func = torch.func.grad(lambda q: batched(q, k, v).pow(2).sum())(q)
+    torch.testing.assert_close(g_func, g_ref[0])

@@ -228,9 +228,11 @@ void bwd_impl(const Flash_bwd_params& p) {
     }
   });
 
-  // (hi_i, lo_i) for recomputing P. float64: recomputed in float64 (one more pass over K).
+  // (hi_i, lo_i) for recomputing P. float64 with the forward's softmax_stats: recomputed in
+  // float64 (one more pass over K), since the float32 statistics are coarser than float64
+  // probabilities; a caller's own softmax_lse alone (e.g. merged over chunks of K/V) is used as given.
   std::vector<Acc> hi_acc, lo_acc;
-  if (std::is_same<Acc, double>::value) {
+  if (std::is_same<Acc, double>::value && p.row_max_ptr != nullptr) {
     hi_acc.resize(rows_total);
     lo_acc.resize(rows_total);
     fwd_impl<T, Acc, /*kLseOnly=*/true>(p, hi_acc.data(), lo_acc.data());
@@ -241,12 +243,12 @@ void bwd_impl(const Flash_bwd_params& p) {
     if (p.row_max_ptr != nullptr) return {Acc(p.row_max_ptr[idx]), Acc(p.row_log2sum_ptr[idx])};
     return {Acc(p.softmax_lse_ptr[idx]) * Acc(1.4426950408889634074), Acc(0)};
   };
-  // Alg. 2 line 12 (see above; the same tie tolerance as recompute_p). A row without keys has
+  // Alg. 2 line 12 (see above). The recomputed scores are the forward's bit for bit (the same
+  // tiles, the same summation order), so no tie tolerance is needed here. A row without keys has
   // hi = +inf: P = 0.
   auto prob = [&](Acc s, Acc hi, Acc lo) {
-    Acc x = s * scale_log2 - hi;
-    x = x > -std::abs(hi) * Acc(1.0 / (1 << 18)) ? Acc(0) : x;  // not std::max: NaN stays NaN
-    return std::exp2(x - lo);
+    const Acc x = s * scale_log2 - hi;
+    return std::exp2((x > Acc(0) ? Acc(0) : x) - lo);  // not std::min: NaN stays NaN
   };
   auto row_dsum = [&](int b, int h, int i) { return dsum[(int64_t(b) * p.h + h) * p.seqlen_q + i]; };
 
