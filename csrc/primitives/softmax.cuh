@@ -22,6 +22,11 @@
 
 namespace flash {
 
+// |m c| (log2 units of the scaled row max) from which P takes the exact form: below it, one FFMA
+// S c - (m c) errs by < 2^-14 in the forward and the backward folds LSE_log2 into one float
+// (kernels/common/bwd_preprocess.cuh); above it, both keep m and the rest apart.
+constexpr float kExactLimit = 1024.f;
+
 // Running row state of the online softmax for the 2*kMAtoms rows a thread owns.
 // row_sum is kept per thread (partial over the thread's columns) and reduced over the
 // quad only once, in finalize(): alpha is equal across the quad, so this is exact.
@@ -46,8 +51,6 @@ struct OnlineSoftmax {
   // as in FlashAttention-4). Exact: P, l and O all use the same (stale) max, and the final
   // normalization and LSE use it too; P <= 256 keeps bf16/fp16's relative precision.
   static constexpr float kRescaleThreshold = 8.f;
-  // |m c| (log2 units) from which P takes the exact form (S - m) c instead of one FFMA.
-  static constexpr float kExactLimit = 1024.f;
 
   // One K tile of masked raw scores S (FA2 Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S));
   // P = exp2((S - m_new) * c) in place of S; l = alpha*l + rowsum(P); acc_o *= alpha with

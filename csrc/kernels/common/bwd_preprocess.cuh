@@ -25,6 +25,7 @@
 #include "kernels/common/seqlen.cuh"
 #include "kernels/launch_utils.h"
 #include "primitives/mma.cuh"
+#include "primitives/softmax.cuh"
 
 namespace flash {
 
@@ -32,7 +33,6 @@ constexpr int kPreThreadsPerRow = 8;  // 8 lanes x 16 B per step across a row of
 constexpr int kPreRowsPerPass = 64;
 constexpr int kPreRowsPerBlock = 128;  // = one precise_rows flag; two passes of 64 rows
 constexpr int kPreThreads = kPreThreadsPerRow * kPreRowsPerPass;  // 512
-constexpr float kExactFoldLimit = 1024.f;  // |m| (log2 units) from which hi / lo stay apart
 
 // Grid: 1-D, (batch * nheads) x num_row_blocks, row block fastest (64-bit offsets throughout).
 template <typename Element>
@@ -79,14 +79,14 @@ flash_bwd_preprocess_kernel(const Flash_bwd_params params, int num_row_blocks) {
       if (params.row_max_ptr != nullptr) {
         const float m = params.row_max_ptr[si], l2 = params.row_log2sum_ptr[si];
         if (m != INFINITY) {
-          const bool apart = !(fabsf(m) < kExactFoldLimit);  // NaN too: it stays NaN on the exact path
+          const bool apart = !(fabsf(m) < kExactLimit);  // NaN too: it stays NaN on the exact path
           exact |= apart;
           hi = apart ? m : m + l2;
           lo = apart ? l2 : 0.f;
         }
       } else {
         hi = params.softmax_lse_ptr[si] * 1.4426950408889634f;  // +inf stays +inf
-        exact |= hi != INFINITY && !(fabsf(hi) < kExactFoldLimit);
+        exact |= hi != INFINITY && !(fabsf(hi) < kExactLimit);
       }
     }
     if (sub == 0 && row < params.seqlen_q_rounded) {

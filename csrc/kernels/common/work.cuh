@@ -41,6 +41,10 @@ struct QTileWork {
     return make_int2(int(bh / params.h), m_block * params.h + int(bh % params.h));
   }
   __device__ __forceinline__ bool block_needs_mask(int n_block) const { return n_block >= n_block_unmasked; }
+  // The grid of such CTAs: every (batch, head, Q tile); blockIdx.x decodes as in decode().
+  __host__ __device__ __forceinline__ static int64_t grid_size(const Flash_fwd_params& params) {
+    return int64_t(ceil_div(params.seqlen_q, kBlockM)) * params.b * params.h;
+  }
 };
 
 // dK/dV CTA: key block n0 of kBlockN rows of (batch, kv head bidhk). blockIdx.x runs the key
@@ -65,6 +69,10 @@ struct DkvWork {
     num_m = m_block_max > m_block_min ? m_block_max - m_block_min : 0;
     ratio = params.h_h_k_ratio;
     n_iter = num_m * ratio;
+  }
+  // The grid of such CTAs: every (batch, kv head, key block), key block fastest.
+  __host__ __device__ __forceinline__ static int64_t grid_size(const Flash_fwd_params& params) {
+    return int64_t(ceil_div(params.seqlen_k, kBlockN)) * params.b * params.h_k;
   }
   __device__ __forceinline__ int head(int it) const { return bidhk * ratio + it / num_m; }  // query head
   __device__ __forceinline__ int m0(int it) const { return (m_block_min + it % num_m) * kBlockM; }  // first Q row

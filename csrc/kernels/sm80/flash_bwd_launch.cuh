@@ -23,7 +23,7 @@ template <typename Element, int kHeadDim, typename Tile>
 void launch_bwd_dkv(Flash_bwd_params& params, cudaStream_t stream) {
   using Traits = DkvKernelTraits<Element, kHeadDim, Tile>;
   static_assert(Traits::kSmemBytes <= kMaxSmem, "dK/dV tile row exceeds sm_80 shared memory");
-  const int64_t blocks = int64_t(ceil_div(params.seqlen_k, Tile::kBlockN)) * params.b * params.h_k;
+  const int64_t blocks = DkvWork<Tile::kBlockM, Tile::kBlockN>::grid_size(params);
   launch_1d(flash_bwd_dkv_kernel<Element, kHeadDim, Tile>, blocks, Traits::kThreads, Traits::kSmemBytes, "dK/dV",
             kHeadDim, stream, params);
 }
@@ -33,7 +33,7 @@ template <typename Element, int kHeadDim, typename Tile>
 void launch_bwd_dq(Flash_bwd_params& params, cudaStream_t stream) {
   using Traits = DqKernelTraits<Element, kHeadDim, Tile>;
   static_assert(Traits::kSmemBytes <= kMaxSmem, "dQ tile row exceeds sm_80 shared memory");
-  const int64_t blocks = int64_t(ceil_div(params.seqlen_q, Tile::kBlockM)) * params.b * params.h;
+  const int64_t blocks = DqWork<Tile::kBlockM, Tile::kBlockN>::grid_size(params);
   launch_1d(flash_bwd_dq_kernel<Element, kHeadDim, Tile>, blocks, Traits::kThreads, Traits::kSmemBytes, "dQ",
             kHeadDim, stream, params);
 }

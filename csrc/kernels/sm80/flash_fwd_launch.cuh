@@ -29,7 +29,7 @@ void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
                              " (d_rounded " + std::to_string(params.d_rounded) + ")");
   }
   static_assert(Traits::kSmemBytes <= kMaxSmem, "forward tile row exceeds sm_80 shared memory");
-  const int64_t blocks = int64_t(ceil_div(params.seqlen_q, Traits::kBlockM)) * params.b * params.h;
+  const int64_t blocks = QTileWork<Traits::kBlockM, Traits::kBlockN>::grid_size(params);
   launch_1d(flash_fwd_kernel<Traits>, blocks, Traits::kNThreads, Traits::kSmemBytes, "forward", kHeadDim, stream,
             params);
 }
