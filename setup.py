@@ -25,16 +25,16 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load_manifest():
-    """csrc/kernels/generate_kernels.py: the one list of (arch path, kernel, head dim, dtype)."""
-    spec = importlib.util.spec_from_file_location(
-        "flash_attn_ext_manifest", os.path.join(ROOT, "csrc", "kernels", "generate_kernels.py"))
+def _load(name, *path):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, *path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-MANIFEST = _load_manifest()
+# The one list of (arch path, kernel, head dim, dtype), and the writer of the wgmma widths header.
+MANIFEST = _load("flash_attn_ext_manifest", "csrc", "kernels", "generate_kernels.py")
+WGMMA = _load("flash_attn_ext_gen_wgmma", "csrc", "primitives", "gen_wgmma.py")
 ALL_HDIMS = MANIFEST.HDIMS
 
 
@@ -113,6 +113,7 @@ def gencode_flags(archs, with_ptx):
 
 
 def write_build_config(torch, archs, hdims, cuda_version):
+    WGMMA.write(os.path.join(ROOT, "csrc", "generated", "wgmma_ops.cuh"))  # primitives/wgmma.cuh's widths
     path = os.path.join(ROOT, "csrc", "generated", "build_config.h")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     text = (

@@ -16,10 +16,12 @@
 
 #include "kernels/common/bwd_preprocess.cuh"
 #include "kernels/cuda_check.h"
-#include "kernels/sm80/flash_bwd_launch.cuh"
+#include "kernels/sm80/flash_bwd_dkv_kernel.cuh"
+#include "kernels/sm80/flash_bwd_dq_kernel.cuh"
 #include "kernels/sm80/flash_fwd_launch.cuh"
 #ifdef TUNE_SM90
-#include "kernels/sm90/flash_bwd_launch.cuh"
+#include "kernels/sm90/flash_bwd_dkv_kernel.cuh"
+#include "kernels/sm90/flash_bwd_dq_kernel.cuh"
 #endif
 
 struct TuneVariant {
@@ -39,6 +41,12 @@ struct TuneRegistrar {
 #ifdef TUNE_VARIANT
 // One variant per translation unit: KIND, HD, A1..A5 come from -D flags.
 using Bf16 = __nv_bfloat16;
+// A backward kernel (kind dkv or dq, traits Kind) of arch namespace ns with tile row Tile, launched
+// as the library launches it (kernels/launch_utils.h: launch_tiles).
+#define TUNE_LAUNCH_BWD(ns, Kind, kind, Tile)                                                       \
+  using Traits = flash::ns::Kind##KernelTraits<Bf16, HD, Tile>;                                       \
+  flash::launch_tiles<Traits, flash::Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                  \
+      flash::ns::flash_bwd_##kind##_kernel<Bf16, HD, Tile>, #kind, p, s)
 #if KIND == 0
 static TuneRegistrar tune_reg({0, HD, "fwd BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " warps=" TUNE_STR(A3) " qregs=" TUNE_STR(A4) " minB=" TUNE_STR(A5),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
@@ -50,12 +58,14 @@ static TuneRegistrar tune_reg({0, HD, "fwd BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2)
 #endif
 static TuneRegistrar tune_reg({1, HD, "dkv90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::sm90::launch_bwd_dkv<Bf16, HD, flash::DkvTileShape<A2, A1, A3>>(p, s);
+                                 using Tile = flash::DkvTileShape<A2, A1, A3>;
+                                 TUNE_LAUNCH_BWD(sm90, Dkv, dkv, Tile);
                                }});
 #elif KIND == 2 && defined(TUNE_SM90)
 static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::sm90::launch_bwd_dq<Bf16, HD, flash::DqTileShape<A1, A2>>(p, s);
+                                 using Tile = flash::DqTileShape<A1, A2>;
+                                 TUNE_LAUNCH_BWD(sm90, Dq, dq, Tile);
                                }});
 #elif KIND == 1
 #ifndef A4
@@ -66,7 +76,8 @@ static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2
 #endif
 static TuneRegistrar tune_reg({1, HD, "dkv BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3) " warp_rows=" TUNE_STR(A4) " fast_copy=" TUNE_STR(A5),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::sm80::launch_bwd_dkv<Bf16, HD, flash::DkvTileShape<A2, A1, A3, A4, bool(A5)>>(p, s);
+                                 using Tile = flash::DkvTileShape<A2, A1, A3, A4, bool(A5)>;
+                                 TUNE_LAUNCH_BWD(sm80, Dkv, dkv, Tile);
                                }});
 #else
 #ifndef A3
@@ -77,7 +88,8 @@ static TuneRegistrar tune_reg({1, HD, "dkv BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2)
 #endif
 static TuneRegistrar tune_reg({2, HD, "dq BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " warp_rows=" TUNE_STR(A3) " fast_copy=" TUNE_STR(A4),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 flash::sm80::launch_bwd_dq<Bf16, HD, flash::DqTileShape<A1, A2, A3, bool(A4)>>(p, s);
+                                 using Tile = flash::DqTileShape<A1, A2, A3, bool(A4)>;
+                                 TUNE_LAUNCH_BWD(sm80, Dq, dq, Tile);
                                }});
 #endif
 

@@ -64,6 +64,7 @@ def main():
     ap.add_argument("variants", nargs="*")
     args = ap.parse_args()
     variants = args.variants or DEFAULT
+    subprocess.run([sys.executable, os.path.join(ROOT, "csrc", "primitives", "gen_wgmma.py")], check=True)
     work = tempfile.mkdtemp(prefix="tune_kernels_")
     jobs = [(os.path.join(work, "main.o"), [])]
     jobs += [(os.path.join(work, f"v{i:02d}.o"), variant_defines(v)) for i, v in enumerate(variants)]

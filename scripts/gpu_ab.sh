@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Speed of this tree against another build of flash_attn_ext, in one GPU session: builds both
-# (the other from OLD_SRC, a source tree, e.g. `git archive <commit> | tar -x -C .oldsrc`), then runs
+# Speed of two builds of flash_attn_ext in one GPU session: builds both (OLD_SRC and NEW_SRC, source
+# trees, e.g. `git archive <commit> | tar -x -C .oldsrc`; NEW_SRC defaults to this tree), then runs
 # the benchmark alternately old, new, old, new (ROUNDS pairs) and prints new/old per case
 # (scripts/compare_runs.py; the spread of each side and the peer's own new/old show the noise).
 #
@@ -9,6 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OLD_SRC=${OLD_SRC:-.oldsrc}
+NEW_SRC=$(cd "${NEW_SRC:-.}" && pwd)
 HDIMS=${HDIMS:-64,128}
 ROUNDS=${ROUNDS:-2}
 BENCH_ARGS=${BENCH_ARGS:-"--hdim $HDIMS --causal both --seqlen 1024,4096,16384 --mode fwd,bwd --peers sdpa-flash"}
@@ -19,12 +20,12 @@ export FLASH_ATTN_EXT_HDIMS=$HDIMS MAX_JOBS=${MAX_JOBS:-$(nproc)}
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi  # see gpu_run.sh
 rm -rf "$WORK"; mkdir -p "$WORK"
 (cd "$OLD_SRC" && $PY setup.py build_ext --inplace >"$WORK/old_build.log" 2>&1) & old_pid=$!
-$PY setup.py build_ext --inplace >"$WORK/new_build.log" 2>&1 || { tail -n 40 "$WORK/new_build.log"; exit 1; }
+(cd "$NEW_SRC" && $PY setup.py build_ext --inplace >"$WORK/new_build.log" 2>&1) || { tail -n 40 "$WORK/new_build.log"; exit 1; }
 wait $old_pid || { tail -n 40 "$WORK/old_build.log"; exit 1; }
 old_dirs=(); new_dirs=()
 for r in $(seq 1 "$ROUNDS"); do
   for side in old new; do
-    src=$PWD; [ $side = old ] && src=$(cd "$OLD_SRC" && pwd)
+    src=$NEW_SRC; [ $side = old ] && src=$(cd "$OLD_SRC" && pwd)
     # Run from the tree itself: `python -m` puts the working directory first on sys.path.
     (cd "$src" && PYTHONPATH=$src $PY -m flash_attn_ext.benchmark $BENCH_ARGS --ref-max-seqlen 0 --no-plots \
       --no-progress --out "$WORK/$side$r" >"$WORK/$side$r.log" 2>&1) || { tail -n 30 "$WORK/$side$r.log"; exit 1; }

@@ -56,11 +56,21 @@ if [[ " $STEPS " == *" build "* ]]; then
     while read -r l; do summary+=("$l"); done <"$OUT/ptxas_fwd128.txt"
   fi
 fi
+if [[ " $STEPS " == *" build "* ]]; then
+  # SASS of the sm90 (Hopper) forward, hdim 128: warpgroup MMA (HGMMA) and TMA load (UTMALDG) counts.
+  obj=$(find build -name 'flash_fwd_hdim128_bf16_sm90.o' | head -n 1)
+  if [ -n "$obj" ]; then
+    cuobjdump --dump-sass "$obj" >"$OUT/sass_fwd_hdim128_bf16_sm90.txt" 2>&1
+    summary+=("SASS sm90 fwd hdim128 bf16: $(grep -c HGMMA "$OUT/sass_fwd_hdim128_bf16_sm90.txt") HGMMA, $(grep -c UTMALDG "$OUT/sass_fwd_hdim128_bf16_sm90.txt") UTMALDG, $(grep -cE 'STL|LDL' "$OUT/sass_fwd_hdim128_bf16_sm90.txt") local ld/st")
+  fi
+fi
 $PY -c "import flash_attn_ext as f; print(f.build_info())" | tee -a "$OUT/gpu.txt"
 
 if [[ " $STEPS " == *" test "* ]]; then
   TESTS=${TESTS:-tests}
-  $PY -m pytest -x -rs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -n 40
+  # PYTEST_X= (empty) runs past the first failure; TEST_TIMEOUT_S bounds the step (0: none).
+  timeout "${TEST_TIMEOUT_S:-0}" $PY -m pytest ${PYTEST_X--x} -rs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/pytest.log" | tail -n 40
   summary+=("pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)")
   pack
 fi
@@ -76,6 +86,20 @@ fi
 if [[ " $STEPS " == *" memory "* ]]; then
   $PY scripts/peak_memory.py >"$OUT/memory.txt" 2>&1
   summary+=("$(tail -n 1 "$OUT/memory.txt")")
+fi
+
+if [[ " $STEPS " == *" ncu "* ]]; then
+  # Tensor-pipe utilization of the forward at hdim 128, N = 8192 (bf16, batch 2, 16 heads), one
+  # profiled launch; clocks left alone (METHOD.md).
+  ncu --clock-control none --kernel-name regex:flash_fwd_kernel --launch-skip 3 --launch-count 1 \
+    --metrics sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum \
+    $PY -c "
+import torch, flash_attn_ext
+q, k, v = (torch.randn(2, 8192, 16, 128, device='cuda', dtype=torch.bfloat16) for _ in range(3))
+for causal in (False, False, False, False):
+    flash_attn_ext.flash_attn_func(q, k, v, causal=causal)
+torch.cuda.synchronize()" >"$OUT/ncu.txt" 2>&1
+  summary+=("ncu fwd hdim128 N=8192: $(grep -E 'hgmma_qgmma_cycles_active|gpu__time_duration' "$OUT/ncu.txt" | awk '{print $1, $(NF)}' | tr '\n' ' ')")
 fi
 
 if [[ " $STEPS " == *" bench "* ]]; then

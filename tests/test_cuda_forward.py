@@ -35,6 +35,13 @@ HDIMS = [32, 64, 80, 96, 128, 192, 256]  # 80 runs on the 96 kernel, zero-padded
 DTYPES = [torch.float16, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True)
+def fwd_path(arch_path):
+    """Runs every test on each arch path the GPU can take (conftest.py: arch_path): on an H200 the
+    sm90 TMA/wgmma forward ("auto") and the sm80 mma.sync forward."""
+    return arch_path
+
+
 def _compiled_hdims():
     info = flash_attn_ext.build_info()
     if not info.get("with_cuda"):
@@ -76,21 +83,27 @@ def fwd_poisoned(q, k, v, softmax_scale, causal):
     NaN-filled empty): both results must be NaN-free and agree bit-for-bit (deterministic)."""
     sizes = [q.numel() * q.element_size(), q.shape[0] * q.shape[2] * q.shape[1] * 4]
     _poison_allocator(sizes)
-    o1, l1, _ = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+    o1, l1, s1 = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
     with _nan_filled_empty():
-        o2, l2, _ = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
-    for o, l in ((o1, l1), (o2, l2)):
+        o2, l2, s2 = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+    for o, l, st in ((o1, l1, s1), (o2, l2, s2)):
         assert not torch.isnan(o).any(), "out: NaN (an element was left unwritten or overflowed)"
         assert not torch.isnan(l).any(), "softmax_lse: NaN (a row was left unwritten)"
+        assert not torch.isnan(st).any(), "softmax_stats: NaN (a row was left unwritten)"
     assert torch.equal(o1, o2), "out differs between two identical calls"
-    assert torch.equal(l1, l2), "softmax_lse differs between two identical calls"
-    return o1, l1
+    assert torch.equal(l1, l2) and torch.equal(s1, s2), "softmax_lse / softmax_stats differ between two identical calls"
+    # softmax_stats = (max, log2sum): LSE * log2(e) = max + log2sum; rows without keys (+inf, 0).
+    empty = torch.isposinf(l1)
+    assert torch.equal(torch.isposinf(s1[0]), empty) and torch.all(s1[1][empty] == 0)
+    lse2 = (s1[0] + s1[1])[~empty].double()
+    assert torch.allclose(lse2, l1[~empty].double() * math.log2(math.e), rtol=1e-5, atol=1e-4)
+    return o1, l1, s1
 
 
 def check_forward(q, k, v, causal, softmax_scale=None):
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = fwd_poisoned(q, k, v, softmax_scale, causal)
+    out, lse, stats = fwd_poisoned(q, k, v, softmax_scale, causal)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     ref_out, ref_lse = attention_ref(q, k, v, softmax_scale, causal, upcast=True)
@@ -102,7 +115,7 @@ def check_forward(q, k, v, causal, softmax_scale=None):
         n_empty = q.shape[1] - k.shape[1]
         assert torch.all(out[:, :n_empty] == 0)
         assert torch.all(torch.isposinf(lse[:, :, :n_empty]))
-    return out, lse
+    return out, lse, stats
 
 
 def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dtype):
@@ -240,7 +253,7 @@ def test_forward_tensor_over_2pow31_elements():
     for i in range(q.shape[1]):
         k[:, -3 - i] = q[:, i] * 4
     scale = 1.0 / math.sqrt(d)
-    out, lse = fwd_poisoned(q, k, v, scale, False)
+    out, lse, _ = fwd_poisoned(q, k, v, scale, False)
     ref_out, ref_lse = _chunked_ref(q, k, v, scale, 1 << 17, upcast=True)
     base_out, base_lse = _chunked_ref(q, k, v, scale, 1 << 17, upcast=False)
     check_accuracy("out", out, ref_out, base_out)

@@ -13,9 +13,9 @@ namespace flash {
 // Runs on every SM >= 8.0 (sm_80, 86, 89, 90, and newer through PTX).
 struct Sm80 {};
 
-// Hopper-native path: wgmma (warpgroup MMA from swizzled shared memory) + cp.async.
-// sm_90a machine code only (built when FLASH_ATTN_EXT_CUDA_ARCHS has 90a); the kernels and head
-// dims of the manifest's sm90 row.
+// Hopper-native path: wgmma (warpgroup MMA from swizzled shared memory); the backward loads by
+// cp.async, the forward by TMA on mbarriers with warp specialization. sm_90a machine code only
+// (built when FLASH_ATTN_EXT_CUDA_ARCHS has 90a); the kernels and head dims of the manifest's sm90 row.
 struct Sm90 {};
 
 enum class ArchPath { kSm80, kSm90 };
@@ -28,17 +28,17 @@ enum class ArchPath { kSm80, kSm90 };
 ArchPath select_arch(int arch);
 
 // Launch templates, one overload per arch tag (the tag is the first argument), defined in
-// csrc/kernels/<arch>/flash_{fwd,bwd}_launch.cuh and explicitly instantiated per (dtype, head
-// dim) by the generated csrc/kernels/<arch>/instantiations/*.cu.
-template <typename Element, int kHeadDim>
-void run_mha_fwd_(Sm80, Flash_fwd_params& params, cudaStream_t stream);
-template <typename Element, int kHeadDim>
-void run_mha_bwd_dkv_(Sm80, Flash_bwd_params& params, cudaStream_t stream);
-template <typename Element, int kHeadDim>
-void run_mha_bwd_dq_(Sm80, Flash_bwd_params& params, cudaStream_t stream);
-template <typename Element, int kHeadDim>
-void run_mha_bwd_dkv_(Sm90, Flash_bwd_params& params, cudaStream_t stream);
-template <typename Element, int kHeadDim>
-void run_mha_bwd_dq_(Sm90, Flash_bwd_params& params, cudaStream_t stream);
+// csrc/kernels/<arch>/flash_fwd_launch.cuh and flash_bwd_{dkv,dq}_kernel.cuh and explicitly
+// instantiated per (dtype, head dim) by the generated csrc/kernels/<arch>/instantiations/*.cu.
+#define FLASH_LAUNCH_TEMPLATE(Tag, fn, Params) \
+  template <typename Element, int kHeadDim>     \
+  void fn(Tag, Params& params, cudaStream_t stream);
+FLASH_LAUNCH_TEMPLATE(Sm80, run_mha_fwd_, Flash_fwd_params)
+FLASH_LAUNCH_TEMPLATE(Sm80, run_mha_bwd_dkv_, Flash_bwd_params)
+FLASH_LAUNCH_TEMPLATE(Sm80, run_mha_bwd_dq_, Flash_bwd_params)
+FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_, Flash_fwd_params)
+FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dkv_, Flash_bwd_params)
+FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dq_, Flash_bwd_params)
+#undef FLASH_LAUNCH_TEMPLATE
 
 }  // namespace flash

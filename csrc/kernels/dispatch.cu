@@ -6,7 +6,8 @@
 //
 // The manifest (csrc/kernels/generate_kernels.py) is the one list of (arch path, kernel, head dim,
 // dtype); setup.py writes the subset this build compiles into csrc/generated/build_config.h as
-// X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS), read here only.
+// X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS),
+// read here only.
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches on `stream`:
 //   1. preprocess: D = rowsum(dO o O), LSE_log2 = hi + lo   (common/bwd_preprocess.cuh)
@@ -26,12 +27,14 @@
 #include "generated/build_config.h"
 #include "kernels/arch.h"
 #include "kernels/common/bwd_preprocess.cuh"
+#include "primitives/tma.cuh"
 
 namespace flash {
 namespace {
 
 #define FLASH_ATTN_EXT_LIST_ITEM(d) d,
 constexpr int kHdims[] = {FLASH_ATTN_EXT_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};  // ascending, 0-terminated
+constexpr int kSm90FwdHdims[] = {FLASH_ATTN_EXT_SM90_FWD_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90BwdHdims[] = {FLASH_ATTN_EXT_SM90_BWD_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 #undef FLASH_ATTN_EXT_LIST_ITEM
 
@@ -103,12 +106,27 @@ ArchPath select_arch(int arch) {
 #endif
 }
 
+// The sm90 forward loads Q/K/V by TMA, which needs 16-byte-aligned bases and strides
+// (primitives/tma.cuh); any other input (e.g. an odd storage offset into a fused qkv buffer) runs
+// the sm80 kernel. Host arithmetic only: decided before anything is launched.
+static bool tma_can_describe_inputs(const Flash_fwd_params& params) {
+  return tma_can_describe(params.q, params.b, params.seqlen_q, params.h, params.d, 2) &&
+         tma_can_describe(params.k, params.b, params.seqlen_k, params.h_k, params.d, 2) &&
+         tma_can_describe(params.v, params.b, params.seqlen_k, params.h_k, params.d, 2);
+}
+
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
+  const ArchPath path = select_arch(params.arch);
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
-    // Arch path: only the sm80 path has a forward kernel today (a Hopper forward is a manifest row
-    // plus a branch on select_arch here, as in run_mha_bwd).
-    run_mha_fwd_<Element, decltype(hdim)::value>(Sm80{}, params, stream);
+    constexpr int kHeadDim = decltype(hdim)::value;
+    if constexpr (contains(kSm90FwdHdims, kHeadDim)) {
+      if (path == ArchPath::kSm90 && tma_can_describe_inputs(params)) {
+        run_mha_fwd_<Element, kHeadDim>(Sm90{}, params, stream);
+        return;
+      }
+    }
+    run_mha_fwd_<Element, kHeadDim>(Sm80{}, params, stream);
   });
 }
 

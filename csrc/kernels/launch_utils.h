@@ -46,4 +46,27 @@ void launch_1d(Kernel kernel, int64_t blocks, int threads, int smem_bytes, const
   FLASH_CHECK_LAUNCH();
 }
 
+// The launch of a tile kernel of either arch path: one CTA per item of Work (kernels/common/work.cuh:
+// Work::grid_size), Traits::kThreads threads, Traits::kSmemBytes of dynamic shared memory; errors
+// name the kernel (`what`) and the head dim.
+template <typename Traits, typename Work, typename Params>
+void launch_tiles(void (*kernel)(Params), const char* what, Params& params, cudaStream_t stream) {
+  launch_1d(kernel, Work::grid_size(params), Traits::kThreads, Traits::kSmemBytes, what, params.d_rounded, stream,
+            params);
+}
+
+// Defines flash::run_mha_bwd_<kind>_(Tag, ...) (kernels/arch.h), the launch template the generated
+// instantiations of arch path `ns` compile: flash_bwd_<kind>_kernel with the production row
+// <Kind>Tile of the arch's tile table (<Kind>KernelTraits; its CTAs are <Kind>Work items), through
+// launch_tiles. Used at global scope, after the kernel; the tuning harness launches other rows.
+#define FLASH_BWD_LAUNCH_TEMPLATE(Tag, ns, Kind, kind, what)                                               \
+  template <typename Element, int kHeadDim>                                                               \
+  void flash::run_mha_bwd_##kind##_(flash::Tag, flash::Flash_bwd_params& params, cudaStream_t stream) {   \
+    using Tile = flash::ns::Kind##Tile<kHeadDim>;                                                          \
+    using Traits = flash::ns::Kind##KernelTraits<Element, kHeadDim, Tile>;                                 \
+    static_assert(Traits::kSmemBytes <= flash::ns::kMaxSmem, what " tile row exceeds " #ns " shared memory"); \
+    flash::launch_tiles<Traits, flash::Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                      \
+        flash::ns::flash_bwd_##kind##_kernel<Element, kHeadDim, Tile>, what, params, stream);              \
+  }
+
 }  // namespace flash

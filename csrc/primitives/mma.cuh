@@ -12,32 +12,39 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 namespace flash {
 
 // D = A * B + D, fp32 accumulators; Element is __half or __nv_bfloat16.
+#define FLASH_MMA_M16N8K16(TYPE)                                                            \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "              \
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                    \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                            \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
 template <typename Element>
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4],
-                                             const uint32_t (&b)[2]);
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const uint32_t (&a)[4],
-                                                     const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  static_assert(std::is_same<Element, __half>::value || std::is_same<Element, __nv_bfloat16>::value,
+                "mma_m16n8k16: Element is __half or __nv_bfloat16");
+  if constexpr (std::is_same<Element, __half>::value) {
+    FLASH_MMA_M16N8K16("f16");
+  } else {
+    FLASH_MMA_M16N8K16("bf16");
+  }
 }
+#undef FLASH_MMA_M16N8K16
 
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                            const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+// acc[ma][n], acc[ma][n + 1] += a[ma] * (the two n8 blocks of B that one ldmatrix x4 loaded into
+// b: b[0..1] and b[2..3]) for every m16 atom ma: the inner step of every ldmatrix-fed product.
+template <typename Element, int kMA, int kN>
+__device__ __forceinline__ void mma_m16n16k16(float (&acc)[kMA][kN][4], int n, const uint32_t (&a)[kMA][4],
+                                              const uint32_t (&b)[4]) {
+  const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+  for (int ma = 0; ma < kMA; ++ma) {
+    mma_m16n8k16<Element>(acc[ma][n], a[ma], b0);
+    mma_m16n8k16<Element>(acc[ma][n + 1], a[ma], b1);
+  }
 }
 
 // Two fp32 values -> one register of two 16-bit elements (lo = x, hi = y).

@@ -58,6 +58,47 @@ struct OnlineSoftmax {
   template <int kNAtoms, int kDAtoms>
   __device__ __forceinline__ void update(float (&s)[kMAtoms][kNAtoms][4], float (&acc_o)[kMAtoms][kDAtoms][4],
                                          float c) {
+    update_rows(s, c, [&](int r, float alpha) {
+#pragma unroll
+      for (int di = 0; di < kDAtoms; ++di) {
+        acc_o[r / 2][di][2 * (r % 2)] *= alpha;
+        acc_o[r / 2][di][2 * (r % 2) + 1] *= alpha;
+      }
+    });
+  }
+
+  // The same step with the rescale of O deferred (for a kernel whose O += P V of the previous tile
+  // is still in flight while this tile's softmax runs, sm90/flash_fwd_kernel.cuh): alpha[r] gets
+  // row r's factor, 1 where it was not rescaled; returns whether any row was (warp-uniform), so
+  // the caller applies rescale_o(acc_o, alpha) once the accumulator is its own again.
+  template <int kNAtoms>
+  __device__ __forceinline__ bool update_deferred(float (&s)[kMAtoms][kNAtoms][4], float c, float (&alpha)[kRows]) {
+    bool rescaled = false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) alpha[r] = 1.f;
+    update_rows(s, c, [&](int r, float a) {
+      alpha[r] = a;
+      rescaled = true;
+    });
+    return rescaled;
+  }
+
+  template <int kDAtoms>
+  __device__ __forceinline__ static void rescale_o(float (&acc_o)[kMAtoms][kDAtoms][4], const float (&alpha)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int di = 0; di < kDAtoms; ++di) {
+        acc_o[r / 2][di][2 * (r % 2)] *= alpha[r];
+        acc_o[r / 2][di][2 * (r % 2) + 1] *= alpha[r];
+      }
+    }
+  }
+
+  // The body of update(): rescale_row(r, alpha) multiplies row r of O by alpha (called only when
+  // the warp rescales, inside the uniform branch).
+  template <int kNAtoms, typename RescaleRow>
+  __device__ __forceinline__ void update_rows(float (&s)[kMAtoms][kNAtoms][4], float c, RescaleRow&& rescale_row) {
     float tile_max[kRows];
     bool grew = false;
 #pragma unroll
@@ -87,11 +128,7 @@ struct OnlineSoftmax {
         const float alpha = fast_exp2((row_max[r] - m_new) * c);
         row_max[r] = tile_max[r];
         row_sum[r] *= alpha;
-#pragma unroll
-        for (int di = 0; di < kDAtoms; ++di) {
-          acc_o[r / 2][di][2 * (r % 2)] *= alpha;
-          acc_o[r / 2][di][2 * (r % 2) + 1] *= alpha;
-        }
+        rescale_row(r, alpha);
       }
       // The form of P follows the max: decided here, where the max changes, off the per-tile path.
       bool large = false;

@@ -25,21 +25,21 @@ __device__ __forceinline__ void copy_tile_async(uint32_t smem, const Element* gm
   constexpr int kChunksPerRow = kCols / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
   constexpr int kPasses = (kChunks + kThreads - 1) / kThreads;
-  // Opaque copy of the stride: inside a loop over tiles the compiler would otherwise hoist every
-  // chunk's 64-bit row offset (loop-invariant) into registers for the whole loop, which costs up
-  // to 48 registers next to the accumulators; one add per chunk is cheaper.
+  // Opaque copy of the stride: inside a loop over tiles the compiler would otherwise hoist the
+  // 64-bit row offsets (loop-invariant) into registers for the whole loop, next to the
+  // accumulators; an add per tile is cheaper.
   int64_t stride = row_stride;
   asm volatile("" : "+l"(stride));
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  if constexpr (kFastPath && kThreads % kChunksPerRow == 0 && kChunks % kThreads == 0 &&
-                kRowsPerPass % Layout::kRowAlign == 0) {
-    // Whole tile in range (every tile but a ragged last one): no predicates, and pass `it`
-    // moves the thread's source by kRowsPerPass rows and its destination by a constant.
-    if (rows_valid >= kRows && d_valid >= kCols) {
-      const int row = tid / kChunksPerRow, col = (tid % kChunksPerRow) * 8;
-      const Element* src = gmem + row * stride + col;
-      const int64_t step = kRowsPerPass * stride;
-      const uint32_t dst = smem + Layout::offset(row, col);
+  if constexpr (kThreads % kChunksPerRow == 0 && kRowsPerPass % Layout::kRowAlign == 0) {
+    // Every pass moves whole rows: the thread keeps its column, and pass `it` moves its source by
+    // kRowsPerPass rows (one 64-bit step) and its destination by a constant.
+    const int row = tid / kChunksPerRow, col = (tid % kChunksPerRow) * 8;
+    const Element* src = gmem + row * stride + col;
+    const int64_t step = kRowsPerPass * stride;
+    const uint32_t dst = smem + Layout::offset(row, col);
+    if (kFastPath && rows_valid >= kRows && d_valid >= kCols) {
+      // Whole tile in range (every tile but a ragged last one): no predicates.
 #pragma unroll
       for (int it = 0; it < kPasses; ++it) {
         cp_async_16(dst + it * kRowsPerPass * Layout::kRowBytes, src, true);
@@ -47,18 +47,28 @@ __device__ __forceinline__ void copy_tile_async(uint32_t smem, const Element* gm
       }
       return;
     }
-  }
+    const bool col_ok = col < d_valid;
 #pragma unroll
-  for (int it = 0; it < kPasses; ++it) {
-    const int c = it * kThreads + tid;
-    if (kChunks % kThreads == 0 || c < kChunks) {
-      const int row = c / kChunksPerRow;
-      const int col = (c % kChunksPerRow) * 8;
-      const bool pred = row < rows_valid && col < d_valid;
-      // A predicated-off copy reads nothing; the tile base (row 0 is always in range) keeps
-      // the address valid anyway.
-      const Element* src = pred ? gmem + row * stride + col : gmem;
-      cp_async_16(smem + Layout::offset(row, col), src, pred);
+    for (int it = 0; it < kPasses; ++it) {
+      if (kChunks % kThreads == 0 || row + it * kRowsPerPass < kRows) {
+        const bool pred = col_ok && row + it * kRowsPerPass < rows_valid;
+        // A predicated-off copy reads nothing; the tile base (row 0 is always in range) keeps
+        // the address valid anyway.
+        cp_async_16(dst + it * kRowsPerPass * Layout::kRowBytes, pred ? src : gmem, pred);
+      }
+      src += step;
+    }
+  } else {
+#pragma unroll
+    for (int it = 0; it < kPasses; ++it) {
+      const int c = it * kThreads + tid;
+      if (kChunks % kThreads == 0 || c < kChunks) {
+        const int row = c / kChunksPerRow;
+        const int col = (c % kChunksPerRow) * 8;
+        const bool pred = row < rows_valid && col < d_valid;
+        const Element* src = pred ? gmem + row * stride + col : gmem;
+        cp_async_16(smem + Layout::offset(row, col), src, pred);
+      }
     }
   }
 }

@@ -253,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     rep = args.rep_ms if args.rep_ms is not None else (30 if args.quick else (100 if cuda else 60))
     timer = Timer(sweep.device, warmup, rep, min_reps=3 if cuda else 5)
     env = report.environment(sweep.device, timer, sys.argv[1:] if argv is None else list(argv))
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
 
     n_cases = (len(sweep.dtypes) * len(sweep.hdims) * len(sweep.causals) * len(sweep.gqas)
                * len(sweep.seqlens) * len(sweep.modes))

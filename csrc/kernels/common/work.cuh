@@ -10,6 +10,7 @@
 #include "kernels/common/seqlen.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/ldmatrix.cuh"
+#include "primitives/tile_copy.cuh"
 
 namespace flash {
 
@@ -23,9 +24,10 @@ struct QTileWork {
   AttnMask mask;
   int bidh, bidhk, m0, rows_q, n_block_max, n_block_unmasked;
 
-  __device__ __forceinline__ explicit QTileWork(const Flash_fwd_params& params)
-      : seq(params, decode(params).x), mask(seq, params.is_causal) {
-    const int2 bm = decode(params);
+  __device__ __forceinline__ explicit QTileWork(const Flash_fwd_params& params) : QTileWork(params, decode(params)) {}
+  // bm = decode(params), computed once (its 64-bit divisions are the CTA's costliest setup).
+  __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int2 bm)
+      : seq(params, bm.x), mask(seq, params.is_causal) {
     bidh = bm.y % params.h;
     bidhk = bidh / params.h_h_k_ratio;  // GQA/MQA: shared K/V head, never copied
     m0 = (bm.y / params.h) * kBlockM;
@@ -40,7 +42,35 @@ struct QTileWork {
     const int m_block = num_m - 1 - int(blockIdx.x % num_m);
     return make_int2(int(bh / params.h), m_block * params.h + int(bh % params.h));
   }
+  // The tile of an explicit index in blockIdx.x's numbering (a persistent CTA's loop over tiles,
+  // common/tile_scheduler.cuh); 32-bit divisions below 2^32 tiles.
+  __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int64_t tile)
+      : QTileWork(params, decode(params, tile)) {}
+  __device__ __forceinline__ static int2 decode(const Flash_fwd_params& params, int64_t tile) {
+    const int num_m = ceil_div(params.seqlen_q, kBlockM);
+    int bidb, head, j;
+    if (tile <= int64_t(UINT32_MAX)) {
+      const uint32_t bh = uint32_t(tile) / uint32_t(num_m);
+      j = int(uint32_t(tile) % uint32_t(num_m));
+      bidb = int(bh / uint32_t(params.h));
+      head = int(bh % uint32_t(params.h));
+    } else {
+      const int64_t bh = tile / num_m;
+      j = int(tile % num_m);
+      bidb = int(bh / params.h);
+      head = int(bh % params.h);
+    }
+    return make_int2(bidb, (num_m - 1 - j) * params.h + head);
+  }
   __device__ __forceinline__ bool block_needs_mask(int n_block) const { return n_block >= n_block_unmasked; }
+  // Writes this CTA's tile of a Q-shaped output (O, dQ) from shared memory (Layout, as staged by the
+  // kernel) to tensor `out`; rows >= seqlen_q and columns >= d are not written.
+  template <typename Element, typename Layout, int kHeadDim, int kThreads>
+  __device__ __forceinline__ void store_q_tile(const Flash_fwd_params& params, const TensorView& out, const void* smem,
+                                               int tid) const {
+    store_tile<Layout, kBlockM, kHeadDim, kThreads>(seq.template row_ptr<Element>(out, bidh, m0), out.row_stride, smem,
+                                                    rows_q, params.d, tid);
+  }
   // The grid of such CTAs: every (batch, head, Q tile); blockIdx.x decodes as in decode().
   __host__ __device__ __forceinline__ static int64_t grid_size(const Flash_fwd_params& params) {
     return int64_t(ceil_div(params.seqlen_q, kBlockM)) * params.b * params.h;
@@ -75,12 +105,34 @@ struct DkvWork {
     return int64_t(ceil_div(params.seqlen_k, kBlockN)) * params.b * params.h_k;
   }
   __device__ __forceinline__ int head(int it) const { return bidhk * ratio + it / num_m; }  // query head
+  // Writes this CTA's tile of a K-shaped output (dK, dV) from shared memory (Layout) to tensor
+  // `out`; rows >= seqlen_k and columns >= d are not written.
+  template <typename Element, typename Layout, int kHeadDim, int kThreads>
+  __device__ __forceinline__ void store_kv_tile(const Flash_bwd_params& params, const TensorView& out, const void* smem,
+                                                int tid) const {
+    store_tile<Layout, kBlockN, kHeadDim, kThreads>(seq.template row_ptr<Element>(out, bidhk, n0), out.row_stride, smem,
+                                                    seq.seqlen_k - n0, params.d, tid);
+  }
   __device__ __forceinline__ int m0(int it) const { return (m_block_min + it % num_m) * kBlockM; }  // first Q row
   // Iteration it needs the exact P recompute where it holds a masked pair or a large-magnitude row
   // (flash.h: precise_rows). The flag is a global load: kernels read it one iteration ahead.
   __device__ __forceinline__ bool needs_mask(int it) const { return mask.kv_block_needs_mask(m0(it), n0, kBlockN); }
   __device__ __forceinline__ bool precise(const Flash_bwd_params& params, int it) const {
     return it < n_iter && params.precise_rows_ptr[seq.precise_index(params, head(it), m0(it))] != 0;
+  }
+
+  // Alg. 2 line 10: Q_i and dO_i of iteration it (query head, Q tile) by cp.async into the shared
+  // tiles at sQ / sdO (Layout: the kernel's shared layout, primitives/tile_copy.cuh).
+  template <typename Element, typename Layout, int kHeadDim, int kThreads, bool kFastCopy = true>
+  __device__ __forceinline__ void copy_q_tiles_async(const Flash_bwd_params& params, int it, uint32_t sQ, uint32_t sdO,
+                                                     int tid) const {
+    const int bidh = head(it), row0 = m0(it);
+    copy_tile_async<Layout, kBlockM, kHeadDim, kThreads, kFastCopy>(
+        sQ, seq.template row_ptr<const Element>(params.q, bidh, row0), params.q.row_stride, seq.seqlen_q - row0,
+        params.d, tid);
+    copy_tile_async<Layout, kBlockM, kHeadDim, kThreads, kFastCopy>(
+        sdO, seq.template row_ptr<const Element>(params.dout, bidh, row0), params.dout.row_stride,
+        seq.seqlen_q - row0, params.d, tid);
   }
 
   // Alg. 2 line 10, the row statistics of iteration it: hi, lo (LSE_log2 = hi + lo) and D of its
@@ -110,6 +162,20 @@ struct DqWork : QTileWork<kBlockM, kBlockN> {
   __device__ __forceinline__ explicit DqWork(const Flash_bwd_params& params)
       : QTileWork<kBlockM, kBlockN>(params),
         precise(params.precise_rows_ptr[this->seq.precise_index(params, this->bidh, this->m0)] != 0) {}
+
+  // Alg. 2 line 7: K_j and V_j of key block n_block by cp.async into the shared tiles at sK / sV
+  // (Layout: the kernel's shared layout, primitives/tile_copy.cuh).
+  template <typename Element, typename Layout, int kHeadDim, int kThreads, bool kFastCopy = true>
+  __device__ __forceinline__ void copy_kv_tiles_async(const Flash_bwd_params& params, int n_block, uint32_t sK,
+                                                      uint32_t sV, int tid) const {
+    const int n0 = n_block * kBlockN, rows = this->seq.seqlen_k - n0;
+    copy_tile_async<Layout, kBlockN, kHeadDim, kThreads, kFastCopy>(
+        sK, this->seq.template row_ptr<const Element>(params.k, this->bidhk, n0), params.k.row_stride, rows, params.d,
+        tid);
+    copy_tile_async<Layout, kBlockN, kHeadDim, kThreads, kFastCopy>(
+        sV, this->seq.template row_ptr<const Element>(params.v, this->bidhk, n0), params.v.row_stride, rows, params.d,
+        tid);
+  }
 };
 
 }  // namespace flash

@@ -251,6 +251,27 @@ void bwd_impl(const Flash_bwd_params& p) {
     return std::exp2((x > Acc(0) ? Acc(0) : x) - lo);  // not std::min: NaN stays NaN
   };
   auto row_dsum = [&](int b, int h, int i) { return dsum[(int64_t(b) * p.h + h) * p.seqlen_q + i]; };
+  // Alg. 2 lines 11-12 and 14-15 for one (Q tile i, K tile j) pair of batch b, head h: S = Q_i K_j^T,
+  // dP = dO_i V_j^T (Q_i, dO_i: rows_m x d; K_j^T, V_j^T: d x kBlockN), then
+  // visit(row, key, P, dS = P (dP - D)) for every visible (row of the Q tile, key of the K tile).
+  auto for_each_visible_ds = [&](int b, int h, int m0, int rows_m, int n0, int rows_n, const Acc* q_tile,
+                                 const Acc* do_tile, const Acc* kt_tile, const Acc* vt_tile, Acc* s_tile, Acc* dp_tile,
+                                 auto&& visit) {
+    matmul_abt(q_tile, rows_m, kt_tile, d, s_tile);
+    matmul_abt(do_tile, rows_m, vt_tile, d, dp_tile);
+    for (int i = 0; i < rows_m; ++i) {
+      const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
+      if (ncols == 0) continue;  // P = 0: no contribution (also rows with LSE = +inf)
+      const auto [hi, lo] = row_hi_lo(b, h, m0 + i);
+      const Acc dsum_i = row_dsum(b, h, m0 + i);
+      const Acc* s = s_tile + int64_t(i) * kBlockN;
+      const Acc* dp = dp_tile + int64_t(i) * kBlockN;
+      for (int j = 0; j < ncols; ++j) {
+        const Acc pij = prob(s[j], hi, lo);  // line 12: P_ij = exp(S_ij - L_i)
+        visit(i, j, pij, pij * (dp[j] - dsum_i));  // line 15: dS_ij = P_ij (dP_ij - D_i)
+      }
+    }
+  };
 
   // dK/dV pass: one task = one (batch, kv head, key tile); Alg. 2 lines 6-19 without dQ.
   // GQA/MQA: the task loops over every query head of its group, so each dK_j/dV_j is
@@ -288,30 +309,13 @@ void bwd_impl(const Flash_bwd_params& p) {
           // Alg. 2 line 10: load Q_i, dO_i (L_i, D_i read per row below).
           load_rows(q + m0 * p.q.row_stride, p.q.row_stride, rows_m, d, q_tile.data());
           load_rows(dout + m0 * p.dout.row_stride, p.dout.row_stride, rows_m, d, do_tile.data());
-          // Alg. 2 line 11: S_ij = Q_i K_j^T; line 14: dP_ij = dO_i V_j^T.
-          matmul_abt(q_tile.data(), rows_m, kt_tile.data(), d, s_tile.data());
-          matmul_abt(do_tile.data(), rows_m, vt_tile.data(), d, dp_tile.data());
-
-          for (int i = 0; i < rows_m; ++i) {
-            const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
-            if (ncols == 0) continue;  // P = 0: no contribution (also rows with LSE = +inf)
-            const auto [hi, lo] = row_hi_lo(b, h, m0 + i);
-            const Acc dsum_i = row_dsum(b, h, m0 + i);
-            const Acc* s = s_tile.data() + int64_t(i) * kBlockN;
-            const Acc* dp = dp_tile.data() + int64_t(i) * kBlockN;
-            const Acc* q_row = q_tile.data() + int64_t(i) * d;
-            const Acc* do_row = do_tile.data() + int64_t(i) * d;
-            for (int j = 0; j < ncols; ++j) {
-              // Alg. 2 line 12: P_ij = exp(S_ij - L_i).
-              const Acc pij = prob(s[j], hi, lo);
-              // Alg. 2 line 15: dS_ij = P_ij * (dP_ij - D_i).
-              const Acc ds = pij * (dp[j] - dsum_i);
-              // Alg. 2 line 13: dV_j += P_ij^T dO_i.
-              axpy(pij, do_row, dv_acc.data() + int64_t(j) * d, d);
-              // Alg. 2 line 17: dK_j += dS_ij^T Q_i (softmax_scale applied once at the end).
-              axpy(ds, q_row, dk_acc.data() + int64_t(j) * d, d);
-            }
-          }
+          for_each_visible_ds(b, h, m0, rows_m, n0, rows_n, q_tile.data(), do_tile.data(), kt_tile.data(),
+                              vt_tile.data(), s_tile.data(), dp_tile.data(), [&](int i, int j, Acc pij, Acc ds) {
+                                // Alg. 2 line 13: dV_j += P_ij^T dO_i; line 17: dK_j += dS_ij^T Q_i
+                                // (softmax_scale applied once at the end).
+                                axpy(pij, do_tile.data() + int64_t(i) * d, dv_acc.data() + int64_t(j) * d, d);
+                                axpy(ds, q_tile.data() + int64_t(i) * d, dk_acc.data() + int64_t(j) * d, d);
+                              });
         }
       }
 
@@ -356,23 +360,11 @@ void bwd_impl(const Flash_bwd_params& p) {
         load_rows(k + n0 * p.k.row_stride, p.k.row_stride, rows_n, d, k_tile.data());
         load_rows_transposed(k + n0 * p.k.row_stride, p.k.row_stride, rows_n, d, kt_tile.data());
         load_rows_transposed(v + n0 * p.v.row_stride, p.v.row_stride, rows_n, d, vt_tile.data());
-        // Alg. 2 lines 11, 14: S_ij = Q_i K_j^T, dP_ij = dO_i V_j^T.
-        matmul_abt(q_tile.data(), rows_m, kt_tile.data(), d, s_tile.data());
-        matmul_abt(do_tile.data(), rows_m, vt_tile.data(), d, dp_tile.data());
-        for (int i = 0; i < rows_m; ++i) {
-          const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
-          if (ncols == 0) continue;
-          const auto [hi, lo] = row_hi_lo(b, h, m0 + i);
-          const Acc dsum_i = row_dsum(b, h, m0 + i);
-          const Acc* s = s_tile.data() + int64_t(i) * kBlockN;
-          const Acc* dp = dp_tile.data() + int64_t(i) * kBlockN;
-          Acc* dq_row = dq_acc.data() + int64_t(i) * d;
-          for (int j = 0; j < ncols; ++j) {
-            // Alg. 2 lines 12, 15, 16: P_ij = exp(S_ij - L_i), dS = P (dP - D_i), dQ_i += dS K_j.
-            const Acc ds = prob(s[j], hi, lo) * (dp[j] - dsum_i);
-            axpy(ds, k_tile.data() + int64_t(j) * d, dq_row, d);
-          }
-        }
+        // Alg. 2 line 16: dQ_i += dS_ij K_j.
+        for_each_visible_ds(b, h, m0, rows_m, n0, rows_n, q_tile.data(), do_tile.data(), kt_tile.data(),
+                            vt_tile.data(), s_tile.data(), dp_tile.data(), [&](int i, int j, Acc, Acc ds) {
+                              axpy(ds, k_tile.data() + int64_t(j) * d, dq_acc.data() + int64_t(i) * d, d);
+                            });
       }
 
       T* dq = static_cast<T*>(p.dq.ptr) + b * p.dq.batch_stride + h * p.dq.head_stride;

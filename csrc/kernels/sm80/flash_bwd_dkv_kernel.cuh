@@ -27,24 +27,9 @@
 // P = 0. Keys >= seqlen_k only touch dK/dV rows that are never stored.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "kernels/sm80/kernel_common.cuh"  // everything an sm80 kernel uses
 
-#include <cmath>
-#include <cstdint>
-#include <type_traits>
-
-#include "flash.h"
-#include "kernels/common/work.cuh"
-#include "kernels/sm80/kernel_common.cuh"
-#include "primitives/cp_async.cuh"
-#include "primitives/math.cuh"
-#include "primitives/mma.cuh"
-#include "primitives/softmax.cuh"
-
-namespace flash {
-namespace sm80 {
+namespace flash::sm80 {
 
 // Tile: a DkvTileShape row (tile_config.h); kSplit is the column split, kWarpRows 16 or 32.
 template <typename Element, int kHeadDim, typename Tile>
@@ -82,12 +67,9 @@ __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>:
 flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 #if defined(__CUDA_ARCH__)  // device code only: the host pass needs just the stub
   using T = DkvKernelTraits<Element, kHeadDim, TileShape>;
-  using Tile = SmemTile<kHeadDim>;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kWarpRows = T::kWarpRows;
+  constexpr int kMA = T::kMA, kPitch = T::kPitch, kThreads = T::kThreads;
   constexpr bool kFastCopy = TileShape::kFastCopy;
-  constexpr int kMA = T::kMA;
-  constexpr int kPitch = T::kPitch;
-  constexpr int kThreads = T::kThreads;
 
   extern __shared__ __align__(128) unsigned char flash_bwd_smem[];
   Element* sK = reinterpret_cast<Element*>(flash_bwd_smem);
@@ -106,25 +88,19 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   // This CTA's key block, batch, kv head and the Q tiles that see the block (see the header).
   const DkvWork<kBlockM, kBlockN> w(params);
 
-  // Alg. 2 line 10: issues the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
+  // Alg. 2 line 10: the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {
-    const int bidh = w.head(it);
-    const int m0 = w.m0(it);
-    copy_tile_async<Tile, kBlockM, kHeadDim, kThreads, kFastCopy>(
-        smem_u32addr(sQ0 + stage * T::kTileQ), w.seq.template row_ptr<const Element>(params.q, bidh, m0),
-        params.q.row_stride, w.seq.seqlen_q - m0, params.d, tid);
-    copy_tile_async<Tile, kBlockM, kHeadDim, kThreads, kFastCopy>(
-        smem_u32addr(sdO0 + stage * T::kTileQ), w.seq.template row_ptr<const Element>(params.dout, bidh, m0),
-        params.dout.row_stride, w.seq.seqlen_q - m0, params.d, tid);
+    w.template copy_q_tiles_async<Element, SmemTile<kHeadDim>, kHeadDim, kThreads, kFastCopy>(
+        params, it, smem_u32addr(sQ0 + stage * T::kTileQ), smem_u32addr(sdO0 + stage * T::kTileQ), tid);
     w.copy_row_stats_async(params, it, sHi0 + stage * kBlockM, sLo0 + stage * kBlockM, sDsum0 + stage * kBlockM,
                            tid);
   };
 
   // Alg. 2 line 7: load K_j, V_j (resident for the whole CTA), with the first Q tile.
-  copy_tile_async<Tile, kBlockN, kHeadDim, kThreads>(
+  copy_tile_async<SmemTile<kHeadDim>, kBlockN, kHeadDim, kThreads>(
       smem_u32addr(sK), w.seq.template row_ptr<const Element>(params.k, w.bidhk, w.n0), params.k.row_stride,
       w.seq.seqlen_k - w.n0, params.d, tid);
-  copy_tile_async<Tile, kBlockN, kHeadDim, kThreads>(
+  copy_tile_async<SmemTile<kHeadDim>, kBlockN, kHeadDim, kThreads>(
       smem_u32addr(sV), w.seq.template row_ptr<const Element>(params.v, w.bidhk, w.n0), params.v.row_stride,
       w.seq.seqlen_k - w.n0, params.d, tid);
   if (w.n_iter > 0) load_q_tile(0, 0);
@@ -236,12 +212,11 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
                                          lane);
   }
   __syncthreads();
-  store_tile<Tile, kBlockN, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dk, w.bidhk, w.n0),
-                                                params.dk.row_stride, sK, w.seq.seqlen_k - w.n0, params.d, tid);
-  store_tile<Tile, kBlockN, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dv, w.bidhk, w.n0),
-                                                params.dv.row_stride, sV, w.seq.seqlen_k - w.n0, params.d, tid);
+  w.template store_kv_tile<Element, SmemTile<kHeadDim>, kHeadDim, kThreads>(params, params.dk, sK, tid);
+  w.template store_kv_tile<Element, SmemTile<kHeadDim>, kHeadDim, kThreads>(params, params.dv, sV, tid);
 #endif
 }
 
-}  // namespace sm80
-}  // namespace flash
+}  // namespace flash::sm80
+
+FLASH_BWD_LAUNCH_TEMPLATE(Sm80, sm80, Dkv, dkv, "dK/dV")

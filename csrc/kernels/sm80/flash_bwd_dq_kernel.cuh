@@ -23,24 +23,9 @@
 // from the workspace). A row that sees no key has hi = +inf: P = dS = 0, dQ row exactly 0.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "kernels/sm80/kernel_common.cuh"  // everything an sm80 kernel uses
 
-#include <cmath>
-#include <cstdint>
-#include <type_traits>
-
-#include "flash.h"
-#include "kernels/common/work.cuh"
-#include "kernels/sm80/kernel_common.cuh"
-#include "primitives/cp_async.cuh"
-#include "primitives/math.cuh"
-#include "primitives/mma.cuh"
-#include "primitives/softmax.cuh"
-
-namespace flash {
-namespace sm80 {
+namespace flash::sm80 {
 
 // Tile: a DqTileShape row (tile_config.h); kWarpRows 16 (one m16 atom) or 32 (two).
 template <typename Element, int kHeadDim, typename Tile>
@@ -71,15 +56,11 @@ struct DqKernelTraits {
 template <typename Element, int kHeadDim, typename TileShape>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dq_kernel(const Flash_bwd_params params) {
-#if defined(__CUDA_ARCH__)  // device code only: the host pass needs just the stub
   using T = DqKernelTraits<Element, kHeadDim, TileShape>;
-  using Tile = SmemTile<kHeadDim>;
+#if defined(__CUDA_ARCH__)  // device code only: the host pass needs just the stub
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kWarpRows = T::kWarpRows;
-  constexpr bool kFastCopy = TileShape::kFastCopy;
-  constexpr int kMA = T::kMA;
-  constexpr bool kPRounded = T::kPRounded;
-  constexpr int kPitch = T::kPitch;
-  constexpr int kThreads = T::kThreads;
+  constexpr int kMA = T::kMA, kPitch = T::kPitch, kThreads = T::kThreads;
+  constexpr bool kFastCopy = TileShape::kFastCopy, kPRounded = T::kPRounded;
 
   extern __shared__ __align__(128) unsigned char flash_bwd_smem[];
   Element* sQ = reinterpret_cast<Element*>(flash_bwd_smem);
@@ -93,24 +74,17 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
   const DqWork<kBlockM, kBlockN> w(params);
 
-  const Element* k_base = w.seq.template row_ptr<const Element>(params.k, w.bidhk, 0);
-  const Element* v_base = w.seq.template row_ptr<const Element>(params.v, w.bidhk, 0);
   // Alg. 2 line 7 (K_j, V_j), into `stage`.
   auto load_kv_tile = [&](int n_block, int stage) {
-    const int n0 = n_block * kBlockN;
-    copy_tile_async<Tile, kBlockN, kHeadDim, kThreads, kFastCopy>(
-        smem_u32addr(sK0 + stage * T::kTileKV), k_base + n0 * params.k.row_stride, params.k.row_stride,
-        w.seq.seqlen_k - n0, params.d, tid);
-    copy_tile_async<Tile, kBlockN, kHeadDim, kThreads, kFastCopy>(
-        smem_u32addr(sV0 + stage * T::kTileKV), v_base + n0 * params.v.row_stride, params.v.row_stride,
-        w.seq.seqlen_k - n0, params.d, tid);
+    w.template copy_kv_tiles_async<Element, SmemTile<kHeadDim>, kHeadDim, kThreads, kFastCopy>(
+        params, n_block, smem_u32addr(sK0 + stage * T::kTileKV), smem_u32addr(sV0 + stage * T::kTileKV), tid);
   };
 
   // Alg. 2 line 10: Q_i, dO_i (resident), hi and D of this thread's rows r and r + 8.
-  copy_tile_async<Tile, kBlockM, kHeadDim, kThreads>(
+  copy_tile_async<SmemTile<kHeadDim>, kBlockM, kHeadDim, kThreads>(
       smem_u32addr(sQ), w.seq.template row_ptr<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q,
       params.d, tid);
-  copy_tile_async<Tile, kBlockM, kHeadDim, kThreads>(
+  copy_tile_async<SmemTile<kHeadDim>, kBlockM, kHeadDim, kThreads>(
       smem_u32addr(sdO), w.seq.template row_ptr<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride,
       w.rows_q, params.d, tid);
   if (w.n_block_max > 0) load_kv_tile(0, 0);
@@ -228,10 +202,10 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     store_acc_to_smem<T::kNBlkD, kPitch>(sQ, acc_dq[ma], warp_row0 + 16 * ma, 0, float(params.scale_softmax), lane);
   }
   __syncthreads();
-  store_tile<Tile, kBlockM, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dq, w.bidh, w.m0),
-                                                params.dq.row_stride, sQ, w.rows_q, params.d, tid);
+  w.template store_q_tile<Element, SmemTile<kHeadDim>, kHeadDim, kThreads>(params, params.dq, sQ, tid);
 #endif
 }
 
-}  // namespace sm80
-}  // namespace flash
+}  // namespace flash::sm80
+
+FLASH_BWD_LAUNCH_TEMPLATE(Sm80, sm80, Dq, dq, "dQ")

@@ -23,26 +23,9 @@
 // one loop body keeps the register footprint spill-free, see tile_config.h).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "kernels/sm80/kernel_common.cuh"  // everything an sm80 kernel uses
 
-#include <cmath>
-#include <cstdint>
-
-#include "flash.h"
-#include "kernels/common/work.cuh"
-#include "kernels/sm80/kernel_common.cuh"
-#include "kernels/sm80/tile_config.h"
-#include "primitives/cp_async.cuh"
-#include "primitives/ldmatrix.cuh"
-#include "primitives/math.cuh"
-#include "primitives/mma.cuh"
-#include "primitives/softmax.cuh"
-#include "primitives/tile_copy.cuh"
-
-namespace flash {
-namespace sm80 {
+namespace flash::sm80 {
 
 // Config defaults to the production row of tile_config.h; the tuning harness
 // (benchmarks/tune_kernels.cu) instantiates other TileConfigs to compare them in one binary.
@@ -54,7 +37,7 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNWarps = Config::kNWarps;
-  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kThreads = kNWarps * 32;
   static constexpr bool kQInRegs = Config::kQInRegs;
   static constexpr int kMinBlocks = Config::kMinBlocks;
 
@@ -74,18 +57,18 @@ struct FwdKernelTraits {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: multiple of 16, <= 256");
   static_assert(kWarpRows % 16 == 0 && kMAtoms >= 1, "each warp owns whole m16 atoms");
   static_assert(kBlockN % 16 == 0, "BLOCK_N: multiple of 16");
-  static_assert((kBlockM * kChunksPerRow) % kNThreads == 0, "Q tile: whole chunks per thread");
-  static_assert((kBlockN * kChunksPerRow) % kNThreads == 0, "K/V tile: whole chunks per thread");
+  static_assert((kBlockM * kChunksPerRow) % kThreads == 0, "Q tile: whole chunks per thread");
+  static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "K/V tile: whole chunks per thread");
 };
 
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_kernel(const Flash_fwd_params params) {
   using Element = typename Traits::Element;
   using Tile = SmemTile<Traits::kHeadDim>;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr int kMAtoms = Traits::kMAtoms, kNAtoms = Traits::kNAtoms, kDAtoms = Traits::kDAtoms;
-  constexpr int kStride = Traits::kSmemStride, kThreads = Traits::kNThreads;
+  constexpr int kStride = Traits::kSmemStride, kThreads = Traits::kThreads;
   constexpr int kStrideBytes = kStride * int(sizeof(Element));
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -185,12 +168,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         for (int np = 0; np < kNAtoms / 2; ++np) {
           uint32_t b[4];
           ldmatrix_x4(b, k_addr + np * 16 * kStrideBytes + kk * 32);
-          const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-#pragma unroll
-          for (int mi = 0; mi < kMAtoms; ++mi) {
-            mma_m16n8k16<Element>(s[mi][2 * np], a[mi], b0);
-            mma_m16n8k16<Element>(s[mi][2 * np + 1], a[mi], b1);
-          }
+          mma_m16n16k16<Element>(s, 2 * np, a, b);
         }
       }
 
@@ -226,12 +204,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         for (int dp = 0; dp < kDAtoms / 2; ++dp) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, v_addr + kk * 16 * kStrideBytes + dp * 32);
-          const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-#pragma unroll
-          for (int mi = 0; mi < kMAtoms; ++mi) {
-            mma_m16n8k16<Element>(acc_o[mi][2 * dp], a[mi], b0);
-            mma_m16n8k16<Element>(acc_o[mi][2 * dp + 1], a[mi], b1);
-          }
+          mma_m16n16k16<Element>(acc_o, 2 * dp, a, b);
         }
       }
     }
@@ -265,9 +238,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     store_acc_to_smem<kDAtoms, kStride>(sQ, acc_o[mi], warp_row0 + mi * 16, 0, 1.f, lane);
   }
   __syncthreads();
-  store_tile<Tile, kBlockM, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.o, w.bidh, w.m0),
-                                                params.o.row_stride, sQ, w.rows_q, d, tid);
+  w.template store_q_tile<Element, Tile, kHeadDim, kThreads>(params, params.o, sQ, tid);
 }
 
-}  // namespace sm80
-}  // namespace flash
+}  // namespace flash::sm80

@@ -1,4 +1,5 @@
-// Shared-memory helpers of the sm80 kernels (forward, dK/dV, dQ): the tile layout, mma C
+// Shared-memory helpers of the sm80 kernels (forward, dK/dV, dQ), and the one include of their
+// headers (the work split, mask, softmax, primitives, tile table, launch): the tile layout, mma C
 // fragments -> shared memory, and the ldmatrix-fed mma.sync products of the backward kernels.
 // Global <-> shared tile copies are primitives/tile_copy.cuh with the SmemTile layout below; the
 // CTA's work split is kernels/common/work.cuh.
@@ -13,11 +14,20 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "flash.h"
+#include "kernels/arch.h"
+#include "kernels/common/work.cuh"
+#include "kernels/launch_utils.h"
+#include "kernels/sm80/tile_config.h"
 #include "primitives/cp_async.cuh"
 #include "primitives/ldmatrix.cuh"
+#include "primitives/math.cuh"
 #include "primitives/mma.cuh"
+#include "primitives/softmax.cuh"
 #include "primitives/tile_copy.cuh"
 
 namespace flash {
@@ -69,13 +79,7 @@ __device__ __forceinline__ void gemm_abt_smem(float (&acc)[kMA][kNBlk][4], const
     for (int nb2 = 0; nb2 < kNBlk / 2; ++nb2) {
       uint32_t b[4];
       ldmatrix_x4(b, smem_u32addr(b_ptr + nb2 * 16 * kPitch + kk * 16));
-      const uint32_t b0[2] = {b[0], b[1]};
-      const uint32_t b1[2] = {b[2], b[3]};
-#pragma unroll
-      for (int ma = 0; ma < kMA; ++ma) {
-        mma_m16n8k16<Element>(acc[ma][2 * nb2], a[ma], b0);
-        mma_m16n8k16<Element>(acc[ma][2 * nb2 + 1], a[ma], b1);
-      }
+      mma_m16n16k16<Element>(acc, 2 * nb2, a, b);
     }
   }
 }
@@ -93,13 +97,7 @@ __device__ __forceinline__ void gemm_ab_trans_smem(float (&acc)[kMA][kNBlkD][4],
   for (int db2 = 0; db2 < kNBlkD / 2; ++db2) {
     uint32_t b[4];
     ldmatrix_x4_trans(b, smem_u32addr(b_ptr + db2 * 16));
-    const uint32_t b0[2] = {b[0], b[1]};
-    const uint32_t b1[2] = {b[2], b[3]};
-#pragma unroll
-    for (int ma = 0; ma < kMA; ++ma) {
-      mma_m16n8k16<Element>(acc[ma][2 * db2], a[ma], b0);
-      mma_m16n8k16<Element>(acc[ma][2 * db2 + 1], a[ma], b1);
-    }
+    mma_m16n16k16<Element>(acc, 2 * db2, a, b);
   }
 }
 

@@ -25,35 +25,17 @@
 // exactly as in the sm80 kernel (kernels/common/mask.cuh, work.cuh; see its header).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "kernels/sm90/smem_layout.cuh"  // with everything an sm90 kernel uses
 
-#include <cmath>
-#include <cstdint>
-#include <type_traits>
-
-#include "flash.h"
-#include "kernels/common/work.cuh"
-#include "kernels/sm90/smem_layout.cuh"
-#include "primitives/cp_async.cuh"
-#include "primitives/math.cuh"
-#include "primitives/mma.cuh"
-#include "primitives/softmax.cuh"
-#include "primitives/wgmma.cuh"
-
-namespace flash {
-namespace sm90 {
+namespace flash::sm90 {
 
 // Tile: a DkvTileShape row (tile_config.h); kSplit: parts of the Q tile whose products are
 // queued together (see the main loop).
 template <typename Element, int kHeadDim, typename Tile>
-struct DkvKernelTraits {
-  static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kSplit = Tile::kSplit;
-  static constexpr int kWarpGroups = kBlockN / 64;
-  static constexpr int kThreads = kWarpGroups * 128;
-  using TileKV = SwizzledTile<kBlockN, kHeadDim>;
-  using TileQ = SwizzledTile<kBlockM, kHeadDim>;
+struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN> {
+  using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockN>;
+  using Base::kBlockM, Base::kBlockN, typename Base::TileQ, typename Base::TileKV;
+  static constexpr int kSplit = Tile::kSplit;
   // Shared layout (1024-byte aligned): sK, sV, then 2 stages x (sQ, sdO), then 2 stages x
   // (hi, lo, D) of kBlockM floats each.
   static constexpr int kOffV = TileKV::kBytes;
@@ -84,37 +66,27 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kSplit = T::kSplit;
   using TileKV = typename T::TileKV;
   using TileQ = typename T::TileQ;
-  constexpr int kThreads = T::kThreads;
-  constexpr int kPart = kBlockM / kSplit;  // Q rows per part
-  constexpr int kNBlkP = kPart / 8;        // n8 blocks of a part's S^T
-  constexpr int kNBlkD = kHeadDim / 8;   // n8 blocks of dK / dV
+  constexpr int kThreads = T::kThreads, kPart = kBlockM / kSplit;  // kPart: Q rows per part
+  constexpr int kNBlkP = kPart / 8, kNBlkD = kHeadDim / 8;        // n8 blocks of a part's S^T, of dK / dV
 
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw_addr = smem_u32addr(smem_raw);
-  const uint32_t smem_addr = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
-  unsigned char* smem = smem_raw + (smem_addr - raw_addr);
+  unsigned char* smem = aligned_dynamic_smem();
+  const uint32_t smem_addr = smem_u32addr(smem);
   const uint32_t sK = smem_addr, sV = smem_addr + T::kOffV;
   float* sHi0 = reinterpret_cast<float*>(smem + T::kOffHi);  // stage s: + s * kBlockM
   float* sLo0 = reinterpret_cast<float*>(smem + T::kOffLo);
   float* sDsum0 = reinterpret_cast<float*>(smem + T::kOffDsum);
 
-  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128;
-  const int lane = tid % 32, warp_wg = tid_wg / 32;
-  const int g = lane / 4, t = lane % 4;
+  // Thread = 128 wg + 32 warp_wg + 4 g + t (see the header).
+  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
+  const int lane = tid % 32, g = lane / 4, t = lane % 4;
 
   // This CTA's key block, batch, kv head and the Q tiles that see the block (kernels/common/work.cuh).
   const DkvWork<kBlockM, kBlockN> w(params);
 
-  // Alg. 2 line 10: cp.async copies of iteration `it` (query head, Q tile) into `stage`.
+  // Alg. 2 line 10: the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {
-    const int bidh = w.head(it);
-    const int m0 = w.m0(it);
-    copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
-        smem_addr + T::kOffQ + stage * TileQ::kBytes, w.seq.template row_ptr<const Element>(params.q, bidh, m0),
-        params.q.row_stride, w.seq.seqlen_q - m0, params.d, tid);
-    copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
-        smem_addr + T::kOffDO + stage * TileQ::kBytes, w.seq.template row_ptr<const Element>(params.dout, bidh, m0),
-        params.dout.row_stride, w.seq.seqlen_q - m0, params.d, tid);
+    w.template copy_q_tiles_async<Element, TileQ, kHeadDim, kThreads>(
+        params, it, smem_addr + T::kOffQ + stage * TileQ::kBytes, smem_addr + T::kOffDO + stage * TileQ::kBytes, tid);
     w.copy_row_stats_async(params, it, sHi0 + stage * kBlockM, sLo0 + stage * kBlockM, sDsum0 + stage * kBlockM,
                            tid);
   };
@@ -206,13 +178,8 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
 
       // Alg. 2 line 13: dV_j += P^T dO_part.
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kPart / 16; ++kk) {
-        Wgmma<Element, kHeadDim>::template rs<1>(flat(acc_dv), a_p[h][kk],
-                                                 TileQ::desc_mn_major(sdO, q0 / 16 + kk), 1);
-      }
-      wgmma_commit();
+      wgmma_rs_group<Element, kHeadDim, 1>(flat(acc_dv), a_p[h],
+                                            [&](int kk) { return TileQ::desc_mn_major(sdO, q0 / 16 + kk); });
 
       // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows. With kPRounded, P^T
       // lives only as its Element A operands (the fp32 copy is dead while dP^T is pending).
@@ -247,13 +214,8 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       }
 
       // Alg. 2 line 17: dK_j += dS^T Q_part.
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kPart / 16; ++kk) {
-        Wgmma<Element, kHeadDim>::template rs<1>(flat(acc_dk), a_ds[h][kk],
-                                                 TileQ::desc_mn_major(sQ, q0 / 16 + kk), 1);
-      }
-      wgmma_commit();
+      wgmma_rs_group<Element, kHeadDim, 1>(flat(acc_dk), a_ds[h],
+                                            [&](int kk) { return TileQ::desc_mn_major(sQ, q0 / 16 + kk); });
     }
     wgmma_wait<0>();
     __syncthreads();  // every warpgroup is done with this buffer before it is refilled
@@ -266,13 +228,11 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem, acc_dk, 64 * wg, float(params.scale_softmax), tid_wg);
   store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg, 1.f, tid_wg);
   __syncthreads();
-  store_tile<TileKV, kBlockN, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dk, w.bidhk, w.n0),
-                                                  params.dk.row_stride, smem, w.seq.seqlen_k - w.n0, params.d, tid);
-  store_tile<TileKV, kBlockN, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dv, w.bidhk, w.n0),
-                                                  params.dv.row_stride, smem + T::kOffV, w.seq.seqlen_k - w.n0, params.d,
-                                                  tid);
+  w.template store_kv_tile<Element, TileKV, kHeadDim, kThreads>(params, params.dk, smem, tid);
+  w.template store_kv_tile<Element, TileKV, kHeadDim, kThreads>(params, params.dv, smem + T::kOffV, tid);
 #endif
 }
 
-}  // namespace sm90
-}  // namespace flash
+}  // namespace flash::sm90
+
+FLASH_BWD_LAUNCH_TEMPLATE(Sm90, sm90, Dkv, dkv, "dK/dV")

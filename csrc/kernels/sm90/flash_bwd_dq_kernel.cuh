@@ -18,40 +18,19 @@
 // work.cuh): a row that sees no key gets P = dS = 0 and dQ = 0 exactly.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "kernels/sm90/smem_layout.cuh"  // with everything an sm90 kernel uses
 
-#include <cmath>
-#include <cstdint>
-#include <type_traits>
-
-#include "flash.h"
-#include "kernels/common/work.cuh"
-#include "kernels/sm90/smem_layout.cuh"
-#include "primitives/cp_async.cuh"
-#include "primitives/math.cuh"
-#include "primitives/mma.cuh"
-#include "primitives/softmax.cuh"
-#include "primitives/wgmma.cuh"
-
-namespace flash {
-namespace sm90 {
+namespace flash::sm90 {
 
 // Tile: a DqTileShape row (tile_config.h).
 template <typename Element, int kHeadDim, typename Tile>
-struct DqKernelTraits {
-  static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
-  static constexpr int kWarpGroups = kBlockM / 64;
-  static constexpr int kThreads = kWarpGroups * 128;
-  using TileQ = SwizzledTile<kBlockM, kHeadDim>;
-  using TileKV = SwizzledTile<kBlockN, kHeadDim>;
+struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM> {
+  static_assert(Tile::kBlockM % 64 == 0 && Tile::kBlockN % 16 == 0, "64 Q rows per warpgroup, k16 steps of keys");
+  using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockM>;
+  using Base::kBlockM, Base::kBlockN, typename Base::TileQ, typename Base::TileKV;
   // Shared layout (1024-byte aligned): sQ, sdO, then 2 stages x (sK, sV).
-  static constexpr int kOffDO = TileQ::kBytes;
-  static constexpr int kOffK = 2 * TileQ::kBytes;
-  static constexpr int kOffV = kOffK + 2 * TileKV::kBytes;
+  static constexpr int kOffDO = TileQ::kBytes, kOffK = 2 * TileQ::kBytes, kOffV = kOffK + 2 * TileKV::kBytes;
   static constexpr int kSmemBytes = kOffV + 2 * TileKV::kBytes + 1024;  // + alignment slack
-  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0, "64 Q rows per warpgroup, k16 steps of keys");
   static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64nNk16 wgmma wide (N = kBlockN)");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "dQ is one m64nNk16 wgmma wide (N = d)");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
@@ -66,33 +45,23 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   using TileQ = typename T::TileQ;
   using TileKV = typename T::TileKV;
   constexpr int kThreads = T::kThreads;
-  constexpr int kNBlkN = kBlockN / 8;    // n8 blocks of S (keys)
-  constexpr int kNBlkD = kHeadDim / 8;   // n8 blocks of dQ
-
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw_addr = smem_u32addr(smem_raw);
-  const uint32_t smem_addr = (raw_addr + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
-  unsigned char* smem = smem_raw + (smem_addr - raw_addr);
-  const uint32_t sQ = smem_addr, sdO = smem_addr + T::kOffDO;
-
-  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128;
-  const int lane = tid % 32, warp_wg = tid_wg / 32;
-  const int g = lane / 4, t = lane % 4;
+  constexpr int kNBlkN = kBlockN / 8, kNBlkD = kHeadDim / 8;  // n8 blocks of S (keys), of dQ
 
   // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
   const DqWork<kBlockM, kBlockN> w(params);
 
-  const Element* k_base = w.seq.template row_ptr<const Element>(params.k, w.bidhk, 0);
-  const Element* v_base = w.seq.template row_ptr<const Element>(params.v, w.bidhk, 0);
+  unsigned char* smem = aligned_dynamic_smem();
+  const uint32_t smem_addr = smem_u32addr(smem);
+  const uint32_t sQ = smem_addr, sdO = smem_addr + T::kOffDO;
+
+  // Thread = 128 wg + 32 warp_wg + 4 g + t (see the header).
+  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
+  const int lane = tid % 32, g = lane / 4, t = lane % 4;
+
   // Alg. 2 line 7 (K_j, V_j), into `stage`.
   auto load_kv_tile = [&](int n_block, int stage) {
-    const int n0 = n_block * kBlockN;
-    copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffK + stage * TileKV::kBytes,
-                                                         k_base + n0 * params.k.row_stride, params.k.row_stride,
-                                                         w.seq.seqlen_k - n0, params.d, tid);
-    copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(smem_addr + T::kOffV + stage * TileKV::kBytes,
-                                                         v_base + n0 * params.v.row_stride, params.v.row_stride,
-                                                         w.seq.seqlen_k - n0, params.d, tid);
+    w.template copy_kv_tiles_async<Element, TileKV, kHeadDim, kThreads>(
+        params, n_block, smem_addr + T::kOffK + stage * TileKV::kBytes, smem_addr + T::kOffV + stage * TileKV::kBytes, tid);
   };
 
   // Alg. 2 line 10: Q_i, dO_i (resident) with the first K/V tile.
@@ -176,12 +145,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
     for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(a_ds[kk], acc_dp, kk);
 
     // Alg. 2 line 16: dQ_i += dS K_j.
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      Wgmma<Element, kHeadDim>::template rs<1>(flat(acc_dq), a_ds[kk], TileKV::desc_mn_major(sK, kk), 1);
-    }
-    wgmma_commit();
+    wgmma_rs_group<Element, kHeadDim, 1>(flat(acc_dq), a_ds, [&](int kk) { return TileKV::desc_mn_major(sK, kk); });
     wgmma_wait<0>();
     __syncthreads();  // every warpgroup is done with this buffer before it is refilled
   }
@@ -191,10 +155,10 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   __syncthreads();
   store_acc_to_smem<kBlockM, kHeadDim, kNBlkD, Element>(smem, acc_dq, 64 * wg, float(params.scale_softmax), tid_wg);
   __syncthreads();
-  store_tile<TileQ, kBlockM, kHeadDim, kThreads>(w.seq.template row_ptr<Element>(params.dq, w.bidh, w.m0),
-                                                 params.dq.row_stride, smem, w.rows_q, params.d, tid);
+  w.template store_q_tile<Element, TileQ, kHeadDim, kThreads>(params, params.dq, smem, tid);
 #endif
 }
 
-}  // namespace sm90
-}  // namespace flash
+}  // namespace flash::sm90
+
+FLASH_BWD_LAUNCH_TEMPLATE(Sm90, sm90, Dq, dq, "dQ")

@@ -1,7 +1,8 @@
 // Shared-memory tiles of the Hopper (sm90) path: (kRows x kCols) 16-bit elements in the
 // 128-byte-swizzle layout that wgmma reads through matrix descriptors (primitives/wgmma.cuh),
 // and fp32 accumulators -> shared. Global <-> shared copies are primitives/tile_copy.cuh with
-// SwizzledTile as the layout.
+// SwizzledTile as the layout. The one include of the sm90 kernels' headers (work split, mask,
+// softmax, primitives, tile table, launch).
 //
 // Layout: kCols / 64 column blocks of kRows x 64 elements (kRows * 128 bytes each, 1024-byte
 // aligned); inside a block, row r takes 128 bytes and its 16-byte chunk c (elements 8c..8c+7)
@@ -13,15 +14,33 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "flash.h"
+#include "kernels/arch.h"
+#include "kernels/common/work.cuh"
+#include "kernels/launch_utils.h"
+#include "kernels/sm90/tile_config.h"
+#include "primitives/cp_async.cuh"
 #include "primitives/ldmatrix.cuh"
+#include "primitives/math.cuh"
 #include "primitives/mma.cuh"
+#include "primitives/softmax.cuh"
 #include "primitives/tile_copy.cuh"
 #include "primitives/wgmma.cuh"
 
 namespace flash {
 namespace sm90 {
+
+// The kernel's dynamic shared memory from its first 1024-byte boundary (the swizzle atoms need
+// that alignment; the sm90 kernels' kSmemBytes carry 1024 bytes of slack for it).
+__device__ __forceinline__ unsigned char* aligned_dynamic_smem() {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = smem_u32addr(smem_raw);
+  return smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
+}
 
 template <int kRows, int kCols>
 struct SwizzledTile {
@@ -48,6 +67,18 @@ struct SwizzledTile {
   __device__ __forceinline__ static uint64_t desc_mn_major(uint32_t base, int kk) {
     return make_wgmma_desc(base + kk * 16 * 128, kColBlockBytes, 1024);
   }
+};
+
+// What the traits of both sm90 backward kernels share: the tile row's kBlockM x kBlockN, one
+// warpgroup per 64 rows of the wgmma M axis (kMRows: K rows for dK/dV, Q rows for dQ), and the
+// swizzled Q and K/V tiles.
+template <int kHeadDim, typename Tile, int kMRows>
+struct BwdTileTraits {
+  static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
+  static constexpr int kWarpGroups = kMRows / 64;
+  static constexpr int kThreads = kWarpGroups * 128;
+  using TileQ = SwizzledTile<kBlockM, kHeadDim>;
+  using TileKV = SwizzledTile<kBlockN, kHeadDim>;
 };
 
 // Writes a warpgroup's fp32 accumulator (64 x kNBlk*8, wgmma layout: warp w, lane 4g + t holds

@@ -1,0 +1,483 @@
+// FlashAttention forward on Hopper (sm_90a): FlashAttention-2's algorithm (Dao 2023, Alg. 1) with
+// FlashAttention-3's machinery (Shah et al. 2024; ../shared/HOPPER.md §1): TMA tile loads completing
+// on mbarriers, warp specialization, and warpgroup MMA (wgmma) with P kept in registers.
+//
+// Persistent grid (FA3, HOPPER.md §1.7): at most one CTA per SM, each looping over the Q tiles
+// (kBlockM rows of one batch, head) that common/tile_scheduler.cuh deals it, in QTileWork's order
+// (common/work.cuh: heavy causal tiles first, the tiles of one (batch, head) together for L2;
+// causal tiles dealt in (heavy, light) pairs). Barrier setup and register reallocation happen once
+// per CTA, and the mbarrier rings keep running across tiles, so the next tile's loads overlap this
+// tile's last steps and epilogue. Producer and consumers walk the same schedule (a pure function
+// of blockIdx.x and the call), so no tile index passes through shared memory.
+// Warpgroups (128 threads each):
+//   WG 0 (producer, setmaxnreg down): one thread issues the TMA loads of every tile: K_n and V_n
+//        for n = n_block_max - 1 down to 0 into kStages-deep rings, and Q (after the first K/V
+//        block) into a kQStages-deep ring (2 where it fits: d64, d96, d128 causal; else 1); full / empty mbarriers
+//        per stage. Its other threads leave at once.
+//   WG 1 + c (consumer c, setmaxnreg up): query rows [64 c, 64 c + 64) of the tile. Step i:
+//        S_i = Q K^T               wgmma SS (Q and K K-major in shared memory)      Alg. 1 line 8
+//        O += P_{i-1} V_{i-1}      wgmma RS (P in registers as 16-bit A fragments; V N-major), issued
+//                                  right behind S_i (intra-warpgroup overlap, FA3 §3.2)
+//        wait S_i, release K; mask (diagonal / seqlen_k edge tiles only); online softmax of S_i
+//        (primitives/softmax.cuh: the sm80 kernel's numerics, the same code) while O += P V runs
+//                                                                                    Alg. 1 lines 9-10
+//        wait O += P V, release V; O *= alpha; P_i = S_i as A fragments.
+//        With 2-3 consumer warpgroups and d <= 128 the warpgroups take turns issuing their GEMMs
+//        (named barriers, WarpgroupTurns), so one's softmax runs under another's products.
+//   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer and stored with
+//   16-byte stores, LSE and the two softmax_stats planes written by the row owners, as the sm80
+//   kernel does; then every consumer warp releases the Q buffer (q_empty) for the producer.
+//
+// Barrier protocol across tiles (the one to check when a run hangs; mbarrier_wait traps after
+// ~8 s instead): every ring position is a PipelineState (primitives/barrier.cuh) that producer and
+// consumers advance in the same order, never reset between tiles.
+//   Q ring (kQStages): one phase per tile, empty tiles included. Producer, per tile: K/V of its
+//     first key block (below), wait q_empty[s] (parity phase ^ 1), then arrive.expect_tx + TMA on
+//     q_full[s], or a plain arrive when the tile has no key block. Consumers: wait q_full[s]
+//     (phase), ..., epilogue through that Q buffer, fence.proxy.async, one q_empty[s] arrival per
+//     consumer warp (count kConsumerWGs * 4).
+//   K and V rings (kStages): one position per key block of a tile with n_block_max > 0, kept by
+//     producer and consumers alike (the same tiles in the same order); the producer's K/V
+//     loads for tile t+1 wait only on k_empty / v_empty, so they run during tile t. Arrival
+//     counts: full 1 (+ tx bytes), empty kConsumerWGs * 4 (one per warp, per stage use).
+//   Ping-pong turns (named barriers 4..3 + kConsumerWGs): n_block_max + 1 turns per warpgroup per
+//     tile, continuing across tiles; primed once, drained once at exit (WarpgroupTurns).
+//   Epilogue named barriers 1 + c (128 threads, warpgroup c only).
+//
+// Accumulator layout (primitives/wgmma.cuh): thread 32 w + 4 g + t of a consumer warpgroup holds
+// query rows 16 w + g and 16 w + g + 8 of its 64, columns 8 j + 2 t, +1 of every n8 block j: per
+// warp exactly an mma.sync m16n8 C tile, so s[1][kBlockN / 8][4] is the sm80 kernel's fragment with
+// kMAtoms = 1, and AttnMask::apply / OnlineSoftmax run on it unchanged.
+//
+// Shared memory (1024-byte aligned): kQStages x sQ (kBlockM x d), kStages x sK, kStages x sV
+// (kBlockN x d), every tile a SwizzledTile (sm90/smem_layout.cuh) = the TMA 128-byte-swizzle box
+// layout, then the mbarriers.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "flash.h"
+#include "kernels/common/tile_scheduler.cuh"
+#include "kernels/common/work.cuh"
+#include "kernels/sm90/smem_layout.cuh"
+#include "kernels/sm90/tile_config.h"
+#include "primitives/barrier.cuh"
+#include "primitives/cp_async.cuh"
+#include "primitives/math.cuh"
+#include "primitives/mma.cuh"
+#include "primitives/softmax.cuh"
+#include "primitives/tma.cuh"
+#include "primitives/wgmma.cuh"
+
+#ifndef FLASH_ATTN_EXT_SM90_FWD_PINGPONG
+#define FLASH_ATTN_EXT_SM90_FWD_PINGPONG 1
+#endif
+
+namespace flash {
+namespace sm90 {
+
+// The three tensor maps of a forward call (primitives/tma.cuh), one __grid_constant__ parameter.
+struct FwdTmaMaps {
+  CUtensorMap q, k, v;
+};
+
+// Tile: an FwdTileShape row (tile_config.h).
+template <typename Element_, int kHeadDim_, typename Tile_ = FwdTile<kHeadDim_>>
+struct FwdKernelTraits {
+  using Element = Element_;
+  using Tile = Tile_;
+  static constexpr int kHeadDim = kHeadDim_;
+  // Shared tiles, TMA boxes and O are whole 64-column swizzle blocks: d96 runs 128 columns there
+  // (the boxes past d read zeros: the tensor maps' extent is the user's d), S only its 6 k16 steps.
+  static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
+  static constexpr int kConsumerWGs = kBlockM / 64;
+  static constexpr int kThreads = (kConsumerWGs + 1) * 128;
+  // Registers per thread after setmaxnreg (HOPPER.md §1.1; 128 p + 128 c kConsumerWGs <= 65,536).
+  static constexpr int kProducerRegs = kConsumerWGs == 1 ? 56 : kConsumerWGs == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 256 : kConsumerWGs == 2 ? 240 : 160;
+  // Inter-warpgroup ping-pong (HOPPER.md §1.5): consumer warpgroups issue their GEMMs in turn, so
+  // one's softmax runs under another's products. FA3 uses it up to head dim 128.
+  // -DFLASH_ATTN_EXT_SM90_FWD_PINGPONG=0 turns it off (A/B measurements, debugging).
+  static constexpr bool kPingPong = FLASH_ATTN_EXT_SM90_FWD_PINGPONG && kConsumerWGs >= 2 && kHeadDim <= 128;
+
+  using TileQ = SwizzledTile<kBlockM, kHeadDimPad>;
+  using TileKV = SwizzledTile<kBlockN, kHeadDimPad>;
+  // Q ring depth: two Q buffers wherever they fit beside a 2-stage K/V ring (d64, d96, d128 with
+  // 128-key tiles), so the next tile's Q loads while this tile runs; else 1 (the next Q waits for
+  // this tile's epilogue). K/V ring depth: as many stages as fit next to them (2..4; one CTA per
+  // SM): d64 4, d96/d128 2, d192/d256 2 (FA3: 2 everywhere; TK: 4 at d64). Barriers (8 bytes
+  // each, at most 2 Q + 4 K/V stages) and 1024 bytes of alignment slack come first.
+  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4) + 1024;
+  static constexpr int kQStages = 2 * TileQ::kBytes + 4 * TileKV::kBytes + kBarBytes <= kMaxSmem ? 2 : 1;
+  static constexpr int kStagesFit = (kMaxSmem - kQStages * TileQ::kBytes - kBarBytes) / (2 * TileKV::kBytes);
+  static constexpr int kStages = kStagesFit < 4 ? kStagesFit : 4;
+  static constexpr int kOffK = kQStages * TileQ::kBytes;
+  static constexpr int kOffV = kOffK + kStages * TileKV::kBytes;
+  static constexpr int kOffBar = kOffV + kStages * TileKV::kBytes;
+  // Barriers: per Q stage full, empty; then per K/V stage K full, K empty, V full, V empty.
+  static constexpr int kNumBars = 2 * kQStages + 4 * kStages;
+  static constexpr int kSmemBytes = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
+
+  static_assert(Tile::kNWarps == 4 * (kConsumerWGs + 1), "tile row: 4 producer warps + 4 per 64 query rows");
+  static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "1-3 consumer warpgroups of 64 rows");
+  static_assert(kBlockN % 16 == 0, "S is one m64nNk16 wgmma (N = kBlockN: a width of primitives/gen_wgmma.py), "
+                                   "P V whole k16 steps");
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: whole k16 steps, <= 256");
+  static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA box extents <= 256 rows");
+  static_assert(kStages >= 2, "Q and two K/V stages must fit in shared memory");
+};
+
+// O += P V for one K/V tile: kBlockN / 16 k16 steps, N = the (padded) head dim as wgmma widths of
+// wgmma.cuh (64 or 128; d192 = 128 + 64 and d256 = 128 + 128 columns, each a run of 64-column
+// swizzle blocks of sV, hence its own descriptor base).
+template <typename Element, int kHeadDim, typename TileKV, int kKSteps>
+__device__ __forceinline__ void gemm_pv(float (&acc_o)[kHeadDim / 8][4], const uint32_t (&p)[kKSteps][4],
+                                        uint32_t sV) {
+  float* o = &acc_o[0][0];
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    if constexpr (kHeadDim <= 128) {
+      Wgmma<Element, kHeadDim>::template rs<1>(reinterpret_cast<float(&)[kHeadDim / 2]>(*o), p[kk],
+                                               TileKV::desc_mn_major(sV, kk), 1);
+    } else {
+      constexpr int kRest = kHeadDim - 128;
+      Wgmma<Element, 128>::template rs<1>(reinterpret_cast<float(&)[64]>(*o), p[kk], TileKV::desc_mn_major(sV, kk),
+                                          1);
+      Wgmma<Element, kRest>::template rs<1>(reinterpret_cast<float(&)[kRest / 2]>(*(o + 64)), p[kk],
+                                            TileKV::desc_mn_major(sV + 2 * TileKV::kColBlockBytes, kk), 1);
+    }
+  }
+}
+
+// S = Q K^T for one K tile: kHeadDim / 16 k16 steps, N = kBlockN; Q rows [q_row0, q_row0 + 64).
+template <typename Element, typename TileQ, typename TileKV, int kHeadDim, int kNBlkN>
+__device__ __forceinline__ void gemm_qk(float (&s)[kNBlkN][4], uint32_t sQ, int q_row0, uint32_t sK) {
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    Wgmma<Element, kNBlkN * 8>::template ss<0>(flat(s), TileQ::desc_k_major(sQ, q_row0, kk),
+                                              TileKV::desc_k_major(sK, 0, kk), kk > 0);
+  }
+}
+
+// threadIdx.x through a volatile read, where it is used: neither hoisted out of a loop nor kept live
+// across one (the persistent kernel's main loop leaves no register for per-thread offsets that the
+// compiler would otherwise compute once per CTA and keep, spilled, across every tile).
+__device__ __forceinline__ int thread_index_opaque() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+
+// The turn-taking of the consumer warpgroups' GEMM issue (FA3's warp scheduler barriers): named
+// barrier kBarrier + c is warpgroup c's turn, complete when c (bar.sync) and its
+// predecessor (bar.arrive, after issuing its own GEMMs) have both arrived. Every warpgroup of a CTA
+// takes the same number of turns per tile (n_block_max + 1, every warpgroup walks the same tiles),
+// so the order 0, 1, .., 0, 1, .. runs on across tiles. Warpgroup 0 is primed once by the last one
+// (prime, before the first tile) and takes one extra turn-start after the last tile (drain), which
+// consumes the last warpgroup's final hand-over: no barrier is left half-arrived at exit.
+// The calling thread's consumer warpgroup c comes from thread_index_opaque() at every call.
+template <int kConsumerWGs, bool kEnabled>
+struct WarpgroupTurns {
+  static constexpr int kBarrier = 4;  // ids 1..3: the epilogue's per-warpgroup barriers
+  __device__ __forceinline__ static int wg() { return thread_index_opaque() / 128 - 1; }
+  __device__ __forceinline__ static void prime() {
+    if (kEnabled && wg() == kConsumerWGs - 1) named_barrier_arrive(kBarrier, 256);
+  }
+  __device__ __forceinline__ static void begin() {
+    if (kEnabled) named_barrier_sync(kBarrier + wg(), 256);
+  }
+  __device__ __forceinline__ static void end() {
+    if (kEnabled) named_barrier_arrive(kBarrier + (wg() + 1) % kConsumerWGs, 256);
+  }
+  __device__ __forceinline__ static void drain() {
+    if (kEnabled && wg() == 0) named_barrier_sync(kBarrier, 256);
+  }
+};
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_fwd_kernel(const __grid_constant__ Flash_fwd_params params, const __grid_constant__ FwdTmaMaps tma,
+                     const __grid_constant__ FwdTileScheduler<Traits::kBlockM> sched) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Element = typename Traits::Element;
+  using TileQ = typename Traits::TileQ;
+  using TileKV = typename Traits::TileKV;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimPad = Traits::kHeadDimPad;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kQStages = Traits::kQStages;
+  constexpr int kNBlkN = kBlockN / 8;      // n8 blocks of S (keys)
+  constexpr int kNBlkD = kHeadDimPad / 8;  // n8 blocks of O (head dim, padded)
+  constexpr int kConsumerWarps = 4 * Traits::kConsumerWGs;
+
+  unsigned char* smem = aligned_dynamic_smem();
+  const uint32_t smem_addr = smem_u32addr(smem);
+  const uint32_t bar0 = smem_addr + Traits::kOffBar;
+  auto q_full = [&](int s) { return bar0 + 8 * (2 * s); };
+  auto q_empty = [&](int s) { return bar0 + 8 * (2 * s + 1); };
+  const uint32_t bar_kv = bar0 + 8 * (2 * kQStages);
+  auto k_full = [&](int s) { return bar_kv + 8 * (4 * s); };
+  auto k_empty = [&](int s) { return bar_kv + 8 * (4 * s + 1); };
+  auto v_full = [&](int s) { return bar_kv + 8 * (4 * s + 2); };
+  auto v_empty = [&](int s) { return bar_kv + 8 * (4 * s + 3); };
+  auto sQ = [&](int s) { return smem_addr + s * TileQ::kBytes; };
+  auto sK = [&](int s) { return smem_addr + Traits::kOffK + s * TileKV::kBytes; };
+  auto sV = [&](int s) { return smem_addr + Traits::kOffV + s * TileKV::kBytes; };
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kQStages; ++s) {
+      mbarrier_init(q_full(s), 1);                 // the producer's arrive(.expect_tx)
+      mbarrier_init(q_empty(s), kConsumerWarps);  // one arrival per consumer warp, after its epilogue
+    }
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(k_full(s), 1);  // the producer's arrive.expect_tx; TMA completes the bytes
+      mbarrier_init(v_full(s), 1);
+      mbarrier_init(k_empty(s), kConsumerWarps);  // one arrival per consumer warp
+      mbarrier_init(v_empty(s), kConsumerWarps);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();  // the last CTA-wide barrier: the producer's other warps leave below
+
+  // The producer walks this CTA's tiles (common/tile_scheduler.cuh), decodes each (QTileWork) and
+  // publishes the decode with its Q stage; the consumers build the same QTileWork from it. Both
+  // after their register reallocation (nothing live across setmaxnreg).
+  // n_block_max == 0: no row of the tile sees a key (causal, seqlen_q > seqlen_k): no K/V, no Q
+  // load, but one Q-ring phase all the same (the consumers stage O = 0 through the buffer).
+  if (wg == 0) {
+    // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread.
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (tid == 0) {
+      tma_prefetch_map(&tma.q);
+      tma_prefetch_map(&tma.k);
+      tma_prefetch_map(&tma.v);
+      const uint64_t evict_first = l2_policy_evict_first(), evict_last = l2_policy_evict_last();
+      PipelineState<kQStages> q_pipe;
+      PipelineState<kStages> kv_pipe;
+      auto tiles = sched.begin();
+#pragma unroll 1
+      for (int64_t tile; tiles.next(sched, tile);) {
+        const int2 bm = QTileWork<kBlockM, kBlockN>::decode(params, tile);
+        const QTileWork<kBlockM, kBlockN> w(params, bm);
+        const int n_block_max = w.n_block_max, bidb = w.seq.bidb;
+        // K_n and V_n of step i (n = n_block_max - 1 - i) into the next ring stage, once the
+        // consumers released it (round 0 passes at once: fresh barriers).
+        auto load_kv = [&](int i) {
+          const int n = n_block_max - 1 - i, stage = kv_pipe.stage(i);
+          const uint32_t parity = kv_pipe.phase(i) ^ 1;
+          mbarrier_wait(k_empty(stage), parity);
+          mbarrier_arrive_expect_tx(k_full(stage), TileKV::kBytes);
+#pragma unroll
+          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+            tma_load_4d(sK(stage) + cb * TileKV::kColBlockBytes, &tma.k, k_full(stage), 64 * cb, n * kBlockN,
+                        w.bidhk, bidb, evict_last);
+          }
+          mbarrier_wait(v_empty(stage), parity);
+          mbarrier_arrive_expect_tx(v_full(stage), TileKV::kBytes);
+#pragma unroll
+          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+            tma_load_4d(sV(stage) + cb * TileKV::kColBlockBytes, &tma.v, v_full(stage), 64 * cb, n * kBlockN,
+                        w.bidhk, bidb, evict_last);
+          }
+        };
+        // The first key block before Q: with one Q buffer, Q waits for the previous tile's
+        // epilogue (q_empty), and K/V need not.
+        if (n_block_max > 0) load_kv(0);
+        const int qs = q_pipe.stage();
+        mbarrier_wait(q_empty(qs), q_pipe.phase() ^ 1);
+        if (n_block_max > 0) {
+          mbarrier_arrive_expect_tx(q_full(qs), TileQ::kBytes);
+#pragma unroll
+          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+            tma_load_4d(sQ(qs) + cb * TileQ::kColBlockBytes, &tma.q, q_full(qs), 64 * cb, w.m0, w.bidh, bidb,
+                        evict_first);
+          }
+        } else {
+          mbarrier_arrive(q_full(qs));  // no key: hand the empty buffer over for O = 0
+        }
+        q_pipe.advance();
+#pragma unroll 1
+        for (int i = 1; i < n_block_max; ++i) load_kv(i);
+        kv_pipe.advance(n_block_max);
+      }
+    }
+    return;
+  }
+
+  // ---- Consumers: warpgroup c owns query rows [64 c, 64 c + 64) of every tile.
+  setmaxnreg_inc<Traits::kConsumerRegs>();
+  const float scale_log2 = params.scale_softmax_log2;
+  using Turns = WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>;
+  PipelineState<kQStages> q_pipe;
+  PipelineState<kStages> kv_next;  // the K/V ring position of the next tile's first key block
+  Turns::prime();
+  auto tiles = sched.begin();
+#pragma unroll 1
+  for (int64_t tile_index; tiles.next(sched, tile_index);) {
+    // The next tile (the producer's, in the same order): wait for its Q (a tile without keys: for
+    // the buffer). The index is opaque from here on: what derives from it is recomputed in the
+    // epilogue instead of held live across the main loop.
+    int64_t tile = tile_index;
+    asm volatile("" : "+l"(tile));
+    const int qs = q_pipe.stage();
+    mbarrier_wait(q_full(qs), q_pipe.phase());
+    const QTileWork<kBlockM, kBlockN> w(params, tile);
+    const int n_block_max = w.n_block_max;
+    const uint32_t sQ_t = sQ(qs);
+    // Step i of the tile: S_i reads K at kv_pipe.stage(i), P_{i-1} V at kv_pipe.stage(i - 1).
+    const PipelineState<kStages> kv_pipe = kv_next;
+    kv_next.advance(n_block_max);
+    // The thread's indices, read afresh for every tile and again in the epilogue (an opaque read
+    // of %tid.x): the compiler would otherwise hoist the row- and thread-derived mask, stats and
+    // store terms out of the tile loop and keep them live (spilled) across the main loop.
+    const int c = thread_index_opaque() / 128 - 1, lane = thread_index_opaque() % 32;
+    // The warp's first row inside the tile (mask, stats), read afresh where it is used.
+    auto row0 = [] { return thread_index_opaque() / 32 * 16 - 64; };
+
+    float acc_o[1][kNBlkD][4];  // FA2 Alg. 1 line 5: O = 0
+#pragma unroll
+    for (int j = 0; j < kNBlkD; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[0][j][e] = 0.f;
+    }
+    OnlineSoftmax<1> softmax;  // m = -inf, l = 0
+
+    if (n_block_max > 0) {
+      // Intra-warpgroup overlap (FA3 §3.2, HOPPER.md §1.5): step i issues S_i = Q K_i^T and
+      // O += P_{i-1} V_{i-1} back to back, then runs the softmax of S_i while the second product is
+      // still on the tensor cores; O's rescale for S_i waits until that product is complete.
+      uint32_t p[kBlockN / 16][4];  // P_{i-1} as 16-bit A fragments (FA2 Alg. 1 line 10)
+      float s[1][kNBlkN][4];
+
+      // Step 0 (the last key block, n = n_block_max - 1): S_0, its softmax and P_0 (O = 0 yet).
+      Turns::begin();
+      mbarrier_wait(k_full(kv_pipe.stage(0)), kv_pipe.phase(0));
+      wgmma_fence();
+      gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * c, sK(kv_pipe.stage(0)));
+      wgmma_commit();
+      Turns::end();
+      wgmma_wait<0>();
+      wgmma_fence_operands(flat(s[0]));
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(k_empty(kv_pipe.stage(0)));  // this warp is done with K_0
+      if (w.block_needs_mask(n_block_max - 1)) w.mask.apply(s, w.m0 + row0(), (n_block_max - 1) * kBlockN);
+      softmax.update(s, acc_o, scale_log2);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
+
+#pragma unroll 1
+      for (int i = 1; i < n_block_max; ++i) {
+        const int n = n_block_max - 1 - i, stage = kv_pipe.stage(i), prev = kv_pipe.stage(i - 1);
+
+        // Alg. 1 line 8: S_i = Q K_n^T (unscaled: the scale goes into the softmax) ...
+        Turns::begin();
+        mbarrier_wait(k_full(stage), kv_pipe.phase(i));
+        wgmma_fence();
+        gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * c, sK(stage));
+        wgmma_commit();
+        // ... and line 10 of the previous step: O += P_{i-1} V_{n+1}.
+        mbarrier_wait(v_full(prev), kv_pipe.phase(i - 1));
+        wgmma_fence();
+        gemm_pv<Element, kHeadDimPad, TileKV>(acc_o[0], p, sV(prev));
+        wgmma_commit();
+        Turns::end();
+
+        wgmma_wait<1>();  // S_i is complete, O += P V still running
+        wgmma_fence_operands(flat(s[0]));
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(k_empty(stage));  // this warp is done with K_n
+
+        // The mask (common/mask.cuh) only on tiles crossing the causal diagonal or the seqlen_k edge
+        // (a CTA-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S - m) c), l; alpha for O.
+        if (w.block_needs_mask(n)) w.mask.apply(s, w.m0 + row0(), n * kBlockN);
+        float alpha[2];
+        const bool rescaled = softmax.update_deferred(s, scale_log2, alpha);
+
+        wgmma_wait<0>();  // O += P_{i-1} V complete: O and the P registers are ours again
+        wgmma_fence_operands(flat(acc_o[0]));
+        wgmma_fence_operands(flat(s[0]));
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(v_empty(prev));  // this warp is done with V_{n+1}
+        if (rescaled) OnlineSoftmax<1>::rescale_o(acc_o, alpha);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
+      }
+
+      // The last step's O += P V (key block 0).
+      {
+        const int last = kv_pipe.stage(n_block_max - 1);
+        Turns::begin();
+        mbarrier_wait(v_full(last), kv_pipe.phase(n_block_max - 1));
+        wgmma_fence();
+        gemm_pv<Element, kHeadDimPad, TileKV>(acc_o[0], p, sV(last));
+        wgmma_commit();
+        Turns::end();
+        wgmma_wait<0>();
+        wgmma_fence_operands(flat(acc_o[0]));
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(v_empty(last));
+      }
+    }
+
+    // ---- Epilogue (Alg. 1 lines 12-13): O = acc_o / l, LSE = m + log2(l) (and its two parts), as
+    // the sm80 kernel. A tile whose rows see no key (n_block_max == 0) gets O = 0, LSE = +inf.
+    // The tile's decode once more: cheaper than holding the output offsets live, spilled, across
+    // the main loop.
+    {
+      const QTileWork<kBlockM, kBlockN> wo(params, tile);
+      const int tid_e = thread_index_opaque();
+      const int c = tid_e / 128 - 1, tid_wg = tid_e % 128, lane = tid_e % 32;
+      float lse[2], row_max[2], row_log2sum[2];
+      softmax.finalize(acc_o, scale_log2, lse, row_max, row_log2sum);
+      if (lane % 4 == 0) {
+        const int64_t stat0 = wo.seq.stat_index(params, wo.bidh, wo.m0);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0() + lane / 4 + 8 * r;
+          if (row < wo.rows_q) {
+            params.softmax_lse_ptr[stat0 + row] = lse[r];
+            if (params.row_max_ptr != nullptr) {
+              params.row_max_ptr[stat0 + row] = row_max[r];
+              params.row_log2sum_ptr[stat0 + row] = row_log2sum[r];
+            }
+          }
+        }
+      }
+      // O through this warpgroup's own 64 rows of the Q buffer (its S products, the only readers,
+      // are complete; the Q tile landed before them), then 16-byte stores of whole rows
+      // (primitives/tile_copy.cuh; rows 64 c + r lie 64 c * 128 bytes past rows r: whole swizzle
+      // atoms). The buffer address is opaque per tile, as the thread index.
+      uint32_t sO_addr = sQ(qs);
+      asm volatile("" : "+r"(sO_addr));
+      unsigned char* sO = static_cast<unsigned char*>(__cvta_shared_to_generic(sO_addr));
+      store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(sO, acc_o[0], 64 * c, 1.f, tid_wg);
+      named_barrier_sync(1 + c, 128);
+      store_tile<TileQ, 64, kHeadDimPad, 128>(wo.seq.template row_ptr<Element>(params.o, wo.bidh, wo.m0 + 64 * c),
+                                              params.o.row_stride, sO + 64 * c * 128, wo.rows_q - 64 * c, params.d,
+                                              tid_wg);
+    }
+    // Release the Q buffer: this warp's generic-proxy writes and reads of it are ordered before the
+    // producer's next TMA (async proxy) write into it.
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(q_empty(qs));
+    q_pipe.advance();
+  }
+  Turns::drain();
+#endif
+}
+
+}  // namespace sm90
+}  // namespace flash

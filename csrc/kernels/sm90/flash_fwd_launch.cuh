@@ -1,0 +1,82 @@
+// Launch template of the Hopper (sm90) forward kernel: tensor maps, grid, shared memory, checks.
+// Explicitly instantiated per (dtype, head dim) by csrc/kernels/sm90/instantiations/flash_fwd_*.cu.
+// csrc/kernels/dispatch.cu sends a call here only when the inputs pass tma_can_describe
+// (primitives/tma.cuh); should the driver still refuse a tensor map, the call runs the sm80 kernel
+// instead (nothing was launched yet).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "flash.h"
+#include "kernels/arch.h"
+#include "kernels/launch_utils.h"
+#include "kernels/sm90/flash_fwd_kernel.cuh"
+#include "kernels/sm90/tile_config.h"
+#include "primitives/tma.cuh"
+
+namespace flash {
+namespace sm90 {
+
+// Whether the forward runs its persistent grid (common/tile_scheduler.cuh) or one CTA per tile.
+// FLASH_ATTN_EXT_SM90_FWD_SCHEDULE (read once; a tuning knob): "tile" runs one CTA per tile;
+// unset, "auto" or "persistent": the persistent grid, measured faster or equal at every shape of
+// the benchmark (docs/PERF_NOTES.md).
+inline bool fwd_persistent() {
+  static const int forced = [] {
+    const char* e = std::getenv("FLASH_ATTN_EXT_SM90_FWD_SCHEDULE");
+    if (e == nullptr || std::string(e).empty() || std::string(e) == "auto") return -1;
+    if (std::string(e) == "persistent") return 1;
+    if (std::string(e) == "tile") return 0;
+    throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SM90_FWD_SCHEDULE must be auto, persistent "
+                                         "or tile, got '") + e + "'");
+  }();
+  return forced != 0;
+}
+
+// Launches flash_fwd_kernel<Traits> on the persistent grid of common/tile_scheduler.cuh: one CTA
+// per SM (fewer when the call has fewer work units), each looping over its Q tiles. The head dim
+// is dispatch.cu's guarantee (d_rounded == kHeadDim). False (nothing launched) when a tensor map
+// cannot be encoded, or the call has more than 2^30 work units (the scheduler's limit).
+template <typename Traits>
+bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
+  constexpr int kHeadDim = Traits::kHeadDim;
+  static_assert(Traits::kSmemBytes <= kMaxSmem, "forward tile row exceeds sm_90 shared memory");
+  constexpr bool kBf16 = std::is_same_v<typename Traits::Element, __nv_bfloat16>;
+  if (params.is_bf16 != kBf16) throw std::runtime_error("flash_attn_ext: sm90 forward called with the wrong dtype");
+  FwdTmaMaps maps;
+  if (!tma_encode_bshd(&maps.q, params.q, params.b, params.seqlen_q, params.h, params.d, kBf16, Traits::kBlockM) ||
+      !tma_encode_bshd(&maps.k, params.k, params.b, params.seqlen_k, params.h_k, params.d, kBf16, Traits::kBlockN) ||
+      !tma_encode_bshd(&maps.v, params.v, params.b, params.seqlen_k, params.h_k, params.d, kBf16, Traits::kBlockN)) {
+    return false;
+  }
+  const auto sched = FwdTileScheduler<Traits::kBlockM>::make(params, fwd_persistent());
+  if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
+  launch_1d(flash_fwd_kernel<Traits>, sched.grid_size(params), Traits::kThreads, Traits::kSmemBytes, "forward (sm90)",
+            kHeadDim, stream, params, maps, sched);
+  return true;
+}
+
+}  // namespace sm90
+
+template <typename Element, int kHeadDim>
+void run_mha_fwd_(Sm90, Flash_fwd_params& params, cudaStream_t stream) {
+  static_assert(sm90::FwdTile<kHeadDim>::kSupported, "no sm90 forward tile row for this head dim");
+  if constexpr (sm90::FwdTileNonCausal<kHeadDim>::kSupported) {
+    if (!params.is_causal) {
+      using Traits = sm90::FwdKernelTraits<Element, kHeadDim, sm90::FwdTileNonCausal<kHeadDim>>;
+      if (!sm90::launch_fwd<Traits>(params, stream)) run_mha_fwd_<Element, kHeadDim>(Sm80{}, params, stream);
+      return;
+    }
+  }
+  if (!sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim>>(params, stream)) {
+    run_mha_fwd_<Element, kHeadDim>(Sm80{}, params, stream);  // defined by the sm80 instantiations
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,273 @@
+"""GPU tests of the Hopper forward kernel (csrc/kernels/sm90/flash_fwd_kernel.cuh: TMA, mbarriers,
+warp specialization, wgmma) through ``torch.ops.flash_attn_ext.forward``.
+
+The sm90 forward runs on compute capability 9.0 when the build has sm_90a code, for the head dims
+of the manifest's sm90 "fwd" row (64, 96, 128, 192, 256; 32 keeps the sm80 kernel), and
+only for inputs TMA can describe (16-byte-aligned base, strides multiples of 16 bytes); every other
+input takes the sm80 kernel. Each test here runs on the default ("auto") path and compares with
+the float64 reference under the project's rule (tests/accuracy.py: max|ours - ref| <= 2 x
+max|same-dtype torch math - ref|), and, where stated, with the sm80 kernel forced on the same GPU
+(flash_attn_ext.force_sm80_path). The accuracy grid over head dims, dtypes, seqlens, causal, GQA,
+padded head dims and strided views is tests/test_cuda_forward.py, which runs on both arch paths.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_attn_ext
+from accuracy import check_accuracy
+from flash_attn_ext.reference import attention_ref
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "the sm90 forward needs a CUDA GPU (none visible)"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"the sm90 forward runs on compute capability 9.0 only (this GPU: {torch.cuda.get_device_capability()})"
+    info = flash_attn_ext.build_info()
+    if not info.get("with_cuda"):
+        return "flash_attn_ext was built without CUDA kernels"
+    if "90a" not in str(info.get("cuda_archs", "")):
+        return "this build has no sm_90a code (FLASH_ATTN_EXT_CUDA_ARCHS without 90a): only the sm80 path exists"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+SM90_FWD_HDIMS = [64, 96, 128, 192, 256]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _require_hdim(d):
+    compiled = [int(x) for x in str(flash_attn_ext.build_info().get("head_dims", "")).split(",") if x.strip()]
+    if d not in compiled:
+        pytest.skip(f"head dim {d} not compiled in this build (compiled: {compiled})")
+
+
+class _sm80_forced:
+    def __enter__(self):
+        self.previous = flash_attn_ext.force_sm80_path(True)
+
+    def __exit__(self, *exc):
+        flash_attn_ext.force_sm80_path(self.previous)
+
+
+def _forward(q, k, v, scale, causal, nan_outputs=True):
+    """The op with its outputs' memory poisoned with NaN (an unwritten element shows as NaN)."""
+    if nan_outputs:
+        junk = torch.full((q.numel() * 2 + q.shape[0] * q.shape[1] * q.shape[2] * 4,), float("nan"),
+                          dtype=torch.float32, device=q.device)
+        del junk
+    return torch.ops.flash_attn_ext.forward(q, k, v, scale, causal)
+
+
+def check_forward(q, k, v, causal, scale=None):
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse, stats = _forward(q, k, v, scale, causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not torch.isnan(out).any(), "out: NaN"
+    assert not torch.isnan(lse).any() and not torch.isnan(stats).any(), "softmax_lse / softmax_stats: NaN"
+    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, upcast=True)
+    base_out, base_lse = attention_ref(q, k, v, scale, causal, upcast=False)
+    check_accuracy("out", out, ref_out, base_out)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+    # softmax_stats: LSE * log2(e) = stats[0] + stats[1]; rows without keys (+inf, 0).
+    empty = torch.isposinf(lse)
+    assert torch.equal(torch.isposinf(stats[0]), empty) and torch.all(stats[1][empty] == 0)
+    lse2 = (stats[0] + stats[1])[~empty].double()
+    assert torch.allclose(lse2, lse[~empty].double() * math.log2(math.e), rtol=1e-5, atol=1e-4)
+    if causal and q.shape[1] > k.shape[1]:
+        n_empty = q.shape[1] - k.shape[1]
+        assert torch.all(out[:, :n_empty] == 0)
+        assert torch.all(torch.isposinf(lse[:, :, :n_empty]))
+    return out, lse, stats
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=dtype, device="cuda", generator=g)
+
+    return rnd(batch, seqlen_q, nheads, d), rnd(batch, seqlen_k, nheads_k, d), rnd(batch, seqlen_k, nheads_k, d)
+
+
+@pytest.mark.parametrize("d", SM90_FWD_HDIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_sm90_matches_sm80(dtype, d, causal):
+    """The sm90 and the (forced) sm80 kernel of the same GPU: both within the rule, and the
+    statistics equal up to fp32 summation order."""
+    _require_hdim(d)
+    q, k, v = make_qkv(2, 777, 1029, 6, 2, d, dtype, seed=d)
+    out90, lse90, st90 = check_forward(q, k, v, causal)
+    with _sm80_forced():
+        out80, lse80, st80 = check_forward(q, k, v, causal)
+    ref_out, _ = attention_ref(q, k, v, 1.0 / math.sqrt(d), causal, upcast=True)
+    base_out, _ = attention_ref(q, k, v, 1.0 / math.sqrt(d), causal, upcast=False)
+    base_err = (base_out.double() - ref_out.double()).abs().max().item()
+    assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
+    torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(st90[0] + st90[1], st80[0] + st80[1], rtol=1e-5, atol=1e-4)
+
+
+def test_sm90_forward_rows_without_keys():
+    """causal, seqlen_q > seqlen_k: whole 128/192-row tiles see no key (no TMA issued) -> 0, +inf."""
+    for d in (64, 128):
+        _require_hdim(d)
+        q, k, v = make_qkv(1, 1000, 40, 2, 1, d, torch.float16)
+        check_forward(q, k, v, causal=True)
+
+
+def test_sm90_forward_batch_heads_70000():
+    """batch * nheads = 70,000 (> 65,535): the 1-D grid decode of QTileWork."""
+    _require_hdim(64)
+    q, k, v = make_qkv(35, 16, 16, 2000, 500, 64, torch.bfloat16)
+    check_forward(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("magnitude", [100.0, 133120.0, 1e9])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_forward_large_magnitude(magnitude, causal):
+    """Scores far beyond exp's range (the exact P form of primitives/softmax.cuh): finite, accurate."""
+    _require_hdim(128)
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(1, 100, 2, 128, generator=g) * magnitude).to(torch.bfloat16).cuda()
+    k = (torch.randn(1, 130, 2, 128, generator=g) * magnitude).to(torch.bfloat16).cuda()
+    v = torch.randn(1, 130, 2, 128, generator=g).to(torch.bfloat16).cuda()
+    check_forward(q, k, v, causal)
+    c = torch.full((1, 100, 2, 128), magnitude).to(torch.bfloat16).cuda()
+    ck = torch.full((1, 130, 2, 128), magnitude).to(torch.bfloat16).cuda()
+    check_forward(c, ck, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_forward_misaligned_falls_back(d, causal):
+    """Inputs TMA cannot describe, correctly: a base pointer 2 bytes off 16-byte alignment (odd
+    storage offset into a fused qkv buffer) and a row stride of an odd number of elements are made
+    contiguous by the API (flash_api.cpp: aligned_for_cuda; the kernels' 16-byte loads need that on
+    every path), and a zero batch stride (K/V broadcast over the batch), which passes that check,
+    takes the sm80 kernel in run_mha_fwd (kernels/dispatch.cu: tma_can_describe_inputs)."""
+    _require_hdim(d)
+    b, s, h = 2, 257, 4
+    dtype = torch.bfloat16
+    flat = torch.randn(b * s * 3 * h * d + 1, dtype=dtype, device="cuda")
+    qkv = flat[1:].view(b, s, 3, h, d)  # storage offset 1 element: base not 16-byte aligned
+    q, k, v = qkv.unbind(2)
+    assert q.data_ptr() % 16 != 0
+    check_forward(q, k, v, causal)
+    # Row stride h*d + 1 elements (2 bytes past a multiple of 16).
+    buf = torch.randn(b * s * (h * d + 1) + 64, dtype=dtype, device="cuda")
+    q_odd = buf.as_strided((b, s, h, d), (s * (h * d + 1), h * d + 1, d, 1))
+    k2, v2 = make_qkv(b, s, s, h, h, d, dtype)[1:]
+    check_forward(q_odd, k2, v2, causal)
+    # K/V broadcast over the batch (zero batch stride, which TMA refuses).
+    check_forward(q_odd, k2[:1].expand_as(k2), v2[:1].expand_as(v2), causal)
+
+
+def test_sm90_forward_deterministic():
+    """Two identical calls give bit-identical outputs (no atomics, fixed order)."""
+    _require_hdim(128)
+    q, k, v = make_qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16)
+    a = _forward(q, k, v, 0.1, True)
+    b = _forward(q, k, v, 0.1, True)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _forward_kernel_names(q, k, v, causal):
+    """Names of the CUDA kernels one forward call launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.ops.flash_attn_ext.forward(q, k, v, 0.125, causal)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "flash_fwd_kernel" in e.name]
+
+
+@pytest.mark.parametrize("d", SM90_FWD_HDIMS)
+def test_sm90_forward_kernel_is_the_one_that_runs(d):
+    """The dispatch really picks the sm90 kernel (a refused tensor map would fall back to sm80
+    silently, and every accuracy test above would still pass), and forcing the sm80 path or a
+    zero batch stride picks the sm80 kernel."""
+    _require_hdim(d)
+    q, k, v = make_qkv(2, 300, 300, 4, 2, d, torch.bfloat16)
+    for causal in (False, True):
+        names = _forward_kernel_names(q, k, v, causal)
+        assert names and all("sm90" in n for n in names), names
+    with _sm80_forced():
+        names = _forward_kernel_names(q, k, v, False)
+    assert names and all("sm80" in n for n in names), names
+    kb = k[:1].expand(2, -1, -1, -1)
+    vb = v[:1].expand(2, -1, -1, -1)
+    names = _forward_kernel_names(q, kb, vb, False)
+    assert names and all("sm80" in n for n in names), names
+
+
+# ---- The persistent grid (csrc/kernels/common/tile_scheduler.cuh): at most one CTA per SM, each
+# walking several Q tiles, with the K/V and Q mbarrier rings running across tiles and causal tiles
+# dealt in (heavy, light) pairs when there are more tiles than SMs.
+
+
+def _num_sms():
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+# (seqlen_q, seqlen_k): causal rows without keys (whole 128/192-row tiles with n_block_max == 0
+# between tiles with keys: no loads, O = 0, LSE = +inf); an odd number of 128-row Q tiles (5: the
+# heaviest causal tile is a unit of its own) next to 4 of 192 rows; an odd count of 192-row tiles (3).
+PERSISTENT_PAIRS = [(700, 400), (600, 601), (500, 333)]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", PERSISTENT_PAIRS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", SM90_FWD_HDIMS)
+def test_sm90_forward_persistent_many_tiles(d, causal, seqlen_q, seqlen_k):
+    """More than twice as many Q tiles as SMs, not a multiple of the SM count: every CTA walks
+    several tiles and CTAs walk different numbers of them (and of key blocks), GQA."""
+    _require_hdim(d)
+    batch, nheads, nheads_k = 2, 48, 16
+    block_m = 192 if d == 64 else 128
+    tiles = batch * nheads * math.ceil(seqlen_q / block_m)
+    assert tiles > 2 * _num_sms() or _num_sms() > 150, (tiles, _num_sms())
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, torch.bfloat16, seed=d + seqlen_q)
+    check_forward(q, k, v, causal)
+
+
+def test_sm90_forward_persistent_batch_heads_70000():
+    """batch * nheads = 70,000 with 2 Q tiles each (140,000 tiles, 70,000 causal pairs), rows without
+    keys in the first tile: against the (forced) sm80 kernel everywhere, the reference on one batch."""
+    _require_hdim(64)
+    q, k, v = make_qkv(35, 200, 100, 2000, 500, 64, torch.bfloat16, seed=3)
+    out, lse, _ = _forward(q, k, v, 0.125, True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    with _sm80_forced():
+        out80, lse80, _ = _forward(q, k, v, 0.125, True)
+    assert torch.all(out[:, :100] == 0) and torch.all(torch.isposinf(lse[:, :, :100]))
+    # Two kernels, the same math in another order (key block widths, P rounding points): a wrong or
+    # skipped tile shows as O(1) differences, rounding as a few bf16 ulps.
+    diff = (out.float() - out80.float()).abs()
+    assert diff.max().item() <= 0.1 and diff.mean().item() <= 2e-3, (diff.max().item(), diff.mean().item())
+    torch.testing.assert_close(lse, lse80, rtol=1e-5, atol=1e-4)
+    ref_out, ref_lse = attention_ref(q[:1], k[:1], v[:1], 0.125, True, upcast=True)
+    base_out, base_lse = attention_ref(q[:1], k[:1], v[:1], 0.125, True, upcast=False)
+    check_accuracy("out", out[:1], ref_out, base_out)
+    check_accuracy("softmax_lse", lse[:1], ref_lse, base_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_forward_persistent_deterministic(d, causal):
+    """Many tiles per CTA (two Q buffers at d64, one at d128): three calls, bit-identical outputs."""
+    _require_hdim(d)
+    q, k, v = make_qkv(4, 1000, 1000, 16, 4, d, torch.bfloat16, seed=11)
+    first = _forward(q, k, v, 0.1, causal)
+    for _ in range(2):
+        again = _forward(q, k, v, 0.1, causal)
+        for x, y in zip(first, again):
+            assert torch.equal(x, y)
