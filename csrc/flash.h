@@ -90,7 +90,7 @@ struct Flash_bwd_params : public Flash_fwd_params {
   int seqlen_q_rounded = 0;  // seqlen_q rounded up to a multiple of 128
 };
 
-// ---- Dispatch points (one per op). Defined in csrc/kernels/flash_{fwd,bwd}_dispatch.cu.
+// ---- Dispatch points (one per op). Defined in csrc/kernels/dispatch.cu.
 // They pick the arch path (kernels/arch.h: select_arch), head dim and dtype, and throw
 // std::runtime_error on a combination that was not compiled or on a failed launch.
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream);

@@ -47,7 +47,7 @@ if [[ " $STEPS " == *" build "* ]]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [[ " $STEPS " == *" build "* ]]; then
-  # SASS of the production hdim-128 forward kernel: tensor-core (HMMA) and ldmatrix (LDSM) counts.
+  # SASS of the sm80 hdim-128 forward kernel: tensor-core (HMMA) and ldmatrix (LDSM) counts.
   obj=$(find build -name 'flash_fwd_hdim128_bf16_sm80.o' | head -n 1)
   if [ -n "$obj" ]; then
     cuobjdump --dump-sass "$obj" >"$OUT/sass_fwd_hdim128_bf16.txt" 2>&1
@@ -90,7 +90,7 @@ fi
 
 if [[ " $STEPS " == *" ncu "* ]]; then
   # Tensor-pipe utilization of the forward at hdim 128, N = 8192 (bf16, batch 2, 16 heads), one
-  # profiled launch; clocks left alone (METHOD.md).
+  # profiled launch; clocks left alone (--clock-control none).
   ncu --clock-control none --kernel-name regex:flash_fwd_kernel --launch-skip 3 --launch-count 1 \
     --metrics sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum \
     $PY -c "

@@ -1,4 +1,4 @@
-"""The accuracy criterion every test uses (FlashAttention's rule, DEVELOPERS.md):
+"""The accuracy criterion every test uses (FlashAttention's rule; README.md, "Accuracy rule"):
 
     max |ours - ref| <= factor * max |baseline - ref| + atol
 

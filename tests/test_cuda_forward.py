@@ -1,5 +1,6 @@
-"""GPU tests of the CUDA forward kernel (csrc/kernels/sm80/flash_fwd_kernel.cuh, FlashAttention-2
-Algorithm 1) through ``torch.ops.flash_attn_ext.forward``.
+"""GPU tests of the CUDA forward kernels (csrc/kernels/sm80/flash_fwd_kernel.cuh and, on sm_90,
+csrc/kernels/sm90/flash_fwd_kernel.cuh; FlashAttention-2 Algorithm 1) through
+``torch.ops.flash_attn_ext.forward``, every test on each arch path the GPU can take (fwd_path).
 
 Criterion (tests/accuracy.py): max|ours - ref| <= 2 * max|baseline - ref| for out and softmax_lse,
 ref = flash_attn_ext.reference.attention_ref(upcast=True) (float64), baseline = the same math in the

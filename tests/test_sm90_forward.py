@@ -123,7 +123,7 @@ def test_sm90_forward_rows_without_keys():
 
 
 def test_sm90_forward_batch_heads_70000():
-    """batch * nheads = 70,000 (> 65,535): the 1-D grid decode of QTileWork."""
+    """batch * nheads = 70,000 (> 65,535): the tile-index decode of QTileWork (persistent grid)."""
     _require_hdim(64)
     q, k, v = make_qkv(35, 16, 16, 2000, 500, 64, torch.bfloat16)
     check_forward(q, k, v, causal=True)
@@ -263,7 +263,8 @@ def test_sm90_forward_persistent_batch_heads_70000():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_forward_persistent_deterministic(d, causal):
-    """Many tiles per CTA (two Q buffers at d64, one at d128): three calls, bit-identical outputs."""
+    """Many tiles per CTA (two Q buffers at d64 and d128 causal, one at d128 non-causal): three calls,
+    bit-identical outputs."""
     _require_hdim(d)
     q, k, v = make_qkv(4, 1000, 1000, 16, 4, d, torch.bfloat16, seed=11)
     first = _forward(q, k, v, 0.1, causal)

@@ -6,8 +6,8 @@
 //
 // The manifest (csrc/kernels/generate_kernels.py) is the one list of (arch path, kernel, head dim,
 // dtype); setup.py writes the subset this build compiles into csrc/generated/build_config.h as
-// X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS),
-// read here only.
+// X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS)
+// and the flag FLASH_ATTN_EXT_WITH_SM90, read here only.
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches on `stream`:
 //   1. preprocess: D = rowsum(dO o O), LSE_log2 = hi + lo   (common/bwd_preprocess.cuh)

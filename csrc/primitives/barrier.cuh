@@ -19,10 +19,6 @@
 
 namespace flash {
 
-__device__ __forceinline__ uint32_t smem_addr_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // ---- mbarrier ----
 
 // Initializes the barrier at shared address `bar` to expect `count` arrivals per phase. One

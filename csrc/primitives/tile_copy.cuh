@@ -1,6 +1,7 @@
 // Global <-> shared copies of (kRows x kCols) tiles of 16-bit elements by 16-byte chunks, for
-// any shared layout; the backward kernels of both arch paths use them (sm80: padded pitch,
-// sm80/flash_bwd_common.cuh; sm90: 128-byte swizzle, sm90/smem_layout.cuh). A Layout gives
+// any shared layout; every kernel of both arch paths uses them, except for the sm90 forward's
+// TMA loads (sm80: padded pitch, sm80/kernel_common.cuh; sm90: 128-byte swizzle,
+// sm90/smem_layout.cuh). A Layout gives
 //   static uint32_t offset(int r, int c)   byte offset of element (r, c), c a multiple of 8;
 //   kRowAlign, kRowBytes                   offset(r + k * kRowAlign, c) = offset(r, c) +
 //                                          k * kRowAlign * kRowBytes for every r, c.

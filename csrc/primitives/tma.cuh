@@ -80,14 +80,21 @@ inline bool tma_can_describe(const TensorView& t, int batch, int seqlen, int hea
   return true;
 }
 
-// cuTensorMapEncodeTiled from the driver, resolved once through the runtime.
+// cuTensorMapEncodeTiled from the driver, resolved once through the runtime (nullptr if the driver
+// lacks it: the caller then runs the sm80 forward).
 inline PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* ptr = nullptr;
     cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
+    const cudaError_t prior = cudaPeekAtLastError();  // the caller's, left as it is
+#if CUDART_VERSION >= 12050
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status);
+#else  // CUDA 12.0-12.4: the unversioned lookup (the 12.0 ABI of the symbol, the one named above)
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status);
+#endif
+    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess) {
+      if (prior == cudaSuccess) (void)cudaGetLastError();  // the failed lookup's error is not the next launch's
       ptr = nullptr;
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);

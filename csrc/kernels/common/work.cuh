@@ -2,7 +2,8 @@
 // stands for (scheduling order), its per-sequence view (seqlen.cuh) and mask (mask.cuh), and the
 // range of the other operand's tiles its loop visits (FlashAttention-2, Dao 2023: Alg. 1's loop
 // over K/V blocks for the forward; Alg. 2's outer loop over K/V blocks j for dK/dV, and the loop
-// over K/V blocks for dQ). A persistent tile scheduler would replace the blockIdx.x decode here.
+// over K/V blocks for dQ). The persistent sm90 forward decodes an explicit tile index of the same
+// numbering instead of blockIdx.x (QTileWork(params, tile), common/tile_scheduler.cuh).
 #pragma once
 
 #include "flash.h"

@@ -3,9 +3,9 @@
 // on mbarriers, warp specialization, and warpgroup MMA (wgmma) with P kept in registers.
 //
 // Persistent grid (FA3, HOPPER.md §1.7): at most one CTA per SM, each looping over the Q tiles
-// (kBlockM rows of one batch, head) that common/tile_scheduler.cuh deals it, in QTileWork's order
-// (common/work.cuh: heavy causal tiles first, the tiles of one (batch, head) together for L2;
-// causal tiles dealt in (heavy, light) pairs). Barrier setup and register reallocation happen once
+// (kBlockM rows of one batch, head) that common/tile_scheduler.cuh deals it (causal tiles in
+// (heavy, light) pairs), in QTileWork's order (common/work.cuh: heavy causal tiles first, the
+// tiles of one (batch, head) together for L2). Barrier setup and register reallocation happen once
 // per CTA, and the mbarrier rings keep running across tiles, so the next tile's loads overlap this
 // tile's last steps and epilogue. Producer and consumers walk the same schedule (a pure function
 // of blockIdx.x and the call), so no tile index passes through shared memory.
@@ -41,7 +41,8 @@
 //     loads for tile t+1 wait only on k_empty / v_empty, so they run during tile t. Arrival
 //     counts: full 1 (+ tx bytes), empty kConsumerWGs * 4 (one per warp, per stage use).
 //   Ping-pong turns (named barriers 4..3 + kConsumerWGs): n_block_max + 1 turns per warpgroup per
-//     tile, continuing across tiles; primed once, drained once at exit (WarpgroupTurns).
+//     tile (none without keys), continuing across tiles; primed once, drained once at exit
+//     (WarpgroupTurns).
 //   Epilogue named barriers 1 + c (128 threads, warpgroup c only).
 //
 // Accumulator layout (primitives/wgmma.cuh): thread 32 w + 4 g + t of a consumer warpgroup holds
@@ -178,10 +179,11 @@ __device__ __forceinline__ int thread_index_opaque() {
 // The turn-taking of the consumer warpgroups' GEMM issue (FA3's warp scheduler barriers): named
 // barrier kBarrier + c is warpgroup c's turn, complete when c (bar.sync) and its
 // predecessor (bar.arrive, after issuing its own GEMMs) have both arrived. Every warpgroup of a CTA
-// takes the same number of turns per tile (n_block_max + 1, every warpgroup walks the same tiles),
-// so the order 0, 1, .., 0, 1, .. runs on across tiles. Warpgroup 0 is primed once by the last one
-// (prime, before the first tile) and takes one extra turn-start after the last tile (drain), which
-// consumes the last warpgroup's final hand-over: no barrier is left half-arrived at exit.
+// takes the same number of turns per tile (n_block_max + 1, none without keys; every warpgroup
+// walks the same tiles), so the order 0, 1, .., 0, 1, .. runs on across tiles. Warpgroup 0 is
+// primed once by the last one (prime, before the first tile) and takes one extra turn-start after
+// the last tile (drain), which consumes the last warpgroup's final hand-over: no barrier is left
+// half-arrived at exit.
 // The calling thread's consumer warpgroup c comes from thread_index_opaque() at every call.
 template <int kConsumerWGs, bool kEnabled>
 struct WarpgroupTurns {
@@ -251,9 +253,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();  // the last CTA-wide barrier: the producer's other warps leave below
 
-  // The producer walks this CTA's tiles (common/tile_scheduler.cuh), decodes each (QTileWork) and
-  // publishes the decode with its Q stage; the consumers build the same QTileWork from it. Both
-  // after their register reallocation (nothing live across setmaxnreg).
+  // The producer and the consumers walk this CTA's tiles (common/tile_scheduler.cuh) in the same
+  // order and each decode them (QTileWork): no tile index passes through shared memory.
+  // Both after their register reallocation (nothing live across setmaxnreg).
   // n_block_max == 0: no row of the tile sees a key (causal, seqlen_q > seqlen_k): no K/V, no Q
   // load, but one Q-ring phase all the same (the consumers stage O = 0 through the buffer).
   if (wg == 0) {

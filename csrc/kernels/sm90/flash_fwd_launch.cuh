@@ -7,7 +7,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -40,9 +42,10 @@ inline bool fwd_persistent() {
 }
 
 // Launches flash_fwd_kernel<Traits> on the persistent grid of common/tile_scheduler.cuh: one CTA
-// per SM (fewer when the call has fewer work units), each looping over its Q tiles. The head dim
-// is dispatch.cu's guarantee (d_rounded == kHeadDim). False (nothing launched) when a tensor map
-// cannot be encoded, or the call has more than 2^30 work units (the scheduler's limit).
+// per SM (fewer when the call has fewer work units), each looping over its Q tiles (one CTA per
+// tile when fwd_persistent() is false). The head dim is dispatch.cu's guarantee (d_rounded ==
+// kHeadDim). False (nothing launched) when a tensor map cannot be encoded, or the call has more
+// than 2^30 work units (the scheduler's limit).
 template <typename Traits>
 bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -64,17 +67,34 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
 
 }  // namespace sm90
 
+namespace sm90 {
+// The sm90 forward declined a call whose inputs passed tma_can_describe (the driver refused a
+// tensor map, or has no cuTensorMapEncodeTiled; or more than 2^30 work units): the sm80 kernel
+// runs it, correctly but slower, and the first such call says so on stderr.
+inline void note_sm80_fallback() {
+  static std::atomic<bool> said{false};
+  if (!said.exchange(true)) {
+    std::fprintf(stderr,
+                 "flash_attn_ext: the sm90 forward could not take a call (TMA tensor map refused by the driver, "
+                 "or more than 2^30 tiles); running the sm80 forward kernel for such calls\n");
+  }
+}
+}  // namespace sm90
+
 template <typename Element, int kHeadDim>
 void run_mha_fwd_(Sm90, Flash_fwd_params& params, cudaStream_t stream) {
   static_assert(sm90::FwdTile<kHeadDim>::kSupported, "no sm90 forward tile row for this head dim");
+  bool launched;
   if constexpr (sm90::FwdTileNonCausal<kHeadDim>::kSupported) {
-    if (!params.is_causal) {
-      using Traits = sm90::FwdKernelTraits<Element, kHeadDim, sm90::FwdTileNonCausal<kHeadDim>>;
-      if (!sm90::launch_fwd<Traits>(params, stream)) run_mha_fwd_<Element, kHeadDim>(Sm80{}, params, stream);
-      return;
-    }
+    launched = params.is_causal
+                   ? sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim>>(params, stream)
+                   : sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim, sm90::FwdTileNonCausal<kHeadDim>>>(
+                         params, stream);
+  } else {
+    launched = sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim>>(params, stream);
   }
-  if (!sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim>>(params, stream)) {
+  if (!launched) {
+    sm90::note_sm80_fallback();
     run_mha_fwd_<Element, kHeadDim>(Sm80{}, params, stream);  // defined by the sm80 instantiations
   }
 }

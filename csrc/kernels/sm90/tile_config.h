@@ -1,5 +1,6 @@
-// Tile configuration of the Hopper (sm90: wgmma) backward path, one row per head dim it
-// covers. This is THE sm90 table (shapes: kernels/common/tile_shapes.h): sm90/flash_bwd_launch.cuh reads only it.
+// Tile configuration of the Hopper (sm90: wgmma) path, forward and backward, one row per head dim it
+// covers. This is THE sm90 table (shapes: kernels/common/tile_shapes.h): the sm90 launch templates
+// (flash_fwd_launch.cuh, the end of flash_bwd_{dkv,dq}_kernel.cuh) read only it.
 //
 // dK/dV kernel (sm90/flash_bwd_dkv_kernel.cuh), one CTA per K/V tile of kDkvBlockN rows
 // (kDkvBlockN / 64 warpgroups); Q_i / dO_i tiles of kDkvBlockM rows stream through two
@@ -22,7 +23,7 @@ namespace sm90 {
 // Largest opt-in dynamic shared memory per block on sm_90 (H100/H200): 227 KB.
 constexpr int kMaxSmem = 227 * 1024;
 
-// Head dims without a row here run the sm80 kernels on sm_90 too (kernels/arch.h: select_arch).
+// Head dims without a row here run the sm80 kernels on sm_90 too (kernels/dispatch.cu: the manifest).
 template <int kHeadDim> struct FwdTile { static constexpr bool kSupported = false; };
 template <int kHeadDim> struct DkvTile { static constexpr bool kSupported = false; };
 template <int kHeadDim> struct DqTile { static constexpr bool kSupported = false; };
