@@ -1,5 +1,5 @@
 // Tile-config tuning harness for the CUDA kernels: times several tile shapes of the forward,
-// dK/dV and dQ kernels (sm80 path; dK/dV and dQ of the sm90 path too) in one binary, without torch, on bf16 random inputs (BSHD, 16k tokens,
+// dK/dV and dQ kernels (sm80 path; all three of the sm90 path too) in one binary, without torch, on bf16 random inputs (BSHD, 16k tokens,
 // 2048/hdim heads, like ../shared/ANCHORS.md), and checks every variant against the production
 // config (max |difference| of its outputs). Driven by benchmarks/tune_kernels.py, which compiles one
 // translation unit per variant (-DTUNE_VARIANT) in parallel and links them with this file's main.
@@ -22,6 +22,7 @@
 #ifdef TUNE_SM90
 #include "kernels/sm90/flash_bwd_dkv_kernel.cuh"
 #include "kernels/sm90/flash_bwd_dq_kernel.cuh"
+#include "kernels/sm90/flash_fwd_launch.cuh"
 #endif
 
 struct TuneVariant {
@@ -47,7 +48,18 @@ using Bf16 = __nv_bfloat16;
   using Traits = flash::ns::Kind##KernelTraits<Bf16, HD, Tile>;                                       \
   flash::launch_tiles<Traits, flash::Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                  \
       flash::ns::flash_bwd_##kind##_kernel<Bf16, HD, Tile>, #kind, p, s)
-#if KIND == 0
+#if KIND == 0 && defined(TUNE_SM90)
+// The Hopper forward: BLOCK_M (64 query rows per consumer warpgroup) x BLOCK_N; 4 producer warps + 4
+// per consumer warpgroup.
+static TuneRegistrar tune_reg({0, HD, "fwd90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2),
+                               [](flash::Flash_bwd_params& p, cudaStream_t s) {
+                                 using Traits = flash::sm90::FwdKernelTraits<Bf16, HD, flash::FwdTileShape<A1, A2, 4 + A1 / 16, false, 1>>;
+                                 if (!flash::sm90::launch_fwd<Traits>(p, s)) {
+                                   fprintf(stderr, "fwd90: the sm90 forward refused the call\n");
+                                   exit(1);
+                                 }
+                               }});
+#elif KIND == 0
 static TuneRegistrar tune_reg({0, HD, "fwd BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " warps=" TUNE_STR(A3) " qregs=" TUNE_STR(A4) " minB=" TUNE_STR(A5),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
                                  flash::sm80::launch_fwd<flash::sm80::FwdKernelTraits<Bf16, HD, flash::FwdTileShape<A1, A2, A3, A4, A5>>>(p, s);

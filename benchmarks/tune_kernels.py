@@ -9,9 +9,11 @@ A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path) or dkv90, dq90 (s
     dq:128:128,64                DqTileShape<BLOCK_M, BLOCK_N[, warp rows[, fast copy 0|1]]>
     dkv90:128:64,128             sm90 DkvTileShape of BLOCK_M, BLOCK_N[, split]
     dq90:128:128,64              sm90 DqTileShape<BLOCK_M, BLOCK_N>
+    fwd90:128:128,128            sm90 forward FwdTileShape of BLOCK_M (64 rows per consumer
+                                 warpgroup), BLOCK_N (a wgmma width: 64..176, csrc/primitives/gen_wgmma.py)
 (csrc/kernels/common/tile_shapes.h; the rows of csrc/kernels/<arch>/tile_config.h)
 The first variant of each (output, hdim) is the reference the others' outputs are checked against
-(dkv and dkv90 both write dK, dq and dq90 dQ; put the production row of tile_config.h first, and
+(fwd and fwd90 both write O, dkv and dkv90 dK, dq and dq90 dQ; put the production row of tile_config.h first, and
 a fwd variant of each hdim: it makes the backward inputs). One translation unit per variant is compiled
 in parallel (benchmarks/tune_kernels.cu), then the binary prints one line per (problem, variant).
 """
@@ -25,7 +27,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "benchmarks", "tune_kernels.cu")
-KINDS = {"fwd": 0, "dkv": 1, "dq": 2, "dkv90": 1, "dq90": 2}  # kind -> output compared
+KINDS = {"fwd": 0, "dkv": 1, "dq": 2, "fwd90": 0, "dkv90": 1, "dq90": 2}  # kind -> output compared
 DEFAULT = [
     "fwd:64:128,64,4,false,2", "fwd:128:128,32,4,false,2",
     "dkv:64:64,128,1", "dq:64:128,128", "dkv:128:64,128,1", "dq:128:128,64",
@@ -46,7 +48,7 @@ def variant_defines(spec):
     # No commas inside -D values: nvcc splits option values at commas.
     kind, hdim, args = spec.split(":")
     a = args.split(",")
-    n_args = {"fwd": (5, 5), "dkv": (3, 5), "dq": (2, 4), "dkv90": (2, 3), "dq90": (2, 2)}[kind]
+    n_args = {"fwd": (5, 5), "dkv": (3, 5), "dq": (2, 4), "fwd90": (2, 2), "dkv90": (2, 3), "dq90": (2, 2)}[kind]
     if not n_args[0] <= len(a) <= n_args[1]:  # (required, allowed)
         sys.exit(f"variant {spec}: {kind} takes {n_args[0]} to {n_args[1]} template arguments")
     defs = ["-DTUNE_VARIANT", f"-DKIND={KINDS[kind]}", f"-DHD={hdim}"]
