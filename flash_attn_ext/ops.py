@@ -41,6 +41,30 @@ from . import _C  # noqa: F401  (defines the ops)
 forward = torch.ops.flash_attn_ext.forward
 backward = torch.ops.flash_attn_ext.backward
 
+forward.__doc__ = forward.default.__doc__ = """\
+forward(q, k, v, softmax_scale: float, causal: bool) -> (out, softmax_lse, softmax_stats)
+
+Exact attention softmax(softmax_scale * Q K^T) V (FlashAttention-2, Dao 2023, Algorithm 1; on
+sm_90 GPUs FlashAttention-3's Hopper kernel). q: (batch, seqlen_q, nheads, headdim); k, v:
+(batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0; last dim contiguous; headdim a
+multiple of 8, <= 256; CUDA: float16 / bfloat16, CPU: also float32 / float64. causal: bottom-right
+aligned (query i sees key j <= i + seqlen_k - seqlen_q). Returns out (q's shape and dtype),
+softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
+out row is 0), and softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
+as (round(row max * softmax_scale * log2 e), log2 of the row sum), which keeps the backward exact
+at any input magnitude. Raises RuntimeError naming the argument for bad shapes, dtypes, devices or
+strides, before any launch. Autograd, forward-mode AD, vmap and fake (meta) kernels are registered
+(flash_attn_ext.ops)."""
+backward.__doc__ = backward.default.__doc__ = """\
+backward(dout, q, k, v, out, softmax_lse, softmax_scale: float, causal: bool, softmax_stats=None)
+    -> (dq, dk, dv)
+
+Gradients of forward by recomputation (FlashAttention-2, Dao 2023, Algorithm 2: a preprocess, then
+separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's shape; the other
+tensors as forward's inputs and outputs; softmax_stats: forward's third output (autograd passes
+it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). Returns dq, dk, dv
+with q's, k's and v's shapes and dtypes. Raises RuntimeError naming the argument on bad input."""
+
 
 _MAX_HEADDIM = 256
 

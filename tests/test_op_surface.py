@@ -189,3 +189,12 @@ def test_train_gpt_writes_into_an_ignored_output_folder(tmp_path, monkeypatch):
                     "--eval-batches", "1", "--out-dir", str(out)])
     assert (out / "losses.csv").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]   # nothing in the cwd
+
+
+def test_raw_ops_are_documented():
+    """help(torch.ops.flash_attn_ext.forward) says the shapes, units and outputs."""
+    fwd, bwd = torch.ops.flash_attn_ext.forward, torch.ops.flash_attn_ext.backward
+    for op in (fwd, fwd.default):
+        assert all(w in op.__doc__ for w in ("softmax_lse", "natural log", "softmax_stats", "(batch, seqlen_q, nheads, headdim)"))
+    for op in (bwd, bwd.default):
+        assert all(w in op.__doc__ for w in ("dq, dk, dv", "softmax_stats", "deterministic"))
