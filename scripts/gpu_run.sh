@@ -4,6 +4,8 @@
 #   bash scripts/gpu_run.sh                      # everything, all head dims
 #   STEPS="build test" HDIMS=64,128 bash scripts/gpu_run.sh
 #   TESTS="tests/test_cuda_forward.py" BENCH_ARGS="--hdim 128 --mode fwd" bash scripts/gpu_run.sh
+#   STEPS="build test sanitize" TESTS="tests/test_sm90_forward.py tests/test_cuda_forward.py" bash scripts/gpu_run.sh
+# Bounds (seconds, 0 = none): TEST_TIMEOUT_S, SAN_S (each sanitizer), BENCH_S (each sweep).
 #
 # Logs go to ./gpu_out; when $OUT is set (the device tool brings that folder back), they are
 # also packed into $OUT/gpu_out.tgz at the end (the tool returns at most 8 files).
@@ -77,7 +79,8 @@ fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
   for tool in memcheck racecheck synccheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py >"$OUT/sanitize_$tool.log" 2>&1
+    timeout "${SAN_S:-0}" compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py \
+      >"$OUT/sanitize_$tool.log" 2>&1
     rc=$?
     summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")
   done
@@ -103,15 +106,16 @@ torch.cuda.synchronize()" >"$OUT/ncu.txt" 2>&1
 fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
-  $PY -m flash_attn_ext.benchmark --out "$OUT/bench" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  timeout "${BENCH_S:-0}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   summary+=("benchmark: rc=$? (bench.log, bench/)")
   pack
   if [ -n "${BENCH2_ARGS:-}" ]; then  # a second sweep (e.g. fp16), kept apart
-    $PY -m flash_attn_ext.benchmark --out "$OUT/bench2" $BENCH2_ARGS >"$OUT/bench2.log" 2>&1
+    timeout "${BENCH_S:-0}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench2" $BENCH2_ARGS >"$OUT/bench2.log" 2>&1
     summary+=("benchmark 2: rc=$? (bench2.log, bench2/)")
     pack
   fi
-  tail -n 80 "$OUT/bench.log"
+  sed -n '/^| dtype/,$p' "$OUT/bench.log" | head -n 60
+  [ -n "${BENCH2_ARGS:-}" ] && sed -n '/^| dtype/,$p' "$OUT/bench2.log" | head -n 70
 fi
 
 echo
