@@ -3,6 +3,9 @@
 // 2048/hdim heads, like ../shared/ANCHORS.md), and checks every variant against the production
 // config (max |difference| of its outputs). Driven by benchmarks/tune_kernels.py, which compiles one
 // translation unit per variant (-DTUNE_VARIANT) in parallel and links them with this file's main.
+// The split-KV forward (kind splitkv) is timed on decode steps instead (issue 14's cases: one
+// query, GQA heads, a full KV cache, contiguous or paged; split kernel + combine, L2 flushed
+// before each call as the benchmark does), per split count; see main's usage line.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -15,10 +18,13 @@
 #include <vector>
 
 #include "kernels/common/bwd_preprocess.cuh"
+#include "kernels/common/combine_kernel.cuh"
+#include "kernels/common/splitkv_heuristic.h"
 #include "kernels/cuda_check.h"
 #include "kernels/sm80/flash_bwd_dkv_kernel.cuh"
 #include "kernels/sm80/flash_bwd_dq_kernel.cuh"
 #include "kernels/sm80/flash_fwd_launch.cuh"
+#include "kernels/sm80/flash_fwd_splitkv_kernel.cuh"
 #ifdef TUNE_SM90
 #include "kernels/sm90/flash_bwd_dkv_kernel.cuh"
 #include "kernels/sm90/flash_bwd_dq_kernel.cuh"
@@ -26,10 +32,12 @@
 #endif
 
 struct TuneVariant {
-  int kind;  // 0 fwd, 1 dkv, 2 dq
+  int kind;  // 0 fwd, 1 dkv, 2 dq, 3 split-KV forward (decode)
   int hdim;
   std::string name;
-  std::function<void(flash::Flash_bwd_params&, cudaStream_t)> run;
+  std::function<void(flash::Flash_bwd_params&, cudaStream_t)> run;  // splitkv: split kernel + combine
+  std::function<void(flash::Flash_bwd_params&, cudaStream_t)> run_split;  // splitkv: the split kernel alone
+  std::function<int(const flash::Flash_fwd_params&)> heuristic;         // splitkv: num_splits for its row
 };
 std::vector<TuneVariant>& tune_registry();
 struct TuneRegistrar {
@@ -48,7 +56,35 @@ using Bf16 = __nv_bfloat16;
   using Traits = flash::ns::Kind##KernelTraits<Bf16, HD, Tile>;                                       \
   flash::launch_tiles<Traits, flash::Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                  \
       flash::ns::flash_bwd_##kind##_kernel<Bf16, HD, Tile>, #kind, p, s)
-#if KIND == 0 && defined(TUNE_SM90)
+#if KIND == 3
+// The split-KV forward: SplitKvTileShape<BLOCK_N, warps, stages, Q-in-regs, min CTAs/SM, evict
+// first, bulk copy>, launched as the library launches it, then the combine when split.
+#ifndef A5
+#define A5 false
+#endif
+#ifndef A6
+#define A6 1
+#endif
+#ifndef A7
+#define A7 0
+#endif
+using SkTile = flash::SplitKvTileShape<A1, A2, A3, bool(A5), A4, bool(A6), bool(A7)>;
+using SkTraits = flash::sm80::SplitKvKernelTraits<Bf16, HD, SkTile>;
+static TuneRegistrar tune_reg({3, HD,
+                               "BN=" TUNE_STR(A1) " w=" TUNE_STR(A2) " st=" TUNE_STR(A3) " minB=" TUNE_STR(A4)
+                               " qr=" TUNE_STR(A5) " ef=" TUNE_STR(A6) " bulk=" TUNE_STR(A7),
+                               [](flash::Flash_bwd_params& p, cudaStream_t s) {
+                                 flash::sm80::launch_fwd_splitkv<SkTraits>(p, s);
+                                 if (p.num_splits > 1) flash::run_splitkv_combine<Bf16>(p, s);
+                               },
+                               [](flash::Flash_bwd_params& p, cudaStream_t s) {
+                                 flash::sm80::launch_fwd_splitkv<SkTraits>(p, s);
+                               },
+                               [](const flash::Flash_fwd_params& p) {
+                                 return flash::num_splits_for_row(p, SkTraits::kBlockN, SkTraits::kSmemBytes,
+                                                                  SkTraits::kMinBlocks);
+                               }});
+#elif KIND == 0 && defined(TUNE_SM90)
 // The Hopper forward: BLOCK_M (64 query rows per consumer warpgroup) x BLOCK_N; 4 producer warps + 4
 // per consumer warpgroup.
 static TuneRegistrar tune_reg({0, HD, "fwd90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2),
@@ -124,8 +160,10 @@ __global__ void fill_random(__nv_bfloat16* x, size_t n, unsigned seed) {
 
 __global__ void max_abs_diff(const __nv_bfloat16* a, const __nv_bfloat16* b, size_t n, float* out) {
   float m = 0.f;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    m = fmaxf(m, fabsf(__bfloat162float(a[i]) - __bfloat162float(b[i])));
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]), dxy = fabsf(x - y);
+    m = fmaxf(m, dxy == dxy ? dxy : INFINITY);  // NaN (an unwritten, poisoned element) counts as inf
+  }
   atomicMax(reinterpret_cast<int*>(out), __float_as_int(m));  // m >= 0: int order = float order
 }
 
@@ -157,23 +195,266 @@ static float time_ms(const std::function<void()>& fn) {
   return t[t.size() / 2];
 }
 
+// ---- Split-KV forward on decode steps (kind 3) ----
+
+struct DecodeCase {
+  int b, nk, page;  // batch, keys per sequence (the full cache), page size (0: contiguous)
+  std::string name() const {
+    return "B" + std::to_string(b) + "xN" + std::to_string(nk) + (page ? "xP" + std::to_string(page) : "");
+  }
+};
+
+struct DecodeOptions {
+  std::vector<int> splits = {0};  // 0: the variant's heuristic
+  std::vector<DecodeCase> cases = {{1, 8192, 0},  {1, 131072, 0},  {8, 32768, 0},  {64, 8192, 0},
+                                   {64, 32768, 0}, {1, 131072, 16}, {64, 32768, 16}};
+  int h = 32, h_k = 8, reps = 0;  // reps 0: from the first estimate
+  std::string csv;
+};
+
+// Comma list of ints / of cases "B1xN8192" or "B64xN32768xP16".
+static std::vector<int> parse_ints(const char* s) {
+  std::vector<int> v;
+  for (const char* p = s; *p;) {
+    v.push_back(atoi(p));
+    while (*p && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+static std::vector<DecodeCase> parse_cases(const char* s) {
+  std::vector<DecodeCase> v;
+  for (const char* p = s; *p;) {
+    DecodeCase c{0, 0, 0};
+    if (sscanf(p, "B%dxN%dxP%d", &c.b, &c.nk, &c.page) < 2) {
+      fprintf(stderr, "bad case '%s': expected B<batch>xN<keys>[xP<page>]\n", p);
+      exit(2);
+    }
+    v.push_back(c);
+    while (*p && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
+// Median ms of fn over `reps` calls, each after a 256 MB memset (L2 flushed and left dirty, like
+// flash_attn_ext/bench/timing.py's zero_()), CUDA events around the call only.
+static float time_flushed_ms(const std::function<void()>& fn, void* flush, size_t flush_bytes, int reps) {
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) FLASH_CHECK_CUDA(cudaEventCreate(&e));
+  for (int i = 0; i < reps; ++i) {
+    FLASH_CHECK_CUDA(cudaMemsetAsync(flush, 0, flush_bytes));
+    FLASH_CHECK_CUDA(cudaEventRecord(ev[2 * i]));
+    fn();
+    FLASH_CHECK_CUDA(cudaEventRecord(ev[2 * i + 1]));
+  }
+  FLASH_CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> t(reps);
+  for (int i = 0; i < reps; ++i) FLASH_CHECK_CUDA(cudaEventElapsedTime(&t[i], ev[2 * i], ev[2 * i + 1]));
+  for (auto& e : ev) FLASH_CHECK_CUDA(cudaEventDestroy(e));
+  std::sort(t.begin(), t.end());
+  return t[reps / 2];
+}
+
+static int run_decode(const DecodeOptions& opt, const cudaDeviceProp& prop, float* d_scratch) {
+  std::vector<const TuneVariant*> vars;
+  for (auto& v : tune_registry())
+    if (v.kind == 3) vars.push_back(&v);
+  if (vars.empty()) return 0;
+  const int d = vars[0]->hdim, h = opt.h, h_k = opt.h_k;
+  for (auto* v : vars) {
+    if (v->hdim != d) { fprintf(stderr, "splitkv variants: one head dim per run\n"); return 1; }
+  }
+  // One cache buffer for every case: contiguous (b, nk, h_k, d) or, for paged cases, the same bytes
+  // as (b nk / page, page, h_k, d) blocks reached through a shuffled block table.
+  size_t cache_elems = 0, rows = 0;
+  for (auto& c : opt.cases) {
+    if (c.b < 1 || c.b > 1024 || c.nk < 1) {
+      fprintf(stderr, "%s: batch 1..1024, N >= 1\n", c.name().c_str());
+      return 1;
+    }
+    cache_elems = std::max(cache_elems, size_t(c.b) * c.nk * h_k * d);
+    rows = std::max(rows, size_t(c.b) * h);
+  }
+  __nv_bfloat16 *k, *v, *q, *o, *ref;
+  float *lse, *oaccum, *lseaccum;
+  int *seqlens, *table;
+  const size_t table_max = cache_elems / (size_t(h_k) * d) / 16;
+  FLASH_CHECK_CUDA(cudaMalloc(&k, cache_elems * 2));
+  FLASH_CHECK_CUDA(cudaMalloc(&v, cache_elems * 2));
+  FLASH_CHECK_CUDA(cudaMalloc(&q, rows * d * 2));
+  FLASH_CHECK_CUDA(cudaMalloc(&o, rows * d * 2));
+  FLASH_CHECK_CUDA(cudaMalloc(&ref, rows * d * 2));
+  FLASH_CHECK_CUDA(cudaMalloc(&lse, rows * 4));
+  FLASH_CHECK_CUDA(cudaMalloc(&oaccum, size_t(flash::kMaxSplits) * rows * d * 4));
+  FLASH_CHECK_CUDA(cudaMalloc(&lseaccum, size_t(flash::kMaxSplits) * rows * 4));
+  FLASH_CHECK_CUDA(cudaMalloc(&seqlens, 1024 * 4));
+  FLASH_CHECK_CUDA(cudaMalloc(&table, table_max * 4));
+  const size_t flush_bytes = 256u << 20;
+  void* flush;
+  FLASH_CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+  fill_random<<<4096, 256>>>(k, cache_elems, 11);
+  fill_random<<<4096, 256>>>(v, cache_elems, 12);
+  fill_random<<<1024, 256>>>(q, rows * d, 13);
+  FLASH_CHECK_LAUNCH();
+
+  FILE* csv = opt.csv.empty() ? nullptr : fopen(opt.csv.c_str(), "w");
+  if (csv) fprintf(csv, "case,variant,splits,heuristic,ms,tbps,split_ms,combine_ms,maxdiff\n");
+  printf("\nsplit-KV decode: GQA %d:%d, hd %d, bf16, seqlen_q 1, full cache; TB/s = K+V bytes / total ms; "
+         "total = split kernel + combine, split = the split kernel alone (L2 flushed before each)\n", h, h_k, d);
+  printf("%-16s %-50s %6s %9s %7s %9s %9s %9s\n", "case", "variant", "splits", "ms", "TB/s", "split_ms", "comb_ms",
+         "maxdiff");
+  // summary[case][variant] = (TB/s at the heuristic's splits, its splits, best TB/s, its splits)
+  struct Cell { double heur = 0, best = 0, heur_ms = 0, heur_split_ms = 0; int heur_s = 0, best_s = 0; };
+  std::vector<std::vector<Cell>> summary(opt.cases.size(), std::vector<Cell>(vars.size()));
+  for (size_t ci = 0; ci < opt.cases.size(); ++ci) {
+    const DecodeCase& c = opt.cases[ci];
+    if (c.page && (c.page % 16 || c.nk % c.page)) {
+      fprintf(stderr, "%s: page must be a multiple of 16 dividing N\n", c.name().c_str());
+      return 1;
+    }
+    std::vector<int> lens(c.b, c.nk);
+    FLASH_CHECK_CUDA(cudaMemcpy(seqlens, lens.data(), c.b * 4, cudaMemcpyHostToDevice));
+    flash::Flash_bwd_params p;
+    const int64_t kv_row = int64_t(h_k) * d;
+    p.q.ptr = q, p.q.batch_stride = int64_t(h) * d, p.q.row_stride = int64_t(h) * d, p.q.head_stride = d;
+    p.o = p.q, p.o.ptr = o;
+    p.k.ptr = k, p.k.row_stride = kv_row, p.k.head_stride = d;
+    p.k.batch_stride = c.page ? int64_t(c.page) * kv_row : int64_t(c.nk) * kv_row;
+    p.v = p.k, p.v.ptr = v;
+    if (c.page) {
+      const int max_blocks = c.nk / c.page, nblocks = c.b * max_blocks;
+      std::vector<int> perm(nblocks);
+      for (int i = 0; i < nblocks; ++i) perm[i] = i;
+      unsigned x = 12345;
+      for (int i = nblocks - 1; i > 0; --i) {  // Fisher-Yates, fixed seed
+        x = x * 1664525u + 1013904223u;
+        std::swap(perm[i], perm[x % unsigned(i + 1)]);
+      }
+      FLASH_CHECK_CUDA(cudaMemcpy(table, perm.data(), size_t(nblocks) * 4, cudaMemcpyHostToDevice));
+      p.block_table = table, p.block_table_batch_stride = max_blocks, p.page_size = c.page, p.num_blocks = nblocks;
+    }
+    p.h = h, p.h_k = h_k, p.h_h_k_ratio = h / h_k;
+    p.b = c.b, p.seqlen_q = 1, p.seqlen_k = c.nk, p.d = p.d_rounded = d;
+    p.scale_softmax = 1.0 / sqrt(double(d));
+    p.scale_softmax_log2 = float(p.scale_softmax * 1.4426950408889634);
+    p.is_causal = false, p.is_bf16 = true;
+    p.arch = prop.major * 10 + prop.minor, p.num_sms = prop.multiProcessorCount;
+    p.cache_seqlens = seqlens;
+    p.softmax_lse_ptr = lse, p.oaccum_ptr = oaccum, p.softmax_lseaccum_ptr = lseaccum;
+    const size_t out_elems = size_t(c.b) * h * d;
+    const double bytes = 2.0 * c.b * double(c.nk) * h_k * d * 2;
+    bool have_ref = false;
+    for (size_t vi = 0; vi < vars.size(); ++vi) {
+      const TuneVariant& var = *vars[vi];
+      const int heur = var.heuristic(p);
+      std::vector<int> tried;
+      for (int s : opt.splits) {
+        const int ns = s == 0 ? heur : std::min(s, flash::kMaxSplits);
+        if (std::find(tried.begin(), tried.end(), ns) != tried.end()) continue;
+        tried.push_back(ns);
+        p.num_splits = ns;
+        FLASH_CHECK_CUDA(cudaMemset(o, 0xff, out_elems * 2));  // poison (NaN)
+        var.run(p, nullptr);
+        FLASH_CHECK_CUDA(cudaDeviceSynchronize());
+        float md = 0.f;
+        if (!have_ref) {
+          FLASH_CHECK_CUDA(cudaMemcpy(ref, o, out_elems * 2, cudaMemcpyDeviceToDevice));
+          have_ref = true;
+          md = diff(o, o, out_elems, d_scratch);  // inf if the reference has a NaN (an unwritten element)
+        } else {
+          md = diff(o, ref, out_elems, d_scratch);
+        }
+        // Warm-up, then as many reps as ~100 ms allow (10..100).
+        auto step = [&] { var.run(p, nullptr); };
+        auto split_only = [&] { var.run_split(p, nullptr); };
+        const float est = time_flushed_ms(step, flush, flush_bytes, 3);
+        const int reps = opt.reps > 0 ? opt.reps : std::max(10, std::min(100, int(100.0 / (est + 0.1))));
+        const float ms = time_flushed_ms(step, flush, flush_bytes, reps);
+        const float split_ms = ns > 1 ? time_flushed_ms(split_only, flush, flush_bytes, reps) : ms;
+        const double tbps = bytes / (ms * 1e-3) * 1e-12;
+        const std::string label = std::to_string(ns) + (s == 0 ? "h" : "");
+        printf("%-16s %-50s %6s %9.4f %7.3f %9.4f %9.4f %9.3g\n", c.name().c_str(), var.name.c_str(), label.c_str(), ms,
+               tbps, split_ms, ms - split_ms, md);
+        fflush(stdout);
+        if (csv) {
+          fprintf(csv, "%s,%s,%d,%d,%.5f,%.4f,%.5f,%.5f,%.4g\n", c.name().c_str(), var.name.c_str(), ns,
+                  int(s == 0), ms, tbps, split_ms, ms - split_ms, md);
+        }
+        Cell& cell = summary[ci][vi];
+        if (ns == heur) cell.heur = tbps, cell.heur_s = ns, cell.heur_ms = ms, cell.heur_split_ms = split_ms;
+        if (tbps > cell.best) cell.best = tbps, cell.best_s = ns;
+      }
+    }
+  }
+  // Summary: per variant and case, TB/s at the heuristic's split count (its count) / the best
+  // TB/s over the tried counts (its count).
+  printf("\nsummary (TB/s): heuristic(splits) / best(splits)\n%-50s", "variant");
+  for (auto& c : opt.cases) printf(" %-19s", c.name().c_str());
+  printf("\n");
+  for (size_t vi = 0; vi < vars.size(); ++vi) {
+    printf("%-50s", vars[vi]->name.c_str());
+    for (size_t ci = 0; ci < opt.cases.size(); ++ci) {
+      const Cell& cell = summary[ci][vi];
+      char buf[64];
+      if (cell.heur > 0) snprintf(buf, sizeof buf, "%.2f(%d)/%.2f(%d)", cell.heur, cell.heur_s, cell.best, cell.best_s);
+      else snprintf(buf, sizeof buf, "-/%.2f(%d)", cell.best, cell.best_s);
+      printf(" %-19s", buf);
+    }
+    printf("\n");
+  }
+  // Where the first variant's time goes at its heuristic's split count.
+  printf("\n%s at the heuristic's splits: total ms = split kernel + combine (incl. launch gap)\n",
+         vars[0]->name.c_str());
+  for (size_t ci = 0; ci < opt.cases.size(); ++ci) {
+    const Cell& cell = summary[ci][0];
+    if (cell.heur > 0) {
+      printf("  %-16s splits %3d  total %8.4f  split %8.4f  combine %7.4f  %.2f TB/s\n", opt.cases[ci].name().c_str(),
+             cell.heur_s, cell.heur_ms, cell.heur_split_ms, cell.heur_ms - cell.heur_split_ms, cell.heur);
+    }
+  }
+  if (csv) fclose(csv);
+  for (void* ptr : {static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(q), static_cast<void*>(o),
+                    static_cast<void*>(ref), static_cast<void*>(lse), static_cast<void*>(oaccum),
+                    static_cast<void*>(lseaccum), static_cast<void*>(seqlens), static_cast<void*>(table), flush}) {
+    FLASH_CHECK_CUDA(cudaFree(ptr));
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
-  // Usage: tune_kernels [seqlen ...]   (default 1024 4096 16384); hdims and causal from the registry.
+  // Usage: tune_kernels [seqlen ...] [--splits=0,16,48] [--cases=B1xN8192,B64xN32768xP16]
+  //                     [--heads=32:8] [--reps=N] [--csv=PATH]
+  // Dense kinds: seqlens (default 1024 4096 16384); hdims and causal from the registry. splitkv:
+  // the decode cases (default: issue 14's five, plus page 16 at B1xN131072 and B64xN32768), each
+  // at every split count of --splits (0: the variant's heuristic; default 0).
   std::vector<int> seqlens;
-  for (int i = 1; i < argc; ++i) seqlens.push_back(atoi(argv[i]));
+  DecodeOptions dec;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--splits=", 0) == 0) dec.splits = parse_ints(argv[i] + 9);
+    else if (a.rfind("--cases=", 0) == 0) dec.cases = parse_cases(argv[i] + 8);
+    else if (a.rfind("--heads=", 0) == 0) sscanf(argv[i] + 8, "%d:%d", &dec.h, &dec.h_k);
+    else if (a.rfind("--reps=", 0) == 0) dec.reps = atoi(argv[i] + 7);
+    else if (a.rfind("--csv=", 0) == 0) dec.csv = a.substr(6);
+    else seqlens.push_back(atoi(argv[i]));
+  }
   if (seqlens.empty()) seqlens = {1024, 4096, 16384};
   cudaDeviceProp prop;
   FLASH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   // fwd before dkv before dq; within a kind, link order (the driver's order: reference first).
   std::stable_sort(tune_registry().begin(), tune_registry().end(),
                    [](const TuneVariant& a, const TuneVariant& b) { return a.kind < b.kind; });
-  std::vector<int> hdims;
+  std::vector<int> hdims;  // of the dense kinds
   for (auto& v : tune_registry())
-    if (std::find(hdims.begin(), hdims.end(), v.hdim) == hdims.end()) hdims.push_back(v.hdim);
+    if (v.kind <= 2 && std::find(hdims.begin(), hdims.end(), v.hdim) == hdims.end()) hdims.push_back(v.hdim);
   std::sort(hdims.begin(), hdims.end());
   float* d_scratch;
   FLASH_CHECK_CUDA(cudaMalloc(&d_scratch, sizeof(float)));
-  printf("%-4s %-6s %-6s %-5s %-62s %9s %9s %10s\n", "hdim", "causal", "N", "kind", "variant", "ms", "TFLOP/s", "maxdiff");
+  if (!hdims.empty()) {
+    printf("%-4s %-6s %-6s %-5s %-62s %9s %9s %10s\n", "hdim", "causal", "N", "kind", "variant", "ms", "TFLOP/s",
+           "maxdiff");
+  }
   for (int d : hdims) {
     // Per kind, the first registered variant of (kind, hdim) is the reference config.
     for (int causal = 0; causal < 2; ++causal) {
@@ -227,7 +508,7 @@ int main(int argc, char** argv) {
         bool bwd_ready = false;
         const TuneVariant* fwd_ref = nullptr;
         for (auto& var : tune_registry()) {
-          if (var.hdim != d) continue;
+          if (var.hdim != d || var.kind > 2) continue;
           if (var.kind == 0 && !fwd_ref) fwd_ref = &var;
           if (var.kind != 0 && !bwd_ready) {
             // Backward inputs: o and lse from the reference forward config, then the preprocess.
@@ -267,6 +548,6 @@ int main(int argc, char** argv) {
       }
     }
   }
-  return 0;
+  return run_decode(dec, prop, d_scratch);
 }
 #endif

@@ -1,9 +1,10 @@
 """Compare tile configs of the CUDA kernels on the GPU in one call (no torch needed).
 
     python benchmarks/tune_kernels.py [--arch 90a] [--seqlen 1024,4096,16384] [VARIANT ...]
+    python benchmarks/tune_kernels.py [--splits 0,16,48] [--cases B1xN8192,B64xN32768xP16] splitkv:128:... ...
 
-A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path) or dkv90, dq90 (sm90 wgmma path,
---arch 90a only) and ARGS the kernel's template arguments:
+A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path), dkv90, dq90 (sm90 wgmma path,
+--arch 90a only) or splitkv (the KV-cache split-KV forward) and ARGS the kernel's template arguments:
     fwd:128:128,32,4,false,2     FwdTileShape<BLOCK_M, BLOCK_N, warps, Q-in-regs, min CTAs/SM>
     dkv:128:64,128,1             DkvTileShape of BLOCK_M, BLOCK_N, colsplit[, warp rows[, fast copy 0|1]]
     dq:128:128,64                DqTileShape<BLOCK_M, BLOCK_N[, warp rows[, fast copy 0|1]]>
@@ -11,7 +12,13 @@ A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path) or dkv90, dq90 (s
     dq90:128:128,64              sm90 DqTileShape<BLOCK_M, BLOCK_N>
     fwd90:128:128,128            sm90 forward FwdTileShape of BLOCK_M (64 rows per consumer
                                  warpgroup), BLOCK_N (a wgmma width: 64..176, csrc/primitives/gen_wgmma.py)
+    splitkv:128:64,4,2,3         SplitKvTileShape of BLOCK_N, warps, stages, min CTAs/SM[, Q-in-regs
+                                 0|1[, evict-first 0|1 (default 1)[, bulk copy 0|1 (default 0)]]]
 (csrc/kernels/common/tile_shapes.h; the rows of csrc/kernels/<arch>/tile_config.h)
+splitkv variants run decode steps instead of the dense problems (GQA --heads, one query, a full
+cache of --cases, contiguous or paged xP<page>), timing split kernel + combine with the L2 flushed
+before each call, at each split count of --splits (0: the heuristic of the variant's row,
+csrc/kernels/common/splitkv_heuristic.h); one head dim per run; last, a summary table of TB/s.
 The first variant of each (output, hdim) is the reference the others' outputs are checked against
 (fwd and fwd90 both write O, dkv and dkv90 dK, dq and dq90 dQ; put the production row of tile_config.h first, and
 a fwd variant of each hdim: it makes the backward inputs). One translation unit per variant is compiled
@@ -27,7 +34,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "benchmarks", "tune_kernels.cu")
-KINDS = {"fwd": 0, "dkv": 1, "dq": 2, "fwd90": 0, "dkv90": 1, "dq90": 2}  # kind -> output compared
+KINDS = {"fwd": 0, "dkv": 1, "dq": 2, "fwd90": 0, "dkv90": 1, "dq90": 2, "splitkv": 3}  # kind -> output compared
 DEFAULT = [
     "fwd:64:128,64,4,false,2", "fwd:128:128,32,4,false,2",
     "dkv:64:64,128,1", "dq:64:128,128", "dkv:128:64,128,1", "dq:128:128,64",
@@ -48,7 +55,8 @@ def variant_defines(spec):
     # No commas inside -D values: nvcc splits option values at commas.
     kind, hdim, args = spec.split(":")
     a = args.split(",")
-    n_args = {"fwd": (5, 5), "dkv": (3, 5), "dq": (2, 4), "fwd90": (2, 2), "dkv90": (2, 3), "dq90": (2, 2)}[kind]
+    n_args = {"fwd": (5, 5), "dkv": (3, 5), "dq": (2, 4), "fwd90": (2, 2), "dkv90": (2, 3), "dq90": (2, 2),
+              "splitkv": (4, 7)}[kind]
     if not n_args[0] <= len(a) <= n_args[1]:  # (required, allowed)
         sys.exit(f"variant {spec}: {kind} takes {n_args[0]} to {n_args[1]} template arguments")
     defs = ["-DTUNE_VARIANT", f"-DKIND={KINDS[kind]}", f"-DHD={hdim}"]
@@ -63,6 +71,13 @@ def main():
     ap.add_argument("--seqlen", default="1024,4096,16384")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--splits", default=None, help="splitkv: comma list of num_splits, 0 = heuristic [0]")
+    ap.add_argument("--cases", default=None, help="splitkv: comma list of B<b>xN<keys>[xP<page>] "
+                    "[issue 14's five + page 16 at B1xN131072, B64xN32768]")
+    ap.add_argument("--heads", default=None, help="splitkv: NHEADS:NHEADS_K [32:8]")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="splitkv: timed calls per point [as many as ~100 ms allow, 10..100]")
+    ap.add_argument("--csv", default=None, help="splitkv: also write every point to this CSV file")
     ap.add_argument("variants", nargs="*")
     args = ap.parse_args()
     variants = args.variants or DEFAULT
@@ -87,7 +102,9 @@ def main():
     print(f"built {len(variants)} variants in {work}", flush=True)
     if args.compile_only:
         return
-    sys.exit(subprocess.run([exe] + args.seqlen.split(",")).returncode)
+    extra = [f"--{k}={getattr(args, k)}" for k in ("splits", "cases", "heads", "reps", "csv")
+             if getattr(args, k) is not None]
+    sys.exit(subprocess.run([exe] + args.seqlen.split(",") + extra).returncode)
 
 
 if __name__ == "__main__":

@@ -63,9 +63,41 @@ struct Flash_fwd_params : public Qkv_params {
   int arch = 0;     // compute capability major*10 + minor (80, 86, 89, 90, ...)
   int num_sms = 0;
 
-  // Roadmap (docs/DESIGN.md: a feature = fields here + a file in csrc/kernels/): cu_seqlens_q/k
-  // (varlen), cache_seqlens and block_table (KV cache, paged), num_splits with the split-KV
-  // accumulators, window_size_left/right.
+  // ---- Packed variable-length sequences (varlen; flash_attn_varlen_func). q/o/dq are
+  // (total_q, nheads, d) and k/v/dk/dv (total_k, nheads_k, d), given as TensorViews with
+  // batch_stride 0; sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of the q side and
+  // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of the k side (common/seqlen.cuh reads them). seqlen_q /
+  // seqlen_k then hold the caller's max_seqlen_q / max_seqlen_k (they size the grids and workspaces; a
+  // sequence longer than them is cut to its first max rows / keys, its other rows not written:
+  // documented, not checkable without a device sync), b the number of sequences. softmax_lse and the softmax_stats planes are (nheads,
+  // total_q): row r of sequence b, head h at h * total_q + cu_seqlens_q[b] + r.
+  const int* __restrict__ cu_seqlens_q = nullptr;  // (b + 1) int32, device memory; null: dense
+  const int* __restrict__ cu_seqlens_k = nullptr;  // (b + 1) int32; set together with cu_seqlens_q
+  int total_q = 0;  // rows of the packed q (varlen only)
+  int total_k = 0;  // rows of the packed k / v (varlen only)
+
+  // ---- KV cache (flash_attn_with_kvcache). Sequence b sees keys [0, min(cache_seqlens[b] +
+  // seqlen_knew, seqlen_k)): the cached keys plus the seqlen_knew keys this call appends (knew /
+  // vnew, (b, seqlen_knew, nheads_k, d), written into the cache at rows cache_seqlens[b] + i before
+  // the attention runs, rows past the cache's seqlen_k dropped). null: all seqlen_k keys.
+  const int* __restrict__ cache_seqlens = nullptr;  // (b) int32, device memory
+  TensorView knew, vnew;                            // ptr null: nothing to append
+  int seqlen_knew = 0;
+  // Paged KV: k / v are (num_blocks, page_size, nheads_k, d) (TensorView batch_stride = the block
+  // stride); key row r of sequence b is row r % page_size of block
+  // block_table[b * block_table_batch_stride + r / page_size]; seqlen_k = max_blocks * page_size.
+  const int* __restrict__ block_table = nullptr;  // (b, max_blocks) int32, device memory; null: contiguous
+  int64_t block_table_batch_stride = 0;
+  int page_size = 0;
+  int num_blocks = 0;  // blocks of the paged k / v (bounds of block_table's entries)
+
+  // ---- Split-KV (FlashDecoding): the keys of a (sequence, head) split over num_splits CTAs, each
+  // writing a partial (O, LSE) in float32 that a combine kernel merges by their LSEs.
+  int num_splits = 1;
+  float* __restrict__ oaccum_ptr = nullptr;     // (num_splits, b, h, seqlen_q, d_rounded) float32
+  float* __restrict__ softmax_lseaccum_ptr = nullptr;  // (num_splits, b, h, seqlen_q) float32
+
+  // Roadmap (docs/DESIGN.md): window_size_left/right.
 };
 
 struct Flash_bwd_params : public Flash_fwd_params {
@@ -88,13 +120,37 @@ struct Flash_bwd_params : public Flash_fwd_params {
   float* __restrict__ softmax_lse_log2_lo_ptr = nullptr;
   int* __restrict__ precise_rows_ptr = nullptr;
   int seqlen_q_rounded = 0;  // seqlen_q rounded up to a multiple of 128
+  // Varlen: the three workspaces are (nheads, varlen_ws_rows(total_q, b)) instead, sequence b's
+  // rows from a 16-byte-aligned offset with room for its rows rounded up to 128 (SeqInfo::ws_index);
+  // precise_rows stays (b, nheads, seqlen_q_rounded / 128) with seqlen_q = max_seqlen_q.
 };
+
+// Rows per head of the varlen backward workspaces: sequence b starts at round_up(cu_seqlens_q[b],
+// 4) + kVarlenWsPad * b, so its rows rounded up to 128 fit before sequence b + 1's start
+// (round_up(c, 4) <= c + 3, rows rounded up to 128 add <= 127, 3 + 127 <= kVarlenWsPad) and
+// every start is 16-byte aligned.
+constexpr int kVarlenWsPad = 132;
+constexpr int64_t varlen_ws_rows(int64_t total_q, int64_t batch) {  // constexpr: device code calls it too
+  return (total_q + kVarlenWsPad * batch + 3) / 4 * 4;
+}
 
 // ---- Dispatch points (one per op). Defined in csrc/kernels/dispatch.cu.
 // They pick the arch path (kernels/arch.h: select_arch), head dim and dtype, and throw
 // std::runtime_error on a combination that was not compiled or on a failed launch.
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream);
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
+
+// The KV-cache forward (flash_attn_with_kvcache; params with cache_seqlens and/or block_table,
+// seqlen_q >= 1): appends knew / vnew into the cache, then runs the split-KV kernel with
+// params.num_splits splits (>= 1; > 1 needs oaccum_ptr / softmax_lseaccum_ptr) and, when split,
+// the combine kernel. Defined in csrc/kernels/dispatch.cu.
+void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream);
+
+// num_splits for a KV-cache call from its shapes and params.num_sms alone (host arithmetic, no
+// device sync, so a decode step stays CUDA-graph capturable): 1 when the (sequence, kv head, query
+// tile) CTAs already fill the GPU, else enough splits to fill it, at most kMaxSplits.
+constexpr int kMaxSplits = 128;
+int num_splits_heuristic(const Flash_fwd_params& params);
 
 // Head dim the kernels run a user head dim `d` with (the smallest compiled one >= d), or 0 if
 // none compiled in this build covers it. One rule for the forward and the backward.

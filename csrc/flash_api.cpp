@@ -15,6 +15,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "flash.h"
 #include "kernels/cpu/flash_cpu.h"
@@ -286,6 +287,318 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   return {dq, dk, dv};
 }
 
+// ---- Varlen: packed sequences (flash_attn_varlen_func) ---------------------------------
+// q (total_q, nheads, d), k/v (total_k, nheads_k, d); sequence b = rows [cu_seqlens_q[b],
+// cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v; cu_seqlens int32
+// (batch + 1,) on q's device. Outputs: out like q; softmax_lse (nheads, total_q) float32;
+// softmax_stats (2, nheads, total_q) float32. On CUDA the values of cu_seqlens and max_seqlen are
+// not read on the host (no device sync): a sequence longer than max_seqlen is cut to its first
+// max_seqlen rows / keys, and cu_seqlens past the tensors read out of bounds; the CPU path checks both.
+
+struct VarlenSizes {
+  int64_t batch, total_q, total_k, nheads, nheads_k, headdim;
+};
+
+void check_rank3(const Tensor& t, const char* name, const char* layout) {
+  TORCH_CHECK(t.dim() == 3, "flash_attn_ext: ", name, " must be 3-D ", layout, " (packed varlen), got ", t.dim(),
+              "-D of shape ", t.sizes());
+}
+
+void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q) {
+  check_same_device(cu, name, q);
+  TORCH_CHECK(cu.scalar_type() == at::kInt, "flash_attn_ext: ", name, " has dtype ", cu.scalar_type(),
+              "; expected int32");
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, "flash_attn_ext: ", name, " has shape ", cu.sizes(),
+              "; expected (batch + 1,) with batch >= 0");
+  TORCH_CHECK(cu.is_contiguous(), "flash_attn_ext: ", name, " must be contiguous");
+}
+
+// The 3-D q/k/v of a varlen call as the 4-D dense checks see them, plus cu_seqlens and max_seqlen.
+VarlenSizes check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+                         const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                         double softmax_scale, bool cuda) {
+  check_rank3(q, "q", "(total_q, nheads, headdim)");
+  check_rank3(k, "k", "(total_k, nheads_k, headdim)");
+  check_rank3(v, "v", "(total_k, nheads_k, headdim)");
+  TORCH_CHECK(v.size(0) == k.size(0), "flash_attn_ext: v has ", v.size(0), " rows but k has total_k = ", k.size(0),
+              "; expected equal");
+  // The dense checks (device, dtype, heads, headdim, strides, scale) on a batch-1 view.
+  check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, cuda);
+  check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q);
+  check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q);
+  TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "flash_attn_ext: cu_seqlens_q has ",
+              cu_seqlens_q.size(0), " entries but cu_seqlens_k has ", cu_seqlens_k.size(0),
+              "; expected equal (batch + 1 each)");
+  const int64_t int_max = std::numeric_limits<int>::max();
+  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_q <= int_max && max_seqlen_k >= 0 && max_seqlen_k <= int_max,
+              "flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31), got ", max_seqlen_q, " and ",
+              max_seqlen_k);
+  TORCH_CHECK(q.size(0) < int_max && k.size(0) < int_max, "flash_attn_ext: total_q and total_k must fit in int32, got ",
+              q.size(0), " and ", k.size(0));
+  return VarlenSizes{cu_seqlens_q.size(0) - 1, q.size(0), k.size(0), q.size(1), k.size(1), q.size(2)};
+}
+
+// The CPU path reads cu_seqlens on the host: non-decreasing, inside the tensors, within max_seqlen.
+std::vector<int> host_cu_seqlens(const Tensor& cu, const char* name, int64_t total, int64_t max_seqlen,
+                                 const char* max_name) {
+  const auto a = cu.accessor<int, 1>();
+  std::vector<int> out(a.size(0));
+  for (int64_t i = 0; i < a.size(0); ++i) {
+    out[i] = a[i];
+    TORCH_CHECK(out[i] >= 0 && out[i] <= total, "flash_attn_ext: ", name, "[", i, "] = ", out[i],
+                " is outside [0, ", total, "] (the packed tensor's rows)");
+    if (i > 0) {
+      TORCH_CHECK(out[i] >= out[i - 1], "flash_attn_ext: ", name, " must be non-decreasing, got ", name, "[", i - 1,
+                  "] = ", out[i - 1], " > ", name, "[", i, "] = ", out[i]);
+      TORCH_CHECK(out[i] - out[i - 1] <= max_seqlen, "flash_attn_ext: sequence ", i - 1, " has ", out[i] - out[i - 1],
+                  " rows (", name, ") but ", max_name, " = ", max_seqlen, "; expected max_seqlen >= every length");
+    }
+  }
+  return out;
+}
+
+FwdOut alloc_varlen_fwd(const Tensor& q, const VarlenSizes& s) {
+  Tensor out = torch::empty(q.sizes(), q.options());
+  Tensor lse = torch::empty({s.nheads, s.total_q}, q.options().dtype(at::kFloat));
+  Tensor stats = torch::empty({2, s.nheads, s.total_q}, q.options().dtype(at::kFloat));
+  return {out, lse, stats};
+}
+
+void check_varlen_bwd_extra(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& softmax_lse,
+                            const c10::optional<Tensor>& softmax_stats, const VarlenSizes& s) {
+  check_same_device(dout, "dout", q);
+  check_same_device(out, "out", q);
+  check_same_device(softmax_lse, "softmax_lse", q);
+  check_same_dtype(dout, "dout", q);
+  check_same_dtype(out, "out", q);
+  TORCH_CHECK(dout.sizes() == q.sizes(), "flash_attn_ext: dout has shape ", dout.sizes(), "; expected q's shape ",
+              q.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn_ext: out has shape ", out.sizes(), "; expected q's shape ",
+              q.sizes());
+  check_last_dim_contiguous(out, "out");
+  TORCH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.dim() == 2 && softmax_lse.size(0) == s.nheads &&
+                  softmax_lse.size(1) == s.total_q,
+              "flash_attn_ext: softmax_lse has shape ", softmax_lse.sizes(), " and dtype ", softmax_lse.scalar_type(),
+              "; expected (nheads, total_q) = (", s.nheads, ", ", s.total_q, ") float32");
+  if (softmax_stats.has_value() && softmax_stats->defined()) {
+    const Tensor& st = *softmax_stats;
+    check_same_device(st, "softmax_stats", q);
+    TORCH_CHECK(st.scalar_type() == at::kFloat && st.dim() == 3 && st.size(0) == 2 && st.size(1) == s.nheads &&
+                    st.size(2) == s.total_q,
+                "flash_attn_ext: softmax_stats has shape ", st.sizes(), " and dtype ", st.scalar_type(),
+                "; expected (2, nheads, total_q) = (2, ", s.nheads, ", ", s.total_q,
+                ") float32, the varlen forward's third output");
+  }
+}
+
+// Sequence b of a packed tensor as a batch-1 BSHD tensor (the CPU path runs it through the dense kernel).
+Tensor seq_slice(const Tensor& t, int begin, int end) { return t.narrow(0, begin, end - begin).unsqueeze(0); }
+
+FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+                          const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                          bool causal) {
+  const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                     /*cuda=*/false);
+  const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
+  const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
+  FwdOut outs = alloc_varlen_fwd(q, s);
+  auto& [out, lse, stats] = outs;
+  // Rows outside every sequence: out 0, lse +inf (the CUDA path leaves them unwritten).
+  out.zero_();
+  lse.fill_(std::numeric_limits<float>::infinity());
+  stats[0].fill_(std::numeric_limits<float>::infinity());
+  stats[1].zero_();
+  for (int64_t b = 0; b < s.batch; ++b) {
+    if (cq[b + 1] == cq[b]) continue;
+    const auto [o_b, lse_b, stats_b] = forward_cpu(seq_slice(q, cq[b], cq[b + 1]), seq_slice(k, ck[b], ck[b + 1]),
+                                                   seq_slice(v, ck[b], ck[b + 1]), softmax_scale, causal);
+    out.narrow(0, cq[b], cq[b + 1] - cq[b]).copy_(o_b[0]);
+    lse.narrow(1, cq[b], cq[b + 1] - cq[b]).copy_(lse_b[0]);
+    stats.narrow(2, cq[b], cq[b + 1] - cq[b]).copy_(stats_b.select(1, 0));
+  }
+  return outs;
+}
+
+std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                       const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
+                                                       const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                                       bool causal, const c10::optional<Tensor>& softmax_stats) {
+  const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                     /*cuda=*/false);
+  check_rank3(dout, "dout", "(total_q, nheads, headdim)");
+  check_rank3(out, "out", "(total_q, nheads, headdim)");
+  check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats, s);
+  const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
+  const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
+  const bool has_stats = softmax_stats.has_value() && softmax_stats->defined();
+  // Rows outside every sequence get zero gradients (the CUDA path leaves them unwritten).
+  Tensor dq = torch::zeros(q.sizes(), q.options());
+  Tensor dk = torch::zeros(k.sizes(), k.options());
+  Tensor dv = torch::zeros(v.sizes(), v.options());
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int q0 = cq[b], q1 = cq[b + 1], k0 = ck[b], k1 = ck[b + 1];
+    if (q1 == q0 && k1 == k0) continue;
+    c10::optional<Tensor> stats_b;
+    if (has_stats) stats_b = softmax_stats->narrow(2, q0, q1 - q0).unsqueeze(1);
+    const auto [dq_b, dk_b, dv_b] =
+        backward_cpu(seq_slice(dout, q0, q1), seq_slice(q, q0, q1), seq_slice(k, k0, k1), seq_slice(v, k0, k1),
+                     seq_slice(out, q0, q1), softmax_lse.narrow(1, q0, q1 - q0).unsqueeze(0), softmax_scale, causal,
+                     stats_b);
+    dq.narrow(0, q0, q1 - q0).copy_(dq_b[0]);
+    dk.narrow(0, k0, k1 - k0).copy_(dk_b[0]);
+    dv.narrow(0, k0, k1 - k0).copy_(dv_b[0]);
+  }
+  return {dq, dk, dv};
+}
+
+// ---- KV cache (flash_attn_with_kvcache) -------------------------------------------------
+// q (batch, seqlen_q, nheads, d); k_cache / v_cache (batch, seqlen_cache, nheads_k, d), or paged
+// (num_blocks, page_size, nheads_k, d) with block_table int32 (batch, max_blocks); cache_seqlens
+// int32 (batch,) or None (every cache row is used); k / v new (batch, seqlen_new, nheads_k, d)
+// written into the cache at rows cache_seqlens[b] + i (in place; the caller advances
+// cache_seqlens). Sequence b attends to the first cache_seqlens[b] + seqlen_new cache rows
+// (causal: bottom-right aligned against that count). Returns out (q's shape) and softmax_lse
+// (batch, nheads, seqlen_q) float32. On CUDA the values of cache_seqlens and block_table are not
+// read on the host: rows past the cache are dropped from the append and from the attention, block
+// numbers outside [0, num_blocks) are not checked; the CPU path checks both.
+
+struct KvcacheSizes {
+  Sizes s;  // batch, seqlen_q, seqlen_k (cache capacity per sequence), nheads, nheads_k, headdim
+  int64_t seqlen_new = 0, page_size = 0, num_blocks = 0, max_blocks = 0;
+  bool paged = false;
+};
+
+KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const c10::optional<Tensor>& k,
+                           const c10::optional<Tensor>& v, const c10::optional<Tensor>& cache_seqlens,
+                           const c10::optional<Tensor>& block_table, double softmax_scale, int64_t num_splits,
+                           bool cuda) {
+  check_rank4(q, "q", "(batch, seqlen_q, nheads, headdim)");
+  check_rank4(k_cache, "k_cache", "(batch_cache, seqlen_cache, nheads_k, headdim) or paged (num_blocks, page_size, "
+                                  "nheads_k, headdim)");
+  check_rank4(v_cache, "v_cache", "like k_cache");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "flash_attn_ext: v_cache has shape ", v_cache.sizes(),
+              " but k_cache has shape ", k_cache.sizes(), "; expected equal");
+  KvcacheSizes ks;
+  ks.paged = block_table.has_value() && block_table->defined();
+  const int64_t batch = q.size(0);
+  if (ks.paged) {
+    const Tensor& bt = *block_table;
+    check_same_device(bt, "block_table", q);
+    TORCH_CHECK(bt.scalar_type() == at::kInt, "flash_attn_ext: block_table has dtype ", bt.scalar_type(),
+                "; expected int32");
+    TORCH_CHECK(bt.dim() == 2 && bt.size(0) == batch && bt.size(1) >= 1, "flash_attn_ext: block_table has shape ",
+                bt.sizes(), "; expected (batch, max_blocks) = (", batch, ", >= 1)");
+    TORCH_CHECK(bt.stride(1) == 1, "flash_attn_ext: block_table must have a contiguous last dimension");
+    ks.page_size = k_cache.size(1);
+    ks.num_blocks = k_cache.size(0);
+    ks.max_blocks = bt.size(1);
+    TORCH_CHECK(ks.page_size > 0 && ks.page_size % 16 == 0, "flash_attn_ext: paged k_cache has page_size ",
+                ks.page_size, " (k_cache.size(1)); expected a positive multiple of 16");
+    TORCH_CHECK(ks.max_blocks * ks.page_size <= std::numeric_limits<int>::max(),
+                "flash_attn_ext: block_table.size(1) * page_size must fit in int32");
+  } else {
+    TORCH_CHECK(k_cache.size(0) == batch, "flash_attn_ext: k_cache has batch ", k_cache.size(0), " but q has batch ",
+                batch, "; expected equal (or pass block_table for a paged cache)");
+  }
+  // The dense checks (devices, dtypes, heads, headdim, strides, scale) on q against one sequence's cache view.
+  const Tensor k_view = ks.paged ? k_cache.narrow(0, 0, 1).expand({batch, ks.page_size, k_cache.size(2), k_cache.size(3)})
+                                 : k_cache;
+  const Tensor v_view = ks.paged ? v_cache.narrow(0, 0, 1).expand({batch, ks.page_size, v_cache.size(2), v_cache.size(3)})
+                                 : v_cache;
+  if (batch > 0 && (!ks.paged || ks.num_blocks > 0)) {
+    check_qkv(q, k_view, v_view, softmax_scale, cuda);
+  } else {
+    check_same_device(k_cache, "k_cache", q);
+    check_same_device(v_cache, "v_cache", q);
+    check_same_dtype(k_cache, "k_cache", q);
+    check_same_dtype(v_cache, "v_cache", q);
+  }
+  ks.s = Sizes{batch, q.size(1), ks.paged ? ks.max_blocks * ks.page_size : k_cache.size(1), q.size(2), k_cache.size(2),
+               q.size(3)};
+  if (cache_seqlens.has_value() && cache_seqlens->defined()) {
+    const Tensor& cs = *cache_seqlens;
+    check_same_device(cs, "cache_seqlens", q);
+    TORCH_CHECK(cs.scalar_type() == at::kInt, "flash_attn_ext: cache_seqlens has dtype ", cs.scalar_type(),
+                "; expected int32");
+    TORCH_CHECK(cs.dim() == 1 && cs.size(0) == batch, "flash_attn_ext: cache_seqlens has shape ", cs.sizes(),
+                "; expected (batch,) = (", batch, ",)");
+    TORCH_CHECK(cs.is_contiguous(), "flash_attn_ext: cache_seqlens must be contiguous");
+  }
+  const bool has_k = k.has_value() && k->defined(), has_v = v.has_value() && v->defined();
+  TORCH_CHECK(has_k == has_v, "flash_attn_ext: k and v (the new keys and values) must be given together");
+  if (has_k) {
+    TORCH_CHECK(cache_seqlens.has_value() && cache_seqlens->defined(),
+                "flash_attn_ext: k / v (new keys) need cache_seqlens: they are written at rows cache_seqlens[b] + i");
+    for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{*k, "k"}, {*v, "v"}}) {
+      check_rank4(t, name, "(batch, seqlen_new, nheads_k, headdim)");
+      check_same_device(t, name, q);
+      check_same_dtype(t, name, q);
+      TORCH_CHECK(t.size(0) == batch && t.size(2) == ks.s.nheads_k && t.size(3) == ks.s.headdim,
+                  "flash_attn_ext: ", name, " has shape ", t.sizes(), "; expected (batch, seqlen_new, nheads_k, headdim) = (",
+                  batch, ", seqlen_new, ", ks.s.nheads_k, ", ", ks.s.headdim, ")");
+      check_last_dim_contiguous(t, name);
+    }
+    TORCH_CHECK(v->size(1) == k->size(1), "flash_attn_ext: v has seqlen_new ", v->size(1), " but k has ", k->size(1),
+                "; expected equal");
+    ks.seqlen_new = k->size(1);
+  }
+  TORCH_CHECK(num_splits >= 0 && num_splits <= flash::kMaxSplits, "flash_attn_ext: num_splits must be in [0, ",
+              flash::kMaxSplits, "] (0: chosen from the shapes), got ", num_splits);
+  return ks;
+}
+
+// The cache row pointer of (sequence b, row r): a CPU-side view for the append and the gather.
+Tensor cache_rows(const Tensor& cache, const KvcacheSizes& ks, const std::vector<int>& table_row, int64_t b,
+                  int64_t rows) {
+  if (!ks.paged) return cache[b].narrow(0, 0, rows);
+  std::vector<Tensor> pages;
+  for (int64_t r = 0; r < rows; r += ks.page_size) pages.push_back(cache[table_row[r / ks.page_size]]);
+  return pages.empty() ? cache.narrow(0, 0, 0).flatten(0, 1) : at::cat(pages, 0).narrow(0, 0, rows);
+}
+
+std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                           const c10::optional<Tensor>& k, const c10::optional<Tensor>& v,
+                                           const c10::optional<Tensor>& cache_seqlens,
+                                           const c10::optional<Tensor>& block_table, double softmax_scale, bool causal,
+                                           int64_t num_splits) {
+  const KvcacheSizes ks =
+      check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits, /*cuda=*/false);
+  const Sizes& s = ks.s;
+  const bool has_seqlens = cache_seqlens.has_value() && cache_seqlens->defined();
+  Tensor out = torch::empty(q.sizes(), q.options());
+  Tensor lse = torch::empty({s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    std::vector<int> table_row;
+    if (ks.paged) {
+      const auto bt = block_table->accessor<int, 2>();
+      for (int64_t j = 0; j < ks.max_blocks; ++j) table_row.push_back(bt[b][j]);
+    }
+    const int64_t cached = has_seqlens ? cache_seqlens->accessor<int, 1>()[b] : s.seqlen_k;
+    TORCH_CHECK(cached >= 0 && cached + ks.seqlen_new <= s.seqlen_k, "flash_attn_ext: cache_seqlens[", b, "] = ", cached,
+                " plus seqlen_new = ", ks.seqlen_new, " exceeds the cache's ", s.seqlen_k, " rows per sequence");
+    const int64_t len_k = cached + ks.seqlen_new;
+    for (int64_t j = 0; ks.paged && j * ks.page_size < len_k; ++j) {
+      TORCH_CHECK(table_row[j] >= 0 && table_row[j] < ks.num_blocks, "flash_attn_ext: block_table[", b, ", ", j,
+                  "] = ", table_row[j], " is outside [0, num_blocks = ", ks.num_blocks, ")");
+    }
+    // Append the new keys / values at rows cached .. cached + seqlen_new (in place).
+    for (int64_t i = 0; i < ks.seqlen_new; ++i) {
+      const int64_t r = cached + i;
+      const int64_t blk = ks.paged ? table_row[r / ks.page_size] : b, row = ks.paged ? r % ks.page_size : r;
+      k_cache[blk][row].copy_((*k)[b][i]);
+      v_cache[blk][row].copy_((*v)[b][i]);
+    }
+    if (s.seqlen_q == 0) continue;
+    const auto [o_b, lse_b, stats_b] =
+        forward_cpu(q.narrow(0, b, 1), cache_rows(k_cache, ks, table_row, b, len_k).unsqueeze(0),
+                    cache_rows(v_cache, ks, table_row, b, len_k).unsqueeze(0), softmax_scale, causal);
+    out[b].copy_(o_b[0]);
+    lse[b].copy_(lse_b[0]);
+  }
+  return {out, lse};
+}
+
 // ---- CUDA ------------------------------------------------------------------------------
 #ifdef FLASH_ATTN_EXT_WITH_CUDA
 
@@ -316,6 +629,40 @@ void set_device_facts(flash::Flash_fwd_params& p, int device) {
   p.num_sms = num_sms;
 }
 
+// Runs a dispatch point (flash.h) on the current stream; its std::runtime_error (a check or a
+// failed launch) becomes a RuntimeError with the same message.
+template <typename Params>
+void run_on_stream(void (*dispatch)(Params&, cudaStream_t), Params& params) {
+  try {
+    dispatch(params, c10::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+// The backward's workspaces (flash.h; FA2 Alg. 2 line 5, written by the preprocess kernel): D,
+// LSE_log2 = hi + lo as three float32 planes of shape `plane`, and one precise_rows flag per 128
+// rows, (batch, nheads, seqlen_q_rounded / 128) int32. Returned to keep them alive over the launch.
+std::pair<Tensor, Tensor> set_bwd_workspaces(flash::Flash_bwd_params& p, at::IntArrayRef plane, int64_t batch,
+                                             int64_t nheads, int64_t seqlen_q_rounded, const Tensor& q) {
+  std::vector<int64_t> shape{3};
+  shape.insert(shape.end(), plane.begin(), plane.end());
+  Tensor ws = torch::empty(shape, q.options().dtype(at::kFloat));
+  Tensor precise_rows = torch::empty({batch, nheads, seqlen_q_rounded / 128}, q.options().dtype(at::kInt));
+  p.dsoftmax_sum_ptr = ws[0].data_ptr<float>();
+  p.softmax_lse_log2_ptr = ws[1].data_ptr<float>();
+  p.softmax_lse_log2_lo_ptr = ws[2].data_ptr<float>();
+  p.precise_rows_ptr = precise_rows.data_ptr<int>();
+  p.seqlen_q_rounded = int(seqlen_q_rounded);
+  return {ws, precise_rows};
+}
+
+// dq of the caller's softmax_scale from the kernels' positive one (positive_scale).
+void scale_dq_back(Tensor& dq, double softmax_scale) {
+  if (softmax_scale < 0) dq.neg_();
+  if (softmax_scale == 0) dq.zero_();
+}
+
 int cuda_rounded_headdim(int d) {
   const int d_rounded = flash::rounded_headdim(d);
   TORCH_CHECK(d_rounded > 0, "flash_attn_ext: headdim ", d, " is not compiled in this build (compiled head dims: ",
@@ -338,11 +685,7 @@ FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, 
   set_fwd_params(params, s, q, k, v, out, lse, stats, scale, causal);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
-  try {
-    flash::run_mha_fwd(params, c10::cuda::getCurrentCUDAStream().stream());
-  } catch (const std::runtime_error& e) {
-    TORCH_CHECK(false, e.what());
-  }
+  run_on_stream(flash::run_mha_fwd, params);
   return outs;
 }
 
@@ -369,29 +712,181 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   // dout from out.sum().backward() has all-zero strides: fine, except a non-unit last stride.
   const Tensor dout = aligned_for_cuda(dout_in.stride(-1) == 1 ? dout_in : dout_in.contiguous());
   const Tensor lse = softmax_lse.contiguous();
-  // FA2 Alg. 2 line 5 workspaces (written by the preprocess kernel), rows rounded up to 128: D,
-  // LSE_log2 = hi + lo, and one precise_rows flag per 128 rows (flash.h).
-  const int64_t seqlen_q_rounded = (s.seqlen_q + 127) / 128 * 128;
-  Tensor ws = torch::empty({3, s.batch, s.nheads, seqlen_q_rounded}, q.options().dtype(at::kFloat));
-  Tensor precise_rows = torch::empty({s.batch, s.nheads, seqlen_q_rounded / 128}, q.options().dtype(at::kInt));
-
   flash::Flash_bwd_params params;
   set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, causal);
   params.d_rounded = d_rounded;
-  params.dsoftmax_sum_ptr = ws[0].data_ptr<float>();
-  params.softmax_lse_log2_ptr = ws[1].data_ptr<float>();
-  params.softmax_lse_log2_lo_ptr = ws[2].data_ptr<float>();
-  params.precise_rows_ptr = precise_rows.data_ptr<int>();
-  params.seqlen_q_rounded = int(seqlen_q_rounded);
+  // Workspaces (b, h, seqlen_q rounded up to 128) per plane.
+  const int64_t seqlen_q_rounded = (s.seqlen_q + 127) / 128 * 128;
+  const auto workspaces = set_bwd_workspaces(params, {s.batch, s.nheads, seqlen_q_rounded}, s.batch, s.nheads,
+                                             seqlen_q_rounded, q);
   set_device_facts(params, q.get_device());
-  try {
-    flash::run_mha_bwd(params, c10::cuda::getCurrentCUDAStream().stream());
-  } catch (const std::runtime_error& e) {
-    TORCH_CHECK(false, e.what());
-  }
-  if (softmax_scale < 0) dq.neg_();
-  if (softmax_scale == 0) dq.zero_();
+  run_on_stream(flash::run_mha_bwd, params);
+  scale_dq_back(dq, softmax_scale);
   return {dq, dk, dv};
+}
+
+// True if the kernels must run. No sequence has a query (max_seqlen_q = 0 or no rows) or none has
+// a key: the outputs are final here (out = 0, lse = +inf, stats (+inf, 0)).
+bool varlen_fwd_nonempty(FwdOut& outs, const VarlenSizes& s, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  if (s.batch > 0 && s.total_q > 0 && max_seqlen_q > 0 && s.total_k > 0 && max_seqlen_k > 0) return true;
+  std::get<0>(outs).zero_();
+  std::get<1>(outs).fill_(std::numeric_limits<float>::infinity());
+  std::get<2>(outs)[0].fill_(std::numeric_limits<float>::infinity());
+  std::get<2>(outs)[1].zero_();
+  return false;
+}
+
+// A packed (total, heads, d) tensor as a TensorView of the varlen params (batch_stride 0).
+flash::TensorView view_packed(const Tensor& t) {
+  flash::TensorView v;
+  v.ptr = t.data_ptr();
+  v.batch_stride = 0, v.row_stride = t.stride(0), v.head_stride = t.stride(1);
+  return v;
+}
+
+// Packed (total, heads, d) tensors: 16-byte base and strides, else one copy (see aligned_for_cuda).
+Tensor aligned_packed_for_cuda(const Tensor& t) {
+  const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
+                  t.stride(1) % 8 == 0 && t.stride(2) == 1;
+  return ok ? t : t.contiguous();
+}
+
+// The varlen fields of params (flash.h) over packed q/k/v, on top of set_fwd_params' dense ones.
+void set_varlen_params(flash::Flash_fwd_params& p, const VarlenSizes& s, const Tensor& q, const Tensor& k,
+                       const Tensor& v, const Tensor& out, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                       int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  p.q = view_packed(q), p.k = view_packed(k), p.v = view_packed(v), p.o = view_packed(out);
+  p.b = int(s.batch);
+  p.seqlen_q = int(max_seqlen_q);
+  p.seqlen_k = int(max_seqlen_k);
+  p.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
+  p.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
+  p.total_q = int(s.total_q);
+  p.total_k = int(s.total_k);
+}
+
+FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& cu_seqlens_q,
+                           const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                           double softmax_scale, bool causal) {
+  const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     softmax_scale, /*cuda=*/true);
+  TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
+  const int d_rounded = cuda_rounded_headdim(int(s.headdim));
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  FwdOut outs = alloc_varlen_fwd(q_in, s);
+  if (!varlen_fwd_nonempty(outs, s, max_seqlen_q, max_seqlen_k)) return outs;
+  const auto& [out, lse, stats] = outs;
+  const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
+  const Tensor q = aligned_packed_for_cuda(q_pos), k = aligned_packed_for_cuda(k_in), v = aligned_packed_for_cuda(v_in);
+
+  flash::Flash_fwd_params params;
+  const Sizes dense{s.batch, max_seqlen_q, max_seqlen_k, s.nheads, s.nheads_k, s.headdim};
+  set_fwd_params(params, dense, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse, stats, scale,
+                 causal);
+  set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  params.d_rounded = d_rounded;
+  set_device_facts(params, q.get_device());
+  run_on_stream(flash::run_mha_fwd, params);
+  return outs;
+}
+
+std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
+                                                        const Tensor& v_in, const Tensor& out_in,
+                                                        const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
+                                                        const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                        int64_t max_seqlen_k, double softmax_scale, bool causal,
+                                                        const c10::optional<Tensor>& softmax_stats) {
+  const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     softmax_scale, /*cuda=*/true);
+  TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
+  check_rank3(dout_in, "dout", "(total_q, nheads, headdim)");
+  check_rank3(out_in, "out", "(total_q, nheads, headdim)");
+  check_varlen_bwd_extra(dout_in, q_in, out_in, softmax_lse, softmax_stats, s);
+  const int d_rounded = cuda_rounded_headdim(int(s.headdim));
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  Tensor dq = torch::empty(q_in.sizes(), q_in.options());
+  Tensor dk = torch::empty(k_in.sizes(), k_in.options());
+  Tensor dv = torch::empty(v_in.sizes(), v_in.options());
+  if (s.batch == 0 || s.total_q == 0 || s.total_k == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
+    dq.zero_(), dk.zero_(), dv.zero_();
+    return {dq, dk, dv};
+  }
+  const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
+  const Tensor q = aligned_packed_for_cuda(q_pos), k = aligned_packed_for_cuda(k_in), v = aligned_packed_for_cuda(v_in);
+  const Tensor out = aligned_packed_for_cuda(out_in);
+  const Tensor dout = aligned_packed_for_cuda(dout_in.stride(-1) == 1 ? dout_in : dout_in.contiguous());
+  const Tensor lse = softmax_lse.contiguous();
+  const Tensor stats =
+      softmax_stats.has_value() && softmax_stats->defined() ? softmax_stats->contiguous() : Tensor();
+  flash::Flash_bwd_params params;
+  const Sizes dense{s.batch, max_seqlen_q, max_seqlen_k, s.nheads, s.nheads_k, s.headdim};
+  set_bwd_params(params, dense, dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
+                 lse, stats, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), scale, causal);
+  set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  params.dout = view_packed(dout), params.dq = view_packed(dq), params.dk = view_packed(dk), params.dv = view_packed(dv);
+  params.d_rounded = d_rounded;
+  // Workspaces (flash.h): (nheads, varlen_ws_rows) per plane; precise_rows per 128 rows of
+  // max_seqlen_q per (sequence, head).
+  const int64_t seqlen_q_rounded = (max_seqlen_q + 127) / 128 * 128;
+  const auto workspaces = set_bwd_workspaces(params, {s.nheads, flash::varlen_ws_rows(s.total_q, s.batch)}, s.batch,
+                                             s.nheads, seqlen_q_rounded, q);
+  set_device_facts(params, q.get_device());
+  run_on_stream(flash::run_mha_bwd, params);
+  scale_dq_back(dq, softmax_scale);
+  return {dq, dk, dv};
+}
+
+std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache,
+                                            const c10::optional<Tensor>& k_new, const c10::optional<Tensor>& v_new,
+                                            const c10::optional<Tensor>& cache_seqlens,
+                                            const c10::optional<Tensor>& block_table, double softmax_scale,
+                                            bool causal, int64_t num_splits) {
+  const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, softmax_scale,
+                                        num_splits, /*cuda=*/true);
+  const Sizes& s = ks.s;
+  TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
+  // The cache is written in place: it must already be 16-byte aligned (no copy can stand in for it).
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+                    t.stride(2) % 8 == 0,
+                "flash_attn_ext: ", name, " must have a 16-byte aligned base and strides that are multiples of 8 "
+                "elements (it is written in place, so it cannot be copied), got strides ", t.strides());
+  }
+  const int d_rounded = cuda_rounded_headdim(int(s.headdim));
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  Tensor out = torch::empty(q_in.sizes(), q_in.options());
+  Tensor lse = torch::empty({s.batch, s.nheads, s.seqlen_q}, q_in.options().dtype(at::kFloat));
+  if (s.batch == 0) return {out, lse};
+  const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
+  const Tensor q = aligned_for_cuda(q_pos);
+
+  flash::Flash_fwd_params params;
+  set_fwd_params(params, s, q, k_cache, v_cache, out, lse, Tensor(), scale, causal);
+  params.d_rounded = d_rounded;
+  set_device_facts(params, q.get_device());
+  if (cache_seqlens.has_value() && cache_seqlens->defined()) params.cache_seqlens = cache_seqlens->data_ptr<int>();
+  Tensor k_app, v_app;
+  if (ks.seqlen_new > 0) {
+    k_app = aligned_for_cuda(*k_new), v_app = aligned_for_cuda(*v_new);
+    params.knew = view(k_app), params.vnew = view(v_app);
+    params.seqlen_knew = int(ks.seqlen_new);
+  }
+  if (ks.paged) {
+    params.block_table = block_table->data_ptr<int>();
+    params.block_table_batch_stride = block_table->stride(0);
+    params.page_size = int(ks.page_size);
+    params.num_blocks = int(ks.num_blocks);
+  }
+  params.num_splits = num_splits > 0 ? int(num_splits) : flash::num_splits_heuristic(params);
+  Tensor oaccum, lseaccum;
+  if (params.num_splits > 1 && s.seqlen_q > 0) {
+    oaccum = torch::empty({params.num_splits, s.batch, s.nheads, s.seqlen_q, d_rounded}, q.options().dtype(at::kFloat));
+    lseaccum = torch::empty({params.num_splits, s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
+    params.oaccum_ptr = oaccum.data_ptr<float>();
+    params.softmax_lseaccum_ptr = lseaccum.data_ptr<float>();
+  }
+  run_on_stream(flash::run_mha_fwd_kvcache, params);
+  return {out, lse};
 }
 
 #else  // CPU-only build: CUDA tensors get a clear error instead of the dispatcher's.
@@ -418,6 +913,37 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout, const Tenso
   return {};
 }
 
+FwdOut varlen_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+                           const Tensor& cu_seqlens_k, int64_t, int64_t, double, bool) {
+  check_same_device(k, "k", q);
+  check_same_device(v, "v", q);
+  check_same_device(cu_seqlens_q, "cu_seqlens_q", q);
+  check_same_device(cu_seqlens_k, "cu_seqlens_k", q);
+  no_cuda();
+  return {};
+}
+std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                        const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
+                                                        const Tensor&, const Tensor&, int64_t, int64_t, double, bool,
+                                                        const c10::optional<Tensor>&) {
+  check_same_device(dout, "dout", q);
+  check_same_device(k, "k", q);
+  check_same_device(v, "v", q);
+  check_same_device(out, "out", q);
+  check_same_device(softmax_lse, "softmax_lse", q);
+  no_cuda();
+  return {};
+}
+std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                            const c10::optional<Tensor>&, const c10::optional<Tensor>&,
+                                            const c10::optional<Tensor>&, const c10::optional<Tensor>&, double, bool,
+                                            int64_t) {
+  check_same_device(k_cache, "k_cache", q);
+  check_same_device(v_cache, "v_cache", q);
+  no_cuda();
+  return {};
+}
+
 #endif  // FLASH_ATTN_EXT_WITH_CUDA
 
 }  // namespace
@@ -431,20 +957,38 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
       "bool causal, Tensor? softmax_stats=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, float softmax_scale, bool causal) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
+  m.def(
+      "varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
+      "bool causal, Tensor? softmax_stats=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
+      "Tensor? block_table, float softmax_scale, bool causal, int num_splits) -> (Tensor out, Tensor softmax_lse)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
   m.impl("forward", &forward_cpu);
   m.impl("backward", &backward_cpu);
+  m.impl("varlen_forward", &varlen_forward_cpu);
+  m.impl("varlen_backward", &varlen_backward_cpu);
+  m.impl("fwd_kvcache", &fwd_kvcache_cpu);
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
   m.impl("forward", &forward_cuda);
   m.impl("backward", &backward_cuda);
+  m.impl("varlen_forward", &varlen_forward_cuda);
+  m.impl("varlen_backward", &varlen_backward_cuda);
+  m.impl("fwd_kvcache", &fwd_kvcache_cuda);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "flash_attn_ext C++ extension: registers torch.ops.flash_attn_ext.{forward,backward}";
+  m.doc() =
+      "flash_attn_ext C++ extension: registers torch.ops.flash_attn_ext.{forward, backward, varlen_forward, "
+      "varlen_backward, fwd_kvcache}";
   m.def(
       "build_info",
       []() {

@@ -3,6 +3,10 @@
 Public API:
     flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
         BSHD attention with autograd (flash_attn_ext.interface).
+    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+        packed variable-length sequences, with autograd.
+    flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+        block_table=None, ..., num_splits=0): inference against a (paged) KV cache, split-KV.
     scaled_dot_product_attention(...): BHSD drop-in for torch's SDPA (flash_attn_ext.sdpa,
         loaded on first use).
     build_info() -> dict: CUDA archs / head dims compiled, CUDA and torch versions built against.
@@ -28,7 +32,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
     ) from e
 
 from . import ops  # noqa: E402,F401  (fake kernels + autograd for the C++ ops)
-from .interface import flash_attn_func  # noqa: E402
+from .interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 
 
 def build_info() -> dict:
@@ -61,4 +65,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["flash_attn_func", "scaled_dot_product_attention", "build_info", "force_sm80_path", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention", "build_info", "force_sm80_path", "__version__"]

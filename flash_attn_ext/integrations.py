@@ -21,25 +21,30 @@ What is registered:
 Masks (never ignored):
   * None: one kernel call for the whole batch (causal per ``module.is_causal`` / ``is_causal``).
   * A 4-D mask (batch or 1, 1, q_len, kv_len), boolean (True = attend) or additive float
-    (0 = attend, -inf or dtype-min = blocked): handled per sequence by unpadding. For each batch
-    element the queries and keys that take part are gathered, and the mask restricted to them
-    must be all-True (padding only) or causal with a diagonal offset (query i sees key
-    j <= i + off: causal + padding). That covers left padding and decoding with a cache
+    (0 = attend, -inf or dtype-min = blocked): unpad, varlen, pad, as flash-attn's transformers
+    path. For each batch element (vectorized over the batch) the queries that see some key and
+    the keys seen by some query take part, and the mask restricted to them must be all-True
+    (padding only) or causal with a diagonal offset (query i sees key j <= i + off: causal +
+    padding). That covers left padding and decoding or chunked prefill with a cache
     (bottom-right, off = kv_len - q_len) and right padding under a causal mask: transformers
     then builds the top-left pattern (off = 0) in which each real query row sees the real keys
     up to itself (plain causal attention) and each pad query row sees every real key. The
-    kernel runs on that sequence (the rows that see every key, such as right-padding pad rows,
-    in a second non-causal call) and the output rows are scattered back, so every row equals
-    sdpa's; rows that see no key are 0. Any other pattern (sliding windows, packed sequences,
-    per-head masks, additive biases) raises NotImplementedError naming the cause: use
-    attn_implementation="sdpa" for those models.
+    bottom-right causal rows of all batch elements are packed into one causal
+    ``flash_attn_varlen_func`` call, the rows that see every key of their element (all-True
+    elements, right-padding pad rows) into one non-causal call; the outputs are scattered back
+    into a zero tensor, so every row equals sdpa's and rows that see no key are 0. So at most
+    two kernel launches per layer whatever the batch (one dense call when nothing is masked),
+    differentiable; the analysis costs a few host syncs per layer (sizes and max_seqlen, a
+    constant number, not one per sequence). Any other pattern (sliding windows, packed
+    sequences, per-head masks, additive biases) raises NotImplementedError naming the cause:
+    use attn_implementation="sdpa" for those models.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .interface import flash_attn_func
+from .interface import flash_attn_func, flash_attn_varlen_func
 from .sdpa import _autocast_and_check_dtype
 
 __all__ = ["register_transformers", "flash_attn_ext_attention_forward", "DEFAULT_NAME"]
@@ -66,64 +71,77 @@ def _allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_attention(q, k, v, attention_mask, scaling):
-    """Per-sequence unpadded attention (see the module docstring). q: (B, Lq, H, D) BSHD,
-    k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk)."""
-    B, Lq = q.shape[0], q.shape[1]
-    Lk = k.shape[1]
+    """Unpad, at most two varlen calls, pad (see the module docstring). q: (B, Lq, H, D) BSHD,
+    k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk). Returns (B, Lq, H, D)."""
+    B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
     if attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, B) or \
             attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (Lq, Lk):
         raise NotImplementedError(
             f"flash_attn_ext attention: attention_mask of shape {tuple(attention_mask.shape)} is "
             f"not supported; expected (batch={B} or 1, 1, q_len={Lq}, kv_len={Lk}) (one mask "
             "for all heads)")
-    allowed = _allowed_from_mask(attention_mask)
-    if bool(allowed.all()):
-        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False)
-    outs = []
-    for b in range(B):
-        m = allowed[b if allowed.shape[0] > 1 else 0, 0]           # (Lq, Lk)
-        q_idx = m.any(dim=1).nonzero().squeeze(1)                # queries that see some key
-        kv_idx = m.any(dim=0).nonzero().squeeze(1)               # keys seen by some query
-        sub = m[q_idx][:, kv_idx]
-        nq, nk = q_idx.numel(), kv_idx.numel()
-        out_b = q.new_zeros(q.shape[1:])                         # rows seeing no key stay 0
-        if nq > 0:
-            o = _causal_offset_attention(q[b:b + 1, q_idx], k[b:b + 1, kv_idx],
-                                         v[b:b + 1, kv_idx], sub, scaling, b)[0]
-            out_b = out_b.index_copy(0, q_idx, o)
-        outs.append(out_b)
-    return torch.stack(outs)
-
-
-def _causal_offset_attention(q, k, v, sub, scaling, b):
-    """Attention of one unpadded sequence whose mask ``sub`` (nq, nk) is all-True or causal
-    with some diagonal offset: query i sees key j iff j <= i + off.
-
-    Every row sees a key and every key is seen (the caller gathered them), so
-    0 <= off and nk - nq <= off. off = nk - nq is the bottom-right mask of the kernel (left
-    padding, decoding with a cache); off = 0 with nq > nk is the top-left mask that
-    transformers builds for right padding with a causal mask (pad query rows after the last
-    real key see every real key). In general the first h = min(nq, nk - off) rows are the
-    bottom-right causal problem (h rows, h + off keys) and the remaining rows see every key.
-    """
-    nq, nk = sub.shape
-    if bool(sub.all()):
-        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False)
-    off = int(sub[0].sum()) - 1
-    i = torch.arange(nq, device=sub.device)[:, None]
-    j = torch.arange(nk, device=sub.device)[None, :]
-    if off < 0 or not torch.equal(sub, j <= i + off):
+    m = _allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
+    if m.numel() == 0:
+        return q.new_zeros(q.shape)
+    bad, k_in, q_parts = _split_mask(m)
+    nk, nq = k_in.sum(1), [sel.sum(1) for sel in q_parts]        # (B,) each
+    stats = torch.stack([bad.any().long(), nk.sum(), nk.max(), nq[0].sum(), nq[0].max(),
+                         nq[1].sum(), nq[1].max()]).tolist()     # one host sync for the sizes
+    if stats[0]:
         raise NotImplementedError(
-            f"flash_attn_ext attention: the attention mask of batch element {b} is neither "
-            "padding nor causal+padding (e.g. a sliding window or packed sequences); "
-            'those patterns are not supported, use attn_implementation="sdpa"')
-    h = min(nq, nk - off)
-    head = flash_attn_func(q[:, :h], k[:, :h + off], v[:, :h + off], softmax_scale=scaling,
-                           causal=True)
-    if h == nq:
-        return head
-    tail = flash_attn_func(q[:, h:], k, v, softmax_scale=scaling, causal=False)
-    return torch.cat([head, tail], dim=1)
+            f"flash_attn_ext attention: the attention mask of batch element "
+            f"{int(bad.nonzero()[0])} is neither padding nor causal+padding (e.g. a sliding "
+            "window or packed sequences); those patterns are not supported, use "
+            'attn_implementation="sdpa"')
+    total_k, max_k, total_q, max_q = stats[1], stats[2], stats[3::2], stats[4::2]
+    if total_q[1] == B * Lq and total_k == B * Lk:  # every query sees every key: nothing masked
+        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False)
+    # Unpad: nonzero() lists (batch element, position) pairs in packed order. Both calls share
+    # the packed keys; an element without rows in a call is a zero-length query sequence there.
+    kb, kj = k_in.nonzero().unbind(1)
+    k_packed, v_packed, cu_k = k[kb, kj], v[kb, kj], _cu_seqlens(nk)
+    out = q.new_zeros(q.shape)                                   # rows that see no key stay 0
+    for p, causal in enumerate((True, False)):
+        if total_q[p] == 0:
+            continue
+        qb, qi = q_parts[p].nonzero().unbind(1)
+        o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, _cu_seqlens(nq[p]), cu_k,
+                                   max_q[p], max_k, softmax_scale=scaling, causal=causal)
+        out = out.index_put((qb, qi), o)                         # pad
+    return out
+
+
+def _split_mask(m):
+    """Analysis of a boolean (B, Lq, Lk) mask, vectorized over the batch.
+
+    For batch element b: the queries that see some key (nq of them, ranked i = 0..nq-1 in
+    order) and the keys seen by some query (nk, ranked j); the mask restricted to them must be
+    causal with a diagonal offset: query i sees key j iff j <= i + off, where off + 1 is the
+    number of keys its first query sees. Then 0 <= off and nk - nq <= off (every key is seen).
+    off >= nk - 1 is all-True (padding only, decoding). Otherwise the first h = nk - off <= nq
+    rows with all nk keys are a bottom-right causal problem (h = nq: left padding, a cache) and
+    the other nq - h rows see all nk keys (off = 0, nq > nk: the pad query rows of right
+    padding under a causal mask).
+
+    Returns (bad, k_in, (causal_q, full_q)): bad (B,) bool, the elements whose mask is not
+    such a pattern; k_in (B, Lk) bool, the keys seen by some query; causal_q / full_q (B, Lq)
+    bool, the query rows of the causal problems and the rows that see all keys of their element.
+    """
+    q_in, k_in = m.any(2), m.any(1)                              # (B, Lq), (B, Lk)
+    i, j = q_in.cumsum(1) - 1, k_in.cumsum(1) - 1                # ranks among them
+    nk = k_in.sum(1)                                             # (B,)
+    first = q_in.int().argmax(1)                                 # first query seeing a key
+    off = m.sum(2).gather(1, first[:, None]).squeeze(1) - 1      # -1 where none does
+    expected = (q_in[:, :, None] & k_in[:, None, :]
+                & (j[:, None, :] <= i[:, :, None] + off[:, None, None]))
+    bad = (m != expected).flatten(1).any(1)
+    h = torch.where(off + 1 >= nk, 0, nk - off)[:, None]         # rows of the causal problem
+    return bad, k_in, (q_in & (i < h), q_in & (i >= h))
+
+
+def _cu_seqlens(seqlens):
+    """int32 (B + 1,) cumulative offsets of the per-sequence lengths ``seqlens`` (B,)."""
+    return torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def flash_attn_ext_attention_forward(

@@ -86,3 +86,118 @@ def flash_attn_func(
     out, softmax_lse, _ = ops.attention_forward(q, k, v, float(softmax_scale), bool(causal))
     return (out, softmax_lse) if return_lse else out
 
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    return_lse: bool = False,
+):
+    """Exact attention over a batch of variable-length sequences packed along one dimension.
+
+    FlashAttention-2 (Dao 2023) Alg. 1 / Alg. 2 run per sequence: the kernels take each
+    sequence's rows and lengths from ``cu_seqlens`` (no padding, no per-sequence launches).
+    Sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k and v; its output equals
+    ``flash_attn_func`` on that sequence alone (on the same GPU arch path, bit for bit).
+    Differentiable w.r.t. q, k, v (reverse mode; deterministic, no atomics).
+
+    Args:
+        q: (total_q, nheads, headdim). k, v: (total_k, nheads_k, headdim); nheads % nheads_k == 0.
+            dtype / headdim / strides as ``flash_attn_func`` (stride 1 along headdim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device, non-decreasing, from 0 to
+            at most total_q / total_k (e.g. ``F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))``).
+            Zero-length sequences are allowed (a sequence without keys gives out 0, LSE +inf).
+        max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence of each side.
+        softmax_scale: default 1 / sqrt(headdim). causal: bottom-right aligned per sequence
+            (query i of a sequence sees key j <= i + seqlen_k - seqlen_q of that sequence).
+        return_lse: also return softmax_lse.
+
+    Returns:
+        out: (total_q, nheads, headdim), q's dtype. softmax_lse (if return_lse): (nheads,
+        total_q) float32, natural log, no gradient.
+
+    Raises:
+        RuntimeError naming the argument for wrong ranks, shapes, dtypes, devices, a
+        cu_seqlens that is not int32 (batch + 1,) or whose two lengths differ, max_seqlen < 0.
+        On CPU the values are checked too (non-decreasing, inside the tensors, <= max_seqlen).
+        On CUDA they are not (that would need a device sync): a sequence longer than
+        max_seqlen_q / max_seqlen_k is cut to its first max_seqlen rows / keys (its other
+        rows are not written), and cu_seqlens past the tensors read out
+        of bounds. Rows of q / k not covered by cu_seqlens get unspecified out / gradients on
+        CUDA (0 on CPU).
+    """
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
+    out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
+        bool(causal))
+    return (out, softmax_lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | int | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    num_splits: int = 0,
+    return_lse: bool = False,
+):
+    """Attention of new queries against a KV cache, for inference (decoding, chunked prefill).
+
+    Split-KV (FlashDecoding, Dao et al. 2023): the cached keys of each (sequence, kv head) are
+    split over ``num_splits`` CTAs so every SM streams K/V; the partial outputs are merged
+    exactly by their log-sum-exps. The query heads of one kv head share its K/V reads (GQA).
+    Optionally appends new keys/values into the cache first (in place, flash-attn semantics:
+    the caller advances ``cache_seqlens`` afterwards). No gradient; CUDA-graph capturable (no
+    host sync: ``num_splits=0`` is decided from the shapes and SM count).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch, seqlen_cache, nheads_k, headdim), or paged (num_blocks,
+            page_size, nheads_k, headdim) with ``block_table``; page_size a multiple of 16
+            (16..256 typical). Written in place when k / v are given (16-byte aligned strides
+            needed). nheads % nheads_k == 0; dtype float16 / bfloat16 on CUDA (CPU: also
+            float32 / float64); headdim a multiple of 8, <= 256.
+        k, v: None, or new keys / values (batch, seqlen_new, nheads_k, headdim) written at cache
+            rows ``cache_seqlens[b] + i`` (needs cache_seqlens).
+        cache_seqlens: int32 (batch,) tensor or an int: the rows of each sequence's cache in
+            use before this call. None: every cache row is used.
+        block_table: int32 (batch, max_blocks): sequence b's cache row r lives in block
+            ``block_table[b, r // page_size]``, row ``r % page_size``.
+        softmax_scale: default 1 / sqrt(headdim). causal: bottom-right aligned: query i sees
+            cache row j <= i + cache_seqlens[b] + seqlen_new - seqlen_q.
+        num_splits: 0 = chosen from the shapes; 1 = no split; up to 128.
+        return_lse: also return softmax_lse.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
+        seqlen_q) float32, natural log (+inf for a row that sees no key, whose out row is 0).
+
+    Raises:
+        RuntimeError naming the argument for wrong shapes, dtypes, devices, a block_table or
+        cache_seqlens of the wrong dtype or shape, k without v, num_splits outside [0, 128],
+        an input that requires grad. On CPU cache_seqlens[b] + seqlen_new past the cache and
+        block numbers outside [0, num_blocks) raise too; on CUDA they are not read on the host
+        (no sync): cache rows past the cache are dropped from the append and the attention,
+        and block numbers are trusted.
+    """
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, float(softmax_scale), bool(causal), int(num_splits))
+    return (out, softmax_lse) if return_lse else out

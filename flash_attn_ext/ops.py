@@ -1,4 +1,5 @@
-"""torch.library registrations for the C++ ops ``torch.ops.flash_attn_ext.{forward,backward}``.
+"""torch.library registrations for the C++ ops ``torch.ops.flash_attn_ext.{forward, backward,
+varlen_forward, varlen_backward, fwd_kvcache}``.
 
 The schemas and the CPU/CUDA kernels are registered in C++ (csrc/flash_api.cpp); this module
 adds what lives in Python:
@@ -30,6 +31,10 @@ Op contract (docs/DESIGN.md):
   backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None)
       -> (dq, dk, dv), contiguous, shaped like q, k, v. With softmax_stats the backward uses it
       instead of softmax_lse.
+  varlen_forward / varlen_backward: the same on packed sequences (see their __doc__); autograd
+      and fake kernels here, no vmap rule.
+  fwd_kvcache: inference forward over a KV cache (see its __doc__); fake kernel here; it has no
+      gradient (an input that requires grad raises).
 """
 
 from __future__ import annotations
@@ -391,3 +396,168 @@ def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale
     dq, dk, dv = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
                                                    causal, softmax_stats)
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
+
+
+# ---- varlen (packed sequences) and KV cache ----------------------------------------------
+
+varlen_forward = torch.ops.flash_attn_ext.varlen_forward
+varlen_backward = torch.ops.flash_attn_ext.varlen_backward
+fwd_kvcache = torch.ops.flash_attn_ext.fwd_kvcache
+
+varlen_forward.__doc__ = varlen_forward.default.__doc__ = """\
+varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+               softmax_scale: float, causal: bool) -> (out, softmax_lse, softmax_stats)
+
+forward on packed variable-length sequences (FlashAttention-2, Dao 2023, Alg. 1, one sequence per
+(batch) entry of the grid). q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim);
+cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) on q's device, sequence b = rows [cu[b], cu[b+1]).
+max_seqlen_q / max_seqlen_k: >= every sequence's length (sizes the grid; on CUDA not checked, a
+longer sequence is cut to its first max_seqlen rows / keys). Returns out (q's shape), softmax_lse (nheads,
+total_q) float32 natural log, softmax_stats (2, nheads, total_q) float32. Each sequence gives what
+forward gives on it alone (causal bottom-right per sequence; a sequence without keys: out 0, lse
++inf). Rows outside every sequence: unspecified on CUDA, 0 / +inf on CPU. Raises RuntimeError
+naming the argument for bad shapes, dtypes, devices; on CPU also for cu_seqlens that decrease,
+leave the tensors or exceed max_seqlen (on CUDA those values are not read on the host: no sync)."""
+varlen_backward.__doc__ = varlen_backward.default.__doc__ = """\
+varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal, softmax_stats=None) -> (dq, dk, dv)
+
+Gradients of varlen_forward (FlashAttention-2 Alg. 2 per sequence; deterministic, no atomics).
+Shapes as varlen_forward's inputs and outputs; returns dq, dk, dv like q, k, v."""
+fwd_kvcache.__doc__ = fwd_kvcache.default.__doc__ = """\
+fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
+            causal: bool, num_splits: int) -> (out, softmax_lse)
+
+Attention of q against a KV cache, with an optional in-place append of new keys/values, split over
+num_splits CTAs per (sequence, kv head) (FlashDecoding: partial outputs merged by their LSEs;
+0 = chosen from the shapes and SM count, no device sync). q: (batch, seqlen_q, nheads, headdim);
+k_cache / v_cache: (batch, seqlen_cache, nheads_k, headdim), or paged (num_blocks, page_size,
+nheads_k, headdim) with block_table int32 (batch, max_blocks); cache_seqlens: int32 (batch,) or
+None (all rows); k / v: None or (batch, seqlen_new, nheads_k, headdim), written into the cache at
+rows cache_seqlens[b] + i (mutates k_cache / v_cache). Sequence b attends to its first
+cache_seqlens[b] + seqlen_new cache rows (causal: bottom-right aligned). Returns out (q's shape)
+and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiable."""
+
+
+@torch.library.register_fake("flash_attn_ext::varlen_forward")
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                         causal):
+    _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_fake_scale(softmax_scale)
+    total_q, nheads, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    softmax_lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+    softmax_stats = torch.empty((2, nheads, total_q), dtype=torch.float32, device=q.device)
+    return out, softmax_lse, softmax_stats
+
+
+@torch.library.register_fake("flash_attn_ext::varlen_backward")
+def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, softmax_scale, causal, softmax_stats=None):
+    _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_fake_scale(softmax_scale)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise RuntimeError(f"flash_attn_ext: dout {tuple(dout.shape)} and out {tuple(out.shape)} must "
+                           f"have q's shape {tuple(q.shape)}")
+    total_q, nheads, _ = q.shape
+    if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (nheads, total_q):
+        raise RuntimeError(f"flash_attn_ext: softmax_lse has shape {tuple(softmax_lse.shape)} and dtype "
+                           f"{softmax_lse.dtype}; expected (nheads, total_q) = {(nheads, total_q)} float32")
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+@torch.library.register_fake("flash_attn_ext::fwd_kvcache")
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
+                      num_splits):
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise RuntimeError(f"flash_attn_ext: q {tuple(q.shape)} must be (batch, seqlen_q, nheads, headdim) "
+                           f"and k_cache / v_cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)} 4-D and "
+                           "equal")
+    _check_fake_scale(softmax_scale)
+    batch, seqlen_q, nheads, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    return out, softmax_lse
+
+
+def _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """csrc/flash_api.cpp's varlen shape checks, for the fake kernels."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise RuntimeError(f"flash_attn_ext: {name} must be 3-D (total, heads, headdim) (packed varlen), "
+                               f"got {t.dim()}-D of shape {tuple(t.shape)}")
+    _check_fake_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1 or cu.device != q.device:
+            raise RuntimeError(f"flash_attn_ext: {name} must be int32 (batch + 1,) on q's device, got "
+                               f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise RuntimeError("flash_attn_ext: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)")
+
+
+class FlashAttnVarlenFunction(torch.autograd.Function):
+    """Autograd for ``flash_attn_ext::varlen_forward`` (reverse mode: ``varlen_backward``).
+    ``apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+    causal) -> (out, softmax_lse, softmax_stats)``."""
+
+    @staticmethod
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        return torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                       max_seqlen_k, softmax_scale, causal)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
+        out, softmax_lse, softmax_stats = output
+        ctx.save_for_backward(q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k)
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        ctx.mark_non_differentiable(softmax_lse, softmax_stats)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dstats):
+        q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, softmax_scale, causal = ctx.args
+        dq, dk, dv = FlashAttnVarlenBackwardFunction.apply(
+            dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, softmax_stats)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+class FlashAttnVarlenBackwardFunction(torch.autograd.Function):
+    """``flash_attn_ext::varlen_backward``, refusing to be differentiated (as FlashAttnBackwardFunction)."""
+
+    @staticmethod
+    def forward(*args):
+        return torch.ops.flash_attn_ext.varlen_backward(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_DOUBLE_BACKWARD_MSG)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(_FWD_OVER_REV_MSG)
+
+
+_KVCACHE_GRAD_MSG = (
+    "flash_attn_ext: flash_attn_with_kvcache (torch.ops.flash_attn_ext.fwd_kvcache) is an inference "
+    "op without a gradient; run it under torch.no_grad() / torch.inference_mode(), or use "
+    "flash_attn_func / flash_attn_varlen_func for training")
+
+
+def _fwd_kvcache_autograd(*args):
+    if _needs_autograd(args):
+        raise RuntimeError(_KVCACHE_GRAD_MSG)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.flash_attn_ext.fwd_kvcache.default(*args)
+
+
+_lib.impl("varlen_forward", _autograd_kernel("varlen_forward", FlashAttnVarlenFunction), "Autograd")
+_lib.impl("varlen_backward", _autograd_kernel("varlen_backward", FlashAttnVarlenBackwardFunction), "Autograd")
+_lib.impl("fwd_kvcache", _fwd_kvcache_autograd, "Autograd")

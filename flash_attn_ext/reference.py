@@ -90,3 +90,59 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
     "fwd_bwd" 3.5 × forward."""
     f = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim * (0.5 if causal else 1.0)
     return {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode] * f
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, upcast=True,
+                         ref_dtype: torch.dtype = torch.float64):
+    """Reference for packed sequences: ``attention_ref`` on each sequence alone.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: (batch + 1,)
+    integer tensors (any device). Returns out (total_q, nheads, headdim) in the compute dtype and
+    lse (nheads, total_q) float32; rows outside every sequence: out 0, lse +inf. Differentiable.
+    """
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    dtype = ref_dtype if upcast else q.dtype
+    outs, lses = [], []
+    covered = 0
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q0 > covered:  # rows before this sequence that no sequence covers
+            outs.append(torch.zeros((q0 - covered, *q.shape[1:]), dtype=dtype, device=q.device))
+            lses.append(torch.full((q.shape[1], q0 - covered), float("inf"), device=q.device))
+        o, lse = attention_ref(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
+                               softmax_scale, causal, upcast, ref_dtype)
+        outs.append(o[0])
+        lses.append(lse[0])
+        covered = q1
+    if covered < q.shape[0]:
+        outs.append(torch.zeros((q.shape[0] - covered, *q.shape[1:]), dtype=dtype, device=q.device))
+        lses.append(torch.full((q.shape[1], q.shape[0] - covered), float("inf"), device=q.device))
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None,
+                          causal=False, upcast=True, ref_dtype: torch.dtype = torch.float64):
+    """Reference for attention against a KV cache (no append: pass the cache after it).
+
+    q: (batch, seqlen_q, nheads, headdim); k_cache / v_cache: (batch, seqlen_cache, nheads_k,
+    headdim) or paged (num_blocks, page_size, nheads_k, headdim) with block_table (batch,
+    max_blocks); cache_seqlens: (batch,) rows in use (None: all). ``attention_ref`` of each sequence
+    against its first cache_seqlens[b] rows. Returns out (q's shape, compute dtype) and lse (batch,
+    nheads, seqlen_q) float32.
+    """
+    batch = q.shape[0]
+    outs, lses = [], []
+    for b in range(batch):
+        if block_table is not None:
+            kb = k_cache[block_table[b].long()].flatten(0, 1)
+            vb = v_cache[block_table[b].long()].flatten(0, 1)
+        else:
+            kb, vb = k_cache[b], v_cache[b]
+        n = kb.shape[0] if cache_seqlens is None else int(cache_seqlens[b])
+        o, lse = attention_ref(q[b:b + 1], kb[:n].unsqueeze(0), vb[:n].unsqueeze(0), softmax_scale, causal,
+                               upcast, ref_dtype)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, 0), torch.cat(lses, 0)

@@ -5,7 +5,10 @@
 #   STEPS="build test" HDIMS=64,128 bash scripts/gpu_run.sh
 #   TESTS="tests/test_cuda_forward.py" BENCH_ARGS="--hdim 128 --mode fwd" bash scripts/gpu_run.sh
 #   STEPS="build test sanitize" TESTS="tests/test_sm90_forward.py tests/test_cuda_forward.py" bash scripts/gpu_run.sh
-# Bounds (seconds, 0 = none): TEST_TIMEOUT_S, SAN_S (each sanitizer), BENCH_S (each sweep).
+# Bounds (seconds, 0 = none): TEST_TIMEOUT_S, SAN_S (each sanitizer), BENCH_S (each sweep),
+# BENCH3_S (the decode / varlen sweep; default BENCH_S).
+# The bench step runs the dense sweep (BENCH_ARGS), then issue 14's decode (KV cache) and varlen
+# tables (BENCH3_ARGS; BENCH3_ARGS= skips it), then BENCH2_ARGS if set.
 #
 # Logs go to ./gpu_out; when $OUT is set (the device tool brings that folder back), they are
 # also packed into $OUT/gpu_out.tgz at the end (the tool returns at most 8 files).
@@ -109,6 +112,16 @@ if [[ " $STEPS " == *" bench "* ]]; then
   timeout "${BENCH_S:-0}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   summary+=("benchmark: rc=$? (bench.log, bench/)")
   pack
+  # Decode (KV cache: issue 14's B x Nk cases, contiguous and paged) and varlen (64 mixed-length
+  # sequences, fwd and bwd) against SDPA flash / cuDNN and FA4; short timing (decode calls are
+  # microseconds to a few ms). Skipped with a note where the build lacks the entries.
+  BENCH3_ARGS=${BENCH3_ARGS-"--no-progress --no-plots --mode decode,varlen_fwd,varlen_bwd --peers sdpa-flash,sdpa-cudnn,flash-attn4 --rep-ms 50 --warmup-ms 10"}
+  if [ -n "$BENCH3_ARGS" ]; then
+    timeout "${BENCH3_S:-${BENCH_S:-0}}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench3" $BENCH3_ARGS >"$OUT/bench3.log" 2>&1
+    rc3=$?
+    summary+=("benchmark decode/varlen: rc=$rc3 (bench3.log, bench3/)")
+    pack
+  fi
   if [ -n "${BENCH2_ARGS:-}" ]; then  # a second sweep (e.g. fp16), kept apart
     timeout "${BENCH_S:-0}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench2" $BENCH2_ARGS >"$OUT/bench2.log" 2>&1
     summary+=("benchmark 2: rc=$? (bench2.log, bench2/)")
@@ -116,6 +129,10 @@ if [[ " $STEPS " == *" bench "* ]]; then
   fi
   sed -n '/^| dtype/,$p' "$OUT/bench.log" | head -n 60
   [ -n "${BENCH2_ARGS:-}" ] && sed -n '/^| dtype/,$p' "$OUT/bench2.log" | head -n 70
+  if [ -n "$BENCH3_ARGS" ]; then  # the decode / varlen tables (with the notes above them) last
+    sed -n '/^not measured\|^note: /p; /^Decode (KV cache)\|^Varlen: /,$p' "$OUT/bench3.log" | head -n 80
+    [ "$rc3" != 0 ] && tail -n 8 "$OUT/bench3.log"
+  fi
 fi
 
 echo

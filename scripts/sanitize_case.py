@@ -1,8 +1,9 @@
 """Small causal / ragged / GQA cases (seqlen_q != seqlen_k, headdim 64, 80 padded to 96, 128),
 one with large-magnitude inputs (the exact P path), one with a negative softmax_scale and one with
 more query tiles than SMs (the persistent sm90 forward's CTAs run several tiles), through
-forward and backward on every arch path of the GPU, for compute-sanitizer memcheck / racecheck /
-synccheck (scripts/gpu_run.sh)."""
+forward and backward on every arch path of the GPU; packed varlen batches with zero-length
+sequences (forward and backward); KV-cache decode steps (contiguous and paged, append, split-KV
+with the combine); for compute-sanitizer memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
 
 import torch
 
@@ -25,5 +26,33 @@ for force_sm80 in paths:
         out = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
         out.backward(torch.randn_like(out))
         assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+    # Varlen: mixed lengths with empty q and/or k sequences, q != k lengths, GQA.
+    for headdim, causal in ((64, True), (128, False)):
+        lens_q, lens_k = [5, 0, 130, 64, 1], [9, 7, 0, 200, 1]
+        cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).int()
+        cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).int()
+        q = torch.randn(sum(lens_q), 4, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(sum(lens_k), 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(sum(lens_k), 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 200, causal=causal)
+        out.backward(torch.randn_like(out))
+        assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+# KV cache (one kernel path on every GPU): decode and a 3-query chunk, contiguous and paged,
+# appending 2 keys, unsplit and split.
+with torch.no_grad():
+    for page, num_splits, seqlen_q in ((0, 1, 1), (0, 4, 3), (16, 0, 1), (64, 3, 3)):
+        b, cap, hk = 3, 256, 2
+        if page:
+            k_cache = torch.randn(b * cap // page + 2, page, hk, 128, device="cuda", dtype=torch.bfloat16)
+            table = torch.randperm(k_cache.shape[0], device="cuda")[:b * cap // page].reshape(b, -1).int()
+        else:
+            k_cache, table = torch.randn(b, cap, hk, 128, device="cuda", dtype=torch.bfloat16), None
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(b, seqlen_q, 8, 128, device="cuda", dtype=torch.bfloat16)
+        k_new, v_new = (torch.randn(b, 2, hk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        cache_seqlens = torch.tensor([0, 100, cap - 2], device="cuda", dtype=torch.int32)
+        out = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, table,
+                                                     causal=True, num_splits=num_splits)
+        assert torch.isfinite(out).all()
 torch.cuda.synchronize()
 print("sanitize case ok")

@@ -36,6 +36,24 @@ def poison_empty():
     torch.utils.deterministic.fill_uninitialized_memory = old_fill
 
 
+def compiled_hdims():
+    """The CUDA head dims this build compiled (build_info), [] for a CPU-only build."""
+    info = flash_attn_ext.build_info()
+    if not info.get("with_cuda"):
+        return []
+    return sorted(int(x) for x in str(info.get("head_dims", "")).split(",") if x.strip())
+
+
+def require_hdim(d, exact=False):
+    """Skip, naming why, when this build has no CUDA kernel for head dim ``d``: none compiled, or
+    no compiled head dim >= d (``exact``: d itself not compiled), e.g. a narrowed dev build."""
+    compiled = compiled_hdims()
+    if not compiled:
+        pytest.skip("flash_attn_ext was built without CUDA kernels")
+    if (d not in compiled) if exact else not any(h >= d for h in compiled):
+        pytest.skip(f"head dim {d} is not covered by this build's CUDA head dims {compiled} (FLASH_ATTN_EXT_HDIMS)")
+
+
 def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cpu", requires_grad=True):
     """Fresh random BSHD q, k, v (standard normal, never zeros)."""
     def rnd(*shape):

@@ -16,6 +16,7 @@ pytest.importorskip("matplotlib", reason="the benchmark needs the [bench] extra 
 pytest.importorskip("tqdm", reason="the benchmark needs the [bench] extra (tqdm)")
 
 from flash_attn_ext import benchmark  # noqa: E402
+from flash_attn_ext.bench import cli  # noqa: E402
 from flash_attn_ext.reference import attention_flops  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,11 +121,25 @@ def test_cli_cuda_tiny(tmp_path):
 @pytest.mark.parametrize("argv, flag", [
     (["--dtype", "int8"], "--dtype"),
     (["--mode", "fwd,sideways"], "--mode"),
+    (["--mode", "decode,varlen"], "--mode"),
     (["--seqlen", "128,abc"], "--seqlen"),
     (["--hdim", "60"], "--hdim"),
     (["--device", "cpu", "--nheads", "4", "--gqa", "3"], "--gqa"),
     (["--peers", "sdpa-flash,nope"], "--peers"),
     (["--causal", "maybe"], "--causal"),
+    (["--device", "cpu", "--decode-cases", "B1x8192"], "--decode-cases"),
+    (["--device", "cpu", "--decode-cases", "B0xN8192"], "--decode-cases"),
+    (["--device", "cpu", "--page-size", "0,-16"], "--page-size"),
+    (["--device", "cpu", "--page-size", "16,x"], "--page-size"),
+    (["--device", "cpu", "--decode-heads", "32:5"], "--decode-heads"),
+    (["--device", "cpu", "--decode-heads", "32"], "--decode-heads"),
+    (["--device", "cpu", "--decode-hdim", "60"], "--decode-hdim"),
+    (["--device", "cpu", "--varlen-lens", "1024,128"], "--varlen-lens"),
+    (["--device", "cpu", "--varlen-lens", "128"], "--varlen-lens"),
+    (["--device", "cpu", "--varlen-seqs", "64", "--varlen-lens", "128,1024",
+      "--varlen-tokens", "100"], "--varlen-tokens"),
+    (["--device", "cpu", "--varlen-seqs", "0"], "--varlen-seqs"),
+    (["--device", "cpu", "--varlen-dense-seqlen", "-1"], "--varlen-dense-seqlen"),
 ])
 def test_bad_flag_names_the_flag(argv, flag, tmp_path, capsys):
     assert benchmark.main([*argv, "--out", str(tmp_path), "--no-progress"]) == 2
@@ -207,3 +222,300 @@ def test_plot_label_names_device_batch_and_heads():
     assert cpu == f"CPU x86_64 ({os.cpu_count()} cores, 1 thread), batch 2, 4 heads"
     gpu = plot_label({"device": "cuda:0", "device_name": "NVIDIA H200"}, None, 16384, None)
     assert gpu == "NVIDIA H200, batch = 16384 tokens / seqlen, heads = 2048 / hdim"
+
+
+# ---- decode (KV cache) and varlen modes -------------------------------------------------------
+
+DECODE_ARGS = ["--decode-cases", "B1xN48,B2xN40", "--page-size", "0,16", "--decode-heads", "4:2",
+               "--decode-hdim", "32"]
+VARLEN_ARGS = ["--varlen-seqs", "3", "--varlen-tokens", "96", "--varlen-lens", "16,64",
+               "--varlen-dense-seqlen", "32"]
+
+
+def _resolve(argv):
+    return benchmark.resolve_args(benchmark.make_parser().parse_args(["--device", "cpu", *argv]))
+
+
+def test_decode_and_varlen_flags():
+    sweep = _resolve(["--mode", "fwd,decode,varlen_bwd", "--decode-cases", "B1xN8192,b64xn32k",
+                      "--page-size", "0,16,256", "--decode-heads", "32:8", "--decode-hdim", "64,128",
+                      "--varlen-seqs", "64", "--varlen-tokens", "16384", "--varlen-lens", "128,1024",
+                      "--varlen-dense-seqlen", "1024"])
+    assert sweep.decode_cases == [(1, 8192), (64, 32768)]
+    assert sweep.page_sizes == [0, 16, 256] and sweep.decode_heads == (32, 8)
+    assert sweep.decode_hdims == [64, 128]
+    assert (sweep.varlen_seqs, sweep.varlen_tokens, sweep.varlen_lens) == (64, 16384, (128, 1024))
+    assert [sweep.modes_of(f) for f in ("dense", "decode", "varlen")] == [["fwd"], ["decode"], ["varlen_bwd"]]
+    assert cli.varlen_dense_shape(sweep) == (16, 1024)
+    # The CUDA defaults are the issue's cases: B1 8k / 128k, B8 32k, B64 8k / 32k; GQA 32:8.
+    assert cli._decode_cases(cli.DECODE_CASES) == [
+        (1, 8192), (1, 131072), (8, 32768), (64, 8192), (64, 32768)]
+    # CPU defaults are small and valid.
+    cpu = _resolve([])
+    assert cpu.page_sizes[0] == 0 and all(b * n <= 4096 for b, n in cpu.decode_cases)
+
+
+def test_decode_bytes_and_varlen_flops_formulas():
+    # K and V of a full cache: 2 * B * Nk * nheads_k * d * elem bytes.
+    assert benchmark.decode_kv_bytes(64, 32768, 8, 128, 2) == 2 * 64 * 32768 * 8 * 128 * 2 == 8 * 2**30
+    p = benchmark.DecodeProblem.make(2, 40, 4, 2, 32, 16, torch.float32, torch.device("cpu"))
+    assert p.kv_bytes() == 2 * 2 * 40 * 2 * 32 * 4
+    assert p.rates("decode", 0.5)["tbps"] == pytest.approx(p.kv_bytes() / 0.5e-3 / 1e12)
+    # Varlen: the dense count of each sequence alone, summed (never the padded max).
+    lens = [100, 30, 7]
+    fwd = sum(4 * n * n * 64 * 16 for n in lens)
+    assert benchmark.varlen_flops(lens, lens, 16, 64, False) == fwd
+    assert benchmark.varlen_flops(lens, lens, 16, 64, True) == fwd / 2
+    assert benchmark.varlen_flops(lens, lens, 16, 64, True, "varlen_bwd") == 2.5 * fwd / 2
+    assert benchmark.varlen_flops(lens, lens, 16, 64, False, "varlen_fwd") == fwd
+    # Equal lengths: the dense count of the same batch.
+    assert benchmark.varlen_flops([256] * 64, [256] * 64, 16, 128, True, "varlen_bwd") == \
+        attention_flops(64, 16, 256, 256, 128, True, "bwd")
+    vp = benchmark.VarlenProblem.make(lens, 4, 2, 32, True, torch.float32, torch.device("cpu"))
+    assert vp.cu_seqlens.tolist() == [0, 100, 130, 137] and vp.cu_seqlens.dtype == torch.int32
+    assert vp.sets[0][0].shape == (137, 4, 32) and vp.sets[0][1].shape == (137, 2, 32)
+    assert vp.rates("varlen_fwd", 2.0)["tflops"] == pytest.approx(
+        benchmark.varlen_flops(lens, lens, 4, 32, True) / 2e-3 / 1e12)
+
+
+def test_mixed_lengths():
+    lens = benchmark.mixed_lengths(64, 16384, 128, 1024, seed=0)
+    assert len(lens) == 64 and sum(lens) == 16384
+    assert min(lens) >= 128 and max(lens) <= 1024 and len(set(lens)) > 16
+    assert (min(lens), max(lens)) == (128, 1024)  # seed 0 spans the issue's range
+    assert lens == benchmark.mixed_lengths(64, 16384, 128, 1024, seed=0)
+    assert lens != benchmark.mixed_lengths(64, 16384, 128, 1024, seed=1)
+    assert benchmark.mixed_lengths(4, 64, 16, 64) == [16] * 4
+    assert benchmark.mixed_lengths(4, 256, 16, 64) == [64] * 4
+    for seed in range(20):
+        odd = benchmark.mixed_lengths(7, 333, 10, 90, seed)
+        assert sum(odd) == 333 and min(odd) >= 10 and max(odd) <= 90
+    with pytest.raises(ValueError):
+        benchmark.mixed_lengths(64, 100, 128, 1024)
+
+
+def test_paged_decode_problem_gathers_the_contiguous_cache():
+    cpu = torch.device("cpu")
+    p = benchmark.DecodeProblem.make(3, 40, 4, 2, 8, 16, torch.float32, cpu)
+    q, k, v, _ = p.sets[0]
+    assert k.shape == (3 * 3, 16, 2, 8) and p.block_table.shape == (3, 3)
+    assert p.block_table.dtype == torch.int32
+    assert sorted(p.block_table.flatten().tolist()) == list(range(9))  # a permutation
+    assert p.cache_seqlens.tolist() == [40] * 3 and q.shape == (3, 1, 4, 8)
+    kc, vc = p.contiguous_cache()
+    assert kc.shape == (3, 40, 2, 8)
+    b, j = 2, 35  # token 35 of sequence 2: page 2, row 3
+    assert torch.equal(kc[b, j], k[p.block_table[b, 2], 3])
+    contig = benchmark.DecodeProblem.make(2, 40, 4, 2, 8, 0, torch.float32, cpu)
+    assert contig.block_table is None and contig.sets[0][1].shape == (2, 40, 2, 8)
+
+
+def test_peer_call_shapes():
+    """Each FlashAttention peer gets the keywords its own API names (decode and varlen)."""
+    from flash_attn_ext.bench import peers
+
+    calls = []
+
+    def record(*args, **kw):
+        calls.append(kw)
+        return args[0], None
+
+    table, seqlens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    for name in ("flash-attn", "flash-attn3", "flash-attn4"):
+        fn = peers._fa_decode(name, record)
+        assert fn("q", "k", "v", seqlens, table, 0.5) == "q"
+    fa2, fa3, fa4 = calls
+    assert fa2["block_table"] is table and fa2["cache_seqlens"] is seqlens
+    assert fa3["page_table"] is table and fa3["cache_seqlens"] is seqlens
+    assert fa4["page_table"] is table and fa4["seqused_k"] is seqlens and "num_splits" not in fa4
+    assert all(c["softmax_scale"] == 0.5 and c["causal"] is False for c in calls)
+    calls.clear()
+    assert peers._varlen_keyword_call(record)("q", "k", "v", "cu", "cu", 9, 9, 0.5, True) == "q"
+    assert calls[0] == dict(cu_seqlens_q="cu", cu_seqlens_k="cu", max_seqlen_q=9, max_seqlen_k=9,
+                            softmax_scale=0.5, causal=True)
+    calls.clear()
+    peers._ours_decode(record)("q", "k", "v", seqlens, None, 0.5)
+    assert calls[0]["num_splits"] == 0 and calls[0]["block_table"] is None
+    # SDPA has no paged entry: 'n/a', never a crash.
+    impls, _ = benchmark.build_impls(["sdpa-math"], torch.device("cpu"), None, ours=record,
+                                     family="decode")
+    p = benchmark.DecodeProblem.make(1, 32, 2, 1, 8, 16, torch.float32, torch.device("cpu"))
+    timer = benchmark.Timer(torch.device("cpu"), warmup_ms=1, rep_ms=1)
+    row = benchmark.measure(impls[1], p, "decode", timer)
+    assert row["status"] == "n/a" and "contiguous" in row["note"] and math.isnan(row["tbps"])
+    _, notes = benchmark.build_impls(["sdpa-flash", "standard"], torch.device("cpu"), None,
+                                     ours=record, family="varlen")
+    assert notes == ["sdpa-flash, standard skipped for varlen: no varlen entry"]
+
+
+def _fake_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                  softmax_scale=None, causal=False, num_splits=0, return_lse=False):
+    """flash_attn_with_kvcache's semantics from the dense op, one sequence at a time (the
+    pipeline test's stand-in where the build predates the real entry)."""
+    from flash_attn_ext import flash_attn_func
+
+    if block_table is not None:
+        k_cache = k_cache[block_table.long()].flatten(1, 2)
+        v_cache = v_cache[block_table.long()].flatten(1, 2)
+    return torch.cat([flash_attn_func(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                                      softmax_scale, causal)
+                      for b, n in enumerate(cache_seqlens.tolist())])
+
+
+def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 softmax_scale=None, causal=False, return_lse=False):
+    from flash_attn_ext import flash_attn_func
+
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return torch.cat([flash_attn_func(q[a:b][None], k[c:d][None], v[c:d][None], softmax_scale,
+                                      causal)[0]
+                      for a, b, c, d in zip(cq[:-1], cq[1:], ck[:-1], ck[1:])])
+
+
+def _has_entries():
+    from flash_attn_ext.bench.peers import ours_entry
+
+    return all(ours_entry(n) is not None for n in ("flash_attn_with_kvcache", "flash_attn_varlen_func"))
+
+
+NO_ENTRIES = "this build has no flash_attn_with_kvcache / flash_attn_varlen_func"
+
+
+def _check_decode_varlen_outputs(out, stdout, impls_decode, impls_varlen):
+    df = pd.read_csv(out / "results.csv", keep_default_na=False, na_values=[""])
+    dec, var = df[df["mode"] == "decode"], df[df["mode"].str.startswith("varlen")]
+    n_decode = 2 * 2  # cases x page sizes
+    assert len(dec) == n_decode * len(impls_decode)
+    assert len(var) == 2 * 2 * (len(impls_varlen) + 1)  # causal x modes x (impls + ours-dense)
+    for part in (dec, var):
+        ours = part[part["impl"] == OURS]
+        assert (ours["status"] == "ok").all(), ours[["status", "note"]]
+        assert ours["err"].map(math.isfinite).all() and (ours["err"] < 1e-4).all()
+    # TB/s = K+V bytes / median time; ours/peer = the TB/s ratio in the same case.
+    ok = dec[dec["status"] == "ok"]
+    nbytes = [benchmark.decode_kv_bytes(r.batch, r.seqlen_k, r.nheads_k, r.hdim, 4) for r in ok.itertuples()]
+    assert ok["tbps"].to_numpy() == pytest.approx([b / (ms * 1e-3) / 1e12 for b, ms in zip(nbytes, ok["ms"])],
+                                                  rel=1e-6)
+    ours_tb = ok[ok["impl"] == OURS].set_index(benchmark.DECODE_KEYS)["tbps"]
+    for r in ok.itertuples():
+        assert r.ours_over_peer == pytest.approx(ours_tb[tuple(getattr(r, k) for k in benchmark.DECODE_KEYS)]
+                                                 / r.tbps, rel=1e-6)
+    paged_sdpa = dec[(dec["impl"] == "sdpa-math") & (dec["page_size"] > 0)]
+    assert len(paged_sdpa) and (paged_sdpa["status"] == "n/a").all()
+    # Varlen TFLOP/s on the real per-sequence work; ours-dense on its own dense shape.
+    lens = benchmark.mixed_lengths(3, 96, 16, 64, seed=0)
+    okv = var[var["status"] == "ok"]
+    for r in okv.itertuples():
+        if r.impl == benchmark.OURS_DENSE:
+            flops = attention_flops(3, r.nheads, 32, 32, r.hdim, r.causal, r.mode[len("varlen_"):])
+            assert (r.batch, r.seqlen) == (3, 32)
+        else:
+            flops = benchmark.varlen_flops(lens, lens, r.nheads, r.hdim, r.causal, r.mode)
+        assert r.tflops == pytest.approx(flops / (r.ms * 1e-3) / 1e12, rel=1e-6)
+    assert set(var[var["impl"] == OURS][["min_len", "max_len", "tokens"]].itertuples(index=False)) == \
+        {(min(lens), max(lens), 96)}
+    for name in ("summary_decode.csv", "summary_varlen.csv", "summary.csv", "summary.md"):
+        assert (out / name).is_file()
+    # Tables: decode, varlen, then the dense table last on stdout.
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("| dtype")]
+    assert len(heads) == 3
+    assert "page" in lines[heads[0]] and "ours/contig" in lines[heads[0]]
+    assert "ours-dense" in lines[heads[1]] and "ours/ours-dense" in lines[heads[1]]
+    assert "|    N |" in lines[heads[2]] or " N " in lines[heads[2]]
+    assert lines[heads[0] - 1].startswith("Decode (KV cache)") and lines[heads[1] - 1].startswith("Varlen")
+    assert sum(ln.startswith("|") for ln in lines[heads[0]:heads[1]]) == 2 + n_decode
+    assert lines[-1].startswith("|")
+
+
+MIXED_RUN = ["--device", "cpu", "--dtype", "fp32", "--hdim", "32", "--seqlen", "32", "--batch", "1",
+             "--nheads", "4", "--mode", "fwd,decode,varlen_fwd,varlen_bwd", "--causal", "both",
+             "--peers", "sdpa-math,standard", "--rep-ms", "2", "--warmup-ms", "1", "--threads", "1",
+             "--no-progress", "--no-plots", *DECODE_ARGS, *VARLEN_ARGS]
+
+
+def test_decode_and_varlen_pipeline_cpu(tmp_path, monkeypatch, capsys):
+    """The decode / varlen sweep end to end on CPU with stand-ins for the two entries (their
+    semantics from the dense op), so the pipeline is tested whatever the build has."""
+    import flash_attn_ext
+
+    monkeypatch.setattr(flash_attn_ext, "flash_attn_with_kvcache", _fake_kvcache, raising=False)
+    monkeypatch.setattr(flash_attn_ext, "flash_attn_varlen_func", _fake_varlen, raising=False)
+    assert benchmark.main([*MIXED_RUN, "--out", str(tmp_path)]) == 0
+    _check_decode_varlen_outputs(tmp_path, capsys.readouterr().out, [OURS, "sdpa-math", "standard"], [OURS])
+
+
+@pytest.mark.skipif(not _has_entries(), reason=NO_ENTRIES)
+def test_decode_and_varlen_cli_cpu(tmp_path):
+    """The same with flash_attn_ext's own entries (their CPU implementations), as a command."""
+    proc = run_cli(MIXED_RUN, tmp_path)
+    _check_decode_varlen_outputs(tmp_path, proc.stdout, [OURS, "sdpa-math", "standard"], [OURS])
+
+
+def test_modes_skip_without_the_entries(tmp_path, monkeypatch, capsys):
+    """A build without the decode / varlen entries: those modes are skipped with a note; the
+    dense modes still run."""
+    import flash_attn_ext
+    from flash_attn_ext import interface
+
+    for name in ("flash_attn_with_kvcache", "flash_attn_varlen_func"):
+        monkeypatch.delattr(flash_attn_ext, name, raising=False)
+        monkeypatch.delattr(interface, name, raising=False)
+    argv = ["--device", "cpu", "--dtype", "fp32", "--hdim", "32", "--seqlen", "32", "--batch", "1",
+            "--nheads", "2", "--peers", "none", "--rep-ms", "1", "--warmup-ms", "1", "--no-progress",
+            "--no-plots", "--causal", "false", *DECODE_ARGS, *VARLEN_ARGS]
+    assert benchmark.main([*argv, "--mode", "decode,varlen_fwd", "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "decode modes skipped: flash_attn_ext.flash_attn_with_kvcache" in out
+    assert "varlen modes skipped: flash_attn_ext.flash_attn_varlen_func" in out
+    assert "nothing measured" in out
+    assert benchmark.main([*argv, "--mode", "fwd,decode", "--out", str(tmp_path / "b")]) == 0
+    df = pd.read_csv(tmp_path / "b" / "results.csv", keep_default_na=False, na_values=[""])
+    assert list(df["mode"]) == ["fwd"] and "decode modes skipped" in capsys.readouterr().out
+
+
+def test_sigterm_writes_the_rows_so_far(tmp_path, monkeypatch, capsys):
+    """``timeout`` (SIGTERM) during the varlen part: the dense and decode tables are written,
+    exit status 3."""
+    import signal
+
+    import flash_attn_ext
+
+    monkeypatch.setattr(flash_attn_ext, "flash_attn_with_kvcache", _fake_kvcache, raising=False)
+    monkeypatch.setattr(flash_attn_ext, "flash_attn_varlen_func", _fake_varlen, raising=False)
+
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt the sweep")
+
+    monkeypatch.setattr(cli, "run_varlen", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    argv = ["--device", "cpu", "--dtype", "fp32", "--hdim", "32", "--seqlen", "32", "--batch", "1",
+            "--nheads", "2", "--peers", "none", "--rep-ms", "1", "--warmup-ms", "1", "--no-progress",
+            "--no-plots", "--causal", "false", "--mode", "fwd,decode,varlen_fwd", *DECODE_ARGS,
+            *VARLEN_ARGS, "--out", str(tmp_path)]
+    assert benchmark.main(argv) == 3
+    assert signal.getsignal(signal.SIGTERM) == before
+    out = capsys.readouterr().out
+    assert "interrupted after 5 rows" in out and "Decode (KV cache)" in out
+    df = pd.read_csv(tmp_path / "results.csv", keep_default_na=False, na_values=[""])
+    assert sorted(df["mode"]) == ["decode"] * 4 + ["fwd"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA benchmark path needs a CUDA device")
+@pytest.mark.skipif(not _has_entries(), reason=NO_ENTRIES)
+def test_decode_and_varlen_cli_cuda_smoke(tmp_path):
+    proc = run_cli(["--device", "cuda", "--dtype", "bf16", "--hdim", "64", "--nheads", "4",
+                    "--mode", "decode,varlen_fwd,varlen_bwd", "--causal", "both", "--rep-ms", "5",
+                    "--warmup-ms", "2", "--no-progress", "--no-plots",
+                    "--decode-cases", "B1xN4096,B4xN1024", "--page-size", "0,16,64",
+                    "--decode-heads", "8:2", "--decode-hdim", "128", "--varlen-seqs", "8",
+                    "--varlen-tokens", "2048", "--varlen-lens", "64,512",
+                    "--varlen-dense-seqlen", "256"], tmp_path)
+    df = pd.read_csv(tmp_path / "results.csv", keep_default_na=False, na_values=[""])
+    ours = df[df["impl"] == OURS]
+    assert len(ours) == 2 * 3 + 2 * 2 and (ours["status"] == "ok").all(), ours[["status", "note"]]
+    assert ours["err"].map(math.isfinite).all()
+    assert (ours[ours["mode"] == "decode"]["tbps"] > 0).all()
+    assert (ours[ours["mode"] != "decode"]["tflops"] > 0).all()
+    assert "Decode (KV cache)" in proc.stdout and "ours-dense" in proc.stdout

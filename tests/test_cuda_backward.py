@@ -19,6 +19,7 @@ import torch
 
 import flash_attn_ext  # noqa: F401  (registers torch.ops.flash_attn_ext)
 from accuracy import check_accuracy
+from conftest import require_hdim
 from flash_attn_ext.reference import attention_ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -31,19 +32,6 @@ DTYPES = [torch.float16, torch.bfloat16]
 def bwd_path(arch_path):
     """Runs the test on every arch path the GPU can take (conftest.py: arch_path)."""
     return arch_path
-
-
-def _compiled_hdims():
-    info = flash_attn_ext.build_info()
-    return sorted(int(h) for h in info.get("head_dims", "").split(",") if h.strip())
-
-
-def _require_hdim(headdim):
-    """Skip (naming why) when this build compiled no head dim >= headdim (a narrowed dev build)."""
-    info = flash_attn_ext.build_info()
-    assert info.get("with_cuda"), "CUDA is available but flash_attn_ext was built without CUDA kernels"
-    if not any(h >= headdim for h in _compiled_hdims()):
-        pytest.skip(f"head dim {headdim} not covered by this build (FLASH_ATTN_EXT_HDIMS={info['head_dims']})")
 
 
 def _rand(*shape, dtype):
@@ -104,7 +92,7 @@ SEQLENS = [(1, 1), (17, 128), (128, 255), (255, 17), (1000, 1000), (2048, 1000)]
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_accuracy(dtype, headdim, causal, seqlens, poison_empty):
     """dq, dk, dv over the forward's grid (hdim 80 runs padded to 96 inside the kernel)."""
-    _require_hdim(headdim)
+    require_hdim(headdim)
     seqlen_q, seqlen_k = seqlens
     batch, nheads = (2, 2) if seqlen_q * seqlen_k <= 10**6 else (1, 2)
     q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, nheads, headdim, dtype)
@@ -121,7 +109,7 @@ def test_backward_accuracy(dtype, headdim, causal, seqlens, poison_empty):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_gqa_layouts(dtype, headdim, causal, seqlens, layout, poison_empty):
     """GQA 4:1 (dK/dV sum over the 4 query heads of a group) with non-contiguous q/k/v views."""
-    _require_hdim(headdim)
+    require_hdim(headdim)
     seqlen_q, seqlen_k = seqlens
     if layout == "qkv_slice" and seqlen_q != seqlen_k:
         pytest.skip("a fused qkv tensor has one sequence length")
@@ -135,7 +123,7 @@ def test_backward_gqa_layouts(dtype, headdim, causal, seqlens, layout, poison_em
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_autograd(dtype, nheads_k, poison_empty):
     """Autograd through torch.ops.flash_attn_ext.forward (ops.py wiring) gives the op's grads."""
-    _require_hdim(128)
+    require_hdim(128)
     q, k, v = (t.requires_grad_(True) for t in _qkv(2, 700, 900, 8, nheads_k, 128, dtype))
     scale = 1.0 / math.sqrt(128)
     out = torch.ops.flash_attn_ext.forward(q, k, v, scale, True)[0]
@@ -150,7 +138,7 @@ def test_backward_autograd(dtype, nheads_k, poison_empty):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_deterministic(dtype):
     """No atomics: two runs are bitwise equal (GQA 4:1, causal, ragged lengths)."""
-    _require_hdim(128)
+    require_hdim(128)
     q, k, v = _qkv(2, 1000, 1100, 8, 2, 128, dtype)
     dout = _rand(*q.shape, dtype=dtype)
     scale = 1.0 / math.sqrt(128)
@@ -167,7 +155,7 @@ def test_backward_deterministic(dtype):
 def test_backward_rows_without_keys(dtype, headdim, poison_empty):
     """Causal with seqlen_q > seqlen_k: query rows i < seqlen_q - seqlen_k see no key. Their dq is
     exactly 0, nothing is NaN, and the rest still meets the accuracy rule."""
-    _require_hdim(headdim)
+    require_hdim(headdim)
     seqlen_q, seqlen_k = 300, 100
     q, k, v = _qkv(2, seqlen_q, seqlen_k, 4, 2, headdim, dtype)
     dout = _rand(*q.shape, dtype=dtype)
@@ -190,7 +178,7 @@ def test_backward_large_dout(dtype, headdim, causal, poison_empty):
     the rest). The backward is linear in dout, so grads / 2^12 must meet the accuracy rule of the
     unscaled problem. A kernel that rounds dP - D to fp16 before multiplying by P gets inf there,
     and 0 * inf = NaN on masked pairs."""
-    _require_hdim(headdim)
+    require_hdim(headdim)
     q, k, v = _qkv(2, 128, 384, 2, 2, headdim, dtype)
     q, k = q * 0.1, k * 0.1
     dout = _rand(*q.shape, dtype=dtype).clamp(-4, 4)
@@ -205,7 +193,7 @@ def test_backward_large_dout(dtype, headdim, causal, poison_empty):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_zero_stride_dout(dtype, causal, poison_empty):
     """out.sum().backward(): autograd hands the backward an all-zero-stride dout (expanded ones)."""
-    _require_hdim(64)
+    require_hdim(64)
     q, k, v = (t.requires_grad_(True) for t in _qkv(2, 333, 257, 4, 4, 64, dtype))
     scale = 1.0 / math.sqrt(64)
     out = torch.ops.flash_attn_ext.forward(q, k, v, scale, causal)[0]
@@ -226,7 +214,7 @@ def test_backward_zero_stride_dout(dtype, causal, poison_empty):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_noncontiguous_dout(dtype, poison_empty):
     """dout a strided slice (row stride != nheads * headdim) and a broadcast over heads."""
-    _require_hdim(128)
+    require_hdim(128)
     q, k, v = _qkv(2, 200, 300, 4, 4, 128, dtype)
     wide = _rand(2, 200, 4, 136, dtype=dtype)
     for dout in (wide[..., :128], _rand(2, 200, 1, 128, dtype=dtype).expand(2, 200, 4, 128)):
@@ -238,7 +226,7 @@ def test_backward_noncontiguous_dout(dtype, poison_empty):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_backward_many_heads(causal, poison_empty):
     """batch * nheads = 70,000 > 65,535: the 1-D grids cover every (batch, head)."""
-    _require_hdim(64)
+    require_hdim(64)
     dtype = torch.bfloat16
     q, k, v = _qkv(4375, 9, 7, 16, 16, 64, dtype)
     dout = _rand(*q.shape, dtype=dtype)

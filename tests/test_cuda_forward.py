@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import flash_attn_ext
+from conftest import require_hdim
 from accuracy import check_accuracy
 from flash_attn_ext.reference import attention_ref
 
@@ -41,21 +42,6 @@ def fwd_path(arch_path):
     """Runs every test on each arch path the GPU can take (conftest.py: arch_path): on an H200 the
     sm90 TMA/wgmma forward ("auto") and the sm80 mma.sync forward."""
     return arch_path
-
-
-def _compiled_hdims():
-    info = flash_attn_ext.build_info()
-    if not info.get("with_cuda"):
-        return []
-    return [int(x) for x in str(info.get("head_dims", "")).split(",") if x.strip()]
-
-
-def _require_hdim(d):
-    compiled = _compiled_hdims()
-    if not compiled:
-        pytest.skip("flash_attn_ext was built without CUDA kernels")
-    if not any(h >= d for h in compiled):
-        pytest.skip(f"no compiled CUDA head dim >= {d} in this build (compiled: {compiled})")
 
 
 def _poison_allocator(nbytes_list, device="cuda"):
@@ -138,7 +124,7 @@ def _shape_for(seqlen_q, seqlen_k):
 @pytest.mark.parametrize("d", HDIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_forward_hdim_grid(dtype, d, seqlen_q, seqlen_k, causal, gqa):
-    _require_hdim(d)
+    require_hdim(d)
     batch, nheads = _shape_for(seqlen_q, seqlen_k)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads // gqa, d, dtype)
     check_forward(q, k, v, causal)
@@ -149,7 +135,7 @@ def test_forward_hdim_grid(dtype, d, seqlen_q, seqlen_k, causal, gqa):
 @pytest.mark.parametrize("seqlen_q,seqlen_k", ALL_PAIRS)
 @pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["d128-bf16", "d64-fp16"])
 def test_forward_seqlen_grid(d, dtype, seqlen_q, seqlen_k, causal, gqa):
-    _require_hdim(d)
+    require_hdim(d)
     batch, nheads = _shape_for(seqlen_q, seqlen_k)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads // gqa, d, dtype)
     check_forward(q, k, v, causal)
@@ -159,7 +145,7 @@ def test_forward_seqlen_grid(d, dtype, seqlen_q, seqlen_k, causal, gqa):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_forward_padded_headdims(d, causal):
     """Head dims between instantiations run on the next one, zero-padded inside the kernel."""
-    _require_hdim(d)
+    require_hdim(d)
     q, k, v = make_qkv(2, 255, 300, 4, 2, d, torch.bfloat16)
     check_forward(q, k, v, causal)
 
@@ -167,7 +153,7 @@ def test_forward_padded_headdims(d, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_forward_noncontiguous_views(dtype, causal):
-    _require_hdim(64)
+    require_hdim(64)
     b, s, h, d = 2, 300, 4, 64
     # BHSD tensors viewed as BSHD (torch-style layout transposed).
     q = torch.randn(b, h, s, d, dtype=dtype, device="cuda").transpose(1, 2)
@@ -190,7 +176,7 @@ def test_forward_noncontiguous_views(dtype, causal):
 
 def test_forward_large_scores_no_nan():
     """Large logits (scale 10x, -inf masks on causal diagonals): no overflow, no NaN."""
-    _require_hdim(128)
+    require_hdim(128)
     q, k, v = make_qkv(2, 333, 517, 4, 4, 128, torch.bfloat16)
     check_forward(q * 8, k * 8, v, causal=True, softmax_scale=10.0 / math.sqrt(128))
     check_forward(q * 8, k * 8, v, causal=False, softmax_scale=10.0 / math.sqrt(128))
@@ -198,14 +184,14 @@ def test_forward_large_scores_no_nan():
 
 def test_forward_causal_rows_without_keys():
     """seqlen_q > seqlen_k, causal: whole query tiles (>= 128 rows) see no key -> 0 and +inf."""
-    _require_hdim(64)
+    require_hdim(64)
     q, k, v = make_qkv(1, 1000, 40, 2, 1, 64, torch.float16)
     check_forward(q, k, v, causal=True)
 
 
 def test_forward_batch_heads_70000():
     """batch*nheads = 70,000 (> 65,535 grid-y/z limit): the 1-D grid decomposition."""
-    _require_hdim(32)
+    require_hdim(32)
     batch, nheads, s, d = 35, 2000, 16, 32
     q, k, v = make_qkv(batch, s, s, nheads, nheads // 4, d, torch.bfloat16)
     check_forward(q, k, v, causal=True)
@@ -235,7 +221,7 @@ def _chunked_ref(q, k, v, softmax_scale, chunk, upcast):
 
 def test_forward_tensor_over_2pow31_elements():
     """k and v of > 2^31 elements each (bf16, ~4.3 GB): 64-bit offsets in the kernel."""
-    _require_hdim(128)
+    require_hdim(128)
     free, _ = torch.cuda.mem_get_info()
     if free < 24 * 2**30:
         pytest.skip(f"needs ~24 GiB of free GPU memory, {free / 2**30:.1f} GiB free")

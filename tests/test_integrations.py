@@ -39,15 +39,20 @@ def name():
 
 @pytest.fixture
 def count_calls(monkeypatch):
-    """Counts calls of the kernel entry point inside the integration (proves our path ran)."""
+    """Records the kernel calls made by the integration (proves our path ran, and how many
+    launches a forward costs): "dense" / "dense causal" for flash_attn_func, "varlen" /
+    "varlen causal" for flash_attn_varlen_func."""
     calls = []
-    real = fx.flash_attn_func
 
-    def counting(*a, **kw):
-        calls.append(kw.get("causal"))
-        return real(*a, **kw)
+    def counting(label, real):
+        def f(*a, **kw):
+            calls.append(label + (" causal" if kw.get("causal") else ""))
+            return real(*a, **kw)
+        return f
 
-    monkeypatch.setattr(fx, "flash_attn_func", counting)
+    monkeypatch.setattr(fx, "flash_attn_func", counting("dense", fx.flash_attn_func))
+    monkeypatch.setattr(fx, "flash_attn_varlen_func",
+                        counting("varlen", fx.flash_attn_varlen_func))
     return calls
 
 
@@ -104,7 +109,7 @@ def test_no_mask_bidirectional_and_causal(nheads_k, count_calls):
     q, k, v = _bhsd(2, 4, 40, 32, 1), _bhsd(2, nheads_k, 40, 32, 2), _bhsd(2, nheads_k, 40, 32, 3)
     _check_vs_sdpa("bidirectional", q, k, v, None, False)
     _check_vs_sdpa("causal", q, k, v, None, True)
-    assert count_calls == [False, True]
+    assert count_calls == ["dense", "dense causal"]
 
 
 def test_right_padding_bidirectional(count_calls):
@@ -113,7 +118,7 @@ def test_right_padding_bidirectional(count_calls):
     mask = pad[:, None, None, :].expand(B, 1, L, L)                     # as sdpa_mask builds it
     q, k, v = _bhsd(B, 4, L, 32, 4), _bhsd(B, 4, L, 32, 5), _bhsd(B, 4, L, 32, 6)
     _check_vs_sdpa("right padding", q, k, v, mask, False)
-    assert count_calls == [False, False, False]                           # one call per sequence
+    assert count_calls == ["varlen"]                         # one call, not one per sequence
 
 
 def test_left_padding_causal_gqa_and_float_mask(count_calls):
@@ -126,7 +131,7 @@ def test_left_padding_causal_gqa_and_float_mask(count_calls):
     _check_vs_sdpa("left padding causal", q, k, v, mask, True, valid)
     fmask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     _check_vs_sdpa("additive float mask", q, k, v, fmask, True, valid)
-    assert count_calls == [True] * 6
+    assert count_calls == ["varlen causal"] * 2
 
 
 def test_decode_and_chunked_prefill_with_cache_and_padding(count_calls):
@@ -139,13 +144,92 @@ def test_decode_and_chunked_prefill_with_cache_and_padding(count_calls):
     q, k, v = _bhsd(B, 4, Lq, 32, 10), _bhsd(B, 4, Lk, 32, 11), _bhsd(B, 4, Lk, 32, 12)
     _check_vs_sdpa("chunked prefill", q, k, v, mask, True)
     _check_vs_sdpa("decode", q[:, :, -1:], k, v, mask[:, :, -1:], True)
-    assert count_calls == [True, True, False, False]
+    assert count_calls == ["varlen causal", "varlen"]    # decode: every real key is visible
+
+
+def _mixed_padding_mask(Lq, past, causal):
+    """(5, 1, Lq, past + Lq) masks as sdpa_mask builds them for a batch that mixes left
+    padding, right padding, no padding, an all-padding row and right padding that ends inside
+    the cache (past keys cached before the Lq new queries; causal: bottom-right)."""
+    Lk = past + Lq
+    pos = torch.arange(Lk)
+    keys = torch.stack([pos >= 5, pos < Lk - 6, pos >= 0, pos < 0, pos < max(past - 2, 3)])
+    mask = keys[:, None, :].expand(5, Lq, Lk)
+    if causal:
+        mask = mask & (pos[None, :] <= torch.arange(Lq)[:, None] + past)
+    return mask[:, None]
+
+
+@pytest.mark.parametrize("nheads_k", [2, 1])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("past", [0, 9])
+def test_mixed_padding_batch_is_at_most_two_varlen_calls(past, causal, nheads_k, count_calls):
+    """Left / right / no / all padding in one batch, with and without a cache, GQA and MQA:
+    every row equals sdpa's (rows that see no key are 0), in one varlen call for the causal
+    squares and one for the rows that see every key (not a launch per sequence)."""
+    Lq = 12
+    mask = _mixed_padding_mask(Lq, past, causal)
+    B, Lk = mask.shape[0], mask.shape[-1]
+    q = _bhsd(B, 4, Lq, 32, 30)
+    k, v = _bhsd(B, nheads_k, Lk, 32, 31), _bhsd(B, nheads_k, Lk, 32, 32)
+    valid = mask[:, 0].any(-1)
+    _check_vs_sdpa(f"mixed padding past={past} causal={causal}", q, k, v, mask, causal, valid)
+    # Causal: the right-padded rows past the last real key see every key (second call).
+    assert count_calls == (["varlen causal", "varlen"] if causal else ["varlen"])
+    count_calls.clear()
+    _check_vs_sdpa("mixed padding, decode", q[:, :, -1:], k, v, mask[:, :, -1:], causal,
+                   valid[:, -1:])
+    assert count_calls == ["varlen"]                  # one query row sees all its real keys
+
+
+def test_batch_one_mask_is_broadcast(count_calls):
+    """A (1, 1, Lq, Lk) mask (no padding, chunked prefill into a cache) applies to every
+    batch element: one causal varlen call."""
+    past, Lq = 7, 9
+    i, j = torch.arange(Lq)[:, None], torch.arange(past + Lq)[None, :]
+    mask = (j <= i + past)[None, None]
+    q = _bhsd(3, 4, Lq, 32, 33)
+    k, v = _bhsd(3, 2, past + Lq, 32, 34), _bhsd(3, 2, past + Lq, 32, 35)
+    _check_vs_sdpa("broadcast mask", q, k, v, mask, True)
+    assert count_calls == ["varlen causal"]
+
+
+@pytest.mark.parametrize("past", [0, 9])
+def test_mixed_padding_gradients(past, count_calls):
+    """Gradients through the unpad / varlen / pad path of a mixed padded GQA batch, vs sdpa.
+    The loss weighs real rows only; in the sdpa references the rows that see no key are given
+    every key instead (their NaN softmax would poison dK/dV although dO = 0 there)."""
+    Lq, H, Hk = 12, 4, 2
+    mask = _mixed_padding_mask(Lq, past, True)
+    B, Lk = mask.shape[0], mask.shape[-1]
+    valid = mask[:, 0].any(-1)                                            # (B, Lq)
+    ref_mask = mask | ~valid[:, None, :, None]
+    w = _bhsd(B, Lq, H, 32, 36)                                           # (B, Lq, H, D) weights
+    inputs = [_bhsd(B, H, Lq, 32, 37), _bhsd(B, Hk, Lk, 32, 38), _bhsd(B, Hk, Lk, 32, 39)]
+
+    def run(fn, dtype):
+        q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
+        out = fn(q, k, v)
+        (out * w.to(dtype))[valid].sum().backward()
+        return [out.detach()[valid], q.grad, k.grad, v.grad]
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=ref_mask, scale=0.25,
+                                              enable_gqa=True).transpose(1, 2)
+
+    def ours(q, k, v):
+        return fx.flash_attn_ext_attention_forward(_Module(True), q, k, v, mask, scaling=0.25)[0]
+
+    ref, base, got = run(sdpa, torch.float64), run(sdpa, torch.float32), run(ours, torch.float32)
+    assert count_calls == ["varlen causal", "varlen"]
+    for label, o, r, b in zip(("out", "dq", "dk", "dv"), got, ref, base):
+        check_accuracy(f"mixed padding past={past} {label}", o, r, b)
 
 
 def test_all_true_mask_is_one_call(count_calls):
     q = _bhsd(2, 4, 16, 32, 13)
     _check_vs_sdpa("all-true mask", q, q, q, torch.ones(2, 1, 16, 16, dtype=torch.bool), False)
-    assert count_calls == [False]
+    assert count_calls == ["dense"]
 
 
 def test_unsupported_patterns_are_refused():
@@ -166,6 +250,10 @@ def test_unsupported_patterns_are_refused():
         fx.flash_attn_ext_attention_forward(m, q, q, q, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="softcap"):
         fx.flash_attn_ext_attention_forward(m, q, q, q, None, softcap=30.0)
+    q2 = _bhsd(2, 2, 16, 32, 15)                     # padding in element 0, a window in 1
+    mixed = torch.cat([((j <= i) & (j >= 3))[None, None], sliding])
+    with pytest.raises(NotImplementedError, match="batch element 1 "):
+        fx.flash_attn_ext_attention_forward(m, q2, q2, q2, mixed)
 
 
 # ------------------------------------------------------------ a causal GQA model (random weights)
@@ -259,7 +347,7 @@ def _minilm_check(minilm, name, dtype, device, count_calls):
         w = valid.unsqueeze(-1).double()
         pool = lambda h: (h.double() * w).sum(1) / w.sum(1)  # noqa: E731
         check_accuracy(f"MiniLM {label} pooled {dtype}", pool(ours), pool(ref), pool(base))
-    assert len(count_calls) == 6 * (len(SENTENCES) + 1)  # 6 layers x (per-sequence + 1 call)
+    assert count_calls == ["varlen"] * 6 + ["dense"] * 6  # 6 layers, padded then single
     print(f"\nMiniLM {device} {dtype}: max|ours-ref|, max|sdpa-ref| = {results}")
     return results
 
@@ -289,8 +377,8 @@ def test_right_padding_causal_mask_pattern(count_calls):
     _check_vs_sdpa("right padding causal", q, k, v, mask, True)
     fmask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     _check_vs_sdpa("right padding causal, additive mask", q, k, v, fmask, True)
-    # full-length sequence: one causal call; padded ones: the causal square + the pad rows
-    assert count_calls == [True, True, False, True, False] * 2
+    # the causal squares of all sequences in one call, the pad rows (see every key) in another
+    assert count_calls == ["varlen causal", "varlen"] * 2
 
 
 def test_right_padding_mask_is_what_transformers_builds():

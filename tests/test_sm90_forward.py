@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import flash_attn_ext
+from conftest import require_hdim
 from accuracy import check_accuracy
 from flash_attn_ext.reference import attention_ref
 
@@ -38,12 +39,6 @@ pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_rea
 
 SM90_FWD_HDIMS = [64, 96, 128, 192, 256]
 DTYPES = [torch.float16, torch.bfloat16]
-
-
-def _require_hdim(d):
-    compiled = [int(x) for x in str(flash_attn_ext.build_info().get("head_dims", "")).split(",") if x.strip()]
-    if d not in compiled:
-        pytest.skip(f"head dim {d} not compiled in this build (compiled: {compiled})")
 
 
 class _sm80_forced:
@@ -101,7 +96,7 @@ def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dtype, seed=0):
 def test_sm90_matches_sm80(dtype, d, causal):
     """The sm90 and the (forced) sm80 kernel of the same GPU: both within the rule, and the
     statistics equal up to fp32 summation order."""
-    _require_hdim(d)
+    require_hdim(d, exact=True)
     q, k, v = make_qkv(2, 777, 1029, 6, 2, d, dtype, seed=d)
     out90, lse90, st90 = check_forward(q, k, v, causal)
     with _sm80_forced():
@@ -117,14 +112,14 @@ def test_sm90_matches_sm80(dtype, d, causal):
 def test_sm90_forward_rows_without_keys():
     """causal, seqlen_q > seqlen_k: whole 128/192-row tiles see no key (no TMA issued) -> 0, +inf."""
     for d in (64, 128):
-        _require_hdim(d)
+        require_hdim(d, exact=True)
         q, k, v = make_qkv(1, 1000, 40, 2, 1, d, torch.float16)
         check_forward(q, k, v, causal=True)
 
 
 def test_sm90_forward_batch_heads_70000():
     """batch * nheads = 70,000 (> 65,535): the tile-index decode of QTileWork (persistent grid)."""
-    _require_hdim(64)
+    require_hdim(64, exact=True)
     q, k, v = make_qkv(35, 16, 16, 2000, 500, 64, torch.bfloat16)
     check_forward(q, k, v, causal=True)
 
@@ -133,7 +128,7 @@ def test_sm90_forward_batch_heads_70000():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_forward_large_magnitude(magnitude, causal):
     """Scores far beyond exp's range (the exact P form of primitives/softmax.cuh): finite, accurate."""
-    _require_hdim(128)
+    require_hdim(128, exact=True)
     g = torch.Generator().manual_seed(7)
     q = (torch.randn(1, 100, 2, 128, generator=g) * magnitude).to(torch.bfloat16).cuda()
     k = (torch.randn(1, 130, 2, 128, generator=g) * magnitude).to(torch.bfloat16).cuda()
@@ -152,7 +147,7 @@ def test_sm90_forward_misaligned_falls_back(d, causal):
     contiguous by the API (flash_api.cpp: aligned_for_cuda; the kernels' 16-byte loads need that on
     every path), and a zero batch stride (K/V broadcast over the batch), which passes that check,
     takes the sm80 kernel in run_mha_fwd (kernels/dispatch.cu: tma_can_describe_inputs)."""
-    _require_hdim(d)
+    require_hdim(d, exact=True)
     b, s, h = 2, 257, 4
     dtype = torch.bfloat16
     flat = torch.randn(b * s * 3 * h * d + 1, dtype=dtype, device="cuda")
@@ -171,7 +166,7 @@ def test_sm90_forward_misaligned_falls_back(d, causal):
 
 def test_sm90_forward_deterministic():
     """Two identical calls give bit-identical outputs (no atomics, fixed order)."""
-    _require_hdim(128)
+    require_hdim(128, exact=True)
     q, k, v = make_qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16)
     a = _forward(q, k, v, 0.1, True)
     b = _forward(q, k, v, 0.1, True)
@@ -195,7 +190,7 @@ def test_sm90_forward_kernel_is_the_one_that_runs(d):
     """The dispatch really picks the sm90 kernel (a refused tensor map would fall back to sm80
     silently, and every accuracy test above would still pass), and forcing the sm80 path or a
     zero batch stride picks the sm80 kernel."""
-    _require_hdim(d)
+    require_hdim(d, exact=True)
     q, k, v = make_qkv(2, 300, 300, 4, 2, d, torch.bfloat16)
     for causal in (False, True):
         names = _forward_kernel_names(q, k, v, causal)
@@ -230,7 +225,7 @@ PERSISTENT_PAIRS = [(700, 400), (600, 601), (500, 333)]
 def test_sm90_forward_persistent_many_tiles(d, causal, seqlen_q, seqlen_k):
     """More than twice as many Q tiles as SMs, not a multiple of the SM count: every CTA walks
     several tiles and CTAs walk different numbers of them (and of key blocks), GQA."""
-    _require_hdim(d)
+    require_hdim(d, exact=True)
     batch, nheads, nheads_k = 2, 48, 16
     block_m = 192 if d == 64 else 128
     tiles = batch * nheads * math.ceil(seqlen_q / block_m)
@@ -242,7 +237,7 @@ def test_sm90_forward_persistent_many_tiles(d, causal, seqlen_q, seqlen_k):
 def test_sm90_forward_persistent_batch_heads_70000():
     """batch * nheads = 70,000 with 2 Q tiles each (140,000 tiles, 70,000 causal pairs), rows without
     keys in the first tile: against the (forced) sm80 kernel everywhere, the reference on one batch."""
-    _require_hdim(64)
+    require_hdim(64, exact=True)
     q, k, v = make_qkv(35, 200, 100, 2000, 500, 64, torch.bfloat16, seed=3)
     out, lse, _ = _forward(q, k, v, 0.125, True)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -265,7 +260,7 @@ def test_sm90_forward_persistent_batch_heads_70000():
 def test_sm90_forward_persistent_deterministic(d, causal):
     """Many tiles per CTA (two Q buffers at d64 and d128 causal, one at d128 non-causal): three calls,
     bit-identical outputs."""
-    _require_hdim(d)
+    require_hdim(d, exact=True)
     q, k, v = make_qkv(4, 1000, 1000, 16, 4, d, torch.bfloat16, seed=11)
     first = _forward(q, k, v, 0.1, causal)
     for _ in range(2):

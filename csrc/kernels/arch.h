@@ -36,6 +36,7 @@ ArchPath select_arch(int arch);
 FLASH_LAUNCH_TEMPLATE(Sm80, run_mha_fwd_, Flash_fwd_params)
 FLASH_LAUNCH_TEMPLATE(Sm80, run_mha_bwd_dkv_, Flash_bwd_params)
 FLASH_LAUNCH_TEMPLATE(Sm80, run_mha_bwd_dq_, Flash_bwd_params)
+FLASH_LAUNCH_TEMPLATE(Sm80, run_mha_fwd_splitkv_, Flash_fwd_params)  // sm80/flash_fwd_splitkv_kernel.cuh
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_, Flash_fwd_params)
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dkv_, Flash_bwd_params)
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dq_, Flash_bwd_params)

@@ -17,7 +17,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -26,7 +29,11 @@
 #include "flash.h"
 #include "generated/build_config.h"
 #include "kernels/arch.h"
+#include "kernels/common/append_kv.cuh"
 #include "kernels/common/bwd_preprocess.cuh"
+#include "kernels/common/combine_kernel.cuh"
+#include "kernels/common/splitkv_heuristic.h"
+#include "kernels/sm80/tile_config.h"
 #include "primitives/tma.cuh"
 
 namespace flash {
@@ -108,20 +115,36 @@ ArchPath select_arch(int arch) {
 
 // The sm90 forward loads Q/K/V by TMA, which needs 16-byte-aligned bases and strides
 // (primitives/tma.cuh); any other input (e.g. an odd storage offset into a fused qkv buffer) runs
-// the sm80 kernel. Host arithmetic only: decided before anything is launched.
+// the sm80 kernel. Varlen inputs are described as they are encoded (sm90/flash_fwd_launch.cuh):
+// the packed tensors as one batch of total_q / total_k rows (an empty one: the sm80 kernel). Host
+// arithmetic only: decided before anything is launched.
 static bool tma_can_describe_inputs(const Flash_fwd_params& params) {
-  return tma_can_describe(params.q, params.b, params.seqlen_q, params.h, params.d, 2) &&
-         tma_can_describe(params.k, params.b, params.seqlen_k, params.h_k, params.d, 2) &&
-         tma_can_describe(params.v, params.b, params.seqlen_k, params.h_k, params.d, 2);
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  const int batch = varlen ? 1 : params.b;
+  const int rows_q = varlen ? params.total_q : params.seqlen_q, rows_k = varlen ? params.total_k : params.seqlen_k;
+  return tma_can_describe(params.q, batch, rows_q, params.h, params.d, 2) &&
+         tma_can_describe(params.k, batch, rows_k, params.h_k, params.d, 2) &&
+         tma_can_describe(params.v, batch, rows_k, params.h_k, params.d, 2);
 }
 
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
+  if (params.block_table != nullptr) {
+    throw std::runtime_error("flash_attn_ext forward: a paged KV cache (block_table) runs through run_mha_fwd_kvcache");
+  }
+  if ((params.cu_seqlens_q == nullptr) != (params.cu_seqlens_k == nullptr)) {
+    throw std::runtime_error("flash_attn_ext forward: cu_seqlens_q and cu_seqlens_k are set together");
+  }
   const ArchPath path = select_arch(params.arch);
+  // The sm90 forward reads whole K/V tiles by TMA: past a KV cache's visible length (cache_seqlens)
+  // those rows may hold anything, NaN included, which masking cannot undo in P V (0 * NaN); the
+  // sm80 kernel's predicated loads zero-fill them. Varlen rows past a sequence's end are the next
+  // sequence's (finite) keys, masked in S and multiplied by P = 0.
+  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr;
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
     if constexpr (contains(kSm90FwdHdims, kHeadDim)) {
-      if (path == ArchPath::kSm90 && tma_can_describe_inputs(params)) {
+      if (sm90_ok && tma_can_describe_inputs(params)) {
         run_mha_fwd_<Element, kHeadDim>(Sm90{}, params, stream);
         return;
       }
@@ -133,6 +156,12 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
   if (params.seqlen_q_rounded % 128 != 0 || params.seqlen_q_rounded < params.seqlen_q) {
     throw std::runtime_error("flash_attn_ext backward: seqlen_q_rounded must be seqlen_q rounded up to 128");
+  }
+  if ((params.cu_seqlens_q == nullptr) != (params.cu_seqlens_k == nullptr)) {
+    throw std::runtime_error("flash_attn_ext backward: cu_seqlens_q and cu_seqlens_k are set together");
+  }
+  if (params.cache_seqlens != nullptr || params.block_table != nullptr) {
+    throw std::runtime_error("flash_attn_ext backward: no backward through a KV cache");
   }
   const ArchPath path = select_arch(params.arch);
   dispatch(params, "backward", [&](auto element, auto hdim) {
@@ -149,6 +178,67 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     run_mha_bwd_dkv_<Element, kHeadDim>(Sm80{}, params, stream);
     run_mha_bwd_dq_<Element, kHeadDim>(Sm80{}, params, stream);
   });
+}
+
+// ---- KV cache (flash_attn_with_kvcache): append, split-KV forward, combine; three launches on
+// `stream`, every check before the first (the append writes the cache in place).
+//   1. knew / vnew into the cache at cache_seqlens[b] + i        (common/append_kv.cuh)
+//   2. attention of the packed GQA rows over num_splits key ranges (sm80/flash_fwd_splitkv_kernel.cuh;
+//      the sm80 kernel on every GPU, the H200 included: decode is memory-bound)
+//   3. num_splits > 1: the partials merged by their LSEs         (common/combine_kernel.cuh)
+void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
+  const auto fail = [](const std::string& what) { throw std::runtime_error("flash_attn_ext kvcache forward: " + what); };
+  if (params.num_splits < 1 || params.num_splits > kMaxSplits) {
+    fail("num_splits must be in [1, " + std::to_string(kMaxSplits) + "], got " + std::to_string(params.num_splits));
+  }
+  if (params.num_splits > 1 && params.seqlen_q > 0 &&
+      (params.oaccum_ptr == nullptr || params.softmax_lseaccum_ptr == nullptr)) {
+    fail("num_splits > 1 needs the oaccum / softmax_lseaccum workspaces");
+  }
+  if (params.cu_seqlens_q != nullptr) fail("q must be dense (batch, seqlen_q, nheads, headdim), not varlen");
+  if (params.knew.ptr != nullptr && params.seqlen_knew > 0 && (params.vnew.ptr == nullptr || params.cache_seqlens == nullptr)) {
+    fail("appending k needs v and cache_seqlens");
+  }
+  if (params.block_table != nullptr && (params.page_size <= 0 || params.page_size % 16 != 0 ||
+                                        int64_t(params.seqlen_k) % params.page_size != 0)) {
+    fail("page_size must be a positive multiple of 16 and seqlen_k = max_blocks * page_size, got page_size " +
+         std::to_string(params.page_size) + ", seqlen_k " + std::to_string(params.seqlen_k));
+  }
+  if (int64_t(params.seqlen_q) * params.h_h_k_ratio > INT32_MAX) fail("seqlen_q * nheads / nheads_k must fit in int32");
+  dispatch(params, "kvcache forward", [&](auto element, auto hdim) {
+    using Element = decltype(element);
+    constexpr int kHeadDim = decltype(hdim)::value;
+    // The split-KV kernel's shared memory, checked against the device before the append writes anything.
+    constexpr int smem = sm80::SplitKvTile<kHeadDim>::smem_bytes(kHeadDim);
+    int device = 0, max_optin = 0;
+    FLASH_CHECK_CUDA(cudaGetDevice(&device));
+    FLASH_CHECK_CUDA(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (smem > max_optin) {
+      fail("the split-KV kernel for head dim " + std::to_string(kHeadDim) + " needs " + std::to_string(smem) +
+           " bytes of shared memory per block; this GPU allows " + std::to_string(max_optin));
+    }
+    run_append_kv<Element>(params, stream);
+    run_mha_fwd_splitkv_<Element, kHeadDim>(Sm80{}, params, stream);
+    if (params.num_splits > 1) run_splitkv_combine<Element>(params, stream);
+  });
+}
+
+// FlashDecoding's split choice from shapes alone (common/splitkv_heuristic.h: the rule), with the
+// production split-KV row of the head dim (sm80/tile_config.h: SplitKvTile).
+int num_splits_heuristic(const Flash_fwd_params& params) {
+  int block_n = 64, smem = 0, min_blocks = 1;
+#define FLASH_ATTN_EXT_CASE(d)                                  \
+  case d:                                                       \
+    block_n = sm80::SplitKvTile<d>::kBlockN;                    \
+    smem = sm80::SplitKvTile<d>::smem_bytes(d);                 \
+    min_blocks = sm80::SplitKvTile<d>::kMinBlocks;              \
+    break;
+  switch (params.d_rounded) {
+    FLASH_ATTN_EXT_HDIMS(FLASH_ATTN_EXT_CASE)
+    default: break;
+  }
+#undef FLASH_ATTN_EXT_CASE
+  return num_splits_for_row(params, block_n, smem, min_blocks);
 }
 
 // Smallest compiled head dim >= d (the kernels zero-pad columns d..d_rounded), 0 if none.

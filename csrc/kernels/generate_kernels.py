@@ -19,11 +19,12 @@ KINDS = {
     "fwd": ("flash_fwd_launch.cuh", "run_mha_fwd_", "Flash_fwd_params"),
     "bwd_dkv": ("flash_bwd_dkv_kernel.cuh", "run_mha_bwd_dkv_", "Flash_bwd_params"),
     "bwd_dq": ("flash_bwd_dq_kernel.cuh", "run_mha_bwd_dq_", "Flash_bwd_params"),
+    "fwd_splitkv": ("flash_fwd_splitkv_kernel.cuh", "run_mha_fwd_splitkv_", "Flash_fwd_params"),
 }
 # arch path folder -> (tag type in csrc/kernels/arch.h, CUDA arch that builds it (None: any),
 # {kind: head dims}). Every (kind, head dim) here needs a row in csrc/kernels/<arch>/tile_config.h.
 MANIFEST = {
-    "sm80": ("Sm80", None, {"fwd": HDIMS, "bwd_dkv": HDIMS, "bwd_dq": HDIMS}),
+    "sm80": ("Sm80", None, {"fwd": HDIMS, "bwd_dkv": HDIMS, "bwd_dq": HDIMS, "fwd_splitkv": HDIMS}),
     "sm90": ("Sm90", "90a", {"fwd": [64, 96, 128, 192, 256], "bwd_dkv": [64, 128], "bwd_dq": [64, 128]}),
 }
 

@@ -46,6 +46,40 @@ void launch_1d(Kernel kernel, int64_t blocks, int threads, int smem_bytes, const
   FLASH_CHECK_LAUNCH();
 }
 
+// launch_1d for a kernel that reads what the kernel before it on `stream` writes, as a programmatic
+// dependent launch where `programmatic` (the device is sm_90+; CUDA Programming Guide,
+// "Programmatic Dependent Launch and Synchronization"): its CTAs may start while that kernel's
+// last CTAs finish (once they all ran griddepcontrol.launch_dependents or exited), so the launch
+// latency hides behind them. The kernel must run grid_dependency_wait() (primitives/barrier.cuh)
+// before it touches global memory. Without `programmatic`: an ordinary launch. Stream capture
+// records the programmatic edge (CUDA >= 12.3), so CUDA graphs keep the overlap.
+template <typename... KernelArgs, typename... Args>
+void launch_1d_dependent(bool programmatic, void (*kernel)(KernelArgs...), int64_t blocks, int threads,
+                         int smem_bytes, const char* what, int head_dim, cudaStream_t stream, const Args&... args) {
+  if (!programmatic) {
+    launch_1d(kernel, blocks, threads, smem_bytes, what, head_dim, stream, args...);
+    return;
+  }
+  if (blocks == 0) return;
+  if (blocks > INT32_MAX) {
+    throw std::runtime_error(std::string("flash_attn_ext: ") + what + " grid of " +
+                             std::to_string(blocks) + " blocks exceeds 2^31 - 1");
+  }
+  set_smem_or_throw(kernel, smem_bytes, what, head_dim);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(blocks));
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  FLASH_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, args...));
+  FLASH_CHECK_LAUNCH();
+}
+
 // The launch of a tile kernel of either arch path: one CTA per item of Work (kernels/common/work.cuh:
 // Work::grid_size), Traits::kThreads threads, Traits::kSmemBytes of dynamic shared memory; errors
 // name the kernel (`what`) and the head dim.

@@ -8,6 +8,8 @@
 //             the producer warps have left.
 //   setmaxnreg (sm_90a only): moves registers between warpgroups of a warp-specialized kernel
 //             (the producer gives its registers to the consumers; __launch_bounds__(n, 1)).
+//   griddepcontrol (sm_90+; no-ops below): programmatic dependent launch between two kernels of
+//             a stream (the split-KV forward and its combine).
 //
 // Phase convention of a producer/consumer ring (FlashAttention-3, CUTLASS PipelineTmaAsync):
 // iteration i uses stage i % S in round r = i / S. The consumer waits full[stage] with parity r & 1;
@@ -121,6 +123,24 @@ struct PipelineState {
   __device__ __forceinline__ uint32_t phase(int i = 0) const { return ((base + uint32_t(i)) / kStages) & 1; }
   __device__ __forceinline__ void advance(int n = 1) { base = (base + uint32_t(n)) % (2 * kStages); }
 };
+
+// ---- programmatic dependent launch (sm_90+; no-ops below, and when the kernel was not launched
+// as a dependent: kernels/launch_utils.h, launch_1d_dependent) ----
+
+// Blocks until the grids this one depends on have completed and their memory writes are visible.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the dependent grid launch once every CTA of this grid has run this or exited (it still
+// waits for this grid's completion in grid_dependency_wait before reading its results).
+__device__ __forceinline__ void grid_dependency_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // ---- named barriers (ids 1..15; 0 is __syncthreads). `threads` is a multiple of 32. ----
 

@@ -17,6 +17,39 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
                "r"(src_size));
 }
 
+// cp_async_16 with an L2 eviction priority: `policy` from l2_policy_stream (createpolicy, sm_80+).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem_ptr, bool pred, uint64_t policy) {
+  const int src_size = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr),
+               "l"(gmem_ptr), "r"(src_size), "l"(policy));
+}
+
+// The L2 policy of a stream of reads: evict first (data read once: its lines are the first the L2
+// replaces, before other data and before dirty lines that would cost a write-back) or evict normal
+// (the default priority, for data other CTAs read again soon).
+__device__ __forceinline__ uint64_t l2_policy_stream(bool evict_first) {
+  uint64_t first, normal;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(first));
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(normal));
+  return evict_first ? first : normal;
+}
+
+// Bulk copy (sm_90+: cp.async.bulk, done by the TMA unit, no tensor map) of `bytes` bytes (a
+// multiple of 16; both addresses 16-byte aligned) global -> shared, completing `bytes` of
+// transactions on the mbarrier at shared address `bar` (primitives/barrier.cuh). Traps below sm_90.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t smem_addr, const void* gmem_ptr, uint32_t bytes, uint32_t bar,
+                                              uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(smem_addr),
+      "l"(gmem_ptr), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Wait until at most N committed groups are still in flight.

@@ -1,28 +1,37 @@
-"""Command line: flags, the sweep over cases, and main (``python -m flash_attn_ext.benchmark``)."""
+"""Command line: flags, and main (``python -m flash_attn_ext.benchmark``).
+
+Modes fwd, bwd, fwd_bwd run the dense sweep; decode the KV-cache cases (--decode-cases x
+--page-size); varlen_fwd, varlen_bwd the packed mixed-length batch (--varlen-*); the loops are
+in flash_attn_ext.bench.sweeps. Any mix of them runs in one call (dense, then decode, then
+varlen); a family whose flash_attn_ext entry this build lacks is skipped with a note; SIGTERM
+(``timeout``) or Ctrl-C writes the rows measured so far.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import re
+import signal
 import sys
+import threading
 import time
 
 import torch
 
 from flash_attn_ext.bench import report
-from flash_attn_ext.bench.accuracy import measure_errors
-from flash_attn_ext.bench.peers import (ALL_PEERS, OURS, BenchmarkError, Impl, build_impls,
-                                        classify, free_memory)
-from flash_attn_ext.bench.timing import Problem, Timer, input_sets_needed, l2_bytes, measure, unmeasured
+from flash_attn_ext.bench.peers import (ALL_PEERS, OURS, OURS_DENSE, BenchmarkError, build_impls,
+                                        ours_dense_impl)
+from flash_attn_ext.bench.sweeps import (MODES, Sweep, run_decode, run_sweep, run_varlen,
+                                         varlen_dense_shape)
+from flash_attn_ext.bench.timing import Timer
 
-MODES = ("fwd", "bwd", "fwd_bwd")
+DECODE_CASES = "B1xN8192,B1xN131072,B8xN32768,B64xN8192,B64xN32768"  # issue 14's decode cases
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "fp32": torch.float32, "float32": torch.float32,
     "fp64": torch.float64, "float64": torch.float64,
 }
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
 def _int_list(flag: str, text: str) -> list[int]:
@@ -54,6 +63,37 @@ def _causal_list(text: str) -> list[bool]:
     return out
 
 
+def _decode_cases(text: str) -> list[tuple[int, int]]:
+    """``B1xN8192,B64xN32k`` -> [(1, 8192), (64, 32768)] (a k suffix multiplies by 1024)."""
+    cases = []
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*B(\d+)xN(\d+)(k?)\s*", item, re.IGNORECASE)
+        if not m or int(m[1]) <= 0 or int(m[2]) <= 0:
+            raise BenchmarkError(f"--decode-cases: expected a comma-separated list of "
+                                 f"B<batch>xN<seqlen_k> (e.g. B1xN8192,B64xN32k), got {text!r}")
+        cases.append((int(m[1]), int(m[2]) * (1024 if m[3] else 1)))
+    return cases
+
+
+def _page_sizes(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(x < 0 for x in values):
+        raise BenchmarkError(f"--page-size: expected a comma-separated list of page sizes >= 0 "
+                             f"(0: contiguous cache), got {text!r}")
+    return values
+
+
+def _heads_pair(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+):(\d+)\s*", text)
+    if not m or int(m[1]) <= 0 or int(m[2]) <= 0 or int(m[1]) % int(m[2]):
+        raise BenchmarkError(f"--decode-heads: expected NHEADS:NHEADS_K with NHEADS a multiple "
+                             f"of NHEADS_K (e.g. 32:8), got {text!r}")
+    return int(m[1]), int(m[2])
+
+
 def _check_positive(flag: str, value, kind: str = "integer") -> None:
     """BenchmarkError naming ``flag`` unless ``value`` is None or > 0."""
     if value is not None and value <= 0:
@@ -83,9 +123,31 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nheads", type=int, default=None,
                     help="query heads [cuda: 2048 // hdim; cpu: 4]")
     ap.add_argument("--gqa", default="1", help="comma list of GQA ratios nheads / nheads_k")
-    ap.add_argument("--mode", default="fwd,bwd", help="comma list of fwd, bwd, fwd_bwd")
+    ap.add_argument("--mode", default="fwd,bwd",
+                    help="comma list of fwd, bwd, fwd_bwd (dense), decode (KV cache, "
+                         "--decode-*), varlen_fwd, varlen_bwd (packed sequences, --varlen-*)")
     ap.add_argument("--peers", default=",".join(ALL_PEERS),
                     help="comma list of peers to compare against (or 'none')")
+    dec = ap.add_argument_group("decode (--mode decode): one query token per sequence against a "
+                                "full KV cache; GQA heads from --decode-heads, dtype from --dtype")
+    dec.add_argument("--decode-cases", default=None,
+                     help=f"comma list of B<batch>xN<seqlen_k> [cuda: {DECODE_CASES}; --quick: "
+                          "B1xN131072,B64xN32768; cpu: B1xN256,B2xN1024]")
+    dec.add_argument("--page-size", default=None,
+                     help="comma list of paged-KV page sizes, 0 = contiguous cache "
+                          "[cuda: 0,16,64,256; --quick: 0,64; cpu: 0,16]")
+    dec.add_argument("--decode-heads", default=None, help="NHEADS:NHEADS_K [cuda: 32:8; cpu: 8:2]")
+    dec.add_argument("--decode-hdim", default=None, help="comma list of head dims [cuda: 128; cpu: 64]")
+    var = ap.add_argument_group("varlen (--mode varlen_fwd,varlen_bwd): packed sequences of seeded "
+                                "mixed lengths; dtype, hdim, causal, heads and gqa as the dense sweep")
+    var.add_argument("--varlen-seqs", type=int, default=None, help="sequences [cuda: 64; cpu: 4]")
+    var.add_argument("--varlen-tokens", type=int, default=None,
+                     help="tokens, the sum of the lengths [cuda: 16384; cpu: 512]")
+    var.add_argument("--varlen-lens", default=None,
+                     help="MIN,MAX sequence length [cuda: 128,1024; cpu: 64,256]")
+    var.add_argument("--varlen-dense-seqlen", type=int, default=None,
+                     help="the comparison row ours-dense: flash_attn_func at batch "
+                          "varlen-tokens // this x this seqlen, same heads [cuda: 1024; cpu: 256]")
     ap.add_argument("--out", default="bench_out", help="output directory")
     ap.add_argument("--quick", action="store_true",
                     help="short sweep (cuda: hdim 128, seqlen 1024,4096; cpu: seqlen 128,256) "
@@ -107,21 +169,6 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     return ap
-
-
-@dataclasses.dataclass
-class Sweep:
-    device: torch.device
-    dtypes: list
-    hdims: list
-    causals: list
-    seqlens: list
-    gqas: list
-    modes: list
-    peers: list
-    tokens: int | None
-    batch: int | None
-    nheads: int | None
 
 
 def _device(text: str) -> torch.device:
@@ -177,68 +224,68 @@ def resolve_args(args: argparse.Namespace) -> Sweep:
     _check_positive("--rep-ms", args.rep_ms, "number")
     _check_positive("--threads", args.threads)
     _check_positive("--err-kv-heads", args.err_kv_heads)
-    return Sweep(device, dtypes, hdims, _causal_list(args.causal), seqlens, gqas, modes, peers,
-                 tokens, batch, nheads)
+    sweep = Sweep(device, dtypes, hdims, _causal_list(args.causal), seqlens, gqas, modes, peers,
+                  tokens, batch, nheads)
+    _resolve_decode(args, sweep, cuda)
+    _resolve_varlen(args, sweep, cuda)
+    return sweep
 
 
-def run_sweep(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress) -> list[dict]:
-    """Every (dtype, hdim, causal, gqa, seqlen, mode) case x implementation: one row each."""
-    rows = []
-    l2 = l2_bytes(sweep.device)
-    need_grad = any(m != "fwd" for m in sweep.modes)
-    for dtype in sweep.dtypes:
-        for hdim in sweep.hdims:
-            nheads = sweep.nheads if sweep.nheads is not None else max(1, 2048 // hdim)
-            for causal in sweep.causals:
-                for gqa in sweep.gqas:
-                    nheads_k = nheads // gqa
-                    for seqlen in sweep.seqlens:
-                        batch = sweep.batch if sweep.batch is not None else max(1, sweep.tokens // seqlen)
-                        case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, causal=causal, seqlen=seqlen,
-                                    batch=batch, nheads=nheads, nheads_k=nheads_k, gqa=gqa)
-                        where = f"{case['dtype']} d={hdim} causal={causal} gqa={gqa} N={seqlen}"
-                        progress.set_postfix_str(f"{where}: errors")
-                        err_kv = min(nheads_k, args.err_kv_heads)
-                        small = Problem.make(1, seqlen, err_kv * gqa, err_kv, hdim, causal, dtype,
-                                             sweep.device, seed=args.seed + 1)
-                        errors = measure_errors(impls, small, need_grad, args.ref_max_seqlen)
-                        del small
-                        n_sets = input_sets_needed(batch, seqlen, nheads, nheads_k, hdim, dtype, l2) \
-                            if sweep.device.type == "cuda" else 1
-                        try:
-                            p = Problem.make(batch, seqlen, nheads, nheads_k, hdim, causal, dtype,
-                                             sweep.device, n_sets=n_sets, seed=args.seed)
-                            p_status = None
-                        except Exception as e:  # the inputs themselves do not fit
-                            p, p_status = None, classify(e)
-                            free_memory(sweep.device, collect=True)
-                        for mode in sweep.modes:
-                            for impl in impls:
-                                progress.set_postfix_str(f"{where} {mode} {impl.name}")
-                                if p is None:
-                                    m = unmeasured(p_status[0], "inputs: " + p_status[1])
-                                else:
-                                    m = measure(impl, p, mode, timer)
-                                e = errors[impl.name]
-                                err = e["err_out"] if mode == "fwd" else e["err_grad"]
-                                rows.append({**case, "mode": mode, "impl": impl.name, **m,
-                                             "n_input_sets": n_sets, "err_out": e["err_out"],
-                                             "err_grad": e["err_grad"], "err": err,
-                                             "err_note": e["err_note"]})
-                                progress.update(1)
-                        del p
-                        free_memory(sweep.device)
-    return rows
+def _resolve_decode(args, sweep: Sweep, cuda: bool) -> None:
+    quick = "B1xN131072,B64xN32768" if args.quick else DECODE_CASES
+    sweep.decode_cases = _decode_cases(args.decode_cases or (quick if cuda else "B1xN256,B2xN1024"))
+    pages = ("0,64" if args.quick else "0,16,64,256") if cuda else "0,16"
+    sweep.page_sizes = _page_sizes(args.page_size or pages)
+    sweep.decode_heads = _heads_pair(args.decode_heads or ("32:8" if cuda else "8:2"))
+    sweep.decode_hdims = _int_list("--decode-hdim", args.decode_hdim or ("128" if cuda else "64"))
+    bad = [h for h in sweep.decode_hdims if h % 8 or h > 256]
+    if bad:
+        raise BenchmarkError(f"--decode-hdim: expected multiples of 8 up to 256, got {bad}")
+
+
+def _resolve_varlen(args, sweep: Sweep, cuda: bool) -> None:
+    for flag, value in (("--varlen-seqs", args.varlen_seqs), ("--varlen-tokens", args.varlen_tokens),
+                        ("--varlen-dense-seqlen", args.varlen_dense_seqlen)):
+        _check_positive(flag, value)
+    seqs = args.varlen_seqs or (64 if cuda else 4)
+    tokens = args.varlen_tokens or (16384 if cuda else 512)
+    lens = _int_list("--varlen-lens", args.varlen_lens or ("128,1024" if cuda else "64,256"))
+    if len(lens) != 2 or lens[0] > lens[1]:
+        raise BenchmarkError(f"--varlen-lens: expected MIN,MAX with MIN <= MAX, got {args.varlen_lens!r}")
+    if not seqs * lens[0] <= tokens <= seqs * lens[1]:
+        raise BenchmarkError(f"--varlen-tokens: {tokens} tokens do not fit {seqs} sequences of "
+                             f"{lens[0]}..{lens[1]} (--varlen-seqs, --varlen-lens)")
+    sweep.varlen_seqs, sweep.varlen_tokens, sweep.varlen_lens = seqs, tokens, tuple(lens)
+    sweep.varlen_dense_seqlen = args.varlen_dense_seqlen or (1024 if cuda else 256)
+
+
+class Interrupted(BaseException):
+    """SIGTERM (e.g. from ``timeout``) during the sweep: the rows so far are still written. A
+    BaseException, like KeyboardInterrupt, so that no ``except Exception`` (run_guarded turning
+    a failing implementation into a status) swallows it."""
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2: bad flag or environment, 1: flash_attn_ext
-    failed on some case, 0 otherwise)."""
+    failed on some case, 3: interrupted by SIGTERM or Ctrl-C, after writing the tables of the
+    cases measured so far, 0 otherwise). Order: dense sweep, decode, varlen."""
     args = make_parser().parse_args(argv)
+    impls, notes, dense = {}, [], None
     try:
         report.require_deps()
         sweep = resolve_args(args)
-        impls, notes = build_impls(sweep.peers, sweep.device, args.slow_max_seqlen)
+        for fam in ("dense", "decode", "varlen"):
+            if sweep.modes_of(fam):
+                impls[fam], fam_notes = build_impls(sweep.peers, sweep.device,
+                                                    args.slow_max_seqlen, family=fam)
+                notes += fam_notes
+        if impls.get("varlen"):
+            dense = ours_dense_impl()
+        notes = list(dict.fromkeys(notes))  # a peer missing for several families: one note
     except BenchmarkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -253,18 +300,44 @@ def main(argv: list[str] | None = None) -> int:
     rep = args.rep_ms if args.rep_ms is not None else (30 if args.quick else (100 if cuda else 60))
     timer = Timer(sweep.device, warmup, rep, min_reps=3 if cuda else 5)
     env = report.environment(sweep.device, timer, sys.argv[1:] if argv is None else list(argv))
+    if impls.get("varlen"):
+        env["varlen_dense"] = "batch {} x seqlen {}".format(*varlen_dense_shape(sweep))
 
-    n_cases = (len(sweep.dtypes) * len(sweep.hdims) * len(sweep.causals) * len(sweep.gqas)
-               * len(sweep.seqlens) * len(sweep.modes))
+    base = len(sweep.dtypes) * len(sweep.hdims) * len(sweep.causals) * len(sweep.gqas)
+    n_runs = (base * len(sweep.seqlens) * len(sweep.modes_of("dense")) * len(impls.get("dense", []))
+              + len(sweep.dtypes) * len(sweep.decode_hdims) * len(sweep.decode_cases)
+              * len(sweep.page_sizes) * len(impls.get("decode", []))
+              + base * len(sweep.modes_of("varlen")) * (len(impls.get("varlen", [])) + 1)
+              * bool(impls.get("varlen")))
     t0 = time.perf_counter()
-    with tqdm(total=n_cases * len(impls), desc="benchmark", unit="run", file=sys.stderr,
-              disable=args.no_progress, mininterval=1.0, dynamic_ncols=True) as progress:
-        rows = run_sweep(sweep, args, impls, timer, progress)
+    rows, interrupted = [], False
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGTERM, _raise_interrupted) if main_thread else None
+    try:
+        with tqdm(total=n_runs, desc="benchmark", unit="run", file=sys.stderr,
+                  disable=args.no_progress, mininterval=1.0, dynamic_ncols=True) as progress:
+            run_sweep(sweep, args, impls.get("dense", []), timer, progress, rows)
+            run_decode(sweep, args, impls.get("decode", []), timer, progress, rows)
+            run_varlen(sweep, args, impls.get("varlen", []), dense, timer, progress, rows)
+    except (Interrupted, KeyboardInterrupt):
+        interrupted = True
+        notes.append(f"interrupted after {len(rows)} rows: the tables hold the cases measured so far")
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_handler)
     env["sweep_seconds"] = round(time.perf_counter() - t0, 1)
+    if not rows:
+        for n in notes:
+            print(f"note: {n}")
+        print("nothing measured" + (": interrupted" if interrupted else
+                                    ": every requested mode was skipped (see the notes above)"))
+        return 3 if interrupted else 0
 
     plot_title = None if args.no_plots else report.plot_label(env, sweep.batch, sweep.tokens, sweep.nheads)
-    df, paths, header, md = report.write_outputs(rows, [i.name for i in impls], env, notes, args.out,
-                                                 plot_title)
+    names = {fam: [i.name for i in fam_impls] for fam, fam_impls in impls.items()}
+    if "varlen" in names:
+        names["varlen"].insert(1, OURS_DENSE)
+    df, paths, header, md = report.write_outputs(rows, names, env, notes, args.out, plot_title)
     not_ok = df[df["status"] != "ok"]
     print(f"wrote {', '.join(paths.values())} ({env['sweep_seconds']} s sweep)")
     if len(not_ok):
@@ -275,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {n}")
     print()
     print(header)
+    print()
     print(md)
-    errors = df[(df["impl"] == OURS) & (df["status"] == "error")]
-    return 1 if len(errors) else 0
+    errors = df[df["impl"].isin([OURS, OURS_DENSE]) & (df["status"] == "error")]
+    return 3 if interrupted else 1 if len(errors) else 0

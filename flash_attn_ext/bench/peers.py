@@ -9,6 +9,32 @@
                      flash_attn.flash_attn_func / flash_attn_interface.flash_attn_func /
                      flash_attn.cute.flash_attn_func, CUDA only and only where importable
 
+Two more families of cases have their own call shapes (``build_impls(..., family=...)``):
+
+    decode   fn(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale) -> out, q
+             (batch, 1, nheads, headdim), the cache contiguous (batch, seqlen_k, nheads_k, headdim)
+             or paged (num_blocks, page_size, nheads_k, headdim) with block_table (batch,
+             blocks per sequence) int32 (None when contiguous):
+        flash_attn_ext   flash_attn_ext.flash_attn_with_kvcache(..., num_splits=0)
+        sdpa-*, standard the dense call on the whole cache (every case fills the cache:
+                         cache_seqlens = seqlen_k); contiguous only, 'n/a' for a paged cache
+        flash-attn, flash-attn3
+                         flash_attn.flash_attn_with_kvcache (block_table) /
+                         flash_attn_interface.flash_attn_with_kvcache (page_table)
+        flash-attn4      flash_attn.cute.flash_attn_varlen_func(q, k_cache, v_cache,
+                         seqused_k=cache_seqlens, page_table=block_table); num_splits left at its
+                         default 1 (its sm90 path has no split-KV)
+    varlen   fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+             causal) -> out, q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim):
+        flash_attn_ext   flash_attn_ext.flash_attn_varlen_func
+        flash-attn, flash-attn3, flash-attn4
+                         their flash_attn_varlen_func (same keywords)
+        sdpa-*, standard no varlen entry: skipped with a note
+        (flash_attn_ext-dense, ``ours_dense_impl``: flash_attn_func, the CLI's comparison row,
+        run on a dense Problem of as many tokens)
+    A build of flash_attn_ext without flash_attn_with_kvcache / flash_attn_varlen_func gives no
+    implementations for that family and a note: the CLI skips those modes.
+
 A failing call is a result, not a crash: ``run_guarded`` turns its exception into a status
 ('OOM', 'n/a' or 'error') and a note.
 """
@@ -18,12 +44,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import importlib
 import warnings
 from typing import Callable
 
 import torch
 
 OURS = "flash_attn_ext"
+OURS_DENSE = "flash_attn_ext-dense"  # varlen's comparison row: the dense op on as many tokens
 SDPA_BACKENDS = {
     "sdpa-flash": "FLASH_ATTENTION",
     "sdpa-cudnn": "CUDNN_ATTENTION",
@@ -34,8 +62,15 @@ ALL_PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "standar
              "flash-attn", "flash-attn3", "flash-attn4")
 
 
+FAMILIES = ("dense", "decode", "varlen")
+
+
 class BenchmarkError(Exception):
     """A flag or environment problem, reported as one line without a traceback."""
+
+
+class NotApplicable(Exception):
+    """An implementation without an entry for this case (e.g. SDPA and a paged cache): 'n/a'."""
 
 
 @dataclasses.dataclass
@@ -118,36 +153,146 @@ def _load_ours() -> Callable:
     return _keyword_call(flash_attn_func)
 
 
-def _load_flash_attn(name: str):
-    """Returns (fn, None) or (None, reason) for the optional FlashAttention packages."""
-    try:
-        if name == "flash-attn":
-            from flash_attn import flash_attn_func as f
-        elif name == "flash-attn3":
-            from flash_attn_interface import flash_attn_func as f
+def _first(out):
+    """The output of a call that may return a tuple (out, lse, ...)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _decode_from_dense(dense_fn: Callable) -> Callable:
+    """A decode ``fn`` over a dense ``fn(q, k, v, softmax_scale, causal)``: attention of the one
+    query row over the whole contiguous cache (the benchmark fills every cache: cache_seqlens =
+    seqlen_k, so no key past it exists; causal bottom-right is then no mask)."""
+    def fn(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale):
+        if block_table is not None:
+            raise NotApplicable("contiguous cache only (no paged KV entry)")
+        return dense_fn(q, k_cache, v_cache, softmax_scale, False)
+
+    return fn
+
+
+def _ours_decode(f: Callable) -> Callable:
+    def fn(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale):
+        return _first(f(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                        softmax_scale=softmax_scale, causal=False, num_splits=0))
+
+    return fn
+
+
+def _varlen_keyword_call(f: Callable) -> Callable:
+    """A varlen ``fn`` over a flash_attn_varlen_func-style ``f`` (flash-attn 2/3/4 and ours)."""
+    def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        return _first(f(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                        softmax_scale=softmax_scale, causal=causal))
+
+    return fn
+
+
+def _fa_decode(name: str, f: Callable) -> Callable:
+    """A decode ``fn`` over FlashAttention's KV-cache entry: flash-attn 2 names the page table
+    ``block_table``, flash-attn 3 ``page_table``; FA4 has only flash_attn_varlen_func, with the
+    used lengths as ``seqused_k``."""
+    def fn(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale):
+        if name == "flash-attn4":
+            out = f(q, k_cache, v_cache, seqused_k=cache_seqlens, page_table=block_table,
+                    softmax_scale=softmax_scale, causal=False)
         else:
-            from flash_attn.cute import flash_attn_func as f
+            table = {"block_table" if name == "flash-attn" else "page_table": block_table}
+            out = f(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+                    causal=False, **table)
+        return _first(out)
+
+    return fn
+
+
+_FA_ENTRIES = {  # family -> peer -> (module, function)
+    "dense": {"flash-attn": ("flash_attn", "flash_attn_func"),
+              "flash-attn3": ("flash_attn_interface", "flash_attn_func"),
+              "flash-attn4": ("flash_attn.cute", "flash_attn_func")},
+    "decode": {"flash-attn": ("flash_attn", "flash_attn_with_kvcache"),
+               "flash-attn3": ("flash_attn_interface", "flash_attn_with_kvcache"),
+               "flash-attn4": ("flash_attn.cute", "flash_attn_varlen_func")},
+    "varlen": {"flash-attn": ("flash_attn", "flash_attn_varlen_func"),
+               "flash-attn3": ("flash_attn_interface", "flash_attn_varlen_func"),
+               "flash-attn4": ("flash_attn.cute", "flash_attn_varlen_func")},
+}
+
+
+def _load_flash_attn(name: str, family: str = "dense"):
+    """Returns (fn, None) or (None, reason) for the optional FlashAttention packages."""
+    module, attr = _FA_ENTRIES[family][name]
+    try:
+        f = getattr(importlib.import_module(module), attr)
     except Exception as e:  # ImportError, or a broken install raising something else
         return None, f"{name} not importable ({type(e).__name__})"
+    if family == "decode":
+        return _fa_decode(name, f), None
+    if family == "varlen":
+        return _varlen_keyword_call(f), None
     return _keyword_call(f), None
 
 
+def ours_entry(name: str) -> Callable | None:
+    """flash_attn_ext.<name> (e.g. flash_attn_with_kvcache), or None where this build predates it."""
+    try:
+        import flash_attn_ext
+    except ImportError as e:  # the compiled module is missing
+        raise BenchmarkError(f"cannot import flash_attn_ext ({e}); build the extension first "
+                             "(see README: pip install --no-build-isolation -e .)") from e
+    f = getattr(flash_attn_ext, name, None)
+    if f is None:
+        try:
+            from flash_attn_ext import interface
+            f = getattr(interface, name, None)
+        except ImportError:
+            f = None
+    return f
+
+
+def ours_dense_impl(ours: Callable | None = None) -> Impl:
+    """Varlen's comparison row: flash_attn_ext.flash_attn_func (or ``ours``), as OURS_DENSE."""
+    return Impl(OURS_DENSE, ours if ours is not None else _load_ours())
+
+
+OURS_ENTRY = {"decode": "flash_attn_with_kvcache", "varlen": "flash_attn_varlen_func"}
+OURS_WRAP = {"decode": _ours_decode, "varlen": _varlen_keyword_call}
+
+
 def build_impls(peers: list[str], device: torch.device, slow_max_seqlen: int | None,
-                ours: Callable | None = None) -> tuple[list[Impl], list[str]]:
-    """flash_attn_ext first, then the requested peers. Returns (impls, notes about skipped ones)."""
-    impls = [Impl(OURS, ours if ours is not None else _load_ours())]
+                ours: Callable | None = None, family: str = "dense") -> tuple[list[Impl], list[str]]:
+    """flash_attn_ext first, then the requested peers, with the call shape of ``family`` (see
+    the module docstring; ``ours`` replaces flash_attn_ext's function, already in that shape).
+    Returns (impls, notes about skipped ones); for decode / varlen, no impls at all where this
+    build of flash_attn_ext lacks the entry."""
     notes = []
+    if ours is None and family == "dense":
+        ours = _load_ours()
+    elif ours is None:
+        f = ours_entry(OURS_ENTRY[family])
+        if f is None:
+            return [], [f"{family} modes skipped: flash_attn_ext.{OURS_ENTRY[family]} is not in "
+                        f"this build (rebuild flash_attn_ext from a tree that has it)"]
+        ours = OURS_WRAP[family](f)
+    impls = [Impl(OURS, ours)]
+    no_varlen = [n for n in peers if family == "varlen" and (n in SDPA_BACKENDS or n == "standard")]
+    if no_varlen:
+        notes.append(f"{', '.join(no_varlen)} skipped for varlen: no varlen entry")
     for name in peers:
-        if name in SDPA_BACKENDS:
-            fn, ctx = _make_sdpa(SDPA_BACKENDS[name])
+        if name in no_varlen:
+            continue
+        if name in SDPA_BACKENDS or name == "standard":
+            if name == "standard":
+                fn, ctx = standard_attention, contextlib.nullcontext
+            else:
+                fn, ctx = _make_sdpa(SDPA_BACKENDS[name])
+            if family == "decode":
+                fn = _decode_from_dense(fn)
             impls.append(Impl(name, fn, ctx, slow_max_seqlen if name == "sdpa-math" else None))
-        elif name == "standard":
-            impls.append(Impl(name, standard_attention))
         else:
             if device.type != "cuda":
                 notes.append(f"{name} skipped: CUDA only")
                 continue
-            fn, why = _load_flash_attn(name)
+            fn, why = _load_flash_attn(name, family)
             if fn is None:
                 notes.append(f"{why}: skipped")
             else:
@@ -158,6 +303,8 @@ def build_impls(peers: list[str], device: torch.device, slow_max_seqlen: int | N
 def classify(exc: BaseException) -> tuple[str, str]:
     """Map an exception from an implementation to (status, note)."""
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, NotApplicable):
+        return "n/a", msg[:160]
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in msg.lower() \
             or "can't allocate memory" in msg.lower():
         return "OOM", msg[:160]

@@ -1,23 +1,20 @@
-"""Inputs, time and peak memory of one implementation on one case.
+"""Time and peak memory of one implementation on one case (the cases: flash_attn_ext.bench.problems).
 
 ms: median wall time of one call. CUDA: ``triton.testing.do_bench(return_mode="median")``, which
 flushes L2 before each timed call, or (without triton) CUDA events around each call after a
-warm-up with the same L2 flush. CPU: ``time.perf_counter`` median. When one input set is
-smaller than 4x the L2 cache, several input sets are rotated so that a short problem is not
-read from L2.
-TFLOP/s: matmul FLOPs by the standard count (flash_attn_ext.reference.attention_flops): forward
-4*B*H*N^2*d, halved when causal; bwd 2.5x, fwd_bwd 3.5x the forward; over the median time.
+warm-up with the same L2 flush. CPU: ``time.perf_counter`` median. Each call takes the next of
+the problem's rotated input sets.
+tflops / tbps: the problem's count of work (problems: TFLOP/s, or TB/s of K+V read for decode)
+over the median time.
 peak_mem_mib: memory allocated at the peak minus what was allocated before, around one forward
-(mode fwd) or forward + backward (modes bwd, fwd_bwd) call: CUDA from
-torch.cuda.max_memory_allocated, CPU from the torch profiler's allocation events.
+(modes fwd, decode, varlen_fwd) or forward + backward (modes bwd, fwd_bwd, varlen_bwd) call: CUDA
+from torch.cuda.max_memory_allocated, CPU from the torch profiler's allocation events.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
-import math
 import os
 import statistics
 import sys
@@ -27,10 +24,9 @@ from typing import Callable
 import torch
 
 from flash_attn_ext.bench.peers import Impl, run_guarded
-from flash_attn_ext.reference import attention_flops
+from flash_attn_ext.bench.problems import Problem, base_mode
 
 DEFAULT_L2_BYTES = 60 * 1024 * 1024  # H200; used when the device does not report its L2 size
-MAX_INPUT_SETS = 8
 
 
 def _synchronize(device: torch.device) -> None:
@@ -106,57 +102,11 @@ class Timer:
         return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-@dataclasses.dataclass
-class Problem:
-    """One case's inputs: ``sets`` of (q, k, v, dout) BSHD tensors, rotated between calls."""
-
-    batch: int
-    seqlen: int
-    nheads: int
-    nheads_k: int
-    headdim: int
-    causal: bool
-    dtype: torch.dtype
-    device: torch.device
-    softmax_scale: float
-    sets: list
-
-    @classmethod
-    def make(cls, batch, seqlen, nheads, nheads_k, headdim, causal, dtype, device, n_sets=1, seed=0):
-        g = torch.Generator(device=device).manual_seed(seed)
-        sets = []
-        for _ in range(n_sets):
-            q = torch.randn(batch, seqlen, nheads, headdim, dtype=dtype, device=device, generator=g)
-            k = torch.randn(batch, seqlen, nheads_k, headdim, dtype=dtype, device=device, generator=g)
-            v = torch.randn(batch, seqlen, nheads_k, headdim, dtype=dtype, device=device, generator=g)
-            dout = torch.randn_like(q)
-            sets.append((q, k, v, dout))
-        return cls(batch, seqlen, nheads, nheads_k, headdim, causal, dtype, device,
-                   1.0 / math.sqrt(headdim), sets)
-
-    def inputs(self, grad: bool, i: int = 0) -> tuple:
-        """Input set ``i`` as (q, k, v, dout); with ``grad``, q, k, v are fresh leaves that
-        require grad."""
-        q, k, v, dout = self.sets[i]
-        if not grad:
-            return q, k, v, dout
-        return q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(), dout
-
-
 def l2_bytes(device: torch.device) -> int:
     """The device's L2 cache size (DEFAULT_L2_BYTES where it reports none); 0 on CPU."""
     if device.type != "cuda":
         return 0
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
-
-
-def input_sets_needed(batch, seqlen, nheads, nheads_k, headdim, dtype, l2_bytes) -> int:
-    """Input sets to rotate so that the sets together exceed 4x L2 (q, k, v, out, dout)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    nbytes = batch * seqlen * (3 * nheads + 2 * nheads_k) * headdim * elem
-    if nbytes >= 4 * l2_bytes:
-        return 1
-    return min(MAX_INPUT_SETS, math.ceil(4 * l2_bytes / max(nbytes, 1)))
 
 
 @contextlib.contextmanager
@@ -193,13 +143,16 @@ def _cpu_peak_bytes(fn: Callable) -> float:
 
 
 def peak_extra_memory_mib(impl: Impl, p: Problem, mode: str) -> float:
-    """Peak memory above what was allocated before one forward (mode fwd) or forward+backward
-    call, in MiB. CUDA: torch.cuda.max_memory_allocated; CPU: the profiler's allocation events."""
-    q, k, v, dout = p.inputs(grad=mode != "fwd")
+    """Peak memory above what was allocated before one forward (modes fwd, decode, varlen_fwd)
+    or forward+backward call, in MiB. CUDA: torch.cuda.max_memory_allocated; CPU: the
+    profiler's allocation events."""
+    grad = base_mode(mode) != "fwd"
+    q, k, v, dout = p.inputs(grad=grad)
+    f = p.bind(impl)
 
     def one_call():
-        out = impl.fn(q, k, v, p.softmax_scale, p.causal)
-        if mode != "fwd":
+        out = f(q, k, v)
+        if grad:
             torch.autograd.grad(out, (q, k, v), dout)
 
     if p.device.type != "cuda":
@@ -222,14 +175,15 @@ def time_impl(impl: Impl, p: Problem, mode: str, timer: Timer) -> float:
         state["i"] += 1
         return i
 
-    scale, causal = p.softmax_scale, p.causal
+    f = p.bind(impl)
+    mode = base_mode(mode)
     if mode == "fwd":
         def call():
             q, k, v, _ = p.sets[next_index()]
-            return impl.fn(q, k, v, scale, causal)
+            return f(q, k, v)
     elif mode == "bwd":
         leaves = [p.inputs(True, i) for i in range(n)]
-        outs = [impl.fn(q, k, v, scale, causal) for q, k, v, _ in leaves]
+        outs = [f(q, k, v) for q, k, v, _ in leaves]
 
         def call():
             i = next_index()
@@ -240,23 +194,25 @@ def time_impl(impl: Impl, p: Problem, mode: str, timer: Timer) -> float:
 
         def call():
             q, k, v, dout = leaves[next_index()]
-            return torch.autograd.grad(impl.fn(q, k, v, scale, causal), (q, k, v), dout)
+            return torch.autograd.grad(f(q, k, v), (q, k, v), dout)
 
     return timer(call)
 
 
-def unmeasured(status: str, note: str) -> dict:
-    """A measurement row without numbers: the given status and note, NaN ms / TFLOP/s / memory."""
+def unmeasured(status: str, note: str, metric: str = "tflops") -> dict:
+    """A measurement row without numbers: the given status and note, NaN ms / ``metric``
+    (tflops, or tbps for decode) / memory."""
     nan = float("nan")
-    return {"status": status, "note": note, "ms": nan, "tflops": nan, "peak_mem_mib": nan}
+    return {"status": status, "note": note, "ms": nan, metric: nan, "peak_mem_mib": nan}
 
 
 def measure(impl: Impl, p: Problem, mode: str, timer: Timer) -> dict:
-    """Time and peak memory of one implementation on one case. Never raises for a failing
-    implementation: returns status 'n/a' / 'OOM' / 'error' / 'skipped' with a note instead."""
+    """Time and peak memory of one implementation on one case (a Problem, DecodeProblem or
+    VarlenProblem). Never raises for a failing implementation: returns status 'n/a' / 'OOM' /
+    'error' / 'skipped' with a note instead."""
     if impl.skips(p.seqlen):
-        return unmeasured("skipped", f"seqlen > {impl.max_seqlen} (--slow-max-seqlen)")
-    row = unmeasured("ok", "")
+        return unmeasured("skipped", f"seqlen > {impl.max_seqlen} (--slow-max-seqlen)", p.METRIC)
+    row = unmeasured("ok", "", p.METRIC)
 
     def body():
         row["peak_mem_mib"] = peak_extra_memory_mib(impl, p, mode)
@@ -264,7 +220,6 @@ def measure(impl: Impl, p: Problem, mode: str, timer: Timer) -> dict:
 
     failure = run_guarded(impl, p.device, body)
     if failure is not None:
-        return unmeasured(*failure)
-    flops = attention_flops(p.batch, p.nheads, p.seqlen, p.seqlen, p.headdim, p.causal, mode)
-    row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+        return unmeasured(*failure, p.METRIC)
+    row.update(p.rates(mode, row["ms"]))
     return row

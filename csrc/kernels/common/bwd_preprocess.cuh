@@ -11,6 +11,10 @@
 // own softmax_lse): hi = LSE * log2(e), lo = 0, and rows with |hi| >= 2^10 still take the exact
 // path (scores rounded as the forward did, P clamped to <= 1). Rows past seqlen_q and rows that
 // see no key (LSE = +inf, forward contract: O = 0) get hi = +inf, lo = 0, D = 0: P = dS = 0.
+// Varlen (flash.h): the grid is sized by max_seqlen_q; sequence b's rows past seqlen_q up to its
+// rows rounded up to 128 (SeqInfo::ws_rows: what a Q tile can read) get the same (+inf, 0, 0), and
+// no row past them is written (the next sequence's region of the workspaces); a 128-row block
+// past the sequence's end writes only its flag (0).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,7 +47,12 @@ flash_bwd_preprocess_kernel(const Flash_bwd_params params, int num_row_blocks) {
   const SeqInfo seq(params, bh / params.h);
   const int head = bh % params.h;
   const int sub = threadIdx.x % kPreThreadsPerRow;
+  const int ws_rows = seq.ws_rows(params);
   bool exact = false;
+  if (row_block * kPreRowsPerBlock >= ws_rows) {  // varlen only: a block past the sequence's rows
+    if (threadIdx.x == 0) params.precise_rows_ptr[seq.precise_index(params, head, row_block * kPreRowsPerBlock)] = 0;
+    return;
+  }
 
 #pragma unroll
   for (int pass = 0; pass < kPreRowsPerBlock / kPreRowsPerPass; ++pass) {
@@ -51,8 +60,8 @@ flash_bwd_preprocess_kernel(const Flash_bwd_params params, int num_row_blocks) {
     // Alg. 2 line 4: D_i = rowsum(dO_i o O_i), fp32 accumulation of the Element products.
     float dsum = 0.f;
     if (row < seq.seqlen_q) {
-      const Element* o = seq.row_ptr<const Element>(params.o, head, row);
-      const Element* dout = seq.row_ptr<const Element>(params.dout, head, row);
+      const Element* o = seq.q_row<const Element>(params.o, head, row);
+      const Element* dout = seq.q_row<const Element>(params.dout, head, row);
       for (int col = sub * 8; col < params.d; col += kPreThreadsPerRow * 8) {
         const uint4 ov = *reinterpret_cast<const uint4*>(o + col);
         const uint4 dv = *reinterpret_cast<const uint4*>(dout + col);
@@ -89,7 +98,7 @@ flash_bwd_preprocess_kernel(const Flash_bwd_params params, int num_row_blocks) {
         exact |= hi != INFINITY && !(fabsf(hi) < kExactLimit);
       }
     }
-    if (sub == 0 && row < params.seqlen_q_rounded) {
+    if (sub == 0 && row < ws_rows) {
       const int64_t ws = seq.ws_index(params, head, row);
       params.dsoftmax_sum_ptr[ws] = row < seq.seqlen_q ? dsum : 0.f;
       params.softmax_lse_log2_ptr[ws] = hi;

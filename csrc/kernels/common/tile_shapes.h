@@ -38,4 +38,31 @@ struct DqTileShape {
   static constexpr int kMinBlocks = kMinBlocks_;
 };
 
+// Split-KV (KV-cache) forward: one CTA per (sequence, kv head, packed row tile, split). Its
+// kBlockM = 16 rows are the (query, head) pairs of one GQA group (packed row r = query i * ratio +
+// head g), so K/V are read once per kv head; the keys of each K/V tile of kBlockN rows are split
+// over the warps (kBlockN / kNWarps each, a multiple of 16), whose partial (m, l, O) merge once at
+// the end through shared memory.
+//   kStages     K/V tile pairs in the copy ring (all in flight while the CTA waits, one less
+//               while it computes)
+//   kQInRegs    Q's mma A fragments kept in registers across the K/V loop
+//   kMinBlocks  __launch_bounds__ minimum CTAs per SM (caps the registers per thread)
+//   kEvictFirst K/V reads marked L2 evict-first (createpolicy) when no other CTA reads them
+//               (one packed row tile per kv head): a read-once stream then replaces its own lines,
+//               not other data (nor dirty lines whose write-back costs DRAM bandwidth)
+//   kBulkCopy   sm_90+: K/V rows copied by the TMA unit (cp.async.bulk, one per row, completing
+//               on an mbarrier per stage) instead of 16-byte cp.async; sm_80-89 keep cp.async
+template <int kBlockN_, int kNWarps_, int kStages_, bool kQInRegs_, int kMinBlocks_, bool kEvictFirst_ = true,
+          bool kBulkCopy_ = false>
+struct SplitKvTileShape {
+  static constexpr int kBlockM = 16, kBlockN = kBlockN_, kNWarps = kNWarps_, kStages = kStages_;
+  static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr bool kEvictFirst = kEvictFirst_, kBulkCopy = kBulkCopy_;
+  // Dynamic shared memory of the kernel for 16-bit elements: the Q tile and kStages (K, V) tile
+  // pairs, rows padded to head_dim + 8 elements (sm80/kernel_common.cuh: SmemTile). Host code
+  // (the split heuristic) sizes CTAs per SM from it; the kernel's traits assert they agree.
+  static constexpr int smem_bytes(int head_dim) { return (kBlockM + 2 * kStages * kBlockN) * (head_dim + 8) * 2; }
+};
+
 }  // namespace flash

@@ -64,12 +64,15 @@ struct QTileWork {
     return make_int2(bidb, (num_m - 1 - j) * params.h + head);
   }
   __device__ __forceinline__ bool block_needs_mask(int n_block) const { return n_block >= n_block_unmasked; }
+  // The tile starts at or past its sequence's last query row (varlen: the grid is sized by
+  // max_seqlen_q): nothing to compute or store. Never for a dense call.
+  __device__ __forceinline__ bool past_end() const { return m0 >= seq.seqlen_q; }
   // Writes this CTA's tile of a Q-shaped output (O, dQ) from shared memory (Layout, as staged by the
   // kernel) to tensor `out`; rows >= seqlen_q and columns >= d are not written.
   template <typename Element, typename Layout, int kHeadDim, int kThreads>
   __device__ __forceinline__ void store_q_tile(const Flash_fwd_params& params, const TensorView& out, const void* smem,
                                                int tid) const {
-    store_tile<Layout, kBlockM, kHeadDim, kThreads>(seq.template row_ptr<Element>(out, bidh, m0), out.row_stride, smem,
+    store_tile<Layout, kBlockM, kHeadDim, kThreads>(seq.template q_row<Element>(out, bidh, m0), out.row_stride, smem,
                                                     rows_q, params.d, tid);
   }
   // The grid of such CTAs: every (batch, head, Q tile); blockIdx.x decodes as in decode().
@@ -88,11 +91,14 @@ struct DkvWork {
   SeqInfo seq;
   AttnMask mask;
   int bidhk, n0, m_block_min, num_m, ratio, n_iter;
+  int64_t ws0;  // seq.ws_index(params, 0, 0)
 
+  // blockIdx.x = (b * h_k + kv head) * num_n + key block, num_n from params.seqlen_k (the grid's
+  // key blocks: max_seqlen_k for varlen), not from the sequence's own length.
   __device__ __forceinline__ explicit DkvWork(const Flash_bwd_params& params)
       : seq(params, int(blockIdx.x / ceil_div(params.seqlen_k, kBlockN)) / params.h_k),
         mask(seq, params.is_causal) {
-    const int num_n_blocks = ceil_div(seq.seqlen_k, kBlockN);
+    const int num_n_blocks = ceil_div(params.seqlen_k, kBlockN);
     bidhk = int(blockIdx.x / num_n_blocks) % params.h_k;
     n0 = int(blockIdx.x % num_n_blocks) * kBlockN;
     m_block_min = mask.first_m_block(n0, kBlockM);
@@ -100,19 +106,24 @@ struct DkvWork {
     num_m = m_block_max > m_block_min ? m_block_max - m_block_min : 0;
     ratio = params.h_h_k_ratio;
     n_iter = num_m * ratio;
+    ws0 = seq.ws_index(params, 0, 0);
   }
   // The grid of such CTAs: every (batch, kv head, key block), key block fastest.
   __host__ __device__ __forceinline__ static int64_t grid_size(const Flash_fwd_params& params) {
     return int64_t(ceil_div(params.seqlen_k, kBlockN)) * params.b * params.h_k;
   }
+  // The key block starts at or past its sequence's last key (varlen: the grid is sized by
+  // max_seqlen_k): no dK/dV rows to write. Never for a dense call. (A block with no Q tile to
+  // visit, n_iter = 0, is not past the end: it stores dK = dV = 0.)
+  __device__ __forceinline__ bool past_end() const { return n0 >= seq.seqlen_k; }
   __device__ __forceinline__ int head(int it) const { return bidhk * ratio + it / num_m; }  // query head
   // Writes this CTA's tile of a K-shaped output (dK, dV) from shared memory (Layout) to tensor
   // `out`; rows >= seqlen_k and columns >= d are not written.
   template <typename Element, typename Layout, int kHeadDim, int kThreads>
   __device__ __forceinline__ void store_kv_tile(const Flash_bwd_params& params, const TensorView& out, const void* smem,
                                                 int tid) const {
-    store_tile<Layout, kBlockN, kHeadDim, kThreads>(seq.template row_ptr<Element>(out, bidhk, n0), out.row_stride, smem,
-                                                    seq.seqlen_k - n0, params.d, tid);
+    store_tile<Layout, kBlockN, kHeadDim, kThreads>(seq.reload_k_offset(params, 0).template k_row<Element>(out, bidhk, n0),
+                                                    out.row_stride, smem, seq.seqlen_k - n0, params.d, tid);
   }
   __device__ __forceinline__ int m0(int it) const { return (m_block_min + it % num_m) * kBlockM; }  // first Q row
   // Iteration it needs the exact P recompute where it holds a masked pair or a large-magnitude row
@@ -128,11 +139,12 @@ struct DkvWork {
   __device__ __forceinline__ void copy_q_tiles_async(const Flash_bwd_params& params, int it, uint32_t sQ, uint32_t sdO,
                                                      int tid) const {
     const int bidh = head(it), row0 = m0(it);
+    const SeqInfo s = seq.reload_q_offset(params, it);
     copy_tile_async<Layout, kBlockM, kHeadDim, kThreads, kFastCopy>(
-        sQ, seq.template row_ptr<const Element>(params.q, bidh, row0), params.q.row_stride, seq.seqlen_q - row0,
+        sQ, s.template q_row<const Element>(params.q, bidh, row0), params.q.row_stride, seq.seqlen_q - row0,
         params.d, tid);
     copy_tile_async<Layout, kBlockM, kHeadDim, kThreads, kFastCopy>(
-        sdO, seq.template row_ptr<const Element>(params.dout, bidh, row0), params.dout.row_stride,
+        sdO, s.template q_row<const Element>(params.dout, bidh, row0), params.dout.row_stride,
         seq.seqlen_q - row0, params.d, tid);
   }
 
@@ -141,7 +153,7 @@ struct DkvWork {
   // threads. Whole tiles lie inside the workspaces (rows rounded up to 128).
   __device__ __forceinline__ void copy_row_stats_async(const Flash_bwd_params& params, int it, float* sHi,
                                                        float* sLo, float* sDsum, int tid) const {
-    const int64_t ws = seq.ws_index(params, head(it), m0(it));
+    const int64_t ws = ws0 + head(it) * SeqInfo::ws_head_stride(params) + m0(it);
     constexpr int kChunks = kBlockM / 4;  // 16 B = 4 floats
     if (tid < kChunks) {
       cp_async_16(smem_u32addr(sHi + tid * 4), params.softmax_lse_log2_ptr + ws + tid * 4, true);
@@ -170,12 +182,11 @@ struct DqWork : QTileWork<kBlockM, kBlockN> {
   __device__ __forceinline__ void copy_kv_tiles_async(const Flash_bwd_params& params, int n_block, uint32_t sK,
                                                       uint32_t sV, int tid) const {
     const int n0 = n_block * kBlockN, rows = this->seq.seqlen_k - n0;
+    const SeqInfo s = this->seq.reload_k_offset(params, n_block);
     copy_tile_async<Layout, kBlockN, kHeadDim, kThreads, kFastCopy>(
-        sK, this->seq.template row_ptr<const Element>(params.k, this->bidhk, n0), params.k.row_stride, rows, params.d,
-        tid);
+        sK, s.template k_row<const Element>(params.k, this->bidhk, n0), params.k.row_stride, rows, params.d, tid);
     copy_tile_async<Layout, kBlockN, kHeadDim, kThreads, kFastCopy>(
-        sV, this->seq.template row_ptr<const Element>(params.v, this->bidhk, n0), params.v.row_stride, rows, params.d,
-        tid);
+        sV, s.template k_row<const Element>(params.v, this->bidhk, n0), params.v.row_stride, rows, params.d, tid);
   }
 };
 

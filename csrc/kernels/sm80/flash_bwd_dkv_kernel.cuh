@@ -87,6 +87,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 
   // This CTA's key block, batch, kv head and the Q tiles that see the block (see the header).
   const DkvWork<kBlockM, kBlockN> w(params);
+  if (w.past_end()) return;  // varlen: a key block past its sequence's end (grid sized by max_seqlen_k)
 
   // Alg. 2 line 10: the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {
@@ -98,10 +99,10 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 
   // Alg. 2 line 7: load K_j, V_j (resident for the whole CTA), with the first Q tile.
   copy_tile_async<SmemTile<kHeadDim>, kBlockN, kHeadDim, kThreads>(
-      smem_u32addr(sK), w.seq.template row_ptr<const Element>(params.k, w.bidhk, w.n0), params.k.row_stride,
+      smem_u32addr(sK), w.seq.template k_row<const Element>(params.k, w.bidhk, w.n0), params.k.row_stride,
       w.seq.seqlen_k - w.n0, params.d, tid);
   copy_tile_async<SmemTile<kHeadDim>, kBlockN, kHeadDim, kThreads>(
-      smem_u32addr(sV), w.seq.template row_ptr<const Element>(params.v, w.bidhk, w.n0), params.v.row_stride,
+      smem_u32addr(sV), w.seq.template k_row<const Element>(params.v, w.bidhk, w.n0), params.v.row_stride,
       w.seq.seqlen_k - w.n0, params.d, tid);
   if (w.n_iter > 0) load_q_tile(0, 0);
   cp_async_commit();

@@ -73,6 +73,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
 
   // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
   const DqWork<kBlockM, kBlockN> w(params);
+  if (w.past_end()) return;  // varlen: a Q tile past its sequence's end (grid sized by max_seqlen_q)
 
   // Alg. 2 line 7 (K_j, V_j), into `stage`.
   auto load_kv_tile = [&](int n_block, int stage) {
@@ -82,10 +83,10 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
 
   // Alg. 2 line 10: Q_i, dO_i (resident), hi and D of this thread's rows r and r + 8.
   copy_tile_async<SmemTile<kHeadDim>, kBlockM, kHeadDim, kThreads>(
-      smem_u32addr(sQ), w.seq.template row_ptr<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q,
+      smem_u32addr(sQ), w.seq.template q_row<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q,
       params.d, tid);
   copy_tile_async<SmemTile<kHeadDim>, kBlockM, kHeadDim, kThreads>(
-      smem_u32addr(sdO), w.seq.template row_ptr<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride,
+      smem_u32addr(sdO), w.seq.template q_row<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride,
       w.rows_q, params.d, tid);
   if (w.n_block_max > 0) load_kv_tile(0, 0);
   cp_async_commit();

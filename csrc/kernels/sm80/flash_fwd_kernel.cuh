@@ -83,10 +83,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // This CTA's Q tile, its sequence view, mask and key-block range (kernels/common/work.cuh):
   // the heaviest causal tiles start first; 64-bit offsets throughout.
   const QTileWork<kBlockM, kBlockN> w(params);
+  if (w.past_end()) return;  // varlen: a Q tile past its sequence's end (grid sized by max_seqlen_q)
   const int d = params.d;
-  const Element* gQ = w.seq.template row_ptr<const Element>(params.q, w.bidh, w.m0);
-  const Element* gK = w.seq.template row_ptr<const Element>(params.k, w.bidhk, 0);
-  const Element* gV = w.seq.template row_ptr<const Element>(params.v, w.bidhk, 0);
+  const Element* gQ = w.seq.template q_row<const Element>(params.q, w.bidh, w.m0);
+  const Element* gK = w.seq.template k_row<const Element>(params.k, w.bidhk, 0);
+  const Element* gV = w.seq.template k_row<const Element>(params.v, w.bidhk, 0);
   const int seqlen_k = w.seq.seqlen_k;
   const int n_block_max = w.n_block_max;  // 0: causal with seqlen_q > seqlen_k, no row sees a key
 

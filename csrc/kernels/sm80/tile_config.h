@@ -62,5 +62,29 @@ template <> struct DqTile<128> : DqTileShape<128,  32,    32,    true> {};
 template <> struct DqTile<192> : DqTileShape< 64,  64,    16,    true> {};
 template <> struct DqTile<256> : DqTileShape< 64,  32,    16,    true> {};
 
+// Split-KV forward (flash_fwd_splitkv_kernel.cuh; decode and short query chunks against a KV
+// cache): memory-bound, so a row is sized by bytes in flight per SM, not by FLOPs. 4 warps, each
+// kBlockN / 4 keys of every tile (16 or 32). A tile carries ~32 KB of K+V (d64: 128 keys, d128:
+// 64), kStages tiles in flight per CTA while it waits (kStages - 1 while it computes); with
+// d <= 128 a CTA fits 99 KB (the sm_86/89 opt-in limit) and three fit an H100/H200 SM (228 KB),
+// so several CTAs per SM hide each other's pipeline fill and merge. K/V reads are L2 evict-first
+// (read once: they replace their own lines, not other data or dirty lines). d128 measured on the
+// H200 (`python benchmarks/tune_kernels.py splitkv:128:...`, issue 14's decode cases, TB/s B1 8k /
+// B1 128k / B8 32k / B64 8k / B64 32k; docs/PERF_NOTES.md): this row with cp.async 1.57 / 3.52 /
+// 3.76 / 3.86 / 4.10, with bulk copies (cp.async.bulk per row, sm_90; sm_80 builds keep cp.async)
+// 1.54 / 3.57 / 3.81 / 3.96 / 4.25 (chosen); without evict-first 1.39 / 3.27 / 3.49 / 3.57 / 3.66;
+// 3-4 stages, 32- or 128-key tiles, 2 or 8 warps: within 3 % or slower. Other head dims: by
+// analogy, not measured. Shared memory = (16 + 2 kStages kBlockN) (d + 8) 2 B:
+// d32 61 KB, d64 74 KB, d96 81 KB, d128 72 KB, d192 106 KB, d256 140 KB.
+template <int kHeadDim> struct SplitKvTile;
+
+//                                              BLOCK_N warps stages Q-in-regs minCTAs evict-first bulk
+template <> struct SplitKvTile<32>  : SplitKvTileShape<128,   4,    3,    true,     3,     true,    false> {};
+template <> struct SplitKvTile<64>  : SplitKvTileShape<128,   4,    2,    true,     3,     true,    false> {};
+template <> struct SplitKvTile<96>  : SplitKvTileShape< 64,   4,    3,    false,    2,     true,    false> {};
+template <> struct SplitKvTile<128> : SplitKvTileShape< 64,   4,    2,    false,    3,     true,    true> {};
+template <> struct SplitKvTile<192> : SplitKvTileShape< 64,   4,    2,    false,    2,     true,    false> {};
+template <> struct SplitKvTile<256> : SplitKvTileShape< 64,   4,    2,    false,    1,     true,    false> {};
+
 }  // namespace sm80
 }  // namespace flash

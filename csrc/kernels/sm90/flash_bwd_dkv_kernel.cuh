@@ -82,6 +82,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
 
   // This CTA's key block, batch, kv head and the Q tiles that see the block (kernels/common/work.cuh).
   const DkvWork<kBlockM, kBlockN> w(params);
+  if (w.past_end()) return;  // varlen: a key block past its sequence's end (grid sized by max_seqlen_k)
 
   // Alg. 2 line 10: the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {
@@ -93,10 +94,10 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
 
   // Alg. 2 line 7: K_j, V_j (resident), with the first Q tile.
   copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(
-      sK, w.seq.template row_ptr<const Element>(params.k, w.bidhk, w.n0), params.k.row_stride, w.seq.seqlen_k - w.n0,
+      sK, w.seq.template k_row<const Element>(params.k, w.bidhk, w.n0), params.k.row_stride, w.seq.seqlen_k - w.n0,
       params.d, tid);
   copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(
-      sV, w.seq.template row_ptr<const Element>(params.v, w.bidhk, w.n0), params.v.row_stride, w.seq.seqlen_k - w.n0,
+      sV, w.seq.template k_row<const Element>(params.v, w.bidhk, w.n0), params.v.row_stride, w.seq.seqlen_k - w.n0,
       params.d, tid);
   if (w.n_iter > 0) load_q_tile(0, 0);
   cp_async_commit();

@@ -49,6 +49,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
 
   // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
   const DqWork<kBlockM, kBlockN> w(params);
+  if (w.past_end()) return;  // varlen: a Q tile past its sequence's end (grid sized by max_seqlen_q)
 
   unsigned char* smem = aligned_dynamic_smem();
   const uint32_t smem_addr = smem_u32addr(smem);
@@ -66,9 +67,9 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
 
   // Alg. 2 line 10: Q_i, dO_i (resident) with the first K/V tile.
   copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
-      sQ, w.seq.template row_ptr<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q, params.d, tid);
+      sQ, w.seq.template q_row<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q, params.d, tid);
   copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
-      sdO, w.seq.template row_ptr<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride, w.rows_q,
+      sdO, w.seq.template q_row<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride, w.rows_q,
       params.d, tid);
   if (w.n_block_max > 0) load_kv_tile(0, 0);
   cp_async_commit();

@@ -30,8 +30,10 @@
 //
 // Barrier protocol across tiles (the one to check when a run hangs; mbarrier_wait traps after
 // ~8 s instead): every ring position is a PipelineState (primitives/barrier.cuh) that producer and
-// consumers advance in the same order, never reset between tiles.
-//   Q ring (kQStages): one phase per tile, empty tiles included. Producer, per tile: K/V of its
+// consumers advance in the same order, never reset between tiles. A tile past its sequence's end
+// (varlen: the scheduler walks tiles of max_seqlen_q rows) is skipped by both before it touches
+// any barrier (QTileWork::past_end, a pure function of the tile): no ring position, no turn.
+//   Q ring (kQStages): one phase per tile, tiles without keys included. Producer, per tile: K/V of its
 //     first key block (below), wait q_empty[s] (parity phase ^ 1), then arrive.expect_tx + TMA on
 //     q_full[s], or a plain arrive when the tile has no key block. Consumers: wait q_full[s]
 //     (phase), ..., epilogue through that Q buffer, fence.proxy.async, one q_empty[s] arrival per
@@ -49,6 +51,13 @@
 // query rows 16 w + g and 16 w + g + 8 of its 64, columns 8 j + 2 t, +1 of every n8 block j: per
 // warp exactly an mma.sync m16n8 C tile, so s[1][kBlockN / 8][4] is the sm80 kernel's fragment with
 // kMAtoms = 1, and AttnMask::apply / OnlineSoftmax run on it unchanged.
+//
+// Varlen (flash.h): the tensor maps span the packed tensors (one batch of total_q / total_k rows),
+// tiles load at the sequence's row offset (SeqInfo::q_tma_row / k_tma_row), so a tile's rows past
+// the sequence's end are the next sequence's: keys there are masked in S (the seqlen_k edge block
+// always takes the mask) and meet P = 0 in P V; query rows there are never stored, and those that
+// share a warp with the sequence's last rows are zeroed first (zero_rows_past_end), as a dense
+// call's out-of-bounds fill leaves them.
 //
 // Shared memory (1024-byte aligned): kQStages x sQ (kBlockM x d), kStages x sK, kStages x sV
 // (kBlockN x d), every tile a SwizzledTile (sm90/smem_layout.cuh) = the TMA 128-byte-swizzle box
@@ -176,6 +185,25 @@ __device__ __forceinline__ int thread_index_opaque() {
   return t;
 }
 
+// Zeroes rows [first, round_up(first, 16)) (0 < first < 64; nothing otherwise) of consumer
+// warpgroup c's 64 rows of the Q tile at sQ (TileQ layout, kCols columns), then makes the zeros
+// visible to the warpgroup's wgmma (async proxy) and waits for its 128 threads (epilogue barrier
+// 1 + c, free at this point of the tile). Rows 16 w .. 16 w + 15 of the 64 are warp w's S rows.
+template <typename TileQ, int kCols>
+__device__ __forceinline__ void zero_rows_past_end(uint32_t sQ, int first, int c) {
+  if (first <= 0 || first % 16 == 0 || first >= 64) return;  // uniform over the warpgroup
+  const int rows = 16 - first % 16;
+  constexpr int kChunks = kCols / 8;  // 16-byte chunks per row
+  unsigned char* tile = static_cast<unsigned char*>(__cvta_shared_to_generic(sQ));
+#pragma unroll 1
+  for (int i = thread_index_opaque() % 128; i < rows * kChunks; i += 128) {
+    *reinterpret_cast<uint4*>(tile + TileQ::offset(64 * c + first + i / kChunks, (i % kChunks) * 8)) =
+        make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_barrier_sync(1 + c, 128);
+}
+
 // The turn-taking of the consumer warpgroups' GEMM issue (FA3's warp scheduler barriers): named
 // barrier kBarrier + c is warpgroup c's turn, complete when c (bar.sync) and its
 // predecessor (bar.arrive, after issuing its own GEMMs) have both arrived. Every warpgroup of a CTA
@@ -256,8 +284,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The producer and the consumers walk this CTA's tiles (common/tile_scheduler.cuh) in the same
   // order and each decode them (QTileWork): no tile index passes through shared memory.
   // Both after their register reallocation (nothing live across setmaxnreg).
-  // n_block_max == 0: no row of the tile sees a key (causal, seqlen_q > seqlen_k): no K/V, no Q
-  // load, but one Q-ring phase all the same (the consumers stage O = 0 through the buffer).
+  // n_block_max == 0: no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
+  // sequence without keys): no K/V, no Q load, but one Q-ring phase all the same (the consumers
+  // stage O = 0 through the buffer). A tile past its sequence's end: skipped by both sides.
   if (wg == 0) {
     // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread.
     setmaxnreg_dec<Traits::kProducerRegs>();
@@ -273,7 +302,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int64_t tile; tiles.next(sched, tile);) {
         const int2 bm = QTileWork<kBlockM, kBlockN>::decode(params, tile);
         const QTileWork<kBlockM, kBlockN> w(params, bm);
-        const int n_block_max = w.n_block_max, bidb = w.seq.bidb;
+        if (w.past_end()) continue;  // varlen: no work, no ring position (the consumers skip it too)
+        const int n_block_max = w.n_block_max, bidb = w.seq.tma_batch(params);
         // K_n and V_n of step i (n = n_block_max - 1 - i) into the next ring stage, once the
         // consumers released it (round 0 passes at once: fresh barriers).
         auto load_kv = [&](int i) {
@@ -283,15 +313,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           mbarrier_arrive_expect_tx(k_full(stage), TileKV::kBytes);
 #pragma unroll
           for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-            tma_load_4d(sK(stage) + cb * TileKV::kColBlockBytes, &tma.k, k_full(stage), 64 * cb, n * kBlockN,
-                        w.bidhk, bidb, evict_last);
+            tma_load_4d(sK(stage) + cb * TileKV::kColBlockBytes, &tma.k, k_full(stage), 64 * cb,
+                        w.seq.k_tma_row(n * kBlockN), w.bidhk, bidb, evict_last);
           }
           mbarrier_wait(v_empty(stage), parity);
           mbarrier_arrive_expect_tx(v_full(stage), TileKV::kBytes);
 #pragma unroll
           for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-            tma_load_4d(sV(stage) + cb * TileKV::kColBlockBytes, &tma.v, v_full(stage), 64 * cb, n * kBlockN,
-                        w.bidhk, bidb, evict_last);
+            tma_load_4d(sV(stage) + cb * TileKV::kColBlockBytes, &tma.v, v_full(stage), 64 * cb,
+                        w.seq.k_tma_row(n * kBlockN), w.bidhk, bidb, evict_last);
           }
         };
         // The first key block before Q: with one Q buffer, Q waits for the previous tile's
@@ -303,8 +333,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           mbarrier_arrive_expect_tx(q_full(qs), TileQ::kBytes);
 #pragma unroll
           for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-            tma_load_4d(sQ(qs) + cb * TileQ::kColBlockBytes, &tma.q, q_full(qs), 64 * cb, w.m0, w.bidh, bidb,
-                        evict_first);
+            tma_load_4d(sQ(qs) + cb * TileQ::kColBlockBytes, &tma.q, q_full(qs), 64 * cb, w.seq.q_tma_row(w.m0),
+                        w.bidh, bidb, evict_first);
           }
         } else {
           mbarrier_arrive(q_full(qs));  // no key: hand the empty buffer over for O = 0
@@ -333,9 +363,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // epilogue instead of held live across the main loop.
     int64_t tile = tile_index;
     asm volatile("" : "+l"(tile));
+    const QTileWork<kBlockM, kBlockN> w(params, tile);
+    if (w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
     const int qs = q_pipe.stage();
     mbarrier_wait(q_full(qs), q_pipe.phase());
-    const QTileWork<kBlockM, kBlockN> w(params, tile);
     const int n_block_max = w.n_block_max;
     const uint32_t sQ_t = sQ(qs);
     // Step i of the tile: S_i reads K at kv_pipe.stage(i), P_{i-1} V at kv_pipe.stage(i - 1).
@@ -362,6 +393,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // still on the tensor cores; O's rescale for S_i waits until that product is complete.
       uint32_t p[kBlockN / 16][4];  // P_{i-1} as 16-bit A fragments (FA2 Alg. 1 line 10)
       float s[1][kNBlkN][4];
+
+      // Varlen: the TMA box brought the next sequence's rows past this one's end. Those that share
+      // a warp with its last rows are zeroed, as a dense call's out-of-bounds fill leaves them: the
+      // online softmax decides rescales and the exact form per warp, so the tile then computes
+      // what the dense op computes on the sequence alone, bit for bit (rows in warps without a
+      // valid row feed only outputs that are never stored).
+      if (params.cu_seqlens_q != nullptr) zero_rows_past_end<TileQ, kHeadDimPad>(sQ_t, w.rows_q - 64 * c, c);
 
       // Step 0 (the last key block, n = n_block_max - 1): S_0, its softmax and P_0 (O = 0 yet).
       Turns::begin();
@@ -466,7 +504,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       unsigned char* sO = static_cast<unsigned char*>(__cvta_shared_to_generic(sO_addr));
       store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(sO, acc_o[0], 64 * c, 1.f, tid_wg);
       named_barrier_sync(1 + c, 128);
-      store_tile<TileQ, 64, kHeadDimPad, 128>(wo.seq.template row_ptr<Element>(params.o, wo.bidh, wo.m0 + 64 * c),
+      store_tile<TileQ, 64, kHeadDimPad, 128>(wo.seq.template q_row<Element>(params.o, wo.bidh, wo.m0 + 64 * c),
                                               params.o.row_stride, sO + 64 * c * 128, wo.rows_q - 64 * c, params.d,
                                               tid_wg);
     }

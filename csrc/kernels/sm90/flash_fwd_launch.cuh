@@ -26,10 +26,13 @@ namespace flash {
 namespace sm90 {
 
 // Whether the forward runs its persistent grid (common/tile_scheduler.cuh) or one CTA per tile.
-// FLASH_ATTN_EXT_SM90_FWD_SCHEDULE (read once; a tuning knob): "tile" runs one CTA per tile;
-// unset, "auto" or "persistent": the persistent grid, measured faster or equal at every shape of
-// the benchmark (docs/PERF_NOTES.md).
-inline bool fwd_persistent() {
+// FLASH_ATTN_EXT_SM90_FWD_SCHEDULE (read once; a tuning knob): "tile" runs one CTA per tile,
+// "persistent" the persistent grid; unset or "auto": the persistent grid for dense calls (faster or
+// equal at every shape of the benchmark, docs/PERF_NOTES.md) and one CTA per tile for varlen ones,
+// whose tiles differ in work by the sequence lengths (unknown on the host) so that a static
+// round-robin leaves CTAs idle while the hardware's block scheduler balances them (H200, 64
+// sequences of 128..1024, 16k tokens: hd64 93 -> 168, hd128 194 -> 234 TFLOP/s non-causal).
+inline bool fwd_persistent(const Flash_fwd_params& params) {
   static const int forced = [] {
     const char* e = std::getenv("FLASH_ATTN_EXT_SM90_FWD_SCHEDULE");
     if (e == nullptr || std::string(e).empty() || std::string(e) == "auto") return -1;
@@ -38,7 +41,7 @@ inline bool fwd_persistent() {
     throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SM90_FWD_SCHEDULE must be auto, persistent "
                                          "or tile, got '") + e + "'");
   }();
-  return forced != 0;
+  return forced < 0 ? params.cu_seqlens_q == nullptr : forced != 0;
 }
 
 // Launches flash_fwd_kernel<Traits> on the persistent grid of common/tile_scheduler.cuh: one CTA
@@ -52,13 +55,18 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   static_assert(Traits::kSmemBytes <= kMaxSmem, "forward tile row exceeds sm_90 shared memory");
   constexpr bool kBf16 = std::is_same_v<typename Traits::Element, __nv_bfloat16>;
   if (params.is_bf16 != kBf16) throw std::runtime_error("flash_attn_ext: sm90 forward called with the wrong dtype");
+  // Varlen: the packed (total, heads, d) tensors as one batch of total_q / total_k rows; the kernel
+  // loads sequence b's rows at its offset (SeqInfo::q_tma_row / k_tma_row, batch coordinate 0).
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  const int batch = varlen ? 1 : params.b;
+  const int rows_q = varlen ? params.total_q : params.seqlen_q, rows_k = varlen ? params.total_k : params.seqlen_k;
   FwdTmaMaps maps;
-  if (!tma_encode_bshd(&maps.q, params.q, params.b, params.seqlen_q, params.h, params.d, kBf16, Traits::kBlockM) ||
-      !tma_encode_bshd(&maps.k, params.k, params.b, params.seqlen_k, params.h_k, params.d, kBf16, Traits::kBlockN) ||
-      !tma_encode_bshd(&maps.v, params.v, params.b, params.seqlen_k, params.h_k, params.d, kBf16, Traits::kBlockN)) {
+  if (!tma_encode_bshd(&maps.q, params.q, batch, rows_q, params.h, params.d, kBf16, Traits::kBlockM) ||
+      !tma_encode_bshd(&maps.k, params.k, batch, rows_k, params.h_k, params.d, kBf16, Traits::kBlockN) ||
+      !tma_encode_bshd(&maps.v, params.v, batch, rows_k, params.h_k, params.d, kBf16, Traits::kBlockN)) {
     return false;
   }
-  const auto sched = FwdTileScheduler<Traits::kBlockM>::make(params, fwd_persistent());
+  const auto sched = FwdTileScheduler<Traits::kBlockM>::make(params, fwd_persistent(params));
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
   launch_1d(flash_fwd_kernel<Traits>, sched.grid_size(params), Traits::kThreads, Traits::kSmemBytes, "forward (sm90)",
             kHeadDim, stream, params, maps, sched);

@@ -1,0 +1,150 @@
+// Where key row j of sequence b lives in a KV cache, for the KV-cache kernels of every arch path
+// (the split-KV forward's K/V tile copies, the append of new keys). flash.h:
+//   contiguous  (batch, seqlen_k, h_k, d): row j of batch b                 (= SeqInfo::k_row)
+//   paged       (num_blocks, page_size, h_k, d): row j % page_size of block
+//               block_table[b * block_table_batch_stride + j / page_size]
+// Both end in one pointer formula, ptr + block * batch_stride + head * head_stride + row *
+// row_stride, so the copies have one code path. Page sizes are multiples of 16 and tiles start at
+// multiples of 16, so an aligned group of 16 rows never straddles two pages: the tile copy looks
+// a page up once per group a thread touches (a cached int load), not once per row.
+// A table entry outside [0, num_blocks) is never dereferenced: its rows read as zeros and are
+// not written (memory safety; the API cannot check the table without a device sync).
+#pragma once
+
+#include <cstdint>
+
+#include "flash.h"
+#include "primitives/barrier.cuh"
+#include "primitives/cp_async.cuh"
+
+namespace flash {
+
+struct KvCacheRows {
+  const int* table;  // this sequence's block_table row; null: contiguous cache
+  int bidb, page_size, page_shift, num_blocks;  // page_shift: log2(page_size), -1 if not a power of 2
+
+  __device__ __forceinline__ KvCacheRows(const Flash_fwd_params& p, int bidb_) : bidb(bidb_) {
+    table = p.block_table == nullptr ? nullptr : p.block_table + bidb_ * p.block_table_batch_stride;
+    page_size = p.page_size;
+    num_blocks = p.num_blocks;
+    page_shift = (page_size > 0 && (page_size & (page_size - 1)) == 0) ? __ffs(page_size) - 1 : -1;
+  }
+
+  // (block, row inside the block) of key row j >= 0; block -1 for an invalid table entry.
+  __device__ __forceinline__ int2 locate(int j) const {
+    if (table == nullptr) return make_int2(bidb, j);
+    const int page = page_shift >= 0 ? j >> page_shift : j / page_size;
+    const int block = __ldg(table + page);
+    return make_int2(unsigned(block) < unsigned(num_blocks) ? block : -1, j - page * page_size);
+  }
+
+  // Row `loc` (from locate, block >= 0) of kv head `head` of a cache tensor (k or v).
+  template <typename Element>
+  __device__ __forceinline__ static Element* row_ptr(const TensorView& t, int head, int2 loc) {
+    return static_cast<Element*>(t.ptr) + int64_t(loc.x) * t.batch_stride + int64_t(head) * t.head_stride +
+           int64_t(loc.y) * t.row_stride;
+  }
+
+  // cp.async of key rows [n0, n0 + kRows) of kv head `head` of the K and V caches into the shared
+  // tiles at sK / sV (Layout: the kernel's shared layout, primitives/tile_copy.cuh), 16 bytes per
+  // copy, the whole CTA issuing. Rows >= rows_valid (past the sequence's visible keys), rows of an
+  // invalid block and columns >= d_valid are zero-filled (cp.async src-size 0), so they give exact
+  // zeros in Q K^T and P V whatever the cache holds there (e.g. NaN). n0: a multiple of 16 with
+  // rows_valid > 0 (row n0 is a visible key); no table entry past the visible rows is read.
+  // policy: the reads' L2 priority (primitives/cp_async.cuh: l2_policy_stream).
+  template <typename Layout, int kRows, int kCols, int kThreads, typename Element>
+  __device__ __forceinline__ void copy_kv_tiles_async(uint32_t sK, uint32_t sV, const Flash_fwd_params& p, int head,
+                                                      int n0, int rows_valid, int d_valid, int tid,
+                                                      uint64_t policy) const {
+    static_assert(kRows % 16 == 0, "K/V tiles: whole 16-row groups");
+    constexpr int kChunksPerRow = kCols / 8;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    const Element* k_base = static_cast<const Element*>(p.k.ptr);
+    const Element* v_base = static_cast<const Element*>(p.v.ptr);
+    if constexpr (kThreads % kChunksPerRow == 0 && kRowsPerPass <= 16 && 16 % kRowsPerPass == 0) {
+      // Every pass moves whole rows, 16 / kRowsPerPass passes per 16-row group: one lookup per group.
+      const int r0 = tid / kChunksPerRow, col = (tid % kChunksPerRow) * 8;
+      const bool col_ok = col < d_valid;
+#pragma unroll
+      for (int g = 0; g < kRows / 16; ++g) {
+        // A group past the visible keys may lie past the block table's row: look row n0 up
+        // instead (visible: the caller copies only tiles holding visible keys).
+        const int2 loc = locate(16 * g < rows_valid ? n0 + 16 * g : n0);
+        const Element* k_row0 = row_ptr<const Element>(p.k, head, loc) + col;
+        const Element* v_row0 = row_ptr<const Element>(p.v, head, loc) + col;
+#pragma unroll
+        for (int pp = 0; pp < 16 / kRowsPerPass; ++pp) {
+          const int r = pp * kRowsPerPass + r0;  // row inside the group
+          const bool pred = col_ok && loc.x >= 0 && 16 * g + r < rows_valid;
+          const uint32_t off = Layout::offset(16 * g + r, col);
+          cp_async_16(sK + off, pred ? k_row0 + int64_t(r) * p.k.row_stride : k_base, pred, policy);
+          cp_async_16(sV + off, pred ? v_row0 + int64_t(r) * p.v.row_stride : v_base, pred, policy);
+        }
+      }
+    } else {
+      // Generic chunk walk (12 or 24 chunks per row, or several groups per pass): a lookup per chunk.
+#pragma unroll
+      for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+        const int c = it * kThreads + tid;
+        if (kChunks % kThreads == 0 || c < kChunks) {
+          const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+          const bool in_range = row < rows_valid && col < d_valid;
+          const int2 loc = locate(in_range ? n0 + row : n0);
+          const bool pred = in_range && loc.x >= 0;
+          const uint32_t off = Layout::offset(row, col);
+          cp_async_16(sK + off, pred ? row_ptr<const Element>(p.k, head, loc) + col : k_base, pred, policy);
+          cp_async_16(sV + off, pred ? row_ptr<const Element>(p.v, head, loc) + col : v_base, pred, policy);
+        }
+      }
+    }
+  }
+
+  // The same tiles (same zero fill, same rows read) by bulk copies (sm_90+, primitives/cp_async.cuh:
+  // bulk_copy_g2s): one per K or V row of d_valid * 2 bytes into row r of the tile at sK / sV
+  // (kPitchBytes apart; the API makes cache rows and strides 16-byte aligned), completing on the
+  // tile's mbarrier `bar`, which expects one arrival per thread (kThreads) per phase. Rows past
+  // rows_valid or of an invalid block, and columns [d_valid, kCols) of the others, are zeroed by
+  // shared stores before this thread's arrival (whose release makes them visible with the copies
+  // to every thread that waits on `bar`); the arrival announces the bytes of this thread's copies
+  // before it issues them.
+  template <int kRows, int kCols, int kPitchBytes, int kThreads, typename Element>
+  __device__ __forceinline__ void copy_kv_tiles_bulk(uint32_t sK, uint32_t sV, const Flash_fwd_params& p, int head,
+                                                     int n0, int rows_valid, int d_valid, int tid, uint32_t bar,
+                                                     uint64_t policy) const {
+    constexpr int kCopies = 2 * kRows;  // K rows, then V rows
+    constexpr int kPerThread = (kCopies + kThreads - 1) / kThreads;
+    const uint32_t row_bytes = uint32_t(d_valid) * 2;
+    const Element* src[kPerThread];
+    uint32_t dst[kPerThread];
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int it = 0; it < kPerThread; ++it) {
+      const int c = it * kThreads + tid;
+      src[it] = nullptr;
+      dst[it] = 0;
+      if (kCopies % kThreads == 0 || c < kCopies) {
+        const bool is_v = c >= kRows;
+        const int r = is_v ? c - kRows : c;
+        const int2 loc = r < rows_valid ? locate(n0 + r) : make_int2(-1, 0);
+        dst[it] = (is_v ? sV : sK) + uint32_t(r) * kPitchBytes;
+        uint32_t zero_from = 0;  // bytes of the row to zero from
+        if (loc.x >= 0) {
+          src[it] = row_ptr<const Element>(is_v ? p.v : p.k, head, loc);
+          bytes += row_bytes;
+          zero_from = row_bytes;
+        }
+        for (uint32_t b = zero_from; b < uint32_t(kCols) * 2; b += 16) {
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst[it] + b), "r"(0) : "memory");
+        }
+      }
+    }
+    mbarrier_arrive_expect_tx(bar, bytes);
+#pragma unroll
+    for (int it = 0; it < kPerThread; ++it) {
+      if (src[it] != nullptr) bulk_copy_g2s(dst[it], src[it], row_bytes, bar, policy);
+    }
+  }
+};
+
+}  // namespace flash

@@ -1,0 +1,59 @@
+// FlashDecoding's split count from shapes alone (host arithmetic, no device sync: a decode step
+// stays CUDA-graph capturable), for a split-KV tile row of block_n keys per tile, smem_bytes of
+// shared memory and at most min_blocks CTAs per SM. dispatch.cu's num_splits_heuristic calls it
+// with the production row (sm80/tile_config.h: SplitKvTile); the tuning harness
+// (benchmarks/tune_kernels.cu) with the row it times. Host only; no CUDA or torch headers.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "flash.h"
+
+namespace flash {
+
+// Shared memory per SM that blocks can use, by compute capability (CUDA C Programming Guide,
+// "Technical Specifications per Compute Capability"); a conservative 100 KB for unknown ones.
+inline int splitkv_smem_per_sm(int arch) {
+  switch (arch) {
+    case 80: case 87: return 164 * 1024;
+    case 90: case 100: case 103: return 228 * 1024;
+    default: return 100 * 1024;
+  }
+}
+
+// A "slot" is a CTA the GPU runs at once: num_sms x CTAs per SM (by shared memory, 1 KB per CTA
+// reserved by the runtime, at most the row's min_blocks). The kernel is memory-bound and its CTAs
+// of one call take equal time, so the grid runs in rounds of `slots` CTAs and a last, partial round
+// leaves most SMs idle (B64 x 8 kv heads = 512 CTAs on 396 H200 slots: 1.3 rounds). With rounds =
+// ctas * s / slots, a split count s runs at efficiency rounds / ceil(rounds); the choice is the
+// smallest s within 5 % of the best over [1, max_splits] (FA2's rule, tighter), 1 outright when the
+// unsplit grid is >= 4 rounds (its tail is small). max_splits: kMaxSplits, the key tiles of the
+// longest possible sequence (params.seqlen_k: more splits get no keys), and >= 8 key tiles per
+// split (a split's prologue, merge and the combine must pay for themselves: H200, hd128 32:8, B1
+// Nk 8k ran at 1.57 TB/s with 48 splits of 2-3 tiles, 1.67 with 16 of 8; docs/PERF_NOTES.md).
+inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks) {
+  if (params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 || params.num_sms <= 0) return 1;
+  const int64_t ratio = std::max(params.h / params.h_k, 1);
+  const int64_t row_tiles = (int64_t(params.seqlen_q) * ratio + 15) / 16;
+  const int64_t ctas = int64_t(params.b) * params.h_k * row_tiles;
+  const int per_sm = std::max(1, std::min(min_blocks, splitkv_smem_per_sm(params.arch) / (smem_bytes + 1024)));
+  const int64_t slots = int64_t(params.num_sms) * per_sm;
+  if (ctas >= 4 * slots) return 1;
+  const int64_t key_tiles = (int64_t(params.seqlen_k) + block_n - 1) / block_n;
+  const int64_t max_splits =
+      std::max<int64_t>(1, std::min<int64_t>({kMaxSplits, key_tiles / 8}));
+  const auto efficiency = [&](int64_t s) {
+    const double rounds = double(ctas * s) / double(slots);
+    return rounds / std::ceil(rounds);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    if (efficiency(s) >= 0.95 * best) return int(s);
+  }
+  return 1;
+}
+
+}  // namespace flash

@@ -1,0 +1,366 @@
+// Split-KV forward (FlashDecoding: Dao, Haziza, Massa, Sizov 2023) for every SM >= 8.0, the
+// KV-cache op's attention: mma.sync.m16n8k16 tensor cores, ldmatrix operand loads, a cp.async
+// ring of K/V tiles read through the cache's row map (common/paged_kv.cuh: contiguous or paged).
+//
+// One CTA = one (sequence, kv head, packed row tile, split) (common/splitkv_work.cuh): its 16
+// rows are the (query, head) pairs of one GQA group, so decode (seqlen_q = 1, ratio 4-8) fills
+// 4-8 of them and K/V are read once per kv head. Decode is memory-bound, so the warps split keys,
+// not rows: warp w takes keys [w kWarpKeys, (w + 1) kWarpKeys) of every K/V tile with its own
+// online-softmax state (m, l) and O accumulator (FlashAttention-2, Dao 2023, Alg. 1 lines 8-10
+// on its key slice), and the warps' partials merge once at the end through shared memory, like
+// the splits do in the combine kernel (common/combine_kernel.cuh):
+//   M = max_w m_w,  f_w = exp2((m_w - M) c),  l = sum_w f_w l_w,  O = sum_w f_w O_w / l.
+// num_splits == 1: the CTA writes out (Element) and softmax_lse; else its partial O (float32,
+// normalized) and LSE into the split accumulators (flash.h), LSE -inf for a split without keys.
+//
+// Pipeline: a ring of kStages (K, V) tile pairs. Step t starts with a barrier (every warp is done
+// with tile t - 1), issues tile t + kStages - 1 into the buffer tile t - 1 used, and only then
+// waits for tile t: kStages tiles are in flight while a CTA waits, kStages - 1 while it computes
+// (two barriers per tile buy one more tile in flight than wait-then-issue). cp.async: one commit
+// group per step (possibly empty), so wait_group kStages - 1 after the step's commit means "tile t
+// landed". Bulk copies (kBulkCopy, sm_90+): one mbarrier per stage, every thread arriving with
+// the bytes of its row copies; tile t has landed when the barrier of stage t % kStages completes
+// its phase (t / kStages) & 1 (each thread waits on it: no second CTA barrier). K/V reads carry
+// an L2 evict-first policy (kEvictFirst) where no other CTA reads the same rows (one row tile).
+// After the loop the CTA lets the combine kernel launch (programmatic dependent launch, sm_90+:
+// common/combine_kernel.cuh), which then waits for this grid's end before its first read.
+#pragma once
+
+#include <atomic>
+
+#include "kernels/common/splitkv_work.cuh"
+#include "kernels/sm80/kernel_common.cuh"  // everything an sm80 kernel uses
+#include "primitives/barrier.cuh"          // mbarriers of the bulk-copy ring, grid dependency control
+
+namespace flash::sm80 {
+
+template <typename Element_, int kHeadDim_, typename Config_ = SplitKvTile<kHeadDim_>>
+struct SplitKvKernelTraits {
+  using Element = Element_;
+  using Config = Config_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = Config::kBlockM;  // packed rows per CTA (one m16 atom)
+  static constexpr int kBlockN = Config::kBlockN;  // keys per K/V tile
+  static constexpr int kNWarps = Config::kNWarps;
+  static constexpr int kThreads = kNWarps * 32;
+  static constexpr int kStages = Config::kStages;
+  static constexpr bool kQInRegs = Config::kQInRegs;
+  static constexpr int kMinBlocks = Config::kMinBlocks;
+  static constexpr bool kEvictFirst = Config::kEvictFirst;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  static constexpr bool kBulkCopy = false;  // no cp.async.bulk below sm_90: the cp.async ring
+#else
+  static constexpr bool kBulkCopy = Config::kBulkCopy;
+#endif
+
+  static constexpr int kWarpKeys = kBlockN / kNWarps;  // keys of each tile per warp
+  static constexpr int kNAtoms = kWarpKeys / 8;        // n8 atoms of a warp's S
+  static constexpr int kDAtoms = kHeadDim / 8;         // n8 atoms of O
+  static constexpr int kQKSteps = kHeadDim / 16;       // k16 steps of Q K^T
+  static constexpr int kPVSteps = kWarpKeys / 16;      // k16 steps of P V
+
+  static constexpr int kPitch = SmemTile<kHeadDim>::kPitch;  // elements per shared row
+  static constexpr int kSmemQ = kBlockM * kPitch;            // elements
+  static constexpr int kSmemTile = kBlockN * kPitch;         // elements of one K (or V) tile
+  static constexpr int kSmemBytes = (kSmemQ + 2 * kStages * kSmemTile) * int(sizeof(Element));
+  // The merge, over the ring once the loop is done: per warp its 16 x kHeadDim float O (pitch
+  // kHeadDim + 8 floats: the float2 fragment stores of 8 rows hit 8 distinct 4-bank groups), and
+  // its 16 row maxes and sums.
+  static constexpr int kMergePitch = kHeadDim + 8;
+  static constexpr int kSmemMergeBytes = kNWarps * kBlockM * (kMergePitch + 2) * 4;
+
+  static_assert(kBlockM == 16, "one m16 atom of packed rows");
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: multiple of 16, <= 256");
+  static_assert(kWarpKeys % 16 == 0, "each warp owns whole k16 steps of keys");
+  static_assert(kStages >= 2, "a ring of at least two K/V tile pairs");
+  static_assert(kSmemBytes == Config::smem_bytes(kHeadDim), "tile_shapes.h smem_bytes out of date");
+  static_assert(kSmemMergeBytes <= 2 * kStages * kSmemTile * int(sizeof(Element)), "merge fits the ring");
+};
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    flash_fwd_splitkv_kernel(const Flash_fwd_params params) {
+  using Element = typename Traits::Element;
+  using Tile = SmemTile<Traits::kHeadDim>;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kNWarps = Traits::kNWarps, kThreads = Traits::kThreads, kStages = Traits::kStages;
+  constexpr int kNAtoms = Traits::kNAtoms, kDAtoms = Traits::kDAtoms, kWarpKeys = Traits::kWarpKeys;
+  constexpr int kPitchBytes = Traits::kPitch * int(sizeof(Element));
+  constexpr int kTileBytes = Traits::kSmemTile * int(sizeof(Element));
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t stage_full[kStages];  // the bulk-copy ring's barriers (kBulkCopy)
+  const uint32_t sQ = smem_u32addr(smem_raw);
+  const uint32_t sRing = sQ + Traits::kSmemQ * int(sizeof(Element));  // stage s: K at +2s tiles, V after
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const SplitKvWork<kBlockM, kBlockN> w(params);
+  const int n_tiles = w.n_end > w.n_begin ? w.n_end - w.n_begin : 0;
+  const float scale_log2 = params.scale_softmax_log2;
+  // Evict-first only where no other CTA reads these K/V rows (one packed row tile per kv head).
+  const uint64_t kv_policy =
+      l2_policy_stream(Traits::kEvictFirst && SplitKvWork<kBlockM, kBlockN>::num_row_tiles(params) == 1);
+  const uint32_t bar0 = smem_u32addr(&stage_full[0]);
+
+  // K and V tiles of step t (0-based within the split) into ring buffer t % kStages.
+  auto load_tile = [&](int t) {
+    const uint32_t sK = sRing + (t % kStages) * 2 * kTileBytes;
+    const int n0 = (w.n_begin + t) * kBlockN;
+    if constexpr (Traits::kBulkCopy) {
+      w.kv.template copy_kv_tiles_bulk<kBlockN, kHeadDim, kPitchBytes, kThreads, Element>(
+          sK, sK + kTileBytes, params, w.bidhk, n0, w.seq.seqlen_k - n0, params.d, tid, bar0 + (t % kStages) * 8,
+          kv_policy);
+    } else {
+      w.kv.template copy_kv_tiles_async<Tile, kBlockN, kHeadDim, kThreads, Element>(
+          sK, sK + kTileBytes, params, w.bidhk, n0, w.seq.seqlen_k - n0, params.d, tid, kv_policy);
+    }
+  };
+
+  // ---- Prologue: the Q tile (FA2 Alg. 1 line 4) with tile 0, then tiles 1..kStages-2.
+  w.template copy_q_tile_async<Element, Tile, kHeadDim, kThreads>(params, sQ, tid);
+  if constexpr (Traits::kBulkCopy) {
+    cp_async_commit();  // Q alone: waited for before the loop
+    if (tid == 0) {
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) mbarrier_init(bar0 + st * 8, kThreads);
+      mbarrier_init_fence();
+    }
+    __syncthreads();  // the barriers are initialized before any thread arrives
+  }
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < n_tiles) load_tile(t);
+    if constexpr (!Traits::kBulkCopy) cp_async_commit();
+  }
+  if constexpr (Traits::kBulkCopy) {
+    cp_async_wait<0>();  // Q landed (this thread's copies) ...
+    __syncthreads();     // ... everyone's
+  }
+
+  float acc_o[1][kDAtoms][4];  // FA2 Alg. 1 line 5: O = 0 (this warp's key slice)
+#pragma unroll
+  for (int di = 0; di < kDAtoms; ++di)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][di][e] = 0.f;
+  OnlineSoftmax<1> softmax;  // m = -inf, l = 0
+
+  // Key limits of this thread's two packed rows (lane / 4 and lane / 4 + 8 of the tile; the
+  // mask layer, common/mask.cuh, on the row's query): a key j is visible iff j < limit.
+  int limit[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) limit[h] = w.mask.key_limit(w.query(w.m0 + lane / 4 + 8 * h));
+
+  // Per-lane ldmatrix addresses (primitives/ldmatrix.cuh recipes), relative to the tile bases.
+  // Q as the A operand: row = lane % 16, col = (lane / 16) * 8.
+  const uint32_t q_addr = sQ + (lane % 16) * kPitchBytes + (lane / 16) * 16;
+  // K rows of this warp's key slice as the [n][k] B operand: n = (lane / 16) * 8 + lane % 8.
+  const uint32_t k_off = (warp * kWarpKeys + (lane / 16) * 8 + lane % 8) * kPitchBytes + ((lane / 8) % 2) * 16;
+  // V rows of the slice as the [k][n] B operand (.trans): k = lane % 16, n = (lane / 16) * 8.
+  const uint32_t v_off = kTileBytes + (warp * kWarpKeys + lane % 16) * kPitchBytes + (lane / 16) * 16;
+
+  uint32_t q_frag[Traits::kQInRegs ? Traits::kQKSteps : 1][4];
+  if constexpr (Traits::kQInRegs) {
+    if constexpr (!Traits::kBulkCopy) {
+      cp_async_wait<kStages - 2>();  // Q (with tile 0) landed ...
+      __syncthreads();               // ... for the whole CTA
+    }
+#pragma unroll
+    for (int kk = 0; kk < Traits::kQKSteps; ++kk) ldmatrix_x4(q_frag[kk], q_addr + kk * 32);
+  }
+
+  // ---- FA2 Alg. 1 lines 6-11 over this split's key tiles; each warp on its own key slice.
+#pragma unroll 1
+  for (int t = 0; t < n_tiles; ++t) {
+    __syncthreads();  // every warp is done with tile t - 1: its buffer takes tile t + kStages - 1
+    if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
+    if constexpr (Traits::kBulkCopy) {
+      mbarrier_wait(bar0 + (t % kStages) * 8, (t / kStages) & 1);  // tile t landed, for everyone
+    } else {
+      cp_async_commit();
+      cp_async_wait<kStages - 1>();  // tile t landed (this thread's copies) ...
+      __syncthreads();               // ... everyone's
+    }
+    const uint32_t stage = sRing + (t % kStages) * 2 * kTileBytes;
+
+    // Alg. 1 line 8: S = Q K_t^T on the warp's kWarpKeys keys (unscaled; the scale goes into the
+    // softmax, primitives/softmax.cuh).
+    float s[1][kNAtoms][4];
+#pragma unroll
+    for (int ni = 0; ni < kNAtoms; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[0][ni][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < Traits::kQKSteps; ++kk) {
+      uint32_t a[1][4];
+      if constexpr (Traits::kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[0][e] = q_frag[kk][e];
+      } else {
+        ldmatrix_x4(a[0], q_addr + kk * 32);
+      }
+#pragma unroll
+      for (int np = 0; np < kNAtoms / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, stage + k_off + np * 16 * kPitchBytes + kk * 32);
+        mma_m16n16k16<Element>(s, 2 * np, a, b);
+      }
+    }
+
+    // The mask, only on tiles some row does not see whole (the causal diagonal, the end of the
+    // sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row lane/4 + 8h, key
+    // key0 + 8 ni + 2 (lane % 4) + e. Zero-filled K rows past the keys give S = 0 there, never NaN.
+    if (w.tile_needs_mask(w.n_begin + t)) {
+      const int key0 = (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4);
+#pragma unroll
+      for (int ni = 0; ni < kNAtoms; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (key0 + ni * 8 + (e % 2) >= limit[e / 2]) s[0][ni][e] = -INFINITY;
+        }
+    }
+
+    // Alg. 1 lines 9-10: m, P = exp2((S - m) c), l, O *= alpha (this warp's rows state).
+    softmax.update(s, acc_o, scale_log2);
+
+    // Alg. 1 line 10: O += P V_t (the warp's key slice of V). S's C fragments of n8 atoms 2kk,
+    // 2kk+1 are the A fragment of k16 step kk (primitives/mma.cuh: acc_to_a_frag).
+#pragma unroll
+    for (int kk = 0; kk < Traits::kPVSteps; ++kk) {
+      uint32_t a[1][4];
+      acc_to_a_frag<kNAtoms, Element>(a[0], s[0], kk);
+#pragma unroll
+      for (int dp = 0; dp < kDAtoms / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, stage + v_off + kk * 16 * kPitchBytes + dp * 32);
+        mma_m16n16k16<Element>(acc_o, 2 * dp, a, b);
+      }
+    }
+  }
+
+  // The combine kernel (num_splits > 1) may launch now; it waits for this grid's end to read.
+  grid_dependency_launch_dependents();
+
+  // ---- Merge the warps' partials (the combine rule on the warps' key slices), over the ring.
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring (and no copy is in flight)
+  float* sO = reinterpret_cast<float*>(smem_raw + Traits::kSmemQ * sizeof(Element));  // [warp][16][pitch]
+  float* sMax = sO + kNWarps * kBlockM * Traits::kMergePitch;                         // [warp][16]
+  float* sSum = sMax + kNWarps * kBlockM;                                             // [warp][16]
+  const int g = lane / 4;
+  // m_w: the max this warp's P and O were taken against (-inf: no visible key); l_w its sum.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_allreduce_sum(softmax.row_sum[h]);
+    if (lane % 4 == 0) {
+      sMax[warp * kBlockM + g + 8 * h] = softmax.row_max[h];
+      sSum[warp * kBlockM + g + 8 * h] = l;
+    }
+  }
+  __syncthreads();
+  // f_w = exp2((m_w - M) c) for the rows' max M over the warps: O_w *= f_w into shared memory.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < kNWarps; ++v) m_all = fmaxf(m_all, sMax[v * kBlockM + g + 8 * h]);
+    const float m_w = sMax[warp * kBlockM + g + 8 * h];
+    const float f = m_w == -INFINITY ? 0.f : fast_exp2((m_w - m_all) * scale_log2);
+#pragma unroll
+    for (int di = 0; di < kDAtoms; ++di) {
+      float* p = sO + (warp * kBlockM + g + 8 * h) * Traits::kMergePitch + di * 8 + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(p) = make_float2(acc_o[0][di][2 * h] * f, acc_o[0][di][2 * h + 1] * f);
+    }
+  }
+  __syncthreads();
+
+  // FA2 Alg. 1 lines 12-13 on the merged rows: O = sum_w f_w O_w / l, LSE = M c + log2 l (natural
+  // log out), one 8-column chunk of one packed row per thread and pass; rows >= R and columns >= d
+  // are not written. A row with no visible key: O = 0, LSE +inf (-inf in the split accumulators).
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  const bool split = params.num_splits > 1;
+#pragma unroll 1
+  for (int c = tid; c < kBlockM * kChunksPerRow; c += kThreads) {
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8, r = w.m0 + row;
+    if (r >= w.rows || col >= params.d) continue;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < kNWarps; ++v) m_all = fmaxf(m_all, sMax[v * kBlockM + row]);
+    float l = 0.f;
+#pragma unroll
+    for (int v = 0; v < kNWarps; ++v) {
+      const float m_w = sMax[v * kBlockM + row];
+      l += m_w == -INFINITY ? 0.f : sSum[v * kBlockM + row] * fast_exp2((m_w - m_all) * scale_log2);
+    }
+    const bool empty = !(l > 0.f);
+    const float inv_l = empty ? 0.f : 1.f / l;
+    float o[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = 0.f;
+#pragma unroll
+    for (int v = 0; v < kNWarps; ++v) {
+      const float* p = sO + (v * kBlockM + row) * Traits::kMergePitch + col;
+      const float4 x = *reinterpret_cast<const float4*>(p), y = *reinterpret_cast<const float4*>(p + 4);
+      o[0] += x.x, o[1] += x.y, o[2] += x.z, o[3] += x.w, o[4] += y.x, o[5] += y.y, o[6] += y.z, o[7] += y.w;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] *= inv_l;
+    const float lse_log2 = fmaf(m_all, scale_log2, __log2f(l));
+    if (split) {
+      const int64_t ar = w.accum_row(params, r);
+      float* dst = params.oaccum_ptr + ar * params.d_rounded + col;
+      *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(o[4], o[5], o[6], o[7]);
+      if (col == 0) params.softmax_lseaccum_ptr[ar] = empty ? -INFINITY : lse_log2 * 0.69314718055994530942f;
+    } else {
+      const int head = w.head(r), i = w.query(r);
+      uint4 packed;
+      packed.x = pack2<Element>(o[0], o[1]);
+      packed.y = pack2<Element>(o[2], o[3]);
+      packed.z = pack2<Element>(o[4], o[5]);
+      packed.w = pack2<Element>(o[6], o[7]);
+      *reinterpret_cast<uint4*>(w.seq.template q_row<Element>(params.o, head, i) + col) = packed;
+      if (col == 0) {
+        params.softmax_lse_ptr[w.seq.stat_index(params, head, i)] =
+            empty ? INFINITY : lse_log2 * 0.69314718055994530942f;
+      }
+    }
+  }
+}
+
+// Launches flash_fwd_splitkv_kernel<Traits> (any tile row: the production one from
+// run_mha_fwd_splitkv_ below) on a 1-D grid over (sequence, kv head, row tile, split).
+// Rows above sm_80's shared memory (tuning rows for sm_90) fail at launch with launch_1d's error
+// on a GPU that lacks it.
+template <typename Traits>
+void launch_fwd_splitkv(Flash_fwd_params& params, cudaStream_t stream) {
+  // All of the unified L1 / shared memory as shared memory, so kMinBlocks CTAs fit an SM (the
+  // K/V copies bypass L1: cp.async.cg; only the block table goes through it). Once per device.
+  static std::atomic<uint64_t> carveout_set{0};  // bit i: done on device i
+  int device = 0;
+  FLASH_CHECK_CUDA(cudaGetDevice(&device));
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit == 0 || !(carveout_set.load(std::memory_order_relaxed) & bit)) {
+    FLASH_CHECK_CUDA(cudaFuncSetAttribute(flash_fwd_splitkv_kernel<Traits>,
+                                          cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+    carveout_set.fetch_or(bit, std::memory_order_relaxed);
+  }
+  launch_tiles<Traits, SplitKvWork<Traits::kBlockM, Traits::kBlockN>>(flash_fwd_splitkv_kernel<Traits>,
+                                                                      "split-KV forward", params, stream);
+}
+
+}  // namespace flash::sm80
+
+namespace flash {
+
+// The launch template of kernels/arch.h; dispatch.cu's run_mha_fwd_kvcache runs the append
+// before it and the combine after it. dispatch.cu picked the kernel whose kHeadDim is
+// params.d_rounded.
+template <typename Element, int kHeadDim>
+void run_mha_fwd_splitkv_(Sm80, Flash_fwd_params& params, cudaStream_t stream) {
+  using Traits = sm80::SplitKvKernelTraits<Element, kHeadDim>;
+  static_assert(Traits::kSmemBytes <= sm80::kMaxSmem, "split-KV tile row exceeds sm_80 shared memory");
+  sm80::launch_fwd_splitkv<Traits>(params, stream);
+}
+
+}  // namespace flash

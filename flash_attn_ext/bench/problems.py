@@ -1,0 +1,267 @@
+"""The cases' inputs and the work they count: one class per problem shape, each with ``sets`` of
+(q, k, v, dout) rotated between timed calls, ``inputs``, ``bind`` (an implementation's call with
+the case's other arguments bound) and ``rates`` (its metric over a median time):
+
+    Problem         dense BSHD (batch, seqlen, nheads, headdim); modes fwd, bwd, fwd_bwd.
+                    TFLOP/s by the standard count (flash_attn_ext.reference.attention_flops):
+                    forward 4*B*H*N^2*d, halved when causal; bwd 2.5x, fwd_bwd 3.5x.
+    DecodeProblem   one decode step (seqlen_q = 1) against a full KV cache, contiguous or paged;
+                    mode decode. TB/s = K+V bytes read, 2*B*Nk*nheads_k*d*elem (decode_kv_bytes;
+                    q, out and the block table are not counted).
+    VarlenProblem   packed sequences (total, nheads, d) with cu_seqlens; modes varlen_fwd and
+                    varlen_bwd (the backward alone). TFLOP/s on the real work: the dense count of
+                    each sequence alone, summed (varlen_flops), so no padding is counted.
+
+Input sets: when one set is smaller than 4x the L2 cache, several are rotated (input_sets_needed,
+sets_for_bytes) so that a short problem is not read from L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Callable
+
+import torch
+
+from flash_attn_ext.bench.peers import Impl
+from flash_attn_ext.reference import attention_flops
+
+MAX_INPUT_SETS = 8
+BASE_MODE = {"decode": "fwd", "varlen_fwd": "fwd", "varlen_bwd": "bwd"}
+
+
+def base_mode(mode: str) -> str:
+    """fwd, bwd or fwd_bwd: what ``mode`` times (decode and varlen_fwd a forward, varlen_bwd the
+    backward alone)."""
+    return BASE_MODE.get(mode, mode)
+
+
+def decode_kv_bytes(batch: int, seqlen_k: int, nheads_k: int, headdim: int, elem_size: int) -> int:
+    """Bytes of K and V one decode step reads: 2 * batch * seqlen_k * nheads_k * headdim * elem."""
+    return 2 * batch * seqlen_k * nheads_k * headdim * elem_size
+
+
+def varlen_flops(seqlens_q, seqlens_k, nheads: int, headdim: int, causal: bool,
+                 mode: str = "fwd") -> float:
+    """FLOPs of a varlen call: the standard dense count (attention_flops) of every sequence alone,
+    summed (4 * Lq * Lk * d * nheads each, halved when causal; bwd 2.5x, fwd_bwd 3.5x)."""
+    return sum(attention_flops(1, nheads, lq, lk, headdim, causal, base_mode(mode))
+               for lq, lk in zip(seqlens_q, seqlens_k))
+
+
+def mixed_lengths(n_seqs: int, total: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """``n_seqs`` sequence lengths in [lo, hi] that sum to ``total`` (seeded, in random order):
+    ``lo`` each, and the other ``total - n_seqs * lo`` tokens shared by random weights (uniforms
+    to the 6th power: many short sequences, a few long ones, as a mean of 256 in 128..1024
+    requires), no length past ``hi``; what the rounding leaves goes one token at a time to
+    random sequences under ``hi``. 64 in 128..1024 summing to 16384, seed 0: 128..1024."""
+    if n_seqs <= 0 or lo <= 0 or lo > hi or not n_seqs * lo <= total <= n_seqs * hi:
+        raise ValueError(f"{n_seqs} lengths in [{lo}, {hi}] cannot sum to {total}")
+    g = torch.Generator().manual_seed(seed)
+    weights = (torch.rand(n_seqs, generator=g, dtype=torch.float64) ** 6 + 1e-3).tolist()
+    order = torch.randperm(n_seqs, generator=g).tolist()
+    extra, cap, left = [0] * n_seqs, hi - lo, total - n_seqs * lo
+    while left > 0:
+        room = [i for i in range(n_seqs) if extra[i] < cap]
+        wsum = sum(weights[i] for i in room)
+        share = {i: min(cap - extra[i], int(left * weights[i] / wsum)) for i in room}
+        if sum(share.values()) == 0:  # the rounding remainder
+            share = {}
+            for i in order:
+                if len(share) == left:
+                    break
+                if extra[i] < cap:
+                    share[i] = 1
+        for i, n in share.items():
+            extra[i] += n
+        left -= sum(share.values())
+    return [lo + e for e in extra]
+
+
+@dataclasses.dataclass
+class Problem:
+    """One case's inputs: ``sets`` of (q, k, v, dout) BSHD tensors, rotated between calls."""
+
+    METRIC = "tflops"
+
+    batch: int
+    seqlen: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    causal: bool
+    dtype: torch.dtype
+    device: torch.device
+    softmax_scale: float
+    sets: list
+
+    @classmethod
+    def make(cls, batch, seqlen, nheads, nheads_k, headdim, causal, dtype, device, n_sets=1, seed=0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        sets = []
+        for _ in range(n_sets):
+            q = torch.randn(batch, seqlen, nheads, headdim, dtype=dtype, device=device, generator=g)
+            k = torch.randn(batch, seqlen, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            v = torch.randn(batch, seqlen, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            dout = torch.randn_like(q)
+            sets.append((q, k, v, dout))
+        return cls(batch, seqlen, nheads, nheads_k, headdim, causal, dtype, device,
+                   1.0 / math.sqrt(headdim), sets)
+
+    def inputs(self, grad: bool, i: int = 0) -> tuple:
+        """Input set ``i`` as (q, k, v, dout); with ``grad``, q, k, v are fresh leaves that
+        require grad."""
+        q, k, v, dout = self.sets[i]
+        if not grad:
+            return q, k, v, dout
+        return q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(), dout
+
+    def bind(self, impl: Impl) -> Callable:
+        """``f(q, k, v) -> out``: the implementation with this case's scale and mask."""
+        return lambda q, k, v: impl.fn(q, k, v, self.softmax_scale, self.causal)
+
+    def rates(self, mode: str, ms: float) -> dict:
+        flops = attention_flops(self.batch, self.nheads, self.seqlen, self.seqlen, self.headdim,
+                                self.causal, mode)
+        return {"tflops": flops / (ms * 1e-3) / 1e12}
+
+
+@dataclasses.dataclass
+class DecodeProblem:
+    """One decode step: ``sets`` of (q, k_cache, v_cache, None), q (batch, 1, nheads, headdim);
+    the cache contiguous (batch, seqlen_k, nheads_k, headdim) (page_size 0) or paged
+    (batch * blocks, page_size, nheads_k, headdim) with ``block_table`` (batch, blocks) int32, a
+    seeded random permutation of the blocks (as a serving cache scatters them). Every sequence
+    uses the whole cache: ``cache_seqlens`` = seqlen_k (int32, (batch,))."""
+
+    METRIC = "tbps"
+    causal = False  # seqlen_q = 1 against the whole cache: bottom-right causal masks nothing
+
+    batch: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    page_size: int
+    dtype: torch.dtype
+    device: torch.device
+    softmax_scale: float
+    cache_seqlens: torch.Tensor
+    block_table: torch.Tensor | None
+    sets: list
+
+    @classmethod
+    def make(cls, batch, seqlen_k, nheads, nheads_k, headdim, page_size, dtype, device, n_sets=1,
+             seed=0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        blocks = -(-seqlen_k // page_size) if page_size else 0
+        cache_shape = (batch * blocks, page_size) if page_size else (batch, seqlen_k)
+        sets = []
+        for _ in range(n_sets):
+            q = torch.randn(batch, 1, nheads, headdim, dtype=dtype, device=device, generator=g)
+            k = torch.randn(*cache_shape, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            v = torch.randn(*cache_shape, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            sets.append((q, k, v, None))
+        block_table = None
+        if page_size:
+            block_table = torch.randperm(batch * blocks, generator=g, device=device)
+            block_table = block_table.view(batch, blocks).to(torch.int32)
+        cache_seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+        return cls(batch, seqlen_k, nheads, nheads_k, headdim, page_size, dtype, device,
+                   1.0 / math.sqrt(headdim), cache_seqlens, block_table, sets)
+
+    @property
+    def seqlen(self) -> int:
+        return self.seqlen_k
+
+    def inputs(self, grad: bool, i: int = 0) -> tuple:
+        if grad:
+            raise ValueError("a decode step has no backward here")
+        return self.sets[i]
+
+    def contiguous_cache(self, i: int = 0) -> tuple:
+        """(k, v) of set ``i`` as (batch, seqlen_k, nheads_k, headdim): the paged cache gathered
+        through the block table (for the reference)."""
+        _, k, v, _ = self.sets[i]
+        if self.block_table is None:
+            return k, v
+        gather = lambda t: t[self.block_table.long()].flatten(1, 2)[:, :self.seqlen_k]
+        return gather(k), gather(v)
+
+    def bind(self, impl: Impl) -> Callable:
+        """``f(q, k_cache, v_cache) -> out`` with this case's cache_seqlens, block table, scale."""
+        return lambda q, k, v: impl.fn(q, k, v, self.cache_seqlens, self.block_table,
+                                       self.softmax_scale)
+
+    def kv_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return decode_kv_bytes(self.batch, self.seqlen_k, self.nheads_k, self.headdim, elem)
+
+    def rates(self, mode: str, ms: float) -> dict:
+        return {"tbps": self.kv_bytes() / (ms * 1e-3) / 1e12}
+
+
+@dataclasses.dataclass
+class VarlenProblem:
+    """Packed sequences: ``sets`` of (q, k, v, dout), q/dout (total, nheads, headdim), k/v
+    (total, nheads_k, headdim); sequence b holds rows cu_seqlens[b]:cu_seqlens[b+1] of q and of
+    k/v (self-attention: the same lengths for q and k)."""
+
+    METRIC = "tflops"
+
+    seqlens: list
+    nheads: int
+    nheads_k: int
+    headdim: int
+    causal: bool
+    dtype: torch.dtype
+    device: torch.device
+    softmax_scale: float
+    cu_seqlens: torch.Tensor
+    sets: list
+
+    @classmethod
+    def make(cls, seqlens, nheads, nheads_k, headdim, causal, dtype, device, n_sets=1, seed=0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        total = sum(seqlens)
+        sets = []
+        for _ in range(n_sets):
+            q = torch.randn(total, nheads, headdim, dtype=dtype, device=device, generator=g)
+            k = torch.randn(total, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            v = torch.randn(total, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            sets.append((q, k, v, torch.randn_like(q)))
+        cu = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32, device=device)
+        return cls(list(seqlens), nheads, nheads_k, headdim, causal, dtype, device,
+                   1.0 / math.sqrt(headdim), cu, sets)
+
+    @property
+    def seqlen(self) -> int:
+        """The longest sequence (max_seqlen_q = max_seqlen_k)."""
+        return max(self.seqlens)
+
+    inputs = Problem.inputs
+
+    def bind(self, impl: Impl) -> Callable:
+        n = self.seqlen
+        return lambda q, k, v: impl.fn(q, k, v, self.cu_seqlens, self.cu_seqlens, n, n,
+                                       self.softmax_scale, self.causal)
+
+    def rates(self, mode: str, ms: float) -> dict:
+        flops = varlen_flops(self.seqlens, self.seqlens, self.nheads, self.headdim, self.causal, mode)
+        return {"tflops": flops / (ms * 1e-3) / 1e12}
+
+
+def input_sets_needed(batch, seqlen, nheads, nheads_k, headdim, dtype, l2_bytes) -> int:
+    """Input sets to rotate so that the sets together exceed 4x L2 (q, k, v, out, dout)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sets_for_bytes(batch * seqlen * (3 * nheads + 2 * nheads_k) * headdim * elem, l2_bytes)
+
+
+def sets_for_bytes(nbytes: int, l2_bytes: int) -> int:
+    """Input sets of ``nbytes`` each to rotate so that together they exceed 4x L2 (at most
+    MAX_INPUT_SETS)."""
+    if nbytes >= 4 * l2_bytes:
+        return 1
+    return min(MAX_INPUT_SETS, math.ceil(4 * l2_bytes / max(nbytes, 1)))

@@ -1,0 +1,246 @@
+"""The sweeps: every case of a family x every implementation, one result row each, appended to a
+list as it is measured (so an interrupted run still has the rows so far).
+
+    run_sweep    dense: (dtype, hdim, causal, gqa, seqlen) x modes fwd / bwd / fwd_bwd
+    run_decode   decode: (dtype, decode hdim, B x Nk case, page size), mode decode
+    run_varlen   varlen: (dtype, hdim, causal, gqa) x modes varlen_fwd / varlen_bwd, each with the
+                 ours-dense comparison row (flash_attn_func on as many tokens, varlen_dense_shape)
+
+Each case's errors come from a reduced problem (accuracy); its inputs that do not fit give every
+implementation the status of that failure instead of a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flash_attn_ext.bench import report
+from flash_attn_ext.bench.accuracy import measure_errors
+from flash_attn_ext.bench.peers import Impl, classify, free_memory
+from flash_attn_ext.bench.problems import (DecodeProblem, Problem, VarlenProblem, base_mode,
+                                           decode_kv_bytes, input_sets_needed, mixed_lengths,
+                                           sets_for_bytes)
+from flash_attn_ext.bench.timing import Timer, l2_bytes, measure, unmeasured
+
+DENSE_MODES = ("fwd", "bwd", "fwd_bwd")
+VARLEN_MODES = ("varlen_fwd", "varlen_bwd")
+MODES = DENSE_MODES + ("decode",) + VARLEN_MODES
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+@dataclasses.dataclass
+class Sweep:
+    """The resolved flags (cli.resolve_args): the dense lists, then decode's and varlen's."""
+
+    device: torch.device
+    dtypes: list
+    hdims: list
+    causals: list
+    seqlens: list
+    gqas: list
+    modes: list
+    peers: list
+    tokens: int | None
+    batch: int | None
+    nheads: int | None
+    decode_cases: list = dataclasses.field(default_factory=list)
+    page_sizes: list = dataclasses.field(default_factory=list)
+    decode_heads: tuple = (32, 8)
+    decode_hdims: list = dataclasses.field(default_factory=list)
+    varlen_seqs: int = 64
+    varlen_tokens: int = 16384
+    varlen_lens: tuple = (128, 1024)
+    varlen_dense_seqlen: int = 1024
+
+    def modes_of(self, fam: str) -> list:
+        """The requested modes of one family: dense, decode or varlen."""
+        return [m for m in self.modes if report.family(m) == fam]
+
+
+def varlen_dense_shape(sweep: Sweep) -> tuple[int, int]:
+    """(batch, seqlen) of the ours-dense comparison row: as many tokens as the varlen batch."""
+    return max(1, sweep.varlen_tokens // sweep.varlen_dense_seqlen), sweep.varlen_dense_seqlen
+
+
+def run_sweep(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
+              rows: list | None = None) -> list[dict]:
+    """Every (dtype, hdim, causal, gqa, seqlen, mode) case x implementation: one row each,
+    appended to ``rows`` (a new list by default) as it is measured; returns ``rows``."""
+    rows = [] if rows is None else rows
+    modes = sweep.modes_of("dense")
+    if not modes:
+        return rows
+    l2 = l2_bytes(sweep.device)
+    need_grad = any(m != "fwd" for m in modes)
+    for dtype in sweep.dtypes:
+        for hdim in sweep.hdims:
+            nheads = sweep.nheads if sweep.nheads is not None else max(1, 2048 // hdim)
+            for causal in sweep.causals:
+                for gqa in sweep.gqas:
+                    nheads_k = nheads // gqa
+                    for seqlen in sweep.seqlens:
+                        batch = sweep.batch if sweep.batch is not None else max(1, sweep.tokens // seqlen)
+                        case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, causal=causal, seqlen=seqlen,
+                                    batch=batch, nheads=nheads, nheads_k=nheads_k, gqa=gqa)
+                        where = f"{case['dtype']} d={hdim} causal={causal} gqa={gqa} N={seqlen}"
+                        progress.set_postfix_str(f"{where}: errors")
+                        err_kv = min(nheads_k, args.err_kv_heads)
+                        small = Problem.make(1, seqlen, err_kv * gqa, err_kv, hdim, causal, dtype,
+                                             sweep.device, seed=args.seed + 1)
+                        errors = measure_errors(impls, small, need_grad, args.ref_max_seqlen)
+                        del small
+                        n_sets = input_sets_needed(batch, seqlen, nheads, nheads_k, hdim, dtype, l2) \
+                            if sweep.device.type == "cuda" else 1
+                        try:
+                            p = Problem.make(batch, seqlen, nheads, nheads_k, hdim, causal, dtype,
+                                             sweep.device, n_sets=n_sets, seed=args.seed)
+                            p_status = None
+                        except Exception as e:  # the inputs themselves do not fit
+                            p, p_status = None, classify(e)
+                            free_memory(sweep.device, collect=True)
+                        for mode in modes:
+                            for impl in impls:
+                                progress.set_postfix_str(f"{where} {mode} {impl.name}")
+                                if p is None:
+                                    m = unmeasured(p_status[0], "inputs: " + p_status[1])
+                                else:
+                                    m = measure(impl, p, mode, timer)
+                                rows.append(_timed_row(case, mode, impl, m, n_sets, errors[impl.name],
+                                                       fwd_mode="fwd"))
+                                progress.update(1)
+                        del p
+                        free_memory(sweep.device)
+    return rows
+
+
+def _timed_row(case: dict, mode: str, impl: Impl, m: dict, n_sets: int, e: dict, fwd_mode: str) -> dict:
+    """One result row: the case, the timing ``m`` and the impl's errors (``err``: the output's for
+    ``fwd_mode``, the gradients' otherwise)."""
+    err = e["err_out"] if mode == fwd_mode else e["err_grad"]
+    return {**case, "mode": mode, "impl": impl.name, **m, "n_input_sets": n_sets, "err_out": e["err_out"],
+            "err_grad": e["err_grad"], "err": err, "err_note": e["err_note"]}
+
+
+def _make_or_status(make):
+    """(problem, None), or (None, (status, note)) where the inputs themselves do not fit."""
+    try:
+        return make(), None
+    except Exception as e:
+        return None, classify(e)
+
+
+def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
+               rows: list | None = None) -> list[dict]:
+    """Every (dtype, decode hdim, decode case, page size) x implementation: one row each, mode
+    decode, with tbps (K+V bytes read / median time) and kv_gb; appended to ``rows``."""
+    rows = [] if rows is None else rows
+    if not sweep.modes_of("decode") or not impls:
+        return rows
+    cuda = sweep.device.type == "cuda"
+    l2 = l2_bytes(sweep.device)
+    nheads, nheads_k = sweep.decode_heads
+    gqa = nheads // nheads_k
+    err_kv = min(nheads_k, args.err_kv_heads)
+    for dtype in sweep.dtypes:
+        for hdim in sweep.decode_hdims:
+            for batch, seqlen_k in sweep.decode_cases:
+                for page in sweep.page_sizes:
+                    case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, gqa=gqa, nheads=nheads,
+                                nheads_k=nheads_k, batch=batch, seqlen_k=seqlen_k, page_size=page,
+                                mode="decode")
+                    where = f"decode {case['dtype']} d={hdim} B={batch} Nk={seqlen_k} page={page}"
+                    progress.set_postfix_str(f"{where}: errors")
+                    small = DecodeProblem.make(min(batch, 2), seqlen_k, err_kv * gqa, err_kv, hdim,
+                                               page, dtype, sweep.device, seed=args.seed + 1)
+                    errors = measure_errors(impls, small, False, None)
+                    del small
+                    elem = torch.empty((), dtype=dtype).element_size()
+                    kv_bytes = decode_kv_bytes(batch, seqlen_k, nheads_k, hdim, elem)
+                    n_sets = sets_for_bytes(kv_bytes, l2) if cuda else 1
+                    p, p_status = _make_or_status(lambda: DecodeProblem.make(
+                        batch, seqlen_k, nheads, nheads_k, hdim, page, dtype, sweep.device,
+                        n_sets=n_sets, seed=args.seed))
+                    if p is None:
+                        free_memory(sweep.device, collect=True)
+                    for impl in impls:
+                        progress.set_postfix_str(f"{where} {impl.name}")
+                        m = measure(impl, p, "decode", timer) if p is not None \
+                            else unmeasured(p_status[0], "inputs: " + p_status[1], "tbps")
+                        e = errors[impl.name]
+                        rows.append({**case, "impl": impl.name, **m, "kv_gb": kv_bytes / 1e9,
+                                     "n_input_sets": n_sets, "err_out": e["err_out"],
+                                     "err": e["err_out"], "err_note": e["err_note"]})
+                        progress.update(1)
+                    del p
+                    free_memory(sweep.device)
+    return rows
+
+
+def run_varlen(sweep: Sweep, args, impls: list[Impl], dense: Impl, timer: Timer, progress,
+               rows: list | None = None) -> list[dict]:
+    """Every (dtype, hdim, causal, gqa) x varlen mode x implementation, plus the ``dense`` row
+    (flash_attn_func on as many tokens, varlen_dense_shape): one row each, with tflops on the
+    real per-sequence work; appended to ``rows``."""
+    rows = [] if rows is None else rows
+    modes = sweep.modes_of("varlen")
+    if not modes or not impls:
+        return rows
+    cuda = sweep.device.type == "cuda"
+    l2 = l2_bytes(sweep.device)
+    lo, hi = sweep.varlen_lens
+    seqlens = mixed_lengths(sweep.varlen_seqs, sweep.varlen_tokens, lo, hi, seed=args.seed)
+    total = sum(seqlens)
+    dense_batch, dense_seqlen = varlen_dense_shape(sweep)
+    need_grad = "varlen_bwd" in modes
+    for dtype in sweep.dtypes:
+        for hdim in sweep.hdims:
+            nheads = sweep.nheads if sweep.nheads is not None else max(1, 2048 // hdim)
+            for causal in sweep.causals:
+                for gqa in sweep.gqas:
+                    nheads_k = nheads // gqa
+                    case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, causal=causal, gqa=gqa,
+                                nheads=nheads, nheads_k=nheads_k, n_seqs=len(seqlens), tokens=total,
+                                min_len=min(seqlens), max_len=max(seqlens))
+                    where = f"varlen {case['dtype']} d={hdim} causal={causal} gqa={gqa}"
+                    progress.set_postfix_str(f"{where}: errors")
+                    err_kv = min(nheads_k, args.err_kv_heads)
+                    small = VarlenProblem.make(seqlens, err_kv * gqa, err_kv, hdim, causal, dtype,
+                                               sweep.device, seed=args.seed + 1)
+                    errors = measure_errors(impls, small, need_grad, args.ref_max_seqlen)
+                    del small
+                    sets = lambda b, n: input_sets_needed(b, n, nheads, nheads_k, hdim, dtype, l2) \
+                        if cuda else 1
+                    n_sets, n_dense = sets(1, total), sets(dense_batch, dense_seqlen)
+                    p, p_status = _make_or_status(lambda: VarlenProblem.make(
+                        seqlens, nheads, nheads_k, hdim, causal, dtype, sweep.device,
+                        n_sets=n_sets, seed=args.seed))
+                    dense_p, dense_status = _make_or_status(lambda: Problem.make(
+                        dense_batch, dense_seqlen, nheads, nheads_k, hdim, causal, dtype,
+                        sweep.device, n_sets=n_dense, seed=args.seed))
+                    if p is None or dense_p is None:
+                        free_memory(sweep.device, collect=True)
+                    for mode in modes:
+                        for impl in impls:
+                            progress.set_postfix_str(f"{where} {mode} {impl.name}")
+                            m = measure(impl, p, mode, timer) if p is not None \
+                                else unmeasured(p_status[0], "inputs: " + p_status[1])
+                            rows.append(_timed_row(case, mode, impl, m, n_sets, errors[impl.name],
+                                                   fwd_mode="varlen_fwd"))
+                            progress.update(1)
+                        progress.set_postfix_str(f"{where} {mode} {dense.name}")
+                        m = measure(dense, dense_p, base_mode(mode), timer) if dense_p is not None \
+                            else unmeasured(dense_status[0], "inputs: " + dense_status[1])
+                        shape = f"flash_attn_func at batch {dense_batch} x seqlen {dense_seqlen}"
+                        m["note"] = f"{shape}; {m['note']}" if m["note"] else shape
+                        nan = float("nan")
+                        rows.append({**case, "mode": mode, "impl": dense.name, **m,
+                                     "batch": dense_batch, "seqlen": dense_seqlen,
+                                     "n_input_sets": n_dense, "err_out": nan, "err_grad": nan,
+                                     "err": nan, "err_note": "dense comparison row (errors: the "
+                                                             "dense modes)"})
+                        progress.update(1)
+                    del p, dense_p
+                    free_memory(sweep.device)
+    return rows

@@ -1,0 +1,144 @@
+"""flash_attn_with_kvcache on the CPU (the CUDA kernels: tests/test_kvcache_cuda.py): attention
+against contiguous and paged caches with cache_seqlens, in-place append of new keys, causal
+bottom-right against the cached length, NaN in unused cache slots, bad input, the op surface."""
+
+import pytest
+import torch
+
+import flash_attn_ext
+from accuracy import check_accuracy
+from flash_attn_ext.reference import attention_kvcache_ref
+
+
+def make_cache(batch, seqlen_cache, nheads_k, headdim, dtype, page_size=0, nan_fill=True, seed=0):
+    """A cache filled with random rows; paged: (num_blocks, page_size, ...) and a shuffled block
+    table (batch, seqlen_cache / page_size). Unused rows are overwritten by the caller with NaN."""
+    g = torch.Generator().manual_seed(seed)
+    if page_size:
+        max_blocks = seqlen_cache // page_size
+        num_blocks = batch * max_blocks + 3
+        k = torch.randn(num_blocks, page_size, nheads_k, headdim, generator=g).to(dtype)
+        v = torch.randn(num_blocks, page_size, nheads_k, headdim, generator=g).to(dtype)
+        table = torch.randperm(num_blocks, generator=g)[:batch * max_blocks].reshape(batch, max_blocks).int()
+        return k, v, table
+    k = torch.randn(batch, seqlen_cache, nheads_k, headdim, generator=g).to(dtype)
+    v = torch.randn(batch, seqlen_cache, nheads_k, headdim, generator=g).to(dtype)
+    return k, v, None
+
+
+def poison_unused(k_cache, v_cache, block_table, used):
+    """NaN into every cache row past used[b] (it must never reach the output)."""
+    for b, n in enumerate(used):
+        if block_table is None:
+            k_cache[b, n:] = float("nan")
+            v_cache[b, n:] = float("nan")
+        else:
+            page = k_cache.shape[1]
+            for j, blk in enumerate(block_table[b].tolist()):
+                lo = max(n - j * page, 0)
+                if lo < page:
+                    k_cache[blk, lo:] = float("nan")
+                    v_cache[blk, lo:] = float("nan")
+
+
+@pytest.mark.parametrize("page_size", [0, 16, 32])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqlen_new", [0, 2])
+def test_kvcache_matches_reference(page_size, seqlen_q, causal, dtype, seqlen_new):
+    batch, seqlen_cache, nheads, nheads_k, headdim = 3, 64, 4, 2, 16
+    k_cache, v_cache, table = make_cache(batch, seqlen_cache, nheads_k, headdim, dtype, page_size)
+    cache_seqlens = torch.tensor([0, 17, seqlen_cache - seqlen_new], dtype=torch.int32)
+    poison_unused(k_cache, v_cache, table, cache_seqlens.tolist())
+    q = torch.randn(batch, seqlen_q, nheads, headdim).to(dtype)
+    k_new = torch.randn(batch, seqlen_new, nheads_k, headdim).to(dtype) if seqlen_new else None
+    v_new = torch.randn(batch, seqlen_new, nheads_k, headdim).to(dtype) if seqlen_new else None
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                                                      block_table=table, causal=causal, return_lse=True)
+    used = cache_seqlens + seqlen_new
+    if seqlen_new:  # the append wrote the new rows in place
+        for b in range(batch):
+            for i in range(seqlen_new):
+                r = int(cache_seqlens[b]) + i
+                blk, row = (int(table[b, r // page_size]), r % page_size) if page_size else (b, r)
+                assert torch.equal(k_cache[blk, row], k_new[b, i]) and torch.equal(v_cache[blk, row], v_new[b, i])
+    ref, ref_lse = attention_kvcache_ref(q, k_cache, v_cache, used, table, causal=causal)
+    base, base_lse = attention_kvcache_ref(q, k_cache, v_cache, used, table, causal=causal, upcast=False)
+    check_accuracy("out", out, ref, base)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+
+
+def test_kvcache_int_seqlens_and_whole_cache():
+    k_cache, v_cache, _ = make_cache(2, 32, 2, 16, torch.float32)
+    q = torch.randn(2, 1, 2, 16)
+    full = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache)
+    as_int = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=32)
+    dense = flash_attn_ext.flash_attn_func(q, k_cache, v_cache)
+    assert torch.equal(full, dense) and torch.equal(as_int, dense)
+
+
+def test_kvcache_no_keys_gives_zero_and_inf():
+    k_cache, v_cache, _ = make_cache(2, 16, 1, 16, torch.float32)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(torch.randn(2, 2, 1, 16), k_cache, v_cache,
+                                                      cache_seqlens=torch.zeros(2, dtype=torch.int32),
+                                                      return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
+
+
+def _args(paged=False):
+    k_cache, v_cache, table = make_cache(2, 32, 2, 16, torch.float32, page_size=16 if paged else 0)
+    return dict(q=torch.randn(2, 1, 4, 16), k_cache=k_cache, v_cache=v_cache,
+                cache_seqlens=torch.tensor([3, 9], dtype=torch.int32), block_table=table)
+
+
+@pytest.mark.parametrize("paged,change,match", [
+    (False, lambda a: a.update(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens has dtype"),
+    (False, lambda a: a.update(cache_seqlens=a["cache_seqlens"][:1]), "cache_seqlens has shape"),
+    (False, lambda a: a.update(cache_seqlens=torch.tensor([3, 40], dtype=torch.int32)), "exceeds the cache"),
+    (False, lambda a: a.update(k=torch.randn(2, 1, 2, 16)), "k and v .* must be given together"),
+    (False, lambda a: a.update(k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16), cache_seqlens=None),
+     "need cache_seqlens"),
+    (False, lambda a: a.update(k=torch.randn(2, 1, 3, 16), v=torch.randn(2, 1, 3, 16)), "k has shape"),
+    (False, lambda a: a.update(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]), "k_cache has batch 1"),
+    (False, lambda a: a.update(num_splits=129), "num_splits must be in"),
+    (True, lambda a: a.update(block_table=a["block_table"].long()), "block_table has dtype"),
+    (True, lambda a: a.update(block_table=a["block_table"][:1]), "block_table has shape"),
+    (True, lambda a: a["block_table"].fill_(99), r"block_table\[0, 0\] = 99 is outside"),
+    (True, lambda a: a.update(k_cache=a["k_cache"][:, :8], v_cache=a["v_cache"][:, :8]), "page_size 8"),
+    (False, lambda a: a.update(v_cache=a["v_cache"][:, :16]), "v_cache has shape"),
+])
+def test_kvcache_bad_input(paged, change, match):
+    args = _args(paged)
+    change(args)
+    with pytest.raises(RuntimeError, match=match):
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+
+
+def test_kvcache_refuses_grad():
+    args = _args()
+    args["q"].requires_grad_()
+    with pytest.raises(RuntimeError, match="inference op without a gradient"):
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+    with torch.no_grad():
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+
+
+def test_kvcache_opcheck_and_compile():
+    args = _args(paged=True)
+    k_new, v_new = torch.randn(2, 2, 2, 16), torch.randn(2, 2, 2, 16)
+    torch.library.opcheck(torch.ops.flash_attn_ext.fwd_kvcache.default,
+                          (args["q"], args["k_cache"], args["v_cache"], k_new, v_new, args["cache_seqlens"],
+                           args["block_table"], 0.25, True, 0))
+    torch._dynamo.reset()
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        return flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                                      causal=True)
+
+    kc, vc = args["k_cache"].clone(), args["v_cache"].clone()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = compiled(args["q"], kc, vc, k_new, v_new, args["cache_seqlens"], args["block_table"])
+    ref = step(args["q"], args["k_cache"], args["v_cache"], k_new, v_new, args["cache_seqlens"], args["block_table"])
+    assert torch.equal(out, ref)
+    assert torch.equal(kc, args["k_cache"]) and torch.equal(vc, args["v_cache"])  # the compiled append happened too

@@ -1,0 +1,335 @@
+"""GPU tests of the KV-cache forward (issue 14 items 2-3) through
+``flash_attn_ext.flash_attn_with_kvcache``: the append of new keys (csrc/kernels/common/append_kv.cuh),
+the split-KV forward with GQA packing and paged loads (csrc/kernels/sm80/flash_fwd_splitkv_kernel.cuh,
+common/paged_kv.cuh) and the combine of the splits (common/combine_kernel.cuh).
+
+Criterion (tests/accuracy.py): max|ours - ref| <= 2 * max|baseline - ref| for out and softmax_lse,
+ref = flash_attn_ext.reference.attention_kvcache_ref(upcast=True) (float64), baseline = the same
+math in the inputs' dtype. Every cache slot past a sequence's visible keys (and every unused
+block of a paged cache) holds NaN, so a slot the kernel should not read shows up in the output;
+outputs and split accumulators are allocated NaN-filled (poison_empty) where the test allows it.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_attn_ext
+from conftest import require_hdim
+from accuracy import check_accuracy
+from flash_attn_ext.reference import attention_kvcache_ref
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="KV-cache CUDA kernel tests need a CUDA GPU (none visible)"
+)
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _make_cache(lens, capacity, nheads_k, d, dtype, page_size=None, extra_blocks=3):
+    """A K/V cache whose sequence b holds random keys in rows [0, lens[b]) and NaN past them.
+
+    Contiguous: (batch, capacity, nheads_k, d), block_table None. Paged: capacity rounded up to
+    whole pages, (num_blocks, page_size, nheads_k, d) with a shuffled block table (batch,
+    max_blocks) and `extra_blocks` unused all-NaN blocks. Returns (k_cache, v_cache, block_table).
+    """
+    batch = len(lens)
+    if page_size is not None:
+        capacity = math.ceil(capacity / page_size) * page_size
+    dense = [torch.randn(batch, capacity, nheads_k, d, device="cuda", dtype=dtype) for _ in range(2)]
+    for t in dense:
+        for b, n in enumerate(lens):
+            t[b, max(0, min(n, capacity)):] = float("nan")
+    if page_size is None:
+        return dense[0], dense[1], None
+    max_blocks = capacity // page_size
+    num_blocks = batch * max_blocks + extra_blocks
+    table = torch.randperm(num_blocks, device="cuda")[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    paged = []
+    for t in dense:
+        p = torch.full((num_blocks, page_size, nheads_k, d), float("nan"), device="cuda", dtype=dtype)
+        p[table.long().flatten()] = t.reshape(batch * max_blocks, page_size, nheads_k, d)
+        paged.append(p)
+    return paged[0], paged[1], table
+
+
+def _check(q, k_cache, v_cache, block_table, visible, causal, out, lse, softmax_scale=None):
+    """out / lse of the kvcache op against the reference on the cache as it is now (after any
+    append), sequence b seeing its first visible[b] rows."""
+    lens = torch.tensor(visible, dtype=torch.int32)
+    ref = attention_kvcache_ref(q, k_cache, v_cache, lens, block_table, softmax_scale, causal, upcast=True)
+    base = attention_kvcache_ref(q, k_cache, v_cache, lens, block_table, softmax_scale, causal, upcast=False)
+    check_accuracy("out", out, ref[0], base[0])
+    check_accuracy("softmax_lse", lse, ref[1], base[1])
+    return ref, base
+
+
+# ---- Decode and short query chunks: GQA packing (ratio 1 / 4 / 8), causal both ways, varied
+# visible lengths per sequence (0, 1, ragged, the full capacity), contiguous cache.
+
+@pytest.mark.parametrize("seqlen_q", [1, 2, 7, 16, 33])
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_forward(seqlen_q, ratio, d, causal, poison_empty):
+    require_hdim(d)
+    dtype = torch.bfloat16 if (seqlen_q + ratio) % 2 else torch.float16
+    nheads_k, capacity = 2, 300
+    lens = [0, capacity, 1, 157]
+    q = torch.randn(len(lens), seqlen_q, nheads_k * ratio, d, device="cuda", dtype=dtype)
+    kc, vc, _ = _make_cache(lens, capacity, nheads_k, d, dtype)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=causal,
+                                                     return_lse=True)
+    _check(q, kc, vc, None, lens, causal, out, lse)
+    # A sequence without keys: out 0, lse +inf.
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isinf(lse[0]).all()
+
+
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kvcache_head_dims(d, dtype, poison_empty):
+    """Every compiled head dim (80 runs on the 96 kernel, zero-padded) on a GQA 4:1 decode step with
+    a split count of 3 and a 2-row chunk."""
+    require_hdim(d)
+    lens = [200, 37, 513]
+    for seqlen_q, num_splits in [(1, 3), (2, 1)]:
+        q = torch.randn(len(lens), seqlen_q, 8, d, device="cuda", dtype=dtype)
+        kc, vc, _ = _make_cache(lens, 513, 2, d, dtype)
+        out, lse = flash_attn_ext.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"), causal=True,
+            num_splits=num_splits, return_lse=True)
+        _check(q, kc, vc, None, lens, True, out, lse)
+
+
+# ---- Paged KV: page sizes 16 / 64 / 256 (and 48: not a power of two) through a shuffled block
+# table; the result equals the contiguous cache's bit for bit (the same tiles reach the kernel).
+
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
+@pytest.mark.parametrize("ratio", [1, 8])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q", [1, 7])
+def test_kvcache_paged(page_size, ratio, d, causal, seqlen_q, poison_empty):
+    require_hdim(d)
+    dtype = torch.bfloat16
+    nheads_k = 2
+    lens = [700, 0, 33, 512]
+    q = torch.randn(len(lens), seqlen_q, nheads_k * ratio, d, device="cuda", dtype=dtype)
+    kc, vc, table = _make_cache(lens, 700, nheads_k, d, dtype, page_size=page_size)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for num_splits in (1, 5):
+        out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                         causal=causal, num_splits=num_splits, return_lse=True)
+        _check(q, kc, vc, table, lens, causal, out, lse)
+        # The same cache laid out contiguously: identical tiles, identical arithmetic.
+        kd = kc[table.long()].flatten(1, 2)
+        vd = vc[table.long()].flatten(1, 2)
+        out_d, lse_d = flash_attn_ext.flash_attn_with_kvcache(q, kd, vd, cache_seqlens=seqlens, causal=causal,
+                                                             num_splits=num_splits, return_lse=True)
+        assert torch.equal(out, out_d)
+        assert torch.equal(lse, lse_d)
+
+
+# ---- Append of new keys / values (k, v): written at cache_seqlens[b] + i, rows past the cache
+# dropped; every other cache slot untouched (bitwise, NaN included); then the attention sees
+# cache_seqlens[b] + seqlen_new keys.
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("seqlen_new", [1, 5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_kvcache_append(page_size, seqlen_new, causal, num_splits, poison_empty):
+    d, dtype, nheads_k, ratio, capacity = 128, torch.bfloat16, 2, 4, 256
+    require_hdim(d)
+    lens = [0, 100, capacity - 2, capacity]  # the last two overflow: rows past the cache are dropped
+    batch = len(lens)
+    kc, vc, table = _make_cache(lens, capacity, nheads_k, d, dtype, page_size=page_size)
+    q = torch.randn(batch, seqlen_new, nheads_k * ratio, d, device="cuda", dtype=dtype)
+    k_new = torch.randn(batch, seqlen_new, nheads_k, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(batch, seqlen_new, nheads_k, d, device="cuda", dtype=dtype)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                                     block_table=table, causal=causal, num_splits=num_splits,
+                                                     return_lse=True)
+    assert torch.equal(seqlens.cpu(), torch.tensor(lens, dtype=torch.int32)), "cache_seqlens must not change"
+
+    # Expected cache: the old one with the new rows written where they fit.
+    k_exp, v_exp = kc0.clone(), vc0.clone()
+    for b, n in enumerate(lens):
+        for i in range(seqlen_new):
+            row = n + i
+            if row >= capacity:
+                continue
+            if table is None:
+                k_exp[b, row], v_exp[b, row] = k_new[b, i], v_new[b, i]
+            else:
+                blk = int(table[b, row // page_size])
+                k_exp[blk, row % page_size], v_exp[blk, row % page_size] = k_new[b, i], v_new[b, i]
+    assert torch.equal(_bits(kc), _bits(k_exp)), "k_cache after the append"
+    assert torch.equal(_bits(vc), _bits(v_exp)), "v_cache after the append"
+
+    visible = [min(n + seqlen_new, capacity) for n in lens]
+    _check(q, kc, vc, table, visible, causal, out, lse)
+
+
+# ---- Split-KV stays exact: 1 split, several (also more than the key tiles: empty splits), and
+# the heuristic's choice (0) all meet the rule against the reference and lie within the rule's
+# budget of each other.
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_num_splits(d, causal, seqlen_q, paged, poison_empty):
+    require_hdim(d)
+    dtype = torch.bfloat16
+    lens = [4096, 1500, 3, 0]
+    nheads_k, ratio = 2, 4
+    q = torch.randn(len(lens), seqlen_q, nheads_k * ratio, d, device="cuda", dtype=dtype)
+    kc, vc, table = _make_cache(lens, 4096, nheads_k, d, dtype, page_size=64 if paged else None)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    results = {}
+    for num_splits in (1, 2, 3, 7, 16, 128, 0):
+        results[num_splits] = flash_attn_ext.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=seqlens, block_table=table, causal=causal, num_splits=num_splits,
+            return_lse=True)
+    ref, base = _check(q, kc, vc, table, lens, causal, *results[1])
+    for num_splits, (out, lse) in results.items():
+        check_accuracy(f"out (num_splits={num_splits})", out, ref[0], base[0])
+        check_accuracy(f"softmax_lse (num_splits={num_splits})", lse, ref[1], base[1])
+        # Against the unsplit result, with the same budget the rule gives each.
+        budget = 2 * (base[0].double() - ref[0].double()).nan_to_num(0.0).abs().max().item() + 1e-5
+        assert (out.double() - results[1][0].double()).abs().max().item() <= budget, num_splits
+
+
+def test_kvcache_long_decode_gqa(poison_empty):
+    """The issue's decode shape at test scale: GQA 32:8, hd128, bf16, one query, 16k keys, batch 2,
+    contiguous and paged (page 16), heuristic splits."""
+    require_hdim(128)
+    lens = [16384, 9000]
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    for page_size in (None, 16):
+        kc, vc, table = _make_cache(lens, 16384, 8, 128, torch.bfloat16, page_size=page_size)
+        out, lse = flash_attn_ext.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"), block_table=table,
+            return_lse=True)
+        _check(q, kc, vc, table, lens, False, out, lse)
+
+
+def test_kvcache_no_cache_seqlens_and_views(poison_empty):
+    """cache_seqlens None (every cache row seen), an int cache_seqlens, a softmax_scale, and q / cache
+    as non-contiguous views (a slice of a wider tensor)."""
+    require_hdim(64)
+    dtype = torch.float16
+    wide_q = torch.randn(2, 3, 8, 80, device="cuda", dtype=dtype)
+    q = wide_q[..., 8:72]
+    wide_k = torch.randn(2, 200, 2, 64 + 16, device="cuda", dtype=dtype)
+    wide_v = torch.randn(2, 200, 2, 64 + 16, device="cuda", dtype=dtype)
+    kc, vc = wide_k[..., :64], wide_v[..., 16:]
+    for causal in (False, True):
+        out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, softmax_scale=0.3, causal=causal,
+                                                         return_lse=True)
+        _check(q, kc, vc, None, [200, 200], causal, out, lse, softmax_scale=0.3)
+        out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=150, causal=causal,
+                                                         num_splits=4, return_lse=True)
+        _check(q, kc, vc, None, [150, 150], causal, out, lse)
+
+
+# ---- NaN past cache_seqlens never reaches the output, whatever the split and the layout;
+# also a NaN in the last visible tile's padding rows and in the padded head-dim columns' source.
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 6])
+def test_kvcache_nan_past_cache_seqlens(paged, num_splits, poison_empty):
+    require_hdim(128)
+    dtype = torch.bfloat16
+    lens = [65, 64, 63, 1, 129]  # ragged against 64-key tiles and 16-row groups
+    q = torch.randn(len(lens), 1, 8, 128, device="cuda", dtype=dtype)
+    kc, vc, table = _make_cache(lens, 256, 2, 128, dtype, page_size=16 if paged else None)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"), block_table=table,
+        num_splits=num_splits, return_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    _check(q, kc, vc, table, lens, False, out, lse)
+
+
+# ---- CUDA graphs: a decode step (append + attention, heuristic splits) captured once and
+# replayed with new inputs written into the captured tensors, equal to eager runs bit for bit.
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_cuda_graph_decode(paged):
+    require_hdim(128)
+    dtype = torch.bfloat16
+    batch, nheads_k, ratio, d, capacity = 3, 2, 4, 128, 1024
+    lens = [10, 700, 1000]
+    kc, vc, table = _make_cache(lens, capacity, nheads_k, d, dtype, page_size=64 if paged else None)
+    kc0, vc0 = kc.clone(), vc.clone()
+    q = torch.randn(batch, 1, nheads_k * ratio, d, device="cuda", dtype=dtype)
+    k_new = torch.randn(batch, 1, nheads_k, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(batch, 1, nheads_k, d, device="cuda", dtype=dtype)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+    def step():
+        return flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                                      block_table=table, return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (first-call setup) outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, lse_g = step()
+
+    kc.copy_(kc0), vc.copy_(vc0)
+    kc_e, vc_e = kc0.clone(), vc0.clone()
+    for _ in range(3):  # three decode steps: new q / k / v, cache_seqlens advanced by the caller
+        q.normal_(), k_new.normal_(), v_new.normal_()
+        graph.replay()
+        out_e, lse_e = flash_attn_ext.flash_attn_with_kvcache(q, kc_e, vc_e, k_new, v_new, cache_seqlens=seqlens,
+                                                              block_table=table, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e)
+        assert torch.equal(_bits(kc), _bits(kc_e)) and torch.equal(_bits(vc), _bits(vc_e))
+        visible = [min(int(n) + 1, capacity) for n in seqlens.tolist()]
+        _check(q, kc, vc, table, visible, False, out_g, lse_g)
+        seqlens += 1
+
+
+# ---- The kernels that run: the split-KV kernel (never the dense forward), the combine only when
+# split, the append only with new keys.
+
+def _kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "flash" in e.name]
+
+
+def test_kvcache_kernels_that_run():
+    require_hdim(128)
+    dtype = torch.bfloat16
+    lens = [300, 1000]
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=dtype)
+    kc, vc, _ = _make_cache(lens, 1024, 2, 128, dtype)
+    kn = torch.randn(2, 1, 2, 128, device="cuda", dtype=dtype)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for num_splits, k_new in [(1, None), (4, None), (4, kn)]:
+        names = _kernel_names(lambda: flash_attn_ext.flash_attn_with_kvcache(
+            q, kc, vc, k_new, None if k_new is None else kn, cache_seqlens=seqlens, num_splits=num_splits))
+        assert any("flash_fwd_splitkv_kernel" in n for n in names), names
+        assert not any("flash_fwd_kernel" in n for n in names), names
+        assert any("splitkv_combine" in n for n in names) == (num_splits > 1), names
+        assert any("append_kv" in n for n in names) == (k_new is not None), names

@@ -1,0 +1,145 @@
+"""flash_attn_varlen_func on the CPU (the CUDA kernels: tests/test_varlen_cuda.py): each packed
+sequence gives what the dense op gives on it alone, forward and backward, within the accuracy rule
+(tests/accuracy.py) against the float64 reference; zero-length sequences; bad input; the op
+surface (opcheck, torch.compile fullgraph)."""
+
+import pytest
+import torch
+
+import flash_attn_ext
+from accuracy import check_accuracy
+from flash_attn_ext.reference import attention_varlen_ref
+
+
+def cu_seqlens(lengths):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+
+
+def make_varlen(lens_q, lens_k, nheads, nheads_k, headdim, dtype, requires_grad=True):
+    tq, tk = sum(lens_q), sum(lens_k)
+
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=dtype).requires_grad_(requires_grad)
+
+    return (rnd(tq, nheads, headdim), rnd(tk, nheads_k, headdim), rnd(tk, nheads_k, headdim),
+            cu_seqlens(lens_q), cu_seqlens(lens_k))
+
+
+def check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale=None):
+    out, lse = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale,
+                                                     causal=causal, return_lse=True)
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale, causal, upcast=True)
+    base, base_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale, causal, upcast=False)
+    check_accuracy("out", out, ref, base)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.to(ref.dtype))
+    base_grads = torch.autograd.grad(base, (q, k, v), dout)
+    for name, g, rg, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
+        check_accuracy(name, g, rg, bg)
+    return out, lse, grads
+
+
+LENGTHS = [
+    ([5, 17, 64, 1], [5, 17, 64, 1]),          # self-attention, mixed lengths
+    ([3, 40, 9], [70, 12, 9]),                 # seqlen_q != seqlen_k per sequence (both ways)
+    ([0, 8, 0, 33], [4, 0, 0, 33]),            # zero-length q and/or k sequences
+    ([130], [65]),                             # one sequence, several tiles
+]
+
+
+@pytest.mark.parametrize("lens_q,lens_k", LENGTHS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nheads,nheads_k", [(4, 4), (4, 2)])
+def test_varlen_matches_per_sequence_reference(lens_q, lens_k, causal, dtype, nheads, nheads_k, poison_empty):
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, nheads, nheads_k, 32, dtype)
+    check_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal)
+
+
+def test_varlen_equals_dense_op_per_sequence():
+    """The CPU twin runs each sequence through the dense kernel: bitwise equal to flash_attn_func."""
+    lens = [7, 30, 1, 64]
+    q, k, v, cu_q, cu_k = make_varlen(lens, lens, 2, 1, 16, torch.float32, requires_grad=False)
+    out, lse = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 64, causal=True, return_lse=True)
+    for b in range(len(lens)):
+        s, e = int(cu_q[b]), int(cu_q[b + 1])
+        o_b, lse_b = flash_attn_ext.flash_attn_func(q[s:e][None], k[s:e][None], v[s:e][None], causal=True,
+                                                    return_lse=True)
+        assert torch.equal(out[s:e], o_b[0]) and torch.equal(lse[:, s:e], lse_b[0])
+
+
+def test_varlen_larger_max_seqlen_and_uncovered_rows():
+    """max_seqlen above every length is fine; rows after cu_seqlens[-1] get out 0, lse +inf (CPU)."""
+    q, k, v, _, _ = make_varlen([10], [10], 2, 2, 16, torch.float32, requires_grad=False)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    out, lse = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, 100, 100, return_lse=True)
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu, cu)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[8:], torch.zeros_like(out[8:])) and torch.isinf(lse[:, 8:]).all()
+
+
+def test_varlen_max_seqlen_zero_and_empty_batch():
+    q, k, v, _, _ = make_varlen([6], [6], 2, 2, 16, torch.float32)
+    zeros = torch.zeros(2, dtype=torch.int32)
+    out, lse = flash_attn_ext.flash_attn_varlen_func(q[:0], k[:0], v[:0], zeros, zeros, 0, 0, return_lse=True)
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+    empty = torch.zeros(1, dtype=torch.int32)  # batch 0
+    out = flash_attn_ext.flash_attn_varlen_func(q, k, v, empty, empty, 0, 0)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+def _args():
+    q, k, v, cu_q, cu_k = make_varlen([3, 5], [3, 5], 2, 2, 16, torch.float32, requires_grad=False)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=5)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), "cu_seqlens_q has dtype"),
+    (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"][:2]), "cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
+    (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"][None]), "cu_seqlens_q has shape"),
+    (lambda a: a.update(cu_seqlens_q=torch.tensor([0, 4, 3], dtype=torch.int32)), "non-decreasing"),
+    (lambda a: a.update(cu_seqlens_k=torch.tensor([0, 3, 9], dtype=torch.int32)), r"cu_seqlens_k\[2\] = 9 is outside"),
+    (lambda a: a.update(max_seqlen_q=4), "max_seqlen_q = 4"),
+    (lambda a: a.update(max_seqlen_k=-1), "max_seqlen_q and max_seqlen_k must be in"),
+    (lambda a: a.update(q=a["q"][None]), "q must be 3-D"),
+    (lambda a: a.update(v=a["v"][:4]), "v has 4 rows but k has total_k = 8"),
+    (lambda a: a.update(k=a["k"].double()), "k has dtype"),
+])
+def test_varlen_bad_input(change, match):
+    args = _args()
+    change(args)
+    with pytest.raises(RuntimeError, match=match):
+        flash_attn_ext.flash_attn_varlen_func(**args)
+
+
+def test_varlen_opcheck():
+    q, k, v, cu_q, cu_k = make_varlen([3, 0, 9], [4, 2, 9], 4, 2, 16, torch.float32)
+    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_forward.default, (q, k, v, cu_q, cu_k, 9, 9, 0.25, True))
+    out, lse, stats = torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_q, cu_k, 9, 9, 0.25, True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_backward.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, cu_q, cu_k, 9, 9, 0.25, True,
+                           stats))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_varlen_torch_compile_fullgraph(backend):
+    """fwd + bwd compiles without a graph break (fake kernels need no cu_seqlens values); same results."""
+    torch._dynamo.reset()
+    q, k, v, cu_q, cu_k = make_varlen([5, 11, 2], [7, 11, 3], 4, 2, 16, torch.float32)
+
+    def step(q, k, v):
+        return flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 11, 11, causal=True).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = step(q, k, v)
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    torch.testing.assert_close(loss, ref_loss)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg)

@@ -1,0 +1,274 @@
+"""GPU tests of the varlen (packed-sequence) CUDA kernels (issue 14 item 1) through
+``flash_attn_ext.flash_attn_varlen_func``: the sm80 and sm90 (TMA) forwards, the backward
+preprocess and the dK/dV and dQ kernels of both arch paths, every test on each arch path the GPU can
+take (conftest.py: arch_path; on an H200 the sm90 kernels and, forced, the sm80 ones).
+
+Criteria, per packed call:
+  - equal to each sequence run alone through ``flash_attn_func`` on the same arch path, BIT FOR BIT:
+    out, softmax_lse and the gradients dq, dk, dv. Every kernel runs a sequence's tiles in the
+    order the dense call runs them (forward: key blocks last to first; dK/dV: query heads of the
+    GQA group, then Q tiles, in order; dQ: key blocks in order; the preprocess per row), reads its
+    rows at the sequence's offset, zero-fills (sm80 cp.async, dK/dV, dQ) or masks (sm90 TMA: keys
+    past the end -> -inf in S, P = 0) what lies past the sequence's end, and the sm90 forward zeroes
+    the Q rows past the end that share a warp with the last rows (the dense call's TMA zero fill),
+    so the same floats meet in the same order;
+  - within the accuracy rule of tests/accuracy.py against the float64 reference
+    (flash_attn_ext.reference.attention_varlen_ref);
+  - deterministic: two identical calls agree bit for bit;
+  - NaN-poisoned outputs and workspaces (poison_empty: torch.empty / at::empty fill float tensors
+    with NaN, int tensors with their max): a row, gradient, workspace row or block flag a kernel
+    forgets to write fails;
+  - zero-length sequences: seqlen_k = 0 gives out 0, lse +inf, softmax_stats (+inf, 0), dq 0;
+    seqlen_q = 0 gives dk = dv = 0.
+Shapes: mixed lengths with seqlen_q != seqlen_k per sequence, causal both ways, GQA 1:1 and 4:1,
+head dims 64/128 (+ 96/256 where compiled), fp16/bf16, max_seqlen larger than needed, > 132
+sequences (more than the SMs: the sm90 persistent scheduler's skip of empty tiles), large
+magnitudes (the exact softmax path), and the issue's 16k tokens in 64 sequences of 128..1024.
+"""
+
+import random
+
+import pytest
+import torch
+
+import flash_attn_ext
+from conftest import require_hdim
+from accuracy import check_accuracy
+from flash_attn_ext.reference import attention_varlen_ref
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="varlen CUDA kernel tests need a CUDA GPU (none visible)"
+)
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def varlen_path(arch_path):
+    """Every test on each arch path the GPU can take (conftest.py: arch_path)."""
+    return arch_path
+
+
+def _cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device="cuda")
+
+
+def _inputs(lens_q, lens_k, nheads, nheads_k, d, dtype, scale_q=1.0):
+    q = torch.randn(sum(lens_q), nheads, d, device="cuda", dtype=torch.float32) * scale_q
+    k = torch.randn(sum(lens_k), nheads_k, d, device="cuda", dtype=torch.float32)
+    v = torch.randn(sum(lens_k), nheads_k, d, device="cuda", dtype=torch.float32)
+    return q.to(dtype), k.to(dtype), v.to(dtype), _cu(lens_q), _cu(lens_k)
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, dout):
+    """flash_attn_varlen_func forward + autograd backward: (out, lse, dq, dk, dv)."""
+    q_, k_, v_ = _leaf(q), _leaf(k), _leaf(v)
+    out, lse = flash_attn_ext.flash_attn_varlen_func(q_, k_, v_, cu_q, cu_k, max_q, max_k, causal=causal,
+                                                     return_lse=True)
+    grads = torch.autograd.grad(out, (q_, k_, v_), dout, allow_unused=True)
+    # total_q = 0: autograd may skip the op's backward (nothing flows); the gradients are 0 then.
+    dq, dk, dv = (torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+    return out.detach(), lse, dq, dk, dv
+
+
+def run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout):
+    """Each sequence alone through flash_attn_func (batch 1), assembled into the packed layout. A
+    sequence without queries or keys gets the contract's values directly (out 0, lse +inf, zero
+    gradients): there is no dense kernel call to compare with."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), device=q.device)
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0 or k1 == k0:
+            continue
+        qb, kb, vb = _leaf(q[q0:q1][None]), _leaf(k[k0:k1][None]), _leaf(v[k0:k1][None])
+        ob, lb = flash_attn_ext.flash_attn_func(qb, kb, vb, causal=causal, return_lse=True)
+        gq, gk, gv = torch.autograd.grad(ob, (qb, kb, vb), dout[q0:q1][None])
+        out[q0:q1], lse[:, q0:q1] = ob[0].detach(), lb[0]
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = gq[0], gk[0], gv[0]
+    return out, lse, dq, dk, dv
+
+
+NAMES = ("out", "softmax_lse", "dq", "dk", "dv")
+
+
+def assert_bitwise(ours, theirs, what):
+    for name, a, b in zip(NAMES, ours, theirs):
+        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)} ({what})"
+        assert not torch.isnan(a).any(), f"{name}: NaN (an element left unwritten?) ({what})"
+        if not torch.equal(a, b):
+            diff = (a.double() - b.double()).abs()
+            diff[torch.isnan(diff)] = 0  # inf - inf where both are +inf
+            bad = (a != b).nonzero()
+            raise AssertionError(f"{name} differs from {what}: {bad.shape[0]} elements, first at "
+                                 f"{tuple(bad[0].tolist())}, max |diff| {diff.max().item():.3e}")
+
+
+def check_reference(q, k, v, cu_q, cu_k, causal, dout, ours):
+    """The accuracy rule (tests/accuracy.py) against the float64 reference, forward and backward."""
+    qr, kr, vr = _leaf(q), _leaf(k), _leaf(v)
+    ref, ref_lse = attention_varlen_ref(qr, kr, vr, cu_q, cu_k, None, causal, upcast=True)
+    base, base_lse = attention_varlen_ref(qr, kr, vr, cu_q, cu_k, None, causal, upcast=False)
+    out, lse, dq, dk, dv = ours
+    check_accuracy("out", out, ref, base)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+    ref_g = torch.autograd.grad(ref, (qr, kr, vr), dout.to(ref.dtype))
+    base_g = torch.autograd.grad(base, (qr, kr, vr), dout)
+    for name, g, rg, bg in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_g, base_g):
+        check_accuracy(name, g, rg, bg)
+
+
+def check_zero_length_contract(lens_q, lens_k, cu_q, cu_k, ours):
+    out, lse, dq, dk, dv = ours
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        if nk == 0 and nq > 0:
+            rows = slice(cq[b], cq[b + 1])
+            assert torch.all(out[rows] == 0), f"sequence {b} has no key: out must be 0"
+            assert torch.all(torch.isposinf(lse[:, rows])), f"sequence {b} has no key: lse must be +inf"
+            assert torch.all(dq[rows] == 0), f"sequence {b} has no key: dq must be 0"
+        if nq == 0 and nk > 0:
+            rows = slice(ck[b], ck[b + 1])
+            assert torch.all(dk[rows] == 0) and torch.all(dv[rows] == 0), f"sequence {b} has no query: dk = dv = 0"
+
+
+def check_varlen_call(lens_q, lens_k, nheads, nheads_k, d, dtype, causal, max_q=None, max_k=None, scale_q=1.0,
+                      reference=True):
+    """The whole check of one packed call: bitwise vs the dense op per sequence, determinism,
+    the zero-length contract and (reference=True) the accuracy rule."""
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, nheads, nheads_k, d, dtype, scale_q)
+    max_q = max(lens_q, default=0) if max_q is None else max_q
+    max_k = max(lens_k, default=0) if max_k is None else max_k
+    dout = torch.randn_like(q)
+    ours = run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, dout)
+    again = run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, dout)
+    assert_bitwise(again, ours, "an identical second call (determinism)")
+    dense = run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout)
+    assert_bitwise(ours, dense, "flash_attn_func on each sequence alone")
+    check_zero_length_contract(lens_q, lens_k, cu_q, cu_k, ours)
+    if reference and q.shape[0] > 0:
+        check_reference(q, k, v, cu_q, cu_k, causal, dout, ours)
+    return ours
+
+
+# (lens_q, lens_k): every row of q and k belongs to a sequence (rows outside every sequence are
+# unspecified on CUDA, so poisoned outputs could not be checked there).
+LENGTHS = {
+    "mixed_small": ([5, 17, 64, 1], [5, 17, 64, 1]),
+    "ragged_tiles": ([200, 37, 129, 64, 255], [200, 37, 129, 64, 255]),
+    "q_ne_k": ([3, 300, 9, 150], [170, 12, 9, 400]),  # both ways; causal rows that see no key
+    "zero_length": ([0, 40, 0, 33, 7, 130], [4, 0, 0, 33, 90, 0]),  # q and/or k empty
+    "one_long": ([1000], [1000]),
+    "no_query": ([0, 0], [16, 5]),  # total_q = 0: dk = dv = 0
+}
+
+
+@pytest.mark.parametrize("case", list(LENGTHS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nheads,nheads_k", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_equals_dense_per_sequence(case, causal, nheads, nheads_k, dtype, poison_empty):
+    require_hdim(128, exact=True)
+    lens_q, lens_k = LENGTHS[case]
+    check_varlen_call(lens_q, lens_k, nheads, nheads_k, 128, dtype, causal)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_head_dims(d, causal, dtype, poison_empty):
+    require_hdim(d, exact=True)
+    check_varlen_call([70, 0, 129, 1, 64], [33, 12, 200, 0, 64], 8, 2, d, dtype, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_max_seqlen_larger_than_needed(causal, d, poison_empty):
+    """Grids sized by max_seqlen: the extra Q tiles / key blocks of every sequence return at once
+    (no store); the result is the exact-max call's, bit for bit."""
+    require_hdim(d, exact=True)
+    lens_q, lens_k = [37, 130, 0, 64], [90, 5, 20, 64]
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 4, 2, d, torch.bfloat16)
+    dout = torch.randn_like(q)
+    exact = run_varlen(q, k, v, cu_q, cu_k, 130, 90, causal, dout)
+    larger = run_varlen(q, k, v, cu_q, cu_k, 130 + 333, 90 + 517, causal, dout)
+    assert_bitwise(larger, exact, "the call with max_seqlen = the longest sequence")
+    dense = run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout)
+    assert_bitwise(larger, dense, "flash_attn_func on each sequence alone")
+
+
+def test_varlen_all_keys_empty(poison_empty):
+    """total_k = 0: every row sees no key (out 0, lse +inf, softmax_stats (+inf, 0), dq 0)."""
+    q, k, v, cu_q, cu_k = _inputs([7, 3], [0, 0], 4, 4, 64, torch.float16)
+    out, lse, stats = torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_q, cu_k, 7, 0, 0.125, False)
+    assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
+    assert torch.all(torch.isposinf(stats[0])) and torch.all(stats[1] == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_stats_of_rows_without_keys(causal, poison_empty):
+    """The raw op's softmax_stats: (+inf, 0) for the rows of a sequence without keys (and, causal,
+    for rows before the bottom-right diagonal), the LSE's two parts elsewhere."""
+    require_hdim(64, exact=True)
+    lens_q, lens_k = [9, 20, 4], [0, 6, 11]
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 4, 4, 64, torch.bfloat16)
+    out, lse, stats = torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_q, cu_k, 20, 11, 0.125, causal)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any() and not torch.isnan(stats).any()
+    empty = torch.isposinf(lse)
+    assert torch.all(empty[:, :9]), "sequence 0 has no key"
+    assert torch.equal(torch.isposinf(stats[0]), empty) and torch.all(stats[1][empty] == 0)
+    assert torch.all(out[:9] == 0)
+    ok = ~empty
+    torch.testing.assert_close((stats[0] + stats[1])[ok].double(), lse[ok].double() * 1.4426950408889634,
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("max_larger", [False, True])
+def test_varlen_many_sequences(causal, max_larger, poison_empty):
+    """300 sequences (more than any GPU's SM count: the sm90 persistent grid walks many units per
+    CTA and skips empty tiles in step), lengths 0..70 drawn independently for q and k."""
+    require_hdim(64, exact=True)
+    rng = random.Random(14)
+    lens_q = [rng.choice([0, 1, 2, 15, 16, 17, 63, 64, 65, 70]) for _ in range(300)]
+    lens_k = [rng.choice([0, 1, 5, 31, 32, 33, 64, 70]) for _ in range(300)]
+    max_q = max(lens_q) + (200 if max_larger else 0)
+    max_k = max(lens_k) + (100 if max_larger else 0)
+    check_varlen_call(lens_q, lens_k, 8, 2, 64, torch.float16, causal, max_q, max_k)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_large_magnitude(causal, poison_empty):
+    """Scores with |max * scale * log2(e)| >= 2^10 take the exact softmax form (forward) and the
+    exact P recompute (backward, precise_rows); the form is chosen per warp, over rows that include
+    rows past a sequence's end: still the dense op's result, bit for bit."""
+    require_hdim(128, exact=True)
+    check_varlen_call([40, 129, 7], [60, 129, 200], 4, 4, 128, torch.bfloat16, causal, scale_q=300.0,
+                      reference=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_issue_shape_16k_tokens_64_sequences(causal, poison_empty):
+    """The issue's shape: 16,384 tokens in 64 sequences of 128..1024 (self-attention), hd128 bf16,
+    GQA 16:4."""
+    require_hdim(128, exact=True)
+    rng = random.Random(1414)
+    lens = [128] * 64
+    lens[0] = 1024
+    extra = 16384 - sum(lens)
+    while extra > 0:
+        i = rng.randrange(1, 64)
+        step = min(extra, rng.choice([1, 7, 64, 128]), 1024 - lens[i])
+        lens[i] += step
+        extra -= step
+    assert sum(lens) == 16384 and min(lens) >= 128 and max(lens) == 1024
+    check_varlen_call(lens, lens, 16, 4, 128, torch.bfloat16, causal)
