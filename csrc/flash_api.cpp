@@ -65,21 +65,17 @@ void check_same_dtype(const Tensor& t, const char* name, const Tensor& q) {
               t.scalar_type(), " but q has dtype ", q.scalar_type(), "; they must match");
 }
 
-void check_last_dim_contiguous(const Tensor& t, const char* name) {
+void check_last_dim_contiguous(const Tensor& t, const char* name, const char* hint = "; call .contiguous() first") {
   TORCH_CHECK(t.stride(-1) == 1, "flash_attn_ext: ", name,
-              " must have a contiguous last dimension (stride(-1) == 1), got strides ",
-              t.strides(), "; call .contiguous() first");
+              " must have a contiguous last dimension (stride(-1) == 1), got strides ", t.strides(), hint);
 }
 
-// The q/k/v checks shared by both ops, in the order: rank, device, dtype, shapes, headdim,
-// strides. `cuda` selects the dtypes allowed.
-Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool cuda) {
-  check_rank4(q, "q", "(batch, seqlen_q, nheads, headdim)");
-  check_rank4(k, "k", "(batch, seqlen_k, nheads_k, headdim)");
-  check_rank4(v, "v", "(batch, seqlen_k, nheads_k, headdim)");
-  check_same_device(k, "k", q);
-  check_same_device(v, "v", q);
-
+// k / v (or the KV cache, named k_name / v_name) on q's device with q's dtype; `cuda` selects the
+// dtypes allowed.
+void check_devices_dtypes(const Tensor& q, const Tensor& k, const Tensor& v, bool cuda, const char* k_name,
+                          const char* v_name) {
+  check_same_device(k, k_name, q);
+  check_same_device(v, v_name, q);
   const auto dt = q.scalar_type();
   if (cuda) {
     TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, "flash_attn_ext: q has dtype ", dt,
@@ -89,25 +85,44 @@ Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softma
                 "flash_attn_ext: q has dtype ", dt,
                 "; CPU supports float32, float64, float16 and bfloat16");
   }
-  check_same_dtype(k, "k", q);
-  check_same_dtype(v, "v", q);
+  check_same_dtype(k, k_name, q);
+  check_same_dtype(v, v_name, q);
+}
 
+// Heads and head dims of q (dim 2, 3 of a 4-D tensor) against k / v: equal head dims, nheads a
+// multiple of nheads_k, a supported head dim.
+void check_heads_headdim(const Tensor& q, const Tensor& k, const Tensor& v, const char* k_name, const char* v_name) {
+  const int64_t nheads = q.size(-2), nheads_k = k.size(-2), headdim = q.size(-1);
+  TORCH_CHECK(v.size(-2) == nheads_k, "flash_attn_ext: ", v_name, " has ", v.size(-2), " heads but ", k_name,
+              " has nheads_k ", nheads_k, "; expected equal");
+  TORCH_CHECK(k.size(-1) == headdim && v.size(-1) == headdim, "flash_attn_ext: headdim mismatch: q has headdim ",
+              headdim, ", ", k_name, " has ", k.size(-1), ", ", v_name, " has ", v.size(-1), "; expected equal");
+  TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0, "flash_attn_ext: nheads (q.size(", q.dim() - 2, ") = ", nheads,
+              ") must be a multiple of nheads_k (", k_name, ".size(", k.dim() - 2, ") = ", nheads_k, ")");
+  TORCH_CHECK(headdim > 0 && headdim % 8 == 0 && headdim <= kMaxHeadDim, "flash_attn_ext: headdim ", headdim,
+              " is not supported; expected a multiple of 8 in [8, ", kMaxHeadDim, "]");
+}
+
+void check_softmax_scale(double softmax_scale) {
+  TORCH_CHECK(std::isfinite(softmax_scale) && std::isfinite(float(softmax_scale * M_LOG2E)),
+              "flash_attn_ext: softmax_scale must be finite with |softmax_scale| * log2(e) < 3.4e38 (float32; "
+              "the kernels scale scores by it), got ", softmax_scale);
+}
+
+// The q/k/v checks of the dense ops, in the order: rank, device, dtype, shapes, headdim,
+// strides, scale. `cuda` selects the dtypes allowed.
+Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool cuda) {
+  check_rank4(q, "q", "(batch, seqlen_q, nheads, headdim)");
+  check_rank4(k, "k", "(batch, seqlen_k, nheads_k, headdim)");
+  check_rank4(v, "v", "(batch, seqlen_k, nheads_k, headdim)");
+  check_devices_dtypes(q, k, v, cuda, "k", "v");
   const Sizes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
   TORCH_CHECK(k.size(0) == s.batch && v.size(0) == s.batch,
               "flash_attn_ext: batch mismatch: q has batch ", s.batch, ", k has ", k.size(0),
               ", v has ", v.size(0), "; expected equal");
   TORCH_CHECK(v.size(1) == s.seqlen_k, "flash_attn_ext: v has seqlen ", v.size(1),
               " but k has seqlen_k ", s.seqlen_k, "; expected equal");
-  TORCH_CHECK(v.size(2) == s.nheads_k, "flash_attn_ext: v has ", v.size(2), " heads but k has nheads_k ",
-              s.nheads_k, "; expected equal");
-  TORCH_CHECK(k.size(3) == s.headdim && v.size(3) == s.headdim,
-              "flash_attn_ext: headdim mismatch: q has headdim ", s.headdim, ", k has ", k.size(3),
-              ", v has ", v.size(3), "; expected equal");
-  TORCH_CHECK(s.nheads_k > 0 && s.nheads % s.nheads_k == 0, "flash_attn_ext: nheads (q.size(2) = ",
-              s.nheads, ") must be a multiple of nheads_k (k.size(2) = ", s.nheads_k, ")");
-  TORCH_CHECK(s.headdim > 0 && s.headdim % 8 == 0 && s.headdim <= kMaxHeadDim,
-              "flash_attn_ext: headdim ", s.headdim, " is not supported; expected a multiple of 8 in [8, ",
-              kMaxHeadDim, "]");
+  check_heads_headdim(q, k, v, "k", "v");
   const int64_t int_max = std::numeric_limits<int>::max();
   TORCH_CHECK(s.batch <= int_max && s.seqlen_q <= int_max && s.seqlen_k <= int_max,
               "flash_attn_ext: batch and seqlen must fit in int32, got q shape ", q.sizes(),
@@ -115,9 +130,7 @@ Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softma
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
-  TORCH_CHECK(std::isfinite(softmax_scale) && std::isfinite(float(softmax_scale * M_LOG2E)),
-              "flash_attn_ext: softmax_scale must be finite with |softmax_scale| * log2(e) < 3.4e38 (float32; "
-              "the kernels scale scores by it), got ", softmax_scale);
+  check_softmax_scale(softmax_scale);
   return s;
 }
 
@@ -322,8 +335,12 @@ VarlenSizes check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, cons
   check_rank3(v, "v", "(total_k, nheads_k, headdim)");
   TORCH_CHECK(v.size(0) == k.size(0), "flash_attn_ext: v has ", v.size(0), " rows but k has total_k = ", k.size(0),
               "; expected equal");
-  // The dense checks (device, dtype, heads, headdim, strides, scale) on a batch-1 view.
-  check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, cuda);
+  check_devices_dtypes(q, k, v, cuda, "k", "v");
+  check_heads_headdim(q, k, v, "k", "v");
+  check_last_dim_contiguous(q, "q");
+  check_last_dim_contiguous(k, "k");
+  check_last_dim_contiguous(v, "v");
+  check_softmax_scale(softmax_scale);
   check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q);
   check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q);
   TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "flash_attn_ext: cu_seqlens_q has ",
@@ -501,19 +518,18 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
     TORCH_CHECK(k_cache.size(0) == batch, "flash_attn_ext: k_cache has batch ", k_cache.size(0), " but q has batch ",
                 batch, "; expected equal (or pass block_table for a paged cache)");
   }
-  // The dense checks (devices, dtypes, heads, headdim, strides, scale) on q against one sequence's cache view.
-  const Tensor k_view = ks.paged ? k_cache.narrow(0, 0, 1).expand({batch, ks.page_size, k_cache.size(2), k_cache.size(3)})
-                                 : k_cache;
-  const Tensor v_view = ks.paged ? v_cache.narrow(0, 0, 1).expand({batch, ks.page_size, v_cache.size(2), v_cache.size(3)})
-                                 : v_cache;
-  if (batch > 0 && (!ks.paged || ks.num_blocks > 0)) {
-    check_qkv(q, k_view, v_view, softmax_scale, cuda);
-  } else {
-    check_same_device(k_cache, "k_cache", q);
-    check_same_device(v_cache, "v_cache", q);
-    check_same_dtype(k_cache, "k_cache", q);
-    check_same_dtype(v_cache, "v_cache", q);
-  }
+  check_devices_dtypes(q, k_cache, v_cache, cuda, "k_cache", "v_cache");
+  check_heads_headdim(q, k_cache, v_cache, "k_cache", "v_cache");
+  TORCH_CHECK(batch <= std::numeric_limits<int>::max() && q.size(1) <= std::numeric_limits<int>::max() &&
+                  k_cache.size(1) <= std::numeric_limits<int>::max(),
+              "flash_attn_ext: batch and seqlen must fit in int32, got q shape ", q.sizes(), ", k_cache shape ",
+              k_cache.sizes());
+  check_last_dim_contiguous(q, "q");
+  const char* in_place = "; the cache is written in place, so it cannot be copied: allocate it with a contiguous "
+                         "last dimension";
+  check_last_dim_contiguous(k_cache, "k_cache", in_place);
+  check_last_dim_contiguous(v_cache, "v_cache", in_place);
+  check_softmax_scale(softmax_scale);
   ks.s = Sizes{batch, q.size(1), ks.paged ? ks.max_blocks * ks.page_size : k_cache.size(1), q.size(2), k_cache.size(2),
                q.size(3)};
   if (cache_seqlens.has_value() && cache_seqlens->defined()) {
@@ -542,6 +558,13 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
     TORCH_CHECK(v->size(1) == k->size(1), "flash_attn_ext: v has seqlen_new ", v->size(1), " but k has ", k->size(1),
                 "; expected equal");
     ks.seqlen_new = k->size(1);
+    for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
+      for (int64_t d = 0; d < 3; ++d) {
+        TORCH_CHECK(t.stride(d) != 0 || t.size(d) <= 1, "flash_attn_ext: ", name, " has stride 0 in dim ", d,
+                    " (an expanded view): appending k / v would write one cache row for several; pass a cache "
+                    "with its own storage per row");
+      }
+    }
   }
   TORCH_CHECK(num_splits >= 0 && num_splits <= flash::kMaxSplits, "flash_attn_ext: num_splits must be in [0, ",
               flash::kMaxSplits, "] (0: chosen from the shapes), got ", num_splits);
@@ -568,31 +591,36 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
   const bool has_seqlens = cache_seqlens.has_value() && cache_seqlens->defined();
   Tensor out = torch::empty(q.sizes(), q.options());
   Tensor lse = torch::empty({s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
+  // Every value is checked before the first append (an error leaves the cache as it was).
+  std::vector<std::vector<int>> table(s.batch);
+  std::vector<int64_t> cached(s.batch, s.seqlen_k);
   for (int64_t b = 0; b < s.batch; ++b) {
-    std::vector<int> table_row;
-    if (ks.paged) {
-      const auto bt = block_table->accessor<int, 2>();
-      for (int64_t j = 0; j < ks.max_blocks; ++j) table_row.push_back(bt[b][j]);
+    if (has_seqlens) cached[b] = cache_seqlens->accessor<int, 1>()[b];
+    TORCH_CHECK(cached[b] >= 0 && cached[b] + ks.seqlen_new <= s.seqlen_k, "flash_attn_ext: cache_seqlens[", b,
+                "] = ", cached[b], " plus seqlen_new = ", ks.seqlen_new, " exceeds the cache's ", s.seqlen_k,
+                " rows per sequence");
+    if (!ks.paged) continue;
+    const auto bt = block_table->accessor<int, 2>();
+    for (int64_t j = 0; j < ks.max_blocks; ++j) table[b].push_back(bt[b][j]);
+    for (int64_t j = 0; j * ks.page_size < cached[b] + ks.seqlen_new; ++j) {
+      TORCH_CHECK(table[b][j] >= 0 && table[b][j] < ks.num_blocks, "flash_attn_ext: block_table[", b, ", ", j,
+                  "] = ", table[b][j], " is outside [0, num_blocks = ", ks.num_blocks, ")");
     }
-    const int64_t cached = has_seqlens ? cache_seqlens->accessor<int, 1>()[b] : s.seqlen_k;
-    TORCH_CHECK(cached >= 0 && cached + ks.seqlen_new <= s.seqlen_k, "flash_attn_ext: cache_seqlens[", b, "] = ", cached,
-                " plus seqlen_new = ", ks.seqlen_new, " exceeds the cache's ", s.seqlen_k, " rows per sequence");
-    const int64_t len_k = cached + ks.seqlen_new;
-    for (int64_t j = 0; ks.paged && j * ks.page_size < len_k; ++j) {
-      TORCH_CHECK(table_row[j] >= 0 && table_row[j] < ks.num_blocks, "flash_attn_ext: block_table[", b, ", ", j,
-                  "] = ", table_row[j], " is outside [0, num_blocks = ", ks.num_blocks, ")");
-    }
+  }
+  for (int64_t b = 0; b < s.batch; ++b) {
     // Append the new keys / values at rows cached .. cached + seqlen_new (in place).
     for (int64_t i = 0; i < ks.seqlen_new; ++i) {
-      const int64_t r = cached + i;
-      const int64_t blk = ks.paged ? table_row[r / ks.page_size] : b, row = ks.paged ? r % ks.page_size : r;
+      const int64_t r = cached[b] + i;
+      const int64_t blk = ks.paged ? table[b][r / ks.page_size] : b, row = ks.paged ? r % ks.page_size : r;
       k_cache[blk][row].copy_((*k)[b][i]);
       v_cache[blk][row].copy_((*v)[b][i]);
     }
-    if (s.seqlen_q == 0) continue;
+  }
+  for (int64_t b = 0; b < s.batch && s.seqlen_q > 0; ++b) {
+    const int64_t len_k = cached[b] + ks.seqlen_new;
     const auto [o_b, lse_b, stats_b] =
-        forward_cpu(q.narrow(0, b, 1), cache_rows(k_cache, ks, table_row, b, len_k).unsqueeze(0),
-                    cache_rows(v_cache, ks, table_row, b, len_k).unsqueeze(0), softmax_scale, causal);
+        forward_cpu(q.narrow(0, b, 1), cache_rows(k_cache, ks, table[b], b, len_k).unsqueeze(0),
+                    cache_rows(v_cache, ks, table[b], b, len_k).unsqueeze(0), softmax_scale, causal);
     out[b].copy_(o_b[0]);
     lse[b].copy_(lse_b[0]);
   }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -88,6 +89,17 @@ def flash_attn_func(
 
 
 
+def _as_int(name: str, value) -> int:
+    """``value`` as a Python int (ints and integer scalars such as numpy.int64; not floats, not
+    bool), or TypeError naming ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"flash_attn_ext: {name} must be an int, got a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"flash_attn_ext: {name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,8 +149,8 @@ def flash_attn_varlen_func(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale),
-        bool(causal))
+        q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
+        _as_int("max_seqlen_k", max_seqlen_k), float(softmax_scale), bool(causal))
     return (out, softmax_lse) if return_lse else out
 
 
@@ -196,8 +208,11 @@ def flash_attn_with_kvcache(
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        n = _as_int("cache_seqlens", cache_seqlens)
+        if not 0 <= n < 2**31:
+            raise RuntimeError(f"flash_attn_ext: cache_seqlens = {n} must be in [0, 2^31) (int32)")
+        cache_seqlens = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, float(softmax_scale), bool(causal), int(num_splits))
     return (out, softmax_lse) if return_lse else out

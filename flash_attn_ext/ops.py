@@ -319,13 +319,21 @@ def _needs_autograd(tensors) -> bool:
     return False
 
 
+_VARLEN_FUNCTORCH_MSG = (
+    "flash_attn_ext: torch.func transforms (grad, vjp, jvp, jacrev, jacfwd) of flash_attn_varlen_func "
+    "(torch.ops.flash_attn_ext.{}) are not supported: an autograd kernel inside the dispatcher cannot "
+    "reach torch.func's autograd.Function support. Use plain autograd (loss.backward(), "
+    "torch.autograd.grad) for packed sequences, or flash_attn_func on padded batches under torch.func.")
+
+
 def _autograd_kernel(name, function):
     op = getattr(torch.ops.flash_attn_ext, name).default
+    functorch_msg = _VARLEN_FUNCTORCH_MSG if name.startswith("varlen") else _RAW_OP_FUNCTORCH_MSG
 
     def kernel(*args):
         if _needs_autograd(args):
             if torch._C._are_functorch_transforms_active():
-                raise NotImplementedError(_RAW_OP_FUNCTORCH_MSG.format(name))
+                raise NotImplementedError(functorch_msg.format(name))
             return function.apply(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
@@ -442,7 +450,7 @@ and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiabl
 @torch.library.register_fake("flash_attn_ext::varlen_forward")
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                          causal):
-    _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_fake_scale(softmax_scale)
     total_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -454,7 +462,7 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 @torch.library.register_fake("flash_attn_ext::varlen_backward")
 def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, softmax_scale, causal, softmax_stats=None):
-    _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_fake_scale(softmax_scale)
     if dout.shape != q.shape or out.shape != q.shape:
         raise RuntimeError(f"flash_attn_ext: dout {tuple(dout.shape)} and out {tuple(out.shape)} must "
@@ -471,19 +479,63 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
 @torch.library.register_fake("flash_attn_ext::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                       num_splits):
+    """The shape/dtype/device checks of csrc/flash_api.cpp's check_kvcache (not the values, which a
+    real CUDA call does not read either), then the output shapes."""
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise RuntimeError(f"flash_attn_ext: q {tuple(q.shape)} must be (batch, seqlen_q, nheads, headdim) "
                            f"and k_cache / v_cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)} 4-D and "
                            "equal")
+    batch = q.shape[0]
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device != q.device or t.dtype != q.dtype:
+            raise RuntimeError(f"flash_attn_ext: {name} is {t.dtype} on {t.device} but q is {q.dtype} on "
+                               f"{q.device}; expected equal")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise RuntimeError(f"flash_attn_ext: q has dtype {q.dtype}; supported: float16, bfloat16 "
+                           "(CUDA and CPU), float32, float64 (CPU)")
+    if k_cache.shape[3] != q.shape[3] or k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2] != 0:
+        raise RuntimeError(f"flash_attn_ext: q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: expected "
+                           "equal head dims and nheads a multiple of nheads_k")
+    headdim = q.shape[3]
+    if headdim <= 0 or headdim % 8 != 0 or headdim > _MAX_HEADDIM:
+        raise RuntimeError(f"flash_attn_ext: headdim {headdim} is not supported; expected a multiple of 8 in "
+                           f"[8, {_MAX_HEADDIM}]")
+    if block_table is not None:
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise RuntimeError(f"flash_attn_ext: block_table has shape {tuple(block_table.shape)} and dtype "
+                               f"{block_table.dtype}; expected (batch, max_blocks) int32")
+        if k_cache.shape[1] <= 0 or k_cache.shape[1] % 16 != 0:
+            raise RuntimeError(f"flash_attn_ext: paged k_cache has page_size {k_cache.shape[1]}; expected a "
+                               "positive multiple of 16")
+    elif k_cache.shape[0] != batch:
+        raise RuntimeError(f"flash_attn_ext: k_cache has batch {k_cache.shape[0]} but q has batch {batch}")
+    if cache_seqlens is not None and (cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,)):
+        raise RuntimeError(f"flash_attn_ext: cache_seqlens has shape {tuple(cache_seqlens.shape)} and dtype "
+                           f"{cache_seqlens.dtype}; expected (batch,) int32")
+    if (k is None) != (v is None):
+        raise RuntimeError("flash_attn_ext: k and v (the new keys and values) must be given together")
+    if k is not None and cache_seqlens is None:
+        raise RuntimeError("flash_attn_ext: k / v (new keys) need cache_seqlens")
+    if k is not None and (k.shape != v.shape or k.dim() != 4 or k.shape[0] != batch
+                          or k.shape[2:] != k_cache.shape[2:]):
+        raise RuntimeError(f"flash_attn_ext: k / v have shapes {tuple(k.shape)} / {tuple(v.shape)}; expected "
+                           f"(batch, seqlen_new, nheads_k, headdim) = ({batch}, seqlen_new, "
+                           f"{k_cache.shape[2]}, {k_cache.shape[3]})")
+    if not 0 <= num_splits <= 128:
+        raise RuntimeError(f"flash_attn_ext: num_splits must be in [0, 128] (0: chosen from the shapes), got "
+                           f"{num_splits}")
     _check_fake_scale(softmax_scale)
-    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_q, nheads = q.shape[1], q.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     return out, softmax_lse
 
 
-def _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
+def _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """csrc/flash_api.cpp's varlen shape checks, for the fake kernels."""
+    if not (0 <= max_seqlen_q < 2**31 and 0 <= max_seqlen_k < 2**31):
+        raise RuntimeError(f"flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31), got "
+                           f"{max_seqlen_q} and {max_seqlen_k}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise RuntimeError(f"flash_attn_ext: {name} must be 3-D (total, heads, headdim) (packed varlen), "
@@ -523,6 +575,12 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
             dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, softmax_stats)
         return dq, dk, dv, None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            "flash_attn_ext: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) of "
+            "flash_attn_varlen_func is not implemented; flash_attn_func supports it on padded batches")
 
 
 class FlashAttnVarlenBackwardFunction(torch.autograd.Function):

@@ -142,3 +142,76 @@ def test_kvcache_opcheck_and_compile():
     ref = step(args["q"], args["k_cache"], args["v_cache"], k_new, v_new, args["cache_seqlens"], args["block_table"])
     assert torch.equal(out, ref)
     assert torch.equal(kc, args["k_cache"]) and torch.equal(vc, args["v_cache"])  # the compiled append happened too
+
+
+def test_kvcache_paged_zero_blocks_and_batch_zero_checks():
+    """A paged cache without blocks is a valid (empty) cache; batch 0 still checks the shapes."""
+    q = torch.randn(2, 1, 2, 16)
+    empty = torch.randn(0, 16, 2, 16)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, empty, empty.clone(), cache_seqlens=torch.zeros(2, dtype=torch.int32),
+                                                      block_table=torch.zeros(2, 1, dtype=torch.int32), return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
+    with pytest.raises(RuntimeError, match="headdim mismatch: q has headdim 16, k_cache has 8"):
+        flash_attn_ext.flash_attn_with_kvcache(q[:0], torch.randn(0, 4, 2, 8), torch.randn(0, 4, 2, 8))
+
+
+def test_kvcache_failed_call_leaves_cache_untouched():
+    """Every value is checked before the append: an error leaves the cache as it was."""
+    for paged in (False, True):
+        args = _args(paged)
+        before = args["k_cache"].clone(), args["v_cache"].clone()
+        k_new = v_new = torch.ones(2, 1, 2, 16)
+        if paged:
+            args["block_table"][1, 0] = 99
+        else:
+            args["cache_seqlens"] = torch.tensor([0, 32], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="block_table|cache_seqlens"):
+            flash_attn_ext.flash_attn_with_kvcache(k=k_new, v=v_new, **args)
+        assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(k_cache=a["k_cache"].double(), v_cache=a["v_cache"].double()), "k_cache has dtype"),
+    (lambda a: a.update(k_cache=a["k_cache"].transpose(1, 3), v_cache=a["v_cache"].transpose(1, 3)),
+     "headdim mismatch: q has headdim 16, k_cache has 32"),
+    (lambda a: a.update(k_cache=a["k_cache"][..., ::2], v_cache=a["v_cache"][..., ::2]),
+     "headdim mismatch"),
+    (lambda a: a.update(k_cache=a["k_cache"].transpose(2, 3).contiguous().transpose(2, 3),
+                        v_cache=a["v_cache"].transpose(2, 3).contiguous().transpose(2, 3)),
+     "k_cache must have a contiguous last dimension .* written in place"),
+    (lambda a: a.update(k_cache=a["k_cache"][:1].expand(2, -1, -1, -1), v_cache=a["v_cache"][:1].expand(2, -1, -1, -1),
+                        k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16)), "k_cache has stride 0"),
+])
+def test_kvcache_errors_name_the_cache(change, match):
+    args = _args()
+    change(args)
+    with pytest.raises(RuntimeError, match=match):
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+
+
+def test_kvcache_scalar_cache_seqlens():
+    args = _args()
+    args["cache_seqlens"] = 2**40
+    with pytest.raises(RuntimeError, match=r"cache_seqlens = 1099511627776 must be in \[0, 2\^31\)"):
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+    args["cache_seqlens"] = 2.5
+    with pytest.raises(TypeError, match="cache_seqlens must be an int"):
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+
+
+@pytest.mark.parametrize("change", [
+    lambda a: a.update(k=torch.randn(2, 1, 2, 16)),                   # k without v
+    lambda a: a.update(q=torch.randn(2, 1, 3, 16)),                   # 3 heads over 2 kv heads
+    lambda a: a.update(num_splits=500),
+    lambda a: a.update(q=torch.randn(2, 1, 4, 12), k_cache=torch.randn(2, 32, 2, 12),
+                       v_cache=torch.randn(2, 32, 2, 12)),            # head dim 12
+])
+def test_kvcache_fake_kernel_checks_like_the_op(change):
+    """The meta (fake) kernel refuses what the op refuses (torch.compile / FakeTensor tracing)."""
+    args = _args()
+    change(args)
+    with pytest.raises(RuntimeError):
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+    meta = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    with pytest.raises(RuntimeError):
+        flash_attn_ext.flash_attn_with_kvcache(**meta)

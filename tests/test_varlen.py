@@ -143,3 +143,28 @@ def test_varlen_torch_compile_fullgraph(backend):
     torch.testing.assert_close(loss, ref_loss)
     for g, rg in zip(grads, ref_grads):
         torch.testing.assert_close(g, rg)
+
+
+def test_varlen_arguments_are_ints_and_fake_checks_max_seqlen():
+    args = _args()
+    args["max_seqlen_q"] = 5.9
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+        flash_attn_ext.flash_attn_varlen_func(**args)
+    args = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in _args().items()}
+    args["max_seqlen_q"] = -1
+    with pytest.raises(RuntimeError, match="max_seqlen_q and max_seqlen_k must be in"):
+        flash_attn_ext.flash_attn_varlen_func(**args)
+
+
+def test_varlen_transforms_give_clear_errors():
+    q, k, v, cu_q, cu_k = make_varlen([3, 5], [3, 5], 2, 2, 16, torch.float32, requires_grad=False)
+
+    def loss(q):
+        return flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5).sum()
+
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func .* not supported"):
+        torch.func.grad(loss)(q)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="forward-mode AD .* flash_attn_varlen_func"):
+            flash_attn_ext.flash_attn_varlen_func(dual, k, v, cu_q, cu_k, 5, 5)
