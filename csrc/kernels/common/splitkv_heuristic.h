@@ -33,13 +33,27 @@ inline int splitkv_smem_per_sm(int arch) {
 // longest possible sequence (params.seqlen_k: more splits get no keys), and >= 8 key tiles per
 // split (a split's prologue, merge and the combine must pay for themselves: H200, hd128 32:8, B1
 // Nk 8k ran at 1.57 TB/s with 48 splits of 2-3 tiles, 1.67 with 16 of 8; docs/PERF_NOTES.md).
+// CTAs of the unsplit grid (sequence, kv head, 16-row packed tile), and the GPU's CTA slots.
+inline int64_t splitkv_unsplit_ctas(const Flash_fwd_params& params) {
+  const int64_t ratio = std::max(params.h / std::max(params.h_k, 1), 1);
+  return int64_t(params.b) * params.h_k * ((int64_t(params.seqlen_q) * ratio + 15) / 16);
+}
+inline int64_t splitkv_slots(const Flash_fwd_params& params, int smem_bytes, int min_blocks) {
+  const int per_sm = std::max(1, std::min(min_blocks, splitkv_smem_per_sm(params.arch) / (smem_bytes + 1024)));
+  return int64_t(params.num_sms) * per_sm;
+}
+
+// Whether the split grid fills at least half the GPU's CTA slots: bulk copies (one TMA-unit copy
+// per K/V row) then stream ~3 % faster than cp.async, but below it (B1 decode with few splits) the
+// extra latency per CTA shows (H200, hd128 32:8 B1 Nk 8k, 16 splits: 1.41 vs 1.64 TB/s).
+inline bool splitkv_grid_fills_gpu(const Flash_fwd_params& params, int smem_bytes, int min_blocks) {
+  return 2 * splitkv_unsplit_ctas(params) * std::max(params.num_splits, 1) >= splitkv_slots(params, smem_bytes, min_blocks);
+}
+
 inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks) {
   if (params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 || params.num_sms <= 0) return 1;
-  const int64_t ratio = std::max(params.h / params.h_k, 1);
-  const int64_t row_tiles = (int64_t(params.seqlen_q) * ratio + 15) / 16;
-  const int64_t ctas = int64_t(params.b) * params.h_k * row_tiles;
-  const int per_sm = std::max(1, std::min(min_blocks, splitkv_smem_per_sm(params.arch) / (smem_bytes + 1024)));
-  const int64_t slots = int64_t(params.num_sms) * per_sm;
+  const int64_t ctas = splitkv_unsplit_ctas(params);
+  const int64_t slots = splitkv_slots(params, smem_bytes, min_blocks);
   if (ctas >= 4 * slots) return 1;
   const int64_t key_tiles = (int64_t(params.seqlen_k) + block_n - 1) / block_n;
   const int64_t max_splits =

@@ -59,6 +59,8 @@ struct SplitKvTileShape {
   static constexpr bool kQInRegs = kQInRegs_;
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr bool kEvictFirst = kEvictFirst_, kBulkCopy = kBulkCopy_;
+  // The same row with cp.async copies (the launch picks it where bulk copies do not pay).
+  using WithoutBulk = SplitKvTileShape<kBlockN_, kNWarps_, kStages_, kQInRegs_, kMinBlocks_, kEvictFirst_, false>;
   // Dynamic shared memory of the kernel for 16-bit elements: the Q tile and kStages (K, V) tile
   // pairs, rows padded to head_dim + 8 elements (sm80/kernel_common.cuh: SmemTile). Host code
   // (the split heuristic) sizes CTAs per SM from it; the kernel's traits assert they agree.

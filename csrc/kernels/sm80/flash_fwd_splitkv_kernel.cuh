@@ -28,6 +28,7 @@
 
 #include <atomic>
 
+#include "kernels/common/splitkv_heuristic.h"
 #include "kernels/common/splitkv_work.cuh"
 #include "kernels/sm80/kernel_common.cuh"  // everything an sm80 kernel uses
 #include "primitives/barrier.cuh"          // mbarriers of the bulk-copy ring, grid dependency control
@@ -358,8 +359,15 @@ namespace flash {
 // params.d_rounded.
 template <typename Element, int kHeadDim>
 void run_mha_fwd_splitkv_(Sm80, Flash_fwd_params& params, cudaStream_t stream) {
+  using Row = sm80::SplitKvTile<kHeadDim>;
   using Traits = sm80::SplitKvKernelTraits<Element, kHeadDim>;
   static_assert(Traits::kSmemBytes <= sm80::kMaxSmem, "split-KV tile row exceeds sm_80 shared memory");
+  if constexpr (Row::kBulkCopy) {  // bulk copies only where the grid fills the GPU (splitkv_heuristic.h)
+    if (!splitkv_grid_fills_gpu(params, Row::smem_bytes(kHeadDim), Row::kMinBlocks)) {
+      sm80::launch_fwd_splitkv<sm80::SplitKvKernelTraits<Element, kHeadDim, typename Row::WithoutBulk>>(params, stream);
+      return;
+    }
+  }
   sm80::launch_fwd_splitkv<Traits>(params, stream);
 }
 

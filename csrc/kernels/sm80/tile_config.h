@@ -72,7 +72,9 @@ template <> struct DqTile<256> : DqTileShape< 64,  32,    16,    true> {};
 // H200 (`python benchmarks/tune_kernels.py splitkv:128:...`, issue 14's decode cases, TB/s B1 8k /
 // B1 128k / B8 32k / B64 8k / B64 32k; docs/PERF_NOTES.md): this row with cp.async 1.57 / 3.52 /
 // 3.76 / 3.86 / 4.10, with bulk copies (cp.async.bulk per row, sm_90; sm_80 builds keep cp.async)
-// 1.54 / 3.57 / 3.81 / 3.96 / 4.25 (chosen); without evict-first 1.39 / 3.27 / 3.49 / 3.57 / 3.66;
+// 1.54 / 3.57 / 3.81 / 3.96 / 4.25 (chosen where the grid fills half the GPU's CTA slots; below
+// that the launch runs the row's cp.async variant: B1 8k at 16 splits 1.64 vs 1.41, benchmark
+// 1.71); without evict-first 1.39 / 3.27 / 3.49 / 3.57 / 3.66;
 // 3-4 stages, 32- or 128-key tiles, 2 or 8 warps: within 3 % or slower. Other head dims: by
 // analogy, not measured. Shared memory = (16 + 2 kStages kBlockN) (d + 8) 2 B:
 // d32 61 KB, d64 74 KB, d96 81 KB, d128 72 KB, d192 106 KB, d256 140 KB.
