@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -668,6 +669,14 @@ void run_on_stream(void (*dispatch)(Params&, cudaStream_t), Params& params) {
   }
 }
 
+// The compiled head dim and the device's facts into params, then run_on_stream.
+template <typename Params>
+void launch_on_device(void (*dispatch)(Params&, cudaStream_t), Params& params, int d_rounded, int device) {
+  params.d_rounded = d_rounded;
+  set_device_facts(params, device);
+  run_on_stream(dispatch, params);
+}
+
 // The backward's workspaces (flash.h; FA2 Alg. 2 line 5, written by the preprocess kernel): D,
 // LSE_log2 = hi + lo as three float32 planes of shape `plane`, and one precise_rows flag per 128
 // rows, (batch, nheads, seqlen_q_rounded / 128) int32. Returned to keep them alive over the launch.
@@ -711,9 +720,7 @@ FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, 
 
   flash::Flash_fwd_params params;
   set_fwd_params(params, s, q, k, v, out, lse, stats, scale, causal);
-  params.d_rounded = d_rounded;
-  set_device_facts(params, q.get_device());
-  run_on_stream(flash::run_mha_fwd, params);
+  launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
 }
 
@@ -742,13 +749,11 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   const Tensor lse = softmax_lse.contiguous();
   flash::Flash_bwd_params params;
   set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, causal);
-  params.d_rounded = d_rounded;
   // Workspaces (b, h, seqlen_q rounded up to 128) per plane.
   const int64_t seqlen_q_rounded = (s.seqlen_q + 127) / 128 * 128;
   const auto workspaces = set_bwd_workspaces(params, {s.batch, s.nheads, seqlen_q_rounded}, s.batch, s.nheads,
                                              seqlen_q_rounded, q);
-  set_device_facts(params, q.get_device());
-  run_on_stream(flash::run_mha_bwd, params);
+  launch_on_device(flash::run_mha_bwd, params, d_rounded, q.get_device());
   scale_dq_back(dq, softmax_scale);
   return {dq, dk, dv};
 }
@@ -812,9 +817,7 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   set_fwd_params(params, dense, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse, stats, scale,
                  causal);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  params.d_rounded = d_rounded;
-  set_device_facts(params, q.get_device());
-  run_on_stream(flash::run_mha_fwd, params);
+  launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
 }
 
@@ -852,14 +855,12 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
                  lse, stats, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), scale, causal);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.dout = view_packed(dout), params.dq = view_packed(dq), params.dk = view_packed(dk), params.dv = view_packed(dv);
-  params.d_rounded = d_rounded;
   // Workspaces (flash.h): (nheads, varlen_ws_rows) per plane; precise_rows per 128 rows of
   // max_seqlen_q per (sequence, head).
   const int64_t seqlen_q_rounded = (max_seqlen_q + 127) / 128 * 128;
   const auto workspaces = set_bwd_workspaces(params, {s.nheads, flash::varlen_ws_rows(s.total_q, s.batch)}, s.batch,
                                              s.nheads, seqlen_q_rounded, q);
-  set_device_facts(params, q.get_device());
-  run_on_stream(flash::run_mha_bwd, params);
+  launch_on_device(flash::run_mha_bwd, params, d_rounded, q.get_device());
   scale_dq_back(dq, softmax_scale);
   return {dq, dk, dv};
 }
@@ -919,56 +920,39 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
 
 #else  // CPU-only build: CUDA tensors get a clear error instead of the dispatcher's.
 
-void no_cuda() {
+// A mixed CPU/CUDA call is a device error first (naming the tensor), then the build's.
+void no_cuda(const Tensor& q, std::initializer_list<std::pair<const Tensor&, const char*>> others) {
+  for (const auto& [t, name] : others) check_same_device(t, name, q);
   TORCH_CHECK(false, "flash_attn_ext: this build has no CUDA kernels (built with FLASH_ATTN_EXT_CUDA_ARCHS=none "
                      "or without nvcc / a CUDA-enabled torch); rebuild with CUDA to run on a GPU");
 }
 FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool) {
-  check_same_device(k, "k", q);  // a mixed CPU/CUDA call is a device error first
-  check_same_device(v, "v", q);
-  no_cuda();
+  no_cuda(q, {{k, "k"}, {v, "v"}});
   return {};
 }
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                  const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                  double, bool, const c10::optional<Tensor>&) {
-  check_same_device(dout, "dout", q);
-  check_same_device(k, "k", q);
-  check_same_device(v, "v", q);
-  check_same_device(out, "out", q);
-  check_same_device(softmax_lse, "softmax_lse", q);
-  no_cuda();
+  no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
 }
-
 FwdOut varlen_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                            const Tensor& cu_seqlens_k, int64_t, int64_t, double, bool) {
-  check_same_device(k, "k", q);
-  check_same_device(v, "v", q);
-  check_same_device(cu_seqlens_q, "cu_seqlens_q", q);
-  check_same_device(cu_seqlens_k, "cu_seqlens_k", q);
-  no_cuda();
+  no_cuda(q, {{k, "k"}, {v, "v"}, {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}});
   return {};
 }
 std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                         const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                         const Tensor&, const Tensor&, int64_t, int64_t, double, bool,
                                                         const c10::optional<Tensor>&) {
-  check_same_device(dout, "dout", q);
-  check_same_device(k, "k", q);
-  check_same_device(v, "v", q);
-  check_same_device(out, "out", q);
-  check_same_device(softmax_lse, "softmax_lse", q);
-  no_cuda();
+  no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
 }
 std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&, double, bool,
                                             int64_t) {
-  check_same_device(k_cache, "k_cache", q);
-  check_same_device(v_cache, "v_cache", q);
-  no_cuda();
+  no_cuda(q, {{k_cache, "k_cache"}, {v_cache, "v_cache"}});
   return {};
 }
 
@@ -997,21 +981,18 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "Tensor? block_table, float softmax_scale, bool causal, int num_splits) -> (Tensor out, Tensor softmax_lse)");
 }
 
-TORCH_LIBRARY_IMPL(flash_attn_ext, CPU, m) {
-  m.impl("forward", &forward_cpu);
-  m.impl("backward", &backward_cpu);
-  m.impl("varlen_forward", &varlen_forward_cpu);
-  m.impl("varlen_backward", &varlen_backward_cpu);
-  m.impl("fwd_kvcache", &fwd_kvcache_cpu);
-}
-
-TORCH_LIBRARY_IMPL(flash_attn_ext, CUDA, m) {
-  m.impl("forward", &forward_cuda);
-  m.impl("backward", &backward_cuda);
-  m.impl("varlen_forward", &varlen_forward_cuda);
-  m.impl("varlen_backward", &varlen_backward_cuda);
-  m.impl("fwd_kvcache", &fwd_kvcache_cuda);
-}
+// Every op's kernel for one dispatch key: the CPU and CUDA functions differ by their suffix only.
+#define FLASH_ATTN_EXT_IMPLS(KEY, suffix)                      \
+  TORCH_LIBRARY_IMPL(flash_attn_ext, KEY, m) {                 \
+    m.impl("forward", &forward_##suffix);                      \
+    m.impl("backward", &backward_##suffix);                    \
+    m.impl("varlen_forward", &varlen_forward_##suffix);        \
+    m.impl("varlen_backward", &varlen_backward_##suffix);      \
+    m.impl("fwd_kvcache", &fwd_kvcache_##suffix);              \
+  }
+FLASH_ATTN_EXT_IMPLS(CPU, cpu)
+FLASH_ATTN_EXT_IMPLS(CUDA, cuda)
+#undef FLASH_ATTN_EXT_IMPLS
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =

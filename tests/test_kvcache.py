@@ -107,6 +107,17 @@ def _args(paged=False):
     (True, lambda a: a["block_table"].fill_(99), r"block_table\[0, 0\] = 99 is outside"),
     (True, lambda a: a.update(k_cache=a["k_cache"][:, :8], v_cache=a["v_cache"][:, :8]), "page_size 8"),
     (False, lambda a: a.update(v_cache=a["v_cache"][:, :16]), "v_cache has shape"),
+    # errors about the cache name it (k / v are the new keys), with its own strides
+    (False, lambda a: a.update(k_cache=a["k_cache"].double(), v_cache=a["v_cache"].double()), "k_cache has dtype"),
+    (False, lambda a: a.update(k_cache=a["k_cache"].transpose(1, 3), v_cache=a["v_cache"].transpose(1, 3)),
+     "headdim mismatch: q has headdim 16, k_cache has 32"),
+    (False, lambda a: a.update(k_cache=a["k_cache"][..., ::2], v_cache=a["v_cache"][..., ::2]),
+     "headdim mismatch"),
+    (False, lambda a: a.update(k_cache=a["k_cache"].transpose(2, 3).contiguous().transpose(2, 3),
+                        v_cache=a["v_cache"].transpose(2, 3).contiguous().transpose(2, 3)),
+     "k_cache must have a contiguous last dimension .* written in place"),
+    (False, lambda a: a.update(k_cache=a["k_cache"][:1].expand(2, -1, -1, -1), v_cache=a["v_cache"][:1].expand(2, -1, -1, -1),
+                        k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16)), "k_cache has stride 0"),
 ])
 def test_kvcache_bad_input(paged, change, match):
     args = _args(paged)
@@ -168,25 +179,6 @@ def test_kvcache_failed_call_leaves_cache_untouched():
         with pytest.raises(RuntimeError, match="block_table|cache_seqlens"):
             flash_attn_ext.flash_attn_with_kvcache(k=k_new, v=v_new, **args)
         assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
-
-
-@pytest.mark.parametrize("change,match", [
-    (lambda a: a.update(k_cache=a["k_cache"].double(), v_cache=a["v_cache"].double()), "k_cache has dtype"),
-    (lambda a: a.update(k_cache=a["k_cache"].transpose(1, 3), v_cache=a["v_cache"].transpose(1, 3)),
-     "headdim mismatch: q has headdim 16, k_cache has 32"),
-    (lambda a: a.update(k_cache=a["k_cache"][..., ::2], v_cache=a["v_cache"][..., ::2]),
-     "headdim mismatch"),
-    (lambda a: a.update(k_cache=a["k_cache"].transpose(2, 3).contiguous().transpose(2, 3),
-                        v_cache=a["v_cache"].transpose(2, 3).contiguous().transpose(2, 3)),
-     "k_cache must have a contiguous last dimension .* written in place"),
-    (lambda a: a.update(k_cache=a["k_cache"][:1].expand(2, -1, -1, -1), v_cache=a["v_cache"][:1].expand(2, -1, -1, -1),
-                        k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16)), "k_cache has stride 0"),
-])
-def test_kvcache_errors_name_the_cache(change, match):
-    args = _args()
-    change(args)
-    with pytest.raises(RuntimeError, match=match):
-        flash_attn_ext.flash_attn_with_kvcache(**args)
 
 
 def test_kvcache_scalar_cache_seqlens():

@@ -74,45 +74,51 @@ def run_sweep(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
         return rows
     l2 = l2_bytes(sweep.device)
     need_grad = any(m != "fwd" for m in modes)
+    for dtype, hdim, nheads, causal, gqa, nheads_k in _head_configs(sweep):
+        for seqlen in sweep.seqlens:
+            batch = sweep.batch if sweep.batch is not None else max(1, sweep.tokens // seqlen)
+            case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, causal=causal, seqlen=seqlen,
+                        batch=batch, nheads=nheads, nheads_k=nheads_k, gqa=gqa)
+            where = f"{case['dtype']} d={hdim} causal={causal} gqa={gqa} N={seqlen}"
+            progress.set_postfix_str(f"{where}: errors")
+            err_kv = min(nheads_k, args.err_kv_heads)
+            small = Problem.make(1, seqlen, err_kv * gqa, err_kv, hdim, causal, dtype,
+                                 sweep.device, seed=args.seed + 1)
+            errors = measure_errors(impls, small, need_grad, args.ref_max_seqlen)
+            del small
+            n_sets = input_sets_needed(batch, seqlen, nheads, nheads_k, hdim, dtype, l2) \
+                if sweep.device.type == "cuda" else 1
+            try:
+                p = Problem.make(batch, seqlen, nheads, nheads_k, hdim, causal, dtype,
+                                 sweep.device, n_sets=n_sets, seed=args.seed)
+                p_status = None
+            except Exception as e:  # the inputs themselves do not fit
+                p, p_status = None, classify(e)
+                free_memory(sweep.device, collect=True)
+            for mode in modes:
+                for impl in impls:
+                    progress.set_postfix_str(f"{where} {mode} {impl.name}")
+                    if p is None:
+                        m = unmeasured(p_status[0], "inputs: " + p_status[1])
+                    else:
+                        m = measure(impl, p, mode, timer)
+                    rows.append(_timed_row(case, mode, impl, m, n_sets, errors[impl.name],
+                                           fwd_mode="fwd"))
+                    progress.update(1)
+            del p
+            free_memory(sweep.device)
+    return rows
+
+
+def _head_configs(sweep: Sweep):
+    """(dtype, hdim, nheads, causal, gqa, nheads_k) of every configuration of the sweep, in table
+    order (nheads: --nheads, else 2048 / hdim)."""
     for dtype in sweep.dtypes:
         for hdim in sweep.hdims:
             nheads = sweep.nheads if sweep.nheads is not None else max(1, 2048 // hdim)
             for causal in sweep.causals:
                 for gqa in sweep.gqas:
-                    nheads_k = nheads // gqa
-                    for seqlen in sweep.seqlens:
-                        batch = sweep.batch if sweep.batch is not None else max(1, sweep.tokens // seqlen)
-                        case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, causal=causal, seqlen=seqlen,
-                                    batch=batch, nheads=nheads, nheads_k=nheads_k, gqa=gqa)
-                        where = f"{case['dtype']} d={hdim} causal={causal} gqa={gqa} N={seqlen}"
-                        progress.set_postfix_str(f"{where}: errors")
-                        err_kv = min(nheads_k, args.err_kv_heads)
-                        small = Problem.make(1, seqlen, err_kv * gqa, err_kv, hdim, causal, dtype,
-                                             sweep.device, seed=args.seed + 1)
-                        errors = measure_errors(impls, small, need_grad, args.ref_max_seqlen)
-                        del small
-                        n_sets = input_sets_needed(batch, seqlen, nheads, nheads_k, hdim, dtype, l2) \
-                            if sweep.device.type == "cuda" else 1
-                        try:
-                            p = Problem.make(batch, seqlen, nheads, nheads_k, hdim, causal, dtype,
-                                             sweep.device, n_sets=n_sets, seed=args.seed)
-                            p_status = None
-                        except Exception as e:  # the inputs themselves do not fit
-                            p, p_status = None, classify(e)
-                            free_memory(sweep.device, collect=True)
-                        for mode in modes:
-                            for impl in impls:
-                                progress.set_postfix_str(f"{where} {mode} {impl.name}")
-                                if p is None:
-                                    m = unmeasured(p_status[0], "inputs: " + p_status[1])
-                                else:
-                                    m = measure(impl, p, mode, timer)
-                                rows.append(_timed_row(case, mode, impl, m, n_sets, errors[impl.name],
-                                                       fwd_mode="fwd"))
-                                progress.update(1)
-                        del p
-                        free_memory(sweep.device)
-    return rows
+                    yield dtype, hdim, nheads, causal, gqa, nheads // gqa
 
 
 def _timed_row(case: dict, mode: str, impl: Impl, m: dict, n_sets: int, e: dict, fwd_mode: str) -> dict:
@@ -194,53 +200,48 @@ def run_varlen(sweep: Sweep, args, impls: list[Impl], dense: Impl, timer: Timer,
     total = sum(seqlens)
     dense_batch, dense_seqlen = varlen_dense_shape(sweep)
     need_grad = "varlen_bwd" in modes
-    for dtype in sweep.dtypes:
-        for hdim in sweep.hdims:
-            nheads = sweep.nheads if sweep.nheads is not None else max(1, 2048 // hdim)
-            for causal in sweep.causals:
-                for gqa in sweep.gqas:
-                    nheads_k = nheads // gqa
-                    case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, causal=causal, gqa=gqa,
-                                nheads=nheads, nheads_k=nheads_k, n_seqs=len(seqlens), tokens=total,
-                                min_len=min(seqlens), max_len=max(seqlens))
-                    where = f"varlen {case['dtype']} d={hdim} causal={causal} gqa={gqa}"
-                    progress.set_postfix_str(f"{where}: errors")
-                    err_kv = min(nheads_k, args.err_kv_heads)
-                    small = VarlenProblem.make(seqlens, err_kv * gqa, err_kv, hdim, causal, dtype,
-                                               sweep.device, seed=args.seed + 1)
-                    errors = measure_errors(impls, small, need_grad, args.ref_max_seqlen)
-                    del small
-                    sets = lambda b, n: input_sets_needed(b, n, nheads, nheads_k, hdim, dtype, l2) \
-                        if cuda else 1
-                    n_sets, n_dense = sets(1, total), sets(dense_batch, dense_seqlen)
-                    p, p_status = _make_or_status(lambda: VarlenProblem.make(
-                        seqlens, nheads, nheads_k, hdim, causal, dtype, sweep.device,
-                        n_sets=n_sets, seed=args.seed))
-                    dense_p, dense_status = _make_or_status(lambda: Problem.make(
-                        dense_batch, dense_seqlen, nheads, nheads_k, hdim, causal, dtype,
-                        sweep.device, n_sets=n_dense, seed=args.seed))
-                    if p is None or dense_p is None:
-                        free_memory(sweep.device, collect=True)
-                    for mode in modes:
-                        for impl in impls:
-                            progress.set_postfix_str(f"{where} {mode} {impl.name}")
-                            m = measure(impl, p, mode, timer) if p is not None \
-                                else unmeasured(p_status[0], "inputs: " + p_status[1])
-                            rows.append(_timed_row(case, mode, impl, m, n_sets, errors[impl.name],
-                                                   fwd_mode="varlen_fwd"))
-                            progress.update(1)
-                        progress.set_postfix_str(f"{where} {mode} {dense.name}")
-                        m = measure(dense, dense_p, base_mode(mode), timer) if dense_p is not None \
-                            else unmeasured(dense_status[0], "inputs: " + dense_status[1])
-                        shape = f"flash_attn_func at batch {dense_batch} x seqlen {dense_seqlen}"
-                        m["note"] = f"{shape}; {m['note']}" if m["note"] else shape
-                        nan = float("nan")
-                        rows.append({**case, "mode": mode, "impl": dense.name, **m,
-                                     "batch": dense_batch, "seqlen": dense_seqlen,
-                                     "n_input_sets": n_dense, "err_out": nan, "err_grad": nan,
-                                     "err": nan, "err_note": "dense comparison row (errors: the "
-                                                             "dense modes)"})
-                        progress.update(1)
-                    del p, dense_p
-                    free_memory(sweep.device)
+    for dtype, hdim, nheads, causal, gqa, nheads_k in _head_configs(sweep):
+        case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, causal=causal, gqa=gqa,
+                    nheads=nheads, nheads_k=nheads_k, n_seqs=len(seqlens), tokens=total,
+                    min_len=min(seqlens), max_len=max(seqlens))
+        where = f"varlen {case['dtype']} d={hdim} causal={causal} gqa={gqa}"
+        progress.set_postfix_str(f"{where}: errors")
+        err_kv = min(nheads_k, args.err_kv_heads)
+        small = VarlenProblem.make(seqlens, err_kv * gqa, err_kv, hdim, causal, dtype,
+                                   sweep.device, seed=args.seed + 1)
+        errors = measure_errors(impls, small, need_grad, args.ref_max_seqlen)
+        del small
+        sets = lambda b, n: input_sets_needed(b, n, nheads, nheads_k, hdim, dtype, l2) \
+            if cuda else 1
+        n_sets, n_dense = sets(1, total), sets(dense_batch, dense_seqlen)
+        p, p_status = _make_or_status(lambda: VarlenProblem.make(
+            seqlens, nheads, nheads_k, hdim, causal, dtype, sweep.device,
+            n_sets=n_sets, seed=args.seed))
+        dense_p, dense_status = _make_or_status(lambda: Problem.make(
+            dense_batch, dense_seqlen, nheads, nheads_k, hdim, causal, dtype,
+            sweep.device, n_sets=n_dense, seed=args.seed))
+        if p is None or dense_p is None:
+            free_memory(sweep.device, collect=True)
+        for mode in modes:
+            for impl in impls:
+                progress.set_postfix_str(f"{where} {mode} {impl.name}")
+                m = measure(impl, p, mode, timer) if p is not None \
+                    else unmeasured(p_status[0], "inputs: " + p_status[1])
+                rows.append(_timed_row(case, mode, impl, m, n_sets, errors[impl.name],
+                                       fwd_mode="varlen_fwd"))
+                progress.update(1)
+            progress.set_postfix_str(f"{where} {mode} {dense.name}")
+            m = measure(dense, dense_p, base_mode(mode), timer) if dense_p is not None \
+                else unmeasured(dense_status[0], "inputs: " + dense_status[1])
+            shape = f"flash_attn_func at batch {dense_batch} x seqlen {dense_seqlen}"
+            m["note"] = f"{shape}; {m['note']}" if m["note"] else shape
+            nan = float("nan")
+            rows.append({**case, "mode": mode, "impl": dense.name, **m,
+                         "batch": dense_batch, "seqlen": dense_seqlen,
+                         "n_input_sets": n_dense, "err_out": nan, "err_grad": nan,
+                         "err": nan, "err_note": "dense comparison row (errors: the "
+                                                 "dense modes)"})
+            progress.update(1)
+        del p, dense_p
+        free_memory(sweep.device)
     return rows

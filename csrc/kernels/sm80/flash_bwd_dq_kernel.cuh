@@ -71,9 +71,10 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
 
-  // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
+  // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh); a Q
+  // tile past its sequence's end (varlen: the grid is sized by max_seqlen_q) has nothing to do.
   const DqWork<kBlockM, kBlockN> w(params);
-  if (w.past_end()) return;  // varlen: a Q tile past its sequence's end (grid sized by max_seqlen_q)
+  if (w.past_end()) return;
 
   // Alg. 2 line 7 (K_j, V_j), into `stage`.
   auto load_kv_tile = [&](int n_block, int stage) {

@@ -30,16 +30,10 @@ namespace flash::sm80 {
 // Config defaults to the production row of tile_config.h; the tuning harness
 // (benchmarks/tune_kernels.cu) instantiates other TileConfigs to compare them in one binary.
 template <typename Element_, int kHeadDim_, typename Config_ = FwdTile<kHeadDim_>>
-struct FwdKernelTraits {
-  using Element = Element_;
-  using Config = Config_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = Config::kBlockM;
-  static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kNWarps = Config::kNWarps;
-  static constexpr int kThreads = kNWarps * 32;
-  static constexpr bool kQInRegs = Config::kQInRegs;
-  static constexpr int kMinBlocks = Config::kMinBlocks;
+struct FwdKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {
+  using Base = RowTraits<Element_, kHeadDim_, Config_>;
+  using typename Base::Element;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNWarps, Base::kThreads;
 
   static constexpr int kWarpRows = kBlockM / kNWarps;  // query rows per warp
   static constexpr int kMAtoms = kWarpRows / 16;       // m16 atoms per warp

@@ -36,17 +36,12 @@
 namespace flash::sm80 {
 
 template <typename Element_, int kHeadDim_, typename Config_ = SplitKvTile<kHeadDim_>>
-struct SplitKvKernelTraits {
-  using Element = Element_;
+struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBlockM: 16 packed rows; kBlockN keys
+  using Base = RowTraits<Element_, kHeadDim_, Config_>;
+  using typename Base::Element;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNWarps, Base::kThreads;
   using Config = Config_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = Config::kBlockM;  // packed rows per CTA (one m16 atom)
-  static constexpr int kBlockN = Config::kBlockN;  // keys per K/V tile
-  static constexpr int kNWarps = Config::kNWarps;
-  static constexpr int kThreads = kNWarps * 32;
   static constexpr int kStages = Config::kStages;
-  static constexpr bool kQInRegs = Config::kQInRegs;
-  static constexpr int kMinBlocks = Config::kMinBlocks;
   static constexpr bool kEvictFirst = Config::kEvictFirst;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   static constexpr bool kBulkCopy = false;  // no cp.async.bulk below sm_90: the cp.async ring
@@ -81,9 +76,9 @@ struct SplitKvKernelTraits {
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_splitkv_kernel(const Flash_fwd_params params) {
-  using Element = typename Traits::Element;
-  using Tile = SmemTile<Traits::kHeadDim>;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using Element = typename Traits::Element;
+  using Tile = SmemTile<kHeadDim>;
   constexpr int kNWarps = Traits::kNWarps, kThreads = Traits::kThreads, kStages = Traits::kStages;
   constexpr int kNAtoms = Traits::kNAtoms, kDAtoms = Traits::kDAtoms, kWarpKeys = Traits::kWarpKeys;
   constexpr int kPitchBytes = Traits::kPitch * int(sizeof(Element));

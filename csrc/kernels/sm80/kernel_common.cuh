@@ -113,5 +113,20 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kA][kRows][kCols]) {
   }
 }
 
+// What the traits of every sm80 forward kernel take from its tile row (tile_config.h): element
+// type, head dim, the row's block sizes, warps, Q-in-registers flag and minimum CTAs per SM.
+template <typename Element_, int kHeadDim_, typename Config_>
+struct RowTraits {
+  using Element = Element_;
+  using Config = Config_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kNWarps = Config::kNWarps;
+  static constexpr int kThreads = kNWarps * 32;
+  static constexpr bool kQInRegs = Config::kQInRegs;
+  static constexpr int kMinBlocks = Config::kMinBlocks;
+};
+
 }  // namespace sm80
 }  // namespace flash
