@@ -68,19 +68,16 @@ def qkv_factory():
     return make_qkv
 
 
-def check_against_reference(q, k, v, causal=False, softmax_scale=None, dout=None):
-    """Forward + backward of flash_attn_func vs the float64 reference (tests/accuracy.py rule).
-
-    q, k, v must require grad (they may be views, e.g. slices of a fused qkv tensor). Returns
-    (out, softmax_lse, (dq, dk, dv)) for further checks.
-    """
+def check_fwd_bwd(q, k, v, run, reference, dout=None):
+    """Forward + backward of ``run()`` -> (out, softmax_lse) vs ``reference(upcast)`` -> (out, lse)
+    (tests/accuracy.py rule: upcast=True is the float64 reference, upcast=False the same-dtype
+    baseline), gradients w.r.t. q, k, v (which must require grad). Returns (out, softmax_lse,
+    (dq, dk, dv))."""
     from accuracy import check_accuracy
-    from flash_attn_ext.reference import attention_ref
 
-    out, lse = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                              return_lse=True)
-    ref_out, ref_lse = attention_ref(q, k, v, softmax_scale, causal, upcast=True)
-    base_out, base_lse = attention_ref(q, k, v, softmax_scale, causal, upcast=False)
+    out, lse = run()
+    ref_out, ref_lse = reference(True)
+    base_out, base_lse = reference(False)
     check_accuracy("out", out, ref_out, base_out)
     check_accuracy("softmax_lse", lse, ref_lse, base_lse)
     if dout is None:
@@ -91,6 +88,17 @@ def check_against_reference(q, k, v, causal=False, softmax_scale=None, dout=None
     for name, g, rg, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
         check_accuracy(name, g, rg, bg)
     return out, lse, grads
+
+
+def check_against_reference(q, k, v, causal=False, softmax_scale=None, dout=None):
+    """Forward + backward of flash_attn_func vs the float64 reference (check_fwd_bwd). q, k, v
+    must require grad (they may be views, e.g. slices of a fused qkv tensor)."""
+    from flash_attn_ext.reference import attention_ref
+
+    return check_fwd_bwd(
+        q, k, v,
+        lambda: flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True),
+        lambda upcast: attention_ref(q, k, v, softmax_scale, causal, upcast=upcast), dout)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flash_attn_ext
-from accuracy import check_accuracy
+from conftest import check_fwd_bwd
 from flash_attn_ext.reference import attention_varlen_ref
 
 
@@ -26,19 +26,11 @@ def make_varlen(lens_q, lens_k, nheads, nheads_k, headdim, dtype, requires_grad=
 
 
 def check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale=None):
-    out, lse = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale,
-                                                     causal=causal, return_lse=True)
-    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale, causal, upcast=True)
-    base, base_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale, causal, upcast=False)
-    check_accuracy("out", out, ref, base)
-    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.to(ref.dtype))
-    base_grads = torch.autograd.grad(base, (q, k, v), dout)
-    for name, g, rg, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
-        check_accuracy(name, g, rg, bg)
-    return out, lse, grads
+    return check_fwd_bwd(
+        q, k, v,
+        lambda: flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale,
+                                                      causal=causal, return_lse=True),
+        lambda upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale, causal, upcast=upcast))
 
 
 LENGTHS = [
