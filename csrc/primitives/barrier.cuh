@@ -41,6 +41,14 @@ __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
       : "memory");
 }
 
+// `count` arrivals at once (sm_90), e.g. one thread arriving on behalf of its warpgroup's warps.
+__device__ __forceinline__ void mbarrier_arrive_count(uint32_t bar, uint32_t count) {
+  asm volatile(
+      "{\n.reg .b64 state;\nmbarrier.arrive.release.cta.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
+      "r"(count)
+      : "memory");
+}
+
 // One arrival that also announces `bytes` of transactions (TMA copies completing on this barrier):
 // the phase completes when the arrivals and those bytes have all landed.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {

@@ -1,6 +1,7 @@
 // Tensor Memory Accelerator (TMA, sm_90): tiles of a BSHD tensor from global into shared memory by
 // one thread, completing on an mbarrier (primitives/barrier.cuh), in the 128-byte-swizzle layout
-// that wgmma reads (kernels/sm90/smem_layout.cuh: SwizzledTile).
+// that wgmma reads (kernels/sm90/smem_layout.cuh: SwizzledTile); and back, tiles of that layout
+// from shared into global memory (tma_store_4d, a bulk async group of the issuing thread).
 //
 // Host: a tensor map (CUtensorMap, 128 bytes) per tensor, encoded once per call by the driver's
 // cuTensorMapEncodeTiled, reached through the runtime (cudaGetDriverEntryPointByVersion): no libcuda
@@ -59,6 +60,30 @@ __device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const CUtensorMap
       " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(smem_dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(l2_policy)
       : "memory");
+}
+
+// Box of shared memory at `smem_src` (the same swizzled box layout) to coordinates (c0..c3) of
+// `map`, as one bulk async-group operation of the issuing thread; TMA writes only the elements
+// inside the tensor's bounds (rows past seqlen, columns past d are dropped). The thread then
+// commits the group (tma_store_commit), waits before the shared memory is written again
+// (tma_store_wait_read<0>) and before it exits (tma_store_wait<0>).
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t smem_src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most N committed store groups of this thread are still reading shared memory.
+template <int N>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Until at most N committed store groups of this thread are still incomplete (writes included).
+template <int N>
+__device__ __forceinline__ void tma_store_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // ---- Host side ----

@@ -24,9 +24,11 @@
 //        wait O += P V, release V; O *= alpha; P_i = S_i as A fragments.
 //        With 2-3 consumer warpgroups and d <= 128 the warpgroups take turns issuing their GEMMs
 //        (named barriers, WarpgroupTurns), so one's softmax runs under another's products.
-//   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer and stored with
-//   16-byte stores, LSE and the two softmax_stats planes written by the row owners, as the sm80
-//   kernel does; then every consumer warp releases the Q buffer (q_empty) for the producer.
+//   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer, LSE and the two
+//   softmax_stats planes written by the row owners, as the sm80 kernel does. Dense calls: one
+//   thread of the warpgroup stores its 64 rows by TMA (FA3's epilogue; HOPPER.md §1.8) and
+//   releases the Q buffer once the store has read it; the other warps go on to the next tile.
+//   Varlen: 16-byte stores of the sequence's rows, then every warp releases the buffer.
 //
 // Barrier protocol across tiles (the one to check when a run hangs; mbarrier_wait traps after
 // ~8 s instead): every ring position is a PipelineState (primitives/barrier.cuh) that producer and
@@ -36,8 +38,9 @@
 //   Q ring (kQStages): one phase per tile, tiles without keys included. Producer, per tile: K/V of its
 //     first key block (below), wait q_empty[s] (parity phase ^ 1), then arrive.expect_tx + TMA on
 //     q_full[s], or a plain arrive when the tile has no key block. Consumers: wait q_full[s]
-//     (phase), ..., epilogue through that Q buffer, fence.proxy.async, one q_empty[s] arrival per
-//     consumer warp (count kConsumerWGs * 4).
+//     (phase), ..., O staged in that Q buffer, fence.proxy.async, epilogue barrier; then q_empty[s]
+//     gets kConsumerWGs * 4 arrivals (its count): dense, 4 at once from each warpgroup's storing
+//     thread after cp.async.bulk.wait_group.read; varlen, one per consumer warp after its stores.
 //   K and V rings (kStages): one position per key block of a tile with n_block_max > 0, kept by
 //     producer and consumers alike (the same tiles in the same order); the producer's K/V
 //     loads for tile t+1 wait only on k_empty / v_empty, so they run during tile t. Arrival
@@ -92,9 +95,10 @@
 namespace flash {
 namespace sm90 {
 
-// The three tensor maps of a forward call (primitives/tma.cuh), one __grid_constant__ parameter.
+// The four tensor maps of a forward call (primitives/tma.cuh), one __grid_constant__ parameter.
+// o: boxes of 64 rows (one consumer warpgroup's rows of a tile), dense calls only.
 struct FwdTmaMaps {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, o;
 };
 
 // Tile: an FwdTileShape row (tile_config.h).
@@ -268,7 +272,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int s = 0; s < kQStages; ++s) {
       mbarrier_init(q_full(s), 1);                 // the producer's arrive(.expect_tx)
-      mbarrier_init(q_empty(s), kConsumerWarps);  // one arrival per consumer warp, after its epilogue
+      mbarrier_init(q_empty(s), kConsumerWarps);  // per consumer warp, after its epilogue (see above)
     }
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -496,26 +500,46 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
       // O through this warpgroup's own 64 rows of the Q buffer (its S products, the only readers,
-      // are complete; the Q tile landed before them), then 16-byte stores of whole rows
-      // (primitives/tile_copy.cuh; rows 64 c + r lie 64 c * 128 bytes past rows r: whole swizzle
-      // atoms). The buffer address is opaque per tile, as the thread index.
+      // are complete; the Q tile landed before them; rows 64 c + r lie 64 c * 128 bytes past rows
+      // r: whole swizzle atoms, so the rows are themselves a TMA box). The buffer address is opaque
+      // per tile, as the thread index.
       uint32_t sO_addr = sQ(qs);
       asm volatile("" : "+r"(sO_addr));
       unsigned char* sO = static_cast<unsigned char*>(__cvta_shared_to_generic(sO_addr));
       store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(sO, acc_o[0], 64 * c, 1.f, tid_wg);
+      // The generic-proxy writes before the async proxy's next use of the buffer (the TMA store,
+      // or the producer's next Q load).
+      fence_proxy_async();
       named_barrier_sync(1 + c, 128);
-      store_tile<TileQ, 64, kHeadDimPad, 128>(wo.seq.template q_row<Element>(params.o, wo.bidh, wo.m0 + 64 * c),
-                                              params.o.row_stride, sO + 64 * c * 128, wo.rows_q - 64 * c, params.d,
-                                              tid_wg);
+      if (params.cu_seqlens_q == nullptr) {
+        // Dense (FA3's epilogue): one thread stores the warpgroup's 64 rows by TMA (rows past
+        // seqlen_q and columns past d are clipped by the tensor map) and, once the store has read
+        // them, releases the buffer for the warpgroup's four warps; the other warps go on at once.
+        if (tid_wg == 0) {
+#pragma unroll
+          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+            tma_store_4d(&tma.o, sO_addr + cb * TileQ::kColBlockBytes + 64 * c * 128, 64 * cb, wo.m0 + 64 * c, wo.bidh,
+                         wo.seq.tma_batch(params));
+          }
+          tma_store_commit();
+          tma_store_wait_read<0>();
+          mbarrier_arrive_count(q_empty(qs), 4);
+        }
+      } else {
+        // Varlen: a box would run into the next sequence's rows; 16-byte stores of the rows
+        // inside this one (primitives/tile_copy.cuh), then each warp releases the buffer.
+        store_tile<TileQ, 64, kHeadDimPad, 128>(wo.seq.template q_row<Element>(params.o, wo.bidh, wo.m0 + 64 * c),
+                                                params.o.row_stride, sO + 64 * c * 128, wo.rows_q - 64 * c, params.d,
+                                                tid_wg);
+        fence_proxy_async();  // these generic reads before the producer's next TMA write
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(q_empty(qs));
+      }
     }
-    // Release the Q buffer: this warp's generic-proxy writes and reads of it are ordered before the
-    // producer's next TMA (async proxy) write into it.
-    fence_proxy_async();
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(q_empty(qs));
     q_pipe.advance();
   }
   Turns::drain();
+  if (params.cu_seqlens_q == nullptr && thread_index_opaque() % 128 == 0) tma_store_wait<0>();  // O written
 #endif
 }
 

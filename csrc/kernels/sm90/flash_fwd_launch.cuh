@@ -60,10 +60,13 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const bool varlen = params.cu_seqlens_q != nullptr;
   const int batch = varlen ? 1 : params.b;
   const int rows_q = varlen ? params.total_q : params.seqlen_q, rows_k = varlen ? params.total_k : params.seqlen_k;
-  FwdTmaMaps maps;
+  // O: stored by TMA in boxes of one consumer warpgroup's 64 rows, dense calls only (a varlen box
+  // would overrun into the next sequence: the kernel stores those rows itself; the map stays unused).
+  FwdTmaMaps maps{};
   if (!tma_encode_bshd(&maps.q, params.q, batch, rows_q, params.h, params.d, kBf16, Traits::kBlockM) ||
       !tma_encode_bshd(&maps.k, params.k, batch, rows_k, params.h_k, params.d, kBf16, Traits::kBlockN) ||
-      !tma_encode_bshd(&maps.v, params.v, batch, rows_k, params.h_k, params.d, kBf16, Traits::kBlockN)) {
+      !tma_encode_bshd(&maps.v, params.v, batch, rows_k, params.h_k, params.d, kBf16, Traits::kBlockN) ||
+      (!varlen && !tma_encode_bshd(&maps.o, params.o, batch, rows_q, params.h, params.d, kBf16, 64))) {
     return false;
   }
   const auto sched = FwdTileScheduler<Traits::kBlockM>::make(params, fwd_persistent(params));
@@ -92,16 +95,7 @@ inline void note_sm80_fallback() {
 template <typename Element, int kHeadDim>
 void run_mha_fwd_(Sm90, Flash_fwd_params& params, cudaStream_t stream) {
   static_assert(sm90::FwdTile<kHeadDim>::kSupported, "no sm90 forward tile row for this head dim");
-  bool launched;
-  if constexpr (sm90::FwdTileNonCausal<kHeadDim>::kSupported) {
-    launched = params.is_causal
-                   ? sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim>>(params, stream)
-                   : sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim, sm90::FwdTileNonCausal<kHeadDim>>>(
-                         params, stream);
-  } else {
-    launched = sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim>>(params, stream);
-  }
-  if (!launched) {
+  if (!sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim>>(params, stream)) {
     sm90::note_sm80_fallback();
     run_mha_fwd_<Element, kHeadDim>(Sm80{}, params, stream);  // defined by the sm80 instantiations
   }

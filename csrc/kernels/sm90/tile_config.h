@@ -51,23 +51,21 @@ template <> struct DqTile<128> : DqTileShape<128,  64> { static constexpr bool k
 
 // Forward (sm90/flash_fwd_kernel.cuh): one producer warpgroup (TMA) + kBlockM / 64 consumer
 // warpgroups of 64 query rows each (kNWarps = 4 (producer) + kBlockM / 16); FlashAttention-3's
-// shapes (../shared/HOPPER.md §1.1; S widths 80, 112 and 176 from primitives/gen_wgmma.py): 3
+// shapes (../shared/HOPPER.md §1.1; S widths 80 and 112 from primitives/gen_wgmma.py): 3
 // consumer warpgroups (32/160 registers) at d64, 2 (24/240) above. Shared memory (227 KB): two Q
 // buffers where they fit beside two K/V stages, then as many K/V stages (2..4) as fit:
 // d64 2 x 24 + 4 x 32 KB, d96/d128 2 x 32 + 2 x 64 KB, d192 48 + 2 x 84 KB, d256 64 + 2 x 80 KB
 // (the kernel's traits compute it). d96 runs the d128 shape with 128-column shared tiles and O
 // (FA3: 192 x 144 with 96 columns; the 128-byte swizzle atom is 64 columns wide), S over its 6
-// k16 steps only. Measured: docs/PERF_NOTES.md (not yet tuned with benchmarks/tune_kernels.py).
+// k16 steps only. Swept with benchmarks/tune_kernels.py (H200, bf16, N = 1k..16k, causal both;
+// docs/PERF_NOTES.md): these rows are the fastest or within 3 % at N >= 2k; d128 non-causal runs
+// 128 x 128, not FA3's 128 x 176 (2-5 % slower at every N: one Q buffer instead of two).
 //                                     BLOCK_M BLOCK_N warps Q-in-regs minCTAs
 template <> struct FwdTile<64>  : FwdTileShape<192,  128,   16,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdTile<96>  : FwdTileShape<128,  128,   12,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdTile<128> : FwdTileShape<128,  128,   12,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdTile<192> : FwdTileShape<128,  112,   12,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdTile<256> : FwdTileShape<128,   80,   12,  false,    1> { static constexpr bool kSupported = true; };
-// Non-causal calls of a head dim with a row here run it instead (FA3: d128 non-causal 128 x 176,
-// S 88 + P 44 + O 64 registers per thread; 32 + 2 x 88 KB of shared memory, one Q buffer, 2 stages).
-template <int kHeadDim> struct FwdTileNonCausal { static constexpr bool kSupported = false; };
-template <> struct FwdTileNonCausal<128> : FwdTileShape<128, 176, 12, false, 1> { static constexpr bool kSupported = true; };
 
 }  // namespace sm90
 }  // namespace flash

@@ -1,0 +1,35 @@
+"""One decode step of ours and of SDPA's cuDNN backend per case, for Nsight Compute (a profile
+driver, not a benchmark): GQA 32:8, hd128, bf16, seqlen_q 1, full contiguous cache.
+
+    ncu --cache-control all --clock-control none --metrics ... python scripts/ncu_decode.py B64xN8192 B1xN8192
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_attn_ext import flash_attn_with_kvcache
+
+
+def main():
+    cases = sys.argv[1:] or ["B64xN8192", "B1xN8192"]
+    for case in cases:
+        b, n = (int(x[1:]) for x in case.split("x"))
+        q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, n, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        seqlens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+        torch.cuda.nvtx.range_push(f"ours {case}")
+        flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens)
+        torch.cuda.nvtx.range_pop()
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.cuda.nvtx.range_push(f"cudnn {case}")
+            F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+            torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        del q, k, v
+
+
+if __name__ == "__main__":
+    main()
