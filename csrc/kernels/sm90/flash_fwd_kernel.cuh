@@ -525,6 +525,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           tma_store_wait_read<0>();
           mbarrier_arrive_count(q_empty(qs), 4);
         }
+        __syncwarp();  // warp 0 reconverged before its next .sync.aligned instructions
       } else {
         // Varlen: a box would run into the next sequence's rows; 16-byte stores of the rows
         // inside this one (primitives/tile_copy.cuh), then each warp releases the buffer.

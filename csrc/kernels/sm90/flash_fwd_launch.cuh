@@ -1,8 +1,9 @@
 // Launch template of the Hopper (sm90) forward kernel: tensor maps, grid, shared memory, checks.
 // Explicitly instantiated per (dtype, head dim) by csrc/kernels/sm90/instantiations/flash_fwd_*.cu.
 // csrc/kernels/dispatch.cu sends a call here only when the inputs pass tma_can_describe
-// (primitives/tma.cuh); should the driver still refuse a tensor map, the call runs the sm80 kernel
-// instead (nothing was launched yet).
+// (primitives/tma.cuh); the output is the op's own contiguous tensor of q's shape, so it passes
+// too. Should the driver still refuse a tensor map, the call runs the sm80 kernel instead (nothing
+// was launched yet).
 #pragma once
 
 #include <cuda_runtime.h>
