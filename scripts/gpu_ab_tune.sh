@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Kernel-level A/B of two source trees in one GPU call: builds benchmarks/tune_kernels.py's binary
+# from each tree for the same VARIANTS (one after the other: two parallel 16-job compiles have run
+# the machine out of memory), runs them alternately old, new, old, new (ROUNDS pairs), and prints
+# scripts/compare_tune.py's table (new/old per cell, means over N <= 2k and N >= 4k per head dim).
+# No torch build needed: a few minutes of device time less than scripts/gpu_ab.sh.
+#
+#   git archive HEAD | (mkdir -p .oldsrc && tar -x -C .oldsrc)   # here, before the call
+#   OLD_SRC=.oldsrc VARIANTS="fwd90:128:128,128 fwd90:64:192,128" bash scripts/gpu_ab_tune.sh
+# .oldsrc is git-ignored (.git/info/exclude): name it in the device call's carry. Apply a patch to
+# such a copy with `git apply --directory=...` or `patch -p1` from inside it: `git apply` run inside
+# a subfolder of this checkout patches nothing there (it skips paths outside the folder).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OLD_SRC=${OLD_SRC:-.oldsrc}
+NEW_SRC=${NEW_SRC:-.}
+VARIANTS=${VARIANTS:?"VARIANTS: tune_kernels.py variants, e.g. fwd90:128:128,128 (see its docstring)"}
+SEQLENS=${SEQLENS:-1024,2048,4096,16384}
+ROUNDS=${ROUNDS:-2}
+WORK=${AB_WORK:-/tmp/flash_ab_tune}
+PY=${PYTHON:-python3}
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+rm -rf "$WORK"; mkdir -p "$WORK"
+for side in old new; do
+  src=$NEW_SRC; [ $side = old ] && src=$OLD_SRC
+  # shellcheck disable=SC2086
+  $PY "$src/benchmarks/tune_kernels.py" --compile-only $VARIANTS >"$WORK/build_$side.log" 2>&1 \
+    || { tail -n 30 "$WORK/build_$side.log"; echo "$side tree: compile failed"; exit 1; }
+  grep -o '/tmp/tune_kernels_[A-Za-z0-9_]*' "$WORK/build_$side.log" | head -n 1 >"$WORK/bin_$side"
+done
+old_runs=(); new_runs=()
+for r in $(seq 1 "$ROUNDS"); do
+  for side in old new; do
+    out="$WORK/$side$r.txt"
+    "$(cat "$WORK/bin_$side")/tune_kernels" ${SEQLENS//,/ } >"$out" 2>&1 || { tail -n 20 "$out"; exit 1; }
+    if [ $side = old ]; then old_runs+=("$out"); else new_runs+=("$out"); fi
+  done
+done
+$PY scripts/compare_tune.py --old "$(IFS=,; echo "${old_runs[*]}")" --new "$(IFS=,; echo "${new_runs[*]}")" \
+  | tee "$WORK/compare.txt"
+[ -n "${OUT:-}" ] && cp "$WORK"/compare.txt "$WORK"/old1.txt "$WORK"/new1.txt "$OUT"/ 2>/dev/null
+exit 0
