@@ -1,0 +1,41 @@
+"""Developer scripts that run without a GPU: scripts/compare_tune.py (the table of
+scripts/gpu_ab_tune.sh) on synthetic tune_kernels.py outputs."""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEADER = "hdim causal N      kind  variant                 ms   TFLOP/s    maxdiff\n"
+
+
+def _tune_output(path, cells):
+    """A tune_kernels.py output: cells = [(hdim, causal, N, tflops, maxdiff)] of one fwd90 variant."""
+    lines = [HEADER, "some banner line the parser must skip\n"]
+    for hdim, causal, n, tflops, maxdiff in cells:
+        lines.append(f"{hdim:<4} {causal:<6} {n:<6} fwd   fwd90 BM=128 BN=128   0.100   {tflops:7.1f}   {maxdiff}\n")
+    path.write_text("".join(lines))
+    return str(path)
+
+
+def test_compare_tune_ratios_summary_and_maxdiff_flag(tmp_path):
+    old = [_tune_output(tmp_path / f"old{r}.txt", [(128, "no", 1024, 400.0 + r, "0"), (128, "no", 4096, 600.0, "0")])
+           for r in (1, 2)]  # old means: 401.5 and 600
+    new = [_tune_output(tmp_path / f"new{r}.txt", [(128, "no", 1024, 440.0 + 2 * r, "0"), (128, "no", 4096, 540.0, "0.5")])
+           for r in (1, 2)]  # new means: 443 and 540
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "compare_tune.py"), "--old", ",".join(old),
+                        "--new", ",".join(new)], capture_output=True, text=True, check=True)
+    out = r.stdout
+    assert f"{443 / 401.5:.3f}" in out and f"{540 / 600:.3f}" in out
+    assert f"hd128  N<=2k: {443 / 401.5:.3f} over 1 cells" in out
+    assert f"hd128  N>=4k: {540 / 600:.3f} over 1 cells" in out
+    assert "maxdiff 0 -> 0.5" in out  # the new tree computes something else there: flagged
+    assert f"min {540 / 600:.3f}" in out and f"max {443 / 401.5:.3f}" in out
+
+
+def test_compare_tune_without_common_cells_fails(tmp_path):
+    old = _tune_output(tmp_path / "old.txt", [(64, "no", 1024, 300.0, "0")])
+    new = _tune_output(tmp_path / "new.txt", [(128, "no", 1024, 300.0, "0")])
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "compare_tune.py"), "--old", old, "--new", new],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "no cell common" in r.stderr
