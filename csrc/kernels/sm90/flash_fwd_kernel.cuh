@@ -313,20 +313,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         auto load_kv = [&](int i) {
           const int n = n_block_max - 1 - i, stage = kv_pipe.stage(i);
           const uint32_t parity = kv_pipe.phase(i) ^ 1;
-          mbarrier_wait(k_empty(stage), parity);
-          mbarrier_arrive_expect_tx(k_full(stage), TileKV::kBytes);
+          // One tile (K, then V) into its buffer of the stage, completing on its full barrier.
+          auto load_tile = [&](uint32_t dst, const CUtensorMap* map, uint32_t full, uint32_t empty) {
+            mbarrier_wait(empty, parity);
+            mbarrier_arrive_expect_tx(full, TileKV::kBytes);
 #pragma unroll
-          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-            tma_load_4d(sK(stage) + cb * TileKV::kColBlockBytes, &tma.k, k_full(stage), 64 * cb,
-                        w.seq.k_tma_row(n * kBlockN), w.bidhk, bidb, evict_last);
-          }
-          mbarrier_wait(v_empty(stage), parity);
-          mbarrier_arrive_expect_tx(v_full(stage), TileKV::kBytes);
-#pragma unroll
-          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-            tma_load_4d(sV(stage) + cb * TileKV::kColBlockBytes, &tma.v, v_full(stage), 64 * cb,
-                        w.seq.k_tma_row(n * kBlockN), w.bidhk, bidb, evict_last);
-          }
+            for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+              tma_load_4d(dst + cb * TileKV::kColBlockBytes, map, full, 64 * cb, w.seq.k_tma_row(n * kBlockN),
+                          w.bidhk, bidb, evict_last);
+            }
+          };
+          load_tile(sK(stage), &tma.k, k_full(stage), k_empty(stage));
+          load_tile(sV(stage), &tma.v, v_full(stage), v_empty(stage));
         };
         // The first key block before Q: with one Q buffer, Q waits for the previous tile's
         // epilogue (q_empty), and K/V need not.
