@@ -81,20 +81,26 @@ def mixed_lengths(n_seqs: int, total: int, lo: int, hi: int, seed: int = 0) -> l
 
 
 @dataclasses.dataclass
-class Problem:
+class _Heads:
+    """What every case kind shares: the head configuration, dtype, device and softmax scale."""
+
+    nheads: int
+    nheads_k: int
+    headdim: int
+    dtype: torch.dtype
+    device: torch.device
+    softmax_scale: float
+
+
+@dataclasses.dataclass
+class Problem(_Heads):
     """One case's inputs: ``sets`` of (q, k, v, dout) BSHD tensors, rotated between calls."""
 
     METRIC = "tflops"
 
     batch: int
     seqlen: int
-    nheads: int
-    nheads_k: int
-    headdim: int
     causal: bool
-    dtype: torch.dtype
-    device: torch.device
-    softmax_scale: float
     sets: list
 
     @classmethod
@@ -107,8 +113,9 @@ class Problem:
             v = torch.randn(batch, seqlen, nheads_k, headdim, dtype=dtype, device=device, generator=g)
             dout = torch.randn_like(q)
             sets.append((q, k, v, dout))
-        return cls(batch, seqlen, nheads, nheads_k, headdim, causal, dtype, device,
-                   1.0 / math.sqrt(headdim), sets)
+        return cls(nheads=nheads, nheads_k=nheads_k, headdim=headdim, dtype=dtype, device=device,
+                   softmax_scale=1.0 / math.sqrt(headdim), batch=batch, seqlen=seqlen, causal=causal,
+                   sets=sets)
 
     def inputs(self, grad: bool, i: int = 0) -> tuple:
         """Input set ``i`` as (q, k, v, dout); with ``grad``, q, k, v are fresh leaves that
@@ -129,7 +136,7 @@ class Problem:
 
 
 @dataclasses.dataclass
-class DecodeProblem:
+class DecodeProblem(_Heads):
     """One decode step: ``sets`` of (q, k_cache, v_cache, None), q (batch, 1, nheads, headdim);
     the cache contiguous (batch, seqlen_k, nheads_k, headdim) (page_size 0) or paged
     (batch * blocks, page_size, nheads_k, headdim) with ``block_table`` (batch, blocks) int32, a
@@ -141,13 +148,7 @@ class DecodeProblem:
 
     batch: int
     seqlen_k: int
-    nheads: int
-    nheads_k: int
-    headdim: int
     page_size: int
-    dtype: torch.dtype
-    device: torch.device
-    softmax_scale: float
     cache_seqlens: torch.Tensor
     block_table: torch.Tensor | None
     sets: list
@@ -169,8 +170,9 @@ class DecodeProblem:
             block_table = torch.randperm(batch * blocks, generator=g, device=device)
             block_table = block_table.view(batch, blocks).to(torch.int32)
         cache_seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-        return cls(batch, seqlen_k, nheads, nheads_k, headdim, page_size, dtype, device,
-                   1.0 / math.sqrt(headdim), cache_seqlens, block_table, sets)
+        return cls(nheads=nheads, nheads_k=nheads_k, headdim=headdim, dtype=dtype, device=device,
+                   softmax_scale=1.0 / math.sqrt(headdim), batch=batch, seqlen_k=seqlen_k,
+                   page_size=page_size, cache_seqlens=cache_seqlens, block_table=block_table, sets=sets)
 
     @property
     def seqlen(self) -> int:
@@ -204,7 +206,7 @@ class DecodeProblem:
 
 
 @dataclasses.dataclass
-class VarlenProblem:
+class VarlenProblem(_Heads):
     """Packed sequences: ``sets`` of (q, k, v, dout), q/dout (total, nheads, headdim), k/v
     (total, nheads_k, headdim); sequence b holds rows cu_seqlens[b]:cu_seqlens[b+1] of q and of
     k/v (self-attention: the same lengths for q and k)."""
@@ -212,13 +214,7 @@ class VarlenProblem:
     METRIC = "tflops"
 
     seqlens: list
-    nheads: int
-    nheads_k: int
-    headdim: int
     causal: bool
-    dtype: torch.dtype
-    device: torch.device
-    softmax_scale: float
     cu_seqlens: torch.Tensor
     sets: list
 
@@ -233,8 +229,9 @@ class VarlenProblem:
             v = torch.randn(total, nheads_k, headdim, dtype=dtype, device=device, generator=g)
             sets.append((q, k, v, torch.randn_like(q)))
         cu = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32, device=device)
-        return cls(list(seqlens), nheads, nheads_k, headdim, causal, dtype, device,
-                   1.0 / math.sqrt(headdim), cu, sets)
+        return cls(nheads=nheads, nheads_k=nheads_k, headdim=headdim, dtype=dtype, device=device,
+                   softmax_scale=1.0 / math.sqrt(headdim), seqlens=list(seqlens), causal=causal,
+                   cu_seqlens=cu, sets=sets)
 
     @property
     def seqlen(self) -> int:
