@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/common/bwd_preprocess.cuh"
@@ -56,6 +57,13 @@ using Bf16 = __nv_bfloat16;
   using Traits = flash::ns::Kind##KernelTraits<Bf16, HD, Tile>;                                       \
   flash::launch_tiles<Traits, flash::Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                  \
       flash::ns::flash_bwd_##kind##_kernel<Bf16, HD, Tile>, #kind, p, s)
+// An sm90 backward kernel of tile shape Shape (parenthesized), as a Roles<> row if roles, its TMA
+// loads allowed if tma (flash_bwd_{dkv,dq}_kernel.cuh: launch_bwd_dkv / launch_bwd_dq).
+#define TUNE_SHAPE(...) __VA_ARGS__
+#define TUNE_LAUNCH_BWD90(kind, Shape, roles, tma)                                                        \
+  flash::sm90::launch_bwd_##kind<Bf16, HD,                                                                \
+                                 std::conditional_t<bool(roles), flash::Roles<TUNE_SHAPE Shape>, TUNE_SHAPE Shape>>( \
+      p, s, bool(tma))
 #if KIND == 3
 // The split-KV forward: SplitKvTileShape<BLOCK_N, warps, stages, Q-in-regs, min CTAs/SM, evict
 // first, bulk copy>, launched as the library launches it, then the combine when split.
@@ -100,20 +108,15 @@ static TuneRegistrar tune_reg({0, HD, "fwd BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2)
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
                                  flash::sm80::launch_fwd<flash::sm80::FwdKernelTraits<Bf16, HD, flash::FwdTileShape<A1, A2, A3, A4, A5>>>(p, s);
                                }});
-#elif KIND == 1 && defined(TUNE_SM90)
-#ifndef A3
-#define A3 1
-#endif
-static TuneRegistrar tune_reg({1, HD, "dkv90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3),
+#elif KIND == 1 && defined(TUNE_SM90)  // A3..A5 always given (tune_kernels.py fills in the defaults)
+static TuneRegistrar tune_reg({1, HD, "dkv90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3) " roles=" TUNE_STR(A4) " tma=" TUNE_STR(A5),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 using Tile = flash::DkvTileShape<A2, A1, A3>;
-                                 TUNE_LAUNCH_BWD(sm90, Dkv, dkv, Tile);
+                                 TUNE_LAUNCH_BWD90(dkv, (flash::DkvTileShape<A2, A1, A3>), A4, A5);
                                }});
-#elif KIND == 2 && defined(TUNE_SM90)
-static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2),
+#elif KIND == 2 && defined(TUNE_SM90)  // A3, A4 always given
+static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " roles=" TUNE_STR(A3) " tma=" TUNE_STR(A4),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 using Tile = flash::DqTileShape<A1, A2>;
-                                 TUNE_LAUNCH_BWD(sm90, Dq, dq, Tile);
+                                 TUNE_LAUNCH_BWD90(dq, (flash::DqTileShape<A1, A2>), A3, A4);
                                }});
 #elif KIND == 1
 #ifndef A4

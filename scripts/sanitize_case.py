@@ -1,4 +1,4 @@
-"""Small causal / ragged / GQA cases (seqlen_q != seqlen_k, headdim 64, 80 padded to 96, 128),
+"""Small causal / ragged / GQA cases (seqlen_q != seqlen_k, headdim 64, 80 padded to 96, 128, 192, 256),
 one with large-magnitude inputs (the exact P path), one with a negative softmax_scale and one with
 more query tiles than SMs (the persistent sm90 forward's CTAs run several tiles), through
 forward and backward on every arch path of the GPU; packed varlen batches with zero-length
@@ -16,7 +16,9 @@ if torch.cuda.get_device_capability() == (9, 0) and "90a" in flash_attn_ext.buil
 # (headdim, causal, (seqlen_q, seqlen_k), magnitude, softmax_scale, batch)
 cases = [(64, True, (77, 45), 1.0, None, 2), (80, True, (45, 77), 1.0, None, 2), (128, False, (130, 70), 1.0, None, 2),
          (64, True, (150, 150), 1e4, None, 2), (128, True, (70, 130), 1.0, -0.2, 2),
-         (64, True, (257, 300), 1.0, None, 40)]  # more Q tiles than SMs: CTAs that run several tiles
+         (64, True, (257, 300), 1.0, None, 40),  # more Q tiles than SMs: CTAs that run several tiles
+         (192, True, (77, 145), 1.0, None, 2), (256, False, (130, 70), 1.0, None, 2),  # the sm90 roles kernels
+         (256, True, (150, 150), 1e4, None, 2)]
 for force_sm80 in paths:
     flash_attn_ext.force_sm80_path(force_sm80)
     for headdim, causal, (sq, sk), magnitude, scale, b in cases:
@@ -27,7 +29,7 @@ for force_sm80 in paths:
         out.backward(torch.randn_like(out))
         assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
     # Varlen: mixed lengths with empty q and/or k sequences, q != k lengths, GQA.
-    for headdim, causal in ((64, True), (128, False)):
+    for headdim, causal in ((64, True), (128, False), (256, True)):
         lens_q, lens_k = [5, 0, 130, 64, 1], [9, 7, 0, 200, 1]
         cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).int()
         cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).int()

@@ -105,7 +105,7 @@ def test_backward_accuracy(dtype, headdim, causal, seqlens, poison_empty):
 @pytest.mark.parametrize("seqlens", [(255, 255), (1000, 1000), (300, 1000), (1000, 300)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_gqa_layouts(dtype, headdim, causal, seqlens, layout, poison_empty):
     """GQA 4:1 (dK/dV sum over the 4 query heads of a group) with non-contiguous q/k/v views."""
@@ -135,13 +135,14 @@ def test_backward_autograd(dtype, nheads_k, poison_empty):
     _check_grads(q.detach(), k.detach(), v.detach(), dout, True, grads)
 
 
+@pytest.mark.parametrize("headdim", [128, 256])  # the rows and the roles kernels on sm_90
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_backward_deterministic(dtype):
+def test_backward_deterministic(dtype, headdim):
     """No atomics: two runs are bitwise equal (GQA 4:1, causal, ragged lengths)."""
-    require_hdim(128)
-    q, k, v = _qkv(2, 1000, 1100, 8, 2, 128, dtype)
+    require_hdim(headdim)
+    q, k, v = _qkv(2, 1000, 1100, 8, 2, headdim, dtype)
     dout = _rand(*q.shape, dtype=dtype)
-    scale = 1.0 / math.sqrt(128)
+    scale = 1.0 / math.sqrt(headdim)
     out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, scale, True)
     first = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, True, stats)
     for _ in range(2):
@@ -150,7 +151,7 @@ def test_backward_deterministic(dtype):
             assert torch.equal(a, b), f"{name} differs between runs"
 
 
-@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_rows_without_keys(dtype, headdim, poison_empty):
     """Causal with seqlen_q > seqlen_k: query rows i < seqlen_q - seqlen_k see no key. Their dq is
@@ -169,7 +170,7 @@ def test_backward_rows_without_keys(dtype, headdim, poison_empty):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_large_dout(dtype, headdim, causal, poison_empty):
     """dout scaled by 2^12, as fp16 loss scaling does (|dout| <= 4 * 2^12, representable): dP - D

@@ -9,9 +9,10 @@ import os
 import sys
 
 # wgmma N widths the kernels use: 64 and 128 (backward; forward S and O), 80 / 112 (forward key
-# tiles of head dims 256 / 192, ../shared/HOPPER.md §1.1); 96, 144 and 176 for the tuning harness
-# (benchmarks/tune_kernels.py fwd90 rows; FA3's d128 non-causal 128 x 176 measured slower here).
-WIDTHS = [64, 80, 96, 112, 128, 144, 176]
+# tiles of head dims 256 / 192, ../shared/HOPPER.md §1.1), 192 / 256 (the backward roles kernels'
+# dK / dV of head dims 192 / 256); 96, 144 and 176 for the tuning harness (benchmarks/tune_kernels.py
+# fwd90 rows; FA3's d128 non-causal 128 x 176 measured slower here).
+WIDTHS = [64, 80, 96, 112, 128, 144, 176, 192, 256]
 TYPES = [("__half", "f16"), ("__nv_bfloat16", "bf16")]
 
 HEADER = """// Written by csrc/primitives/gen_wgmma.py; do not edit. Included by primitives/wgmma.cuh.

@@ -71,7 +71,7 @@ __device__ __forceinline__ uint64_t make_wgmma_desc(uint32_t smem_addr, uint32_t
 
 // Wgmma<Element, N>: m64nNk16 with fp32 accumulators (N / 2 registers per thread), Element =
 // __half / __nv_bfloat16, N = the widths of csrc/primitives/gen_wgmma.py (64, 80, 96, 112, 128, 144,
-// 176), whose specializations it writes into csrc/generated/wgmma_ops.cuh at build time:
+// 176, 192, 256), whose specializations it writes into csrc/generated/wgmma_ops.cuh at build time:
 //   ss<kTransB>: A from shared memory (K-major), B from shared memory
 //   rs<kTransB>: A from registers (wgmma A-fragment layout), B from shared memory
 //   kTransB = 0: B is K-major (stored [n][k]); 1: B is N-major (stored [k][n]).

@@ -22,20 +22,33 @@ struct FwdTileShape {
 //               sm90: parts of the Q tile whose products are queued together
 //   kWarpRows   sm80: K rows per warp (16 or 32)
 //   kFastCopy   sm80: predicate-free whole-tile copies in the main loop
+//   kRoles      sm90: false for a row of this shape; Roles<row> sets it (below)
 template <int kBlockN_, int kBlockM_, int kSplit_ = 1, int kWarpRows_ = 16, bool kFastCopy_ = true>
 struct DkvTileShape {
   static constexpr int kBlockN = kBlockN_, kBlockM = kBlockM_, kSplit = kSplit_, kWarpRows = kWarpRows_;
   static constexpr bool kFastCopy = kFastCopy_;
+  static constexpr bool kRoles = false;
 };
 
 // dQ: one CTA per Q tile of kBlockM rows (resident), K/V tiles of kBlockN rows streamed.
 //   kWarpRows   sm80: Q rows per warp (16 or 32);  kFastCopy as above
 //   kMinBlocks  sm90: __launch_bounds__ minimum CTAs per SM (caps the registers per thread)
+//   kRoles      as for DkvTileShape
 template <int kBlockM_, int kBlockN_, int kWarpRows_ = 16, bool kFastCopy_ = true, int kMinBlocks_ = 1>
 struct DqTileShape {
   static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kWarpRows = kWarpRows_;
   static constexpr bool kFastCopy = kFastCopy_;
   static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr bool kRoles = false;
+};
+
+// An sm90 backward row (DkvTileShape / DqTileShape) whose kernel splits the work between its two
+// consumer warpgroups by role instead of by rows (sm90/flash_bwd_{dkv,dq}_roles_kernel.cuh): one
+// computes S and P, the other dP and dS, over the same 64 x 64 tile pair. For head dims whose
+// dK/dV or dQ accumulator (d / 2 registers per thread for 64 rows) leaves no room for S and dP.
+template <typename Shape>
+struct Roles : Shape {
+  static constexpr bool kRoles = true;
 };
 
 // Split-KV (KV-cache) forward: one CTA per (sequence, kv head, packed row tile, split). Its

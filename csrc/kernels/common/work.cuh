@@ -148,12 +148,28 @@ struct DkvWork {
         seq.seqlen_q - row0, params.d, tid);
   }
 
+  // Alg. 2 line 7: K_j and V_j of this CTA's key block by cp.async into the shared tiles at sK / sV
+  // (Layout, kCols columns: primitives/tile_copy.cuh).
+  template <typename Element, typename Layout, int kCols, int kThreads>
+  __device__ __forceinline__ void copy_kv_tiles_async(const Flash_bwd_params& params, uint32_t sK, uint32_t sV,
+                                                      int tid) const {
+    copy_tile_async<Layout, kBlockN, kCols, kThreads>(sK, seq.template k_row<const Element>(params.k, bidhk, n0),
+                                                      params.k.row_stride, seq.seqlen_k - n0, params.d, tid);
+    copy_tile_async<Layout, kBlockN, kCols, kThreads>(sV, seq.template k_row<const Element>(params.v, bidhk, n0),
+                                                      params.v.row_stride, seq.seqlen_k - n0, params.d, tid);
+  }
+
+  // Index of iteration it's first Q row in the backward workspaces (hi, lo, D).
+  __device__ __forceinline__ int64_t ws_row0(const Flash_bwd_params& params, int it) const {
+    return ws0 + head(it) * SeqInfo::ws_head_stride(params) + m0(it);
+  }
+
   // Alg. 2 line 10, the row statistics of iteration it: hi, lo (LSE_log2 = hi + lo) and D of its
   // kBlockM rows into sHi / sLo / sDsum by cp.async, 16 bytes per thread of the first 3 kBlockM / 4
   // threads. Whole tiles lie inside the workspaces (rows rounded up to 128).
   __device__ __forceinline__ void copy_row_stats_async(const Flash_bwd_params& params, int it, float* sHi,
                                                        float* sLo, float* sDsum, int tid) const {
-    const int64_t ws = ws0 + head(it) * SeqInfo::ws_head_stride(params) + m0(it);
+    const int64_t ws = ws_row0(params, it);
     constexpr int kChunks = kBlockM / 4;  // 16 B = 4 floats
     if (tid < kChunks) {
       cp_async_16(smem_u32addr(sHi + tid * 4), params.softmax_lse_log2_ptr + ws + tid * 4, true);

@@ -26,15 +26,16 @@
 #pragma once
 
 #include "kernels/sm90/smem_layout.cuh"  // with everything an sm90 kernel uses
+#include "kernels/sm90/flash_bwd_dkv_roles_kernel.cuh"  // the Roles<> rows' kernel, launched below
 
 namespace flash::sm90 {
 
 // Tile: a DkvTileShape row (tile_config.h); kSplit: parts of the Q tile whose products are
 // queued together (see the main loop).
 template <typename Element, int kHeadDim, typename Tile>
-struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN> {
-  using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockN>;
-  using Base::kBlockM, Base::kBlockN, typename Base::TileQ, typename Base::TileKV;
+struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
+  using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64>;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, typename Base::TileQ, typename Base::TileKV;
   static constexpr int kSplit = Tile::kSplit;
   // Shared layout (1024-byte aligned): sK, sV, then 2 stages x (sQ, sdO), then 2 stages x
   // (hi, lo, D) of kBlockM floats each.
@@ -54,7 +55,7 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN> {
   static constexpr bool kPackedDs = kPRounded && std::is_same<Element, __nv_bfloat16>::value;
   static_assert(kBlockN % 64 == 0 && kBlockM % 16 == 0, "64 K rows per warpgroup, k16 steps of Q rows");
   static_assert(kBlockM / kSplit == 64 || kBlockM / kSplit == 128, "a part's S^T is one m64nNk16 wgmma wide");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "dK/dV are one m64nNk16 wgmma wide (N = d)");
+  static_assert(kHeadDimPad == 64 || kHeadDimPad == 128, "dK/dV are one m64nNk16 wgmma wide (N = d, padded)");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
@@ -67,7 +68,8 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   using TileKV = typename T::TileKV;
   using TileQ = typename T::TileQ;
   constexpr int kThreads = T::kThreads, kPart = kBlockM / kSplit;  // kPart: Q rows per part
-  constexpr int kNBlkP = kPart / 8, kNBlkD = kHeadDim / 8;        // n8 blocks of a part's S^T, of dK / dV
+  constexpr int kHeadDimPad = T::kHeadDimPad;                      // shared tiles' and dK / dV's columns
+  constexpr int kNBlkP = kPart / 8, kNBlkD = kHeadDimPad / 8;     // n8 blocks of a part's S^T, of dK / dV
 
   unsigned char* smem = aligned_dynamic_smem();
   const uint32_t smem_addr = smem_u32addr(smem);
@@ -86,19 +88,14 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
 
   // Alg. 2 line 10: the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {
-    w.template copy_q_tiles_async<Element, TileQ, kHeadDim, kThreads>(
+    w.template copy_q_tiles_async<Element, TileQ, kHeadDimPad, kThreads>(
         params, it, smem_addr + T::kOffQ + stage * TileQ::kBytes, smem_addr + T::kOffDO + stage * TileQ::kBytes, tid);
     w.copy_row_stats_async(params, it, sHi0 + stage * kBlockM, sLo0 + stage * kBlockM, sDsum0 + stage * kBlockM,
                            tid);
   };
 
   // Alg. 2 line 7: K_j, V_j (resident), with the first Q tile.
-  copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(
-      sK, w.seq.template k_row<const Element>(params.k, w.bidhk, w.n0), params.k.row_stride, w.seq.seqlen_k - w.n0,
-      params.d, tid);
-  copy_tile_async<TileKV, kBlockN, kHeadDim, kThreads>(
-      sV, w.seq.template k_row<const Element>(params.v, w.bidhk, w.n0), params.v.row_stride, w.seq.seqlen_k - w.n0,
-      params.d, tid);
+  w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, sK, sV, tid);
   if (w.n_iter > 0) load_q_tile(0, 0);
   cp_async_commit();
 
@@ -155,31 +152,13 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       // other products of the parts, and dV / dK of the earlier parts): S^T_h is done.
       wgmma_wait<2 * kSplit - 1>();
       const int q0 = h * kPart;  // first tile row of part h
-      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32, primitives/softmax.cuh). The
-      // mask (a key after the query -> P^T = 0) and the exact recompute are compiled into other
-      // copies of the loop that run on diagonal tiles and large-magnitude rows only: the branch is
-      // uniform, so the other tiles pay nothing for them.
-      with_p_mode(precise, needs_mask, [&](auto mode) {
-        constexpr PMode kMode = decltype(mode)::value;
-#pragma unroll
-        for (int j = 0; j < kNBlkP; ++j) {
-          const int mc = q0 + 8 * j + 2 * t;  // tile row (query) of e = 0; e = 1 is mc + 1
-          const float2 hi2 = *reinterpret_cast<const float2*>(sHi + mc);
-          float2 lo2 = make_float2(0.f, 0.f);
-          if constexpr (kMode == PMode::kExact) lo2 = *reinterpret_cast<const float2*>(sLo + mc);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc_s[h][j][e] = recompute_p<kMode>(acc_s[h][j][e], params.scale_softmax_log2, (e % 2) ? hi2.y : hi2.x,
-                                                (e % 2) ? lo2.y : lo2.x,
-                                                w.mask.visible(m0 + mc + (e % 2), key0 + 8 * (e / 2)));
-          }
-        }
-      });
+      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0; smem_layout.cuh).
+      recompute_pt(acc_s[h], w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, q0, key0, t);
 #pragma unroll
       for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
 
       // Alg. 2 line 13: dV_j += P^T dO_part.
-      wgmma_rs_group<Element, kHeadDim, 1>(flat(acc_dv), a_p[h],
+      wgmma_rs_group<Element, kHeadDimPad, 1>(flat(acc_dv), a_p[h],
                                             [&](int kk) { return TileQ::desc_mn_major(sdO, q0 / 16 + kk); });
 
       // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows. With kPRounded, P^T
@@ -215,7 +194,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       }
 
       // Alg. 2 line 17: dK_j += dS^T Q_part.
-      wgmma_rs_group<Element, kHeadDim, 1>(flat(acc_dk), a_ds[h],
+      wgmma_rs_group<Element, kHeadDimPad, 1>(flat(acc_dk), a_ds[h],
                                             [&](int kk) { return TileQ::desc_mn_major(sQ, q0 / 16 + kk); });
     }
     wgmma_wait<0>();
@@ -226,14 +205,17 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   // tiles (no copy may still be writing them) for coalesced 16-byte stores.
   cp_async_wait<0>();
   __syncthreads();
-  store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem, acc_dk, 64 * wg, float(params.scale_softmax), tid_wg);
-  store_acc_to_smem<kBlockN, kHeadDim, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg, 1.f, tid_wg);
+  store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(smem, acc_dk, 64 * wg, float(params.scale_softmax), tid_wg);
+  store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg, 1.f, tid_wg);
   __syncthreads();
-  w.template store_kv_tile<Element, TileKV, kHeadDim, kThreads>(params, params.dk, smem, tid);
-  w.template store_kv_tile<Element, TileKV, kHeadDim, kThreads>(params, params.dv, smem + T::kOffV, tid);
+  w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dk, smem, tid);
+  w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dv, smem + T::kOffV, tid);
 #endif
 }
 
 }  // namespace flash::sm90
 
-FLASH_BWD_LAUNCH_TEMPLATE(Sm90, sm90, Dkv, dkv, "dK/dV")
+// The sm90 dK/dV launch: the roles kernel (flash_bwd_dkv_roles_kernel.cuh) for a Roles<> row,
+// q / dout by TMA for dense calls whose tensors TMA can describe (else cp.async); the rows kernel
+// above for other rows (smem_layout.cuh: FLASH_SM90_BWD_LAUNCH).
+FLASH_SM90_BWD_LAUNCH(Dkv, dkv, "dK/dV", q, dout, seqlen_q, h, kBlockM)

@@ -19,20 +19,21 @@
 #pragma once
 
 #include "kernels/sm90/smem_layout.cuh"  // with everything an sm90 kernel uses
+#include "kernels/sm90/flash_bwd_dq_roles_kernel.cuh"  // the Roles<> rows' kernel, launched below
 
 namespace flash::sm90 {
 
 // Tile: a DqTileShape row (tile_config.h).
 template <typename Element, int kHeadDim, typename Tile>
-struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM> {
+struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
   static_assert(Tile::kBlockM % 64 == 0 && Tile::kBlockN % 16 == 0, "64 Q rows per warpgroup, k16 steps of keys");
-  using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockM>;
-  using Base::kBlockM, Base::kBlockN, typename Base::TileQ, typename Base::TileKV;
+  using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64>;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, typename Base::TileQ, typename Base::TileKV;
   // Shared layout (1024-byte aligned): sQ, sdO, then 2 stages x (sK, sV).
   static constexpr int kOffDO = TileQ::kBytes, kOffK = 2 * TileQ::kBytes, kOffV = kOffK + 2 * TileKV::kBytes;
   static constexpr int kSmemBytes = kOffV + 2 * TileKV::kBytes + 1024;  // + alignment slack
   static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64nNk16 wgmma wide (N = kBlockN)");
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "dQ is one m64nNk16 wgmma wide (N = d)");
+  static_assert(kHeadDimPad == 64 || kHeadDimPad == 128, "dQ is one m64nNk16 wgmma wide (N = d, padded)");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
@@ -44,8 +45,8 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN;
   using TileQ = typename T::TileQ;
   using TileKV = typename T::TileKV;
-  constexpr int kThreads = T::kThreads;
-  constexpr int kNBlkN = kBlockN / 8, kNBlkD = kHeadDim / 8;  // n8 blocks of S (keys), of dQ
+  constexpr int kThreads = T::kThreads, kHeadDimPad = T::kHeadDimPad;  // shared tiles' and dQ's columns
+  constexpr int kNBlkN = kBlockN / 8, kNBlkD = kHeadDimPad / 8;      // n8 blocks of S (keys), of dQ
 
   // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
   const DqWork<kBlockM, kBlockN> w(params);
@@ -61,14 +62,14 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
 
   // Alg. 2 line 7 (K_j, V_j), into `stage`.
   auto load_kv_tile = [&](int n_block, int stage) {
-    w.template copy_kv_tiles_async<Element, TileKV, kHeadDim, kThreads>(
+    w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(
         params, n_block, smem_addr + T::kOffK + stage * TileKV::kBytes, smem_addr + T::kOffV + stage * TileKV::kBytes, tid);
   };
 
   // Alg. 2 line 10: Q_i, dO_i (resident) with the first K/V tile.
-  copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
+  copy_tile_async<TileQ, kBlockM, kHeadDimPad, kThreads>(
       sQ, w.seq.template q_row<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q, params.d, tid);
-  copy_tile_async<TileQ, kBlockM, kHeadDim, kThreads>(
+  copy_tile_async<TileQ, kBlockM, kHeadDimPad, kThreads>(
       sdO, w.seq.template q_row<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride, w.rows_q,
       params.d, tid);
   if (w.n_block_max > 0) load_kv_tile(0, 0);
@@ -113,26 +114,9 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
     wgmma_commit();
 
     wgmma_wait<1>();
-    // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), while dP runs (primitives/softmax.cuh).
-    // The masks (a key past seqlen_k or after the query -> P = 0) and the exact recompute are
-    // compiled into other copies of the loop that run on the last key block, causal diagonal
-    // blocks and tiles with large-magnitude rows only (a uniform branch).
-    with_p_mode(w.precise, w.block_needs_mask(n_block), [&](auto mode) {
-      constexpr PMode kMode = decltype(mode)::value;
-      float lo[2] = {0.f, 0.f};
-      if constexpr (kMode == PMode::kExact) {
-        lo[0] = params.softmax_lse_log2_lo_ptr[ws];
-        lo[1] = params.softmax_lse_log2_lo_ptr[ws + 8];
-      }
-#pragma unroll
-      for (int j = 0; j < kNBlkN; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc_s[j][e] = recompute_p<kMode>(acc_s[j][e], params.scale_softmax_log2, hi[e / 2], lo[e / 2],
-                                           w.mask.visible(row0 + 8 * (e / 2), n0 + 8 * j + 2 * t + (e % 2)));
-        }
-      }
-    });
+    // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), while dP runs (masked -> 0; smem_layout.cuh).
+    recompute_p_rows(acc_s, w.mask, w.precise, w.block_needs_mask(n_block), params.scale_softmax_log2, hi,
+                     params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 
     // Alg. 2 line 15: dS = P o (dP - D).
     wgmma_wait<0>();
@@ -146,7 +130,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
     for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(a_ds[kk], acc_dp, kk);
 
     // Alg. 2 line 16: dQ_i += dS K_j.
-    wgmma_rs_group<Element, kHeadDim, 1>(flat(acc_dq), a_ds, [&](int kk) { return TileKV::desc_mn_major(sK, kk); });
+    wgmma_rs_group<Element, kHeadDimPad, 1>(flat(acc_dq), a_ds, [&](int kk) { return TileKV::desc_mn_major(sK, kk); });
     wgmma_wait<0>();
     __syncthreads();  // every warpgroup is done with this buffer before it is refilled
   }
@@ -154,12 +138,15 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   // dQ_i (times softmax_scale), staged through sQ for coalesced 16-byte stores.
   cp_async_wait<0>();
   __syncthreads();
-  store_acc_to_smem<kBlockM, kHeadDim, kNBlkD, Element>(smem, acc_dq, 64 * wg, float(params.scale_softmax), tid_wg);
+  store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(smem, acc_dq, 64 * wg, float(params.scale_softmax), tid_wg);
   __syncthreads();
-  w.template store_q_tile<Element, TileQ, kHeadDim, kThreads>(params, params.dq, smem, tid);
+  w.template store_q_tile<Element, TileQ, kHeadDimPad, kThreads>(params, params.dq, smem, tid);
 #endif
 }
 
 }  // namespace flash::sm90
 
-FLASH_BWD_LAUNCH_TEMPLATE(Sm90, sm90, Dq, dq, "dQ")
+// The sm90 dQ launch: the roles kernel (flash_bwd_dq_roles_kernel.cuh) for a Roles<> row,
+// k / v by TMA for dense calls whose tensors TMA can describe (else cp.async); the rows kernel
+// above for other rows (smem_layout.cuh: FLASH_SM90_BWD_LAUNCH).
+FLASH_SM90_BWD_LAUNCH(Dq, dq, "dQ", k, v, seqlen_k, h_k, kBlockN)

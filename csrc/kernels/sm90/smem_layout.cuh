@@ -23,12 +23,14 @@
 #include "kernels/common/work.cuh"
 #include "kernels/launch_utils.h"
 #include "kernels/sm90/tile_config.h"
+#include "primitives/barrier.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/ldmatrix.cuh"
 #include "primitives/math.cuh"
 #include "primitives/mma.cuh"
 #include "primitives/softmax.cuh"
 #include "primitives/tile_copy.cuh"
+#include "primitives/tma.cuh"
 #include "primitives/wgmma.cuh"
 
 namespace flash {
@@ -69,17 +71,188 @@ struct SwizzledTile {
   }
 };
 
-// What the traits of both sm90 backward kernels share: the tile row's kBlockM x kBlockN, one
-// warpgroup per 64 rows of the wgmma M axis (kMRows: K rows for dK/dV, Q rows for dQ), and the
-// swizzled Q and K/V tiles.
-template <int kHeadDim, typename Tile, int kMRows>
+// What the traits of the sm90 backward kernels share: the tile row's kBlockM x kBlockN, kWarpGroups
+// warpgroups (the rows kernels: one per 64 rows of the wgmma M axis, K rows for dK/dV, Q rows for
+// dQ; the roles kernels: two), and the swizzled Q and K/V tiles, whole 64-column
+// swizzle blocks: d96 runs 128 columns there, as the forward does (the copies zero-fill the
+// columns past the user's d, S takes only the head dim's k16 steps, and the outputs' extra
+// columns are never stored).
+template <int kHeadDim, typename Tile, int kWarpGroups_>
 struct BwdTileTraits {
   static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
-  static constexpr int kWarpGroups = kMRows / 64;
+  static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  static constexpr int kWarpGroups = kWarpGroups_;
   static constexpr int kThreads = kWarpGroups * 128;
-  using TileQ = SwizzledTile<kBlockM, kHeadDim>;
-  using TileKV = SwizzledTile<kBlockN, kHeadDim>;
+  using TileQ = SwizzledTile<kBlockM, kHeadDimPad>;
+  using TileKV = SwizzledTile<kBlockN, kHeadDimPad>;
 };
+
+// Tensor maps of the backward's streamed tiles (primitives/tma.cuh), encoded per call by the launch
+// (dense calls whose inputs TMA can describe): q and dout for the dK/dV kernel, k and v for the dQ
+// kernel. A __grid_constant__ kernel parameter; unused (zeros) by a kernel that copies by cp.async.
+struct BwdTmaMaps {
+  CUtensorMap a, b;
+};
+
+// acc = A B^T over the head dim's k16 steps [0, kSteps): A the 64 rows of a K-major tile at sA, B the
+// kN rows of one at sB (the roles kernels' S / dP products and their transposes), one wgmma group,
+// waited for.
+template <typename Element, int kN, int kSteps, typename TileA, typename TileB>
+__device__ __forceinline__ void gemm_ss_wait(float (&acc)[kN / 2], uint32_t sA, uint32_t sB) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    Wgmma<Element, kN>::template ss<0>(acc, TileA::desc_k_major(sA, 0, kk), TileB::desc_k_major(sB, 0, kk), kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
+// Alg. 2 line 12 on a dQ-kernel (query x key) accumulator: P = exp2(S scale_log2 - LSE_log2) in
+// place for a warpgroup's 64 query rows (this thread's: row0, row0 + 8; hi = their LSE_log2's
+// leading part, lo_ptr at row0's trailing part, row0 + 8's 8 further) against keys n0 + 8 j + 2 t
+// (+1) of kNBlk n8 blocks. The masks (a key past seqlen_k or after the query -> P = 0) and the exact
+// recompute are compiled into other copies of the loop that run on the last key block, causal
+// diagonal blocks and tiles with large-magnitude rows only (a uniform branch).
+template <int kNBlk, typename Mask>
+__device__ __forceinline__ void recompute_p_rows(float (&acc)[kNBlk][4], const Mask& mask, bool precise,
+                                                 bool needs_mask, float scale_log2, const float (&hi)[2],
+                                                 const float* lo_ptr, int row0, int n0, int t) {
+  with_p_mode(precise, needs_mask, [&](auto mode) {
+    constexpr PMode kMode = decltype(mode)::value;
+    float lo[2] = {0.f, 0.f};
+    if constexpr (kMode == PMode::kExact) {
+      lo[0] = lo_ptr[0];
+      lo[1] = lo_ptr[8];
+    }
+#pragma unroll
+    for (int j = 0; j < kNBlk; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[j][e] = recompute_p<kMode>(acc[j][e], scale_log2, hi[e / 2], lo[e / 2],
+                                       mask.visible(row0 + 8 * (e / 2), n0 + 8 * j + 2 * t + (e % 2)));
+      }
+    }
+  });
+}
+
+// The two-stage ring through which the backward roles kernels stream their tiles (Q_i / dO_i and
+// their statistics for dK/dV, K_j / V_j for dQ): load(i, stage) copies item i into a stage, and the
+// kernel calls start, acquire(i) before and release(i) after its products of item i.
+//   kTma: thread kLoader loads a stage by TMA, completing on its full mbarrier; every thread
+//     arrives on its empty mbarrier once done with it, and the loader refills it with item i + 2
+//     once all have. No CTA-wide barrier in the loop (warpgroups run apart by up to a stage).
+//   cp.async: every thread copies its share of item i + 1 while item i is computed
+//     (primitives/cp_async.cuh: pipeline_step), a CTA barrier before and after each item.
+// kLoader is a thread of warpgroup 1, whose role finishes each item last.
+template <bool kTma, int kThreads>
+struct BwdStages {
+  static constexpr int kLoader = 128;
+  uint32_t full0, empty0;  // stage s: + 8 s
+
+  __device__ __forceinline__ explicit BwdStages(uint32_t bars) : full0(bars), empty0(bars + 16) {}
+
+  // Barriers (the loader: after any barriers of its own, fenced together) and the first items: kTma
+  // the first two by TMA, else the first by every thread (committed with the caller's copies).
+  // Then the caller's own cp.async copies, and finish_start().
+  template <typename Load>
+  __device__ __forceinline__ void start(int tid, const BwdTmaMaps& maps, int n, Load&& load) const {
+    if (tid == kLoader) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        mbarrier_init(full0 + 8 * s, 1);           // kTma: the loader's arrive.expect_tx; the copies the bytes
+        mbarrier_init(empty0 + 8 * s, kThreads);  // kTma: every thread, once done with the stage
+      }
+      mbarrier_init_fence();
+      if constexpr (kTma) {
+        tma_prefetch_map(&maps.a);
+        tma_prefetch_map(&maps.b);
+        for (int i = 0; i < 2 && i < n; ++i) load(i, i);
+      }
+    }
+    __syncwarp();
+    if constexpr (!kTma) {
+      if (n > 0) load(0, 0);
+    }
+  }
+  // The caller's cp.async copies (and item 0's, cp.async) committed: barriers initialized and kTma,
+  // the caller's copies landed and visible to wgmma (a cp.async ring waits in acquire).
+  __device__ __forceinline__ void finish_start() const {
+    if constexpr (kTma) {
+      cp_async_wait<0>();
+      fence_proxy_async();
+    }
+    __syncthreads();
+  }
+  // Item i in its stage (i % 2), landed and visible to wgmma.
+  template <typename Load>
+  __device__ __forceinline__ void acquire(int i, int n, Load&& load) const {
+    if constexpr (kTma) {
+      mbarrier_wait(full0 + 8 * (i % 2), (i / 2) % 2);
+    } else {
+      pipeline_step</*kAsyncProxy=*/true>(i, n, load);  // item i + 1 in flight
+    }
+  }
+  // This thread is done with item i's stage.
+  template <typename Load>
+  __device__ __forceinline__ void release(int i, int n, int tid, Load&& load) const {
+    if constexpr (kTma) {
+      mbarrier_arrive(empty0 + 8 * (i % 2));
+      if (tid == kLoader && i + 2 < n) {
+        mbarrier_wait(empty0 + 8 * (i % 2), (i / 2) % 2);
+        load(i + 2, i % 2);
+      }
+      __syncwarp();  // the loader's warp converged again before its next warpgroup-wide wgmma
+    } else {
+      __syncthreads();  // every thread is done with the stage before it is refilled
+    }
+  }
+};
+
+// Launches a backward roles kernel (tma_kernel / cp_kernel: its two instantiations, taking (params,
+// maps)) over Work's grid: by TMA where allowed, the call is dense (varlen rows past a sequence's
+// end must read as zeros) and the driver encodes maps of tensors a and b (rows x heads, boxes of
+// box_rows rows), else by cp.async.
+template <typename Traits, typename Work, typename Kernel>
+void launch_bwd_roles(Kernel tma_kernel, Kernel cp_kernel, const TensorView& a, const TensorView& b, int rows,
+                      int heads, int box_rows, const char* what, Flash_bwd_params& params, cudaStream_t stream,
+                      bool allow_tma) {
+  static_assert(Traits::kSmemBytes <= kMaxSmem, "backward roles tile row exceeds sm90 shared memory");
+  BwdTmaMaps maps{};
+  const bool tma = allow_tma && params.cu_seqlens_q == nullptr &&
+                   tma_encode_bshd(&maps.a, a, params.b, rows, heads, params.d, params.is_bf16, box_rows) &&
+                   tma_encode_bshd(&maps.b, b, params.b, rows, heads, params.d, params.is_bf16, box_rows);
+  launch_1d(tma ? tma_kernel : cp_kernel, Work::grid_size(params), Traits::kThreads, Traits::kSmemBytes, what,
+            params.d_rounded, stream, params, maps);
+}
+
+// Alg. 2 line 12 on a transposed (key x query) accumulator, the dK/dV kernels' S^T: P^T =
+// exp2(S^T scale_log2 - LSE_log2) in place (primitives/softmax.cuh: recompute_p) for a warpgroup's
+// 64 key rows (this thread's: key0, key0 + 8) and kNBlk n8 blocks of query columns from tile
+// column q0 of the Q tile at m0, whose LSE_log2 = hi + lo sit in shared memory (sHi, sLo: one float
+// per tile column). The mask (a key after the query or past seqlen_k -> P^T = 0) and the exact
+// recompute are compiled into other copies of the loop that run on diagonal tiles and
+// large-magnitude rows only: the branch is uniform, so the other tiles pay nothing for them.
+template <int kNBlk, typename Mask>
+__device__ __forceinline__ void recompute_pt(float (&acc)[kNBlk][4], const Mask& mask, bool precise, bool needs_mask,
+                                             float scale_log2, const float* sHi, const float* sLo, int m0, int q0,
+                                             int key0, int t) {
+  with_p_mode(precise, needs_mask, [&](auto mode) {
+    constexpr PMode kMode = decltype(mode)::value;
+#pragma unroll
+    for (int j = 0; j < kNBlk; ++j) {
+      const int mc = q0 + 8 * j + 2 * t;  // tile column (query) of e = 0; e = 1 is mc + 1
+      const float2 hi2 = *reinterpret_cast<const float2*>(sHi + mc);
+      float2 lo2 = make_float2(0.f, 0.f);
+      if constexpr (kMode == PMode::kExact) lo2 = *reinterpret_cast<const float2*>(sLo + mc);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[j][e] = recompute_p<kMode>(acc[j][e], scale_log2, (e % 2) ? hi2.y : hi2.x, (e % 2) ? lo2.y : lo2.x,
+                                       mask.visible(m0 + mc + (e % 2), key0 + 8 * (e / 2)));
+      }
+    }
+  });
+}
 
 // Writes a warpgroup's fp32 accumulator (64 x kNBlk*8, wgmma layout: warp w, lane 4g + t holds
 // rows 16w + g and 16w + g + 8, columns 8j + 2t, +1 of n8 block j) times `scale` into rows
@@ -107,3 +280,31 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
 
 }  // namespace sm90
 }  // namespace flash
+
+// Defines flash::sm90::launch_bwd_<kind>(params, stream, allow_tma) for tile row Tile (the roles
+// kernel for a Roles<> row, by TMA where launch_bwd_roles can, tensors a / b: rows x heads, boxes of
+// Traits::box rows; else the rows kernel) and flash::run_mha_bwd_<kind>_(Sm90, ...), the launch the
+// generated instantiations compile with the production row <Kind>Tile<d>. Used at global scope after
+// both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
+#define FLASH_SM90_BWD_LAUNCH(Kind, kind, what, a, b, rows, heads, box)                                          \
+  namespace flash::sm90 {                                                                                       \
+  template <typename Element, int kHeadDim, typename Tile>                                                      \
+  void launch_bwd_##kind(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma = true) {                \
+    if constexpr (Tile::kRoles) {                                                                               \
+      using Traits = Kind##RolesKernelTraits<Element, kHeadDim, Tile>;                                          \
+      launch_bwd_roles<Traits, Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                                   \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true>,                                       \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false>, params.a, params.b, params.rows,     \
+          params.heads, Traits::box, what, params, stream, allow_tma);                                          \
+    } else {                                                                                                    \
+      using Traits = Kind##KernelTraits<Element, kHeadDim, Tile>;                                               \
+      static_assert(Traits::kSmemBytes <= kMaxSmem, what " tile row exceeds sm90 shared memory");              \
+      launch_tiles<Traits, Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                                       \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile>, what, params, stream);                            \
+    }                                                                                                           \
+  }                                                                                                             \
+  }                                                                                                             \
+  template <typename Element, int kHeadDim>                                                                     \
+  void flash::run_mha_bwd_##kind##_(flash::Sm90, flash::Flash_bwd_params& params, cudaStream_t stream) {        \
+    flash::sm90::launch_bwd_##kind<Element, kHeadDim, flash::sm90::Kind##Tile<kHeadDim>>(params, stream);       \
+  }

@@ -49,6 +49,23 @@ template <> struct DkvTile<128> : DkvTileShape<128,   64,    1> { static constex
 template <> struct DqTile<64>  : DqTileShape< 64,  64,   16, true,                            3> { static constexpr bool kSupported = true; };
 template <> struct DqTile<128> : DqTileShape<128,  64> { static constexpr bool kSupported = true; };
 
+// d96 runs d128's rows with 128-column shared tiles and accumulators (S over its 6 k16 steps; as
+// the forward does). d192 / d256: dK and dV of 64 K rows (d registers per thread) leave no room for
+// S^T and dP^T in one warpgroup, so both kernels split their two warpgroups by role over a 64 x 64
+// tile pair (Roles<>, flash_bwd_{dkv,dq}_roles_kernel.cuh): one holds dV (or dQ's first columns),
+// the other dK (dQ's last columns), d / 2 registers each. Shared memory at d256: dK/dV K, V and two
+// stages of Q, dO (64 x d each) 192 KB + 2 x 16 KB (P^T) + 1.5 KB (row statistics) = 225.5 KB; dQ
+// Q, dO and two stages of K, V 192 KB + 8 KB (dS) + 16 KB (P) = 216 KB. Measured (tune_kernels.py,
+// bf16, N = 1024 / 4096 / 16384, per-kernel matmul TFLOP/s; docs/PERF_NOTES.md): d256 dK/dV
+// 439 / 477 / 498, causal 348 / 452 / 469; dQ 427 / 492 / 493, causal 336 / 425 / 477 (TMA stages;
+// their cp.async twins, which varlen calls run, 8-19 % slower).
+template <> struct DkvTile<96>  : DkvTileShape<128,   64,    1> { static constexpr bool kSupported = true; };
+template <> struct DqTile<96>   : DqTileShape<128,  64> { static constexpr bool kSupported = true; };
+template <> struct DkvTile<192> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
+template <> struct DkvTile<256> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
+template <> struct DqTile<192>  : Roles<DqTileShape<64, 64>> { static constexpr bool kSupported = true; };
+template <> struct DqTile<256>  : Roles<DqTileShape<64, 64>> { static constexpr bool kSupported = true; };
+
 // Forward (sm90/flash_fwd_kernel.cuh): one producer warpgroup (TMA) + kBlockM / 64 consumer
 // warpgroups of 64 query rows each (kNWarps = 4 (producer) + kBlockM / 16); FlashAttention-3's
 // shapes (../shared/HOPPER.md §1.1; S widths 80 and 112 from primitives/gen_wgmma.py): 3

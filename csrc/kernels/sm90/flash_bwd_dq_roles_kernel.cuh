@@ -1,0 +1,205 @@
+// FlashAttention-2 backward, dQ kernel on Hopper tensor cores for large head dims (192, 256): the
+// algorithm of flash_bwd_dq_kernel.cuh (Alg. 2 line 16, dQ_i += dS_i^(j) K_j, as its own loop over
+// K/V blocks per Q tile instead of atomics: bitwise deterministic), with its two warpgroups split by
+// role instead of by Q rows, as in flash_bwd_dkv_roles_kernel.cuh. Both work on the same 64 Q rows:
+//
+//   warpgroup 0 (P role)                         warpgroup 1 (dS role)
+//   S  = Q_i K_j^T            (line 11)          dP = dO_i V_j^T               (line 14)
+//   P  = exp2(S c - LSE)      (line 12)
+//   P -> shared memory  ---- CTA barrier ---->  dS = P o (dP - D_i)           (line 15)
+//                                                dS -> shared memory (swizzled A operand)
+//   ---------------------------- both: __syncthreads ----------------------------
+//   dQ_i[:, :kCols0] += dS K_j[:, :kCols0]       dQ_i[:, kCols0:] += dS K_j[:, kCols0:]   (line 16)
+//
+// Each warpgroup keeps its columns of dQ (at most 128: 64 registers per thread), so S and dP have
+// room for 64-key tiles; the dQ columns split at a 64-column swizzle block (d192: 128 + 64,
+// d256: 128 + 128). P crosses in fp32 in the accumulator layout; dS crosses rounded to Element, as
+// the rows kernel's register A operand is.
+//
+// K_j, V_j stream through two stages as the dK/dV roles kernel's Q tiles do: by TMA with full /
+// empty mbarriers (kTma: dense calls whose k / v TMA can describe; keys past seqlen_k read as
+// zeros, and the mask hides them), else by cp.async with a CTA barrier per key block.
+//
+// Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S / dP acc[j][e] hold
+//   Q row m = m0 + 16 w + g + 8 (e / 2),  key n = n0 + 8 j + 2 t + (e % 2).
+#pragma once
+
+#include "kernels/sm90/smem_layout.cuh"  // with everything an sm90 kernel uses
+
+namespace flash::sm90 {
+
+// Tile: a Roles<DqTileShape> row (tile_config.h) of 64 Q rows and kBlockN-key K/V tiles.
+template <typename Element, int kHeadDim, typename Tile>
+struct DqRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
+  using Base = BwdTileTraits<kHeadDim, Tile, 2>;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, typename Base::TileQ, typename Base::TileKV;
+  using TileDs = SwizzledTile<kBlockM, kBlockN>;
+  // dQ columns of warpgroup 0 (whole swizzle blocks, at least half) and of warpgroup 1.
+  static constexpr int kCols0 = (kHeadDimPad / 2 + 63) / 64 * 64, kCols1 = kHeadDimPad - kCols0;
+  // Shared layout (1024-byte aligned): sQ, sdO, 2 stages x (sK, sV), dS, P (fp32, kBlockN / 2
+  // floats per thread of a warpgroup), the stages' mbarriers.
+  static constexpr int kOffDO = TileQ::kBytes, kOffK = 2 * TileQ::kBytes, kOffV = kOffK + 2 * TileKV::kBytes;
+  static constexpr int kOffDs = kOffV + 2 * TileKV::kBytes;
+  static constexpr int kOffP = kOffDs + TileDs::kBytes;
+  static constexpr int kOffBar = kOffP + 128 * (kBlockN / 2) * 4;  // full and empty mbarriers of the 2 stages
+  static constexpr int kSmemBytes = kOffBar + 4 * 8 + 1024;         // + alignment slack
+  static_assert(Tile::kRoles && kBlockM == 64, "both warpgroups work on the same 64 Q rows");
+  static_assert(kBlockN % 64 == 0 && kBlockN <= 128, "S is one m64nNk16 wgmma wide; dS whole swizzle blocks");
+  static_assert(kCols1 > 0 && kCols0 <= 128, "each warpgroup holds at most 128 dQ columns");
+};
+
+template <typename Element, int kHeadDim, typename TileShape, bool kTma>
+__global__ void __launch_bounds__(256, 1)
+flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = DqRolesKernelTraits<Element, kHeadDim, TileShape>;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kHeadDimPad = T::kHeadDimPad;
+  constexpr int kCols0 = T::kCols0, kCols1 = T::kCols1;
+  using TileQ = typename T::TileQ;
+  using TileKV = typename T::TileKV;
+  using TileDs = typename T::TileDs;
+  constexpr int kThreads = T::kThreads;
+  constexpr int kNBlkN = kBlockN / 8;  // n8 blocks of S (keys)
+
+  // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
+  const DqWork<kBlockM, kBlockN> w(params);
+  if (w.past_end()) return;  // varlen: a Q tile past its sequence's end (grid sized by max_seqlen_q)
+
+  unsigned char* smem = aligned_dynamic_smem();
+  const uint32_t smem_addr = smem_u32addr(smem);
+  const uint32_t sQ = smem_addr, sdO = smem_addr + T::kOffDO, sDs = smem_addr + T::kOffDs;
+  float4* sP = reinterpret_cast<float4*>(smem + T::kOffP);  // P, float4 j of thread tid_wg at j * 128 + tid_wg
+
+  // Thread = 128 wg + 32 warp_wg + 4 g + t; wg is the role (0: S, P; 1: dP, dS).
+  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
+  const int lane = tid % 32, g = lane / 4, t = lane % 4;
+
+  const BwdStages<kTma, kThreads> stages(smem_addr + T::kOffBar);
+
+  // Alg. 2 line 7 (K_j, V_j), into `stage`.
+  auto load_kv_tile = [&](int n_block, int stage) {
+    const uint32_t dst_k = smem_addr + T::kOffK + stage * TileKV::kBytes;
+    const uint32_t dst_v = smem_addr + T::kOffV + stage * TileKV::kBytes;
+    if constexpr (kTma) {  // by the loading thread, completing on the stage's full barrier
+      const uint32_t full = stages.full0 + 8 * stage;
+      const int row = w.seq.k_tma_row(n_block * kBlockN), bidb = w.seq.tma_batch(params);
+      const uint64_t policy = l2_policy_evict_last();  // read again by the head's other Q tiles
+      mbarrier_arrive_expect_tx(full, 2 * TileKV::kBytes);
+#pragma unroll
+      for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+        tma_load_4d(dst_k + cb * TileKV::kColBlockBytes, &maps.a, full, 64 * cb, row, w.bidhk, bidb, policy);
+        tma_load_4d(dst_v + cb * TileKV::kColBlockBytes, &maps.b, full, 64 * cb, row, w.bidhk, bidb, policy);
+      }
+    } else {  // by every thread, cp.async
+      w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, n_block, dst_k, dst_v, tid);
+    }
+  };
+
+  // Alg. 2 line 10: Q_i, dO_i (resident, cp.async) with the first K/V tiles.
+  stages.start(tid, maps, w.n_block_max, load_kv_tile);
+  copy_tile_async<TileQ, kBlockM, kHeadDimPad, kThreads>(
+      sQ, w.seq.template q_row<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q, params.d, tid);
+  copy_tile_async<TileQ, kBlockM, kHeadDimPad, kThreads>(
+      sdO, w.seq.template q_row<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride, w.rows_q,
+      params.d, tid);
+  cp_async_commit();
+  stages.finish_start();
+
+  // The row statistic of this thread's two rows its role needs: hi (LSE_log2) for role 0, D for
+  // role 1 (whole tiles lie inside the 128-rounded workspaces).
+  const int row0 = w.m0 + 16 * warp_wg + g;  // e = 0,1; e = 2,3 are row0 + 8
+  const int64_t ws = w.seq.ws_index(params, w.bidh, row0);
+  const float* stat = wg == 0 ? params.softmax_lse_log2_ptr : params.dsoftmax_sum_ptr;
+  const float row_stat[2] = {stat[ws], stat[ws + 8]};
+
+  // This warpgroup's dQ columns [col0, col0 + kCols0 or kCols1) (role 1 uses the first kCols1 / 8
+  // blocks of acc_dq).
+  const int col0 = wg == 0 ? 0 : kCols0;
+  float acc_dq[kCols0 / 8][4];
+#pragma unroll
+  for (int j = 0; j < kCols0 / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.f;
+  }
+
+#pragma unroll 1
+  for (int n_block = 0; n_block < w.n_block_max; ++n_block) {
+    const int stage = n_block % 2;
+    stages.acquire(n_block, w.n_block_max, load_kv_tile);  // K_j, V_j landed
+    const uint32_t sK = smem_addr + T::kOffK + stage * TileKV::kBytes;
+    const uint32_t sV = smem_addr + T::kOffV + stage * TileKV::kBytes;
+    const int n0 = n_block * kBlockN;
+
+    // Alg. 2 line 11 (role 0: S = Q_i K_j^T) or line 14 (role 1: dP = dO_i V_j^T).
+    float acc_s[kNBlkN][4];
+    gemm_ss_wait<Element, kBlockN, kHeadDim / 16, TileQ, TileKV>(flat(acc_s), wg == 0 ? sQ : sdO, wg == 0 ? sK : sV);
+
+    if (wg == 0) {
+      // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2) (masked -> 0), handed to role 1.
+      recompute_p_rows(acc_s, w.mask, w.precise, w.block_needs_mask(n_block), params.scale_softmax_log2, row_stat,
+                       params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
+#pragma unroll
+      for (int j = 0; j < kNBlkN; ++j) sP[j * 128 + tid_wg] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
+    }
+    // P complete (role 1 waits here from the end of its dP product: no longer than role 0's). A
+    // CTA barrier outside the role branches (a bar.sync is aligned: every thread at one instruction).
+    __syncthreads();
+    if (wg == 1) {
+      // Alg. 2 line 15: dS = P o (dP - D), rounded into the swizzled A operand of line 16.
+#pragma unroll
+      for (int j = 0; j < kNBlkN; ++j) {
+        const float4 p = sP[j * 128 + tid_wg];
+        acc_s[j][0] = p.x * (acc_s[j][0] - row_stat[0]);
+        acc_s[j][1] = p.y * (acc_s[j][1] - row_stat[0]);
+        acc_s[j][2] = p.z * (acc_s[j][2] - row_stat[1]);
+        acc_s[j][3] = p.w * (acc_s[j][3] - row_stat[1]);
+      }
+      store_acc_to_smem<kBlockM, kBlockN, kNBlkN, Element>(smem + T::kOffDs, acc_s, 0, 1.f, tid_wg);
+      fence_proxy_async();  // generic stores -> the wgmma (async proxy) reads below
+    }
+    __syncthreads();  // dS complete
+
+    // Alg. 2 line 16: dQ_i[:, this warpgroup's columns] += dS K_j[:, the same columns].
+    // (Each branch waits for its own group: the accumulators of the two widths never meet at a
+    // merge point while a product is in flight.)
+    const uint32_t sKcols = sK + (col0 / 64) * TileKV::kColBlockBytes;
+    auto gemm_dq = [&](auto& acc) {
+      constexpr int kCols = 2 * int(sizeof(acc) / sizeof(float));
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        Wgmma<Element, kCols>::template ss<1>(acc, TileDs::desc_k_major(sDs, 0, kk), TileKV::desc_mn_major(sKcols, kk),
+                                              1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+    };
+    if constexpr (kCols0 == kCols1) {
+      gemm_dq(flat(acc_dq));
+    } else if (wg == 0) {
+      gemm_dq(flat(acc_dq));
+    } else {
+      gemm_dq(reinterpret_cast<float(&)[kCols1 / 2]>(acc_dq));
+    }
+    // P and dS are free again once both roles passed the P barrier of the next key block (each
+    // waited for its dQ product before); this thread is done with the K/V stage.
+    stages.release(n_block, w.n_block_max, tid, load_kv_tile);
+  }
+
+  // dQ_i (times softmax_scale), staged through sQ for coalesced 16-byte stores: each warpgroup its
+  // columns (a whole number of swizzle blocks from col0).
+  cp_async_wait<0>();
+  __syncthreads();
+  unsigned char* sQcols = smem + (col0 / 64) * TileQ::kColBlockBytes;
+  if (wg == 0) {
+    store_acc_to_smem<kBlockM, kHeadDimPad, kCols0 / 8, Element>(sQcols, acc_dq, 0, float(params.scale_softmax), tid_wg);
+  } else {
+    store_acc_to_smem<kBlockM, kHeadDimPad, kCols1 / 8, Element>(
+        sQcols, reinterpret_cast<float(&)[kCols1 / 8][4]>(acc_dq), 0, float(params.scale_softmax), tid_wg);
+  }
+  __syncthreads();
+  w.template store_q_tile<Element, TileQ, kHeadDimPad, kThreads>(params, params.dq, smem, tid);
+#endif
+}
+
+}  // namespace flash::sm90
