@@ -165,6 +165,7 @@ struct BwdStages {
       }
       mbarrier_init_fence();
       if constexpr (kTma) {
+        fence_proxy_async();  // the inits ordered before this thread's TMA completes bytes on them
         tma_prefetch_map(&maps.a);
         tma_prefetch_map(&maps.b);
         for (int i = 0; i < 2 && i < n; ++i) load(i, i);
