@@ -1,9 +1,12 @@
 """Developer scripts that run without a GPU: scripts/compare_tune.py (the table of
-scripts/gpu_ab_tune.sh) on synthetic tune_kernels.py outputs."""
+scripts/gpu_ab_tune.sh) on synthetic tune_kernels.py outputs, and the -D flags
+benchmarks/tune_kernels.py compiles a variant with."""
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = "hdim causal N      kind  variant                 ms   TFLOP/s    maxdiff\n"
@@ -39,3 +42,27 @@ def test_compare_tune_without_common_cells_fails(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "compare_tune.py"), "--old", old, "--new", new],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "no cell common" in r.stderr
+
+
+def _tune_kernels():
+    """benchmarks/tune_kernels.py as a module (its main() only runs as a script)."""
+    import importlib.util
+    path = os.path.join(REPO, "benchmarks", "tune_kernels.py")
+    spec = importlib.util.spec_from_file_location("tune_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_variant_defines_fill_sm90_backward_defaults():
+    """dkv90 / dq90 variants get every optional template argument (split 1, roles 0, tma 1) as a -D
+    flag, the given ones kept; sm80 kinds keep their own defaults in the .cu file; too many
+    arguments is an error naming the kind."""
+    tk = _tune_kernels()
+    dkv = tk.variant_defines("dkv90:256:64,64,1,1")
+    assert dkv[-5:] == ["-DA1=64", "-DA2=64", "-DA3=1", "-DA4=1", "-DA5=1"] and "-DTUNE_SM90" in dkv
+    assert tk.variant_defines("dq90:128:128,64")[-4:] == ["-DA1=128", "-DA2=64", "-DA3=0", "-DA4=1"]
+    assert tk.variant_defines("dq90:256:64,64,1,0")[-2:] == ["-DA3=1", "-DA4=0"]
+    assert tk.variant_defines("dkv:128:64,128,1")[-1] == "-DA3=1"  # nothing appended
+    with pytest.raises(SystemExit, match="dkv90 takes 2 to 5"):
+        tk.variant_defines("dkv90:256:64,64,1,1,1,1")
