@@ -98,12 +98,8 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   };
 
   // Alg. 2 line 7: load K_j, V_j (resident for the whole CTA), with the first Q tile.
-  copy_tile_async<SmemTile<kHeadDim>, kBlockN, kHeadDim, kThreads>(
-      smem_u32addr(sK), w.seq.template k_row<const Element>(params.k, w.bidhk, w.n0), params.k.row_stride,
-      w.seq.seqlen_k - w.n0, params.d, tid);
-  copy_tile_async<SmemTile<kHeadDim>, kBlockN, kHeadDim, kThreads>(
-      smem_u32addr(sV), w.seq.template k_row<const Element>(params.v, w.bidhk, w.n0), params.v.row_stride,
-      w.seq.seqlen_k - w.n0, params.d, tid);
+  w.template copy_kv_tiles_async<Element, SmemTile<kHeadDim>, kHeadDim, kThreads>(params, smem_u32addr(sK),
+                                                                                smem_u32addr(sV), tid);
   if (w.n_iter > 0) load_q_tile(0, 0);
   cp_async_commit();
 
