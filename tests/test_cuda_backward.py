@@ -151,6 +151,33 @@ def test_backward_deterministic(dtype, headdim):
             assert torch.equal(a, b), f"{name} differs between runs"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
+def test_backward_load_paths_agree(headdim, causal, poison_empty):
+    """The sm90 backward kernels stream their tiles by TMA for inputs TMA can describe and by
+    cp.async for the rest (kernels/sm90/smem_layout.cuh: BwdStages); both give the same bits. A
+    dout broadcast over heads (head stride 0) sends the dK/dV kernel to cp.async, K/V broadcast
+    over the batch (batch stride 0) the dQ kernel; their contiguous copies take TMA. GQA 2:1,
+    ragged lengths."""
+    require_hdim(headdim)
+    dtype = torch.bfloat16
+    q = _rand(2, 333, 4, headdim, dtype=dtype)
+    k1, v1 = _rand(1, 257, 2, headdim, dtype=dtype), _rand(1, 257, 2, headdim, dtype=dtype)
+    dout1 = _rand(2, 333, 1, headdim, dtype=dtype)
+    scale = 1.0 / math.sqrt(headdim)
+    k, v, dout = k1.expand(2, -1, -1, -1), v1.expand(2, -1, -1, -1), dout1.expand(-1, -1, 4, -1)
+    assert k.stride(0) == 0 and dout.stride(2) == 0
+    # One forward for both (a zero-stride K/V would send the forward to another kernel as well).
+    kd, vd, doutd = k.contiguous(), v.contiguous(), dout.contiguous()
+    out, lse, stats = torch.ops.flash_attn_ext.forward(q, kd, vd, scale, causal)
+    bwd = torch.ops.flash_attn_ext.backward
+    strided = bwd(dout, q, k, v, out, lse, scale, causal, stats)
+    dense = bwd(doutd, q, kd, vd, out, lse, scale, causal, stats)
+    for name, a, b in zip(("dq", "dk", "dv"), strided, dense):
+        assert torch.equal(a, b), f"{name}: the cp.async and TMA loads disagree"
+    _check_grads(q, kd, vd, doutd, causal, dense)
+
+
 @pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_rows_without_keys(dtype, headdim, poison_empty):

@@ -23,10 +23,12 @@ struct FwdTileShape {
 //   kWarpRows   sm80: K rows per warp (16 or 32)
 //   kFastCopy   sm80: predicate-free whole-tile copies in the main loop
 //   kRoles      sm90: false for a row of this shape; Roles<row> sets it (below)
-template <int kBlockN_, int kBlockM_, int kSplit_ = 1, int kWarpRows_ = 16, bool kFastCopy_ = true>
+//   kStages     sm90: Q / dO stages of the TMA ring (the cp.async twin uses two)
+template <int kBlockN_, int kBlockM_, int kSplit_ = 1, int kWarpRows_ = 16, bool kFastCopy_ = true, int kStages_ = 2>
 struct DkvTileShape {
   static constexpr int kBlockN = kBlockN_, kBlockM = kBlockM_, kSplit = kSplit_, kWarpRows = kWarpRows_;
   static constexpr bool kFastCopy = kFastCopy_;
+  static constexpr int kStages = kStages_;
   static constexpr bool kRoles = false;
 };
 
@@ -34,11 +36,14 @@ struct DkvTileShape {
 //   kWarpRows   sm80: Q rows per warp (16 or 32);  kFastCopy as above
 //   kMinBlocks  sm90: __launch_bounds__ minimum CTAs per SM (caps the registers per thread)
 //   kRoles      as for DkvTileShape
-template <int kBlockM_, int kBlockN_, int kWarpRows_ = 16, bool kFastCopy_ = true, int kMinBlocks_ = 1>
+//   kStages     sm90: K / V stages of the TMA ring (the cp.async twin uses two)
+template <int kBlockM_, int kBlockN_, int kWarpRows_ = 16, bool kFastCopy_ = true, int kMinBlocks_ = 1,
+          int kStages_ = 2>
 struct DqTileShape {
   static constexpr int kBlockM = kBlockM_, kBlockN = kBlockN_, kWarpRows = kWarpRows_;
   static constexpr bool kFastCopy = kFastCopy_;
   static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kStages = kStages_;
   static constexpr bool kRoles = false;
 };
 

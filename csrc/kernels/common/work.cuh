@@ -192,6 +192,19 @@ struct DqWork : QTileWork<kBlockM, kBlockN> {
       : QTileWork<kBlockM, kBlockN>(params),
         precise(params.precise_rows_ptr[this->seq.precise_index(params, this->bidh, this->m0)] != 0) {}
 
+  // Alg. 2 line 10: this CTA's Q_i and dO_i (resident) by cp.async into the shared tiles at sQ / sdO
+  // (Layout, kCols columns: primitives/tile_copy.cuh).
+  template <typename Element, typename Layout, int kCols, int kThreads>
+  __device__ __forceinline__ void copy_q_tiles_async(const Flash_bwd_params& params, uint32_t sQ, uint32_t sdO,
+                                                     int tid) const {
+    const SeqInfo& s = this->seq;
+    const int bidh = this->bidh, m0 = this->m0, rows = this->rows_q;
+    copy_tile_async<Layout, kBlockM, kCols, kThreads>(sQ, s.template q_row<const Element>(params.q, bidh, m0),
+                                                      params.q.row_stride, rows, params.d, tid);
+    copy_tile_async<Layout, kBlockM, kCols, kThreads>(sdO, s.template q_row<const Element>(params.dout, bidh, m0),
+                                                      params.dout.row_stride, rows, params.d, tid);
+  }
+
   // Alg. 2 line 7: K_j and V_j of key block n_block by cp.async into the shared tiles at sK / sV
   // (Layout: the kernel's shared layout, primitives/tile_copy.cuh).
   template <typename Element, typename Layout, int kHeadDim, int kThreads, bool kFastCopy = true>

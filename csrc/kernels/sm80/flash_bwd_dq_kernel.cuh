@@ -83,12 +83,8 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   };
 
   // Alg. 2 line 10: Q_i, dO_i (resident), hi and D of this thread's rows r and r + 8.
-  copy_tile_async<SmemTile<kHeadDim>, kBlockM, kHeadDim, kThreads>(
-      smem_u32addr(sQ), w.seq.template q_row<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q,
-      params.d, tid);
-  copy_tile_async<SmemTile<kHeadDim>, kBlockM, kHeadDim, kThreads>(
-      smem_u32addr(sdO), w.seq.template q_row<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride,
-      w.rows_q, params.d, tid);
+  w.template copy_q_tiles_async<Element, SmemTile<kHeadDim>, kHeadDim, kThreads>(params, smem_u32addr(sQ),
+                                                                               smem_u32addr(sdO), tid);
   if (w.n_block_max > 0) load_kv_tile(0, 0);
   cp_async_commit();
 

@@ -6,7 +6,9 @@
 // One CTA per (K/V block j of kBlockN rows, batch, kv head); warpgroup wg owns K rows
 // [64 wg, 64 wg + 64). K_j, V_j stay in shared memory; for every query head of the GQA group and
 // every Q tile i of kBlockM rows that sees block j, Q_i, dO_i, LSE_log2_i (hi + lo), D_i stream in
-// through a double-buffered cp.async pipeline, and each warpgroup computes
+// through the tile row's kStages stages (BwdStages, smem_layout.cuh: by TMA on full / empty
+// mbarriers for dense calls whose q / dout TMA can describe, the loader's refill issued under the
+// next tile's first products; else by cp.async through two), and each warpgroup computes
 //   S^T  = K_j Q_i^T                    wgmma SS, B = Q_i K-major         (Alg. 2 line 11)
 //   dP^T = V_j dO_i^T                   wgmma SS, B = dO_i K-major        (line 14)
 //   P^T  = exp2(S^T scale_log2 - LSE_log2_i)   while dP^T runs            (line 12; masked -> 0)
@@ -36,16 +38,17 @@ template <typename Element, int kHeadDim, typename Tile>
 struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
   using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64>;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, typename Base::TileQ, typename Base::TileKV;
-  static constexpr int kSplit = Tile::kSplit;
-  // Shared layout (1024-byte aligned): sK, sV, then 2 stages x (sQ, sdO), then 2 stages x
-  // (hi, lo, D) of kBlockM floats each.
+  static constexpr int kSplit = Tile::kSplit, kStages = Tile::kStages;
+  // Shared layout (1024-byte aligned): sK, sV, then kStages x (sQ, sdO), then kStages x (hi, lo, D)
+  // of kBlockM floats each, then the stages' full and empty mbarriers (BwdStages).
   static constexpr int kOffV = TileKV::kBytes;
   static constexpr int kOffQ = 2 * TileKV::kBytes;
-  static constexpr int kOffDO = kOffQ + 2 * TileQ::kBytes;
-  static constexpr int kOffHi = kOffDO + 2 * TileQ::kBytes;
-  static constexpr int kOffLo = kOffHi + 2 * kBlockM * 4;
-  static constexpr int kOffDsum = kOffLo + 2 * kBlockM * 4;
-  static constexpr int kSmemBytes = kOffDsum + 2 * kBlockM * 4 + 1024;  // + alignment slack
+  static constexpr int kOffDO = kOffQ + kStages * TileQ::kBytes;
+  static constexpr int kOffHi = kOffDO + kStages * TileQ::kBytes;
+  static constexpr int kOffLo = kOffHi + kStages * kBlockM * 4;
+  static constexpr int kOffDsum = kOffLo + kStages * kBlockM * 4;
+  static constexpr int kOffBar = kOffDsum + kStages * kBlockM * 4;
+  static constexpr int kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // + alignment slack
   // dS^T from the Element-rounded P^T (as the sm80 kernel's kPRounded) where the fp32 P^T
   // (kBlockM / 2 registers) would not fit next to dP^T and the dK/dV accumulators.
   static constexpr bool kPRounded = kBlockM >= 128;
@@ -59,9 +62,9 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, typename TileShape>
+template <typename Element, int kHeadDim, typename TileShape, bool kTma>
 __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
-flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
+flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = DkvKernelTraits<Element, kHeadDim, TileShape>;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kSplit = T::kSplit;
@@ -86,18 +89,14 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
   const DkvWork<kBlockM, kBlockN> w(params);
   if (w.past_end()) return;  // varlen: a key block past its sequence's end (grid sized by max_seqlen_k)
 
-  // Alg. 2 line 10: the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
-  auto load_q_tile = [&](int it, int stage) {
-    w.template copy_q_tiles_async<Element, TileQ, kHeadDimPad, kThreads>(
-        params, it, smem_addr + T::kOffQ + stage * TileQ::kBytes, smem_addr + T::kOffDO + stage * TileQ::kBytes, tid);
-    w.copy_row_stats_async(params, it, sHi0 + stage * kBlockM, sLo0 + stage * kBlockM, sDsum0 + stage * kBlockM,
-                           tid);
+  // Alg. 2 line 10: Q_i, dO_i, hi, lo, D of iteration `it` (query head, Q tile) into `stage`
+  // (smem_layout.cuh). Line 7: K_j, V_j (resident, cp.async), with the first Q tiles.
+  const BwdStages<kTma, kThreads, T::kStages> stages(smem_addr + T::kOffBar);
+  auto load_q_tile = [&](int it, int s) {
+    load_dkv_stage<kTma, Element, T>(w, params, maps, smem, it, s, stages.full0, tid);
   };
-
-  // Alg. 2 line 7: K_j, V_j (resident), with the first Q tile.
-  w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, sK, sV, tid);
-  if (w.n_iter > 0) load_q_tile(0, 0);
-  cp_async_commit();
+  stages.start(tid, maps, w.n_iter, load_q_tile,
+               [&] { w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, sK, sV, tid); });
 
   // Alg. 2 line 8: dK_j = dV_j = 0 (this warpgroup's 64 rows x d).
   float acc_dk[kNBlkD][4], acc_dv[kNBlkD][4];
@@ -109,11 +108,10 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
 
   bool precise_next = w.precise(params, 0);  // large-magnitude rows in the next Q tile (one load ahead)
   for (int it = 0; it < w.n_iter; ++it) {
-    const int stage = it % 2;
+    const int stage = stages.stage(it);
     const bool precise = precise_next;
     precise_next = w.precise(params, it + 1);
-    // Q_{it+1}, dO_{it+1} in flight; Q_it, dO_it landed and visible to wgmma.
-    pipeline_step</*kAsyncProxy=*/true>(it, w.n_iter, load_q_tile);
+    stages.acquire(it, w.n_iter, load_q_tile);  // Q_it, dO_it and their statistics landed
 
     const uint32_t sQ = smem_addr + T::kOffQ + stage * TileQ::kBytes;
     const uint32_t sdO = smem_addr + T::kOffDO + stage * TileQ::kBytes;
@@ -142,6 +140,9 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
       }
       wgmma_commit();
     }
+    // Iteration it + 1 into the stage an earlier iteration released (kTma: the loader's wait and
+    // copies run under the products just issued).
+    stages.refill(it + 1 - stages.kStages, w.n_iter, tid, load_q_tile);
 
     const bool needs_mask = w.needs_mask(it);
     const int key0 = w.n0 + 64 * wg + 16 * warp_wg + g;
@@ -198,7 +199,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
                                             [&](int kk) { return TileQ::desc_mn_major(sQ, q0 / 16 + kk); });
     }
     wgmma_wait<0>();
-    __syncthreads();  // every warpgroup is done with this buffer before it is refilled
+    stages.release(it);  // this thread is done with the stage
   }
 
   // Alg. 2 line 19: dK_j (times softmax_scale: S was scaled) and dV_j, staged through the K/V
@@ -215,7 +216,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params) {
 
 }  // namespace flash::sm90
 
-// The sm90 dK/dV launch: the roles kernel (flash_bwd_dkv_roles_kernel.cuh) for a Roles<> row,
-// q / dout by TMA for dense calls whose tensors TMA can describe (else cp.async); the rows kernel
-// above for other rows (smem_layout.cuh: FLASH_SM90_BWD_LAUNCH).
+// The sm90 dK/dV launch: the roles kernel (flash_bwd_dkv_roles_kernel.cuh) for a Roles<> row, the
+// rows kernel above for other rows; q / dout by TMA for dense calls whose tensors TMA can describe,
+// else by cp.async (smem_layout.cuh: FLASH_SM90_BWD_LAUNCH).
 FLASH_SM90_BWD_LAUNCH(Dkv, dkv, "dK/dV", q, dout, seqlen_q, h, kBlockM)

@@ -56,8 +56,6 @@ struct DkvRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
   static constexpr int kOffDsum = kOffLo + 2 * kBlockM * 4;
   static constexpr int kOffBar = kOffDsum + 2 * kBlockM * 4;
   static constexpr int kSmemBytes = kOffBar + 6 * 8 + 1024;  // + alignment slack
-  // Bytes one stage's loads complete on its full barrier (TMA boxes are whole tiles).
-  static constexpr int kStageTxBytes = 2 * TileQ::kBytes + 3 * kBlockM * 4;
   static_assert(Tile::kRoles && kBlockN == 64, "both warpgroups work on the same 64 K rows");
   static_assert(kBlockM % 16 == 0 && kBlockM <= 128 && 128 % kBlockM == 0,
                 "S^T is one m64nNk16 wgmma wide (N = kBlockM); Q tiles must tile the 128-rounded workspaces");
@@ -95,38 +93,18 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
   const DkvWork<kBlockM, kBlockN> w(params);
   if (w.past_end()) return;  // varlen: a key block past its sequence's end (grid sized by max_seqlen_k)
 
-  // Alg. 2 line 10: Q_i, dO_i, hi, lo, D of iteration `it` (query head, Q tile) into `stage`.
-  auto load_q_tile = [&](int it, int stage) {
-    if constexpr (kTma) {  // by the loading thread, completing on the stage's full barrier
-      const uint32_t full = full0 + 8 * stage;
-      const int head = w.head(it), row = w.seq.q_tma_row(w.m0(it)), bidb = w.seq.tma_batch(params);
-      const uint64_t policy = l2_policy_evict_last();  // read again by the other key blocks' CTAs
-      mbarrier_arrive_expect_tx(full, T::kStageTxBytes);
-#pragma unroll
-      for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-        tma_load_4d(sQ(stage) + cb * TileQ::kColBlockBytes, &maps.a, full, 64 * cb, row, head, bidb, policy);
-        tma_load_4d(sdO(stage) + cb * TileQ::kColBlockBytes, &maps.b, full, 64 * cb, row, head, bidb, policy);
-      }
-      const int64_t ws = w.ws_row0(params, it);
-      bulk_copy_g2s(smem_u32addr(sHi(stage)), params.softmax_lse_log2_ptr + ws, kBlockM * 4, full, policy);
-      bulk_copy_g2s(smem_u32addr(sLo(stage)), params.softmax_lse_log2_lo_ptr + ws, kBlockM * 4, full, policy);
-      bulk_copy_g2s(smem_u32addr(sDsum(stage)), params.dsoftmax_sum_ptr + ws, kBlockM * 4, full, policy);
-    } else {  // by every thread, cp.async
-      w.template copy_q_tiles_async<Element, TileQ, kHeadDimPad, kThreads>(params, it, sQ(stage), sdO(stage), tid);
-      w.copy_row_stats_async(params, it, sHi(stage), sLo(stage), sDsum(stage), tid);
-    }
-  };
-
-  // Alg. 2 line 7: K_j, V_j (resident, cp.async), with the first Q tiles.
+  // Alg. 2 line 10: Q_i, dO_i, hi, lo, D of iteration `it` (query head, Q tile) into `stage`
+  // (smem_layout.cuh). Line 7: K_j, V_j (resident, cp.async), with the first Q tiles.
   const BwdStages<kTma, kThreads> stages(full0);
+  auto load_q_tile = [&](int it, int s) {
+    load_dkv_stage<kTma, Element, T>(w, params, maps, smem, it, s, full0, tid);
+  };
   if (tid == stages.kLoader) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) mbarrier_init(p_full0 + 8 * s, 128);  // every thread of role 0, once its P^T is written
   }
-  stages.start(tid, maps, w.n_iter, load_q_tile);
-  w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, sK, sV, tid);
-  cp_async_commit();
-  stages.finish_start();
+  stages.start(tid, maps, w.n_iter, load_q_tile,
+               [&] { w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, sK, sV, tid); });
 
   // Alg. 2 line 8: this warpgroup's accumulator, dV_j (role 0) or dK_j (role 1), = 0.
   float acc[kNBlkD][4];
@@ -151,7 +129,9 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
 
     // Alg. 2 line 11 (role 0: S^T = K_j Q_i^T) or line 14 (role 1: dP^T = V_j dO_i^T).
     float acc_s[kNBlkM][4];
-    gemm_ss_wait<Element, kBlockM, kHeadDim / 16, TileKV, TileQ>(flat(acc_s), sA, sFirst);
+    gemm_ss<Element, kBlockM, kHeadDim / 16, TileKV, TileQ>(flat(acc_s), sA, sFirst);
+    stages.refill(it - 1, w.n_iter, tid, load_q_tile);  // under the products just issued (smem_layout.cuh)
+    wgmma_wait<0>();
 
     float4* p_xchg = sP(it);
     if (wg == 0) {
@@ -186,7 +166,7 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
     wgmma_rs_group<Element, kHeadDimPad, 1>(flat(acc), a_frag, [&](int kk) { return TileQ::desc_mn_major(sSecond, kk); });
     wgmma_wait<0>();
     // This thread is done with the stage (role 1 with P^T of iteration it too).
-    stages.release(it, w.n_iter, tid, load_q_tile);
+    stages.release(it);
   }
 
   // Alg. 2 line 19: dK_j (times softmax_scale: S was scaled) and dV_j, staged through the K/V

@@ -5,7 +5,9 @@
 //
 // One CTA per (Q tile i of kBlockM rows, batch, query head); warpgroup wg owns Q rows
 // [64 wg, 64 wg + 64). Q_i and dO_i stay in shared memory, hi (LSE_log2) / D of the thread's two
-// rows in registers; K_j, V_j stream through a double-buffered cp.async pipeline:
+// rows in registers; K_j, V_j stream through the tile row's kStages stages (BwdStages,
+// smem_layout.cuh: by TMA on full / empty mbarriers for dense calls whose k / v TMA can describe,
+// the loader's refill issued under the next block's first products; else by cp.async through two):
 //   S   = Q_i K_j^T                    wgmma SS, B = K_j K-major            (line 11)
 //   dP  = dO_i V_j^T                   wgmma SS, B = V_j K-major            (line 14)
 //   P   = exp2(S scale_log2 - LSE_log2_i)   while dP runs                   (line 12; masked -> 0)
@@ -29,17 +31,20 @@ struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
   static_assert(Tile::kBlockM % 64 == 0 && Tile::kBlockN % 16 == 0, "64 Q rows per warpgroup, k16 steps of keys");
   using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64>;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, typename Base::TileQ, typename Base::TileKV;
-  // Shared layout (1024-byte aligned): sQ, sdO, then 2 stages x (sK, sV).
-  static constexpr int kOffDO = TileQ::kBytes, kOffK = 2 * TileQ::kBytes, kOffV = kOffK + 2 * TileKV::kBytes;
-  static constexpr int kSmemBytes = kOffV + 2 * TileKV::kBytes + 1024;  // + alignment slack
+  // Shared layout (1024-byte aligned): sQ, sdO, then kStages x (sK, sV), then the stages' full and
+  // empty mbarriers (BwdStages).
+  static constexpr int kStages = Tile::kStages;
+  static constexpr int kOffDO = TileQ::kBytes, kOffK = 2 * TileQ::kBytes, kOffV = kOffK + kStages * TileKV::kBytes;
+  static constexpr int kOffBar = kOffV + kStages * TileKV::kBytes;
+  static constexpr int kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // + alignment slack
   static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64nNk16 wgmma wide (N = kBlockN)");
   static_assert(kHeadDimPad == 64 || kHeadDimPad == 128, "dQ is one m64nNk16 wgmma wide (N = d, padded)");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, typename TileShape>
+template <typename Element, int kHeadDim, typename TileShape, bool kTma>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, TileShape::kMinBlocks)
-flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
+flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = DqKernelTraits<Element, kHeadDim, TileShape>;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN;
@@ -60,20 +65,14 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
 
-  // Alg. 2 line 7 (K_j, V_j), into `stage`.
-  auto load_kv_tile = [&](int n_block, int stage) {
-    w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(
-        params, n_block, smem_addr + T::kOffK + stage * TileKV::kBytes, smem_addr + T::kOffV + stage * TileKV::kBytes, tid);
+  // Alg. 2 line 7: K_j, V_j of key block n_block into `stage` (smem_layout.cuh). Line 10: Q_i, dO_i
+  // (resident, cp.async) with the first K/V tiles.
+  const BwdStages<kTma, kThreads, T::kStages> stages(smem_addr + T::kOffBar);
+  auto load_kv_tile = [&](int n, int s) {
+    load_dq_stage<kTma, Element, T>(w, params, maps, smem, n, s, stages.full0, tid);
   };
-
-  // Alg. 2 line 10: Q_i, dO_i (resident) with the first K/V tile.
-  copy_tile_async<TileQ, kBlockM, kHeadDimPad, kThreads>(
-      sQ, w.seq.template q_row<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q, params.d, tid);
-  copy_tile_async<TileQ, kBlockM, kHeadDimPad, kThreads>(
-      sdO, w.seq.template q_row<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride, w.rows_q,
-      params.d, tid);
-  if (w.n_block_max > 0) load_kv_tile(0, 0);
-  cp_async_commit();
+  stages.start(tid, maps, w.n_block_max, load_kv_tile,
+               [&] { w.template copy_q_tiles_async<Element, TileQ, kHeadDimPad, kThreads>(params, sQ, sdO, tid); });
 
   // hi and D of this thread's rows (whole tiles lie inside the 128-rounded workspaces).
   const int row0 = w.m0 + 64 * wg + 16 * warp_wg + g;  // e = 0,1; e = 2,3 are row0 + 8
@@ -89,9 +88,8 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
   }
 
   for (int n_block = 0; n_block < w.n_block_max; ++n_block) {
-    const int stage = n_block % 2;
-    // K_{j+1}, V_{j+1} in flight; K_j, V_j landed and visible to wgmma.
-    pipeline_step</*kAsyncProxy=*/true>(n_block, w.n_block_max, load_kv_tile);
+    const int stage = stages.stage(n_block);
+    stages.acquire(n_block, w.n_block_max, load_kv_tile);  // K_j, V_j landed
 
     const uint32_t sK = smem_addr + T::kOffK + stage * TileKV::kBytes;
     const uint32_t sV = smem_addr + T::kOffV + stage * TileKV::kBytes;
@@ -112,6 +110,9 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
                                               TileKV::desc_k_major(sV, 0, kk), kk > 0);
     }
     wgmma_commit();
+    // Key block n_block + 1 into the stage an earlier block released (kTma: the loader's wait and
+    // copies run under the products just issued).
+    stages.refill(n_block + 1 - stages.kStages, w.n_block_max, tid, load_kv_tile);
 
     wgmma_wait<1>();
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), while dP runs (masked -> 0; smem_layout.cuh).
@@ -132,7 +133,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
     // Alg. 2 line 16: dQ_i += dS K_j.
     wgmma_rs_group<Element, kHeadDimPad, 1>(flat(acc_dq), a_ds, [&](int kk) { return TileKV::desc_mn_major(sK, kk); });
     wgmma_wait<0>();
-    __syncthreads();  // every warpgroup is done with this buffer before it is refilled
+    stages.release(n_block);  // this thread is done with the stage
   }
 
   // dQ_i (times softmax_scale), staged through sQ for coalesced 16-byte stores.
@@ -146,7 +147,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params) {
 
 }  // namespace flash::sm90
 
-// The sm90 dQ launch: the roles kernel (flash_bwd_dq_roles_kernel.cuh) for a Roles<> row,
-// k / v by TMA for dense calls whose tensors TMA can describe (else cp.async); the rows kernel
-// above for other rows (smem_layout.cuh: FLASH_SM90_BWD_LAUNCH).
+// The sm90 dQ launch: the roles kernel (flash_bwd_dq_roles_kernel.cuh) for a Roles<> row, the rows
+// kernel above for other rows; k / v by TMA for dense calls whose tensors TMA can describe, else by
+// cp.async (smem_layout.cuh: FLASH_SM90_BWD_LAUNCH).
 FLASH_SM90_BWD_LAUNCH(Dq, dq, "dQ", k, v, seqlen_k, h_k, kBlockN)

@@ -74,36 +74,14 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
   const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
 
+  // Alg. 2 line 7: K_j, V_j of key block n_block into `stage` (smem_layout.cuh). Line 10: Q_i, dO_i
+  // (resident, cp.async) with the first K/V tiles.
   const BwdStages<kTma, kThreads> stages(smem_addr + T::kOffBar);
-
-  // Alg. 2 line 7 (K_j, V_j), into `stage`.
-  auto load_kv_tile = [&](int n_block, int stage) {
-    const uint32_t dst_k = smem_addr + T::kOffK + stage * TileKV::kBytes;
-    const uint32_t dst_v = smem_addr + T::kOffV + stage * TileKV::kBytes;
-    if constexpr (kTma) {  // by the loading thread, completing on the stage's full barrier
-      const uint32_t full = stages.full0 + 8 * stage;
-      const int row = w.seq.k_tma_row(n_block * kBlockN), bidb = w.seq.tma_batch(params);
-      const uint64_t policy = l2_policy_evict_last();  // read again by the head's other Q tiles
-      mbarrier_arrive_expect_tx(full, 2 * TileKV::kBytes);
-#pragma unroll
-      for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-        tma_load_4d(dst_k + cb * TileKV::kColBlockBytes, &maps.a, full, 64 * cb, row, w.bidhk, bidb, policy);
-        tma_load_4d(dst_v + cb * TileKV::kColBlockBytes, &maps.b, full, 64 * cb, row, w.bidhk, bidb, policy);
-      }
-    } else {  // by every thread, cp.async
-      w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, n_block, dst_k, dst_v, tid);
-    }
+  auto load_kv_tile = [&](int n, int s) {
+    load_dq_stage<kTma, Element, T>(w, params, maps, smem, n, s, stages.full0, tid);
   };
-
-  // Alg. 2 line 10: Q_i, dO_i (resident, cp.async) with the first K/V tiles.
-  stages.start(tid, maps, w.n_block_max, load_kv_tile);
-  copy_tile_async<TileQ, kBlockM, kHeadDimPad, kThreads>(
-      sQ, w.seq.template q_row<const Element>(params.q, w.bidh, w.m0), params.q.row_stride, w.rows_q, params.d, tid);
-  copy_tile_async<TileQ, kBlockM, kHeadDimPad, kThreads>(
-      sdO, w.seq.template q_row<const Element>(params.dout, w.bidh, w.m0), params.dout.row_stride, w.rows_q,
-      params.d, tid);
-  cp_async_commit();
-  stages.finish_start();
+  stages.start(tid, maps, w.n_block_max, load_kv_tile,
+               [&] { w.template copy_q_tiles_async<Element, TileQ, kHeadDimPad, kThreads>(params, sQ, sdO, tid); });
 
   // The row statistic of this thread's two rows its role needs: hi (LSE_log2) for role 0, D for
   // role 1 (whole tiles lie inside the 128-rounded workspaces).
@@ -132,7 +110,8 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
 
     // Alg. 2 line 11 (role 0: S = Q_i K_j^T) or line 14 (role 1: dP = dO_i V_j^T).
     float acc_s[kNBlkN][4];
-    gemm_ss_wait<Element, kBlockN, kHeadDim / 16, TileQ, TileKV>(flat(acc_s), wg == 0 ? sQ : sdO, wg == 0 ? sK : sV);
+    gemm_ss<Element, kBlockN, kHeadDim / 16, TileQ, TileKV>(flat(acc_s), wg == 0 ? sQ : sdO, wg == 0 ? sK : sV);
+    wgmma_wait<0>();
 
     if (wg == 0) {
       // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2) (masked -> 0), handed to role 1.
@@ -183,7 +162,10 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
     }
     // P and dS are free again once both roles passed the P barrier of the next key block (each
     // waited for its dQ product before); this thread is done with the K/V stage.
-    stages.release(n_block, w.n_block_max, tid, load_kv_tile);
+    stages.release(n_block);
+    // Here, not under this key block's S / dP products as in the other sm90 backward kernels: there,
+    // this kernel ran 6-9 % slower (tune_kernels.py dq90:256, N >= 4k; docs/PERF_NOTES.md).
+    stages.refill(n_block, w.n_block_max, tid, load_kv_tile);
   }
 
   // dQ_i (times softmax_scale), staged through sQ for coalesced 16-byte stores: each warpgroup its

@@ -95,17 +95,16 @@ struct BwdTmaMaps {
 };
 
 // acc = A B^T over the head dim's k16 steps [0, kSteps): A the 64 rows of a K-major tile at sA, B the
-// kN rows of one at sB (the roles kernels' S / dP products and their transposes), one wgmma group,
-// waited for.
+// kN rows of one at sB (the roles kernels' S / dP products and their transposes), issued as one wgmma
+// group (the caller waits for it).
 template <typename Element, int kN, int kSteps, typename TileA, typename TileB>
-__device__ __forceinline__ void gemm_ss_wait(float (&acc)[kN / 2], uint32_t sA, uint32_t sB) {
+__device__ __forceinline__ void gemm_ss(float (&acc)[kN / 2], uint32_t sA, uint32_t sB) {
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
     Wgmma<Element, kN>::template ss<0>(acc, TileA::desc_k_major(sA, 0, kk), TileB::desc_k_major(sB, 0, kk), kk > 0);
   }
   wgmma_commit();
-  wgmma_wait<0>();
 }
 
 // Alg. 2 line 12 on a dQ-kernel (query x key) accumulator: P = exp2(S scale_log2 - LSE_log2) in
@@ -136,30 +135,39 @@ __device__ __forceinline__ void recompute_p_rows(float (&acc)[kNBlk][4], const M
   });
 }
 
-// The two-stage ring through which the backward roles kernels stream their tiles (Q_i / dO_i and
+// The ring of stages through which the sm90 backward kernels stream their tiles (Q_i / dO_i and
 // their statistics for dK/dV, K_j / V_j for dQ): load(i, stage) copies item i into a stage, and the
-// kernel calls start, acquire(i) before and release(i) after its products of item i.
-//   kTma: thread kLoader loads a stage by TMA, completing on its full mbarrier; every thread
-//     arrives on its empty mbarrier once done with it, and the loader refills it with item i + 2
-//     once all have. No CTA-wide barrier in the loop (warpgroups run apart by up to a stage).
-//   cp.async: every thread copies its share of item i + 1 while item i is computed
+// kernel calls start once, acquire(i) before and release(i) after its products of item i, and
+// refill(i) after release(i).
+//   kTma: kStages_ stages. Thread kLoader loads a stage by TMA, completing on its full mbarrier;
+//     every thread arrives on its empty mbarrier once done with it, and the loader refills it with
+//     item i + kStages_ once all have. No CTA-wide barrier in the loop (warpgroups run apart by up
+//     to kStages_ - 1 items).
+//   cp.async: two stages. Every thread copies its share of item i + 1 while item i is computed
 //     (primitives/cp_async.cuh: pipeline_step), a CTA barrier before and after each item.
-// kLoader is a thread of warpgroup 1, whose role finishes each item last.
-template <bool kTma, int kThreads>
+// kLoader is the first thread of the last warpgroup (of the roles kernels: warpgroup 1, whose role
+// finishes each item last).
+template <bool kTma, int kThreads, int kStages_ = 2>
 struct BwdStages {
-  static constexpr int kLoader = 128;
+  static constexpr int kLoader = kThreads - 128;
+  // Stages in use: kStages_ by TMA, two by cp.async (primitives/cp_async.cuh: pipeline_step).
+  static constexpr int kStages = kTma ? kStages_ : 2;
   uint32_t full0, empty0;  // stage s: + 8 s
 
-  __device__ __forceinline__ explicit BwdStages(uint32_t bars) : full0(bars), empty0(bars + 16) {}
+  __device__ __forceinline__ explicit BwdStages(uint32_t bars) : full0(bars), empty0(bars + 8 * kStages_) {}
 
-  // Barriers (the loader: after any barriers of its own, fenced together) and the first items: kTma
-  // the first two by TMA, else the first by every thread (committed with the caller's copies).
-  // Then the caller's own cp.async copies, and finish_start().
-  template <typename Load>
-  __device__ __forceinline__ void start(int tid, const BwdTmaMaps& maps, int n, Load&& load) const {
+  __device__ __forceinline__ static int stage(int i) { return i % kStages; }  // item i's stage
+
+  // The start of the kernel: the barriers (the loader: after any barriers of its own, fenced
+  // together), the first items (kTma: the first kStages by TMA; else the first by every thread,
+  // cp.async), the caller's own cp.async copies (`resident()`: the tiles that stay), all landed and
+  // visible to wgmma at the CTA barrier that ends it (a cp.async ring waits for its items in acquire).
+  template <typename Load, typename Resident>
+  __device__ __forceinline__ void start(int tid, const BwdTmaMaps& maps, int n, Load&& load,
+                                        Resident&& resident) const {
     if (tid == kLoader) {
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {
+      for (int s = 0; s < kStages; ++s) {
         mbarrier_init(full0 + 8 * s, 1);           // kTma: the loader's arrive.expect_tx; the copies the bytes
         mbarrier_init(empty0 + 8 * s, kThreads);  // kTma: every thread, once done with the stage
       }
@@ -168,57 +176,128 @@ struct BwdStages {
         fence_proxy_async();  // the inits ordered before this thread's TMA completes bytes on them
         tma_prefetch_map(&maps.a);
         tma_prefetch_map(&maps.b);
-        for (int i = 0; i < 2 && i < n; ++i) load(i, i);
+        for (int i = 0; i < kStages && i < n; ++i) load(i, i);
       }
     }
     __syncwarp();
     if constexpr (!kTma) {
       if (n > 0) load(0, 0);
     }
-  }
-  // The caller's cp.async copies (and item 0's, cp.async) committed: barriers initialized and kTma,
-  // the caller's copies landed and visible to wgmma (a cp.async ring waits in acquire).
-  __device__ __forceinline__ void finish_start() const {
+    resident();
+    cp_async_commit();
     if constexpr (kTma) {
       cp_async_wait<0>();
       fence_proxy_async();
     }
     __syncthreads();
   }
-  // Item i in its stage (i % 2), landed and visible to wgmma.
+  // Item i in its stage, landed and visible to wgmma.
   template <typename Load>
   __device__ __forceinline__ void acquire(int i, int n, Load&& load) const {
     if constexpr (kTma) {
-      mbarrier_wait(full0 + 8 * (i % 2), (i / 2) % 2);
+      mbarrier_wait(full0 + 8 * stage(i), (i / kStages) % 2);
     } else {
       pipeline_step</*kAsyncProxy=*/true>(i, n, load);  // item i + 1 in flight
     }
   }
-  // This thread is done with item i's stage.
-  template <typename Load>
-  __device__ __forceinline__ void release(int i, int n, int tid, Load&& load) const {
+  // This thread is done with item i's stage: kTma arrives on its empty barrier (refill reloads it),
+  // cp.async waits for every thread at a CTA barrier.
+  __device__ __forceinline__ void release(int i) const {
     if constexpr (kTma) {
-      mbarrier_arrive(empty0 + 8 * (i % 2));
-      if (tid == kLoader && i + 2 < n) {
-        mbarrier_wait(empty0 + 8 * (i % 2), (i / 2) % 2);
-        load(i + 2, i % 2);
-      }
-      __syncwarp();  // the loader's warp converged again before its next warpgroup-wide wgmma
+      mbarrier_arrive(empty0 + 8 * stage(i));
     } else {
-      __syncthreads();  // every thread is done with the stage before it is refilled
+      __syncthreads();
+    }
+  }
+  // kTma: the loader waits until every thread released item i, then loads item i + kStages into its
+  // stage (none for i < 0 or past n); the loader's warp converges again before its next
+  // warpgroup-wide wgmma. Its warpgroup waits with it: the rows kernels call it in iteration i +
+  // kStages - 1 (loading the next item) once they have issued that iteration's first products (the
+  // loader's wait and copies then run under them), the roles kernels right after release(i). Nothing
+  // for cp.async (acquire loads).
+  template <typename Load>
+  __device__ __forceinline__ void refill(int i, int n, int tid, Load&& load) const {
+    if constexpr (kTma) {
+      if (tid == kLoader && i >= 0 && i + kStages < n) {
+        mbarrier_wait(empty0 + 8 * stage(i), (i / kStages) % 2);
+        load(i + kStages, stage(i));
+      }
+      __syncwarp();
     }
   }
 };
 
-// Launches a backward roles kernel (tma_kernel / cp_kernel: its two instantiations, taking (params,
+// Alg. 2 line 10 of the dK/dV kernels: Q_i, dO_i and their row statistics (hi, lo: LSE_log2 = hi +
+// lo; D) of iteration it (query head, Q tile) into `stage` of the shared layout of traits T (kOffQ,
+// kOffDO: stages of TileQ::kBytes; kOffHi, kOffLo, kOffDsum: stages of kBlockM floats).
+//   kTma: by the calling (loader) thread, TMA boxes of whole 64-column blocks (rows past seqlen_q,
+//     columns past d read as zeros) and bulk copies, completing their bytes on the stage's full
+//     mbarrier (full0 + 8 stage).
+//   else: every thread its share, cp.async (kernels/common/work.cuh).
+template <bool kTma, typename Element, typename T, typename Work>
+__device__ __forceinline__ void load_dkv_stage(const Work& w, const Flash_bwd_params& params, const BwdTmaMaps& maps,
+                                               unsigned char* smem, int it, int stage, uint32_t full0, int tid) {
+  const uint32_t full = full0 + 8 * stage;
+  using TileQ = typename T::TileQ;
+  constexpr int kBlockM = T::kBlockM;
+  const uint32_t sQ = smem_u32addr(smem + T::kOffQ + stage * TileQ::kBytes);
+  const uint32_t sdO = smem_u32addr(smem + T::kOffDO + stage * TileQ::kBytes);
+  float* sHi = reinterpret_cast<float*>(smem + T::kOffHi) + stage * kBlockM;
+  float* sLo = reinterpret_cast<float*>(smem + T::kOffLo) + stage * kBlockM;
+  float* sDsum = reinterpret_cast<float*>(smem + T::kOffDsum) + stage * kBlockM;
+  if constexpr (kTma) {
+    const int head = w.head(it), row = w.seq.q_tma_row(w.m0(it)), bidb = w.seq.tma_batch(params);
+    const uint64_t policy = l2_policy_evict_last();  // read again by the other key blocks' CTAs
+    mbarrier_arrive_expect_tx(full, 2 * TileQ::kBytes + 3 * kBlockM * 4);
+#pragma unroll
+    for (int cb = 0; cb < T::kHeadDimPad / 64; ++cb) {
+      tma_load_4d(sQ + cb * TileQ::kColBlockBytes, &maps.a, full, 64 * cb, row, head, bidb, policy);
+      tma_load_4d(sdO + cb * TileQ::kColBlockBytes, &maps.b, full, 64 * cb, row, head, bidb, policy);
+    }
+    const int64_t ws = w.ws_row0(params, it);
+    bulk_copy_g2s(smem_u32addr(sHi), params.softmax_lse_log2_ptr + ws, kBlockM * 4, full, policy);
+    bulk_copy_g2s(smem_u32addr(sLo), params.softmax_lse_log2_lo_ptr + ws, kBlockM * 4, full, policy);
+    bulk_copy_g2s(smem_u32addr(sDsum), params.dsoftmax_sum_ptr + ws, kBlockM * 4, full, policy);
+  } else {
+    w.template copy_q_tiles_async<Element, TileQ, T::kHeadDimPad, T::kThreads>(params, it, sQ, sdO, tid);
+    w.copy_row_stats_async(params, it, sHi, sLo, sDsum, tid);
+  }
+}
+
+// Alg. 2 line 7 of the dQ kernels: K_j, V_j of key block n_block into `stage` of the shared layout
+// of traits T (kOffK, kOffV: stages of TileKV::kBytes); kTma by the loader thread (keys past
+// seqlen_k read as zeros; the mask hides them), completing on the stage's full mbarrier (full0 + 8
+// stage), else by every thread.
+template <bool kTma, typename Element, typename T, typename Work>
+__device__ __forceinline__ void load_dq_stage(const Work& w, const Flash_bwd_params& params, const BwdTmaMaps& maps,
+                                              unsigned char* smem, int n_block, int stage, uint32_t full0, int tid) {
+  const uint32_t full = full0 + 8 * stage;
+  using TileKV = typename T::TileKV;
+  const uint32_t sK = smem_u32addr(smem + T::kOffK + stage * TileKV::kBytes);
+  const uint32_t sV = smem_u32addr(smem + T::kOffV + stage * TileKV::kBytes);
+  if constexpr (kTma) {
+    const int row = w.seq.k_tma_row(n_block * T::kBlockN), bidb = w.seq.tma_batch(params);
+    const uint64_t policy = l2_policy_evict_last();  // read again by the head's other Q tiles
+    mbarrier_arrive_expect_tx(full, 2 * TileKV::kBytes);
+#pragma unroll
+    for (int cb = 0; cb < T::kHeadDimPad / 64; ++cb) {
+      tma_load_4d(sK + cb * TileKV::kColBlockBytes, &maps.a, full, 64 * cb, row, w.bidhk, bidb, policy);
+      tma_load_4d(sV + cb * TileKV::kColBlockBytes, &maps.b, full, 64 * cb, row, w.bidhk, bidb, policy);
+    }
+  } else {
+    w.template copy_kv_tiles_async<Element, TileKV, T::kHeadDimPad, T::kThreads>(params, n_block, sK, sV, tid);
+  }
+}
+
+// Launches a backward kernel (tma_kernel / cp_kernel: its two instantiations, taking (params,
 // maps)) over Work's grid: by TMA where allowed, the call is dense (varlen rows past a sequence's
 // end must read as zeros) and the driver encodes maps of tensors a and b (rows x heads, boxes of
 // box_rows rows), else by cp.async.
 template <typename Traits, typename Work, typename Kernel>
-void launch_bwd_roles(Kernel tma_kernel, Kernel cp_kernel, const TensorView& a, const TensorView& b, int rows,
+void launch_bwd_stages(Kernel tma_kernel, Kernel cp_kernel, const TensorView& a, const TensorView& b, int rows,
                       int heads, int box_rows, const char* what, Flash_bwd_params& params, cudaStream_t stream,
                       bool allow_tma) {
-  static_assert(Traits::kSmemBytes <= kMaxSmem, "backward roles tile row exceeds sm90 shared memory");
+  static_assert(Traits::kSmemBytes <= kMaxSmem, "backward tile row exceeds sm90 shared memory");
   BwdTmaMaps maps{};
   const bool tma = allow_tma && params.cu_seqlens_q == nullptr &&
                    tma_encode_bshd(&maps.a, a, params.b, rows, heads, params.d, params.is_bf16, box_rows) &&
@@ -283,25 +362,29 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
 }  // namespace flash
 
 // Defines flash::sm90::launch_bwd_<kind>(params, stream, allow_tma) for tile row Tile (the roles
-// kernel for a Roles<> row, by TMA where launch_bwd_roles can, tensors a / b: rows x heads, boxes of
-// Traits::box rows; else the rows kernel) and flash::run_mha_bwd_<kind>_(Sm90, ...), the launch the
-// generated instantiations compile with the production row <Kind>Tile<d>. Used at global scope after
-// both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
+// kernel for a Roles<> row, else the rows kernel; either by TMA where launch_bwd_stages can, tensors
+// a / b: rows x heads, boxes of Traits::box rows) and flash::run_mha_bwd_<kind>_(Sm90, ...), the
+// launch the generated instantiations compile with the production row <Kind>Tile<d>. Used at global
+// scope after both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
 #define FLASH_SM90_BWD_LAUNCH(Kind, kind, what, a, b, rows, heads, box)                                          \
   namespace flash::sm90 {                                                                                       \
+  template <typename Traits, typename Kernel>                                                                   \
+  void launch_bwd_##kind##_with(Kernel tma_kernel, Kernel cp_kernel, Flash_bwd_params& params,                  \
+                                cudaStream_t stream, bool allow_tma) {                                          \
+    launch_bwd_stages<Traits, Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                                    \
+        tma_kernel, cp_kernel, params.a, params.b, params.rows, params.heads, Traits::box, what, params, stream, \
+        allow_tma);                                                                                             \
+  }                                                                                                             \
   template <typename Element, int kHeadDim, typename Tile>                                                      \
   void launch_bwd_##kind(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma = true) {                \
     if constexpr (Tile::kRoles) {                                                                               \
-      using Traits = Kind##RolesKernelTraits<Element, kHeadDim, Tile>;                                          \
-      launch_bwd_roles<Traits, Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                                   \
+      launch_bwd_##kind##_with<Kind##RolesKernelTraits<Element, kHeadDim, Tile>>(                                \
           flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true>,                                       \
-          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false>, params.a, params.b, params.rows,     \
-          params.heads, Traits::box, what, params, stream, allow_tma);                                          \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false>, params, stream, allow_tma);          \
     } else {                                                                                                    \
-      using Traits = Kind##KernelTraits<Element, kHeadDim, Tile>;                                               \
-      static_assert(Traits::kSmemBytes <= kMaxSmem, what " tile row exceeds sm90 shared memory");              \
-      launch_tiles<Traits, Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                                       \
-          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile>, what, params, stream);                            \
+      launch_bwd_##kind##_with<Kind##KernelTraits<Element, kHeadDim, Tile>>(                                     \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true>,                                             \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false>, params, stream, allow_tma);                \
     }                                                                                                           \
   }                                                                                                             \
   }                                                                                                             \

@@ -3,16 +3,17 @@
 // (flash_fwd_launch.cuh, the end of flash_bwd_{dkv,dq}_kernel.cuh) read only it.
 //
 // dK/dV kernel (sm90/flash_bwd_dkv_kernel.cuh), one CTA per K/V tile of kDkvBlockN rows
-// (kDkvBlockN / 64 warpgroups); Q_i / dO_i tiles of kDkvBlockM rows stream through two
-// shared-memory buffers, and each is processed as kSplit parts whose products are queued together.
-// dQ kernel (sm90/flash_bwd_dq_kernel.cuh), one CTA per Q tile of kDqBlockM rows (kDqBlockM / 64
-// warpgroups); K_j / V_j tiles of kDqBlockN rows stream through two buffers.
+// (kDkvBlockN / 64 warpgroups); Q_i / dO_i tiles of kDkvBlockM rows stream through kStages
+// shared-memory stages (TMA; the cp.async twin uses two), and each is processed as kSplit parts
+// whose products are queued together. dQ kernel (sm90/flash_bwd_dq_kernel.cuh), one CTA per Q tile
+// of kDqBlockM rows (kDqBlockM / 64 warpgroups); K_j / V_j tiles of kDqBlockN rows stream through
+// kStages stages.
 //
 // Registers per thread (fp32 accumulators): dK/dV kernel d/2 * 2 (dK, dV) + kDkvBlockM/2 * 2
 // (S^T, dP^T) + kDkvBlockM/4 (P^T, dS^T as 16-bit A operands); dQ kernel d/2 + kDqBlockN/2 * 2 +
 // kDqBlockN/4. Shared memory, 16-bit elements:
-//   dkv = 2 * kDkvBlockN * d * 2 B + 2 * (2 * kDkvBlockM * d * 2 B + 12 * kDkvBlockM B)
-//   dq  = 2 * kDqBlockM  * d * 2 B + 2 *  2 * kDqBlockN  * d * 2 B
+//   dkv = 2 * kDkvBlockN * d * 2 B + kStages * (2 * kDkvBlockM * d * 2 B + 12 * kDkvBlockM B)
+//   dq  = 2 * kDqBlockM  * d * 2 B + kStages *  2 * kDqBlockN  * d * 2 B
 #pragma once
 
 #include "kernels/common/tile_shapes.h"
@@ -41,9 +42,17 @@ template <int kHeadDim> struct DqTile { static constexpr bool kSupported = false
 // Independent one-warpgroup CTAs sharing an SM overlap one CTA's softmax math with the other's
 // wgmma; a third buffer cost that second CTA its shared memory and was slower everywhere, and
 // split 2 (queueing two parts of the Q tile together) was 3-8 % slower at d64 (docs/PERF_NOTES.md).
-//                                     BLOCK_N BLOCK_M split
+// 2026-12-01, the streamed tiles by TMA (BwdStages) with the refill under the next tile's first
+// products (tune_kernels.py, per-kernel matmul TFLOP/s at N = 1k / 4k / 8k / 16k, non-causal;
+// docs/PERF_NOTES.md): d128 dK/dV 4 stages 453 / 507 / 523 / 530 (2 stages 450 / 487 / 497 / 527;
+// cp.async 428 / 465 / 487 / 492), dQ 2 stages 507 / 615 / 606 / 618 (cp.async 442 / 467 / 468 /
+// 487; 3 and 4 stages up to 5 % slower); d64 dK/dV 450 / 497 / 480 / 486, dQ 488 / 558 / 542 / 512 (the
+// dK/dV rows 64x64 and 64x128 with 3-4 stages 25-35 % slower); d96 dK/dV 3 stages 373 / 410 / 424 /
+// 427 (2 stages 372 / 414 / 411 / 423). One CTA per SM at d96/d128 (registers), so the dK/dV stages
+// cost nothing; d64's two CTAs per SM leave room for two.
+//                                     BLOCK_N BLOCK_M split (sm80: warp rows, fast copy) stages
 template <> struct DkvTile<64>  : DkvTileShape< 64,  128,    1> { static constexpr bool kSupported = true; };
-template <> struct DkvTile<128> : DkvTileShape<128,   64,    1> { static constexpr bool kSupported = true; };
+template <> struct DkvTile<128> : DkvTileShape<128,   64,    1,   16,   true,    4> { static constexpr bool kSupported = true; };
 // dQ d64: three one-warpgroup CTAs per SM (168 registers per thread at most, no spills).
 //                                    BLOCK_M BLOCK_N (warp rows, fast copy: sm80 only) min CTAs/SM
 template <> struct DqTile<64>  : DqTileShape< 64,  64,   16, true,                            3> { static constexpr bool kSupported = true; };
@@ -58,8 +67,9 @@ template <> struct DqTile<128> : DqTileShape<128,  64> { static constexpr bool k
 // Q, dO and two stages of K, V 192 KB + 8 KB (dS) + 16 KB (P) = 216 KB. Measured (tune_kernels.py,
 // bf16, N = 1024 / 4096 / 16384, per-kernel matmul TFLOP/s; docs/PERF_NOTES.md): d256 dK/dV
 // 439 / 477 / 498, causal 348 / 452 / 469; dQ 427 / 492 / 493, causal 336 / 425 / 477 (TMA stages;
-// their cp.async twins, which varlen calls run, 8-19 % slower).
-template <> struct DkvTile<96>  : DkvTileShape<128,   64,    1> { static constexpr bool kSupported = true; };
+// their cp.async twins, which varlen calls run, 8-19 % slower). 2026-12-01, the dK/dV refill under
+// the S^T / dP^T products: 447 / 486 / 521, causal 368 / 463 / 502.
+template <> struct DkvTile<96>  : DkvTileShape<128,   64,    1,   16,   true,    3> { static constexpr bool kSupported = true; };
 template <> struct DqTile<96>   : DqTileShape<128,  64> { static constexpr bool kSupported = true; };
 template <> struct DkvTile<192> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
 template <> struct DkvTile<256> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
