@@ -12,7 +12,8 @@ A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path), dkv90, dq90 (sm9
     dq90:128:128,64              sm90 DqTileShape<BLOCK_M, BLOCK_N[, roles 0|1[, tma 0|1[, stages]]]> (roles
                                  1: the Roles<> kernels, flash_bwd_{dkv,dq}_roles_kernel.cuh, 64 x 64
                                  tiles; tma 0: the cp.async loads on dense inputs too, default 1;
-                                 stages: of the TMA ring, default 2; the roles kernels take 2 only)
+                                 stages: of the TMA ring, 2 or more, default 2; the roles kernels
+                                 take 2 only and refuse others at compile time)
     fwd90:128:128,128            sm90 forward FwdTileShape of BLOCK_M (64 rows per consumer
                                  warpgroup), BLOCK_N (a wgmma width: 64..176, csrc/primitives/gen_wgmma.py)
     splitkv:128:64,4,2,3         SplitKvTileShape of BLOCK_N, warps, stages, min CTAs/SM[, Q-in-regs

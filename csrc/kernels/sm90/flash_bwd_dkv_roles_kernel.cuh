@@ -56,6 +56,7 @@ struct DkvRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
   static constexpr int kOffDsum = kOffLo + 2 * kBlockM * 4;
   static constexpr int kOffBar = kOffDsum + 2 * kBlockM * 4;
   static constexpr int kSmemBytes = kOffBar + 6 * 8 + 1024;  // + alignment slack
+  static_assert(Tile::kStages == 2, "the roles kernels stream through two stages (BwdStages' default)");
   static_assert(Tile::kRoles && kBlockN == 64, "both warpgroups work on the same 64 K rows");
   static_assert(kBlockM % 16 == 0 && kBlockM <= 128 && 128 % kBlockM == 0,
                 "S^T is one m64nNk16 wgmma wide (N = kBlockM); Q tiles must tile the 128-rounded workspaces");

@@ -43,6 +43,7 @@ struct DqRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
   static constexpr int kOffP = kOffDs + TileDs::kBytes;
   static constexpr int kOffBar = kOffP + 128 * (kBlockN / 2) * 4;  // full and empty mbarriers of the 2 stages
   static constexpr int kSmemBytes = kOffBar + 4 * 8 + 1024;         // + alignment slack
+  static_assert(Tile::kStages == 2, "the roles kernels stream through two stages (BwdStages' default)");
   static_assert(Tile::kRoles && kBlockM == 64, "both warpgroups work on the same 64 Q rows");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 128, "S is one m64nNk16 wgmma wide; dS whole swizzle blocks");
   static_assert(kCols1 > 0 && kCols0 <= 128, "each warpgroup holds at most 128 dQ columns");

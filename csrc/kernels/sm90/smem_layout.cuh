@@ -149,6 +149,8 @@ __device__ __forceinline__ void recompute_p_rows(float (&acc)[kNBlk][4], const M
 // finishes each item last).
 template <bool kTma, int kThreads, int kStages_ = 2>
 struct BwdStages {
+  // One stage would deadlock: the loader would wait for its own release within the same item.
+  static_assert(kStages_ >= 2, "BwdStages needs two stages at least");
   static constexpr int kLoader = kThreads - 128;
   // Stages in use: kStages_ by TMA, two by cp.async (primitives/cp_async.cuh: pipeline_step).
   static constexpr int kStages = kTma ? kStages_ : 2;
@@ -213,8 +215,10 @@ struct BwdStages {
   // stage (none for i < 0 or past n); the loader's warp converges again before its next
   // warpgroup-wide wgmma. Its warpgroup waits with it: the rows kernels call it in iteration i +
   // kStages - 1 (loading the next item) once they have issued that iteration's first products (the
-  // loader's wait and copies then run under them), the roles kernels right after release(i). Nothing
-  // for cp.async (acquire loads).
+  // loader's wait and copies then run under them), the roles kernels right after release(i). So the
+  // next item is always one tile ahead; stages past two do not prefetch deeper, they let the loader
+  // refill a stage released kStages - 1 tiles ago instead of waiting for the other warpgroup.
+  // Nothing for cp.async (acquire loads).
   template <typename Load>
   __device__ __forceinline__ void refill(int i, int n, int tid, Load&& load) const {
     if constexpr (kTma) {
