@@ -110,6 +110,14 @@ void check_softmax_scale(double softmax_scale) {
               "the kernels scale scores by it), got ", softmax_scale);
 }
 
+// The last checks of the dense and varlen ops: contiguous last dims of q / k / v, the scale.
+void check_last_dims_scale(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale) {
+  check_last_dim_contiguous(q, "q");
+  check_last_dim_contiguous(k, "k");
+  check_last_dim_contiguous(v, "v");
+  check_softmax_scale(softmax_scale);
+}
+
 // The q/k/v checks of the dense ops, in the order: rank, device, dtype, shapes, headdim,
 // strides, scale. `cuda` selects the dtypes allowed.
 Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool cuda) {
@@ -128,10 +136,7 @@ Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softma
   TORCH_CHECK(s.batch <= int_max && s.seqlen_q <= int_max && s.seqlen_k <= int_max,
               "flash_attn_ext: batch and seqlen must fit in int32, got q shape ", q.sizes(),
               ", k shape ", k.sizes());
-  check_last_dim_contiguous(q, "q");
-  check_last_dim_contiguous(k, "k");
-  check_last_dim_contiguous(v, "v");
-  check_softmax_scale(softmax_scale);
+  check_last_dims_scale(q, k, v, softmax_scale);
   return s;
 }
 
@@ -338,10 +343,7 @@ VarlenSizes check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, cons
               "; expected equal");
   check_devices_dtypes(q, k, v, cuda, "k", "v");
   check_heads_headdim(q, k, v, "k", "v");
-  check_last_dim_contiguous(q, "q");
-  check_last_dim_contiguous(k, "k");
-  check_last_dim_contiguous(v, "v");
-  check_softmax_scale(softmax_scale);
+  check_last_dims_scale(q, k, v, softmax_scale);
   check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q);
   check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q);
   TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "flash_attn_ext: cu_seqlens_q has ",

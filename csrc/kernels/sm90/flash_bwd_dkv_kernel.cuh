@@ -93,7 +93,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
   // (smem_layout.cuh). Line 7: K_j, V_j (resident, cp.async), with the first Q tiles.
   const BwdStages<kTma, kThreads, T::kStages> stages(smem_addr + T::kOffBar);
   auto load_q_tile = [&](int it, int s) {
-    load_dkv_stage<kTma, Element, T>(w, params, maps, smem, it, s, stages.full0, tid);
+    load_dkv_stage<kTma, Element, T>(w, params, maps, smem, it, s, stages.full(s), tid);
   };
   stages.start(tid, maps, w.n_iter, load_q_tile,
                [&] { w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, sK, sV, tid); });

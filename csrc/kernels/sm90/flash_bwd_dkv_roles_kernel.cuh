@@ -83,8 +83,6 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
   auto sDsum = [&](int stage) { return reinterpret_cast<float*>(smem + T::kOffDsum) + stage * kBlockM; };
   // P^T of iteration it: float4 j of thread tid_wg at j * 128 + tid_wg.
   auto sP = [&](int it) { return reinterpret_cast<float4*>(smem + T::kOffP + (it % 2) * T::kPBytes); };
-  const uint32_t full0 = smem_addr + T::kOffBar;  // the stages' full and empty barriers (BwdStages)
-  const uint32_t p_full0 = full0 + 32;             // P^T buffer b: + 8 b
 
   // Thread = 128 wg + 32 warp_wg + 4 g + t; wg is the role (0: S, P^T, dV; 1: dP^T, dS^T, dK).
   const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
@@ -96,9 +94,10 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
 
   // Alg. 2 line 10: Q_i, dO_i, hi, lo, D of iteration `it` (query head, Q tile) into `stage`
   // (smem_layout.cuh). Line 7: K_j, V_j (resident, cp.async), with the first Q tiles.
-  const BwdStages<kTma, kThreads> stages(full0);
+  const BwdStages<kTma, kThreads> stages(smem_addr + T::kOffBar);
+  const uint32_t p_full0 = stages.end();  // P^T buffer b's barrier: + 8 b
   auto load_q_tile = [&](int it, int s) {
-    load_dkv_stage<kTma, Element, T>(w, params, maps, smem, it, s, full0, tid);
+    load_dkv_stage<kTma, Element, T>(w, params, maps, smem, it, s, stages.full(s), tid);
   };
   if (tid == stages.kLoader) {
 #pragma unroll

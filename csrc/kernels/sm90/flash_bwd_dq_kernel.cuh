@@ -69,7 +69,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
   // (resident, cp.async) with the first K/V tiles.
   const BwdStages<kTma, kThreads, T::kStages> stages(smem_addr + T::kOffBar);
   auto load_kv_tile = [&](int n, int s) {
-    load_dq_stage<kTma, Element, T>(w, params, maps, smem, n, s, stages.full0, tid);
+    load_dq_stage<kTma, Element, T>(w, params, maps, smem, n, s, stages.full(s), tid);
   };
   stages.start(tid, maps, w.n_block_max, load_kv_tile,
                [&] { w.template copy_q_tiles_async<Element, TileQ, kHeadDimPad, kThreads>(params, sQ, sdO, tid); });

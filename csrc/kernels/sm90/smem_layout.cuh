@@ -154,11 +154,14 @@ struct BwdStages {
   static constexpr int kLoader = kThreads - 128;
   // Stages in use: kStages_ by TMA, two by cp.async (primitives/cp_async.cuh: pipeline_step).
   static constexpr int kStages = kTma ? kStages_ : 2;
-  uint32_t full0, empty0;  // stage s: + 8 s
+  uint32_t bars;  // shared address of the full mbarriers of stages 0 .. kStages_ - 1, then the empty ones
 
-  __device__ __forceinline__ explicit BwdStages(uint32_t bars) : full0(bars), empty0(bars + 8 * kStages_) {}
+  __device__ __forceinline__ explicit BwdStages(uint32_t bars_) : bars(bars_) {}
 
   __device__ __forceinline__ static int stage(int i) { return i % kStages; }  // item i's stage
+  __device__ __forceinline__ uint32_t full(int s) const { return bars + 8 * s; }
+  __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8 * (kStages_ + s); }
+  __device__ __forceinline__ uint32_t end() const { return bars + 16 * kStages_; }  // past its barriers
 
   // The start of the kernel: the barriers (the loader: after any barriers of its own, fenced
   // together), the first items (kTma: the first kStages by TMA; else the first by every thread,
@@ -170,8 +173,8 @@ struct BwdStages {
     if (tid == kLoader) {
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
-        mbarrier_init(full0 + 8 * s, 1);           // kTma: the loader's arrive.expect_tx; the copies the bytes
-        mbarrier_init(empty0 + 8 * s, kThreads);  // kTma: every thread, once done with the stage
+        mbarrier_init(full(s), 1);           // kTma: the loader's arrive.expect_tx; the copies the bytes
+        mbarrier_init(empty(s), kThreads);  // kTma: every thread, once done with the stage
       }
       mbarrier_init_fence();
       if constexpr (kTma) {
@@ -197,7 +200,7 @@ struct BwdStages {
   template <typename Load>
   __device__ __forceinline__ void acquire(int i, int n, Load&& load) const {
     if constexpr (kTma) {
-      mbarrier_wait(full0 + 8 * stage(i), (i / kStages) % 2);
+      mbarrier_wait(full(stage(i)), (i / kStages) % 2);
     } else {
       pipeline_step</*kAsyncProxy=*/true>(i, n, load);  // item i + 1 in flight
     }
@@ -206,16 +209,17 @@ struct BwdStages {
   // cp.async waits for every thread at a CTA barrier.
   __device__ __forceinline__ void release(int i) const {
     if constexpr (kTma) {
-      mbarrier_arrive(empty0 + 8 * stage(i));
+      mbarrier_arrive(empty(stage(i)));
     } else {
       __syncthreads();
     }
   }
   // kTma: the loader waits until every thread released item i, then loads item i + kStages into its
   // stage (none for i < 0 or past n); the loader's warp converges again before its next
-  // warpgroup-wide wgmma. Its warpgroup waits with it: the rows kernels call it in iteration i +
-  // kStages - 1 (loading the next item) once they have issued that iteration's first products (the
-  // loader's wait and copies then run under them), the roles kernels right after release(i). So the
+  // warpgroup-wide wgmma. Its warpgroup waits with it: the rows kernels and the dK/dV roles kernel
+  // call it in iteration i + kStages - 1 (loading the next item) once they have issued that
+  // iteration's first products (the loader's wait and copies then run under them), the dQ roles
+  // kernel right after release(i) (measured faster there: its CTA barrier per tile). So the
   // next item is always one tile ahead; stages past two do not prefetch deeper, they let the loader
   // refill a stage released kStages - 1 tiles ago instead of waiting for the other warpgroup.
   // Nothing for cp.async (acquire loads).
@@ -223,7 +227,7 @@ struct BwdStages {
   __device__ __forceinline__ void refill(int i, int n, int tid, Load&& load) const {
     if constexpr (kTma) {
       if (tid == kLoader && i >= 0 && i + kStages < n) {
-        mbarrier_wait(empty0 + 8 * stage(i), (i / kStages) % 2);
+        mbarrier_wait(empty(stage(i)), (i / kStages) % 2);
         load(i + kStages, stage(i));
       }
       __syncwarp();
@@ -236,12 +240,11 @@ struct BwdStages {
 // kOffDO: stages of TileQ::kBytes; kOffHi, kOffLo, kOffDsum: stages of kBlockM floats).
 //   kTma: by the calling (loader) thread, TMA boxes of whole 64-column blocks (rows past seqlen_q,
 //     columns past d read as zeros) and bulk copies, completing their bytes on the stage's full
-//     mbarrier (full0 + 8 stage).
+//     mbarrier `full` (BwdStages::full).
 //   else: every thread its share, cp.async (kernels/common/work.cuh).
 template <bool kTma, typename Element, typename T, typename Work>
 __device__ __forceinline__ void load_dkv_stage(const Work& w, const Flash_bwd_params& params, const BwdTmaMaps& maps,
-                                               unsigned char* smem, int it, int stage, uint32_t full0, int tid) {
-  const uint32_t full = full0 + 8 * stage;
+                                               unsigned char* smem, int it, int stage, uint32_t full, int tid) {
   using TileQ = typename T::TileQ;
   constexpr int kBlockM = T::kBlockM;
   const uint32_t sQ = smem_u32addr(smem + T::kOffQ + stage * TileQ::kBytes);
@@ -270,12 +273,11 @@ __device__ __forceinline__ void load_dkv_stage(const Work& w, const Flash_bwd_pa
 
 // Alg. 2 line 7 of the dQ kernels: K_j, V_j of key block n_block into `stage` of the shared layout
 // of traits T (kOffK, kOffV: stages of TileKV::kBytes); kTma by the loader thread (keys past
-// seqlen_k read as zeros; the mask hides them), completing on the stage's full mbarrier (full0 + 8
-// stage), else by every thread.
+// seqlen_k read as zeros; the mask hides them), completing on the stage's full mbarrier `full`, else
+// by every thread.
 template <bool kTma, typename Element, typename T, typename Work>
 __device__ __forceinline__ void load_dq_stage(const Work& w, const Flash_bwd_params& params, const BwdTmaMaps& maps,
-                                              unsigned char* smem, int n_block, int stage, uint32_t full0, int tid) {
-  const uint32_t full = full0 + 8 * stage;
+                                              unsigned char* smem, int n_block, int stage, uint32_t full, int tid) {
   using TileKV = typename T::TileKV;
   const uint32_t sK = smem_u32addr(smem + T::kOffK + stage * TileKV::kBytes);
   const uint32_t sV = smem_u32addr(smem + T::kOffV + stage * TileKV::kBytes);
@@ -299,8 +301,8 @@ __device__ __forceinline__ void load_dq_stage(const Work& w, const Flash_bwd_par
 // box_rows rows), else by cp.async.
 template <typename Traits, typename Work, typename Kernel>
 void launch_bwd_stages(Kernel tma_kernel, Kernel cp_kernel, const TensorView& a, const TensorView& b, int rows,
-                      int heads, int box_rows, const char* what, Flash_bwd_params& params, cudaStream_t stream,
-                      bool allow_tma) {
+                       int heads, int box_rows, const char* what, Flash_bwd_params& params, cudaStream_t stream,
+                       bool allow_tma) {
   static_assert(Traits::kSmemBytes <= kMaxSmem, "backward tile row exceeds sm90 shared memory");
   BwdTmaMaps maps{};
   const bool tma = allow_tma && params.cu_seqlens_q == nullptr &&
