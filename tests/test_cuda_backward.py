@@ -153,14 +153,14 @@ def test_backward_deterministic(dtype, headdim):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
-def test_backward_load_paths_agree(headdim, causal, poison_empty):
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_load_paths_agree(dtype, headdim, causal, poison_empty):
     """The sm90 backward kernels stream their tiles by TMA for inputs TMA can describe and by
     cp.async for the rest (kernels/sm90/smem_layout.cuh: BwdStages); both give the same bits. A
     dout broadcast over heads (head stride 0) sends the dK/dV kernel to cp.async, K/V broadcast
     over the batch (batch stride 0) the dQ kernel; their contiguous copies take TMA. GQA 2:1,
     ragged lengths."""
     require_hdim(headdim)
-    dtype = torch.bfloat16
     q = _rand(2, 333, 4, headdim, dtype=dtype)
     k1, v1 = _rand(1, 257, 2, headdim, dtype=dtype), _rand(1, 257, 2, headdim, dtype=dtype)
     dout1 = _rand(2, 333, 1, headdim, dtype=dtype)
