@@ -66,7 +66,7 @@ using Bf16 = __nv_bfloat16;
       p, s, bool(tma))
 #if KIND == 3
 // The split-KV forward: SplitKvTileShape<BLOCK_N, warps, stages, Q-in-regs, min CTAs/SM, evict
-// first, bulk copy>, launched as the library launches it, then the combine when split.
+// first, TMA>, launched as the library launches it, then the combine when split.
 #ifndef A5
 #define A5 false
 #endif
@@ -80,7 +80,7 @@ using SkTile = flash::SplitKvTileShape<A1, A2, A3, bool(A5), A4, bool(A6), bool(
 using SkTraits = flash::sm80::SplitKvKernelTraits<Bf16, HD, SkTile>;
 static TuneRegistrar tune_reg({3, HD,
                                "BN=" TUNE_STR(A1) " w=" TUNE_STR(A2) " st=" TUNE_STR(A3) " minB=" TUNE_STR(A4)
-                               " qr=" TUNE_STR(A5) " ef=" TUNE_STR(A6) " bulk=" TUNE_STR(A7),
+                               " qr=" TUNE_STR(A5) " ef=" TUNE_STR(A6) " tma=" TUNE_STR(A7),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
                                  flash::sm80::launch_fwd_splitkv<SkTraits>(p, s);
                                  if (p.num_splits > 1) flash::run_splitkv_combine<Bf16>(p, s);

@@ -17,7 +17,7 @@ A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path), dkv90, dq90 (sm9
     fwd90:128:128,128            sm90 forward FwdTileShape of BLOCK_M (64 rows per consumer
                                  warpgroup), BLOCK_N (a wgmma width: 64..176, csrc/primitives/gen_wgmma.py)
     splitkv:128:64,4,2,3         SplitKvTileShape of BLOCK_N, warps, stages, min CTAs/SM[, Q-in-regs
-                                 0|1[, evict-first 0|1 (default 1)[, bulk copy 0|1 (default 0)]]]
+                                 0|1[, evict-first 0|1 (default 1)[, TMA 0|1 (default 0)]]]
 (csrc/kernels/common/tile_shapes.h; the rows of csrc/kernels/<arch>/tile_config.h)
 splitkv variants run decode steps instead of the dense problems (GQA --heads, one query, a full
 cache of --cases, contiguous or paged xP<page>), timing split kernel + combine with the L2 flushed

@@ -33,6 +33,26 @@ namespace flash {
 
 // ---- Device side ----
 
+// The shared layout a box copy with the 128-byte swizzle writes, for a tile of kRows x kCols
+// 16-bit elements: 64-column (128-byte) blocks of kRows rows each, one after the other; inside a
+// block, row r at r * 128 bytes with its 16-byte chunks permuted by chunk ^ (r % 8). The tile
+// base is 1024-byte aligned (one 8-row swizzle atom). A Layout of primitives/tile_copy.cuh; the
+// sm90 kernels' SwizzledTile (kernels/sm90/smem_layout.cuh) adds wgmma descriptors to it.
+template <int kRows, int kCols>
+struct Swizzle128Tile {
+  static_assert(kCols % 64 == 0, "tiles are whole 64-column (128-byte) swizzle blocks");
+  static_assert(kRows % 8 == 0, "tiles are whole 8-row (1024-byte) swizzle atoms");
+  static constexpr int kColBlockBytes = kRows * 128;
+  static constexpr int kBytes = kColBlockBytes * (kCols / 64);
+  // 8 rows (one swizzle atom) further is 1024 bytes further.
+  static constexpr int kRowAlign = 8, kRowBytes = 128;
+
+  // Byte offset of element (r, c) from the tile base.
+  __host__ __device__ __forceinline__ static constexpr uint32_t offset(int r, int c) {
+    return uint32_t((c / 64) * kColBlockBytes + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2);
+  }
+};
+
 // Fetches the tensor map (a __grid_constant__ parameter) into the TMA unit's cache.
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
@@ -128,10 +148,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
 }
 
 // Encodes `map` for boxes of (64 columns, box_rows rows) of the BSHD view (16-bit elements:
-// `bf16` or fp16), 128-byte swizzle, zero fill out of bounds. False if the driver refuses (the
+// `bf16` or fp16), 128-byte swizzle, zero fill out of bounds, L2 sector promotion `promotion` (a
+// read of a box row brings that many bytes into L2: 256 for the dense kernels, whose dQ kernel ran
+// 3-4 % slower with 128 at hd128; the KV-cache maps take 128, common/paged_kv.cuh). False if the driver refuses (the
 // caller then takes another path) or tma_can_describe fails.
 inline bool tma_encode_bshd(CUtensorMap* map, const TensorView& t, int batch, int seqlen, int heads, int d,
-                            bool bf16, int box_rows) {
+                            bool bf16, int box_rows,
+                            CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   constexpr int kElemBytes = 2;
   if (!tma_can_describe(t, batch, seqlen, heads, d, kElemBytes) || box_rows < 1 || box_rows > 256) return false;
   const auto encode = tma_encode_fn();
@@ -152,7 +175,7 @@ inline bool tma_encode_bshd(CUtensorMap* map, const TensorView& t, int batch, in
   cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, t.ptr,
                             dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 

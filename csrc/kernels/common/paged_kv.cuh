@@ -12,12 +12,36 @@
 #pragma once
 
 #include <cstdint>
+#include <numeric>
 
 #include "flash.h"
 #include "primitives/barrier.cuh"
 #include "primitives/cp_async.cuh"
+#include "primitives/tma.cuh"
 
 namespace flash {
+
+// The K and V caches' tensor maps for the TMA copies (one __grid_constant__ kernel parameter):
+// a contiguous cache as (d, seqlen_k, h_k, batch), a paged one as (d, page_size, h_k,
+// num_blocks), boxes of (64 columns, box_rows rows); unused by the cp.async copies.
+struct KvTmaMaps {
+  CUtensorMap k, v;
+  int box_rows;
+};
+
+// Host: encodes `maps` for tiles of kv_rows rows (the kernel's kBlockN); false if TMA cannot
+// describe the caches (the caller then runs the cp.async copies).
+inline bool encode_kv_tma_maps(KvTmaMaps& maps, const Flash_fwd_params& p, int kv_rows) {
+  const bool paged = p.block_table != nullptr;
+  const int batch = paged ? p.num_blocks : p.b, rows = paged ? p.page_size : p.seqlen_k;
+  const int box = paged ? std::gcd(p.page_size, kv_rows) : kv_rows;
+  maps.box_rows = box;
+  // L2 promotion of 128 bytes, the box row itself: 256 (the other maps' setting) fetches the row's
+  // other 64-column half with it, which its own box then re-reads (H200 decode: 4-9 % slower).
+  constexpr CUtensorMapL2promotion kPromotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  return box >= 8 && box % 8 == 0 && tma_encode_bshd(&maps.k, p.k, batch, rows, p.h_k, p.d, p.is_bf16, box, kPromotion) &&
+         tma_encode_bshd(&maps.v, p.v, batch, rows, p.h_k, p.d, p.is_bf16, box, kPromotion);
+}
 
 struct KvCacheRows {
   const int* table;  // this sequence's block_table row; null: contiguous cache
@@ -100,49 +124,28 @@ struct KvCacheRows {
     }
   }
 
-  // The same tiles (same zero fill, same rows read) by bulk copies (sm_90+, primitives/cp_async.cuh:
-  // bulk_copy_g2s): one per K or V row of d_valid * 2 bytes into row r of the tile at sK / sV
-  // (kPitchBytes apart; the API makes cache rows and strides 16-byte aligned), completing on the
-  // tile's mbarrier `bar`, which expects one arrival per thread (kThreads) per phase. Rows past
-  // rows_valid or of an invalid block, and columns [d_valid, kCols) of the others, are zeroed by
-  // shared stores before this thread's arrival (whose release makes them visible with the copies
-  // to every thread that waits on `bar`); the arrival announces the bytes of this thread's copies
-  // before it issues them.
-  template <int kRows, int kCols, int kPitchBytes, int kThreads, typename Element>
-  __device__ __forceinline__ void copy_kv_tiles_bulk(uint32_t sK, uint32_t sV, const Flash_fwd_params& p, int head,
-                                                     int n0, int rows_valid, int d_valid, int tid, uint32_t bar,
-                                                     uint64_t policy) const {
-    constexpr int kCopies = 2 * kRows;  // K rows, then V rows
-    constexpr int kPerThread = (kCopies + kThreads - 1) / kThreads;
-    const uint32_t row_bytes = uint32_t(d_valid) * 2;
-    const Element* src[kPerThread];
-    uint32_t dst[kPerThread];
-    uint32_t bytes = 0;
+  // The same tiles by TMA boxes (sm_90+; one thread issues, primitives/tma.cuh) into the
+  // Swizzle128Tile layout at sK / sV: per group of maps.box_rows rows (all kRows for a contiguous
+  // cache; gcd(page_size, kRows) for a paged one, so a group never straddles two pages) and per
+  // 64-column block, one box of K and one of V at (column, row in its block, kv head, block),
+  // completing 2 * kRows * kCols * 2 bytes on `bar` (this thread's arrival announces them).
+  // Groups past rows_valid and groups of an invalid block are read at block -1: outside the
+  // tensor, so zero-filled, and no table entry past the visible rows is read. Rows past rows_valid
+  // inside the last visible group are real cache rows (anything, NaN included): the kernel
+  // zeroes them in V before P V (zero_v_rows_past) and masks them in S. n0: a multiple of 16.
+  template <int kRows, int kCols>
+  __device__ __forceinline__ void copy_kv_tiles_tma(uint32_t sK, uint32_t sV, const KvTmaMaps& maps, int head, int n0,
+                                                    int rows_valid, uint32_t bar, uint64_t policy) const {
+    using Layout = Swizzle128Tile<kRows, kCols>;
+    mbarrier_arrive_expect_tx(bar, 2 * Layout::kBytes);
+    for (int r = 0; r < kRows; r += maps.box_rows) {
+      const int2 loc = r < rows_valid ? locate(n0 + r) : make_int2(-1, 0);
 #pragma unroll
-    for (int it = 0; it < kPerThread; ++it) {
-      const int c = it * kThreads + tid;
-      src[it] = nullptr;
-      dst[it] = 0;
-      if (kCopies % kThreads == 0 || c < kCopies) {
-        const bool is_v = c >= kRows;
-        const int r = is_v ? c - kRows : c;
-        const int2 loc = r < rows_valid ? locate(n0 + r) : make_int2(-1, 0);
-        dst[it] = (is_v ? sV : sK) + uint32_t(r) * kPitchBytes;
-        uint32_t zero_from = 0;  // bytes of the row to zero from
-        if (loc.x >= 0) {
-          src[it] = row_ptr<const Element>(is_v ? p.v : p.k, head, loc);
-          bytes += row_bytes;
-          zero_from = row_bytes;
-        }
-        for (uint32_t b = zero_from; b < uint32_t(kCols) * 2; b += 16) {
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst[it] + b), "r"(0) : "memory");
-        }
+      for (int cb = 0; cb < kCols / 64; ++cb) {
+        const uint32_t off = Layout::offset(r, 64 * cb);  // r % 8 == 0: the group starts a swizzle atom
+        tma_load_4d(sK + off, &maps.k, bar, 64 * cb, loc.y, head, loc.x, policy);
+        tma_load_4d(sV + off, &maps.v, bar, 64 * cb, loc.y, head, loc.x, policy);
       }
-    }
-    mbarrier_arrive_expect_tx(bar, bytes);
-#pragma unroll
-    for (int it = 0; it < kPerThread; ++it) {
-      if (src[it] != nullptr) bulk_copy_g2s(dst[it], src[it], row_bytes, bar, policy);
     }
   }
 };

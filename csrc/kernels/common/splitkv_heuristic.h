@@ -43,13 +43,6 @@ inline int64_t splitkv_slots(const Flash_fwd_params& params, int smem_bytes, int
   return int64_t(params.num_sms) * per_sm;
 }
 
-// Whether the split grid fills at least half the GPU's CTA slots: bulk copies (one TMA-unit copy
-// per K/V row) then stream ~3 % faster than cp.async, but below it (B1 decode with few splits) the
-// extra latency per CTA shows (H200, hd128 32:8 B1 Nk 8k, 16 splits: 1.41 vs 1.64 TB/s).
-inline bool splitkv_grid_fills_gpu(const Flash_fwd_params& params, int smem_bytes, int min_blocks) {
-  return 2 * splitkv_unsplit_ctas(params) * std::max(params.num_splits, 1) >= splitkv_slots(params, smem_bytes, min_blocks);
-}
-
 inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks) {
   if (params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 || params.num_sms <= 0) return 1;
   const int64_t ctas = splitkv_unsplit_ctas(params);

@@ -68,21 +68,31 @@ struct Roles : Shape {
 //   kEvictFirst K/V reads marked L2 evict-first (createpolicy) when no other CTA reads them
 //               (one packed row tile per kv head): a read-once stream then replaces its own lines,
 //               not other data (nor dirty lines whose write-back costs DRAM bandwidth)
-//   kBulkCopy   sm_90+: K/V rows copied by the TMA unit (cp.async.bulk, one per row, completing
-//               on an mbarrier per stage) instead of 16-byte cp.async; sm_80-89 keep cp.async
+//   kTma        sm_90+: K/V tiles copied by TMA boxes (cp.async.bulk.tensor, one thread issuing,
+//               128-byte swizzle, completing on an mbarrier per stage) instead of 16-byte
+//               cp.async; sm_80-89 keep cp.async
 template <int kBlockN_, int kNWarps_, int kStages_, bool kQInRegs_, int kMinBlocks_, bool kEvictFirst_ = true,
-          bool kBulkCopy_ = false>
+          bool kTma_ = false>
 struct SplitKvTileShape {
   static constexpr int kBlockM = 16, kBlockN = kBlockN_, kNWarps = kNWarps_, kStages = kStages_;
   static constexpr bool kQInRegs = kQInRegs_;
   static constexpr int kMinBlocks = kMinBlocks_;
-  static constexpr bool kEvictFirst = kEvictFirst_, kBulkCopy = kBulkCopy_;
-  // The same row with cp.async copies (the launch picks it where bulk copies do not pay).
-  using WithoutBulk = SplitKvTileShape<kBlockN_, kNWarps_, kStages_, kQInRegs_, kMinBlocks_, kEvictFirst_, false>;
+  static constexpr bool kEvictFirst = kEvictFirst_, kTma = kTma_;
+  // The same row with cp.async copies (the launch picks it where TMA does not pay or cannot run).
+  using WithoutTma = SplitKvTileShape<kBlockN_, kNWarps_, kStages_, kQInRegs_, kMinBlocks_, kEvictFirst_, false>;
   // Dynamic shared memory of the kernel for 16-bit elements: the Q tile and kStages (K, V) tile
-  // pairs, rows padded to head_dim + 8 elements (sm80/kernel_common.cuh: SmemTile). Host code
-  // (the split heuristic) sizes CTAs per SM from it; the kernel's traits assert they agree.
-  static constexpr int smem_bytes(int head_dim) { return (kBlockM + 2 * kStages * kBlockN) * (head_dim + 8) * 2; }
+  // pairs, rows padded to head_dim + 8 elements (sm80/kernel_common.cuh: SmemTile); a TMA row's
+  // ring is in the 128-byte swizzle (64-column blocks, 1024 bytes of alignment slack) and the
+  // larger of the two layouts is reserved (its sm_80 build runs the padded one). Host code (the
+  // split heuristic) sizes CTAs per SM from it; the kernel's traits assert that it fits.
+  static constexpr int padded_smem_bytes(int head_dim) { return (kBlockM + 2 * kStages * kBlockN) * (head_dim + 8) * 2; }
+  static constexpr int tma_smem_bytes(int head_dim) {
+    return 1024 + 2 * kStages * kBlockN * ((head_dim + 63) / 64 * 64) * 2 + kBlockM * (head_dim + 8) * 2;
+  }
+  static constexpr int smem_bytes(int head_dim) {
+    return kTma && tma_smem_bytes(head_dim) > padded_smem_bytes(head_dim) ? tma_smem_bytes(head_dim)
+                                                                          : padded_smem_bytes(head_dim);
+  }
 };
 
 }  // namespace flash

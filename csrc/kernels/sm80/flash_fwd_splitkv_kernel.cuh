@@ -18,10 +18,11 @@
 // waits for tile t: kStages tiles are in flight while a CTA waits, kStages - 1 while it computes
 // (two barriers per tile buy one more tile in flight than wait-then-issue). cp.async: one commit
 // group per step (possibly empty), so wait_group kStages - 1 after the step's commit means "tile t
-// landed". Bulk copies (kBulkCopy, sm_90+): one mbarrier per stage, every thread arriving with
-// the bytes of its row copies; tile t has landed when the barrier of stage t % kStages completes
-// its phase (t / kStages) & 1 (each thread waits on it: no second CTA barrier). K/V reads carry
-// an L2 evict-first policy (kEvictFirst) where no other CTA reads the same rows (one row tile).
+// landed". TMA (kTma, sm_90+): one mbarrier per stage; thread 0 arrives with the tile's bytes and
+// issues its boxes (common/paged_kv.cuh: copy_kv_tiles_tma) into 128-byte-swizzled tiles; tile t
+// has landed when the barrier of stage t % kStages completes its phase (t / kStages) & 1 (each
+// thread waits on it: no second CTA barrier). K/V reads carry an L2 evict-first policy
+// (kEvictFirst) where no other CTA reads the same rows (one row tile).
 // After the loop the CTA lets the combine kernel launch (programmatic dependent launch, sm_90+:
 // common/combine_kernel.cuh), which then waits for this grid's end before its first read.
 #pragma once
@@ -31,7 +32,7 @@
 #include "kernels/common/splitkv_heuristic.h"
 #include "kernels/common/splitkv_work.cuh"
 #include "kernels/sm80/kernel_common.cuh"  // everything an sm80 kernel uses
-#include "primitives/barrier.cuh"          // mbarriers of the bulk-copy ring, grid dependency control
+#include "primitives/barrier.cuh"          // mbarriers of the TMA ring, grid dependency control
 
 namespace flash::sm80 {
 
@@ -44,9 +45,9 @@ struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBloc
   static constexpr int kStages = Config::kStages;
   static constexpr bool kEvictFirst = Config::kEvictFirst;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  static constexpr bool kBulkCopy = false;  // no cp.async.bulk below sm_90: the cp.async ring
+  static constexpr bool kTma = false;  // no TMA below sm_90: the cp.async ring
 #else
-  static constexpr bool kBulkCopy = Config::kBulkCopy;
+  static constexpr bool kTma = Config::kTma;
 #endif
 
   static constexpr int kWarpKeys = kBlockN / kNWarps;  // keys of each tile per warp
@@ -55,10 +56,16 @@ struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBloc
   static constexpr int kQKSteps = kHeadDim / 16;       // k16 steps of Q K^T
   static constexpr int kPVSteps = kWarpKeys / 16;      // k16 steps of P V
 
-  static constexpr int kPitch = SmemTile<kHeadDim>::kPitch;  // elements per shared row
-  static constexpr int kSmemQ = kBlockM * kPitch;            // elements
-  static constexpr int kSmemTile = kBlockN * kPitch;         // elements of one K (or V) tile
-  static constexpr int kSmemBytes = (kSmemQ + 2 * kStages * kSmemTile) * int(sizeof(Element));
+  static constexpr int kPitch = SmemTile<kHeadDim>::kPitch;  // elements per shared row of Q
+  static constexpr int kQBytes = kBlockM * kPitch * int(sizeof(Element));
+  // K/V ring tiles: TMA's 128-byte swizzle in whole 64-column blocks (kHeadDimPad columns; the
+  // boxes zero-fill those past the user's d), else rows padded to kPitch.
+  static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  using KvLayout = std::conditional_t<kTma, Swizzle128Tile<kBlockN, kHeadDimPad>, SmemTile<kHeadDim>>;
+  static constexpr int kTileBytes = kBlockN * (kTma ? kHeadDimPad : kPitch) * 2;
+  // Shared layout: TMA: the ring from the first 1024-byte boundary (swizzle atoms), then Q;
+  // cp.async: Q, then the ring.
+  static constexpr int kSmemBytes = Config::smem_bytes(kHeadDim);
   // The merge, over the ring once the loop is done: per warp its 16 x kHeadDim float O (pitch
   // kHeadDim + 8 floats: the float2 fragment stores of 8 rows hit 8 distinct 4-bank groups), and
   // its 16 row maxes and sums.
@@ -69,25 +76,28 @@ struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBloc
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: multiple of 16, <= 256");
   static_assert(kWarpKeys % 16 == 0, "each warp owns whole k16 steps of keys");
   static_assert(kStages >= 2, "a ring of at least two K/V tile pairs");
-  static_assert(kSmemBytes == Config::smem_bytes(kHeadDim), "tile_shapes.h smem_bytes out of date");
-  static_assert(kSmemMergeBytes <= 2 * kStages * kSmemTile * int(sizeof(Element)), "merge fits the ring");
+  static_assert(kSmemBytes >= (kTma ? 1024 : 0) + 2 * kStages * kTileBytes + kQBytes, "tile_shapes.h smem_bytes out of date");
+  static_assert(kSmemMergeBytes <= 2 * kStages * kTileBytes, "merge fits the ring");
 };
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
-    flash_fwd_splitkv_kernel(const Flash_fwd_params params) {
+    flash_fwd_splitkv_kernel(const Flash_fwd_params params, const __grid_constant__ KvTmaMaps maps) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   using Element = typename Traits::Element;
   using Tile = SmemTile<kHeadDim>;
   constexpr int kNWarps = Traits::kNWarps, kThreads = Traits::kThreads, kStages = Traits::kStages;
   constexpr int kNAtoms = Traits::kNAtoms, kDAtoms = Traits::kDAtoms, kWarpKeys = Traits::kWarpKeys;
+  using KvLayout = typename Traits::KvLayout;
   constexpr int kPitchBytes = Traits::kPitch * int(sizeof(Element));
-  constexpr int kTileBytes = Traits::kSmemTile * int(sizeof(Element));
+  constexpr int kTileBytes = Traits::kTileBytes;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t stage_full[kStages];  // the bulk-copy ring's barriers (kBulkCopy)
-  const uint32_t sQ = smem_u32addr(smem_raw);
-  const uint32_t sRing = sQ + Traits::kSmemQ * int(sizeof(Element));  // stage s: K at +2s tiles, V after
+  __shared__ __align__(8) uint64_t stage_full[kStages];  // the TMA ring's barriers (kTma)
+  const uint32_t smem_base = smem_u32addr(smem_raw);
+  // Stage s: K at sRing + 2s tiles, V after it.
+  const uint32_t sRing = Traits::kTma ? (smem_base + 1023u) & ~1023u : smem_base + Traits::kQBytes;
+  const uint32_t sQ = Traits::kTma ? sRing + 2 * kStages * kTileBytes : smem_base;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const SplitKvWork<kBlockM, kBlockN> w(params);
@@ -102,10 +112,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   auto load_tile = [&](int t) {
     const uint32_t sK = sRing + (t % kStages) * 2 * kTileBytes;
     const int n0 = (w.n_begin + t) * kBlockN;
-    if constexpr (Traits::kBulkCopy) {
-      w.kv.template copy_kv_tiles_bulk<kBlockN, kHeadDim, kPitchBytes, kThreads, Element>(
-          sK, sK + kTileBytes, params, w.bidhk, n0, w.seq.seqlen_k - n0, params.d, tid, bar0 + (t % kStages) * 8,
-          kv_policy);
+    if constexpr (Traits::kTma) {
+      if (tid == 0) {
+        w.kv.template copy_kv_tiles_tma<kBlockN, Traits::kHeadDimPad>(
+            sK, sK + kTileBytes, maps, w.bidhk, n0, w.seq.seqlen_k - n0, bar0 + (t % kStages) * 8, kv_policy);
+      }
     } else {
       w.kv.template copy_kv_tiles_async<Tile, kBlockN, kHeadDim, kThreads, Element>(
           sK, sK + kTileBytes, params, w.bidhk, n0, w.seq.seqlen_k - n0, params.d, tid, kv_policy);
@@ -114,11 +125,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   // ---- Prologue: the Q tile (FA2 Alg. 1 line 4) with tile 0, then tiles 1..kStages-2.
   w.template copy_q_tile_async<Element, Tile, kHeadDim, kThreads>(params, sQ, tid);
-  if constexpr (Traits::kBulkCopy) {
+  if constexpr (Traits::kTma) {
     cp_async_commit();  // Q alone: waited for before the loop
     if (tid == 0) {
 #pragma unroll
-      for (int st = 0; st < kStages; ++st) mbarrier_init(bar0 + st * 8, kThreads);
+      for (int st = 0; st < kStages; ++st) mbarrier_init(bar0 + st * 8, 1);  // thread 0's arrival + the bytes
       mbarrier_init_fence();
     }
     __syncthreads();  // the barriers are initialized before any thread arrives
@@ -126,9 +137,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
   for (int t = 0; t < kStages - 1; ++t) {
     if (t < n_tiles) load_tile(t);
-    if constexpr (!Traits::kBulkCopy) cp_async_commit();
+    if constexpr (!Traits::kTma) cp_async_commit();
   }
-  if constexpr (Traits::kBulkCopy) {
+  if constexpr (Traits::kTma) {
     cp_async_wait<0>();  // Q landed (this thread's copies) ...
     __syncthreads();     // ... everyone's
   }
@@ -149,14 +160,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // Per-lane ldmatrix addresses (primitives/ldmatrix.cuh recipes), relative to the tile bases.
   // Q as the A operand: row = lane % 16, col = (lane / 16) * 8.
   const uint32_t q_addr = sQ + (lane % 16) * kPitchBytes + (lane / 16) * 16;
-  // K rows of this warp's key slice as the [n][k] B operand: n = (lane / 16) * 8 + lane % 8.
-  const uint32_t k_off = (warp * kWarpKeys + (lane / 16) * 8 + lane % 8) * kPitchBytes + ((lane / 8) % 2) * 16;
-  // V rows of the slice as the [k][n] B operand (.trans): k = lane % 16, n = (lane / 16) * 8.
-  const uint32_t v_off = kTileBytes + (warp * kWarpKeys + lane % 16) * kPitchBytes + (lane / 16) * 16;
+  // K rows of this warp's key slice as the [n][k] B operand: n = (lane / 16) * 8 + lane % 8,
+  // k = ((lane / 8) % 2) * 8; V rows of the slice as the [k][n] B operand (.trans): k = lane % 16,
+  // n = (lane / 16) * 8. Every row index is lane % 8 modulo 8 (the swizzle's row phase).
+  const int k_row = warp * kWarpKeys + (lane / 16) * 8 + lane % 8, k_col = ((lane / 8) % 2) * 8;
+  const int v_row = warp * kWarpKeys + lane % 16, v_col = (lane / 16) * 8;
 
   uint32_t q_frag[Traits::kQInRegs ? Traits::kQKSteps : 1][4];
   if constexpr (Traits::kQInRegs) {
-    if constexpr (!Traits::kBulkCopy) {
+    if constexpr (!Traits::kTma) {
       cp_async_wait<kStages - 2>();  // Q (with tile 0) landed ...
       __syncthreads();               // ... for the whole CTA
     }
@@ -169,7 +181,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   for (int t = 0; t < n_tiles; ++t) {
     __syncthreads();  // every warp is done with tile t - 1: its buffer takes tile t + kStages - 1
     if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
-    if constexpr (Traits::kBulkCopy) {
+    if constexpr (Traits::kTma) {
       mbarrier_wait(bar0 + (t % kStages) * 8, (t / kStages) & 1);  // tile t landed, for everyone
     } else {
       cp_async_commit();
@@ -177,6 +189,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       __syncthreads();               // ... everyone's
     }
     const uint32_t stage = sRing + (t % kStages) * 2 * kTileBytes;
+    if constexpr (Traits::kTma) {
+      // The sequence's last tile: its rows past the visible keys came in whole boxes (anything,
+      // NaN included): zero them in V so that P = 0 there gives exact zeros in P V (S masks them).
+      const int rows_valid = w.seq.seqlen_k - (w.n_begin + t) * kBlockN;
+      if (rows_valid < kBlockN) {
+        zero_rows_past<KvLayout, kBlockN, Traits::kHeadDimPad, kThreads>(stage + kTileBytes, rows_valid, tid);
+        fence_proxy_async();  // before TMA may write the buffer again
+        __syncthreads();
+      }
+    }
 
     // Alg. 1 line 8: S = Q K_t^T on the warp's kWarpKeys keys (unscaled; the scale goes into the
     // softmax, primitives/softmax.cuh).
@@ -197,7 +219,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
       for (int np = 0; np < kNAtoms / 2; ++np) {
         uint32_t b[4];
-        ldmatrix_x4(b, stage + k_off + np * 16 * kPitchBytes + kk * 32);
+        ldmatrix_x4(b, stage + KvLayout::offset(k_row + np * 16, kk * 16 + k_col));
         mma_m16n16k16<Element>(s, 2 * np, a, b);
       }
     }
@@ -227,7 +249,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
       for (int dp = 0; dp < kDAtoms / 2; ++dp) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, stage + v_off + kk * 16 * kPitchBytes + dp * 32);
+        ldmatrix_x4_trans(b, stage + kTileBytes + KvLayout::offset(v_row + kk * 16, dp * 16 + v_col));
         mma_m16n16k16<Element>(acc_o, 2 * dp, a, b);
       }
     }
@@ -239,7 +261,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // ---- Merge the warps' partials (the combine rule on the warps' key slices), over the ring.
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring (and no copy is in flight)
-  float* sO = reinterpret_cast<float*>(smem_raw + Traits::kSmemQ * sizeof(Element));  // [warp][16][pitch]
+  float* sO = reinterpret_cast<float*>(smem_raw + (sRing - smem_base));               // [warp][16][pitch]
   float* sMax = sO + kNWarps * kBlockM * Traits::kMergePitch;                         // [warp][16]
   float* sSum = sMax + kNWarps * kBlockM;                                             // [warp][16]
   const int g = lane / 4;
@@ -326,9 +348,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 // Launches flash_fwd_splitkv_kernel<Traits> (any tile row: the production one from
 // run_mha_fwd_splitkv_ below) on a 1-D grid over (sequence, kv head, row tile, split).
 // Rows above sm_80's shared memory (tuning rows for sm_90) fail at launch with launch_1d's error
-// on a GPU that lacks it.
+// on a GPU that lacks it. A TMA row (kTma) runs its cp.async twin below sm_90 and where TMA
+// cannot describe the caches (common/paged_kv.cuh: encode_kv_tma_maps).
 template <typename Traits>
 void launch_fwd_splitkv(Flash_fwd_params& params, cudaStream_t stream) {
+  using Config = typename Traits::Config;
+  KvTmaMaps maps{};
+  if constexpr (Config::kTma) {
+    if (params.arch < 90 || !encode_kv_tma_maps(maps, params, Traits::kBlockN)) {
+      using Twin = SplitKvKernelTraits<typename Traits::Element, Traits::kHeadDim, typename Config::WithoutTma>;
+      launch_fwd_splitkv<Twin>(params, stream);
+      return;
+    }
+  }
   // All of the unified L1 / shared memory as shared memory, so kMinBlocks CTAs fit an SM (the
   // K/V copies bypass L1: cp.async.cg; only the block table goes through it). Once per device.
   static std::atomic<uint64_t> carveout_set{0};  // bit i: done on device i
@@ -341,8 +373,8 @@ void launch_fwd_splitkv(Flash_fwd_params& params, cudaStream_t stream) {
                                           cudaSharedmemCarveoutMaxShared));
     carveout_set.fetch_or(bit, std::memory_order_relaxed);
   }
-  launch_tiles<Traits, SplitKvWork<Traits::kBlockM, Traits::kBlockN>>(flash_fwd_splitkv_kernel<Traits>,
-                                                                      "split-KV forward", params, stream);
+  launch_1d(flash_fwd_splitkv_kernel<Traits>, SplitKvWork<Traits::kBlockM, Traits::kBlockN>::grid_size(params),
+            Traits::kThreads, Traits::kSmemBytes, "split-KV forward", params.d_rounded, stream, params, maps);
 }
 
 }  // namespace flash::sm80
@@ -354,15 +386,8 @@ namespace flash {
 // params.d_rounded.
 template <typename Element, int kHeadDim>
 void run_mha_fwd_splitkv_(Sm80, Flash_fwd_params& params, cudaStream_t stream) {
-  using Row = sm80::SplitKvTile<kHeadDim>;
   using Traits = sm80::SplitKvKernelTraits<Element, kHeadDim>;
   static_assert(Traits::kSmemBytes <= sm80::kMaxSmem, "split-KV tile row exceeds sm_80 shared memory");
-  if constexpr (Row::kBulkCopy) {  // bulk copies only where the grid fills the GPU (splitkv_heuristic.h)
-    if (!splitkv_grid_fills_gpu(params, Row::smem_bytes(kHeadDim), Row::kMinBlocks)) {
-      sm80::launch_fwd_splitkv<sm80::SplitKvKernelTraits<Element, kHeadDim, typename Row::WithoutBulk>>(params, stream);
-      return;
-    }
-  }
   sm80::launch_fwd_splitkv<Traits>(params, stream);
 }
 

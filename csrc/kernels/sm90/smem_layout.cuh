@@ -44,19 +44,11 @@ __device__ __forceinline__ unsigned char* aligned_dynamic_smem() {
   return smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
 }
 
+// The 128-byte-swizzle layout (primitives/tma.cuh: Swizzle128Tile) with the wgmma descriptors of
+// its operands.
 template <int kRows, int kCols>
-struct SwizzledTile {
-  static_assert(kCols % 64 == 0, "tiles are whole 64-column (128-byte) swizzle blocks");
-  static_assert(kRows % 8 == 0, "tiles are whole 8-row (1024-byte) swizzle atoms");
-  static constexpr int kColBlockBytes = kRows * 128;
-  static constexpr int kBytes = kColBlockBytes * (kCols / 64);
-  // Layout of primitives/tile_copy.cuh: 8 rows (one swizzle atom) further is 1024 bytes further.
-  static constexpr int kRowAlign = 8, kRowBytes = 128;
-
-  // Byte offset of element (r, c) from the tile base.
-  __device__ __forceinline__ static uint32_t offset(int r, int c) {
-    return uint32_t((c / 64) * kColBlockBytes + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2);
-  }
+struct SwizzledTile : Swizzle128Tile<kRows, kCols> {
+  using Swizzle128Tile<kRows, kCols>::kColBlockBytes;
 
   // Descriptor of the K-major operand made of rows [r0, r0 + 64) (r0 % 8 == 0), columns
   // [16kk, 16kk + 16) as K: "S = Q K^T"-shaped products read A and B this way.
