@@ -62,6 +62,7 @@ struct Flash_fwd_params : public Qkv_params {
   // Device facts read once by the API (cudaGetDeviceProperties).
   int arch = 0;     // compute capability major*10 + minor (80, 86, 89, 90, ...)
   int num_sms = 0;
+  int64_t l2_bytes = 0;  // L2 cache size (0: unknown)
 
   // ---- Packed variable-length sequences (varlen; flash_attn_varlen_func). q/o/dq are
   // (total_q, nheads, d) and k/v/dk/dv (total_k, nheads_k, d), given as TensorViews with
@@ -94,6 +95,9 @@ struct Flash_fwd_params : public Qkv_params {
   // ---- Split-KV (FlashDecoding): the keys of a (sequence, head) split over num_splits CTAs, each
   // writing a partial (O, LSE) in float32 that a combine kernel merges by their LSEs.
   int num_splits = 1;
+  // The call's K/V reads exceed twice the L2 (set by the split-KV launch from l2_bytes): only a
+  // quarter of their lines are marked evict-first (primitives/cp_async.cuh: l2_policy_stream).
+  bool kv_stream_exceeds_l2 = false;
   float* __restrict__ oaccum_ptr = nullptr;     // (num_splits, b, h, seqlen_q, d_rounded) float32
   float* __restrict__ softmax_lseaccum_ptr = nullptr;  // (num_splits, b, h, seqlen_q) float32
 

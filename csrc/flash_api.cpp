@@ -652,12 +652,14 @@ std::pair<Tensor, double> positive_scale(const Tensor& q, double softmax_scale) 
 }
 
 void set_device_facts(flash::Flash_fwd_params& p, int device) {
-  int major = 0, minor = 0, num_sms = 0;
+  int major = 0, minor = 0, num_sms = 0, l2_bytes = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
   p.arch = major * 10 + minor;
   p.num_sms = num_sms;
+  p.l2_bytes = l2_bytes;
 }
 
 // Runs a dispatch point (flash.h) on the current stream; its std::runtime_error (a check or a

@@ -105,7 +105,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const float scale_log2 = params.scale_softmax_log2;
   // Evict-first only where no other CTA reads these K/V rows (one packed row tile per kv head).
   const uint64_t kv_policy =
-      l2_policy_stream(Traits::kEvictFirst && SplitKvWork<kBlockM, kBlockN>::num_row_tiles(params) == 1);
+      l2_policy_stream(Traits::kEvictFirst && SplitKvWork<kBlockM, kBlockN>::num_row_tiles(params) == 1,
+                       params.kv_stream_exceeds_l2);
   const uint32_t bar0 = smem_u32addr(&stage_full[0]);
 
   // K and V tiles of step t (0-based within the split) into ring buffer t % kStages.
@@ -353,6 +354,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 template <typename Traits>
 void launch_fwd_splitkv(Flash_fwd_params& params, cudaStream_t stream) {
   using Config = typename Traits::Config;
+  const int64_t kv_bytes = 4 * int64_t(params.b) * params.h_k * params.seqlen_k * params.d;  // 16-bit K and V
+  params.kv_stream_exceeds_l2 = params.l2_bytes > 0 && kv_bytes > 2 * params.l2_bytes;
   KvTmaMaps maps{};
   if constexpr (Config::kTma) {
     if (params.arch < 90 || !encode_kv_tma_maps(maps, params, Traits::kBlockN)) {

@@ -77,7 +77,9 @@ template <> struct DqTile<256> : DqTileShape< 64,  32,    16,    true> {};
 // request into the padded rows) 1.41 / 3.52 / 3.73 / 3.90 / 4.10, TMA boxes into 128-byte-swizzled
 // tiles (sm_90; sm_80 builds and calls TMA cannot describe run the cp.async twin) 1.67 / 3.66 /
 // 3.92 / 3.98 / 4.09, with the maps' L2 promotion at 128 bytes 1.68 / 3.68 / 3.98 / 4.14 / 4.38
-// (paged, 16-row pages: B1 128k 3.30 -> 3.51, B64 32k 3.97 -> 4.33). d64 (the same cases, half
+// (paged, 16-row pages: B1 128k 3.30 -> 3.51, B64 32k 3.97 -> 4.33), and with a quarter of the
+// lines evict-first where the reads exceed twice the L2 (params.kv_stream_exceeds_l2) 1.66 / 3.80 /
+// 4.15 / 4.27 / 4.46. d64 (the same cases, half
 // the bytes) cp.async 0.71 / 2.93 / 3.30 / 3.48 / 3.88, TMA 0.96 / 3.19 / 3.65 / 3.89 / 4.28; d256
 // cp.async 2.08 / 3.70 / 3.90 / 4.08 / 4.23, TMA 2.22 / 3.99 / 4.18 / 4.37 / 4.55. d32 / d96 / d192
 // (cp.async; TMA would pad their tiles to 64-column blocks): by analogy, not measured. Shared memory = (16 + 2 kStages kBlockN) (d + 8) 2 B (a TMA row: the larger of
