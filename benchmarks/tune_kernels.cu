@@ -343,6 +343,7 @@ static int run_decode(const DecodeOptions& opt, const cudaDeviceProp& prop, floa
     p.scale_softmax_log2 = float(p.scale_softmax * 1.4426950408889634);
     p.is_causal = false, p.is_bf16 = true;
     p.arch = prop.major * 10 + prop.minor, p.num_sms = prop.multiProcessorCount, p.l2_bytes = prop.l2CacheSize;
+    p.sm90_path = p.arch == 90;  // as dispatch.cu's select_arch on an sm_90a build: TMA rows take TMA
     p.cache_seqlens = seqlens;
     p.softmax_lse_ptr = lse, p.oaccum_ptr = oaccum, p.softmax_lseaccum_ptr = lseaccum;
     const size_t out_elems = size_t(c.b) * h * d;
@@ -505,7 +506,7 @@ int main(int argc, char** argv) {
         p.scale_softmax = 1.0 / sqrt(double(d));
         p.scale_softmax_log2 = float(p.scale_softmax * 1.4426950408889634);
         p.is_causal = causal; p.is_bf16 = true;
-        p.arch = prop.major * 10 + prop.minor; p.num_sms = prop.multiProcessorCount, p.l2_bytes = prop.l2CacheSize;
+        p.arch = prop.major * 10 + prop.minor; p.num_sms = prop.multiProcessorCount;
         const double fwd_flops = 4.0 * b * h * double(n) * n * d * (causal ? 0.5 : 1.0);
         bool first[3] = {true, true, true};
         bool bwd_ready = false;

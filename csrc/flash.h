@@ -63,6 +63,9 @@ struct Flash_fwd_params : public Qkv_params {
   int arch = 0;     // compute capability major*10 + minor (80, 86, 89, 90, ...)
   int num_sms = 0;
   int64_t l2_bytes = 0;  // L2 cache size (0: unknown)
+  // select_arch (kernels/arch.h) chose the sm90 path for this call (set by dispatch.cu): the
+  // split-KV kernel's TMA rows run only then (force_sm80_path turns them off too).
+  bool sm90_path = false;
 
   // ---- Packed variable-length sequences (varlen; flash_attn_varlen_func). q/o/dq are
   // (total_q, nheads, d) and k/v/dk/dv (total_k, nheads_k, d), given as TensorViews with
@@ -95,8 +98,10 @@ struct Flash_fwd_params : public Qkv_params {
   // ---- Split-KV (FlashDecoding): the keys of a (sequence, head) split over num_splits CTAs, each
   // writing a partial (O, LSE) in float32 that a combine kernel merges by their LSEs.
   int num_splits = 1;
-  // The call's K/V reads exceed twice the L2 (set by the split-KV launch from l2_bytes): only a
-  // quarter of their lines are marked evict-first (primitives/cp_async.cuh: l2_policy_stream).
+  // The split-KV launch's estimate of the call's K/V reads, from the cache's capacity (the host
+  // cannot read cache_seqlens), exceeds twice the L2: only a quarter of their lines are marked
+  // evict-first (primitives/cp_async.cuh: l2_policy_stream). Set for the TMA rows only (measured
+  // there; the cp.async rows keep all lines evict-first).
   bool kv_stream_exceeds_l2 = false;
   float* __restrict__ oaccum_ptr = nullptr;     // (num_splits, b, h, seqlen_q, d_rounded) float32
   float* __restrict__ softmax_lseaccum_ptr = nullptr;  // (num_splits, b, h, seqlen_q) float32

@@ -261,21 +261,34 @@ def test_kvcache_nan_past_cache_seqlens(paged, num_splits, poison_empty):
     _check(q, kc, vc, table, lens, False, out, lse)
 
 
-# ---- The TMA copies (every sm_90 call of the hd64 / 128 / 256 rows; common/paged_kv.cuh: copy_kv_tiles_tma)
-# on a grid of several CTAs per SM: whole boxes reach past the visible keys (NaN there: zeroed in
-# V, masked in S), pages of 16 / 48 / 64 / 256 rows (boxes of gcd(page, BLOCK_N) rows), boxes of an
-# empty sequence at block -1 (zero fill); paged equals contiguous bit for bit.
+# ---- The TMA copies (sm_90 path: the hd64 / 128 / 256 rows; common/paged_kv.cuh:
+# copy_kv_tiles_tma) on a grid of several CTAs per SM: whole boxes reach past the visible keys (NaN
+# there: zeroed in V, masked in S), pages of 16 / 48 / 64 / 256 rows (boxes of gcd(page, BLOCK_N)
+# rows; groups past a sequence's keys read at block -1: zero fill), d = 112 inside a 128-column
+# storage whose last 16 columns hold NaN (the maps' extent is d, not the 128 the kernel runs).
+# Paged equals contiguous, and the cp.async twin (force_sm80_path) equals the TMA row, bit for bit.
+
+def _wide_nan_cache(lens, capacity, nheads_k, d, dtype, page_size):
+    """_make_cache's tensors with head dim d as a view into storage of d rounded up to 64 columns,
+    the extra columns NaN."""
+    wide = (d + 63) // 64 * 64
+    kc, vc, table = _make_cache(lens, capacity, nheads_k, wide, dtype, page_size=page_size)
+    for t in (kc, vc):
+        t[..., d:] = float("nan")
+    return kc[..., :d], vc[..., :d], table
+
 
 @pytest.mark.parametrize("page_size", [None, 16, 48, 64, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal,seqlen_q", [(False, 1), (True, 7)])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 112, 128, 256])
 def test_kvcache_tma_path(page_size, dtype, causal, seqlen_q, d, poison_empty):
-    require_hdim(d, exact=True)
+    d_kernel = (d + 63) // 64 * 64
+    require_hdim(d_kernel, exact=True)
     nheads_k, ratio = 8, 4
     lens = [1000, 777, 64, 129, 0, 1]
     q = torch.randn(len(lens), seqlen_q, nheads_k * ratio, d, device="cuda", dtype=dtype)
-    kc, vc, table = _make_cache(lens, 1024, nheads_k, d, dtype, page_size=page_size)
+    kc, vc, table = _wide_nan_cache(lens, 1024, nheads_k, d, dtype, page_size)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
 
     def run(k_cache, v_cache, block_table):  # 6 x 8 x 16 = 768 CTAs
@@ -286,12 +299,40 @@ def test_kvcache_tma_path(page_size, dtype, causal, seqlen_q, d, poison_empty):
     out, lse = run(kc, vc, table)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     _check(q, kc, vc, table, lens, causal, out, lse)
-    if torch.cuda.get_device_capability()[0] == 9:  # the TMA row ran, not its cp.async twin
-        names = _kernel_names(lambda: run(kc, vc, table))
-        assert any("flash_fwd_splitkv_kernel" in n and f"SplitKvTile<{d}>" in n for n in names), names
+    if torch.cuda.get_device_capability() == (9, 0):  # the TMA row ran, and its twin agrees
+        tma_row = f"SplitKvTile<{d_kernel}>"
+        assert any("flash_fwd_splitkv_kernel" in n and tma_row in n for n in _kernel_names(lambda: run(kc, vc, table)))
+        previous = flash_attn_ext.force_sm80_path(True)
+        try:
+            names = _kernel_names(lambda: run(kc, vc, table))
+            out_t, lse_t = run(kc, vc, table)
+        finally:
+            flash_attn_ext.force_sm80_path(previous)
+        assert not any(tma_row in n for n in names), names
+        assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
     if table is not None:
         out_d, lse_d = run(kc[table.long()].flatten(1, 2), vc[table.long()].flatten(1, 2), None)
         assert torch.equal(out, out_d) and torch.equal(lse, lse_d)
+
+
+# ---- Caches larger than twice the L2 (the launch's estimate from the capacity): the TMA row's
+# quarter-evict-first reads (Flash_fwd_params::kv_stream_exceeds_l2), NaN past the keys.
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_kvcache_cache_beyond_l2(page_size, poison_empty):
+    require_hdim(128)
+    dtype = torch.bfloat16
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    nheads_k, ratio, d = 8, 4, 128
+    lens = [5000, 0, 777]
+    capacity = max(1024, (4 * l2) // (len(lens) * nheads_k * d * 2 * 2) // 256 * 256)  # K + V: 4x the L2
+    q = torch.randn(len(lens), 1, nheads_k * ratio, d, device="cuda", dtype=dtype)
+    kc, vc, table = _make_cache(lens, capacity, nheads_k, d, dtype, page_size=page_size, extra_blocks=1)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"), block_table=table,
+        return_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    _check(q, kc, vc, table, lens, False, out, lse)
 
 
 # ---- CUDA graphs: a decode step (append + attention, heuristic splits) captured once and

@@ -218,6 +218,7 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
            " bytes of shared memory per block; this GPU allows " + std::to_string(max_optin));
     }
     run_append_kv<Element>(params, stream);
+    params.sm90_path = select_arch(params.arch) == ArchPath::kSm90;  // the split-KV TMA rows' condition
     run_mha_fwd_splitkv_<Element, kHeadDim>(Sm80{}, params, stream);
     if (params.num_splits > 1) run_splitkv_combine<Element>(params, stream);
   });

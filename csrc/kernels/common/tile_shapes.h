@@ -83,8 +83,9 @@ struct SplitKvTileShape {
   // Dynamic shared memory of the kernel for 16-bit elements: the Q tile and kStages (K, V) tile
   // pairs, rows padded to head_dim + 8 elements (sm80/kernel_common.cuh: SmemTile); a TMA row's
   // ring is in the 128-byte swizzle (64-column blocks, 1024 bytes of alignment slack) and the
-  // larger of the two layouts is reserved (its sm_80 build runs the padded one). Host code (the
-  // split heuristic) sizes CTAs per SM from it; the kernel's traits assert that it fits.
+  // larger of the two layouts is reserved (a TMA row compiled below sm_90 has the padded layout
+  // and cp.async copies). Host code (the split heuristic) sizes CTAs per SM from it; the kernel's
+  // traits assert that it fits.
   static constexpr int padded_smem_bytes(int head_dim) { return (kBlockM + 2 * kStages * kBlockN) * (head_dim + 8) * 2; }
   static constexpr int tma_smem_bytes(int head_dim) {
     return 1024 + 2 * kStages * kBlockN * ((head_dim + 63) / 64 * 64) * 2 + kBlockM * (head_dim + 8) * 2;

@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const int rows_valid = w.seq.seqlen_k - (w.n_begin + t) * kBlockN;
       if (rows_valid < kBlockN) {
         zero_rows_past<KvLayout, kBlockN, Traits::kHeadDimPad, kThreads>(stage + kTileBytes, rows_valid, tid);
-        fence_proxy_async();  // before TMA may write the buffer again
+        fence_proxy_async();  // generic writes before any later async-proxy use of the buffer
         __syncthreads();
       }
     }
@@ -227,7 +227,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
     // The mask, only on tiles some row does not see whole (the causal diagonal, the end of the
     // sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row lane/4 + 8h, key
-    // key0 + 8 ni + 2 (lane % 4) + e. Zero-filled K rows past the keys give S = 0 there, never NaN.
+    // key0 + 8 ni + 2 (lane % 4) + e. Past the sequence's keys S = 0 (cp.async zero-fills those K
+    // rows) or anything, NaN included (TMA brings whole boxes): the tile holding them always takes
+    // this branch (every row's key limit is <= seqlen_k) and the -inf replaces the value.
     if (w.tile_needs_mask(w.n_begin + t)) {
       const int key0 = (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4);
 #pragma unroll
@@ -349,20 +351,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 // Launches flash_fwd_splitkv_kernel<Traits> (any tile row: the production one from
 // run_mha_fwd_splitkv_ below) on a 1-D grid over (sequence, kv head, row tile, split).
 // Rows above sm_80's shared memory (tuning rows for sm_90) fail at launch with launch_1d's error
-// on a GPU that lacks it. A TMA row (kTma) runs its cp.async twin below sm_90 and where TMA
-// cannot describe the caches (common/paged_kv.cuh: encode_kv_tma_maps).
+// on a GPU that lacks it. A TMA row (kTma) runs only on the sm90 path (params.sm90_path:
+// select_arch, so force_sm80_path turns it off) with caches TMA can describe (common/paged_kv.cuh:
+// encode_kv_tma_maps); other calls run its cp.async twin (Config::WithoutTma).
 template <typename Traits>
 void launch_fwd_splitkv(Flash_fwd_params& params, cudaStream_t stream) {
   using Config = typename Traits::Config;
-  const int64_t kv_bytes = 4 * int64_t(params.b) * params.h_k * params.seqlen_k * params.d;  // 16-bit K and V
-  params.kv_stream_exceeds_l2 = params.l2_bytes > 0 && kv_bytes > 2 * params.l2_bytes;
   KvTmaMaps maps{};
+  params.kv_stream_exceeds_l2 = false;
   if constexpr (Config::kTma) {
-    if (params.arch < 90 || !encode_kv_tma_maps(maps, params, Traits::kBlockN)) {
+    if (!params.sm90_path || !encode_kv_tma_maps(maps, params, Traits::kBlockN)) {
       using Twin = SplitKvKernelTraits<typename Traits::Element, Traits::kHeadDim, typename Config::WithoutTma>;
       launch_fwd_splitkv<Twin>(params, stream);
       return;
     }
+    // 16-bit K and V of every sequence's whole cache: an upper bound of what the call reads.
+    const int64_t kv_bytes = 4 * int64_t(params.b) * params.h_k * params.seqlen_k * params.d;
+    params.kv_stream_exceeds_l2 = params.l2_bytes > 0 && kv_bytes > 2 * params.l2_bytes;
   }
   // All of the unified L1 / shared memory as shared memory, so kMinBlocks CTAs fit an SM (the
   // K/V copies bypass L1: cp.async.cg; only the block table goes through it). Once per device.
