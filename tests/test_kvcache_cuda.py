@@ -54,6 +54,16 @@ def _make_cache(lens, capacity, nheads_k, d, dtype, page_size=None, extra_blocks
     return paged[0], paged[1], table
 
 
+def _sm90_path():
+    """Whether KV-cache calls take the sm90 path here (an sm_90 GPU, sm_90a code in the build, the
+    sm80 path not forced): the TMA rows."""
+    if torch.cuda.get_device_capability() != (9, 0) or "90a" not in flash_attn_ext.build_info()["cuda_archs"]:
+        return False
+    forced = flash_attn_ext.force_sm80_path(True)
+    flash_attn_ext.force_sm80_path(forced)
+    return not forced
+
+
 def _check(q, k_cache, v_cache, block_table, visible, causal, out, lse, softmax_scale=None):
     """out / lse of the kvcache op against the reference on the cache as it is now (after any
     append), sequence b seeing its first visible[b] rows."""
@@ -299,7 +309,7 @@ def test_kvcache_tma_path(page_size, dtype, causal, seqlen_q, d, poison_empty):
     out, lse = run(kc, vc, table)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     _check(q, kc, vc, table, lens, causal, out, lse)
-    if torch.cuda.get_device_capability() == (9, 0):  # the TMA row ran, and its twin agrees
+    if _sm90_path():  # the TMA row ran, and its twin agrees
         tma_row = f"SplitKvTile<{d_kernel}>"
         assert any("flash_fwd_splitkv_kernel" in n and tma_row in n for n in _kernel_names(lambda: run(kc, vc, table)))
         previous = flash_attn_ext.force_sm80_path(True)
