@@ -7,6 +7,8 @@
 #
 #   git archive HEAD | (mkdir -p .oldsrc && tar -x -C .oldsrc)   # here, before the call
 #   OLD_SRC=.oldsrc VARIANTS="fwd90:128:128,128 fwd90:64:192,128" bash scripts/gpu_ab_tune.sh
+#   OLD_SRC=.oldsrc VARIANTS="splitkv:128:64,4,2,3,0,1,1" TUNE_ARGS="--splits=0,16 --cases=B1xN8192,B64xN8192" \
+#     bash scripts/gpu_ab_tune.sh            # decode steps (TUNE_ARGS: the binary's splitkv options)
 # .oldsrc is git-ignored (.git/info/exclude): name it in the device call's carry. Apply a patch to
 # such a copy with `git apply --directory=...` or `patch -p1` from inside it: `git apply` run inside
 # a subfolder of this checkout patches nothing there (it skips paths outside the folder).
@@ -32,7 +34,8 @@ old_runs=(); new_runs=()
 for r in $(seq 1 "$ROUNDS"); do
   for side in old new; do
     out="$WORK/$side$r.txt"
-    "$(cat "$WORK/bin_$side")/tune_kernels" ${SEQLENS//,/ } >"$out" 2>&1 || { tail -n 20 "$out"; exit 1; }
+    # shellcheck disable=SC2086
+    "$(cat "$WORK/bin_$side")/tune_kernels" ${SEQLENS//,/ } ${TUNE_ARGS:-} >"$out" 2>&1 || { tail -n 20 "$out"; exit 1; }
     if [ $side = old ]; then old_runs+=("$out"); else new_runs+=("$out"); fi
   done
 done

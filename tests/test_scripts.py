@@ -36,6 +36,31 @@ def test_compare_tune_ratios_summary_and_maxdiff_flag(tmp_path):
     assert f"min {540 / 600:.3f}" in out and f"max {443 / 401.5:.3f}" in out
 
 
+def _decode_output(path, cells):
+    """A tune_kernels.py split-KV output: cells = [(case, splits, tbps, maxdiff)] of one variant."""
+    lines = ["case             variant                       splits        ms    TB/s  split_ms   comb_ms   maxdiff\n"]
+    for case, splits, tbps, maxdiff in cells:
+        lines.append(f"{case:16} BN=64 w=4 st=2 minB=3 qr=0 ef=1 tma=1   {splits:>6}    0.0200   {tbps:.3f}"
+                     f"    0.0170    0.0030  {maxdiff}\n")
+    lines.append("summary (TB/s): heuristic(splits) / best(splits)\n")
+    path.write_text("".join(lines))
+    return str(path)
+
+
+def test_compare_tune_decode_cells(tmp_path):
+    old = [_decode_output(tmp_path / f"old{r}.txt", [("B1xN8192", "16h", 1.6 + 0.02 * r, "0"),
+                                                      ("B64xN32768xP16", "3h", 4.0, "0")]) for r in (1, 2)]
+    new = [_decode_output(tmp_path / f"new{r}.txt", [("B1xN8192", "16h", 2.0, "0"),
+                                                      ("B64xN32768xP16", "3h", 4.4, "0.001")]) for r in (1, 2)]
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "compare_tune.py"), "--old", ",".join(old),
+                        "--new", ",".join(new)], capture_output=True, text=True, check=True)
+    out = r.stdout
+    assert "B1xN8192" in out and "B64xN32768xP16" in out and "16h" in out
+    assert f"{2.0 / 1.63:.3f}" in out and f"{4.4 / 4.0:.3f}" in out
+    assert "maxdiff 0 -> 0.001" in out
+    assert "over 2 cells" in out and "all 2 cells" in out
+
+
 def test_compare_tune_without_common_cells_fails(tmp_path):
     old = _tune_output(tmp_path / "old.txt", [(64, "no", 1024, 300.0, "0")])
     new = _tune_output(tmp_path / "new.txt", [(128, "no", 1024, 300.0, "0")])
