@@ -29,7 +29,7 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
 // (the default priority, for data other CTAs read again soon). `mostly_unchanged`: only a quarter
 // of the evict-first stream's lines get that priority, the others keep the priority they would
 // have (evict_unchanged): for streams much larger than the L2 (H200 decode, K+V reads of 0.5-8.6
-// GB: 1-4 % faster than all evict-first; of 34 MB: 5 % slower; docs/PERF_NOTES.md).
+// GB: 1-5 % faster than all evict-first; of 34 MB: 5 % slower; docs/PERF_NOTES.md).
 __device__ __forceinline__ uint64_t l2_policy_stream(bool evict_first, bool mostly_unchanged = false) {
   uint64_t first, quarter_first, normal;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(first));

@@ -150,8 +150,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
 // Encodes `map` for boxes of (64 columns, box_rows rows) of the BSHD view (16-bit elements:
 // `bf16` or fp16), 128-byte swizzle, zero fill out of bounds, L2 sector promotion `promotion` (a
 // read of a box row brings that many bytes into L2: 256 for the dense kernels, whose dQ kernel ran
-// 3-4 % slower with 128 at hd128; the KV-cache maps take 128, common/paged_kv.cuh). False if the driver refuses (the
-// caller then takes another path) or tma_can_describe fails.
+// up to 4 % slower with 128 at hd128; the KV-cache maps take 128, common/paged_kv.cuh). False if
+// the driver refuses (the caller then takes another path) or tma_can_describe fails.
 inline bool tma_encode_bshd(CUtensorMap* map, const TensorView& t, int batch, int seqlen, int heads, int d,
                             bool bf16, int box_rows,
                             CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {

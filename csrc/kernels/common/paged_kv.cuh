@@ -37,7 +37,7 @@ inline bool encode_kv_tma_maps(KvTmaMaps& maps, const Flash_fwd_params& p, int k
   const int box = paged ? std::gcd(p.page_size, kv_rows) : kv_rows;
   maps.box_rows = box;
   // L2 promotion of 128 bytes, the box row itself: 256 (the other maps' setting) fetches the row's
-  // other 64-column half with it, which its own box then re-reads (H200 decode: 4-9 % slower).
+  // other 64-column half with it, which its own box then re-reads (H200 decode: 0-7 % slower).
   constexpr CUtensorMapL2promotion kPromotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
   return box >= 8 && box % 8 == 0 && tma_encode_bshd(&maps.k, p.k, batch, rows, p.h_k, p.d, p.is_bf16, box, kPromotion) &&
          tma_encode_bshd(&maps.v, p.v, batch, rows, p.h_k, p.d, p.is_bf16, box, kPromotion);
