@@ -74,12 +74,14 @@ __device__ __forceinline__ void copy_tile_async(uint32_t smem, const Element* gm
   }
 }
 
-// Zeroes rows [row_begin, kRows) of the shared tile at `smem` (any Layout), the kThreads threads
-// storing 16-byte chunks: rows a copy filled with data that must not reach a product.
-template <typename Layout, int kRows, int kCols, int kThreads>
-__device__ __forceinline__ void zero_rows_past(uint32_t smem, int row_begin, int tid) {
+// Zeroes rows [row_begin, row_end) (kCols columns) of the shared tile at `smem` (any Layout), the
+// kThreads threads (tid in [0, kThreads)) storing 16-byte chunks: rows a copy filled with data
+// that must not reach a product.
+template <typename Layout, int kCols, int kThreads>
+__device__ __forceinline__ void zero_rows(uint32_t smem, int row_begin, int row_end, int tid) {
   constexpr int kChunksPerRow = kCols / 8;
-  for (int c = max(row_begin, 0) * kChunksPerRow + tid; c < kRows * kChunksPerRow; c += kThreads) {
+#pragma unroll 1
+  for (int c = row_begin * kChunksPerRow + tid; c < row_end * kChunksPerRow; c += kThreads) {
     const uint32_t dst = smem + Layout::offset(c / kChunksPerRow, (c % kChunksPerRow) * 8);
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0) : "memory");
   }

@@ -132,7 +132,7 @@ struct KvCacheRows {
   // Groups past rows_valid and groups of an invalid block are read at block -1: outside the
   // tensor, so zero-filled, and no table entry past the visible rows is read. Rows past rows_valid
   // inside the last visible group are real cache rows (anything, NaN included): the kernel
-  // zeroes them in V before P V (zero_rows_past) and masks them in S. n0: a multiple of 16.
+  // zeroes them in V before P V (primitives/tile_copy.cuh: zero_rows) and masks them in S. n0: a multiple of 16.
   template <int kRows, int kCols>
   __device__ __forceinline__ void copy_kv_tiles_tma(uint32_t sK, uint32_t sV, const KvTmaMaps& maps, int head, int n0,
                                                     int rows_valid, uint32_t bar, uint64_t policy) const {

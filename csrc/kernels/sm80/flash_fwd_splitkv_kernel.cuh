@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       // NaN included): zero them in V so that P = 0 there gives exact zeros in P V (S masks them).
       const int rows_valid = w.seq.seqlen_k - (w.n_begin + t) * kBlockN;
       if (rows_valid < kBlockN) {
-        zero_rows_past<KvLayout, kBlockN, Traits::kHeadDimPad, kThreads>(stage + kTileBytes, rows_valid, tid);
+        zero_rows<KvLayout, Traits::kHeadDimPad, kThreads>(stage + kTileBytes, max(rows_valid, 0), kBlockN, tid);
         fence_proxy_async();  // generic writes before any later async-proxy use of the buffer
         __syncthreads();
       }

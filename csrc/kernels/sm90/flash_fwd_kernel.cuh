@@ -196,14 +196,8 @@ __device__ __forceinline__ int thread_index_opaque() {
 template <typename TileQ, int kCols>
 __device__ __forceinline__ void zero_rows_past_end(uint32_t sQ, int first, int c) {
   if (first <= 0 || first % 16 == 0 || first >= 64) return;  // uniform over the warpgroup
-  const int rows = 16 - first % 16;
-  constexpr int kChunks = kCols / 8;  // 16-byte chunks per row
-  unsigned char* tile = static_cast<unsigned char*>(__cvta_shared_to_generic(sQ));
-#pragma unroll 1
-  for (int i = thread_index_opaque() % 128; i < rows * kChunks; i += 128) {
-    *reinterpret_cast<uint4*>(tile + TileQ::offset(64 * c + first + i / kChunks, (i % kChunks) * 8)) =
-        make_uint4(0, 0, 0, 0);
-  }
+  const int row0 = 64 * c + first;
+  zero_rows<TileQ, kCols, 128>(sQ, row0, row0 + 16 - first % 16, thread_index_opaque() % 128);
   fence_proxy_async();
   named_barrier_sync(1 + c, 128);
 }
