@@ -27,7 +27,7 @@ def load(path):
     with open(path) as f:
         for line in f:
             p = line.split()
-            if len(p) >= 9 and DECODE_CASE.match(p[0]):
+            if len(p) >= 9 and DECODE_CASE.match(p[0]) and p[1] != "splits":  # not the summary lines
                 cells[("decode", " ".join(p[1:-6]), p[0], p[-6])] = (float(p[-4]), p[-1])
             elif len(p) >= 9 and p[0].isdigit() and p[3] in ("fwd", "dkv", "dq"):
                 cells[(p[3], " ".join(p[4:-3]), int(p[0]), p[1], int(p[2]))] = (float(p[-2]), p[-1])

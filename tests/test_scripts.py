@@ -43,6 +43,10 @@ def _decode_output(path, cells):
         lines.append(f"{case:16} BN=64 w=4 st=2 minB=3 qr=0 ef=1 tma=1   {splits:>6}    0.0200   {tbps:.3f}"
                      f"    0.0170    0.0030  {maxdiff}\n")
     lines.append("summary (TB/s): heuristic(splits) / best(splits)\n")
+    # The per-case lines after the summary, as the binary prints them (the parser must skip them).
+    for case, splits, tbps, _ in cells:
+        lines.append(f"  {case:16} splits {splits.rstrip('h'):>3}  total   0.0200  split   0.0170  combine  0.0030"
+                     f"  {tbps:.2f} TB/s\n")
     path.write_text("".join(lines))
     return str(path)
 

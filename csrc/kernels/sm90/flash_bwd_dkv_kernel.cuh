@@ -41,14 +41,13 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
   static constexpr int kSplit = Tile::kSplit, kStages = Tile::kStages;
   // Shared layout (1024-byte aligned): sK, sV, then kStages x (sQ, sdO), then kStages x (hi, lo, D)
   // of kBlockM floats each, then the stages' full and empty mbarriers (BwdStages).
-  static constexpr int kOffV = TileKV::kBytes;
-  static constexpr int kOffQ = 2 * TileKV::kBytes;
-  static constexpr int kOffDO = kOffQ + kStages * TileQ::kBytes;
-  static constexpr int kOffHi = kOffDO + kStages * TileQ::kBytes;
-  static constexpr int kOffLo = kOffHi + kStages * kBlockM * 4;
-  static constexpr int kOffDsum = kOffLo + kStages * kBlockM * 4;
-  static constexpr int kOffBar = kOffDsum + kStages * kBlockM * 4;
-  static constexpr int kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // + alignment slack
+  static constexpr int kStatBytes = kStages * kBlockM * 4;
+  using Regions = SmemRegions<TileKV::kBytes, TileKV::kBytes, kStages * TileQ::kBytes, kStages * TileQ::kBytes,
+                              kStatBytes, kStatBytes, kStatBytes, 2 * kStages * 8>;
+  static constexpr int kOffV = Regions::offset(1), kOffQ = Regions::offset(2), kOffDO = Regions::offset(3),
+                       kOffHi = Regions::offset(4), kOffLo = Regions::offset(5), kOffDsum = Regions::offset(6),
+                       kOffBar = Regions::offset(7);
+  static constexpr int kSmemBytes = Regions::kBytes + 1024;  // + alignment slack
   // dS^T from the Element-rounded P^T (as the sm80 kernel's kPRounded) where the fp32 P^T
   // (kBlockM / 2 registers) would not fit next to dP^T and the dK/dV accumulators.
   static constexpr bool kPRounded = kBlockM >= 128;
@@ -82,7 +81,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
   float* sDsum0 = reinterpret_cast<float*>(smem + T::kOffDsum);
 
   // Thread = 128 wg + 32 warp_wg + 4 g + t (see the header).
-  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
+  const int tid = threadIdx.x, wg = warpgroup_index(tid), tid_wg = tid % 128, warp_wg = tid_wg / 32;
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
 
   // This CTA's key block, batch, kv head and the Q tiles that see the block (kernels/common/work.cuh).

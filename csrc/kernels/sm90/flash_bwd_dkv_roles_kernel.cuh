@@ -42,20 +42,17 @@ namespace flash::sm90 {
 template <typename Element, int kHeadDim, typename Tile>
 struct DkvRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
   using Base = BwdTileTraits<kHeadDim, Tile, 2>;
-  using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, typename Base::TileQ, typename Base::TileKV;
+  using Base::kBlockM, Base::kBlockN, typename Base::TileQ, typename Base::TileKV;  // (the names used below)
   // Shared layout (1024-byte aligned): sK, sV, 2 stages x (sQ, sdO), 2 x P^T (fp32, kBlockM / 2
   // floats per thread of a warpgroup), 2 stages x (hi, lo, D) of kBlockM floats each, then the
   // mbarriers: full and empty of the two stages, p_full of the two P^T buffers.
-  static constexpr int kPBytes = 128 * (kBlockM / 2) * 4;
-  static constexpr int kOffV = TileKV::kBytes;
-  static constexpr int kOffQ = 2 * TileKV::kBytes;
-  static constexpr int kOffDO = kOffQ + 2 * TileQ::kBytes;
-  static constexpr int kOffP = kOffDO + 2 * TileQ::kBytes;
-  static constexpr int kOffHi = kOffP + 2 * kPBytes;
-  static constexpr int kOffLo = kOffHi + 2 * kBlockM * 4;
-  static constexpr int kOffDsum = kOffLo + 2 * kBlockM * 4;
-  static constexpr int kOffBar = kOffDsum + 2 * kBlockM * 4;
-  static constexpr int kSmemBytes = kOffBar + 6 * 8 + 1024;  // + alignment slack
+  static constexpr int kPBytes = 128 * (kBlockM / 2) * 4, kStatBytes = 2 * kBlockM * 4;
+  using Regions = SmemRegions<TileKV::kBytes, TileKV::kBytes, 2 * TileQ::kBytes, 2 * TileQ::kBytes,
+                              2 * kPBytes, kStatBytes, kStatBytes, kStatBytes, 6 * 8>;
+  static constexpr int kOffV = Regions::offset(1), kOffQ = Regions::offset(2), kOffDO = Regions::offset(3),
+                       kOffP = Regions::offset(4), kOffHi = Regions::offset(5), kOffLo = Regions::offset(6),
+                       kOffDsum = Regions::offset(7), kOffBar = Regions::offset(8);
+  static constexpr int kSmemBytes = Regions::kBytes + 1024;  // + alignment slack
   static_assert(Tile::kStages == 2, "the roles kernels stream through two stages (BwdStages' default)");
   static_assert(Tile::kRoles && kBlockN == 64, "both warpgroups work on the same 64 K rows");
   static_assert(kBlockM % 16 == 0 && kBlockM <= 128 && 128 % kBlockM == 0,
@@ -67,10 +64,9 @@ __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = DkvRolesKernelTraits<Element, kHeadDim, TileShape>;
-  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kHeadDimPad = T::kHeadDimPad;
+  constexpr int kBlockM = T::kBlockM, kHeadDimPad = T::kHeadDimPad;  // the K tile is 64 rows (T::kBlockN)
   using TileKV = typename T::TileKV;
   using TileQ = typename T::TileQ;
-  constexpr int kThreads = T::kThreads;
   constexpr int kNBlkM = kBlockM / 8, kNBlkD = kHeadDimPad / 8;  // n8 blocks of S^T (Q rows), of dK / dV
 
   unsigned char* smem = aligned_dynamic_smem();
@@ -85,16 +81,16 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
   auto sP = [&](int it) { return reinterpret_cast<float4*>(smem + T::kOffP + (it % 2) * T::kPBytes); };
 
   // Thread = 128 wg + 32 warp_wg + 4 g + t; wg is the role (0: S, P^T, dV; 1: dP^T, dS^T, dK).
-  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
+  const int tid = threadIdx.x, wg = warpgroup_index(tid), tid_wg = tid % 128, warp_wg = tid_wg / 32;
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
 
   // This CTA's key block, batch, kv head and the Q tiles that see the block (kernels/common/work.cuh).
-  const DkvWork<kBlockM, kBlockN> w(params);
+  const DkvWork<kBlockM, T::kBlockN> w(params);
   if (w.past_end()) return;  // varlen: a key block past its sequence's end (grid sized by max_seqlen_k)
 
   // Alg. 2 line 10: Q_i, dO_i, hi, lo, D of iteration `it` (query head, Q tile) into `stage`
   // (smem_layout.cuh). Line 7: K_j, V_j (resident, cp.async), with the first Q tiles.
-  const BwdStages<kTma, kThreads> stages(smem_addr + T::kOffBar);
+  const BwdStages<kTma, T::kThreads> stages(smem_addr + T::kOffBar);
   const uint32_t p_full0 = stages.end();  // P^T buffer b's barrier: + 8 b
   auto load_q_tile = [&](int it, int s) {
     load_dkv_stage<kTma, Element, T>(w, params, maps, smem, it, s, stages.full(s), tid);
@@ -104,7 +100,7 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
     for (int s = 0; s < 2; ++s) mbarrier_init(p_full0 + 8 * s, 128);  // every thread of role 0, once its P^T is written
   }
   stages.start(tid, maps, w.n_iter, load_q_tile,
-               [&] { w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, sK, sV, tid); });
+               [&] { w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, T::kThreads>(params, sK, sV, tid); });
 
   // Alg. 2 line 8: this warpgroup's accumulator, dV_j (role 0) or dK_j (role 1), = 0.
   float acc[kNBlkD][4];
@@ -173,11 +169,11 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
   // tiles (no copy may still be writing them) for coalesced 16-byte stores.
   cp_async_wait<0>();
   __syncthreads();
-  store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(wg == 0 ? smem + T::kOffV : smem, acc, 0,
+  store_acc_to_smem<T::kBlockN, kHeadDimPad, kNBlkD, Element>(wg == 0 ? smem + T::kOffV : smem, acc, 0,
                                                            wg == 0 ? 1.f : float(params.scale_softmax), tid_wg);
   __syncthreads();
-  w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dk, smem, tid);
-  w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dv, smem + T::kOffV, tid);
+  w.template store_kv_tile<Element, TileKV, kHeadDimPad, T::kThreads>(params, params.dk, smem, tid);
+  w.template store_kv_tile<Element, TileKV, kHeadDimPad, T::kThreads>(params, params.dv, smem + T::kOffV, tid);
 #endif
 }
 

@@ -34,9 +34,11 @@ struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
   // Shared layout (1024-byte aligned): sQ, sdO, then kStages x (sK, sV), then the stages' full and
   // empty mbarriers (BwdStages).
   static constexpr int kStages = Tile::kStages;
-  static constexpr int kOffDO = TileQ::kBytes, kOffK = 2 * TileQ::kBytes, kOffV = kOffK + kStages * TileKV::kBytes;
-  static constexpr int kOffBar = kOffV + kStages * TileKV::kBytes;
-  static constexpr int kSmemBytes = kOffBar + 2 * kStages * 8 + 1024;  // + alignment slack
+  using Regions = SmemRegions<TileQ::kBytes, TileQ::kBytes, kStages * TileKV::kBytes, kStages * TileKV::kBytes,
+                              2 * kStages * 8>;
+  static constexpr int kOffDO = Regions::offset(1), kOffK = Regions::offset(2), kOffV = Regions::offset(3),
+                       kOffBar = Regions::offset(4);
+  static constexpr int kSmemBytes = Regions::kBytes + 1024;  // + alignment slack
   static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64nNk16 wgmma wide (N = kBlockN)");
   static_assert(kHeadDimPad == 64 || kHeadDimPad == 128, "dQ is one m64nNk16 wgmma wide (N = d, padded)");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
@@ -62,7 +64,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
   const uint32_t sQ = smem_addr, sdO = smem_addr + T::kOffDO;
 
   // Thread = 128 wg + 32 warp_wg + 4 g + t (see the header).
-  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
+  const int tid = threadIdx.x, wg = warpgroup_index(tid), tid_wg = tid % 128, warp_wg = tid_wg / 32;
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
 
   // Alg. 2 line 7: K_j, V_j of key block n_block into `stage` (smem_layout.cuh). Line 10: Q_i, dO_i

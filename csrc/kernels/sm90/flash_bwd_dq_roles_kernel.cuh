@@ -38,11 +38,11 @@ struct DqRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
   static constexpr int kCols0 = (kHeadDimPad / 2 + 63) / 64 * 64, kCols1 = kHeadDimPad - kCols0;
   // Shared layout (1024-byte aligned): sQ, sdO, 2 stages x (sK, sV), dS, P (fp32, kBlockN / 2
   // floats per thread of a warpgroup), the stages' mbarriers.
-  static constexpr int kOffDO = TileQ::kBytes, kOffK = 2 * TileQ::kBytes, kOffV = kOffK + 2 * TileKV::kBytes;
-  static constexpr int kOffDs = kOffV + 2 * TileKV::kBytes;
-  static constexpr int kOffP = kOffDs + TileDs::kBytes;
-  static constexpr int kOffBar = kOffP + 128 * (kBlockN / 2) * 4;  // full and empty mbarriers of the 2 stages
-  static constexpr int kSmemBytes = kOffBar + 4 * 8 + 1024;         // + alignment slack
+  using Regions = SmemRegions<TileQ::kBytes, TileQ::kBytes, 2 * TileKV::kBytes, 2 * TileKV::kBytes, TileDs::kBytes,
+                              128 * (kBlockN / 2) * 4, 4 * 8>;  // the last: full and empty mbarriers of the 2 stages
+  static constexpr int kOffDO = Regions::offset(1), kOffK = Regions::offset(2), kOffV = Regions::offset(3),
+                       kOffDs = Regions::offset(4), kOffP = Regions::offset(5), kOffBar = Regions::offset(6);
+  static constexpr int kSmemBytes = Regions::kBytes + 1024;  // + alignment slack
   static_assert(Tile::kStages == 2, "the roles kernels stream through two stages (BwdStages' default)");
   static_assert(Tile::kRoles && kBlockM == 64, "both warpgroups work on the same 64 Q rows");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 128, "S is one m64nNk16 wgmma wide; dS whole swizzle blocks");
@@ -72,7 +72,7 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
   float4* sP = reinterpret_cast<float4*>(smem + T::kOffP);  // P, float4 j of thread tid_wg at j * 128 + tid_wg
 
   // Thread = 128 wg + 32 warp_wg + 4 g + t; wg is the role (0: S, P; 1: dP, dS).
-  const int tid = threadIdx.x, wg = tid / 128, tid_wg = tid % 128, warp_wg = tid_wg / 32;
+  const int tid = threadIdx.x, wg = warpgroup_index(tid), tid_wg = tid % 128, warp_wg = tid_wg / 32;
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
 
   // Alg. 2 line 7: K_j, V_j of key block n_block into `stage` (smem_layout.cuh). Line 10: Q_i, dO_i

@@ -63,6 +63,19 @@ struct SwizzledTile : Swizzle128Tile<kRows, kCols> {
   }
 };
 
+// Shared-memory regions of the given byte sizes laid one after another from the aligned base:
+// offset(i) is the sum of the sizes before region i, kBytes the sum of all of them.
+template <int... kSizes>
+struct SmemRegions {
+  static constexpr int offset(int i) {
+    constexpr int sizes[] = {kSizes...};
+    int bytes = 0;
+    for (int j = 0; j < i; ++j) bytes += sizes[j];
+    return bytes;
+  }
+  static constexpr int kBytes = offset(sizeof...(kSizes));
+};
+
 // What the traits of the sm90 backward kernels share: the tile row's kBlockM x kBlockN, kWarpGroups
 // warpgroups (the rows kernels: one per 64 rows of the wgmma M axis, K rows for dK/dV, Q rows for
 // dQ; the roles kernels: two), and the swizzled Q and K/V tiles, whole 64-column
