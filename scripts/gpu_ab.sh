@@ -6,6 +6,8 @@
 #
 #   OLD_SRC=.oldsrc HDIMS=64,128 bash scripts/gpu_ab.sh
 #   BENCH_ARGS="--seqlen 1024,4096,16384 --peers sdpa-flash" ROUNDS=2 bash scripts/gpu_ab.sh
+#   NEW_ENV="FLASH_ATTN_EXT_DISABLE_SM90=1" BENCH_ARGS="... --mode fwd" bash scripts/gpu_ab.sh  # env of the new side
+#     only (here: its sm80 forward against an old tree that had no sm90 forward)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OLD_SRC=${OLD_SRC:-.oldsrc}
@@ -27,7 +29,8 @@ for r in $(seq 1 "$ROUNDS"); do
   for side in old new; do
     src=$NEW_SRC; [ $side = old ] && src=$(cd "$OLD_SRC" && pwd)
     # Run from the tree itself: `python -m` puts the working directory first on sys.path.
-    (cd "$src" && PYTHONPATH=$src $PY -m flash_attn_ext.benchmark $BENCH_ARGS --ref-max-seqlen 0 --no-plots \
+    side_env=(); [ $side = new ] && read -r -a side_env <<<"${NEW_ENV:-}"
+    (cd "$src" && env ${side_env[@]+"${side_env[@]}"} PYTHONPATH=$src $PY -m flash_attn_ext.benchmark $BENCH_ARGS --ref-max-seqlen 0 --no-plots \
       --no-progress --out "$WORK/$side$r" >"$WORK/$side$r.log" 2>&1) || { tail -n 30 "$WORK/$side$r.log"; exit 1; }
     if [ $side = old ]; then old_dirs+=("$WORK/$side$r"); else new_dirs+=("$WORK/$side$r"); fi
   done

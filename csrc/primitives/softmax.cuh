@@ -27,10 +27,20 @@ namespace flash {
 // (kernels/common/bwd_preprocess.cuh); above it, both keep m and the rest apart.
 constexpr float kExactLimit = 1024.f;
 
+// How update() computes the exact form of P (rows with |m c| >= kExactLimit; both give the same
+// bits, round((S - m) c) into exp2):
+//   kPrepass     a pass subtracts m from the scores first, then the one exponentiation loop runs
+//                with m c = 0 (sm80 kernels: a second copy of the loop split the tile's code at
+//                the branch and cost the sm80 forward d64 5 %, d128 1 %);
+//   kSecondLoop  a second copy of the exponentiation loop (sm90 forward: its d256 ran 9 %
+//                slower with the prepass).
+// Tune harness A/B of two trees on the H200 (bf16, N 1k-16k).
+enum class ExactForm { kPrepass, kSecondLoop };
+
 // Running row state of the online softmax for the 2*kMAtoms rows a thread owns.
 // row_sum is kept per thread (partial over the thread's columns) and reduced over the
 // quad only once, in finalize(): alpha is equal across the quad, so this is exact.
-template <int kMAtoms>
+template <int kMAtoms, ExactForm kForm = ExactForm::kPrepass>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMAtoms;
   float row_max[kRows];   // m: the max P is taken against (lags the true max by <= 8 / c, below)
@@ -136,16 +146,17 @@ struct OnlineSoftmax {
       for (int r = 0; r < kRows; ++r) large |= fabsf(row_max[r] * c) >= kExactLimit && row_max[r] != -INFINITY;
       exact_ = __any_sync(0xffffffffu, large);
     }
-    // P = exp2((S - m) c). Where every row of the warp has |m c| < 2^10, one FFMA S c - (m c)
-    // errs by < 2^-14 (m c rounded): the fast copy of the loop; else the exact one (a uniform branch).
-    auto exponentiate = [&](auto exact) {
+    // P = exp2((S - m) c), one FFMA and the exp2 per score: fma(S, c, -(m c)) while every row of
+    // the warp has |m c| < 2^10 (m c rounded: an error < 2^-14); else (a uniform branch, rare) the
+    // exact round((S - m) c), in the form kForm says.
+    auto exponentiate = [&](auto exact, bool m_zero) {
 #pragma unroll
       for (int mi = 0; mi < kMAtoms; ++mi) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = 2 * mi + h;
           const float m = (row_max[r] == -INFINITY) ? 0.f : row_max[r];
-          const float m_scaled = m * c;
+          const float m_scaled = m_zero ? 0.f : m * c;
           float sum = 0.f;
 #pragma unroll
           for (int ni = 0; ni < kNAtoms; ++ni) {
@@ -160,10 +171,23 @@ struct OnlineSoftmax {
         }
       }
     };
-    if (exact_) {
-      exponentiate(std::true_type{});
+    if constexpr (kForm == ExactForm::kPrepass) {
+      if (exact_) {  // S - m in place, rounded; the loop's fma(S - m, c, -0) is then round((S - m) c)
+#pragma unroll
+        for (int mi = 0; mi < kMAtoms; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < kNAtoms; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float m = row_max[2 * mi + e / 2];
+              s[mi][ni][e] = __fsub_rn(s[mi][ni][e], m == -INFINITY ? 0.f : m);
+            }
+      }
+      exponentiate(std::false_type{}, exact_);
+    } else if (exact_) {
+      exponentiate(std::true_type{}, true);
     } else {
-      exponentiate(std::false_type{});
+      exponentiate(std::false_type{}, false);
     }
   }
 

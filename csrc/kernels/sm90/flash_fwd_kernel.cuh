@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[0][j][e] = 0.f;
     }
-    OnlineSoftmax<1> softmax;  // m = -inf, l = 0
+    OnlineSoftmax<1, ExactForm::kSecondLoop> softmax;  // m = -inf, l = 0 (softmax.cuh: ExactForm)
 
     if (n_block_max > 0) {
       // Intra-warpgroup overlap (FA3 §3.2, HOPPER.md §1.5): step i issues S_i = Q K_i^T and
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wgmma_fence_operands(flat(s[0]));
         __syncwarp();
         if (lane == 0) mbarrier_arrive(v_empty(prev));  // this warp is done with V_{n+1}
-        if (rescaled) OnlineSoftmax<1>::rescale_o(acc_o, alpha);
+        if (rescaled) decltype(softmax)::rescale_o(acc_o, alpha);
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
       }
