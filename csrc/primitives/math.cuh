@@ -1,4 +1,5 @@
-// Small numeric helpers shared by the kernels: fast exp2 and quad (4-lane) reductions.
+// Small numeric helpers shared by the kernels: fast exp2, quad (4-lane) reductions, division by
+// a divisor fixed per CTA.
 // In an mma C fragment, the 4 lanes of a quad (lane/4 equal) hold one row's columns,
 // so a row max / row sum over a warp tile is a per-thread reduction plus two shuffles.
 #pragma once
@@ -25,5 +26,33 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 2);
   return x;
 }
+
+// n / d and n % d for 0 <= n < 2^31 and a divisor 1 <= d < 2^31 fixed for a CTA's lifetime (a
+// loop's trip split, e.g. the dK/dV kernel's iteration -> (query head, Q tile)): one multiply-high
+// and a shift per division instead of the hardware-less integer division's ~20 instructions.
+// Granlund & Montgomery, "Division by invariant integers using multiplication" (PLDI 1994), with
+// p = 31 + ceil(log2 d) and magic = ceil(2^p / d) < 2^32: for n < 2^31 the error of magic / 2^p
+// against 1 / d stays below 1 / (d n), so floor(n magic / 2^p) = floor(n / d). d = 1 passes n.
+struct FastDivmod {
+  int d = 1;
+  uint32_t magic = 0, shift = 0;
+  FastDivmod() = default;
+  __host__ __device__ __forceinline__ explicit FastDivmod(int divisor) : d(divisor) {
+    if (d > 1) {
+#ifdef __CUDA_ARCH__
+      const int log2_ceil = 32 - __clz(d - 1);
+#else
+      int log2_ceil = 0;
+      while ((1u << log2_ceil) < uint32_t(d)) ++log2_ceil;
+#endif
+      magic = uint32_t(((uint64_t(1) << (31 + log2_ceil)) + uint64_t(d) - 1) / uint64_t(d));
+      shift = uint32_t(log2_ceil - 1);  // p - 32
+    }
+  }
+  __device__ __forceinline__ int div(int n) const {
+    return d == 1 ? n : int(__umulhi(uint32_t(n), magic) >> shift);
+  }
+  __device__ __forceinline__ int mod(int n) const { return n - div(n) * d; }
+};
 
 }  // namespace flash

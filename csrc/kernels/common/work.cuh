@@ -11,6 +11,7 @@
 #include "kernels/common/seqlen.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/ldmatrix.cuh"
+#include "primitives/math.cuh"
 #include "primitives/tile_copy.cuh"
 
 namespace flash {
@@ -91,7 +92,8 @@ struct DkvWork {
   SeqInfo seq;
   AttnMask mask;
   int bidhk, n0, m_block_min, num_m, ratio, n_iter;
-  int64_t ws0;  // seq.ws_index(params, 0, 0)
+  FastDivmod num_m_div;  // it -> (it / num_m, it % num_m) without a division per iteration
+  int64_t ws0;           // seq.ws_index(params, 0, 0)
 
   // blockIdx.x = (b * h_k + kv head) * num_n + key block, num_n from params.seqlen_k (the grid's
   // key blocks: max_seqlen_k for varlen), not from the sequence's own length.
@@ -106,6 +108,7 @@ struct DkvWork {
     num_m = m_block_max > m_block_min ? m_block_max - m_block_min : 0;
     ratio = params.h_h_k_ratio;
     n_iter = num_m * ratio;
+    num_m_div = FastDivmod(num_m > 0 ? num_m : 1);
     ws0 = seq.ws_index(params, 0, 0);
   }
   // The grid of such CTAs: every (batch, kv head, key block), key block fastest.
@@ -116,7 +119,7 @@ struct DkvWork {
   // max_seqlen_k): no dK/dV rows to write. Never for a dense call. (A block with no Q tile to
   // visit, n_iter = 0, is not past the end: it stores dK = dV = 0.)
   __device__ __forceinline__ bool past_end() const { return n0 >= seq.seqlen_k; }
-  __device__ __forceinline__ int head(int it) const { return bidhk * ratio + it / num_m; }  // query head
+  __device__ __forceinline__ int head(int it) const { return bidhk * ratio + num_m_div.div(it); }  // query head
   // Writes this CTA's tile of a K-shaped output (dK, dV) from shared memory (Layout) to tensor
   // `out`; rows >= seqlen_k and columns >= d are not written.
   template <typename Element, typename Layout, int kHeadDim, int kThreads>
@@ -125,7 +128,7 @@ struct DkvWork {
     store_tile<Layout, kBlockN, kHeadDim, kThreads>(seq.reload_k_offset(params, 0).template k_row<Element>(out, bidhk, n0),
                                                     out.row_stride, smem, seq.seqlen_k - n0, params.d, tid);
   }
-  __device__ __forceinline__ int m0(int it) const { return (m_block_min + it % num_m) * kBlockM; }  // first Q row
+  __device__ __forceinline__ int m0(int it) const { return (m_block_min + num_m_div.mod(it)) * kBlockM; }  // first Q row
   // Iteration it needs the exact P recompute where it holds a masked pair or a large-magnitude row
   // (flash.h: precise_rows). The flag is a global load: kernels read it one iteration ahead.
   __device__ __forceinline__ bool needs_mask(int it) const { return mask.kv_block_needs_mask(m0(it), n0, kBlockN); }
