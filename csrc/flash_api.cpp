@@ -98,7 +98,8 @@ void check_heads_headdim(const Tensor& q, const Tensor& k, const Tensor& v, cons
               " has nheads_k ", nheads_k, "; expected equal");
   TORCH_CHECK(k.size(-1) == headdim && v.size(-1) == headdim, "flash_attn_ext: headdim mismatch: q has headdim ",
               headdim, ", ", k_name, " has ", k.size(-1), ", ", v_name, " has ", v.size(-1), "; expected equal");
-  TORCH_CHECK(nheads_k > 0 && nheads % nheads_k == 0, "flash_attn_ext: nheads (q.size(", q.dim() - 2, ") = ", nheads,
+  TORCH_CHECK(nheads_k > 0, "flash_attn_ext: nheads_k (", k_name, ".size(", k.dim() - 2, ")) is 0; expected >= 1");
+  TORCH_CHECK(nheads % nheads_k == 0, "flash_attn_ext: nheads (q.size(", q.dim() - 2, ") = ", nheads,
               ") must be a multiple of nheads_k (", k_name, ".size(", k.dim() - 2, ") = ", nheads_k, ")");
   TORCH_CHECK(headdim > 0 && headdim % 8 == 0 && headdim <= kMaxHeadDim, "flash_attn_ext: headdim ", headdim,
               " is not supported; expected a multiple of 8 in [8, ", kMaxHeadDim, "]");
@@ -358,13 +359,14 @@ VarlenSizes check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, cons
   return VarlenSizes{cu_seqlens_q.size(0) - 1, q.size(0), k.size(0), q.size(1), k.size(1), q.size(2)};
 }
 
-// The CPU path reads cu_seqlens on the host: non-decreasing, inside the tensors, within max_seqlen.
+// The CPU path reads cu_seqlens on the host: from 0, non-decreasing, inside the tensors, within max_seqlen.
 std::vector<int> host_cu_seqlens(const Tensor& cu, const char* name, int64_t total, int64_t max_seqlen,
                                  const char* max_name) {
   const auto a = cu.accessor<int, 1>();
   std::vector<int> out(a.size(0));
   for (int64_t i = 0; i < a.size(0); ++i) {
     out[i] = a[i];
+    TORCH_CHECK(i > 0 || out[0] == 0, "flash_attn_ext: ", name, "[0] = ", out[0], "; expected 0 (cu_seqlens start at 0)");
     TORCH_CHECK(out[i] >= 0 && out[i] <= total, "flash_attn_ext: ", name, "[", i, "] = ", out[i],
                 " is outside [0, ", total, "] (the packed tensor's rows)");
     if (i > 0) {
@@ -599,7 +601,8 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
   std::vector<int64_t> cached(s.batch, s.seqlen_k);
   for (int64_t b = 0; b < s.batch; ++b) {
     if (has_seqlens) cached[b] = cache_seqlens->accessor<int, 1>()[b];
-    TORCH_CHECK(cached[b] >= 0 && cached[b] + ks.seqlen_new <= s.seqlen_k, "flash_attn_ext: cache_seqlens[", b,
+    TORCH_CHECK(cached[b] >= 0, "flash_attn_ext: cache_seqlens[", b, "] = ", cached[b], "; expected >= 0");
+    TORCH_CHECK(cached[b] + ks.seqlen_new <= s.seqlen_k, "flash_attn_ext: cache_seqlens[", b,
                 "] = ", cached[b], " plus seqlen_new = ", ks.seqlen_new, " exceeds the cache's ", s.seqlen_k,
                 " rows per sequence");
     if (!ks.paged) continue;

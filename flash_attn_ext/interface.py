@@ -46,6 +46,8 @@ def flash_attn_func(
             q, k, v: one device, one dtype, stride 1 along headdim (other strides free, so
             transposed BHSD tensors and slices of a fused qkv tensor work without a copy).
             dtype: float16 or bfloat16 on CUDA; float32, float64, float16 or bfloat16 on CPU.
+            Used as given: ``torch.autocast`` does not cast them here (the nn modules and
+            ``flash_attn_ext.sdpa`` apply it); cast float32 activations yourself for CUDA.
             headdim: a multiple of 8, at most 256.
         softmax_scale: multiplies Q K^T before the softmax; default 1 / sqrt(headdim). Any finite
             value (negative and zero included) with |softmax_scale| * log2(e) < 3.4e38.
@@ -77,6 +79,7 @@ def flash_attn_func(
             a last dimension that is not contiguous; a softmax_scale that is not finite or whose
             |softmax_scale| * log2(e) overflows float32; double backward.
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian).
+        TypeError: causal that is not a bool (or 0 / 1).
 
     Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0
     gives out = 0 and LSE = +inf.
@@ -84,7 +87,7 @@ def flash_attn_func(
     if softmax_scale is None:
         # headdim 0 is rejected by the op with a message naming headdim; don't divide by zero first.
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
-    out, softmax_lse, _ = ops.attention_forward(q, k, v, float(softmax_scale), bool(causal))
+    out, softmax_lse, _ = ops.attention_forward(q, k, v, float(softmax_scale), _as_bool("causal", causal))
     return (out, softmax_lse) if return_lse else out
 
 
@@ -98,6 +101,20 @@ def _as_int(name: str, value) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"flash_attn_ext: {name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _as_bool(name: str, value) -> bool:
+    """``value`` as a Python bool (a bool, numpy.bool_, or an integer 0 / 1), or TypeError naming
+    ``name``: a string such as ``'no'`` is not taken as true."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        as_int = None
+    if as_int not in (0, 1):
+        raise TypeError(f"flash_attn_ext: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(as_int)
 
 
 def flash_attn_varlen_func(
@@ -139,7 +156,9 @@ def flash_attn_varlen_func(
     Raises:
         RuntimeError naming the argument for wrong ranks, shapes, dtypes, devices, a
         cu_seqlens that is not int32 (batch + 1,) or whose two lengths differ, max_seqlen < 0.
-        On CPU the values are checked too (non-decreasing, inside the tensors, <= max_seqlen).
+        TypeError: max_seqlen that is not an int, causal that is not a bool.
+        On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
+        <= max_seqlen).
         On CUDA they are not (that would need a device sync): a sequence longer than
         max_seqlen_q / max_seqlen_k is cut to its first max_seqlen rows / keys (its other
         rows are not written), and cu_seqlens past the tensors read out
@@ -150,7 +169,7 @@ def flash_attn_varlen_func(
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
-        _as_int("max_seqlen_k", max_seqlen_k), float(softmax_scale), bool(causal))
+        _as_int("max_seqlen_k", max_seqlen_k), float(softmax_scale), _as_bool("causal", causal))
     return (out, softmax_lse) if return_lse else out
 
 
@@ -204,7 +223,8 @@ def flash_attn_with_kvcache(
         an input that requires grad. On CPU cache_seqlens[b] + seqlen_new past the cache and
         block numbers outside [0, num_blocks) raise too; on CUDA they are not read on the host
         (no sync): cache rows past the cache are dropped from the append and the attention,
-        and block numbers are trusted.
+        and block numbers are trusted. TypeError: num_splits or an int cache_seqlens that is
+        not an int, causal that is not a bool.
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
@@ -214,5 +234,6 @@ def flash_attn_with_kvcache(
             raise RuntimeError(f"flash_attn_ext: cache_seqlens = {n} must be in [0, 2^31) (int32)")
         cache_seqlens = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, float(softmax_scale), bool(causal), int(num_splits))
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, float(softmax_scale), _as_bool("causal", causal),
+        _as_int("num_splits", num_splits))
     return (out, softmax_lse) if return_lse else out

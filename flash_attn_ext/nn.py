@@ -198,8 +198,10 @@ class MultiheadFlashAttention(nn.Module):
                 self-attention (key = value = query, one fused QKV matmul).
             key_padding_mask: must be None.
             need_weights: must be False.
-            attn_mask: None, or (with is_causal=True) the causal mask itself — bool
-                (seqlen_q, seqlen_k) True = attend, or float with 0 / -inf — as torch's hint.
+            attn_mask: None, or (with is_causal=True) the causal mask itself, as torch's hint
+                and in torch.nn.MultiheadAttention's conventions: bool (seqlen_q, seqlen_k) with
+                True = not allowed to attend (``torch.ones(L, L, dtype=torch.bool).triu(1)``),
+                or float with 0 / -inf (``nn.Transformer.generate_square_subsequent_mask(L)``).
                 It is verified: eagerly (NotImplementedError), and under torch.compile too:
                 its shape while tracing (NotImplementedError; with fullgraph=True wrapped in
                 torch._dynamo's Unsupported error, a RuntimeError), its values inside the
@@ -286,9 +288,9 @@ class MultiheadFlashAttention(nn.Module):
         j = torch.arange(seqlen_k, device=attn_mask.device)[None, :]
         # torch.nn.MultiheadAttention's causal hint is top-left (torch.nn.Transformer
         # .generate_square_subsequent_mask); for seqlen_q == seqlen_k it equals ours.
-        expected = j <= i
-        if attn_mask.dtype == torch.bool:
-            ok = (attn_mask == expected).all()
+        expected = j <= i  # may attend
+        if attn_mask.dtype == torch.bool:  # nn.MultiheadAttention: True = not allowed to attend
+            ok = (attn_mask == ~expected).all()
         else:  # additive float mask: 0 = attend, -inf = blocked, nothing else
             ok = torch.where(expected, attn_mask == 0, torch.isneginf(attn_mask)).all()
         if torch.compiler.is_compiling():

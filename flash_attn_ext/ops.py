@@ -56,8 +56,8 @@ multiple of 8, <= 256; CUDA: float16 / bfloat16, CPU: also float32 / float64. ca
 aligned (query i sees key j <= i + seqlen_k - seqlen_q). Returns out (q's shape and dtype),
 softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
 out row is 0), and softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
-as (round(row max * softmax_scale * log2 e), log2 of the row sum), which keeps the backward exact
-at any input magnitude. Raises RuntimeError naming the argument for bad shapes, dtypes, devices or
+as (row max * softmax_scale * log2 e rounded to float32, i.e. the max of the scaled log2 scores;
+log2 of the row sum), which keeps the backward exact at any input magnitude. Raises RuntimeError naming the argument for bad shapes, dtypes, devices or
 strides, before any launch. Autograd, forward-mode AD, vmap and fake (meta) kernels are registered
 (flash_attn_ext.ops)."""
 backward.__doc__ = backward.default.__doc__ = """\

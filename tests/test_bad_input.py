@@ -68,6 +68,12 @@ def test_nheads_not_divisible():
     raises(r"nheads \(q.size\(2\) = 6\) must be a multiple of nheads_k \(k.size\(2\) = 4\)", fwd, q, k, v, 0.1, False)
 
 
+def test_nheads_k_zero():
+    """nheads_k = 0 used to read "nheads ... must be a multiple of nheads_k (... = 0)"."""
+    q, k, v = (torch.randn(2, 8, 0, 64) for _ in range(3))
+    raises(r"nheads_k \(k.size\(2\)\) is 0; expected >= 1", fwd, q, k, v, 0.1, False)
+
+
 def test_headdim_mismatch():
     q, k, v = qkv(d=32)
     raises(r"headdim mismatch: q has headdim 32, k has 24", fwd, q, k[..., :24], v[..., :24], 0.1, False)

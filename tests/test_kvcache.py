@@ -96,6 +96,8 @@ def _args(paged=False):
     (False, lambda a: a.update(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens has dtype"),
     (False, lambda a: a.update(cache_seqlens=a["cache_seqlens"][:1]), "cache_seqlens has shape"),
     (False, lambda a: a.update(cache_seqlens=torch.tensor([3, 40], dtype=torch.int32)), "exceeds the cache"),
+    (False, lambda a: a.update(cache_seqlens=torch.tensor([-1, 4], dtype=torch.int32)),
+     r"cache_seqlens\[0\] = -1; expected >= 0"),
     (False, lambda a: a.update(k=torch.randn(2, 1, 2, 16)), "k and v .* must be given together"),
     (False, lambda a: a.update(k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16), cache_seqlens=None),
      "need cache_seqlens"),
@@ -123,6 +125,18 @@ def test_kvcache_bad_input(paged, change, match):
     args = _args(paged)
     change(args)
     with pytest.raises(RuntimeError, match=match):
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(num_splits=2.7), "num_splits must be an int"),
+    (lambda a: a.update(causal="no"), "causal must be a bool"),
+])
+def test_kvcache_argument_types(change, match):
+    """num_splits=2.7 and causal='no' used to pass through int() / bool() (the latter as causal)."""
+    args = _args()
+    change(args)
+    with pytest.raises(TypeError, match=match):
         flash_attn_ext.flash_attn_with_kvcache(**args)
 
 

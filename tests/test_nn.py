@@ -58,7 +58,7 @@ def _mha_pair(embed_dim=64, num_heads=2, bias=True, seed=0):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("mode", ["self", "self_xxx", "cross", "causal_hint"])
+@pytest.mark.parametrize("mode", ["self", "self_xxx", "cross", "causal_hint", "causal_hint_bool"])
 def test_mha_drop_in_for_torch_multihead_attention(bias, mode):
     mha, mfa = _mha_pair(bias=bias)
     mha64 = copy.deepcopy(mha).double()
@@ -74,9 +74,11 @@ def test_mha_drop_in_for_torch_multihead_attention(bias, mode):
 
     x, y = _randn(3, 24, 64, seed=4), _randn(3, 11, 64, seed=5)
     mask = torch.nn.Transformer.generate_square_subsequent_mask(24)
+    if mode == "causal_hint_bool":  # nn.MultiheadAttention's bool convention: True = not allowed to attend
+        mask = torch.ones(24, 24, dtype=torch.bool).triu(1)
     out, w = call(mfa, x, y, mask, True)
     assert w is None and out.shape == (3, 24, 64) and out.dtype == torch.float32
-    ref = call(mha64, x.double(), y.double(), mask.double(), False)[0]
+    ref = call(mha64, x.double(), y.double(), mask if mask.dtype == torch.bool else mask.double(), False)[0]
     base = call(mha, x, y, mask, False)[0]
     check_accuracy(f"MultiheadFlashAttention {mode}", out, ref, base)
 
@@ -399,14 +401,15 @@ def test_causal_hint_is_checked_under_compile(backend):
     cm = torch.compile(m, fullgraph=True, backend=backend)
     x = _randn(2, 8, 64, seed=70)
     for good in (torch.nn.Transformer.generate_square_subsequent_mask(8),
-                 torch.ones(8, 8, dtype=torch.bool).tril()):
+                 torch.ones(8, 8, dtype=torch.bool).triu(1)):  # nn.MultiheadAttention: True = blocked
         torch.testing.assert_close(cm(x, x, x, attn_mask=good, is_causal=True)[0],
                                    m(x, attn_mask=good, is_causal=True)[0])
     not_causal_float = torch.zeros(8, 8)                              # attends everywhere
-    not_causal_bool = torch.ones(8, 8, dtype=torch.bool).tril(-1)     # misses the diagonal
+    not_causal_bool = torch.ones(8, 8, dtype=torch.bool).triu(0)      # blocks the diagonal too
+    sdpa_convention = torch.ones(8, 8, dtype=torch.bool).tril()       # True = attend: SDPA's, not MHA's
     bad_values = torch.nn.Transformer.generate_square_subsequent_mask(8).masked_fill(
         torch.ones(8, 8, dtype=torch.bool).triu(1), -1e9)             # not -inf: a bias
-    for bad in (not_causal_float, not_causal_bool, bad_values):
+    for bad in (not_causal_float, not_causal_bool, sdpa_convention, bad_values):
         with pytest.raises(NotImplementedError, match="causal mask"):
             m(x, attn_mask=bad, is_causal=True)
         with pytest.raises(RuntimeError, match="square causal mask"):
@@ -423,6 +426,6 @@ def test_causal_hint_under_compile_cuda():
     m = _hint_module("cuda", torch.bfloat16)
     cm = torch.compile(m, fullgraph=True)
     x = _randn(2, 64, 64, dtype=torch.bfloat16, device="cuda", seed=71)
-    mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
+    mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").triu(1)  # True = not allowed to attend
     torch.testing.assert_close(cm(x, x, x, attn_mask=mask, is_causal=True)[0],
                                m(x, attn_mask=mask, is_causal=True)[0], rtol=2e-2, atol=2e-2)

@@ -94,6 +94,7 @@ def _args():
     (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"][:2]), "cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
     (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"][None]), "cu_seqlens_q has shape"),
     (lambda a: a.update(cu_seqlens_q=torch.tensor([0, 4, 3], dtype=torch.int32)), "non-decreasing"),
+    (lambda a: a.update(cu_seqlens_q=torch.tensor([1, 5, 8], dtype=torch.int32)), r"cu_seqlens_q\[0\] = 1; expected 0"),
     (lambda a: a.update(cu_seqlens_k=torch.tensor([0, 3, 9], dtype=torch.int32)), r"cu_seqlens_k\[2\] = 9 is outside"),
     (lambda a: a.update(max_seqlen_q=4), "max_seqlen_q = 4"),
     (lambda a: a.update(max_seqlen_k=-1), "max_seqlen_q and max_seqlen_k must be in"),
@@ -160,3 +161,14 @@ def test_varlen_transforms_give_clear_errors():
         dual = torch.autograd.forward_ad.make_dual(q, torch.randn_like(q))
         with pytest.raises(NotImplementedError, match="forward-mode AD .* flash_attn_varlen_func"):
             flash_attn_ext.flash_attn_varlen_func(dual, k, v, cu_q, cu_k, 5, 5)
+
+
+@pytest.mark.parametrize("causal", [True, "no", 0.5, None])
+def test_varlen_causal_must_be_a_bool(causal):
+    """causal='no' used to run causal (bool('no') is True): only bools and 0 / 1 are taken."""
+    args = _args()
+    if causal is True:
+        flash_attn_ext.flash_attn_varlen_func(**args, causal=causal)
+        return
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attn_ext.flash_attn_varlen_func(**args, causal=causal)
