@@ -106,7 +106,8 @@ def _as_int(name: str, value) -> int:
 def _as_bool(name: str, value) -> bool:
     """``value`` as a Python bool (a bool, numpy.bool_, or an integer 0 / 1), or TypeError naming
     ``name``: a string such as ``'no'`` is not taken as true."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")  # NumPy 2 / 1
+    if isinstance(value, bool) or numpy_bool:
         return bool(value)
     try:
         as_int = operator.index(value)

@@ -67,7 +67,9 @@ backward(dout, q, k, v, out, softmax_lse, softmax_scale: float, causal: bool, so
 Gradients of forward by recomputation (FlashAttention-2, Dao 2023, Algorithm 2: a preprocess, then
 separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's shape; the other
 tensors as forward's inputs and outputs; softmax_stats: forward's third output (autograd passes
-it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). Returns dq, dk, dv
+it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). On CPU, float32 and
+float64 inputs recompute the statistics in float64 from q and k when softmax_stats is given (so it
+must be this forward's own; pass softmax_lse alone for statistics merged over chunks of K/V). Returns dq, dk, dv
 with q's, k's and v's shapes and dtypes. Raises RuntimeError naming the argument on bad input."""
 
 
@@ -101,7 +103,9 @@ def _check_fake_inputs(q, k, v):
         raise RuntimeError(f"flash_attn_ext: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                            f"v {tuple(v.shape)}; expected q (batch, seqlen_q, nheads, headdim) and k, v "
                            "(batch, seqlen_k, nheads_k, headdim)")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+    if k.shape[2] == 0:
+        raise RuntimeError("flash_attn_ext: nheads_k (k.size(2)) is 0; expected >= 1")
+    if q.shape[2] % k.shape[2] != 0:
         raise RuntimeError(f"flash_attn_ext: nheads (q.size(2) = {q.shape[2]}) must be a multiple of "
                            f"nheads_k (k.size(2) = {k.shape[2]})")
     headdim = q.shape[3]

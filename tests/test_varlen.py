@@ -3,6 +3,7 @@ sequence gives what the dense op gives on it alone, forward and backward, within
 (tests/accuracy.py) against the float64 reference; zero-length sequences; bad input; the op
 surface (opcheck, torch.compile fullgraph)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,11 +164,12 @@ def test_varlen_transforms_give_clear_errors():
             flash_attn_ext.flash_attn_varlen_func(dual, k, v, cu_q, cu_k, 5, 5)
 
 
-@pytest.mark.parametrize("causal", [True, "no", 0.5, None])
+@pytest.mark.parametrize("causal", [True, 1, np.True_, "no", 0.5, None])
 def test_varlen_causal_must_be_a_bool(causal):
-    """causal='no' used to run causal (bool('no') is True): only bools and 0 / 1 are taken."""
+    """causal='no' used to run causal (bool('no') is True): only bools (numpy's too) and 0 / 1 are
+    taken."""
     args = _args()
-    if causal is True:
+    if causal in (True, 1):  # np.True_ == True
         flash_attn_ext.flash_attn_varlen_func(**args, causal=causal)
         return
     with pytest.raises(TypeError, match="causal must be a bool"):
