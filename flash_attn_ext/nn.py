@@ -58,15 +58,16 @@ class FlashAttention(nn.Module):
 
 
 def rotary_cos_sin(seqlen: int, headdim: int, base: float = 10000.0, device=None,
-                   offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables of rotary position embedding, float32, shape (seqlen, headdim).
+                   offset: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables of rotary position embedding, shape (seqlen, headdim), in ``dtype``
+    (float32 by default; float64 for float64 activations).
 
     RoFormer (Su et al. 2021), eq. 34 with theta_i = base^(-2i/d), i = 0..d/2-1, in the
     rotate-half layout of GPT-NeoX/LLaMA: channel c and c + d/2 form the rotated pair, so
     both halves of the table repeat the same d/2 angles. Positions are offset..offset+seqlen-1.
     """
-    inv_freq = base ** (-torch.arange(0, headdim, 2, device=device, dtype=torch.float32) / headdim)
-    pos = torch.arange(offset, offset + seqlen, device=device, dtype=torch.float32)
+    inv_freq = base ** (-torch.arange(0, headdim, 2, device=device, dtype=dtype) / headdim)
+    pos = torch.arange(offset, offset + seqlen, device=device, dtype=dtype)
     angles = torch.outer(pos, inv_freq)                       # (seqlen, d/2): m * theta_i
     angles = torch.cat([angles, angles], dim=-1)              # (seqlen, d)
     return angles.cos(), angles.sin()
@@ -76,9 +77,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate BSHD ``x`` (batch, seqlen, nheads, headdim) by position: RoFormer eq. 34,
     x * cos + rotate_half(x) * sin with rotate_half([x1, x2]) = [-x2, x1].
 
-    Computed in float32, returned in x's dtype. cos, sin: (seqlen, headdim) from rotary_cos_sin.
+    Computed in float32 (float64 for float64 x), returned in x's dtype. cos, sin: (seqlen,
+    headdim) from rotary_cos_sin, float64 ones for float64 x (float32 tables would limit the
+    result to float32 accuracy).
     """
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]               # broadcast over heads
@@ -260,10 +263,11 @@ class MultiheadFlashAttention(nn.Module):
             k = self._project(key, slice(H * D, (H + Hk) * D), Hk)
             v = self._project(value, slice((H + Hk) * D, (H + 2 * Hk) * D), Hk)
         if self.rotary:
-            cos_q, sin_q = rotary_cos_sin(q.shape[1], D, self.rotary_base, device=q.device)
+            table = torch.float64 if q.dtype == torch.float64 else torch.float32
+            cos_q, sin_q = rotary_cos_sin(q.shape[1], D, self.rotary_base, device=q.device, dtype=table)
             q = apply_rotary(q, cos_q, sin_q)
             if k.shape[1] != q.shape[1]:
-                cos_q, sin_q = rotary_cos_sin(k.shape[1], D, self.rotary_base, device=k.device)
+                cos_q, sin_q = rotary_cos_sin(k.shape[1], D, self.rotary_base, device=k.device, dtype=table)
             k = apply_rotary(k, cos_q, sin_q)
         out = self._attention(q, k, v, causal)                  # (B, Lq, H, D)
         out = out.reshape(out.shape[0], out.shape[1], H * D)

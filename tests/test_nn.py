@@ -132,20 +132,22 @@ def test_rotary_is_roformer_eq34_and_relative():
     # RoFormer eq. 34 as complex multiplication on pairs (c, c + d/2): z_c * exp(i m theta_c).
     d, L = 16, 12
     x = _randn(1, L, 2, d, dtype=torch.float64, seed=10)
-    cos, sin = rotary_cos_sin(L, d, base=10000.0)
-    got = apply_rotary(x, cos.double(), sin.double())
+    cos, sin = rotary_cos_sin(L, d, base=10000.0, dtype=torch.float64)
+    got = apply_rotary(x, cos, sin)
     theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     z = torch.complex(x[..., : d // 2], x[..., d // 2:])
     rot = z * torch.exp(1j * torch.arange(L, dtype=torch.float64)[:, None, None] * theta)
     want = torch.cat([rot.real, rot.imag], dim=-1)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # cos/sin tables are float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)  # float64 tables: float64-accurate
+    cos32, sin32 = rotary_cos_sin(L, d, base=10000.0)
+    torch.testing.assert_close(apply_rotary(x.float(), cos32, sin32), want.float(), rtol=0, atol=1e-5)
     # Relative: <R_m q, R_n k> depends only on m - n.
     q, k = _randn(d, dtype=torch.float64, seed=11), _randn(d, dtype=torch.float64, seed=12)
-    qs = apply_rotary(q.expand(1, L, 1, d), cos.double(), sin.double())[0, :, 0]
-    ks = apply_rotary(k.expand(1, L, 1, d), cos.double(), sin.double())[0, :, 0]
+    qs = apply_rotary(q.expand(1, L, 1, d), cos, sin)[0, :, 0]
+    ks = apply_rotary(k.expand(1, L, 1, d), cos, sin)[0, :, 0]
     dots = qs @ ks.T
     for s in range(1, 4):
-        torch.testing.assert_close(dots[s:, s:], dots[:-s, :-s], rtol=0, atol=1e-4)
+        torch.testing.assert_close(dots[s:, s:], dots[:-s, :-s], rtol=0, atol=1e-12)
     assert not torch.allclose(dots[0, 1], dots[0, 2])
 
 
@@ -429,3 +431,26 @@ def test_causal_hint_under_compile_cuda():
     mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").triu(1)  # True = not allowed to attend
     torch.testing.assert_close(cm(x, x, x, attn_mask=mask, is_causal=True)[0],
                                m(x, attn_mask=mask, is_causal=True)[0], rtol=2e-2, atol=2e-2)
+
+
+def test_float64_rotary_module_is_float64_accurate():
+    """A .double() module with rotary was float32-accurate (3e-7 off): its cos / sin tables and the
+    rotation were float32 whatever the activations' dtype."""
+    from flash_attn_ext.reference import attention_ref
+
+    torch.manual_seed(3)
+    B, L, H, d = 2, 24, 4, 16
+    ours = MultiheadFlashAttention(H * d, H, rotary=True, causal=True).double()
+    x = torch.randn(B, L, H * d, dtype=torch.float64)
+    # Reference built apart from the module's rotary code: RoFormer eq. 34 as complex rotation.
+    angles = torch.arange(L, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+
+    def rotate(t):
+        z = torch.complex(t[..., : d // 2], t[..., d // 2:]) * torch.exp(1j * angles)[:, None, :]
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    with torch.no_grad():
+        q, k, v = F.linear(x, ours.in_proj_weight, ours.in_proj_bias).view(B, L, 3 * H, d).split([H, H, H], dim=2)
+        o = attention_ref(rotate(q), rotate(k), v, causal=True)[0]
+        want = ours.out_proj(o.reshape(B, L, H * d))
+        torch.testing.assert_close(ours(x)[0], want, rtol=0, atol=1e-12)
