@@ -99,6 +99,8 @@ void check_heads_headdim(const Tensor& q, const Tensor& k, const Tensor& v, cons
   TORCH_CHECK(k.size(-1) == headdim && v.size(-1) == headdim, "flash_attn_ext: headdim mismatch: q has headdim ",
               headdim, ", ", k_name, " has ", k.size(-1), ", ", v_name, " has ", v.size(-1), "; expected equal");
   TORCH_CHECK(nheads_k > 0, "flash_attn_ext: nheads_k (", k_name, ".size(", k.dim() - 2, ")) is 0; expected >= 1");
+  TORCH_CHECK(nheads <= std::numeric_limits<int>::max(), "flash_attn_ext: nheads (q.size(", q.dim() - 2, ") = ", nheads,
+              ") must fit in int32");
   TORCH_CHECK(nheads % nheads_k == 0, "flash_attn_ext: nheads (q.size(", q.dim() - 2, ") = ", nheads,
               ") must be a multiple of nheads_k (", k_name, ".size(", k.dim() - 2, ") = ", nheads_k, ")");
   TORCH_CHECK(headdim > 0 && headdim % 8 == 0 && headdim <= kMaxHeadDim, "flash_attn_ext: headdim ", headdim,
@@ -637,11 +639,13 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
 #ifdef FLASH_ATTN_EXT_WITH_CUDA
 
 // The kernels load rows with 16-byte vector copies: the base pointer and the batch/row/head
-// strides must be multiples of 8 elements (16 bytes). Any other view is copied once.
+// strides must be multiples of 8 elements (16 bytes). Any other view is copied once, into a fresh
+// allocation: clone, not contiguous(), which returns a contiguous view with a misaligned base
+// (e.g. buffer[1:].view(...)) as it is.
 Tensor aligned_for_cuda(const Tensor& t) {
   const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
                   t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0 && t.stride(3) == 1;
-  return ok ? t : t.contiguous();
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 // The CUDA kernels take softmax_scale > 0 (their softmax keeps the row max of the raw scores,
@@ -788,7 +792,7 @@ flash::TensorView view_packed(const Tensor& t) {
 Tensor aligned_packed_for_cuda(const Tensor& t) {
   const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
                   t.stride(1) % 8 == 0 && t.stride(2) == 1;
-  return ok ? t : t.contiguous();
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 // The varlen fields of params (flash.h) over packed q/k/v, on top of set_fwd_params' dense ones.
@@ -881,13 +885,18 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
                                         num_splits, /*cuda=*/true);
   const Sizes& s = ks.s;
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
-  // The cache is written in place: it must already be 16-byte aligned (no copy can stand in for it).
+  // A cache that new k / v are appended to is written in place: it must already be 16-byte aligned
+  // (no copy can stand in for it). One that is only read is copied when it is not (as q is).
+  const bool appends = ks.seqlen_new > 0;
   for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
-                    t.stride(2) % 8 == 0,
+    TORCH_CHECK(!appends || (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
+                             t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0),
                 "flash_attn_ext: ", name, " must have a 16-byte aligned base and strides that are multiples of 8 "
-                "elements (it is written in place, so it cannot be copied), got strides ", t.strides());
+                "elements when k / v are appended to it (it is written in place, so it cannot be copied), got "
+                "strides ", t.strides());
   }
+  const Tensor k_cache_r = appends ? k_cache : aligned_for_cuda(k_cache);
+  const Tensor v_cache_r = appends ? v_cache : aligned_for_cuda(v_cache);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor out = torch::empty(q_in.sizes(), q_in.options());
@@ -897,7 +906,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
   const Tensor q = aligned_for_cuda(q_pos);
 
   flash::Flash_fwd_params params;
-  set_fwd_params(params, s, q, k_cache, v_cache, out, lse, Tensor(), scale, causal);
+  set_fwd_params(params, s, q, k_cache_r, v_cache_r, out, lse, Tensor(), scale, causal);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
   if (cache_seqlens.has_value() && cache_seqlens->defined()) params.cache_seqlens = cache_seqlens->data_ptr<int>();
@@ -913,7 +922,8 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
     params.page_size = int(ks.page_size);
     params.num_blocks = int(ks.num_blocks);
   }
-  params.num_splits = num_splits > 0 ? int(num_splits) : flash::num_splits_heuristic(params);
+  // Nothing to split without output rows (nheads = 0 or seqlen_q = 0); the append still runs.
+  params.num_splits = out.numel() == 0 ? 1 : num_splits > 0 ? int(num_splits) : flash::num_splits_heuristic(params);
   Tensor oaccum, lseaccum;
   if (params.num_splits > 1 && s.seqlen_q > 0) {
     oaccum = torch::empty({params.num_splits, s.batch, s.nheads, s.seqlen_q, d_rounded}, q.options().dtype(at::kFloat));

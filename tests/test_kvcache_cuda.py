@@ -253,6 +253,44 @@ def test_kvcache_no_cache_seqlens_and_views(poison_empty):
         _check(q, kc, vc, None, [150, 150], causal, out, lse)
 
 
+def test_kvcache_misaligned_read_only_cache(poison_empty):
+    """A cache view 8 bytes into its buffer is refused only when k / v are appended to it (it is
+    written in place); read-only, it is copied as q is, as the CPU path reads it (a reviewer found
+    CUDA refusing what CPU accepted)."""
+    require_hdim(64)
+    dtype = torch.float16
+    base_k = torch.randn(2 * 96 * 2 * 64 + 4, device="cuda", dtype=dtype)
+    base_v = torch.randn(2 * 96 * 2 * 64 + 4, device="cuda", dtype=dtype)
+    kc = base_k[4:].view(2, 96, 2, 64)  # 8-byte offset: TMA and 16-byte copies cannot read it
+    vc = base_v[4:].view(2, 96, 2, 64)
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=dtype)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([96, 50], dtype=torch.int32,
+                                                     device="cuda"), return_lse=True)
+    _check(q, kc, vc, None, [96, 50], False, out, lse)
+    with pytest.raises(RuntimeError, match="k_cache must have a 16-byte aligned base"):
+        flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, k=torch.randn(2, 1, 2, 64, device="cuda", dtype=dtype),
+                                               v=torch.randn(2, 1, 2, 64, device="cuda", dtype=dtype),
+                                               cache_seqlens=torch.tensor([10, 20], dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.parametrize("num_splits", [0, 4])
+def test_kvcache_no_query_heads(num_splits):
+    """nheads = 0: empty outputs, no error, whatever num_splits (the heuristic picked 8 splits and
+    the call failed for want of split workspaces; CPU returned the empty outputs); the append
+    still writes the cache."""
+    require_hdim(64)
+    dtype = torch.float16
+    kc = torch.randn(2, 4096, 2, 64, device="cuda", dtype=dtype)
+    vc = torch.randn(2, 4096, 2, 64, device="cuda", dtype=dtype)
+    k_new, v_new = (torch.randn(2, 1, 2, 64, device="cuda", dtype=dtype) for _ in range(2))
+    q = torch.randn(2, 1, 0, 64, device="cuda", dtype=dtype)
+    seqlens = torch.tensor([100, 200], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                                     num_splits=num_splits, return_lse=True)
+    assert out.shape == (2, 1, 0, 64) and lse.shape == (2, 0, 1)
+    assert torch.equal(kc[0, 100], k_new[0, 0]) and torch.equal(vc[1, 200], v_new[1, 0])
+
+
 # ---- NaN past cache_seqlens never reaches the output, whatever the split and the layout;
 # also a NaN in the last visible tile's padding rows and in the padded head-dim columns' source.
 

@@ -155,6 +155,11 @@ def test_sm90_forward_misaligned_falls_back(d, causal):
     q, k, v = qkv.unbind(2)
     assert q.data_ptr() % 16 != 0
     check_forward(q, k, v, causal)
+    # Contiguous views with a misaligned base: contiguous() returned them as they were (a reviewer
+    # found it), so the API copies with clone.
+    q_c, k_c, v_c = (flat[1 + i * b * s * h * d:][: b * s * h * d].view(b, s, h, d) for i in range(3))
+    assert q_c.is_contiguous() and q_c.data_ptr() % 16 != 0
+    check_forward(q_c, k_c, v_c, causal)
     # Row stride h*d + 1 elements (2 bytes past a multiple of 16).
     buf = torch.randn(b * s * (h * d + 1) + 64, dtype=dtype, device="cuda")
     q_odd = buf.as_strided((b, s, h, d), (s * (h * d + 1), h * d + 1, d, 1))

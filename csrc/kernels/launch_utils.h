@@ -5,8 +5,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/cuda_check.h"
 
@@ -46,8 +49,29 @@ void launch_1d(Kernel kernel, int64_t blocks, int threads, int smem_bytes, const
   FLASH_CHECK_LAUNCH();
 }
 
+// Whether `kernel`, as loaded on the current device, was compiled from PTX for sm_90 or later
+// (cudaFuncAttributes::ptxVersion): only then does it hold the griddepcontrol instructions
+// (primitives/barrier.cuh compiles them for __CUDA_ARCH__ >= 900). A build without sm_90 code run
+// on an sm_90+ GPU JIT-compiles compute_80 PTX: such a kernel launched as a programmatic dependent
+// would not wait for the kernel before it. Asked once per (kernel, device).
+template <typename Kernel>
+bool has_grid_dependency_control(Kernel kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> cache;
+  int device = 0;
+  FLASH_CHECK_CUDA(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaFuncAttributes attr{};
+  FLASH_CHECK_CUDA(cudaFuncGetAttributes(&attr, kernel));
+  return cache[key] = attr.ptxVersion >= 90;
+}
+
 // launch_1d for a kernel that reads what the kernel before it on `stream` writes, as a programmatic
-// dependent launch where `programmatic` (the device is sm_90+; CUDA Programming Guide,
+// dependent launch where `programmatic` (the device is sm_90+) and the kernel has the instructions
+// (has_grid_dependency_control; CUDA Programming Guide,
 // "Programmatic Dependent Launch and Synchronization"): its CTAs may start while that kernel's
 // last CTAs finish (once they all ran griddepcontrol.launch_dependents or exited), so the launch
 // latency hides behind them. The kernel must run grid_dependency_wait() (primitives/barrier.cuh)
@@ -56,7 +80,7 @@ void launch_1d(Kernel kernel, int64_t blocks, int threads, int smem_bytes, const
 template <typename... KernelArgs, typename... Args>
 void launch_1d_dependent(bool programmatic, void (*kernel)(KernelArgs...), int64_t blocks, int threads,
                          int smem_bytes, const char* what, int head_dim, cudaStream_t stream, const Args&... args) {
-  if (!programmatic) {
+  if (!programmatic || !has_grid_dependency_control(kernel)) {
     launch_1d(kernel, blocks, threads, smem_bytes, what, head_dim, stream, args...);
     return;
   }
