@@ -638,15 +638,20 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
 // ---- CUDA ------------------------------------------------------------------------------
 #ifdef FLASH_ATTN_EXT_WITH_CUDA
 
-// The kernels load rows with 16-byte vector copies: the base pointer and the batch/row/head
-// strides must be multiples of 8 elements (16 bytes). Any other view is copied once, into a fresh
-// allocation: clone, not contiguous(), which returns a contiguous view with a misaligned base
-// (e.g. buffer[1:].view(...)) as it is.
-Tensor aligned_for_cuda(const Tensor& t) {
-  const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
-                  t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0 && t.stride(3) == 1;
-  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+// The kernels load rows with 16-byte vector copies of 16-bit elements: the base pointer and every
+// stride but the last must be multiples of 8 elements (16 bytes), the last stride 1. Any rank:
+// BSHD (batch, seqlen, heads, d) and packed (total, heads, d) tensors alike.
+bool cuda_aligned(const Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0 || t.stride(-1) != 1) return false;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    if (t.stride(i) % 8 != 0) return false;
+  }
+  return true;
 }
+
+// Any other view is copied once, into a fresh allocation: clone, not contiguous(), which returns
+// a contiguous view with a misaligned base (e.g. buffer[1:].view(...)) as it is.
+Tensor aligned_for_cuda(const Tensor& t) { return cuda_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous); }
 
 // The CUDA kernels take softmax_scale > 0 (their softmax keeps the row max of the raw scores,
 // primitives/softmax.cuh). Scores only enter as softmax_scale * q.k, so a negative scale runs as
@@ -756,7 +761,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
   const Tensor out = aligned_for_cuda(out_in);
   // dout from out.sum().backward() has all-zero strides: fine, except a non-unit last stride.
-  const Tensor dout = aligned_for_cuda(dout_in.stride(-1) == 1 ? dout_in : dout_in.contiguous());
+  const Tensor dout = aligned_for_cuda(dout_in);
   const Tensor lse = softmax_lse.contiguous();
   flash::Flash_bwd_params params;
   set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, causal);
@@ -788,13 +793,6 @@ flash::TensorView view_packed(const Tensor& t) {
   return v;
 }
 
-// Packed (total, heads, d) tensors: 16-byte base and strides, else one copy (see aligned_for_cuda).
-Tensor aligned_packed_for_cuda(const Tensor& t) {
-  const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
-                  t.stride(1) % 8 == 0 && t.stride(2) == 1;
-  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
-}
-
 // The varlen fields of params (flash.h) over packed q/k/v, on top of set_fwd_params' dense ones.
 void set_varlen_params(flash::Flash_fwd_params& p, const VarlenSizes& s, const Tensor& q, const Tensor& k,
                        const Tensor& v, const Tensor& out, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
@@ -821,7 +819,7 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   if (!varlen_fwd_nonempty(outs, s, max_seqlen_q, max_seqlen_k)) return outs;
   const auto& [out, lse, stats] = outs;
   const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
-  const Tensor q = aligned_packed_for_cuda(q_pos), k = aligned_packed_for_cuda(k_in), v = aligned_packed_for_cuda(v_in);
+  const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
 
   flash::Flash_fwd_params params;
   const Sizes dense{s.batch, max_seqlen_q, max_seqlen_k, s.nheads, s.nheads_k, s.headdim};
@@ -854,9 +852,9 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
     return {dq, dk, dv};
   }
   const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
-  const Tensor q = aligned_packed_for_cuda(q_pos), k = aligned_packed_for_cuda(k_in), v = aligned_packed_for_cuda(v_in);
-  const Tensor out = aligned_packed_for_cuda(out_in);
-  const Tensor dout = aligned_packed_for_cuda(dout_in.stride(-1) == 1 ? dout_in : dout_in.contiguous());
+  const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
+  const Tensor out = aligned_for_cuda(out_in);
+  const Tensor dout = aligned_for_cuda(dout_in);
   const Tensor lse = softmax_lse.contiguous();
   const Tensor stats =
       softmax_stats.has_value() && softmax_stats->defined() ? softmax_stats->contiguous() : Tensor();
@@ -889,8 +887,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
   // (no copy can stand in for it). One that is only read is copied when it is not (as q is).
   const bool appends = ks.seqlen_new > 0;
   for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
-    TORCH_CHECK(!appends || (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
-                             t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0),
+    TORCH_CHECK(!appends || cuda_aligned(t),
                 "flash_attn_ext: ", name, " must have a 16-byte aligned base and strides that are multiples of 8 "
                 "elements when k / v are appended to it (it is written in place, so it cannot be copied), got "
                 "strides ", t.strides());
