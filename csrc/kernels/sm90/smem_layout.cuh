@@ -50,16 +50,22 @@ template <int kRows, int kCols>
 struct SwizzledTile : Swizzle128Tile<kRows, kCols> {
   using Swizzle128Tile<kRows, kCols>::kColBlockBytes;
 
+  // A descriptor's address field is (address >> 4) in its low 14 bits, and every shared address
+  // is below 2^18: the descriptor of base + bytes is the descriptor of base plus bytes >> 4 (no
+  // carry out of the field). So the descriptors below are built once per (base, r0) and step by a
+  // constant per k16 step (an add, instead of the masks and shifts of make_wgmma_desc per HGMMA).
+  __device__ __forceinline__ static constexpr uint64_t step(int bytes) { return uint64_t(bytes >> 4); }
+
   // Descriptor of the K-major operand made of rows [r0, r0 + 64) (r0 % 8 == 0), columns
   // [16kk, 16kk + 16) as K: "S = Q K^T"-shaped products read A and B this way.
   __device__ __forceinline__ static uint64_t desc_k_major(uint32_t base, int r0, int kk) {
-    return make_wgmma_desc(base + (kk / 4) * kColBlockBytes + r0 * 128 + (kk % 4) * 32, 16, 1024);
+    return make_wgmma_desc(base + r0 * 128, 16, 1024) + step((kk / 4) * kColBlockBytes + (kk % 4) * 32);
   }
 
   // Descriptor of the N-major B operand made of rows [16kk, 16kk + 16) as K and all kCols
   // columns as N: "dV += P^T dO"-shaped products read B this way.
   __device__ __forceinline__ static uint64_t desc_mn_major(uint32_t base, int kk) {
-    return make_wgmma_desc(base + kk * 16 * 128, kColBlockBytes, 1024);
+    return make_wgmma_desc(base, kColBlockBytes, 1024) + step(kk * 16 * 128);
   }
 };
 
