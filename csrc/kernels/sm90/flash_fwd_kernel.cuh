@@ -58,9 +58,9 @@
 // Varlen (flash.h): the tensor maps span the packed tensors (one batch of total_q / total_k rows),
 // tiles load at the sequence's row offset (SeqInfo::q_tma_row / k_tma_row), so a tile's rows past
 // the sequence's end are the next sequence's: keys there are masked in S (the seqlen_k edge block
-// always takes the mask) and meet P = 0 in P V; query rows there are never stored, and those that
-// share a warp with the sequence's last rows are zeroed first (zero_rows_past_end), as a dense
-// call's out-of-bounds fill leaves them.
+// always takes the mask) and their V rows are zeroed before P V (0 * NaN would be NaN); query rows
+// there are never stored, and those that share a warp with the sequence's last rows are zeroed
+// first (zero_rows_past_end): both as a dense call's out-of-bounds fill leaves them.
 //
 // Shared memory (1024-byte aligned): kQStages x sQ (kBlockM x d), kStages x sK, kStages x sV
 // (kBlockN x d), every tile a SwizzledTile (sm90/smem_layout.cuh) = the TMA 128-byte-swizzle box
@@ -348,6 +348,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   setmaxnreg_inc<Traits::kConsumerRegs>();
   const float scale_log2 = params.scale_softmax_log2;
   using Turns = WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>;
+  // Named barrier of all consumer warpgroups for a varlen tile's V rows past its keys (ids: 1..3
+  // the epilogue's, Turns::kBarrier.. the turns').
+  constexpr int kConsumerThreads = 128 * Traits::kConsumerWGs;
+  constexpr int kVTailBarrier = Turns::kBarrier + Traits::kConsumerWGs;
+  static_assert(kVTailBarrier < 16, "16 named barriers per CTA");
   PipelineState<kQStages> q_pipe;
   PipelineState<kStages> kv_next;  // the K/V ring position of the next tile's first key block
   Turns::prime();
@@ -396,6 +401,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // what the dense op computes on the sequence alone, bit for bit (rows in warps without a
       // valid row feed only outputs that are never stored).
       if (params.cu_seqlens_q != nullptr) zero_rows_past_end<TileQ, kHeadDimPad>(sQ_t, w.rows_q - 64 * c, c);
+      // Varlen, V of the last key block (step 0): its rows past the sequence's keys are the next
+      // sequence's (or past cu_seqlens_k[-1]). P is 0 there, but 0 * NaN is NaN in P V, so they are
+      // zeroed as a dense call's out-of-bounds fill leaves them (K needs nothing: the mask sets S
+      // to -inf by select). Every consumer warpgroup reads the stage: they share the rows and meet
+      // on barrier kVTailBarrier, before the tile's first turn (no wait on WarpgroupTurns inside).
+      if (params.cu_seqlens_k != nullptr) {
+        const int keys_in_last = w.seq.seqlen_k - (n_block_max - 1) * kBlockN;  // uniform over the CTA
+        if (keys_in_last < kBlockN) {
+          mbarrier_wait(v_full(kv_pipe.stage(0)), kv_pipe.phase(0));
+          zero_rows<TileKV, kHeadDimPad, kConsumerThreads>(sV(kv_pipe.stage(0)), keys_in_last, kBlockN,
+                                                           thread_index_opaque() - 128);
+          fence_proxy_async();
+          named_barrier_sync(kVTailBarrier, kConsumerThreads);
+        }
+      }
 
       // Step 0 (the last key block, n = n_block_max - 1): S_0, its softmax and P_0 (O = 0 yet).
       Turns::begin();
