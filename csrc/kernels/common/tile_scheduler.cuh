@@ -20,6 +20,7 @@
 
 #include "flash.h"
 #include "kernels/common/mask.cuh"
+#include "primitives/math.cuh"
 
 namespace flash {
 
@@ -32,6 +33,10 @@ struct FwdTileScheduler {
   int units_per_bh;    // units per (batch, head): num_m, or ceil(num_m / 2) when paired
   int paired;          // a unit is a (heavy, light) pair of causal Q tiles
   int persistent;      // grid of <= num_sms CTAs looping over units; else one CTA per tile
+  // Divisions by units_per_bh, num_m and nheads, their magic numbers computed on the host: a
+  // tile's decode is multiplies and shifts (the producer decodes every tile once, each consumer
+  // warpgroup twice), not integer divisions (QTileWork(params, tile, m_div, h_div)).
+  FastDivmod units_div, m_div, h_div;
 
   // The units of `params`, or num_units = 0 when they exceed 2^30 (the caller refuses the call).
   // persistent = false: one CTA per tile in QTileWork's order, left to the hardware's block
@@ -44,7 +49,10 @@ struct FwdTileScheduler {
     s.paired = s.persistent && params.is_causal && s.num_m >= 2 && bh * s.num_m > int64_t(params.num_sms);
     s.units_per_bh = s.paired ? (s.num_m + 1) / 2 : s.num_m;
     const int64_t units = bh * s.units_per_bh;
-    s.num_units = units <= (int64_t(1) << 30) ? uint32_t(units) : 0;
+    s.num_units = units <= (int64_t(1) << 30) ? uint32_t(units) : 0;  // so tile indices < 2^31
+    s.units_div = FastDivmod(s.units_per_bh > 0 ? s.units_per_bh : 1);
+    s.m_div = FastDivmod(s.num_m > 0 ? s.num_m : 1);
+    s.h_div = FastDivmod(params.h > 0 ? params.h : 1);
     return s;
   }
   __host__ int64_t tiles(const Flash_fwd_params& params) const { return int64_t(params.b) * params.h * num_m; }
@@ -71,8 +79,8 @@ struct FwdTileScheduler {
         pos = unit + gridDim.x;
         return true;
       }
-      const uint32_t bh = unit / uint32_t(s.units_per_bh);
-      const int p = int(unit % uint32_t(s.units_per_bh));
+      const int bh = s.units_div.div(int(unit));
+      const int p = int(unit) - bh * s.units_per_bh;
       const bool odd = (s.num_m & 1) != 0;
       const int light = odd ? s.num_m - p : s.num_m - 1 - p;  // the unit's light tile (j)
       const bool has_light = !odd || p > 0;                    // unit 0 of an odd num_m: alone

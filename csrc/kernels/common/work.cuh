@@ -64,6 +64,16 @@ struct QTileWork {
     }
     return make_int2(bidb, (num_m - 1 - j) * params.h + head);
   }
+  // The same decode with the divisions by num_m (m_div.d) and nheads (h_div.d) precomputed
+  // (common/tile_scheduler.cuh: FwdTileScheduler's, for tile < 2^31).
+  __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int64_t tile, const FastDivmod& m_div,
+                                       const FastDivmod& h_div)
+      : QTileWork(params, decode(int(tile), m_div, h_div)) {}
+  __device__ __forceinline__ static int2 decode(int tile, const FastDivmod& m_div, const FastDivmod& h_div) {
+    const int bh = m_div.div(tile), j = tile - bh * m_div.d;
+    const int bidb = h_div.div(bh), head = bh - bidb * h_div.d;
+    return make_int2(bidb, (m_div.d - 1 - j) * h_div.d + head);
+  }
   __device__ __forceinline__ bool block_needs_mask(int n_block) const { return n_block >= n_block_unmasked; }
   // The tile starts at or past its sequence's last query row (varlen: the grid is sized by
   // max_seqlen_q): nothing to compute or store. Never for a dense call.

@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto tiles = sched.begin();
 #pragma unroll 1
       for (int64_t tile; tiles.next(sched, tile);) {
-        const int2 bm = QTileWork<kBlockM, kBlockN>::decode(params, tile);
+        const int2 bm = QTileWork<kBlockM, kBlockN>::decode(int(tile), sched.m_div, sched.h_div);
         const QTileWork<kBlockM, kBlockN> w(params, bm);
         if (w.past_end()) continue;  // varlen: no work, no ring position (the consumers skip it too)
         const int n_block_max = w.n_block_max, bidb = w.seq.tma_batch(params);
@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // epilogue instead of held live across the main loop.
     int64_t tile = tile_index;
     asm volatile("" : "+l"(tile));
-    const QTileWork<kBlockM, kBlockN> w(params, tile);
+    const QTileWork<kBlockM, kBlockN> w(params, tile, sched.m_div, sched.h_div);
     if (w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
     const int qs = q_pipe.stage();
     mbarrier_wait(q_full(qs), q_pipe.phase());
@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The tile's decode once more: cheaper than holding the output offsets live, spilled, across
     // the main loop.
     {
-      const QTileWork<kBlockM, kBlockN> wo(params, tile);
+      const QTileWork<kBlockM, kBlockN> wo(params, tile, sched.m_div, sched.h_div);
       const int tid_e = thread_index_opaque();
       const int c = tid_e / 128 - 1, tid_wg = tid_e % 128, lane = tid_e % 32;
       float lse[2], row_max[2], row_log2sum[2];
