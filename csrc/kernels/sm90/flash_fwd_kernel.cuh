@@ -12,7 +12,7 @@
 // Warpgroups (128 threads each):
 //   WG 0 (producer, setmaxnreg down): one thread issues the TMA loads of every tile: K_n and V_n
 //        for n = n_block_max - 1 down to 0 into kStages-deep rings, and Q (after the first K/V
-//        block) into a kQStages-deep ring (2 where it fits: d64, d96, d128 causal; else 1); full / empty mbarriers
+//        block) into a kQStages-deep ring (2 where it fits: d64, d96, d128; else 1); full / empty mbarriers
 //        per stage. Its other threads leave at once.
 //   WG 1 + c (consumer c, setmaxnreg up): query rows [64 c, 64 c + 64) of the tile. Step i:
 //        S_i = Q K^T               wgmma SS (Q and K K-major in shared memory)      Alg. 1 line 8
