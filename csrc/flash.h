@@ -159,6 +159,12 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream);
 // device sync, so a decode step stays CUDA-graph capturable): 1 when the (sequence, kv head, query
 // tile) CTAs already fill the GPU, else enough splits to fill it, at most kMaxSplits.
 constexpr int kMaxSplits = 128;
+
+// Largest sequence length (seqlen_q, seqlen_k, max_seqlen_q / _k, total_q / _k, the packed GQA rows
+// seqlen_q * nheads / nheads_k of a KV-cache call) the kernels take: 2^31 - 256, so that tile counts
+// ceil(n / kBlock) (kBlock <= 256) and 128-row roundings of n stay in int32. flash_api.cpp refuses
+// longer ones by name.
+constexpr int kMaxSeqlen = 2147483647 - 255;
 int num_splits_heuristic(const Flash_fwd_params& params);
 
 // Head dim the kernels run a user head dim `d` with (the smallest compiled one >= d), or 0 if

@@ -135,10 +135,10 @@ Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softma
   TORCH_CHECK(v.size(1) == s.seqlen_k, "flash_attn_ext: v has seqlen ", v.size(1),
               " but k has seqlen_k ", s.seqlen_k, "; expected equal");
   check_heads_headdim(q, k, v, "k", "v");
-  const int64_t int_max = std::numeric_limits<int>::max();
-  TORCH_CHECK(s.batch <= int_max && s.seqlen_q <= int_max && s.seqlen_k <= int_max,
-              "flash_attn_ext: batch and seqlen must fit in int32, got q shape ", q.sizes(),
-              ", k shape ", k.sizes());
+  TORCH_CHECK(s.batch <= std::numeric_limits<int>::max() && s.seqlen_q <= flash::kMaxSeqlen &&
+                  s.seqlen_k <= flash::kMaxSeqlen,
+              "flash_attn_ext: batch must fit in int32 and seqlen_q, seqlen_k be at most 2^31 - 256 = ",
+              flash::kMaxSeqlen, " (tile counts are int32), got q shape ", q.sizes(), ", k shape ", k.sizes());
   check_last_dims_scale(q, k, v, softmax_scale);
   return s;
 }
@@ -352,12 +352,12 @@ VarlenSizes check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, cons
   TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "flash_attn_ext: cu_seqlens_q has ",
               cu_seqlens_q.size(0), " entries but cu_seqlens_k has ", cu_seqlens_k.size(0),
               "; expected equal (batch + 1 each)");
-  const int64_t int_max = std::numeric_limits<int>::max();
-  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_q <= int_max && max_seqlen_k >= 0 && max_seqlen_k <= int_max,
-              "flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31), got ", max_seqlen_q, " and ",
-              max_seqlen_k);
-  TORCH_CHECK(q.size(0) < int_max && k.size(0) < int_max, "flash_attn_ext: total_q and total_k must fit in int32, got ",
-              q.size(0), " and ", k.size(0));
+  const int64_t max_len = flash::kMaxSeqlen;
+  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_q <= max_len && max_seqlen_k >= 0 && max_seqlen_k <= max_len,
+              "flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = ", max_len,
+              "] (tile counts are int32), got ", max_seqlen_q, " and ", max_seqlen_k);
+  TORCH_CHECK(q.size(0) <= max_len && k.size(0) <= max_len, "flash_attn_ext: total_q and total_k must be at most 2^31 - "
+              "256 = ", max_len, " (tile counts are int32), got ", q.size(0), " and ", k.size(0));
   return VarlenSizes{cu_seqlens_q.size(0) - 1, q.size(0), k.size(0), q.size(1), k.size(1), q.size(2)};
 }
 
@@ -519,18 +519,20 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
     ks.max_blocks = bt.size(1);
     TORCH_CHECK(ks.page_size > 0 && ks.page_size % 16 == 0, "flash_attn_ext: paged k_cache has page_size ",
                 ks.page_size, " (k_cache.size(1)); expected a positive multiple of 16");
-    TORCH_CHECK(ks.max_blocks * ks.page_size <= std::numeric_limits<int>::max(),
-                "flash_attn_ext: block_table.size(1) * page_size must fit in int32");
+    TORCH_CHECK(ks.max_blocks * ks.page_size <= flash::kMaxSeqlen,
+                "flash_attn_ext: block_table.size(1) * page_size (the longest sequence's cache) must be at most "
+                "2^31 - 256 = ", flash::kMaxSeqlen, ", got ", ks.max_blocks, " * ", ks.page_size);
   } else {
     TORCH_CHECK(k_cache.size(0) == batch, "flash_attn_ext: k_cache has batch ", k_cache.size(0), " but q has batch ",
                 batch, "; expected equal (or pass block_table for a paged cache)");
   }
   check_devices_dtypes(q, k_cache, v_cache, cuda, "k_cache", "v_cache");
   check_heads_headdim(q, k_cache, v_cache, "k_cache", "v_cache");
-  TORCH_CHECK(batch <= std::numeric_limits<int>::max() && q.size(1) <= std::numeric_limits<int>::max() &&
-                  k_cache.size(1) <= std::numeric_limits<int>::max(),
-              "flash_attn_ext: batch and seqlen must fit in int32, got q shape ", q.sizes(), ", k_cache shape ",
-              k_cache.sizes());
+  TORCH_CHECK(batch <= std::numeric_limits<int>::max() && k_cache.size(1) <= flash::kMaxSeqlen &&
+                  q.size(1) * (q.size(2) / k_cache.size(2)) <= flash::kMaxSeqlen,
+              "flash_attn_ext: batch must fit in int32, seqlen_cache and seqlen_q * nheads / nheads_k (the packed "
+              "rows of a kv head) be at most 2^31 - 256 = ", flash::kMaxSeqlen, " (tile counts are int32), got q "
+              "shape ", q.sizes(), ", k_cache shape ", k_cache.sizes());
   check_last_dim_contiguous(q, "q");
   const char* in_place = "; the cache is written in place, so it cannot be copied: allocate it with a contiguous "
                          "last dimension";

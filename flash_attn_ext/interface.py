@@ -77,7 +77,8 @@ def flash_attn_func(
             nheads_k / headdim mismatches between q, k and v; nheads not divisible by nheads_k;
             headdim not a multiple of 8 or > 256 (or a CUDA head dim not compiled in this build);
             a last dimension that is not contiguous; a softmax_scale that is not finite or whose
-            |softmax_scale| * log2(e) overflows float32; double backward.
+            |softmax_scale| * log2(e) overflows float32; seqlen_q or seqlen_k above 2^31 - 256 (tile
+            counts are int32); double backward.
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian).
         TypeError: causal that is not a bool (or 0 / 1).
 
@@ -156,7 +157,8 @@ def flash_attn_varlen_func(
 
     Raises:
         RuntimeError naming the argument for wrong ranks, shapes, dtypes, devices, a
-        cu_seqlens that is not int32 (batch + 1,) or whose two lengths differ, max_seqlen < 0.
+        cu_seqlens that is not int32 (batch + 1,) or whose two lengths differ, max_seqlen
+        outside [0, 2^31 - 256], total_q or total_k above 2^31 - 256.
         TypeError: max_seqlen that is not an int, causal that is not a bool.
         On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
         <= max_seqlen).
@@ -221,7 +223,8 @@ def flash_attn_with_kvcache(
     Raises:
         RuntimeError naming the argument for wrong shapes, dtypes, devices, a block_table or
         cache_seqlens of the wrong dtype or shape, k without v, num_splits outside [0, 128],
-        an input that requires grad. On CPU cache_seqlens[b] + seqlen_new past the cache and
+        an input that requires grad, a cache longer than 2^31 - 256 rows or seqlen_q * nheads /
+        nheads_k above 2^31 - 256. On CPU cache_seqlens[b] + seqlen_new past the cache and
         block numbers outside [0, num_blocks) raise too; on CUDA they are not read on the host
         (no sync): cache rows past the cache are dropped from the append and the attention,
         and block numbers are trusted. TypeError: num_splits or an int cache_seqlens that is

@@ -74,6 +74,7 @@ with q's, k's and v's shapes and dtypes. Raises RuntimeError naming the argument
 
 
 _MAX_HEADDIM = 256
+_MAX_SEQLEN = 2**31 - 256  # csrc/flash.h kMaxSeqlen: tile counts and 128-row roundings stay in int32
 
 # Kernels registered from Python (Autograd); kept alive for the life of the process.
 _lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
@@ -537,9 +538,9 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
 
 def _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """csrc/flash_api.cpp's varlen shape checks, for the fake kernels."""
-    if not (0 <= max_seqlen_q < 2**31 and 0 <= max_seqlen_k < 2**31):
-        raise RuntimeError(f"flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31), got "
-                           f"{max_seqlen_q} and {max_seqlen_k}")
+    if not (0 <= max_seqlen_q <= _MAX_SEQLEN and 0 <= max_seqlen_k <= _MAX_SEQLEN):
+        raise RuntimeError(f"flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = "
+                           f"{_MAX_SEQLEN}] (tile counts are int32), got {max_seqlen_q} and {max_seqlen_k}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise RuntimeError(f"flash_attn_ext: {name} must be 3-D (total, heads, headdim) (packed varlen), "

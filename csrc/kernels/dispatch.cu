@@ -138,7 +138,8 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   // The sm90 forward reads whole K/V tiles by TMA: past a KV cache's visible length (cache_seqlens)
   // those rows may hold anything, NaN included, which masking cannot undo in P V (0 * NaN); the
   // sm80 kernel's predicated loads zero-fill them. Varlen rows past a sequence's end are the next
-  // sequence's (finite) keys, masked in S and multiplied by P = 0.
+  // sequence's keys (or rows past cu_seqlens_k[-1]): masked in S, and their V rows zeroed in shared
+  // memory before P V (sm90/flash_fwd_kernel.cuh), since 0 * NaN would be NaN.
   const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr;
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
@@ -204,7 +205,9 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
     fail("page_size must be a positive multiple of 16 and seqlen_k = max_blocks * page_size, got page_size " +
          std::to_string(params.page_size) + ", seqlen_k " + std::to_string(params.seqlen_k));
   }
-  if (int64_t(params.seqlen_q) * params.h_h_k_ratio > INT32_MAX) fail("seqlen_q * nheads / nheads_k must fit in int32");
+  if (int64_t(params.seqlen_q) * params.h_h_k_ratio > kMaxSeqlen) {
+    fail("seqlen_q * nheads / nheads_k must be at most 2^31 - 256 (flash.h: kMaxSeqlen)");
+  }
   dispatch(params, "kvcache forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
