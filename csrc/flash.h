@@ -149,6 +149,12 @@ constexpr int64_t varlen_ws_rows(int64_t total_q, int64_t batch) {  // constexpr
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream);
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
 
+// Largest sequence length (seqlen_q, seqlen_k, max_seqlen_q / _k, total_q / _k, the packed GQA rows
+// seqlen_q * nheads / nheads_k of a KV-cache call) the kernels take: 2^31 - 256, so that tile counts
+// ceil(n / kBlock) (kBlock <= 256) and 128-row roundings of n stay in int32. flash_api.cpp refuses
+// longer ones by name.
+constexpr int kMaxSeqlen = 2147483647 - 255;
+
 // The KV-cache forward (flash_attn_with_kvcache; params with cache_seqlens and/or block_table,
 // seqlen_q >= 1): appends knew / vnew into the cache, then runs the split-KV kernel with
 // params.num_splits splits (>= 1; > 1 needs oaccum_ptr / softmax_lseaccum_ptr) and, when split,
@@ -159,12 +165,6 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream);
 // device sync, so a decode step stays CUDA-graph capturable): 1 when the (sequence, kv head, query
 // tile) CTAs already fill the GPU, else enough splits to fill it, at most kMaxSplits.
 constexpr int kMaxSplits = 128;
-
-// Largest sequence length (seqlen_q, seqlen_k, max_seqlen_q / _k, total_q / _k, the packed GQA rows
-// seqlen_q * nheads / nheads_k of a KV-cache call) the kernels take: 2^31 - 256, so that tile counts
-// ceil(n / kBlock) (kBlock <= 256) and 128-row roundings of n stay in int32. flash_api.cpp refuses
-// longer ones by name.
-constexpr int kMaxSeqlen = 2147483647 - 255;
 int num_splits_heuristic(const Flash_fwd_params& params);
 
 // Head dim the kernels run a user head dim `d` with (the smallest compiled one >= d), or 0 if
