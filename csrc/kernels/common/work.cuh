@@ -45,27 +45,8 @@ struct QTileWork {
     return make_int2(int(bh / params.h), m_block * params.h + int(bh % params.h));
   }
   // The tile of an explicit index in blockIdx.x's numbering (a persistent CTA's loop over tiles,
-  // common/tile_scheduler.cuh); 32-bit divisions below 2^32 tiles.
-  __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int64_t tile)
-      : QTileWork(params, decode(params, tile)) {}
-  __device__ __forceinline__ static int2 decode(const Flash_fwd_params& params, int64_t tile) {
-    const int num_m = ceil_div(params.seqlen_q, kBlockM);
-    int bidb, head, j;
-    if (tile <= int64_t(UINT32_MAX)) {
-      const uint32_t bh = uint32_t(tile) / uint32_t(num_m);
-      j = int(uint32_t(tile) % uint32_t(num_m));
-      bidb = int(bh / uint32_t(params.h));
-      head = int(bh % uint32_t(params.h));
-    } else {
-      const int64_t bh = tile / num_m;
-      j = int(tile % num_m);
-      bidb = int(bh / params.h);
-      head = int(bh % params.h);
-    }
-    return make_int2(bidb, (num_m - 1 - j) * params.h + head);
-  }
-  // The same decode with the divisions by num_m (m_div.d) and nheads (h_div.d) precomputed
-  // (common/tile_scheduler.cuh: FwdTileScheduler's, for tile < 2^31).
+  // common/tile_scheduler.cuh), with the divisions by num_m (m_div.d) and nheads (h_div.d) by the
+  // scheduler's precomputed FastDivmods (tile < 2^31).
   __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int64_t tile, const FastDivmod& m_div,
                                        const FastDivmod& h_div)
       : QTileWork(params, decode(int(tile), m_div, h_div)) {}
