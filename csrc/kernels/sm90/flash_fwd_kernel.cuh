@@ -210,22 +210,25 @@ __device__ __forceinline__ void zero_rows_past_end(uint32_t sQ, int first, int c
 // primed once by the last one (prime, before the first tile) and takes one extra turn-start after
 // the last tile (drain), which consumes the last warpgroup's final hand-over: no barrier is left
 // half-arrived at exit.
-// The calling thread's consumer warpgroup c comes from thread_index_opaque() at every call.
+// c: the calling thread's consumer warpgroup, warp-uniform (warpgroup_index, read once per CTA), so
+// the barrier ids are uniform-register values computed once, not per turn.
 template <int kConsumerWGs, bool kEnabled>
 struct WarpgroupTurns {
   static constexpr int kBarrier = 4;  // ids 1..3: the epilogue's per-warpgroup barriers
-  __device__ __forceinline__ static int wg() { return thread_index_opaque() / 128 - 1; }
-  __device__ __forceinline__ static void prime() {
-    if (kEnabled && wg() == kConsumerWGs - 1) named_barrier_arrive(kBarrier, 256);
+  int own, next;  // this warpgroup's turn barrier and its successor's
+  __device__ __forceinline__ explicit WarpgroupTurns(int c)
+      : own(kBarrier + c), next(kBarrier + (c + 1) % kConsumerWGs) {}
+  __device__ __forceinline__ void prime() const {
+    if (kEnabled && own == kBarrier + kConsumerWGs - 1) named_barrier_arrive(kBarrier, 256);
   }
-  __device__ __forceinline__ static void begin() {
-    if (kEnabled) named_barrier_sync(kBarrier + wg(), 256);
+  __device__ __forceinline__ void begin() const {
+    if (kEnabled) named_barrier_sync(own, 256);
   }
-  __device__ __forceinline__ static void end() {
-    if (kEnabled) named_barrier_arrive(kBarrier + (wg() + 1) % kConsumerWGs, 256);
+  __device__ __forceinline__ void end() const {
+    if (kEnabled) named_barrier_arrive(next, 256);
   }
-  __device__ __forceinline__ static void drain() {
-    if (kEnabled && wg() == 0) named_barrier_sync(kBarrier, 256);
+  __device__ __forceinline__ void drain() const {
+    if (kEnabled && own == kBarrier) named_barrier_sync(kBarrier, 256);
   }
 };
 
@@ -355,7 +358,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   static_assert(kVTailBarrier < 16, "16 named barriers per CTA");
   PipelineState<kQStages> q_pipe;
   PipelineState<kStages> kv_next;  // the K/V ring position of the next tile's first key block
-  Turns::prime();
+  // This thread's consumer warpgroup, warp-uniform (read once): the turns' barrier ids and the Q
+  // rows of its S products (64 cw) then live in uniform registers, so the Q descriptors are built
+  // on the uniform datapath instead of in vector registers moved by R2UR before every HGMMA.
+  const int cw = warpgroup_index(threadIdx.x) - 1;
+  const Turns turns(cw);
+  turns.prime();
   auto tiles = sched.begin();
 #pragma unroll 1
   for (int64_t tile_index; tiles.next(sched, tile_index);) {
@@ -418,12 +426,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
 
       // Step 0 (the last key block, n = n_block_max - 1): S_0, its softmax and P_0 (O = 0 yet).
-      Turns::begin();
+      turns.begin();
       mbarrier_wait(k_full(kv_pipe.stage(0)), kv_pipe.phase(0));
       wgmma_fence();
-      gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * c, sK(kv_pipe.stage(0)));
+      gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, sK(kv_pipe.stage(0)));
       wgmma_commit();
-      Turns::end();
+      turns.end();
       wgmma_wait<0>();
       wgmma_fence_operands(flat(s[0]));
       __syncwarp();
@@ -438,17 +446,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int n = n_block_max - 1 - i, stage = kv_pipe.stage(i), prev = kv_pipe.stage(i - 1);
 
         // Alg. 1 line 8: S_i = Q K_n^T (unscaled: the scale goes into the softmax) ...
-        Turns::begin();
+        turns.begin();
         mbarrier_wait(k_full(stage), kv_pipe.phase(i));
         wgmma_fence();
-        gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * c, sK(stage));
+        gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, sK(stage));
         wgmma_commit();
         // ... and line 10 of the previous step: O += P_{i-1} V_{n+1}.
         mbarrier_wait(v_full(prev), kv_pipe.phase(i - 1));
         wgmma_fence();
         gemm_pv<Element, kHeadDimPad, TileKV>(acc_o[0], p, sV(prev));
         wgmma_commit();
-        Turns::end();
+        turns.end();
 
         wgmma_wait<1>();  // S_i is complete, O += P V still running
         wgmma_fence_operands(flat(s[0]));
@@ -474,12 +482,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // The last step's O += P V (key block 0).
       {
         const int last = kv_pipe.stage(n_block_max - 1);
-        Turns::begin();
+        turns.begin();
         mbarrier_wait(v_full(last), kv_pipe.phase(n_block_max - 1));
         wgmma_fence();
         gemm_pv<Element, kHeadDimPad, TileKV>(acc_o[0], p, sV(last));
         wgmma_commit();
-        Turns::end();
+        turns.end();
         wgmma_wait<0>();
         wgmma_fence_operands(flat(acc_o[0]));
         __syncwarp();
@@ -551,7 +559,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     q_pipe.advance();
   }
-  Turns::drain();
+  turns.drain();
   if (params.cu_seqlens_q == nullptr && thread_index_opaque() % 128 == 0) tma_store_wait<0>();  // O written
 #endif
 }
