@@ -21,7 +21,8 @@ A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path), dkv90, dq90 (sm9
 (csrc/kernels/common/tile_shapes.h; the rows of csrc/kernels/<arch>/tile_config.h)
 splitkv variants run decode steps instead of the dense problems (GQA --heads, one query, a full
 cache of --cases, contiguous or paged xP<page>), timing split kernel + combine with the L2 flushed
-before each call, at each split count of --splits (0: the heuristic of the variant's row,
+before each call (FLASH_TUNE_FLUSH: zero, the default, a 256 MB memset like the benchmark's; read, a
+256 MB read, so L2 holds clean lines; none), at each split count of --splits (0: the heuristic of the variant's row,
 csrc/kernels/common/splitkv_heuristic.h); one head dim per run; last, a summary table of TB/s.
 The first variant of each (output, hdim) is the reference the others' outputs are checked against
 (fwd and fwd90 both write O, dkv and dkv90 dK, dq and dq90 dQ; put the production row of tile_config.h first, and

@@ -12,34 +12,53 @@
 # .oldsrc is git-ignored (.git/info/exclude): name it in the device call's carry. Apply a patch to
 # such a copy with `git apply --directory=...` or `patch -p1` from inside it: `git apply` run inside
 # a subfolder of this checkout patches nothing there (it skips paths outside the folder).
+#
+# Prebuilt sides (no compile on the GPU machine: the binaries link the CUDA runtime statically and
+# ran there as built on a machine without a GPU, 2026-12-01): build each side where nvcc is, e.g.
+#   d=$(python3 benchmarks/tune_kernels.py --compile-only $V | grep -o '/tmp/tune_kernels_[A-Za-z0-9_]*')
+#   mkdir -p .tune/new && cp $d/tune_kernels .tune/new/          # likewise .tune/old from .oldsrc
+#   NVCC_APPEND_FLAGS=-DFLASH_ATTN_EXT_SM90_FWD_PINGPONG=0 python3 benchmarks/tune_kernels.py ...  # a macro variant
+# then, carrying .tune (git-ignored): PREBUILT=.tune SIDES="old new other" bash scripts/gpu_ab_tune.sh
+# runs the sides alternately ROUNDS times and compares every side with the first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OLD_SRC=${OLD_SRC:-.oldsrc}
-NEW_SRC=${NEW_SRC:-.}
-VARIANTS=${VARIANTS:?"VARIANTS: tune_kernels.py variants, e.g. fwd90:128:128,128 (see its docstring)"}
 SEQLENS=${SEQLENS:-1024,2048,4096,16384}
 ROUNDS=${ROUNDS:-2}
 WORK=${AB_WORK:-/tmp/flash_ab_tune}
 PY=${PYTHON:-python3}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 rm -rf "$WORK"; mkdir -p "$WORK"
-for side in old new; do
-  src=$NEW_SRC; [ $side = old ] && src=$OLD_SRC
-  # shellcheck disable=SC2086
-  $PY "$src/benchmarks/tune_kernels.py" --compile-only $VARIANTS >"$WORK/build_$side.log" 2>&1 \
-    || { tail -n 30 "$WORK/build_$side.log"; echo "$side tree: compile failed"; exit 1; }
-  grep -o '/tmp/tune_kernels_[A-Za-z0-9_]*' "$WORK/build_$side.log" | head -n 1 >"$WORK/bin_$side"
-done
-old_runs=(); new_runs=()
-for r in $(seq 1 "$ROUNDS"); do
+if [ -n "${PREBUILT:-}" ]; then
+  SIDES=${SIDES:-"old new"}
+  for side in $SIDES; do echo "$PREBUILT/$side" >"$WORK/bin_$side"; done
+else
+  OLD_SRC=${OLD_SRC:-.oldsrc}
+  NEW_SRC=${NEW_SRC:-.}
+  VARIANTS=${VARIANTS:?"VARIANTS: tune_kernels.py variants, e.g. fwd90:128:128,128 (see its docstring)"}
+  SIDES="old new"
   for side in old new; do
+    src=$NEW_SRC; [ $side = old ] && src=$OLD_SRC
+    # shellcheck disable=SC2086
+    $PY "$src/benchmarks/tune_kernels.py" --compile-only $VARIANTS >"$WORK/build_$side.log" 2>&1 \
+      || { tail -n 30 "$WORK/build_$side.log"; echo "$side tree: compile failed"; exit 1; }
+    grep -o '/tmp/tune_kernels_[A-Za-z0-9_]*' "$WORK/build_$side.log" | head -n 1 >"$WORK/bin_$side"
+  done
+fi
+declare -A runs
+for r in $(seq 1 "$ROUNDS"); do
+  for side in $SIDES; do
     out="$WORK/$side$r.txt"
     # shellcheck disable=SC2086
     "$(cat "$WORK/bin_$side")/tune_kernels" ${SEQLENS//,/ } ${TUNE_ARGS:-} >"$out" 2>&1 || { tail -n 20 "$out"; exit 1; }
-    if [ $side = old ]; then old_runs+=("$out"); else new_runs+=("$out"); fi
+    runs[$side]="${runs[$side]:+${runs[$side]},}$out"
   done
 done
-$PY scripts/compare_tune.py --old "$(IFS=,; echo "${old_runs[*]}")" --new "$(IFS=,; echo "${new_runs[*]}")" \
-  | tee "$WORK/compare.txt"
-[ -n "${OUT:-}" ] && cp "$WORK"/compare.txt "$WORK"/old1.txt "$WORK"/new1.txt "$OUT"/ 2>/dev/null
+first=${SIDES%% *}
+for side in $SIDES; do
+  [ "$side" = "$first" ] && continue
+  [ "$first" = old ] && [ "$side" = new ] && name=compare.txt || name=compare_$side.txt
+  echo "=== $side / $first"
+  $PY scripts/compare_tune.py --old "${runs[$first]}" --new "${runs[$side]}" | tee "$WORK/$name"
+done
+if [ -n "${OUT:-}" ]; then tar czf "$OUT/ab_tune.tgz" -C "$(dirname "$WORK")" "$(basename "$WORK")"; fi
 exit 0

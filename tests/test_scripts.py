@@ -96,3 +96,29 @@ def test_tune_variant_defines_fill_sm90_backward_defaults():
     assert tk.variant_defines("dkv:128:64,128,1")[-1] == "-DA3=1"  # nothing appended
     with pytest.raises(SystemExit, match="dkv90 takes 2 to 6"):
         tk.variant_defines("dkv90:256:64,64,1,1,1,3,1")
+
+
+def test_gpu_ab_tune_prebuilt_sides(tmp_path):
+    """scripts/gpu_ab_tune.sh with PREBUILT binaries (built elsewhere, carried to the GPU machine):
+    no compile, the sides run alternately ROUNDS times, every side compared with the first. Fake
+    binaries print synthetic tune_kernels.py outputs (the side's TFLOP/s plus the round's offset)."""
+    speeds = {"old": 400.0, "new": 440.0, "other": 380.0}
+    for side, tflops in speeds.items():
+        d = tmp_path / "bins" / side
+        d.mkdir(parents=True)
+        body = (f"#!/bin/sh\nn=$(cat {d}/n 2>/dev/null || echo 0); echo $((n + 1)) > {d}/n\n"
+                f"printf '%s' '{HEADER}'\n"
+                f"printf '128  no     1024   fwd   fwd90 BM=128 BN=128   0.100   %s   0\\n' $(({int(tflops)} + 2 * n))\n")
+        (d / "tune_kernels").write_text(body)
+        (d / "tune_kernels").chmod(0o755)
+    env = dict(os.environ, PREBUILT=str(tmp_path / "bins"), SIDES="old new other", ROUNDS="2",
+               AB_WORK=str(tmp_path / "work"))
+    env.pop("OUT", None)
+    r = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_ab_tune.sh")], capture_output=True, text=True,
+                       env=env, check=True)
+    assert "=== new / old" in r.stdout and "=== other / old" in r.stdout
+    # Means over rounds 0 and 1 (+0 and +2): old 401, new 441, other 381.
+    assert f"{441 / 401:.3f}" in r.stdout and f"{381 / 401:.3f}" in r.stdout
+    for side in speeds:
+        assert (tmp_path / "bins" / side / "n").read_text().strip() == "2"  # ROUNDS runs of each side
+    assert (tmp_path / "work" / "compare.txt").exists() and (tmp_path / "work" / "compare_other.txt").exists()
