@@ -74,21 +74,31 @@ def test_nheads_k_zero():
     raises(r"nheads_k \(k.size\(2\)\) is 0; expected >= 1", fwd, q, k, v, 0.1, False)
 
 
-def _huge(shape):
-    """A tensor of `shape` on 64 bytes of storage (zero strides but the last), for size checks."""
-    return torch.zeros(shape[-1]).as_strided(shape, (0,) * (len(shape) - 1) + (1,))
+def _huge(shape, device="cpu", dtype=torch.float32):
+    """A tensor of `shape` on a few bytes of storage (zero strides but the last), for size checks."""
+    return torch.zeros(shape[-1], device=device, dtype=dtype).as_strided(shape, (0,) * (len(shape) - 1) + (1,))
 
 
-def test_sequence_lengths_past_the_int32_tile_counts():
+def _cuda_build():
+    return torch.cuda.is_available() and flash_attn_ext.build_info().get("with_cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _cuda_build(), reason="needs a CUDA device and a CUDA build (the CUDA entries' own checks)"))])
+def test_sequence_lengths_past_the_int32_tile_counts(device):
     """Sequence lengths above 2^31 - 256 are refused by name before any work (tile counts
     ceil(n / 256) and 128-row roundings would overflow int32; a varlen max_seqlen_q of 2^31 - 1 used
     to reach the sm90 forward with a negative tile count): dense seqlen, varlen max_seqlen / total,
-    and a KV-cache call's packed rows seqlen_q * nheads / nheads_k."""
+    and a KV-cache call's packed rows seqlen_q * nheads / nheads_k. On CUDA tensors the CUDA
+    entries check before any copy or launch (the huge views hold a few bytes)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    huge = lambda shape: _huge(shape, device, dtype)  # noqa: E731
     big = 2**31 - 255
-    q, k, v = _huge((1, big, 1, 16)), _huge((1, 8, 1, 16)), _huge((1, 8, 1, 16))
+    q, k, v = huge((1, big, 1, 16)), huge((1, 8, 1, 16)), huge((1, 8, 1, 16))
     raises(r"seqlen_q, seqlen_k be at most 2\^31 - 256 = 2147483392", fwd, q, k, v, 0.1, False)
     raises(r"seqlen_q, seqlen_k be at most 2\^31 - 256", fwd, k, q, q, 0.1, False)
-    q3, cu = torch.randn(5, 2, 16), torch.tensor([0, 5], dtype=torch.int32)
+    q3 = torch.randn(5, 2, 16, device=device, dtype=dtype)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=device)
     for mq, mk in ((2**31 - 1, 5), (5, big)):
         raises(r"max_seqlen_q and max_seqlen_k must be in \[0, 2\^31 - 256 = 2147483392\]",
                flash_attn_ext.flash_attn_varlen_func, q3, q3, q3, cu, cu, mq, mk)
@@ -96,8 +106,8 @@ def test_sequence_lengths_past_the_int32_tile_counts():
     raises(r"max_seqlen_q and max_seqlen_k must be in \[0, 2\^31 - 256",
            flash_attn_ext.flash_attn_varlen_func, meta[0], meta[0], meta[0], meta[1], meta[1], 2**31 - 1, 5)
     raises(r"total_q and total_k must be at most 2\^31 - 256", flash_attn_ext.flash_attn_varlen_func,
-           _huge((big, 2, 16)), q3, q3, cu, cu, 5, 5)
-    qk, cache = _huge((1, 2**28, 8, 16)), torch.randn(1, 16, 1, 16)
+           huge((big, 2, 16)), q3, q3, cu, cu, 5, 5)
+    qk, cache = huge((1, 2**28, 8, 16)), torch.randn(1, 16, 1, 16, device=device, dtype=dtype)
     raises(r"seqlen_q \* nheads / nheads_k \(the packed rows of a kv head\) be at most 2\^31 - 256",
            flash_attn_ext.flash_attn_with_kvcache, qk, cache, cache)
 
