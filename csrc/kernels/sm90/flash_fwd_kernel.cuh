@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The thread's indices, read afresh for every tile and again in the epilogue (an opaque read
     // of %tid.x): the compiler would otherwise hoist the row- and thread-derived mask, stats and
     // store terms out of the tile loop and keep them live (spilled) across the main loop.
-    const int c = thread_index_opaque() / 128 - 1, lane = thread_index_opaque() % 32;
+    const int lane = thread_index_opaque() % 32;
     // The warp's first row inside the tile (mask, stats), read afresh where it is used.
     auto row0 = [] { return thread_index_opaque() / 32 * 16 - 64; };
 
@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // online softmax decides rescales and the exact form per warp, so the tile then computes
       // what the dense op computes on the sequence alone, bit for bit (rows in warps without a
       // valid row feed only outputs that are never stored).
-      if (params.cu_seqlens_q != nullptr) zero_rows_past_end<TileQ, kHeadDimPad>(sQ_t, w.rows_q - 64 * c, c);
+      if (params.cu_seqlens_q != nullptr) zero_rows_past_end<TileQ, kHeadDimPad>(sQ_t, w.rows_q - 64 * cw, cw);
       // Varlen, V of the last key block (step 0): its rows past the sequence's keys are the next
       // sequence's (or past cu_seqlens_k[-1]). P is 0 there, but 0 * NaN is NaN in P V, so they are
       // zeroed as a dense call's out-of-bounds fill leaves them (K needs nothing: the mask sets S
