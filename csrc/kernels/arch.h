@@ -40,6 +40,9 @@ FLASH_LAUNCH_TEMPLATE(Sm80, run_mha_fwd_splitkv_, Flash_fwd_params)  // sm80/fla
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_, Flash_fwd_params)
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dkv_, Flash_bwd_params)
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dq_, Flash_bwd_params)
+// The sm80 forward kernel with its sm_90 row (sm90/tile_config.h: Sm80FwdTile), compiled for
+// sm_90a only (sm90/flash_fwd_sm80_launch.cuh).
+FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_sm80_, Flash_fwd_params)
 #undef FLASH_LAUNCH_TEMPLATE
 
 }  // namespace flash

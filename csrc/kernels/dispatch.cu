@@ -6,8 +6,8 @@
 //
 // The manifest (csrc/kernels/generate_kernels.py) is the one list of (arch path, kernel, head dim,
 // dtype); setup.py writes the subset this build compiles into csrc/generated/build_config.h as
-// X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS)
-// and the flag FLASH_ATTN_EXT_WITH_SM90, read here only.
+// X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS,
+// FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS) and the flag FLASH_ATTN_EXT_WITH_SM90, read here only.
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches on `stream`:
 //   1. preprocess: D = rowsum(dO o O), LSE_log2 = hi + lo   (common/bwd_preprocess.cuh)
@@ -43,6 +43,7 @@ namespace {
 constexpr int kHdims[] = {FLASH_ATTN_EXT_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};  // ascending, 0-terminated
 constexpr int kSm90FwdHdims[] = {FLASH_ATTN_EXT_SM90_FWD_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90BwdHdims[] = {FLASH_ATTN_EXT_SM90_BWD_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
+constexpr int kSm90FwdSm80Hdims[] = {FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 #undef FLASH_ATTN_EXT_LIST_ITEM
 
 template <int N>
@@ -147,6 +148,15 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
     if constexpr (contains(kSm90FwdHdims, kHeadDim)) {
       if (sm90_ok && tma_can_describe_inputs(params)) {
         run_mha_fwd_<Element, kHeadDim>(Sm90{}, params, stream);
+        return;
+      }
+    }
+    // The sm80 kernel on an sm_90 GPU (inputs TMA cannot describe, a KV cache, the forced sm80
+    // path): its sm_90 row where the sm90 table has one (sm_90a code runs on compute capability
+    // 9.0 only).
+    if constexpr (contains(kSm90FwdSm80Hdims, kHeadDim)) {
+      if (params.arch == 90) {
+        run_mha_fwd_sm80_<Element, kHeadDim>(Sm90{}, params, stream);
         return;
       }
     }

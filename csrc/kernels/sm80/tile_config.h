@@ -5,7 +5,9 @@
 // Forward (flash_fwd_kernel.cuh): FlashAttention-2's sm80/sm90 mma.sync choices, narrowed until
 // ptxas reports no spills at the 255-register cap (nvcc 13, sm_80 and sm_90a): 4 warps x 32 rows
 // keep 2 m16 atoms per warp (K/V fragments reused twice: half the ldmatrix traffic of 16-row
-// warps), and kBlockN shrinks where acc_o + S would spill (d128: 128x64 spills 8 B, 128x48 none).
+// warps), and kBlockN shrinks where acc_o + S would spill (d128: 128x64 spills 80 B at sm_80 /
+// sm_86 with nvcc 13.0, 128x48 none). On sm_90 the kernel runs the sm90 table's Sm80FwdTile row
+// instead where there is one (d128: 128x64, no spills in sm_90a code).
 // kMinBlocks 2 for 4-warp CTAs costs no registers below 255/thread and lets two CTAs overlap each
 // other's softmax and loads. Shared memory = (kBlockM + 2 kBlockN) * (d + 8) * 2 B: d32 20 KB,
 // d64 36 KB, d96 39 KB, d128 60 KB, d192 100 KB, d256 132 KB.

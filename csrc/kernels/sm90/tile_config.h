@@ -94,5 +94,17 @@ template <> struct FwdTile<128> : FwdTileShape<128,  128,   12,  false,    1> { 
 template <> struct FwdTile<192> : FwdTileShape<128,  112,   12,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdTile<256> : FwdTileShape<128,   80,   12,  false,    1> { static constexpr bool kSupported = true; };
 
+// The sm80 forward kernel (sm80/flash_fwd_kernel.cuh) on an sm_90 GPU: the inputs the forward
+// above does not take (strides or bases TMA cannot describe, a KV cache) and the forced sm80
+// path. Its sm_90a code has more room than its sm_80 / sm_86 code: at d128, 128 x 64 has no
+// spills in sm_90a SASS (80 bytes of spills at sm_80 and sm_86, whose row stays 128 x 48).
+// Measured on the H200 (benchmarks/tune_kernels.py, one binary, bf16, TFLOP/s at N = 1k / 4k /
+// 16k; docs/PERF_NOTES.md, ninth session): 128 x 48 322 / 361 / 360, causal 238 / 313 / 335;
+// 128 x 64 344 / 376 / 366, causal 257 / 327 / 349. Compiled for sm_90a only (the manifest's
+// fwd_sm80 kind, sm90/flash_fwd_sm80_launch.cuh); dispatch.cu takes it on compute capability 9.0.
+//                                          BLOCK_M BLOCK_N warps Q-in-regs minCTAs
+template <int kHeadDim> struct Sm80FwdTile { static constexpr bool kSupported = false; };
+template <> struct Sm80FwdTile<128> : FwdTileShape<128,   64,    4,  false,    2> { static constexpr bool kSupported = true; };
+
 }  // namespace sm90
 }  // namespace flash

@@ -1,0 +1,81 @@
+"""The kernel manifest (csrc/kernels/generate_kernels.py), which setup.py reads: the generated
+instantiation files match it, each build compiles the files of the arch paths it targets only, the
+X-macros of csrc/generated/build_config.h follow the build, and every manifest row has its tile row.
+No GPU and no build needed."""
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    spec = importlib.util.spec_from_file_location("generate_kernels",
+                                                  os.path.join(REPO, "csrc", "kernels", "generate_kernels.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _read(rel):
+    with open(os.path.join(REPO, rel)) as f:
+        return f.read()
+
+
+def test_instantiation_files_are_the_generators_output(manifest):
+    every = manifest.sources(["80", "90a"], manifest.HDIMS)
+    for arch, (tag, _, kinds) in manifest.MANIFEST.items():
+        for kind, hdims in kinds.items():
+            header, func, params = manifest.KINDS[kind]
+            for hdim in hdims:
+                for short, dtype in manifest.DTYPES.items():
+                    path = manifest._path(arch, kind, hdim, short)
+                    assert path in every
+                    assert _read(path) == manifest.TEMPLATE.format(header=header, func=func, tag=tag, dtype=dtype,
+                                                                   hdim=hdim, params=params), path
+    on_disk = {f"csrc/kernels/{arch}/instantiations/{name}" for arch in manifest.MANIFEST
+               for name in os.listdir(os.path.join(REPO, "csrc", "kernels", arch, "instantiations"))}
+    assert on_disk == set(every), "stale or missing instantiation files: run python csrc/kernels/generate_kernels.py"
+
+
+def test_sm90_files_only_in_builds_with_sm90a(manifest):
+    sm80_only = manifest.sources(["80", "86"], [64, 128])
+    assert sm80_only and not any("/sm90/" in p for p in sm80_only)
+    with_90a = manifest.sources(["80", "90a"], [64, 128])
+    # the sm80 forward's sm_90 row compiles in the sm90 folder, so for sm_90a only
+    assert "csrc/kernels/sm90/instantiations/flash_fwd_sm80_hdim128_bf16_sm90.cu" in with_90a
+    assert "csrc/kernels/sm90/instantiations/flash_fwd_sm80_hdim128_fp16_sm90.cu" in with_90a
+    assert not any("fwd_sm80_hdim64" in p for p in with_90a)
+
+
+def test_config_macros_follow_the_build(manifest):
+    def macro(text, name):
+        m = re.search(rf"^#define {name}\(X\) ?(.*)$", text, re.M)
+        assert m, name
+        return [int(x) for x in re.findall(r"X\((\d+)\)", m.group(1))]
+
+    text = manifest.config_macros(["90a"], [64, 128])
+    assert "#define FLASH_ATTN_EXT_WITH_SM90 1" in text
+    assert macro(text, "FLASH_ATTN_EXT_HDIMS") == [64, 128]
+    assert macro(text, "FLASH_ATTN_EXT_SM90_FWD_HDIMS") == [64, 128]
+    assert macro(text, "FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS") == [128]
+    assert macro(manifest.config_macros(["90a"], [64]), "FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS") == []
+    text = manifest.config_macros(["80"], [64, 128])
+    assert "FLASH_ATTN_EXT_WITH_SM90" not in text
+    for name in ("FLASH_ATTN_EXT_SM90_FWD_HDIMS", "FLASH_ATTN_EXT_SM90_BWD_HDIMS",
+                 "FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS"):
+        assert macro(text, name) == []
+
+
+def test_every_manifest_row_has_a_tile_row(manifest):
+    tables = {arch: _read(f"csrc/kernels/{arch}/tile_config.h") for arch in manifest.MANIFEST}
+    struct = {"fwd": "FwdTile", "bwd_dkv": "DkvTile", "bwd_dq": "DqTile", "fwd_splitkv": "SplitKvTile",
+              "fwd_sm80": "Sm80FwdTile"}
+    for arch, (_, _, kinds) in manifest.MANIFEST.items():
+        for kind, hdims in kinds.items():
+            for hdim in hdims:
+                assert re.search(rf"struct {struct[kind]}<{hdim}>\s*:", tables[arch]), (arch, kind, hdim)
