@@ -97,10 +97,9 @@ template <> struct FwdTile<256> : FwdTileShape<128,   80,   12,  false,    1> { 
 // The sm80 forward kernel (sm80/flash_fwd_kernel.cuh) on an sm_90 GPU: the inputs the forward
 // above does not take (strides or bases TMA cannot describe, a KV cache) and the forced sm80
 // path. Its sm_90a code has more room than its sm_80 / sm_86 code: at d128, 128 x 64 has no
-// spills in sm_90a SASS (80 bytes of spills at sm_80 and sm_86, whose row stays 128 x 48).
-// Measured on the H200 (benchmarks/tune_kernels.py, one binary, bf16, TFLOP/s at N = 1k / 4k /
-// 16k; docs/PERF_NOTES.md, ninth session): 128 x 48 322 / 361 / 360, causal 238 / 313 / 335;
-// 128 x 64 344 / 376 / 366, causal 257 / 327 / 349. Compiled for sm_90a only (the manifest's
+// spills in sm_90a SASS (80 bytes of spills at sm_80 and sm_86, whose row stays 128 x 48), and
+// it ran 2-8 % faster than 128 x 48 on the H200 (docs/PERF_NOTES.md, ninth and eleventh
+// sessions). Compiled for sm_90a only (the manifest's
 // fwd_sm80 kind, sm90/flash_fwd_sm80_launch.cuh); dispatch.cu takes it on compute capability 9.0.
 //                                          BLOCK_M BLOCK_N warps Q-in-regs minCTAs
 template <int kHeadDim> struct Sm80FwdTile { static constexpr bool kSupported = false; };
