@@ -28,15 +28,9 @@ def _read(rel):
 
 def test_instantiation_files_are_the_generators_output(manifest):
     every = manifest.sources(["80", "90a"], manifest.HDIMS)
-    for arch, (tag, _, kinds) in manifest.MANIFEST.items():
-        for kind, hdims in kinds.items():
-            header, func, params = manifest.KINDS[kind]
-            for hdim in hdims:
-                for short, dtype in manifest.DTYPES.items():
-                    path = manifest._path(arch, kind, hdim, short)
-                    assert path in every
-                    assert _read(path) == manifest.TEMPLATE.format(header=header, func=func, tag=tag, dtype=dtype,
-                                                                   hdim=hdim, params=params), path
+    for path, text in manifest.instantiations():
+        assert path in every
+        assert _read(path) == text, path
     on_disk = {f"csrc/kernels/{arch}/instantiations/{name}" for arch in manifest.MANIFEST
                for name in os.listdir(os.path.join(REPO, "csrc", "kernels", arch, "instantiations"))}
     assert on_disk == set(every), "stale or missing instantiation files: run python csrc/kernels/generate_kernels.py"

@@ -78,18 +78,23 @@ def config_macros(cuda_archs, hdims):
                      [d for d in (kinds["fwd_sm80"] if built else []) if d in hdims]))
 
 
-def main():
+def instantiations():
+    """(path relative to the repository root, text) of every instantiation file of the manifest."""
     for arch, (tag, _, kinds) in MANIFEST.items():
-        os.makedirs(os.path.join(HERE, arch, "instantiations"), exist_ok=True)
         for kind, hdims in kinds.items():
             header, func, params = KINDS[kind]
             for hdim in hdims:
                 for short, dtype in DTYPES.items():
-                    path = os.path.join(HERE, "..", "..", _path(arch, kind, hdim, short))
-                    text = TEMPLATE.format(header=header, func=func, tag=tag, dtype=dtype,
-                                           hdim=hdim, params=params)
-                    with open(path, "w") as f:
-                        f.write(text)
+                    yield _path(arch, kind, hdim, short), TEMPLATE.format(
+                        header=header, func=func, tag=tag, dtype=dtype, hdim=hdim, params=params)
+
+
+def main():
+    for arch in MANIFEST:
+        os.makedirs(os.path.join(HERE, arch, "instantiations"), exist_ok=True)
+    for path, text in instantiations():
+        with open(os.path.join(HERE, "..", "..", path), "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":
