@@ -109,4 +109,15 @@ __device__ __forceinline__ void acc_to_a_frag(uint32_t (&a)[4], const float (&x)
   a[3] = pack2<Element>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
 }
 
+// Row h (0: g, 1: g + 8) of acc_to_a_frag for every k16 step: the A registers that hold that row's
+// values (a[0], a[2] row g; a[1], a[3] row g + 8), so a row can be converted as soon as it is final.
+template <int kNBlk, typename Element>
+__device__ __forceinline__ void to_a_frag_row(uint32_t (&a)[kNBlk / 2][4], const float (&x)[kNBlk][4], int h) {
+#pragma unroll
+  for (int kk = 0; kk < kNBlk / 2; ++kk) {
+    a[kk][h] = pack2<Element>(x[2 * kk][2 * h], x[2 * kk][2 * h + 1]);
+    a[kk][2 + h] = pack2<Element>(x[2 * kk + 1][2 * h], x[2 * kk + 1][2 * h + 1]);
+  }
+}
+
 }  // namespace flash

@@ -37,16 +37,39 @@ constexpr float kExactLimit = 1024.f;
 // Tune harness A/B of two trees on the H200 (bf16, N 1k-16k).
 enum class ExactForm { kPrepass, kSecondLoop };
 
+// The order in which update() treats a thread's rows:
+//   kTogether   every row's max first, then one warp-uniform decision (rescale, exact form) for all of
+//               them, then every row's exponentials;
+//   kPipelined  row by row, each row index r with its own warp-uniform decisions, and row r + 1's max
+//               taken inside row r's exponentiation block: its FMNMX (ALU pipe) fill the issue gaps
+//               between row r's MUFU.EX2 (one per 8 cycles per warp) instead of preceding them, so a
+//               tile's softmax is shorter by about one row's max (FlashAttention-4's sm90 softmax
+//               goes row by row as well). Each row index costs one more vote and two more uniform
+//               branches, so it pays only where the softmax's latency, not the SFU's throughput, bounds
+//               the loop. sm90 forward with two ping-pong warpgroups (d96, d128): +1-6 % per cell
+//               (tune harness, 6 rounds, H200); with three (d64, SFU-bound) -2..-5 %; d192 -1 %.
+// The same bits for a row whatever the order, given the same decisions (the decisions are per
+// warp and row index instead of per warp).
+enum class RowOrder { kTogether, kPipelined };
+
+// update_deferred's default row_done: nothing to do when a row's P is complete.
+struct NoRowDone {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+
 // Running row state of the online softmax for the 2*kMAtoms rows a thread owns.
 // row_sum is kept per thread (partial over the thread's columns) and reduced over the
 // quad only once, in finalize(): alpha is equal across the quad, so this is exact.
-template <int kMAtoms, ExactForm kForm = ExactForm::kPrepass>
+template <int kMAtoms, ExactForm kForm = ExactForm::kPrepass, RowOrder kOrder = RowOrder::kTogether>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMAtoms;
+  static_assert(kOrder == RowOrder::kTogether || kForm == ExactForm::kSecondLoop,
+                "kPipelined computes the exact form in a second loop");
   float row_max[kRows];   // m: the max P is taken against (lags the true max by <= 8 / c, below)
   float row_sum[kRows];   // l: running sum of P (thread-partial)
   float true_max[kRows];  // the true running max of the raw scores, for the statistics
   bool exact_ = false;    // warp-uniform: some row's |m c| >= kExactLimit (P in the exact form)
+  bool exact_row_[kRows] = {};  // kPipelined: the same per row index r (uniform over the warp's rows r)
 
   __device__ __forceinline__ OnlineSoftmax() {
 #pragma unroll
@@ -68,7 +91,7 @@ struct OnlineSoftmax {
   template <int kNAtoms, int kDAtoms>
   __device__ __forceinline__ void update(float (&s)[kMAtoms][kNAtoms][4], float (&acc_o)[kMAtoms][kDAtoms][4],
                                          float c) {
-    update_rows(s, c, [&](int r, float alpha) {
+    rows(s, c, [&](int r, float alpha) {
 #pragma unroll
       for (int di = 0; di < kDAtoms; ++di) {
         acc_o[r / 2][di][2 * (r % 2)] *= alpha;
@@ -81,16 +104,35 @@ struct OnlineSoftmax {
   // is still in flight while this tile's softmax runs, sm90/flash_fwd_kernel.cuh): alpha[r] gets
   // row r's factor, 1 where it was not rescaled; returns whether any row was (warp-uniform), so
   // the caller applies rescale_o(acc_o, alpha) once the accumulator is its own again.
-  template <int kNAtoms>
-  __device__ __forceinline__ bool update_deferred(float (&s)[kMAtoms][kNAtoms][4], float c, float (&alpha)[kRows]) {
+  // row_done(r): called once row r of s holds its P (all rows at the end in kTogether order; in
+  // kPipelined inside the row's exponentiation block, so the caller's use of it, e.g. its conversion
+  // to 16-bit A fragments, fills the next row's SFU gaps).
+  template <int kNAtoms, typename RowDone = NoRowDone>
+  __device__ __forceinline__ bool update_deferred(float (&s)[kMAtoms][kNAtoms][4], float c, float (&alpha)[kRows],
+                                                  RowDone&& row_done = {}) {
     bool rescaled = false;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) alpha[r] = 1.f;
-    update_rows(s, c, [&](int r, float a) {
-      alpha[r] = a;
-      rescaled = true;
-    });
+    rows(
+        s, c,
+        [&](int r, float a) {
+          alpha[r] = a;
+          rescaled = true;
+        },
+        row_done);
     return rescaled;
+  }
+
+  template <int kNAtoms, typename RescaleRow, typename RowDone = NoRowDone>
+  __device__ __forceinline__ void rows(float (&s)[kMAtoms][kNAtoms][4], float c, RescaleRow&& rescale_row,
+                                       RowDone&& row_done = {}) {
+    if constexpr (kOrder == RowOrder::kPipelined) {
+      update_rows_pipelined(s, c, rescale_row, row_done);
+    } else {
+      update_rows(s, c, rescale_row);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) row_done(r);
+    }
   }
 
   template <int kDAtoms>
@@ -188,6 +230,71 @@ struct OnlineSoftmax {
       exponentiate(std::true_type{}, true);
     } else {
       exponentiate(std::false_type{}, false);
+    }
+  }
+
+  // Row r's max over the thread's scores, from init (m_old): four independent FMNMX chains.
+  template <int kNAtoms>
+  __device__ __forceinline__ static float thread_row_max(const float (&s)[kMAtoms][kNAtoms][4], int r, float init) {
+    const int mi = r / 2, e = 2 * (r % 2);
+    float a[4] = {fmaxf(init, s[mi][0][e]), s[mi][0][e + 1], -INFINITY, -INFINITY};
+    if constexpr (kNAtoms > 1) {
+      a[2] = s[mi][1][e];
+      a[3] = s[mi][1][e + 1];
+    }
+#pragma unroll
+    for (int ni = 2; ni < kNAtoms; ++ni) {
+      a[2 * (ni % 2)] = fmaxf(a[2 * (ni % 2)], s[mi][ni][e]);
+      a[2 * (ni % 2) + 1] = fmaxf(a[2 * (ni % 2) + 1], s[mi][ni][e + 1]);
+    }
+    return fmaxf(fmaxf(a[0], a[1]), fmaxf(a[2], a[3]));
+  }
+
+  // update_rows in RowOrder::kPipelined: the same steps for each row index r on its own (rescale
+  // and exact form decided over the warp's rows r), row r + 1's max inside row r's exponentials.
+  template <int kNAtoms, typename RescaleRow, typename RowDone>
+  __device__ __forceinline__ void update_rows_pipelined(float (&s)[kMAtoms][kNAtoms][4], float c,
+                                                        RescaleRow&& rescale_row, RowDone&& row_done) {
+    float next = quad_allreduce_max(thread_row_max(s, 0, row_max[0]));
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int mi = r / 2, h = r % 2;
+      const float tile_max = next;  // max(m_old, rowmax(S)) over the quad
+      true_max[r] = fmaxf(true_max[r], tile_max);
+      // As update_rows, for the warp's rows r: rescale to the new max when one of them grew past the
+      // threshold (or from -inf to finite), and decide the form of P where the max changes.
+      if (__any_sync(0xffffffffu, (tile_max - row_max[r]) * c > kRescaleThreshold)) {
+        const float m_new = (tile_max == -INFINITY) ? 0.f : tile_max;
+        const float alpha = fast_exp2((row_max[r] - m_new) * c);
+        row_max[r] = tile_max;
+        row_sum[r] *= alpha;
+        rescale_row(r, alpha);
+        exact_row_[r] = __any_sync(0xffffffffu, fabsf(row_max[r] * c) >= kExactLimit && row_max[r] != -INFINITY);
+      }
+      // P = exp2((S - m) c) of row r (the fast FFMA or, uniform branch, the exact form), and the
+      // next row's max while the MUFU works through this one.
+      auto exponentiate = [&](auto exact) {
+        const float m = (row_max[r] == -INFINITY) ? 0.f : row_max[r];
+        const float m_scaled = m * c;
+        float sum = 0.f;
+#pragma unroll
+        for (int ni = 0; ni < kNAtoms; ++ni) {
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            s[mi][ni][e] = fast_exp2(decltype(exact)::value ? __fmul_rn(s[mi][ni][e] - m, c)
+                                                            : fmaf(s[mi][ni][e], c, -m_scaled));
+            sum += s[mi][ni][e];
+          }
+        }
+        row_sum[r] += sum;
+        row_done(r);
+        if (r + 1 < kRows) next = quad_allreduce_max(thread_row_max(s, r + 1, row_max[r + 1]));
+      };
+      if (exact_row_[r]) {
+        exponentiate(std::true_type{});
+      } else {
+        exponentiate(std::false_type{});
+      }
     }
   }
 

@@ -57,6 +57,14 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for register A operands (P fragments): live, unchanged, up to this point.
+template <int M, int N>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
 
 // Warpgroup index of thread `tid`, read from lane 0 so the compiler knows it is warp-uniform: the
 // wgmma descriptors derived from it then live in uniform registers, not in vector registers moved
