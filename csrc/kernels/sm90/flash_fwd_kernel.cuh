@@ -21,7 +21,9 @@
 //        wait S_i, release K; mask (diagonal / seqlen_k edge tiles only); online softmax of S_i
 //        (primitives/softmax.cuh: the sm80 kernel's numerics, the same code) while O += P V runs
 //                                                                                    Alg. 1 lines 9-10
-//        wait O += P V, release V; O *= alpha; P_i = S_i as A fragments.
+//        wait O += P V, release V; O *= alpha; P_i = S_i as A fragments (d96 / d128: row by row
+//        inside the softmax, which goes row by row there, into the other of two P register buffers
+//        while O += P_{i-1} V still reads the first: FwdKernelTraits::kSoftmaxOrder, kDoubleBufferP).
 //        With 2-3 consumer warpgroups and d <= 128 the warpgroups take turns issuing their GEMMs
 //        (named barriers, WarpgroupTurns), so one's softmax runs under another's products.
 //   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer, LSE and the two
