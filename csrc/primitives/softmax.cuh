@@ -80,9 +80,10 @@ struct OnlineSoftmax {
   }
 
   // A row's running max may lag its true max by up to this many log2 units (P <= 2^8): the
-  // accumulator is rescaled only when some row of the warp grew by more (conditional rescaling,
-  // as in FlashAttention-4). Exact: P, l and O all use the same (stale) max, and the final
-  // normalization and LSE use it too; P <= 256 keeps bf16/fp16's relative precision.
+  // accumulator is rescaled only when some row of the warp (kPipelined: of the warp's rows of the
+  // same index) grew by more (conditional rescaling, as in FlashAttention-4). Exact: P, l and O
+  // all use the same (stale) max, and the final normalization and LSE use it too; P <= 256 keeps
+  // bf16/fp16's relative precision.
   static constexpr float kRescaleThreshold = 8.f;
 
   // One K tile of masked raw scores S (FA2 Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S));

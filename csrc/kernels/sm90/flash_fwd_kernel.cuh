@@ -418,9 +418,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       // Varlen: the TMA box brought the next sequence's rows past this one's end. Those that share
       // a warp with its last rows are zeroed, as a dense call's out-of-bounds fill leaves them: the
-      // online softmax decides rescales and the exact form per warp, so the tile then computes
-      // what the dense op computes on the sequence alone, bit for bit (rows in warps without a
-      // valid row feed only outputs that are never stored).
+      // online softmax decides rescales and the exact form per warp (or per warp and row index),
+      // so the tile then computes what the dense op computes on the sequence alone, bit for bit
+      // (rows in warps without a valid row feed only outputs that are never stored).
       if (params.cu_seqlens_q != nullptr) zero_rows_past_end<TileQ, kHeadDimPad>(sQ_t, w.rows_q - 64 * cw, cw);
       // Varlen, V of the last key block (step 0): its rows past the sequence's keys are the next
       // sequence's (or past cu_seqlens_k[-1]). P is 0 there, but 0 * NaN is NaN in P V, so they are
