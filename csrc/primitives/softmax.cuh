@@ -194,25 +194,7 @@ struct OnlineSoftmax {
     // exact round((S - m) c), in the form kForm says.
     auto exponentiate = [&](auto exact, bool m_zero) {
 #pragma unroll
-      for (int mi = 0; mi < kMAtoms; ++mi) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = 2 * mi + h;
-          const float m = (row_max[r] == -INFINITY) ? 0.f : row_max[r];
-          const float m_scaled = m_zero ? 0.f : m * c;
-          float sum = 0.f;
-#pragma unroll
-          for (int ni = 0; ni < kNAtoms; ++ni) {
-#pragma unroll
-            for (int e = 2 * h; e < 2 * h + 2; ++e) {
-              s[mi][ni][e] = fast_exp2(decltype(exact)::value ? __fmul_rn(s[mi][ni][e] - m, c)
-                                                              : fmaf(s[mi][ni][e], c, -m_scaled));
-              sum += s[mi][ni][e];
-            }
-          }
-          row_sum[r] += sum;
-        }
-      }
+      for (int r = 0; r < kRows; ++r) exponentiate_row<decltype(exact)::value>(s, r, c, m_zero);
     };
     if constexpr (kForm == ExactForm::kPrepass) {
       if (exact_) {  // S - m in place, rounded; the loop's fma(S - m, c, -0) is then round((S - m) c)
@@ -232,6 +214,26 @@ struct OnlineSoftmax {
     } else {
       exponentiate(std::false_type{}, false);
     }
+  }
+
+  // Row r's P = exp2((S - m) c) in place of its scores, and l += rowsum(P) (this thread's part):
+  // kExact the rounded (S - m) c, else one FFMA S c - (m c) (m c = 0 where m_zero: S - m was
+  // subtracted already, ExactForm::kPrepass).
+  template <bool kExact, int kNAtoms>
+  __device__ __forceinline__ void exponentiate_row(float (&s)[kMAtoms][kNAtoms][4], int r, float c, bool m_zero) {
+    const int mi = r / 2, h = r % 2;
+    const float m = (row_max[r] == -INFINITY) ? 0.f : row_max[r];
+    const float m_scaled = m_zero ? 0.f : m * c;
+    float sum = 0.f;
+#pragma unroll
+    for (int ni = 0; ni < kNAtoms; ++ni) {
+#pragma unroll
+      for (int e = 2 * h; e < 2 * h + 2; ++e) {
+        s[mi][ni][e] = fast_exp2(kExact ? __fmul_rn(s[mi][ni][e] - m, c) : fmaf(s[mi][ni][e], c, -m_scaled));
+        sum += s[mi][ni][e];
+      }
+    }
+    row_sum[r] += sum;
   }
 
   // Row r's max over the thread's scores, from init (m_old): four independent FMNMX chains.
@@ -259,7 +261,6 @@ struct OnlineSoftmax {
     float next = quad_allreduce_max(thread_row_max(s, 0, row_max[0]));
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const int mi = r / 2, h = r % 2;
       const float tile_max = next;  // max(m_old, rowmax(S)) over the quad
       true_max[r] = fmaxf(true_max[r], tile_max);
       // As update_rows, for the warp's rows r: rescale to the new max when one of them grew past the
@@ -275,19 +276,7 @@ struct OnlineSoftmax {
       // P = exp2((S - m) c) of row r (the fast FFMA or, uniform branch, the exact form), and the
       // next row's max while the MUFU works through this one.
       auto exponentiate = [&](auto exact) {
-        const float m = (row_max[r] == -INFINITY) ? 0.f : row_max[r];
-        const float m_scaled = m * c;
-        float sum = 0.f;
-#pragma unroll
-        for (int ni = 0; ni < kNAtoms; ++ni) {
-#pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            s[mi][ni][e] = fast_exp2(decltype(exact)::value ? __fmul_rn(s[mi][ni][e] - m, c)
-                                                            : fmaf(s[mi][ni][e], c, -m_scaled));
-            sum += s[mi][ni][e];
-          }
-        }
-        row_sum[r] += sum;
+        exponentiate_row<decltype(exact)::value>(s, r, c, false);
         row_done(r);
         if (r + 1 < kRows) next = quad_allreduce_max(thread_row_max(s, r + 1, row_max[r + 1]));
       };
