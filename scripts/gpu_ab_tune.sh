@@ -45,8 +45,12 @@ else
   done
 fi
 declare -A runs
+read -r -a sides_arr <<<"$SIDES"
 for r in $(seq 1 "$ROUNDS"); do
-  for side in $SIDES; do
+  # The order rotates each round, so no side always runs first or last (a clock or temperature
+  # drift over a round then favours no side).
+  for k in "${!sides_arr[@]}"; do
+    side=${sides_arr[$(( (k + r) % ${#sides_arr[@]} ))]}
     out="$WORK/$side$r.txt"
     # shellcheck disable=SC2086
     "$(cat "$WORK/bin_$side")/tune_kernels" ${SEQLENS//,/ } ${TUNE_ARGS:-} >"$out" 2>&1 || { tail -n 20 "$out"; exit 1; }

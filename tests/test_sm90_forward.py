@@ -272,3 +272,33 @@ def test_sm90_forward_persistent_deterministic(d, causal):
         again = _forward(q, k, v, 0.1, causal)
         for x, y in zip(first, again):
             assert torch.equal(x, y)
+
+
+# ---- Warpgroup key ranges (sm90 FwdKernelTraits::kWarpgroupKeyRanges: d64, d192, d256): each
+# consumer warpgroup visits only the key blocks its own 64 rows see, passing its turns and
+# releasing the ring stages of the others; the scheduler deals the units holding a tile with a
+# warpgroup without rows after all the others. (seqlen_q, seqlen_k):
+#   (1024, 1024): d64's last 192-row tile has 64 rows (two warpgroups without rows, light units last);
+#   (1088, 1088): its last tile has 128 rows (one without rows);
+#   (1000, 900): causal rows 0..99 see no key: a warpgroup with no key inside a tile with keys;
+#   (300, 2000): causal offset 1700 (not a multiple of 64): every warpgroup its own last block.
+WARPGROUP_RANGE_PAIRS = [(1024, 1024), (1088, 1088), (1000, 900), (300, 2000)]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", WARPGROUP_RANGE_PAIRS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_sm90_forward_warpgroup_key_ranges(d, causal, seqlen_q, seqlen_k):
+    """Tiles whose warpgroups see different key ranges, on the persistent grid (more tiles than
+    twice the SMs): within the rule against the reference, and against the (forced) sm80 kernel."""
+    require_hdim(d, exact=True)
+    batch, nheads, nheads_k = 2, 48, 16
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, torch.bfloat16, seed=d + seqlen_k)
+    out90, lse90, _ = check_forward(q, k, v, causal)
+    with _sm80_forced():
+        out80, lse80, _ = _forward(q, k, v, 1.0 / math.sqrt(d), causal)
+    ref_out, _ = attention_ref(q, k, v, 1.0 / math.sqrt(d), causal, upcast=True)
+    base_out, _ = attention_ref(q, k, v, 1.0 / math.sqrt(d), causal, upcast=False)
+    base_err = (base_out.double() - ref_out.double()).abs().max().item()
+    assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
+    torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)

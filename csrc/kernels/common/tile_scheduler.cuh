@@ -14,6 +14,13 @@
 //     or only light tiles whenever the round-robin stride (the SM count) aliases with num_m
 //     (132 SMs, num_m = 8: 12 vs 6 key blocks per two tiles; simulated makespan 1.3-1.8x the
 //     ideal at the benchmark's causal shapes, paired 1.03-1.06x).
+//   - light units last: when the last Q tile of a sequence leaves a consumer warpgroup without rows
+//     (seqlen_q % kBlockM in (0, kBlockM - 64]), the unit holding it (p = 0: that tile alone, or
+//     paired with the lightest causal tile) costs less than the others, since the kernel skips a
+//     warpgroup's key blocks its rows do not see. Those units of every (batch, head) come after
+//     all the others, so the full units spread evenly and the light ones fill the tail. Without
+//     it the stride aliases again: at N = 1024, 192-row tiles (num_m = 6, 132 SMs), a sixth of
+//     the CTAs would get only the light tiles and the rest only full ones.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +40,10 @@ struct FwdTileScheduler {
   int units_per_bh;    // units per (batch, head): num_m, or ceil(num_m / 2) when paired
   int paired;          // a unit is a (heavy, light) pair of causal Q tiles
   int persistent;      // grid of <= num_sms CTAs looping over units; else one CTA per tile
-  // Divisions by units_per_bh, num_m and nheads, their magic numbers computed on the host: a
+  uint32_t full_units; // units before the light ones (unit p = 0 of each (batch, head)); num_units
+                       // when no unit is light
+  // Divisions by the full units per (batch, head) (units_per_bh, or units_per_bh - 1 with light
+  // units), num_m and nheads, their magic numbers computed on the host: a
   // tile's decode is multiplies and shifts (the producer decodes every tile once, each consumer
   // warpgroup twice), not integer divisions (QTileWork(params, tile, m_div, h_div)).
   FastDivmod units_div, m_div, h_div;
@@ -41,7 +51,10 @@ struct FwdTileScheduler {
   // The units of `params`, or num_units = 0 when they exceed 2^30 (the caller refuses the call).
   // persistent = false: one CTA per tile in QTileWork's order, left to the hardware's block
   // scheduler (heavy causal tiles first), as a non-persistent kernel.
-  __host__ static FwdTileScheduler make(const Flash_fwd_params& params, bool persistent = true) {
+  // skips_empty_warpgroups: the kernel skips a warpgroup's key blocks its rows do not see
+  // (sm90 FwdKernelTraits::kWarpgroupKeyRanges), so a tile with a warpgroup without rows is light.
+  __host__ static FwdTileScheduler make(const Flash_fwd_params& params, bool persistent = true,
+                                        bool skips_empty_warpgroups = true) {
     FwdTileScheduler s;
     s.num_m = ceil_div(params.seqlen_q, kBlockM);
     const int64_t bh = int64_t(params.b) * params.h;
@@ -50,7 +63,11 @@ struct FwdTileScheduler {
     s.units_per_bh = s.paired ? (s.num_m + 1) / 2 : s.num_m;
     const int64_t units = bh * s.units_per_bh;
     s.num_units = units <= (int64_t(1) << 30) ? uint32_t(units) : 0;  // so tile indices < 2^31
-    s.units_div = FastDivmod(s.units_per_bh > 0 ? s.units_per_bh : 1);
+    const int rows_last = params.seqlen_q % kBlockM;
+    const bool light = skips_empty_warpgroups && s.persistent && s.units_per_bh >= 2 && rows_last > 0 &&
+                       rows_last <= kBlockM - 64;
+    s.full_units = light ? uint32_t(bh * (s.units_per_bh - 1)) : s.num_units;
+    s.units_div = FastDivmod(light ? s.units_per_bh - 1 : s.units_per_bh > 0 ? s.units_per_bh : 1);
     s.m_div = FastDivmod(s.num_m > 0 ? s.num_m : 1);
     s.h_div = FastDivmod(params.h > 0 ? params.h : 1);
     return s;
@@ -74,13 +91,26 @@ struct FwdTileScheduler {
     __device__ __forceinline__ bool next(const FwdTileScheduler& s, int64_t& tile) {
       const uint32_t unit = pos & ~kSecond;
       if (unit >= s.num_units) return false;
-      if (!s.paired) {
+      const bool light_last = s.full_units != s.num_units;
+      if (!s.paired && !light_last) {
         tile = unit;
         pos = unit + gridDim.x;
         return true;
       }
-      const int bh = s.units_div.div(int(unit));
-      const int p = int(unit) - bh * s.units_per_bh;
+      // (batch, head) bh and its unit p: the full units p = 1 .. first when some are light.
+      int bh, p;
+      if (unit < s.full_units) {
+        bh = s.units_div.div(int(unit));
+        p = int(unit) - bh * s.units_div.d + (light_last ? 1 : 0);
+      } else {
+        bh = int(unit - s.full_units);
+        p = 0;
+      }
+      if (!s.paired) {
+        tile = int64_t(bh) * s.num_m + p;
+        pos = unit + gridDim.x;
+        return true;
+      }
       const bool odd = (s.num_m & 1) != 0;
       const int light = odd ? s.num_m - p : s.num_m - 1 - p;  // the unit's light tile (j)
       const bool has_light = !odd || p > 0;                    // unit 0 of an odd num_m: alone

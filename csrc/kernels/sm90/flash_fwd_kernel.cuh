@@ -26,6 +26,10 @@
 //        while O += P_{i-1} V still reads the first: FwdKernelTraits::kSoftmaxOrder, kDoubleBufferP).
 //        With 2-3 consumer warpgroups and d <= 128 the warpgroups take turns issuing their GEMMs
 //        (named barriers, WarpgroupTurns), so one's softmax runs under another's products.
+//        d64 / d192 / d256 (FwdKernelTraits::kWarpgroupKeyRanges): a warpgroup runs only the steps
+//        of the key blocks its own rows see (n_wg of the tile's n_block_max: the causal diagonal,
+//        rows past seqlen_q); for the tile's first n_block_max - n_wg steps it passes its turn and
+//        releases the stage.
 //   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer, LSE and the two
 //   softmax_stats planes written by the row owners, as the sm80 kernel does. Dense calls: one
 //   thread of the warpgroup stores its 64 rows by TMA (FA3's epilogue; HOPPER.md §1.8) and
@@ -46,10 +50,12 @@
 //   K and V rings (kStages): one position per key block of a tile with n_block_max > 0, kept by
 //     producer and consumers alike (the same tiles in the same order); the producer's K/V
 //     loads for tile t+1 wait only on k_empty / v_empty, so they run during tile t. Arrival
-//     counts: full 1 (+ tx bytes), empty kConsumerWGs * 4 (one per warp, per stage use).
+//     counts: full 1 (+ tx bytes), empty kConsumerWGs * 4 (one per warp, per stage use). A
+//     warpgroup skipping a key block arrives on its empty barriers too, after waiting for the full
+//     ones (an earlier arrival would count towards the stage's previous use).
 //   Ping-pong turns (named barriers 4..3 + kConsumerWGs): n_block_max + 1 turns per warpgroup per
-//     tile (none without keys), continuing across tiles; primed once, drained once at exit
-//     (WarpgroupTurns).
+//     tile (none without keys; a skipped step's turn is passed on empty), continuing across tiles;
+//     primed once, drained once at exit (WarpgroupTurns).
 //   Epilogue named barriers 1 + c (128 threads, warpgroup c only).
 //
 // Accumulator layout (primitives/wgmma.cuh): thread 32 w + 4 g + t of a consumer warpgroup holds
@@ -133,6 +139,16 @@ struct FwdKernelTraits {
   // still reads the other buffer. Tune harness (H200, 6 rounds, on top of the pipelined order):
   // d96 / d128 +1.7 / +1.9 % more at N >= 4k; with three warpgroups (d64) -4 % on short causal loops.
   static constexpr bool kDoubleBufferP = kSoftmaxOrder == RowOrder::kPipelined;
+  // Each consumer warpgroup visits only the key blocks its own 64 rows see (the kernel's n_wg):
+  // where the tile's warpgroups cross the causal diagonal in different key blocks at every tile
+  // (d64: 192 rows over 128-key blocks; d192 / d256: 112 / 80 keys), and where the sequence's
+  // last tile leaves a warpgroup without rows (d64). Tune harness (H200, 10 rounds, with the
+  // scheduler's light units last): causal N = 1k / 2k / 4k d64 +14 / +6 / +5 %, d192 +9 / +4 /
+  // +3 %, d256 +9 / +6 / +3 %; d64 non-causal 1k +4 %; N >= 8k within 1.5 %. At d96 / d128
+  // (128 x 128 tiles) the ranges differ only in such a last tile of <= 64 rows or under a causal
+  // offset that is not a multiple of 64; there the per-tile code cost 1-2 % at N <= 2k, so both
+  // warpgroups take the tile's range.
+  static constexpr bool kWarpgroupKeyRanges = kConsumerWGs > 1 && kConsumerWGs * 64 != kBlockN;
 
   using TileQ = SwizzledTile<kBlockM, kHeadDimPad>;
   using TileKV = SwizzledTile<kBlockN, kHeadDimPad>;
@@ -390,6 +406,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int qs = q_pipe.stage();
     mbarrier_wait(q_full(qs), q_pipe.phase());
     const int n_block_max = w.n_block_max;
+    // This warpgroup's own key range where Traits::kWarpgroupKeyRanges (else the tile's): its 64
+    // rows see keys of blocks [0, n_wg) only, so the tile's first n_block_max - n_wg steps hold no
+    // key any of its rows sees (the causal diagonal crosses the tile, or its rows lie past
+    // seqlen_q in the tile that ends the sequence): it skips them, passing its turns and releasing
+    // the stages. Blocks [0, n_unmasked) need no mask for its rows.
+    const int n_wg = !Traits::kWarpgroupKeyRanges ? n_block_max
+                     : 64 * cw < w.rows_q         ? w.mask.n_block_max(w.m0 + 64 * cw, 64, kBlockN)
+                                                  : 0;
+    const int n_unmasked =
+        Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked(w.m0 + 64 * cw, kBlockN) : w.n_block_unmasked;
+    const int i0 = n_block_max - n_wg;  // this warpgroup's first step
     const uint32_t sQ_t = sQ(qs);
     // Step i of the tile: S_i reads K at kv_pipe.stage(i), P_{i-1} V at kv_pipe.stage(i - 1).
     const PipelineState<kStages> kv_pipe = kv_next;
@@ -410,12 +437,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     OnlineSoftmax<1, ExactForm::kSecondLoop, Traits::kSoftmaxOrder> softmax;  // m = -inf, l = 0 (softmax.cuh)
 
     if (n_block_max > 0) {
-      // Intra-warpgroup overlap (FA3 §3.2, HOPPER.md §1.5): step i issues S_i = Q K_i^T and
-      // O += P_{i-1} V_{i-1} back to back, then runs the softmax of S_i while the second product is
-      // still on the tensor cores; O's rescale for S_i waits until that product is complete.
-      uint32_t p[kBlockN / 16][4];  // P_{i-1} as 16-bit A fragments (FA2 Alg. 1 line 10)
-      float s[1][kNBlkN][4];
-
       // Varlen: the TMA box brought the next sequence's rows past this one's end. Those that share
       // a warp with its last rows are zeroed, as a dense call's out-of-bounds fill leaves them: the
       // online softmax decides rescales and the exact form per warp (or per warp and row index),
@@ -438,36 +459,70 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
 
-      // Step 0 (the last key block, n = n_block_max - 1): S_0, its softmax and P_0 (O = 0 yet).
+      // Steps before i0 (key blocks no row of this warpgroup sees): the turn passes on at once,
+      // and each stage is released once it has landed (an arrival before that would count towards
+      // the stage's previous use). A warpgroup without keys (n_wg = 0) skips the tile's last turn
+      // too, and its rows get O = 0, LSE = +inf.
+      auto skip = [&](int i) {
+        const int stage = kv_pipe.stage(i);
+        turns.begin();
+        turns.end();
+        mbarrier_wait(k_full(stage), kv_pipe.phase(i));
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(k_empty(stage));
+        mbarrier_wait(v_full(stage), kv_pipe.phase(i));
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(v_empty(stage));
+      };
+#pragma unroll 1
+      for (int i = 0; i < i0; ++i) skip(i);
+      if (n_wg == 0) {
+        turns.begin();
+        turns.end();
+      }
+    }
+
+    if (n_wg > 0) {
+      // Intra-warpgroup overlap (FA3 §3.2, HOPPER.md §1.5): step i issues S_i = Q K_i^T and
+      // O += P_{i-1} V_{i-1} back to back, then runs the softmax of S_i while the second product is
+      // still on the tensor cores; O's rescale for S_i waits until that product is complete.
+      uint32_t p[kBlockN / 16][4];  // P_{i-1} as 16-bit A fragments (FA2 Alg. 1 line 10)
+      float s[1][kNBlkN][4];
+      // The ring position of this warpgroup's first step; its steps i = 0 .. n_wg - 1 visit key
+      // blocks n = n_wg - 1 - i (the tile's steps i0 + i).
+      PipelineState<kStages> kv_wg = kv_pipe;
+      kv_wg.advance(i0);
+
+      // Step 0 (key block n_wg - 1, the last this warpgroup sees): S_0, its softmax and P_0 (O = 0 yet).
       turns.begin();
-      mbarrier_wait(k_full(kv_pipe.stage(0)), kv_pipe.phase(0));
+      mbarrier_wait(k_full(kv_wg.stage(0)), kv_wg.phase(0));
       wgmma_fence();
-      gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, sK(kv_pipe.stage(0)));
+      gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, sK(kv_wg.stage(0)));
       wgmma_commit();
       turns.end();
       wgmma_wait<0>();
       wgmma_fence_operands(flat(s[0]));
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(k_empty(kv_pipe.stage(0)));  // this warp is done with K_0
-      if (w.block_needs_mask(n_block_max - 1)) w.mask.apply(s, w.m0 + row0(), (n_block_max - 1) * kBlockN);
+      if (lane == 0) mbarrier_arrive(k_empty(kv_wg.stage(0)));  // this warp is done with K
+      if (n_wg - 1 >= n_unmasked) w.mask.apply(s, w.m0 + row0(), (n_wg - 1) * kBlockN);
       softmax.update(s, acc_o, scale_log2);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
 
-      // Step i of the loop (i >= 1, key block n = n_block_max - 1 - i): S_i, then O += P_{i-1} V
+      // Step i of the loop (i >= 1, key block n = n_wg - 1 - i): S_i, then O += P_{i-1} V
       // from p_in; P_i into p_out. early (Traits::kDoubleBufferP, p_out != p_in): P_i is converted
       // row by row inside the softmax while O += P_{i-1} V still reads p_in; else after that product.
       auto step = [&](int i, uint32_t (&p_in)[kBlockN / 16][4], uint32_t (&p_out)[kBlockN / 16][4], bool early) {
-        const int n = n_block_max - 1 - i, stage = kv_pipe.stage(i), prev = kv_pipe.stage(i - 1);
+        const int n = n_wg - 1 - i, stage = kv_wg.stage(i), prev = kv_wg.stage(i - 1);
 
         // Alg. 1 line 8: S_i = Q K_n^T (unscaled: the scale goes into the softmax) ...
         turns.begin();
-        mbarrier_wait(k_full(stage), kv_pipe.phase(i));
+        mbarrier_wait(k_full(stage), kv_wg.phase(i));
         wgmma_fence();
         gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, sK(stage));
         wgmma_commit();
         // ... and line 10 of the previous step: O += P_{i-1} V_{n+1}.
-        mbarrier_wait(v_full(prev), kv_pipe.phase(i - 1));
+        mbarrier_wait(v_full(prev), kv_wg.phase(i - 1));
         wgmma_fence();
         gemm_pv<Element, kHeadDimPad, TileKV>(acc_o[0], p_in, sV(prev));
         wgmma_commit();
@@ -480,7 +535,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
         // The mask (common/mask.cuh) only on tiles crossing the causal diagonal or the seqlen_k edge
         // (a CTA-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S - m) c), l; alpha for O.
-        if (w.block_needs_mask(n)) w.mask.apply(s, w.m0 + row0(), n * kBlockN);
+        if (n >= n_unmasked) w.mask.apply(s, w.m0 + row0(), n * kBlockN);
         float alpha[2];
         bool rescaled;
         if (early) {
@@ -504,9 +559,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       };
       // The last step's O += P V (key block 0).
       auto last_pv = [&](uint32_t (&p_last)[kBlockN / 16][4]) {
-        const int last = kv_pipe.stage(n_block_max - 1);
+        const int last = kv_wg.stage(n_wg - 1);
         turns.begin();
-        mbarrier_wait(v_full(last), kv_pipe.phase(n_block_max - 1));
+        mbarrier_wait(v_full(last), kv_wg.phase(n_wg - 1));
         wgmma_fence();
         gemm_pv<Element, kHeadDimPad, TileKV>(acc_o[0], p_last, sV(last));
         wgmma_commit();
@@ -522,11 +577,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         uint32_t p2[kBlockN / 16][4];
         int i = 1;
 #pragma unroll 1
-        for (; i + 1 < n_block_max; i += 2) {
+        for (; i + 1 < n_wg; i += 2) {
           step(i, p, p2, true);
           step(i + 1, p2, p, true);
         }
-        if (i < n_block_max) {
+        if (i < n_wg) {
           step(i, p, p2, true);
           last_pv(p2);
         } else {
@@ -534,7 +589,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       } else {
 #pragma unroll 1
-        for (int i = 1; i < n_block_max; ++i) step(i, p, p, false);
+        for (int i = 1; i < n_wg; ++i) step(i, p, p, false);
         last_pv(p);
       }
     }

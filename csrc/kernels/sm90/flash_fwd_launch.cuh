@@ -70,7 +70,8 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
       (!varlen && !tma_encode_bshd(&maps.o, params.o, batch, rows_q, params.h, params.d, kBf16, 64))) {
     return false;
   }
-  const auto sched = FwdTileScheduler<Traits::kBlockM>::make(params, fwd_persistent(params));
+  const auto sched =
+      FwdTileScheduler<Traits::kBlockM>::make(params, fwd_persistent(params), Traits::kWarpgroupKeyRanges);
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
   launch_1d(flash_fwd_kernel<Traits>, sched.grid_size(params), Traits::kThreads, Traits::kSmemBytes, "forward (sm90)",
             kHeadDim, stream, params, maps, sched);
