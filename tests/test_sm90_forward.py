@@ -274,6 +274,20 @@ def test_sm90_forward_persistent_deterministic(d, causal):
             assert torch.equal(x, y)
 
 
+def check_against_sm80(q, k, v, causal):
+    """check_forward on the default path, then O within 3x the same-dtype error of the (forced) sm80
+    kernel's and the LSE equal up to fp32 summation order: a skipped or twice-computed tile shows."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out90, lse90, _ = check_forward(q, k, v, causal)
+    with _sm80_forced():
+        out80, lse80, _ = _forward(q, k, v, scale, causal)
+    ref_out, _ = attention_ref(q, k, v, scale, causal, upcast=True)
+    base_out, _ = attention_ref(q, k, v, scale, causal, upcast=False)
+    base_err = (base_out.double() - ref_out.double()).abs().max().item()
+    assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
+    torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)
+
+
 # ---- Warpgroup key ranges (sm90 FwdKernelTraits::kWarpgroupKeyRanges: d64, d192, d256): each
 # consumer warpgroup visits only the key blocks its own 64 rows see, passing its turns and
 # releasing the ring stages of the others; the scheduler deals the units holding a tile with a
@@ -294,11 +308,38 @@ def test_sm90_forward_warpgroup_key_ranges(d, causal, seqlen_q, seqlen_k):
     require_hdim(d, exact=True)
     batch, nheads, nheads_k = 2, 48, 16
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, torch.bfloat16, seed=d + seqlen_k)
-    out90, lse90, _ = check_forward(q, k, v, causal)
-    with _sm80_forced():
-        out80, lse80, _ = _forward(q, k, v, 1.0 / math.sqrt(d), causal)
-    ref_out, _ = attention_ref(q, k, v, 1.0 / math.sqrt(d), causal, upcast=True)
-    base_out, _ = attention_ref(q, k, v, 1.0 / math.sqrt(d), causal, upcast=False)
-    base_err = (base_out.double() - ref_out.double()).abs().max().item()
-    assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
-    torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)
+    check_against_sm80(q, k, v, causal)
+
+
+def _split_tail_units(bh, seqlen_q, block_m, causal, num_sms, skips_empty_warpgroups):
+    """csrc/kernels/common/tile_scheduler.cuh's split-tail count (FwdTileScheduler::make), dense
+    persistent calls: how many causal pairs it deals as single tiles after the other full units."""
+    num_m = math.ceil(seqlen_q / block_m)
+    if not (causal and num_m >= 2 and bh * num_m > num_sms):
+        return 0
+    units_per_bh = (num_m + 1) // 2
+    rows_last = seqlen_q % block_m
+    light = skips_empty_warpgroups and units_per_bh >= 2 and 0 < rows_last <= block_m - 64
+    k = units_per_bh - 1 if light else units_per_bh
+    full, rest = bh * k, (bh * k) % num_sms
+    fits = 2 * rest + (bh if light else 0) <= num_sms
+    return rest if k >= 2 and full > num_sms and 0 < rest <= bh and fits else 0
+
+
+# (d, batch, nheads, nheads_k, seqlen): on 132 SMs each splits a causal tail: d128 an even and an
+# odd number of Q tiles per sequence (8, 9), d64 with light units last (6 and 9 tiles of 192 rows).
+SPLIT_TAIL_CASES = [(128, 2, 17, 17, 1024), (128, 3, 9, 3, 1152), (64, 2, 35, 7, 1000), (64, 2, 17, 1, 1600)]
+
+
+@pytest.mark.parametrize("d,batch,nheads,nheads_k,seqlen", SPLIT_TAIL_CASES)
+def test_sm90_forward_persistent_split_tail(d, batch, nheads, nheads_k, seqlen):
+    """Causal calls whose full units leave a short last round: the scheduler's split tail (the last
+    pairs dealt as single tiles) and, at d64, the light units after it. Every tile must be computed
+    once: within the rule against the reference, and against the (forced) sm80 kernel."""
+    require_hdim(d, exact=True)
+    block_m = 192 if d == 64 else 128
+    split = _split_tail_units(batch * nheads, seqlen, block_m, True, _num_sms(), d != 128)
+    if _num_sms() == 132:
+        assert split > 0, "the case no longer exercises the split tail on this GPU"
+    q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads_k, d, torch.bfloat16, seed=seqlen + d)
+    check_against_sm80(q, k, v, True)

@@ -4,7 +4,8 @@
 // (batch, head), named by their tile index in QTileWork's order (kernels/common/work.cuh: tile
 // t = (b * h + head) * num_m + j is Q tile num_m - 1 - j, heavy causal tiles first, the tiles of
 // one (batch, head) adjacent so its K/V stay in L2):
-//   - one tile per unit (non-causal, or at most one tile per SM): unit u is tile u;
+//   - one tile per unit (non-causal, or at most one tile per SM): unit u is tile u (up to the
+//     light units' place, below);
 //   - causal with more tiles than SMs: unit p of a (batch, head) is a heavy tile j = p and a light
 //     one, heavy first: j = num_m - 1 - p (Q tiles num_m - 1 - p and p) for an even num_m; for an
 //     odd num_m unit 0 is the heaviest tile alone and unit p > 0 pairs j = p with j = num_m - p
@@ -15,14 +16,22 @@
 //     (132 SMs, num_m = 8: 12 vs 6 key blocks per two tiles; simulated makespan 1.3-1.8x the
 //     ideal at the benchmark's causal shapes, paired 1.03-1.06x).
 //   - light units last: when the last Q tile of a sequence leaves a consumer warpgroup without rows
-//     (seqlen_q % kBlockM in (0, kBlockM - 64]), the unit holding it (p = 0: that tile alone, or
-//     paired with the lightest causal tile) costs less than the others, since the kernel skips a
-//     warpgroup's key blocks its rows do not see. Those units of every (batch, head) come after
-//     all the others, so the full units spread evenly and the light ones fill the tail. Without
-//     it the stride aliases again: at N = 1024, 192-row tiles (num_m = 6, 132 SMs), a sixth of
-//     the CTAs would get only the light tiles and the rest only full ones.
+//     (seqlen_q % kBlockM in (0, kBlockM - 64]) and the kernel skips the key blocks a warpgroup's
+//     rows do not see, the unit holding that tile (p = 0: the tile alone, or paired with the
+//     lightest causal tile) costs less than the others. Those units of every (batch, head) come
+//     after all the others, so the full units spread evenly and the light ones fill the tail.
+//     Without it the stride aliases again: at N = 1024, 192-row tiles (num_m = 6, 132 SMs), a
+//     sixth of the CTAs would get only the light tiles and the rest only full ones.
+//   - split tail: the full units fill R rounds of gridDim.x and L = (full units) mod gridDim.x
+//     more; those L CTAs would run a whole unit after everyone else. When 2 L + (light units)
+//     fits in one round, the last L (batch, head)s' most even pairs (their last unit: Q tiles
+//     next to the middle) are dealt as 2 L single tiles after the other full units instead: the
+//     tail is then half a unit. Cost model (warpgroup-steps per CTA, 132 SMs): hdim 64 causal
+//     N = 8192 / 16384 (L = 24) makespan 1.032 / 1.047x shorter; no shape of 3,000 random ones
+//     (hdim, N, batch, heads) longer. Measured (H200, tune harness, 10 rounds): 1.018 / 1.030.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "flash.h"
@@ -37,37 +46,54 @@ template <int kBlockM>
 struct FwdTileScheduler {
   uint32_t num_units;  // work units of the call (<= 2^30)
   int num_m;           // Q tiles per (batch, head)
-  int units_per_bh;    // units per (batch, head): num_m, or ceil(num_m / 2) when paired
   int paired;          // a unit is a (heavy, light) pair of causal Q tiles
   int persistent;      // grid of <= num_sms CTAs looping over units; else one CTA per tile
-  uint32_t full_units; // units before the light ones (unit p = 0 of each (batch, head)); num_units
-                       // when no unit is light
-  // Divisions by the full units per (batch, head) (units_per_bh, or units_per_bh - 1 with light
-  // units), num_m and nheads, their magic numbers computed on the host: a
+  // The unit ranges, in walk order: [0, tail_begin) full units, (batch, head) bh's K of them
+  // (K = units_div.d) for bh < num_bh - split; [tail_begin, split_begin) the last `split`
+  // (batch, head)s' first K - 1 units (tail_div.d = K - 1); [split_begin, split_begin + 2 split)
+  // their last units as single tiles, heavy then light; [light_begin, num_units) the light units
+  // (p = 0) of every (batch, head). Without light units p counts from 0, else from 1.
+  uint32_t tail_begin, split_begin, light_begin;
+  int num_bh, split, p_first;
+  // Divisions by K, K - 1, num_m and nheads, their magic numbers computed on the host: a
   // tile's decode is multiplies and shifts (the producer decodes every tile once, each consumer
   // warpgroup twice), not integer divisions (QTileWork(params, tile, m_div, h_div)).
-  FastDivmod units_div, m_div, h_div;
+  FastDivmod units_div, tail_div, m_div, h_div;
 
   // The units of `params`, or num_units = 0 when they exceed 2^30 (the caller refuses the call).
   // persistent = false: one CTA per tile in QTileWork's order, left to the hardware's block
   // scheduler (heavy causal tiles first), as a non-persistent kernel.
   // skips_empty_warpgroups: the kernel skips a warpgroup's key blocks its rows do not see
   // (sm90 FwdKernelTraits::kWarpgroupKeyRanges), so a tile with a warpgroup without rows is light.
-  __host__ static FwdTileScheduler make(const Flash_fwd_params& params, bool persistent = true,
-                                        bool skips_empty_warpgroups = true) {
+  __host__ static FwdTileScheduler make(const Flash_fwd_params& params, bool persistent,
+                                        bool skips_empty_warpgroups) {
     FwdTileScheduler s;
     s.num_m = ceil_div(params.seqlen_q, kBlockM);
     const int64_t bh = int64_t(params.b) * params.h;
     s.persistent = persistent && params.num_sms > 0;
     s.paired = s.persistent && params.is_causal && s.num_m >= 2 && bh * s.num_m > int64_t(params.num_sms);
-    s.units_per_bh = s.paired ? (s.num_m + 1) / 2 : s.num_m;
-    const int64_t units = bh * s.units_per_bh;
-    s.num_units = units <= (int64_t(1) << 30) ? uint32_t(units) : 0;  // so tile indices < 2^31
+    const int units_per_bh = s.paired ? (s.num_m + 1) / 2 : s.num_m;
+    const int64_t units = bh * units_per_bh;
     const int rows_last = params.seqlen_q % kBlockM;
-    const bool light = skips_empty_warpgroups && s.persistent && s.units_per_bh >= 2 && rows_last > 0 &&
+    const bool light = skips_empty_warpgroups && s.persistent && units_per_bh >= 2 && rows_last > 0 &&
                        rows_last <= kBlockM - 64;
-    s.full_units = light ? uint32_t(bh * (s.units_per_bh - 1)) : s.num_units;
-    s.units_div = FastDivmod(light ? s.units_per_bh - 1 : s.units_per_bh > 0 ? s.units_per_bh : 1);
+    const int k = light ? units_per_bh - 1 : units_per_bh;  // full units per (batch, head)
+    const int64_t full = bh * k, sms = params.num_sms;
+    const int64_t light_units = light ? bh : 0;
+    // The split tail (see the top): paired units only (k >= 2, so the split unit has p >= 1 and
+    // two tiles), more full units than SMs, and the split tiles and light units in one round.
+    const int64_t rest = sms > 0 ? full % sms : 0;
+    const bool split = s.paired && k >= 2 && full > sms && rest > 0 && rest <= bh && 2 * rest + light_units <= sms;
+    s.split = split ? int(rest) : 0;
+    const int64_t total = units + s.split;  // each split unit becomes two
+    s.num_units = total <= (int64_t(1) << 30) ? uint32_t(total) : 0;  // so tile indices < 2^31
+    s.num_bh = int(std::min<int64_t>(bh, int64_t(1) << 30));
+    s.p_first = light ? 1 : 0;
+    s.tail_begin = uint32_t(std::min<int64_t>(full - int64_t(s.split) * k, int64_t(1) << 30));
+    s.split_begin = uint32_t(std::min<int64_t>(full - s.split, int64_t(1) << 30));
+    s.light_begin = uint32_t(std::min<int64_t>(full + s.split, int64_t(1) << 30));
+    s.units_div = FastDivmod(k > 0 ? k : 1);
+    s.tail_div = FastDivmod(k > 1 ? k - 1 : 1);
     s.m_div = FastDivmod(s.num_m > 0 ? s.num_m : 1);
     s.h_div = FastDivmod(params.h > 0 ? params.h : 1);
     return s;
@@ -91,19 +117,28 @@ struct FwdTileScheduler {
     __device__ __forceinline__ bool next(const FwdTileScheduler& s, int64_t& tile) {
       const uint32_t unit = pos & ~kSecond;
       if (unit >= s.num_units) return false;
-      const bool light_last = s.full_units != s.num_units;
-      if (!s.paired && !light_last) {
+      if (!s.paired && s.light_begin == s.num_units) {  // one tile per unit, in tile order
         tile = unit;
         pos = unit + gridDim.x;
         return true;
       }
-      // (batch, head) bh and its unit p: the full units p = 1 .. first when some are light.
-      int bh, p;
-      if (unit < s.full_units) {
+      // The unit's (batch, head) bh and its p (ranges: the fields' comment); half: which tile of a
+      // split unit (-1: a whole unit).
+      int bh, p, half = -1;
+      if (unit < s.tail_begin) {
         bh = s.units_div.div(int(unit));
-        p = int(unit) - bh * s.units_div.d + (light_last ? 1 : 0);
+        p = int(unit) - bh * s.units_div.d + s.p_first;
+      } else if (unit < s.split_begin) {
+        const int u = int(unit - s.tail_begin), b = s.tail_div.div(u);
+        bh = s.num_bh - s.split + b;
+        p = u - b * s.tail_div.d + s.p_first;
+      } else if (unit < s.light_begin) {
+        const int u = int(unit - s.split_begin);
+        bh = s.num_bh - s.split + u / 2;
+        p = s.units_div.d - 1 + s.p_first;
+        half = u & 1;
       } else {
-        bh = int(unit - s.full_units);
+        bh = int(unit - s.light_begin);
         p = 0;
       }
       if (!s.paired) {
@@ -114,9 +149,9 @@ struct FwdTileScheduler {
       const bool odd = (s.num_m & 1) != 0;
       const int light = odd ? s.num_m - p : s.num_m - 1 - p;  // the unit's light tile (j)
       const bool has_light = !odd || p > 0;                    // unit 0 of an odd num_m: alone
-      const bool second = (pos & kSecond) != 0;
+      const bool second = half >= 0 ? half == 1 : (pos & kSecond) != 0;
       tile = int64_t(bh) * s.num_m + (second ? light : p);
-      pos = !second && has_light ? unit | kSecond : unit + gridDim.x;
+      pos = half < 0 && !second && has_light ? unit | kSecond : unit + gridDim.x;
       return true;
     }
   };

@@ -461,7 +461,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       // Steps before i0 (key blocks no row of this warpgroup sees): the turn passes on at once,
       // and each stage is released once it has landed (an arrival before that would count towards
-      // the stage's previous use). A warpgroup without keys (n_wg = 0) skips the tile's last turn
+      // the stage's previous use). A warpgroup without keys (n_wg = 0) passes the tile's last turn
       // too, and its rows get O = 0, LSE = +inf.
       auto skip = [&](int i) {
         const int stage = kv_pipe.stage(i);
@@ -534,7 +534,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) mbarrier_arrive(k_empty(stage));  // this warp is done with K_n
 
         // The mask (common/mask.cuh) only on tiles crossing the causal diagonal or the seqlen_k edge
-        // (a CTA-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S - m) c), l; alpha for O.
+        // (a warpgroup-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S - m) c), l; alpha for O.
         if (n >= n_unmasked) w.mask.apply(s, w.m0 + row0(), n * kBlockN);
         float alpha[2];
         bool rescaled;
