@@ -81,6 +81,22 @@ def check_forward(q, k, v, causal, scale=None):
     return out, lse, stats
 
 
+def check_against_sm80(q, k, v, causal, check_sm80=False):
+    """check_forward on the default path, then O within 3x the same-dtype error of the (forced) sm80
+    kernel's and the LSE equal up to fp32 summation order: a skipped or twice-computed tile shows.
+    check_sm80: the sm80 outputs through check_forward too. Returns both paths' softmax_stats."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out90, lse90, st90 = check_forward(q, k, v, causal)
+    with _sm80_forced():
+        out80, lse80, st80 = check_forward(q, k, v, causal) if check_sm80 else _forward(q, k, v, scale, causal)
+    ref_out, _ = attention_ref(q, k, v, scale, causal, upcast=True)
+    base_out, _ = attention_ref(q, k, v, scale, causal, upcast=False)
+    base_err = (base_out.double() - ref_out.double()).abs().max().item()
+    assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
+    torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)
+    return st90, st80
+
+
 def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -98,14 +114,7 @@ def test_sm90_matches_sm80(dtype, d, causal):
     statistics equal up to fp32 summation order."""
     require_hdim(d, exact=True)
     q, k, v = make_qkv(2, 777, 1029, 6, 2, d, dtype, seed=d)
-    out90, lse90, st90 = check_forward(q, k, v, causal)
-    with _sm80_forced():
-        out80, lse80, st80 = check_forward(q, k, v, causal)
-    ref_out, _ = attention_ref(q, k, v, 1.0 / math.sqrt(d), causal, upcast=True)
-    base_out, _ = attention_ref(q, k, v, 1.0 / math.sqrt(d), causal, upcast=False)
-    base_err = (base_out.double() - ref_out.double()).abs().max().item()
-    assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
-    torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)
+    st90, st80 = check_against_sm80(q, k, v, causal, check_sm80=True)
     torch.testing.assert_close(st90[0] + st90[1], st80[0] + st80[1], rtol=1e-5, atol=1e-4)
 
 
@@ -272,20 +281,6 @@ def test_sm90_forward_persistent_deterministic(d, causal):
         again = _forward(q, k, v, 0.1, causal)
         for x, y in zip(first, again):
             assert torch.equal(x, y)
-
-
-def check_against_sm80(q, k, v, causal):
-    """check_forward on the default path, then O within 3x the same-dtype error of the (forced) sm80
-    kernel's and the LSE equal up to fp32 summation order: a skipped or twice-computed tile shows."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    out90, lse90, _ = check_forward(q, k, v, causal)
-    with _sm80_forced():
-        out80, lse80, _ = _forward(q, k, v, scale, causal)
-    ref_out, _ = attention_ref(q, k, v, scale, causal, upcast=True)
-    base_out, _ = attention_ref(q, k, v, scale, causal, upcast=False)
-    base_err = (base_out.double() - ref_out.double()).abs().max().item()
-    assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
-    torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)
 
 
 # ---- Warpgroup key ranges (sm90 FwdKernelTraits::kWarpgroupKeyRanges: d64, d192, d256): each

@@ -256,6 +256,11 @@ struct WarpgroupTurns {
   __device__ __forceinline__ void end() const {
     if (kEnabled) named_barrier_arrive(next, 256);
   }
+  // A turn with nothing to issue (a skipped key block): taken and handed on at once.
+  __device__ __forceinline__ void pass() const {
+    begin();
+    end();
+  }
   __device__ __forceinline__ void drain() const {
     if (kEnabled && own == kBarrier) named_barrier_sync(kBarrier, 256);
   }
@@ -465,8 +470,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // too, and its rows get O = 0, LSE = +inf.
       auto skip = [&](int i) {
         const int stage = kv_pipe.stage(i);
-        turns.begin();
-        turns.end();
+        turns.pass();
         mbarrier_wait(k_full(stage), kv_pipe.phase(i));
         __syncwarp();
         if (lane == 0) mbarrier_arrive(k_empty(stage));
@@ -476,10 +480,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       };
 #pragma unroll 1
       for (int i = 0; i < i0; ++i) skip(i);
-      if (n_wg == 0) {
-        turns.begin();
-        turns.end();
-      }
+      if (n_wg == 0) turns.pass();
     }
 
     if (n_wg > 0) {
