@@ -1,7 +1,8 @@
 """Small causal / ragged / GQA cases (seqlen_q != seqlen_k, headdim 64, 80 padded to 96, 128, 192, 256),
 one with large-magnitude inputs (the exact P path), one with a negative softmax_scale and one with
 more query tiles than SMs (the persistent sm90 forward's CTAs run several tiles), through
-forward and backward on every arch path of the GPU; packed varlen batches with zero-length
+forward and backward on every arch path of the GPU; the forward alone at d192 / d256 with several
+tiles per CTA (O staged in the V ring); packed varlen batches with zero-length
 sequences (forward and backward); KV-cache decode steps (contiguous and paged, append, split-KV
 with the combine); for compute-sanitizer memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
 
@@ -39,6 +40,14 @@ for force_sm80 in paths:
         out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 200, causal=causal)
         out.backward(torch.randn_like(out))
         assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+flash_attn_ext.force_sm80_path(False)
+# The forward alone with several tiles per CTA where O is staged in the V ring (the sm90 forward at
+# d192 / d256: 420 tiles), causal tiles without keys between tiles with keys.
+with torch.no_grad():
+    for headdim, causal, (sq, sk) in ((192, True, (300, 100)), (256, False, (200, 90))):
+        q = torch.randn(35, sq, 4, headdim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(35, sk, 2, headdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        assert torch.isfinite(flash_attn_ext.flash_attn_func(q, k, v, causal=causal)).all()
 # KV cache (one kernel path on every GPU): decode and a 3-query chunk, contiguous and paged,
 # appending 2 keys, unsplit and split.
 with torch.no_grad():

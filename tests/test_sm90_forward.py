@@ -270,10 +270,10 @@ def test_sm90_forward_persistent_batch_heads_70000():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_sm90_forward_persistent_deterministic(d, causal):
-    """Many tiles per CTA (two Q buffers at d64 and d128 causal, one at d128 non-causal): three calls,
-    bit-identical outputs."""
+    """Many tiles per CTA (two Q buffers at d64 and d128; one at d192 and d256, whose O is staged in
+    the V ring): three calls, bit-identical outputs."""
     require_hdim(d, exact=True)
     q, k, v = make_qkv(4, 1000, 1000, 16, 4, d, torch.bfloat16, seed=11)
     first = _forward(q, k, v, 0.1, causal)
@@ -281,6 +281,24 @@ def test_sm90_forward_persistent_deterministic(d, causal):
         again = _forward(q, k, v, 0.1, causal)
         for x, y in zip(first, again):
             assert torch.equal(x, y)
+
+
+# ---- Tiles of one key block (seqlen_k <= kBlockN), many per CTA: the next tile's loads follow
+# each epilogue most closely. With one Q buffer (d192, d256: FwdKernelTraits::kStageOInV) O is
+# staged in the V ring: the producer's next V waits for the O store to have read it (o_free), and
+# the Q buffer is released before the tile's last P V. A missing wait shows as another tile's V or
+# O in the output. Causal (2048, 100): 15 of 16 tiles per (batch, head) see no key (O = 0 staged
+# through the ring, no loads), between tiles with keys.
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", SM90_FWD_HDIMS)
+def test_sm90_forward_one_key_block_tiles(d, causal):
+    """seqlen_k = 100 (one key block) under 2048 query rows, 48 heads (GQA 3:1), 2 batches: every CTA
+    walks many tiles; within the rule against the reference and against the (forced) sm80 kernel."""
+    require_hdim(d, exact=True)
+    q, k, v = make_qkv(2, 2048, 100, 48, 16, d, torch.bfloat16, seed=d + 7)
+    check_against_sm80(q, k, v, causal)
 
 
 # ---- Warpgroup key ranges (sm90 FwdKernelTraits::kWarpgroupKeyRanges: d64, d192, d256): each

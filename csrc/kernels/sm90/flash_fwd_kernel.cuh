@@ -24,35 +24,44 @@
 //        wait O += P V, release V; O *= alpha; P_i = S_i as A fragments (d96 / d128: row by row
 //        inside the softmax, which goes row by row there, into the other of two P register buffers
 //        while O += P_{i-1} V still reads the first: FwdKernelTraits::kSoftmaxOrder, kDoubleBufferP).
-//        With 2-3 consumer warpgroups and d <= 128 the warpgroups take turns issuing their GEMMs
-//        (named barriers, WarpgroupTurns), so one's softmax runs under another's products.
+//        With 2-3 consumer warpgroups the warpgroups take turns issuing their GEMMs (named
+//        barriers, WarpgroupTurns), so one's softmax runs under another's products.
 //        d64 / d192 / d256 (FwdKernelTraits::kWarpgroupKeyRanges): a warpgroup runs only the steps
 //        of the key blocks its own rows see (n_wg of the tile's n_block_max: the causal diagonal,
 //        rows past seqlen_q); for the tile's first n_block_max - n_wg steps it passes its turn and
 //        releases the stage.
-//   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer, LSE and the two
-//   softmax_stats planes written by the row owners, as the sm80 kernel does. Dense calls: one
-//   thread of the warpgroup stores its 64 rows by TMA (FA3's epilogue; HOPPER.md §1.8) and
-//   releases the Q buffer once the store has read it; the other warps go on to the next tile.
-//   Varlen: 16-byte stores of the sequence's rows, then every warp releases the buffer.
+//   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer (two Q buffers:
+//   d64, d96, d128) or of the V ring (one Q buffer: d192, d256; FwdKernelTraits::kStageOInV), LSE
+//   and the two softmax_stats planes written by the row owners, as the sm80 kernel does. Dense
+//   calls: one thread of the warpgroup stores its 64 rows by TMA (FA3's epilogue; HOPPER.md §1.8)
+//   and releases the staging buffer once the store has read it; the other warps go on to the next
+//   tile. Varlen: 16-byte stores of the sequence's rows, then every warp releases the buffer.
 //
 // Barrier protocol across tiles (the one to check when a run hangs; mbarrier_wait traps after
 // ~8 s instead): every ring position is a PipelineState (primitives/barrier.cuh) that producer and
 // consumers advance in the same order, never reset between tiles. A tile past its sequence's end
 // (varlen: the scheduler walks tiles of max_seqlen_q rows) is skipped by both before it touches
 // any barrier (QTileWork::past_end, a pure function of the tile): no ring position, no turn.
-//   Q ring (kQStages): one phase per tile, tiles without keys included. Producer, per tile: K/V of its
-//     first key block (below), wait q_empty[s] (parity phase ^ 1), then arrive.expect_tx + TMA on
-//     q_full[s], or a plain arrive when the tile has no key block. Consumers: wait q_full[s]
+//   Q ring (kQStages): one phase per tile, tiles without keys included. Producer, per tile: K (and
+//     V, below) of its first key block, wait q_empty[s] (parity phase ^ 1), then arrive.expect_tx +
+//     TMA on q_full[s], or a plain arrive when the tile has no key block. Consumers: wait q_full[s]
 //     (phase), ..., O staged in that Q buffer, fence.proxy.async, epilogue barrier; then q_empty[s]
 //     gets kConsumerWGs * 4 arrivals (its count): dense, 4 at once from each warpgroup's storing
 //     thread after cp.async.bulk.wait_group.read; varlen, one per consumer warp after its stores.
+//     kStageOInV: one arrival per consumer warp before its last P V (its last S is complete), or
+//     right after the q_full wait in a warpgroup without steps; O goes to the V ring instead.
+//   o_free (kStageOInV): one phase per tile, tiles without keys included. Producer, per tile after
+//     its Q: wait o_free (parity phase ^ 1: the previous tile's O store has read the V ring), then
+//     V of the first key block. Consumers: wait for the tile's last V stage's empty barrier (every
+//     warp done with the tile's V), O staged from the ring's start, stored as above; the storing
+//     thread's (dense) or each warp's (varlen) arrivals go to o_free.
 //   K and V rings (kStages): one position per key block of a tile with n_block_max > 0, kept by
 //     producer and consumers alike (the same tiles in the same order); the producer's K/V
-//     loads for tile t+1 wait only on k_empty / v_empty, so they run during tile t. Arrival
-//     counts: full 1 (+ tx bytes), empty kConsumerWGs * 4 (one per warp, per stage use). A
-//     warpgroup skipping a key block arrives on its empty barriers too, after waiting for the full
-//     ones (an earlier arrival would count towards the stage's previous use).
+//     loads for tile t+1 wait only on k_empty / v_empty (its first V on o_free too: kStageOInV),
+//     so they run during tile t. Arrival counts: full 1 (+ tx bytes), empty kConsumerWGs * 4 (one
+//     per warp, per stage use). A warpgroup skipping a key block arrives on its empty barriers
+//     too, after waiting for the full ones (an earlier arrival would count towards the stage's
+//     previous use).
 //   Ping-pong turns (named barriers 4..3 + kConsumerWGs): n_block_max + 1 turns per warpgroup per
 //     tile (none without keys; a skipped step's turn is passed on empty), continuing across tiles;
 //     primed once, drained once at exit (WarpgroupTurns).
@@ -125,15 +134,18 @@ struct FwdKernelTraits {
   static constexpr int kProducerRegs = kConsumerWGs == 1 ? 56 : kConsumerWGs == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 256 : kConsumerWGs == 2 ? 240 : 160;
   // Inter-warpgroup ping-pong (HOPPER.md §1.5): consumer warpgroups issue their GEMMs in turn, so
-  // one's softmax runs under another's products. FA3 uses it up to head dim 128.
+  // one's softmax runs under another's products. FA3 uses it up to head dim 128; at d192 / d256
+  // it measured +0.6-1 % (tune harness, two runs of 8 rounds; causal N = 1k +2-3 %), the tiles'
+  // first softmax no longer running in both warpgroups at once.
   // -DFLASH_ATTN_EXT_SM90_FWD_PINGPONG=0 turns it off (A/B measurements, debugging).
-  static constexpr bool kPingPong = FLASH_ATTN_EXT_SM90_FWD_PINGPONG && kConsumerWGs >= 2 && kHeadDim <= 128;
+  static constexpr bool kPingPong = FLASH_ATTN_EXT_SM90_FWD_PINGPONG && kConsumerWGs >= 2;
   // The softmax's row order (primitives/softmax.cuh: RowOrder): pipelined where two ping-pong
   // warpgroups leave the softmax's latency on the loop's critical path (d96, d128); d64's three
   // warpgroups are bound by the SFU's throughput instead, which the pipelined order's extra votes
-  // and branches only add to.
+  // and branches only add to, and d192 / d256 by their products (the pipelined order and the P
+  // double buffer measured 0.98-1.02 there).
   static constexpr RowOrder kSoftmaxOrder =
-      kPingPong && kConsumerWGs == 2 ? RowOrder::kPipelined : RowOrder::kTogether;
+      kPingPong && kConsumerWGs == 2 && kHeadDim <= 128 ? RowOrder::kPipelined : RowOrder::kTogether;
   // P in two register buffers (the loop runs two key blocks per trip): P_i's conversion to A
   // fragments rides in the pipelined softmax, filling the next row's SFU gaps, while O += P_{i-1} V
   // still reads the other buffer. Tune harness (H200, 6 rounds, on top of the pipelined order):
@@ -154,18 +166,28 @@ struct FwdKernelTraits {
   using TileKV = SwizzledTile<kBlockN, kHeadDimPad>;
   // Q ring depth: two Q buffers wherever they fit beside a 2-stage K/V ring (d64, d96, d128 with
   // 128-key tiles), so the next tile's Q loads while this tile runs; else 1 (the next Q waits for
-  // this tile's epilogue). K/V ring depth: as many stages as fit next to them (2..4; one CTA per
-  // SM): d64 4, d96/d128 2, d192/d256 2 (FA3: 2 everywhere; TK: 4 at d64). Barriers (8 bytes
-  // each, at most 2 Q + 4 K/V stages) and 1024 bytes of alignment slack come first.
-  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4) + 1024;
+  // this tile's last S products: kStageOInV below). K/V ring depth: as many stages as fit next to
+  // them (2..4; one CTA per SM): d64 4, d96/d128 2, d192/d256 2 (FA3: 2 everywhere; TK: 4 at d64).
+  // One Q buffer and three K/V stages at d96 / d128 (O then staged in the V ring) measured 1-4 %
+  // slower. Barriers (8 bytes each, at most 2 Q + 4 K/V stages + o_free) and 1024 bytes of
+  // alignment slack come first.
+  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4 + 1) + 1024;
   static constexpr int kQStages = 2 * TileQ::kBytes + 4 * TileKV::kBytes + kBarBytes <= kMaxSmem ? 2 : 1;
   static constexpr int kStagesFit = (kMaxSmem - kQStages * TileQ::kBytes - kBarBytes) / (2 * TileKV::kBytes);
   static constexpr int kStages = kStagesFit < 4 ? kStagesFit : 4;
   static constexpr int kOffK = kQStages * TileQ::kBytes;
   static constexpr int kOffV = kOffK + kStages * TileKV::kBytes;
   static constexpr int kOffBar = kOffV + kStages * TileKV::kBytes;
-  // Barriers: per Q stage full, empty; then per K/V stage K full, K empty, V full, V empty.
-  static constexpr int kNumBars = 2 * kQStages + 4 * kStages;
+  // Where the epilogue stages O for its TMA store. Two Q buffers (d64, d96, d128): in the
+  // warpgroup's own rows of the tile's Q buffer, released once the store has read them (the next
+  // tile's Q is already in the other buffer). One Q buffer (d192, d256): in the V ring, as FA3
+  // lays out its shared memory (smem_o over smem_v), so the Q buffer is released after each
+  // warpgroup's last S product and the next tile's Q loads under the tile's last P V and its
+  // epilogue instead of after it; the producer loads the next tile's first V once the store has
+  // read the staged O (barrier o_free).
+  static constexpr bool kStageOInV = kQStages == 1;
+  // Barriers: per Q stage full, empty; then per K/V stage K full, K empty, V full, V empty; o_free.
+  static constexpr int kNumBars = 2 * kQStages + 4 * kStages + 1;
   static constexpr int kSmemBytes = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
 
   static_assert(Tile::kNWarps == 4 * (kConsumerWGs + 1), "tile row: 4 producer warps + 4 per 64 query rows");
@@ -175,6 +197,7 @@ struct FwdKernelTraits {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: whole k16 steps, <= 256");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA box extents <= 256 rows");
   static_assert(kStages >= 2, "Q and two K/V stages must fit in shared memory");
+  static_assert(!kStageOInV || TileQ::kBytes <= kStages * TileKV::kBytes, "O (a Q tile) fits in the V ring");
 };
 
 // O += P V for one K/V tile: kBlockN / 16 k16 steps, N = the (padded) head dim as wgmma widths of
@@ -292,6 +315,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto k_empty = [&](int s) { return bar_kv + 8 * (4 * s + 1); };
   auto v_full = [&](int s) { return bar_kv + 8 * (4 * s + 2); };
   auto v_empty = [&](int s) { return bar_kv + 8 * (4 * s + 3); };
+  const uint32_t o_free = bar_kv + 8 * (4 * kStages);  // Traits::kStageOInV: the staged O was stored
   auto sQ = [&](int s) { return smem_addr + s * TileQ::kBytes; };
   auto sK = [&](int s) { return smem_addr + Traits::kOffK + s * TileKV::kBytes; };
   auto sV = [&](int s) { return smem_addr + Traits::kOffV + s * TileKV::kBytes; };
@@ -312,6 +336,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       mbarrier_init(k_empty(s), kConsumerWarps);  // one arrival per consumer warp
       mbarrier_init(v_empty(s), kConsumerWarps);
     }
+    if (Traits::kStageOInV) mbarrier_init(o_free, kConsumerWarps);  // per consumer warp, after the store read
     mbarrier_init_fence();
   }
   __syncthreads();  // the last CTA-wide barrier: the producer's other warps leave below
@@ -332,6 +357,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const uint64_t evict_first = l2_policy_evict_first(), evict_last = l2_policy_evict_last();
       PipelineState<kQStages> q_pipe;
       PipelineState<kStages> kv_pipe;
+      PipelineState<1> o_pipe;  // Traits::kStageOInV: one o_free phase per tile
       auto tiles = sched.begin();
 #pragma unroll 1
       for (int64_t tile; tiles.next(sched, tile);) {
@@ -339,27 +365,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const QTileWork<kBlockM, kBlockN> w(params, bm);
         if (w.past_end()) continue;  // varlen: no work, no ring position (the consumers skip it too)
         const int n_block_max = w.n_block_max, bidb = w.seq.tma_batch(params);
-        // K_n and V_n of step i (n = n_block_max - 1 - i) into the next ring stage, once the
-        // consumers released it (round 0 passes at once: fresh barriers).
-        auto load_kv = [&](int i) {
-          const int n = n_block_max - 1 - i, stage = kv_pipe.stage(i);
-          const uint32_t parity = kv_pipe.phase(i) ^ 1;
-          // One tile (K, then V) into its buffer of the stage, completing on its full barrier.
-          auto load_tile = [&](uint32_t dst, const CUtensorMap* map, uint32_t full, uint32_t empty) {
-            mbarrier_wait(empty, parity);
-            mbarrier_arrive_expect_tx(full, TileKV::kBytes);
+        // K_n or V_n of step i (n = n_block_max - 1 - i) into its buffer of the next ring stage,
+        // once the consumers released it (round 0 passes at once: fresh barriers), completing on its
+        // full barrier.
+        auto load_tile = [&](int i, uint32_t dst, const CUtensorMap* map, uint32_t full, uint32_t empty) {
+          const int n = n_block_max - 1 - i;
+          mbarrier_wait(empty, kv_pipe.phase(i) ^ 1);
+          mbarrier_arrive_expect_tx(full, TileKV::kBytes);
 #pragma unroll
-            for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-              tma_load_4d(dst + cb * TileKV::kColBlockBytes, map, full, 64 * cb, w.seq.k_tma_row(n * kBlockN),
-                          w.bidhk, bidb, evict_last);
-            }
-          };
-          load_tile(sK(stage), &tma.k, k_full(stage), k_empty(stage));
-          load_tile(sV(stage), &tma.v, v_full(stage), v_empty(stage));
+          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+            tma_load_4d(dst + cb * TileKV::kColBlockBytes, map, full, 64 * cb, w.seq.k_tma_row(n * kBlockN), w.bidhk,
+                        bidb, evict_last);
+          }
         };
-        // The first key block before Q: with one Q buffer, Q waits for the previous tile's
-        // epilogue (q_empty), and K/V need not.
-        if (n_block_max > 0) load_kv(0);
+        auto load_k = [&](int i) { const int s = kv_pipe.stage(i); load_tile(i, sK(s), &tma.k, k_full(s), k_empty(s)); };
+        auto load_v = [&](int i) { const int s = kv_pipe.stage(i); load_tile(i, sV(s), &tma.v, v_full(s), v_empty(s)); };
+        // The first key block before Q: Q waits for the consumers to release the buffer (q_empty),
+        // K/V need not. With O staged in the V ring (kStageOInV), V_0 comes after Q and waits for
+        // the previous tile's O store to have read the ring (o_free; every tile takes one phase).
+        if (n_block_max > 0) load_k(0);
+        if (!Traits::kStageOInV && n_block_max > 0) load_v(0);
         const int qs = q_pipe.stage();
         mbarrier_wait(q_empty(qs), q_pipe.phase() ^ 1);
         if (n_block_max > 0) {
@@ -373,8 +398,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           mbarrier_arrive(q_full(qs));  // no key: hand the empty buffer over for O = 0
         }
         q_pipe.advance();
+        if constexpr (Traits::kStageOInV) {
+          mbarrier_wait(o_free, o_pipe.phase() ^ 1);
+          o_pipe.advance();
+          if (n_block_max > 0) load_v(0);
+        }
 #pragma unroll 1
-        for (int i = 1; i < n_block_max; ++i) load_kv(i);
+        for (int i = 1; i < n_block_max; ++i) {
+          load_k(i);
+          load_v(i);
+        }
         kv_pipe.advance(n_block_max);
       }
     }
@@ -482,6 +515,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int i = 0; i < i0; ++i) skip(i);
       if (n_wg == 0) turns.pass();
     }
+    // O staged in the V ring (Traits::kStageOInV): the Q buffer's last readers are this
+    // warpgroup's S products, so it is released before the tile's last P V (at once without a
+    // step), and the producer loads the next tile's Q during that product and the epilogue.
+    auto release_q = [&] {
+      if constexpr (Traits::kStageOInV) {
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(q_empty(qs));
+      }
+    };
+    if (n_wg == 0) release_q();
 
     if (n_wg > 0) {
       // Intra-warpgroup overlap (FA3 §3.2, HOPPER.md §1.5): step i issues S_i = Q K_i^T and
@@ -561,6 +604,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // The last step's O += P V (key block 0).
       auto last_pv = [&](uint32_t (&p_last)[kBlockN / 16][4]) {
         const int last = kv_wg.stage(n_wg - 1);
+        release_q();  // the last S product (in the step before) is complete
         turns.begin();
         mbarrier_wait(v_full(last), kv_wg.phase(n_wg - 1));
         wgmma_fence();
@@ -619,12 +663,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         }
       }
-      // O through this warpgroup's own 64 rows of the Q buffer (its S products, the only readers,
-      // are complete; the Q tile landed before them; rows 64 c + r lie 64 c * 128 bytes past rows
-      // r: whole swizzle atoms, so the rows are themselves a TMA box). The buffer address is opaque
-      // per tile, as the thread index.
-      uint32_t sO_addr = sQ(qs);
+      // O through this warpgroup's own 64 rows of a Q-tile layout (rows 64 c + r lie 64 c * 128
+      // bytes past rows r: whole swizzle atoms, so the rows are themselves a TMA box): the tile's Q
+      // buffer (its S products, the only readers, are complete; the Q tile landed before them), or
+      // with Traits::kStageOInV the V ring from its start. The ring is free once every consumer
+      // warp has released the tile's last key block (the stage's empty barrier completes the
+      // phase; the earlier stages were released before it) and the producer loads no V before
+      // o_free; without keys it was freed by the previous tile's epilogue. The buffer address is
+      // opaque per tile, as the thread index.
+      uint32_t sO_addr = Traits::kStageOInV ? smem_addr + Traits::kOffV : sQ(qs);
       asm volatile("" : "+r"(sO_addr));
+      if (Traits::kStageOInV && wo.n_block_max > 0) {
+        PipelineState<kStages> last = kv_next;  // the tile's last key block: one position before the next tile's first
+        last.advance(2 * kStages - 1);
+        mbarrier_wait(v_empty(last.stage()), last.phase());
+      }
       unsigned char* sO = static_cast<unsigned char*>(__cvta_shared_to_generic(sO_addr));
       store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(sO, acc_o[0], 64 * c, 1.f, tid_wg);
       // The generic-proxy writes before the async proxy's next use of the buffer (the TMA store,
@@ -643,7 +696,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
           tma_store_commit();
           tma_store_wait_read<0>();
-          mbarrier_arrive_count(q_empty(qs), 4);
+          mbarrier_arrive_count(Traits::kStageOInV ? o_free : q_empty(qs), 4);
         }
         __syncwarp();  // warp 0 reconverged before its next .sync.aligned instructions
       } else {
@@ -654,7 +707,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                 tid_wg);
         fence_proxy_async();  // these generic reads before the producer's next TMA write
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(q_empty(qs));
+        if (lane == 0) mbarrier_arrive(Traits::kStageOInV ? o_free : q_empty(qs));
       }
     }
     q_pipe.advance();
