@@ -218,6 +218,37 @@ def test_sm90_forward_kernel_is_the_one_that_runs(d):
     assert names and all("sm80" in n for n in names), names
 
 
+# ---- The long-key tile row (sm90/tile_config.h: FwdLongTile, chosen by fwd_long_keys): dense
+# non-causal calls with >= 8192 keys whose 144-key blocks pad at most 0.5 % more keys than 128-key
+# ones take the d128 kernel with 144-key tiles. (seqlen_q, seqlen_k): 8192 and 16384 take it; 8200
+# takes it with a ragged last block (136 keys); 12288 does not (0.8 % more padding).
+
+
+def _long_keys(seqlen_k, causal):
+    if causal or seqlen_k < 8192:
+        return False
+    padded = lambda block: -(-seqlen_k // block) * block  # noqa: E731
+    return padded(144) * 1000 <= padded(128) * 1005
+
+
+def _tile_rows(names):
+    """The tile rows the sm90 forward kernels in ``names`` instantiate: "long" (FwdLongTile, in
+    their demangled or mangled names) or "short" (FwdTile)."""
+    return {"long" if "FwdLongTile" in n else "short" for n in names if "sm90" in n}
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 8192), (777, 8200), (300, 16384), (500, 12288)])
+def test_sm90_forward_long_key_tiles(seqlen_q, seqlen_k):
+    """The dispatch picks the long-key row exactly where fwd_long_keys says (non-causal only), and
+    both rows are within the rule and agree with the (forced) sm80 kernel, GQA 3:1."""
+    require_hdim(128, exact=True)
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 6, 2, 128, torch.bfloat16, seed=seqlen_k)
+    for causal in (False, True):
+        names = _forward_kernel_names(q, k, v, causal)
+        assert _tile_rows(names) == {"long" if _long_keys(seqlen_k, causal) else "short"}, (causal, names)
+        check_against_sm80(q, k, v, causal)
+
+
 # ---- The persistent grid (csrc/kernels/common/tile_scheduler.cuh): at most one CTA per SM, each
 # walking several Q tiles, with the K/V and Q mbarrier rings running across tiles and causal tiles
 # dealt in (heavy, light) pairs when there are more tiles than SMs.

@@ -43,6 +43,9 @@ FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dq_, Flash_bwd_params)
 // The sm80 forward kernel with its sm_90 row (sm90/tile_config.h: Sm80FwdTile), compiled for
 // sm_90a only (sm90/flash_fwd_sm80_launch.cuh).
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_sm80_, Flash_fwd_params)
+// The sm90 forward with its long-key tile row (sm90/tile_config.h: FwdLongTile;
+// sm90/flash_fwd_long_launch.cuh).
+FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_long_, Flash_fwd_params)
 #undef FLASH_LAUNCH_TEMPLATE
 
 }  // namespace flash

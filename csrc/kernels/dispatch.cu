@@ -7,7 +7,8 @@
 // The manifest (csrc/kernels/generate_kernels.py) is the one list of (arch path, kernel, head dim,
 // dtype); setup.py writes the subset this build compiles into csrc/generated/build_config.h as
 // X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS,
-// FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS) and the flag FLASH_ATTN_EXT_WITH_SM90, read here only.
+// FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS, FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS) and the flag
+// FLASH_ATTN_EXT_WITH_SM90, read here only.
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches on `stream`:
 //   1. preprocess: D = rowsum(dO o O), LSE_log2 = hi + lo   (common/bwd_preprocess.cuh)
@@ -34,6 +35,7 @@
 #include "kernels/common/combine_kernel.cuh"
 #include "kernels/common/splitkv_heuristic.h"
 #include "kernels/sm80/tile_config.h"
+#include "kernels/sm90/tile_config.h"
 #include "primitives/tma.cuh"
 
 namespace flash {
@@ -44,6 +46,7 @@ constexpr int kHdims[] = {FLASH_ATTN_EXT_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};  //
 constexpr int kSm90FwdHdims[] = {FLASH_ATTN_EXT_SM90_FWD_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90BwdHdims[] = {FLASH_ATTN_EXT_SM90_BWD_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90FwdSm80Hdims[] = {FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
+constexpr int kSm90FwdLongHdims[] = {FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 #undef FLASH_ATTN_EXT_LIST_ITEM
 
 template <int N>
@@ -52,6 +55,16 @@ constexpr bool contains(const int (&list)[N], int d) {
     if (x == d && d != 0) return true;
   }
   return false;
+}
+
+// FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS=0 (read once; a tuning knob for A/B runs) keeps every sm90
+// forward call on FwdTile, the long-key row (sm90/tile_config.h: FwdLongTile) unused.
+bool sm90_long_keys_enabled() {
+  static const bool enabled = [] {
+    const char* e = std::getenv("FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return enabled;
 }
 
 std::string arch_name(int arch) { return std::to_string(arch / 10) + "." + std::to_string(arch % 10); }
@@ -147,6 +160,15 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
     constexpr int kHeadDim = decltype(hdim)::value;
     if constexpr (contains(kSm90FwdHdims, kHeadDim)) {
       if (sm90_ok && tma_can_describe_inputs(params)) {
+        // Long dense non-causal calls: the long-key tile row where the head dim has one.
+        if constexpr (contains(kSm90FwdLongHdims, kHeadDim)) {
+          if (sm90_long_keys_enabled() &&
+              sm90::fwd_long_keys(params.cu_seqlens_q == nullptr, params.is_causal, params.seqlen_k,
+                                  sm90::FwdTile<kHeadDim>::kBlockN, sm90::FwdLongTile<kHeadDim>::kBlockN)) {
+            run_mha_fwd_long_<Element, kHeadDim>(Sm90{}, params, stream);
+            return;
+          }
+        }
         run_mha_fwd_<Element, kHeadDim>(Sm90{}, params, stream);
         return;
       }

@@ -94,6 +94,30 @@ template <> struct FwdTile<128> : FwdTileShape<128,  128,   12,  false,    1> { 
 template <> struct FwdTile<192> : FwdTileShape<128,  112,   12,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdTile<256> : FwdTileShape<128,   80,   12,  false,    1> { static constexpr bool kSupported = true; };
 
+// Long key sequences, non-causal (sm90/flash_fwd_long_launch.cuh; fwd_long_keys below says when):
+// 144-key tiles, 11 % fewer key steps than FwdTile's 128, so fewer per-step barrier waits, turns
+// and row-max reductions per key. Tune harness (H200, bf16, 6 runs each, median TFLOP/s 128 x 128
+// -> 128 x 144): non-causal N = 8k 708 -> 727, 16k 674 -> 693 (a run before: 691 -> 709, 677 ->
+// 690; a third, noisier run read 678 -> 651, 664 -> 656), but 4k 695 -> 679 and 1k 561 -> 512,
+// where the last key block's padding grows (4096 keys in 29 x 144 = 4176) and a tile has fewer
+// steps to spread its own costs over; causal within noise (8k 666 -> 658). End to end (python -m
+// flash_attn_ext.benchmark, one build, FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS=0 and unset alternated
+// three times): 8k 683 -> 719 (+5 %), 16k 660 -> 662. Two Q buffers and two K/V stages, as
+// FwdTile<128>.
+template <int kHeadDim> struct FwdLongTile { static constexpr bool kSupported = false; };
+template <> struct FwdLongTile<128> : FwdTileShape<128,  144,   12,  false,    1> { static constexpr bool kSupported = true; };
+
+// Whether a forward call takes FwdLongTile instead of FwdTile: dense (a varlen call's sequences
+// are shorter than its max_seqlen_k), non-causal, at least 8192 keys, and the long tiles' key
+// padding (the last block's unused keys) at most 0.5 % more than the short ones' (8192, 16384,
+// 32768: 0.2 %; 12288: 0.8 %, no).
+inline bool fwd_long_keys(bool dense, bool causal, int seqlen_k, int short_block_n, int long_block_n) {
+  if (!dense || causal || seqlen_k < 8192) return false;
+  const int64_t padded_short = (int64_t(seqlen_k) + short_block_n - 1) / short_block_n * short_block_n;
+  const int64_t padded_long = (int64_t(seqlen_k) + long_block_n - 1) / long_block_n * long_block_n;
+  return padded_long * 1000 <= padded_short * 1005;
+}
+
 // The sm80 forward kernel (sm80/flash_fwd_kernel.cuh) on an sm_90 GPU: the inputs the forward
 // above does not take (strides or bases TMA cannot describe, a KV cache) and the forced sm80
 // path. Its sm_90a code has more room than its sm_80 / sm_86 code: at d128, 128 x 64 has no

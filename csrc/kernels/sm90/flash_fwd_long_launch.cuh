@@ -1,0 +1,20 @@
+// Launch template of the Hopper forward kernel with the long-key tile row (tile_config.h:
+// FwdLongTile), for the dense non-causal calls that fwd_long_keys picks (kernels/dispatch.cu).
+// Explicitly instantiated per (dtype, head dim) by
+// csrc/kernels/sm90/instantiations/flash_fwd_long_hdim*_sm90.cu, which the build compiles for sm_90a only.
+#pragma once
+
+#include "kernels/sm90/flash_fwd_launch.cuh"
+
+namespace flash {
+
+template <typename Element, int kHeadDim>
+void run_mha_fwd_long_(Sm90, Flash_fwd_params& params, cudaStream_t stream) {
+  static_assert(sm90::FwdLongTile<kHeadDim>::kSupported, "no long-key sm90 forward tile row for this head dim");
+  if (!sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim, sm90::FwdLongTile<kHeadDim>>>(params, stream)) {
+    sm90::note_sm80_fallback();
+    run_mha_fwd_<Element, kHeadDim>(Sm80{}, params, stream);  // defined by the sm80 instantiations
+  }
+}
+
+}  // namespace flash
