@@ -25,7 +25,7 @@ OURS = benchmark.OURS
 CPU_RUN = ["--device", "cpu", "--dtype", "fp32", "--hdim", "32", "--seqlen", "32,64",
            "--batch", "1", "--nheads", "4", "--gqa", "1,2", "--mode", "fwd,bwd,fwd_bwd",
            "--causal", "both", "--peers", "sdpa-math,sdpa-cudnn,standard",
-           "--rep-ms", "2", "--warmup-ms", "1", "--threads", "1", "--no-progress"]
+           "--rep-ms", "2", "--warmup-ms", "1", "--threads", "1", "--rounds", "2", "--no-progress"]
 CUDA_RUN = ["--device", "cuda", "--dtype", "bf16", "--hdim", "64", "--seqlen", "128,256",
             "--batch", "2", "--nheads", "4", "--gqa", "1,2", "--mode", "fwd,bwd,fwd_bwd",
             "--causal", "both", "--rep-ms", "5", "--warmup-ms", "2", "--no-progress"]
@@ -57,6 +57,8 @@ def check_outputs(proc, out_dir, n_cases, impls, atol):
     assert ours[ours["mode"] != "fwd"]["err_grad"].map(math.isfinite).all()
 
     ok = df[df["status"] == "ok"]
+    # --rounds: every measured row says how far its rounds spread (max / min ms, >= 1).
+    assert (ok["ms_spread"] >= 1.0).all()
     # TFLOP/s is the standard FLOP count over the median time.
     flops = [attention_flops(r.batch, r.nheads, r.seqlen, r.seqlen, r.hdim, r.causal, r.mode)
              for r in ok.itertuples()]
@@ -140,6 +142,7 @@ def test_cli_cuda_tiny(tmp_path):
       "--varlen-tokens", "100"], "--varlen-tokens"),
     (["--device", "cpu", "--varlen-seqs", "0"], "--varlen-seqs"),
     (["--device", "cpu", "--varlen-dense-seqlen", "-1"], "--varlen-dense-seqlen"),
+    (["--device", "cpu", "--rounds", "0"], "--rounds"),
 ])
 def test_bad_flag_names_the_flag(argv, flag, tmp_path, capsys):
     assert benchmark.main([*argv, "--out", str(tmp_path), "--no-progress"]) == 2
@@ -169,6 +172,36 @@ def test_failing_implementation_becomes_a_status(exc, status, mode):
     assert math.isnan(row["ms"]) and math.isnan(row["tflops"])
     errs = benchmark.measure_errors([benchmark.Impl("broken", _raising(exc))], p, True, 1 << 20)
     assert math.isnan(errs["broken"]["err_out"]) and status in errs["broken"]["err_note"]
+
+
+def test_measure_interleaved_rotates_and_reports_the_median(monkeypatch):
+    """--rounds: round r times the implementations in the order rotated by r; each row is the
+    median-time round's, with ms_spread = max / min; a failed implementation is not timed again."""
+    from flash_attn_ext.bench import timing
+    script = {"a": [3.0, 1.0, 2.0], "b": [5.0, 5.5, 4.0], "c": [None]}
+    order = []
+
+    def fake_measure(impl, p, mode, timer):
+        order.append(impl.name)
+        ms = script[impl.name][order.count(impl.name) - 1]
+        if ms is None:
+            return timing.unmeasured("error", "boom")
+        return {"status": "ok", "note": "", "ms": ms, "tflops": 1.0 / ms, "peak_mem_mib": 0.0}
+
+    monkeypatch.setattr(timing, "measure", fake_measure)
+    impls = [benchmark.Impl(name, None) for name in "abc"]
+    out = benchmark.measure_interleaved(impls, None, "fwd", None, rounds=3)
+    assert order == ["a", "b", "c", "b", "a", "a", "b"]
+    assert out["a"]["ms"] == 2.0 and out["a"]["tflops"] == 0.5 and out["a"]["ms_spread"] == 3.0
+    assert out["b"]["ms"] == 5.0 and out["b"]["ms_spread"] == pytest.approx(5.5 / 4.0)
+    assert out["c"]["status"] == "error" and math.isnan(out["c"]["ms_spread"])
+    # One round: the single measurement, spread 1.
+    order.clear()
+    script.update(a=[7.0], b=[8.0])
+    one = benchmark.measure_interleaved(impls[:2], None, "fwd", None)
+    assert order == ["a", "b"] and one["a"]["ms"] == 7.0 and one["a"]["ms_spread"] == 1.0
+    with pytest.raises(ValueError, match="rounds"):
+        benchmark.measure_interleaved(impls, None, "fwd", None, rounds=0)
 
 
 def test_slow_peer_skipped_above_its_seqlen():

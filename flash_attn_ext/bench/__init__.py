@@ -34,8 +34,8 @@ from flash_attn_ext.bench.report import (CASE_KEYS, DECODE_KEYS, VARLEN_KEYS, ad
                                          to_markdown, varlen_table)
 from flash_attn_ext.bench.sweeps import (DTYPE_NAMES, MODES, Sweep, run_decode, run_sweep,
                                          run_varlen)
-from flash_attn_ext.bench.timing import (DEFAULT_L2_BYTES, Timer, measure, peak_extra_memory_mib,
-                                         time_impl)
+from flash_attn_ext.bench.timing import (DEFAULT_L2_BYTES, Timer, measure, measure_interleaved,
+                                         peak_extra_memory_mib, time_impl)
 
 __all__ = [
     "ALL_PEERS", "CASE_KEYS", "DECODE_KEYS", "DEFAULT_L2_BYTES", "DTYPES", "DTYPE_NAMES",
@@ -43,7 +43,7 @@ __all__ = [
     "BenchmarkError", "DecodeProblem", "Impl", "NotApplicable", "Problem", "Sweep", "Timer",
     "VarlenProblem", "add_ratios", "build_impls", "compact_table", "decode_kv_bytes",
     "decode_table", "environment", "input_sets_needed", "main", "make_parser", "measure",
-    "measure_errors", "mixed_lengths", "peak_extra_memory_mib", "plot", "reference_chunked",
-    "resolve_args", "run_decode", "run_sweep", "run_varlen", "sets_for_bytes",
+    "measure_errors", "measure_interleaved", "mixed_lengths", "peak_extra_memory_mib", "plot",
+    "reference_chunked", "resolve_args", "run_decode", "run_sweep", "run_varlen", "sets_for_bytes",
     "standard_attention", "summarize", "time_impl", "to_markdown", "varlen_flops", "varlen_table",
 ]

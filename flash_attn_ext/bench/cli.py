@@ -156,6 +156,10 @@ def make_parser() -> argparse.ArgumentParser:
                     "[25; --quick 10]")
     ap.add_argument("--rep-ms", type=float, default=None, help="time spent in timed repetitions "
                     "per measurement [cuda: 100, cpu: 60; --quick 30]")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timed measurements of each (case, implementation), interleaved across the "
+                         "implementations in a rotating order; the median-time one is reported "
+                         "(results.csv ms_spread: max / min over the rounds) [1]")
     ap.add_argument("--slow-max-seqlen", type=int, default=4096,
                     help="sdpa-math is skipped above this seqlen (it takes seconds per call)")
     ap.add_argument("--ref-max-seqlen", type=int, default=16384,
@@ -222,6 +226,7 @@ def resolve_args(args: argparse.Namespace) -> Sweep:
                 raise BenchmarkError(f"--gqa: ratio {r} does not divide nheads={nh} (hdim {h})")
     _check_positive("--warmup-ms", args.warmup_ms, "number")
     _check_positive("--rep-ms", args.rep_ms, "number")
+    _check_positive("--rounds", args.rounds)
     _check_positive("--threads", args.threads)
     _check_positive("--err-kv-heads", args.err_kv_heads)
     sweep = Sweep(device, dtypes, hdims, _causal_list(args.causal), seqlens, gqas, modes, peers,
@@ -300,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = args.rep_ms if args.rep_ms is not None else (30 if args.quick else (100 if cuda else 60))
     timer = Timer(sweep.device, warmup, rep, min_reps=3 if cuda else 5)
     env = report.environment(sweep.device, timer, sys.argv[1:] if argv is None else list(argv))
+    if args.rounds > 1:
+        env["timer"] += f"; median of {args.rounds} interleaved rounds per (case, implementation)"
     if impls.get("varlen"):
         env["varlen_dense"] = "batch {} x seqlen {}".format(*varlen_dense_shape(sweep))
 

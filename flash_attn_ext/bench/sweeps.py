@@ -22,7 +22,7 @@ from flash_attn_ext.bench.peers import Impl, classify, free_memory
 from flash_attn_ext.bench.problems import (DecodeProblem, Problem, VarlenProblem, base_mode,
                                            decode_kv_bytes, input_sets_needed, mixed_lengths,
                                            sets_for_bytes)
-from flash_attn_ext.bench.timing import Timer, l2_bytes, measure, unmeasured
+from flash_attn_ext.bench.timing import Timer, l2_bytes, measure_interleaved, unmeasured
 
 DENSE_MODES = ("fwd", "bwd", "fwd_bwd")
 VARLEN_MODES = ("varlen_fwd", "varlen_bwd")
@@ -96,18 +96,29 @@ def run_sweep(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
                 p, p_status = None, classify(e)
                 free_memory(sweep.device, collect=True)
             for mode in modes:
+                ms = _measured(impls, p, mode, timer, args, progress, f"{where} {mode}", p_status)
                 for impl in impls:
-                    progress.set_postfix_str(f"{where} {mode} {impl.name}")
-                    if p is None:
-                        m = unmeasured(p_status[0], "inputs: " + p_status[1])
-                    else:
-                        m = measure(impl, p, mode, timer)
-                    rows.append(_timed_row(case, mode, impl, m, n_sets, errors[impl.name],
+                    rows.append(_timed_row(case, mode, impl, ms[impl.name], n_sets, errors[impl.name],
                                            fwd_mode="fwd"))
                     progress.update(1)
             del p
             free_memory(sweep.device)
     return rows
+
+
+def _measured(impls: list[Impl], p, mode: str, timer: Timer, args, progress, where: str,
+              p_status, metric: str = "tflops") -> dict[str, dict]:
+    """{impl.name: row} of one case and mode: measure_interleaved over ``--rounds`` rounds, or
+    every implementation's status row where the inputs did not fit (p is None)."""
+    if p is None:
+        return {impl.name: unmeasured(p_status[0], "inputs: " + p_status[1], metric) for impl in impls}
+    rounds = getattr(args, "rounds", 1)
+
+    def before(impl, r):
+        of = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
+        progress.set_postfix_str(f"{where} {impl.name}{of}")
+
+    return measure_interleaved(impls, p, mode, timer, rounds, before)
 
 
 def _head_configs(sweep: Sweep):
@@ -170,11 +181,9 @@ def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
                         n_sets=n_sets, seed=args.seed))
                     if p is None:
                         free_memory(sweep.device, collect=True)
+                    ms = _measured(impls, p, "decode", timer, args, progress, where, p_status, "tbps")
                     for impl in impls:
-                        progress.set_postfix_str(f"{where} {impl.name}")
-                        m = measure(impl, p, "decode", timer) if p is not None \
-                            else unmeasured(p_status[0], "inputs: " + p_status[1], "tbps")
-                        e = errors[impl.name]
+                        m, e = ms[impl.name], errors[impl.name]
                         rows.append({**case, "impl": impl.name, **m, "kv_gb": kv_bytes / 1e9,
                                      "n_input_sets": n_sets, "err_out": e["err_out"],
                                      "err": e["err_out"], "err_note": e["err_note"]})
@@ -223,16 +232,13 @@ def run_varlen(sweep: Sweep, args, impls: list[Impl], dense: Impl, timer: Timer,
         if p is None or dense_p is None:
             free_memory(sweep.device, collect=True)
         for mode in modes:
+            ms = _measured(impls, p, mode, timer, args, progress, f"{where} {mode}", p_status)
             for impl in impls:
-                progress.set_postfix_str(f"{where} {mode} {impl.name}")
-                m = measure(impl, p, mode, timer) if p is not None \
-                    else unmeasured(p_status[0], "inputs: " + p_status[1])
-                rows.append(_timed_row(case, mode, impl, m, n_sets, errors[impl.name],
+                rows.append(_timed_row(case, mode, impl, ms[impl.name], n_sets, errors[impl.name],
                                        fwd_mode="varlen_fwd"))
                 progress.update(1)
-            progress.set_postfix_str(f"{where} {mode} {dense.name}")
-            m = measure(dense, dense_p, base_mode(mode), timer) if dense_p is not None \
-                else unmeasured(dense_status[0], "inputs: " + dense_status[1])
+            m = _measured([dense], dense_p, base_mode(mode), timer, args, progress, f"{where} {mode}",
+                          dense_status)[dense.name]
             shape = f"flash_attn_func at batch {dense_batch} x seqlen {dense_seqlen}"
             m["note"] = f"{shape}; {m['note']}" if m["note"] else shape
             nan = float("nan")

@@ -6,6 +6,9 @@ warm-up with the same L2 flush. CPU: ``time.perf_counter`` median. Each call tak
 the problem's rotated input sets.
 tflops / tbps: the problem's count of work (problems: TFLOP/s, or TB/s of K+V read for decode)
 over the median time.
+Rounds (measure_interleaved, ``--rounds R``): every implementation of a case measured R times,
+round r in the order rotated by r; each row is the implementation's median-time round, with
+ms_spread = max / min ms over its rounds.
 peak_mem_mib: memory allocated at the peak minus what was allocated before, around one forward
 (modes fwd, decode, varlen_fwd) or forward + backward (modes bwd, fwd_bwd, varlen_bwd) call: CUDA
 from torch.cuda.max_memory_allocated, CPU from the torch profiler's allocation events.
@@ -223,3 +226,38 @@ def measure(impl: Impl, p: Problem, mode: str, timer: Timer) -> dict:
         return unmeasured(*failure, p.METRIC)
     row.update(p.rates(mode, row["ms"]))
     return row
+
+
+def measure_interleaved(impls: list[Impl], p, mode: str, timer: Timer, rounds: int = 1,
+                        before: Callable[[Impl, int], None] | None = None) -> dict[str, dict]:
+    """measure() of every implementation on one case, ``rounds`` times, interleaved: round r times
+    them in the order rotated by r, so none always runs first or right after the same neighbour
+    (GPU clocks and temperature drift over a case; one timed run of each moved single ratios by up
+    to 6 % between runs on the H200). Returns {impl.name: row}: the implementation's median-time
+    round (the lower median for an even count), with ``ms_spread`` = max / min ms over its rounds
+    (1.0 for one). An implementation whose first round is not ok keeps that row (ms_spread NaN) and
+    is not timed again. ``before(impl, round)``: called before each measurement (progress)."""
+    if rounds < 1:
+        raise ValueError(f"rounds: expected a positive integer, got {rounds}")
+    runs: dict[str, list[dict]] = {impl.name: [] for impl in impls}
+    n = len(impls)
+    for r in range(rounds):
+        for k in range(n):
+            impl = impls[(k + r) % n]
+            done = runs[impl.name]
+            if done and done[0]["status"] != "ok":
+                continue
+            if before is not None:
+                before(impl, r)
+            done.append(measure(impl, p, mode, timer))
+    out = {}
+    for impl in impls:
+        done = runs[impl.name]
+        if done[0]["status"] != "ok" or any(m["status"] != "ok" for m in done):
+            row = next(m for m in done if m["status"] != "ok")
+            out[impl.name] = {**row, "ms_spread": float("nan")}
+            continue
+        ordered = sorted(done, key=lambda m: m["ms"])
+        row = ordered[(len(ordered) - 1) // 2]
+        out[impl.name] = {**row, "ms_spread": ordered[-1]["ms"] / ordered[0]["ms"]}
+    return out
