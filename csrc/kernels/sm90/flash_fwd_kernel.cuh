@@ -48,13 +48,16 @@
 //     (phase), ..., O staged in that Q buffer, fence.proxy.async, epilogue barrier; then q_empty[s]
 //     gets kConsumerWGs * 4 arrivals (its count): dense, 4 at once from each warpgroup's storing
 //     thread after cp.async.bulk.wait_group.read; varlen, one per consumer warp after its stores.
-//     kStageOInV: one arrival per consumer warp before its last P V (its last S is complete), or
-//     right after the q_full wait in a warpgroup without steps; O goes to the V ring instead.
-//   o_free (kStageOInV): one phase per tile, tiles without keys included. Producer, per tile after
-//     its Q: wait o_free (parity phase ^ 1: the previous tile's O store has read the V ring), then
-//     V of the first key block. Consumers: wait for the tile's last V stage's empty barrier (every
-//     warp done with the tile's V), O staged from the ring's start, stored as above; the storing
-//     thread's (dense) or each warp's (varlen) arrivals go to o_free.
+//     kStageOInV: one arrival per consumer warp before its last P V (its last S is complete), or,
+//     in a warpgroup without steps, once its skipped steps' stages have landed (right after the
+//     q_full wait in a tile without keys); O goes to the V ring instead.
+//   o_free (kStageOInV): one phase per tile, tiles without keys included. Producer, per tile: wait
+//     o_free (parity phase ^ 1: the previous tile's O store has read the V ring) after its Q and
+//     before V of the first key block, or before the q_full arrival of a tile without keys.
+//     Consumers: wait for the tile's last V stage's empty barrier (every warp done with the tile's
+//     V; those V loads came after o_free), or in a tile without keys for q_full (after o_free),
+//     then O staged from the ring's start and stored as above; the storing thread's (dense) or
+//     each warp's (varlen) arrivals go to o_free.
 //   K and V rings (kStages): one position per key block of a tile with n_block_max > 0, kept by
 //     producer and consumers alike (the same tiles in the same order); the producer's K/V
 //     loads for tile t+1 wait only on k_empty / v_empty (its first V on o_free too: kStageOInV),
@@ -395,13 +398,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                         w.bidh, bidb, evict_first);
           }
         } else {
-          mbarrier_arrive(q_full(qs));  // no key: hand the empty buffer over for O = 0
+          // No key: hand the empty buffer over for O = 0. With O staged in the V ring, only once the
+          // previous tile's O store has read the ring: no V load orders this tile's O writes after
+          // that store, so the consumers' q_full wait must.
+          if constexpr (Traits::kStageOInV) mbarrier_wait(o_free, o_pipe.phase() ^ 1);
+          mbarrier_arrive(q_full(qs));
         }
         q_pipe.advance();
         if constexpr (Traits::kStageOInV) {
-          mbarrier_wait(o_free, o_pipe.phase() ^ 1);
+          if (n_block_max > 0) {
+            mbarrier_wait(o_free, o_pipe.phase() ^ 1);
+            load_v(0);
+          }
           o_pipe.advance();
-          if (n_block_max > 0) load_v(0);
         }
 #pragma unroll 1
         for (int i = 1; i < n_block_max; ++i) {
@@ -516,8 +525,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (n_wg == 0) turns.pass();
     }
     // O staged in the V ring (Traits::kStageOInV): the Q buffer's last readers are this
-    // warpgroup's S products, so it is released before the tile's last P V (at once without a
-    // step), and the producer loads the next tile's Q during that product and the epilogue.
+    // warpgroup's S products, so it is released before the tile's last P V (without a step of its
+    // own: here, after the skipped stages landed), and the producer loads the next tile's Q during
+    // that product and the epilogue.
     auto release_q = [&] {
       if constexpr (Traits::kStageOInV) {
         __syncwarp();
@@ -668,9 +678,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // buffer (its S products, the only readers, are complete; the Q tile landed before them), or
       // with Traits::kStageOInV the V ring from its start. The ring is free once every consumer
       // warp has released the tile's last key block (the stage's empty barrier completes the
-      // phase; the earlier stages were released before it) and the producer loads no V before
-      // o_free; without keys it was freed by the previous tile's epilogue. The buffer address is
-      // opaque per tile, as the thread index.
+      // phase; the earlier stages were released before it): the tile's V loads came after the
+      // previous tile's O store had read the ring (o_free), and the producer loads no further V
+      // before this tile's o_free. A tile without keys has no V: its q_full came after o_free. The
+      // buffer address is opaque per tile, as the thread index.
       uint32_t sO_addr = Traits::kStageOInV ? smem_addr + Traits::kOffV : sQ(qs);
       asm volatile("" : "+r"(sO_addr));
       if (Traits::kStageOInV && wo.n_block_max > 0) {

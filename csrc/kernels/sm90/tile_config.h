@@ -103,7 +103,8 @@ template <> struct FwdTile<256> : FwdTileShape<128,   80,   12,  false,    1> { 
 // steps to spread its own costs over; causal within noise (8k 666 -> 658). End to end (python -m
 // flash_attn_ext.benchmark, one build, FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS=0 and unset alternated
 // three times): 8k 683 -> 719 (+5 %), 16k 660 -> 662. Two Q buffers and two K/V stages, as
-// FwdTile<128>.
+// FwdTile<128>; unlike it, the per-warpgroup key ranges (FwdKernelTraits::kWarpgroupKeyRanges:
+// 144 keys are not the two warpgroups' 128 rows), measured with them.
 template <int kHeadDim> struct FwdLongTile { static constexpr bool kSupported = false; };
 template <> struct FwdLongTile<128> : FwdTileShape<128,  144,   12,  false,    1> { static constexpr bool kSupported = true; };
 
