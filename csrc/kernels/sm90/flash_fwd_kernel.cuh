@@ -12,8 +12,9 @@
 // Warpgroups (128 threads each):
 //   WG 0 (producer, setmaxnreg down): one thread issues the TMA loads of every tile: K_n and V_n
 //        for n = n_block_max - 1 down to 0 into kStages-deep rings, and Q (after the first K/V
-//        block) into a kQStages-deep ring (2 where it fits: d64, d96, d128; else 1); full / empty mbarriers
-//        per stage. Its other threads leave at once.
+//        block; with one Q buffer after the first K, before the first V) into a kQStages-deep ring
+//        (2 where it fits: d64, d96, d128; else 1); full / empty mbarriers per stage. Its other
+//        threads leave at once.
 //   WG 1 + c (consumer c, setmaxnreg up): query rows [64 c, 64 c + 64) of the tile. Step i:
 //        S_i = Q K^T               wgmma SS (Q and K K-major in shared memory)      Alg. 1 line 8
 //        O += P_{i-1} V_{i-1}      wgmma RS (P in registers as 16-bit A fragments; V N-major), issued
@@ -26,10 +27,10 @@
 //        while O += P_{i-1} V still reads the first: FwdKernelTraits::kSoftmaxOrder, kDoubleBufferP).
 //        With 2-3 consumer warpgroups the warpgroups take turns issuing their GEMMs (named
 //        barriers, WarpgroupTurns), so one's softmax runs under another's products.
-//        d64 / d192 / d256 (FwdKernelTraits::kWarpgroupKeyRanges): a warpgroup runs only the steps
-//        of the key blocks its own rows see (n_wg of the tile's n_block_max: the causal diagonal,
-//        rows past seqlen_q); for the tile's first n_block_max - n_wg steps it passes its turn and
-//        releases the stage.
+//        d64 / d192 / d256 and d128's 144-key row (FwdKernelTraits::kWarpgroupKeyRanges): a
+//        warpgroup runs only the steps of the key blocks its own rows see (n_wg of the tile's
+//        n_block_max: the causal diagonal, rows past seqlen_q); for the tile's first
+//        n_block_max - n_wg steps it passes its turn and releases the stage.
 //   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer (two Q buffers:
 //   d64, d96, d128) or of the V ring (one Q buffer: d192, d256; FwdKernelTraits::kStageOInV), LSE
 //   and the two softmax_stats planes written by the row owners, as the sm80 kernel does. Dense
