@@ -200,6 +200,11 @@ def test_measure_interleaved_rotates_and_reports_the_median(monkeypatch):
     script.update(a=[7.0], b=[8.0])
     one = benchmark.measure_interleaved(impls[:2], None, "fwd", None)
     assert order == ["a", "b"] and one["a"]["ms"] == 7.0 and one["a"]["ms_spread"] == 1.0
+    # A failure in a later round: that round's status, and no further rounds.
+    order.clear()
+    script.update(a=[1.0, None, 2.0])
+    late = benchmark.measure_interleaved(impls[:1], None, "fwd", None, rounds=3)
+    assert order == ["a", "a"] and late["a"]["status"] == "error" and math.isnan(late["a"]["ms_spread"])
     with pytest.raises(ValueError, match="rounds"):
         benchmark.measure_interleaved(impls, None, "fwd", None, rounds=0)
 
@@ -552,3 +557,8 @@ def test_decode_and_varlen_cli_cuda_smoke(tmp_path):
     assert (ours[ours["mode"] == "decode"]["tbps"] > 0).all()
     assert (ours[ours["mode"] != "decode"]["tflops"] > 0).all()
     assert "Decode (KV cache)" in proc.stdout and "ours-dense" in proc.stdout
+
+
+def test_peer_named_twice_is_measured_once():
+    args = cli.make_parser().parse_args(["--device", "cpu", "--peers", "standard,sdpa-math,standard"])
+    assert cli.resolve_args(args).peers == ["standard", "sdpa-math"]

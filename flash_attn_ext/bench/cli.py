@@ -50,7 +50,7 @@ def _choice_list(flag: str, text: str, choices) -> list[str]:
     if not values or bad:
         raise BenchmarkError(f"{flag}: expected a comma-separated list from {sorted(set(choices))}, "
                              f"got {text!r}")
-    return values
+    return list(dict.fromkeys(values))  # a name given twice is measured once
 
 
 def _causal_list(text: str) -> list[bool]:
@@ -158,8 +158,9 @@ def make_parser() -> argparse.ArgumentParser:
                     "per measurement [cuda: 100, cpu: 60; --quick 30]")
     ap.add_argument("--rounds", type=int, default=1,
                     help="timed measurements of each (case, implementation), interleaved across the "
-                         "implementations in a rotating order; the median-time one is reported "
-                         "(results.csv ms_spread: max / min over the rounds) [1]")
+                         "implementations in a rotating order; the median-time one is reported (for an "
+                         "even count the faster middle one; results.csv ms_spread: max / min over the "
+                         "rounds; a failed round's status wins) [1]")
     ap.add_argument("--slow-max-seqlen", type=int, default=4096,
                     help="sdpa-math is skipped above this seqlen (it takes seconds per call)")
     ap.add_argument("--ref-max-seqlen", type=int, default=16384,

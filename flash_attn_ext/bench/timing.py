@@ -235,8 +235,8 @@ def measure_interleaved(impls: list[Impl], p, mode: str, timer: Timer, rounds: i
     (GPU clocks and temperature drift over a case; one timed run of each moved single ratios by up
     to 6 % between runs on the H200). Returns {impl.name: row}: the implementation's median-time
     round (the lower median for an even count), with ``ms_spread`` = max / min ms over its rounds
-    (1.0 for one). An implementation whose first round is not ok keeps that row (ms_spread NaN) and
-    is not timed again. ``before(impl, round)``: called before each measurement (progress)."""
+    (1.0 for one). An implementation with a round that is not ok gets that round's row (ms_spread
+    NaN) and is not timed again. ``before(impl, round)``: called before each measurement (progress)."""
     if rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds}")
     runs: dict[str, list[dict]] = {impl.name: [] for impl in impls}
@@ -245,7 +245,7 @@ def measure_interleaved(impls: list[Impl], p, mode: str, timer: Timer, rounds: i
         for k in range(n):
             impl = impls[(k + r) % n]
             done = runs[impl.name]
-            if done and done[0]["status"] != "ok":
+            if any(m["status"] != "ok" for m in done):
                 continue
             if before is not None:
                 before(impl, r)
@@ -253,7 +253,7 @@ def measure_interleaved(impls: list[Impl], p, mode: str, timer: Timer, rounds: i
     out = {}
     for impl in impls:
         done = runs[impl.name]
-        if done[0]["status"] != "ok" or any(m["status"] != "ok" for m in done):
+        if any(m["status"] != "ok" for m in done):
             row = next(m for m in done if m["status"] != "ok")
             out[impl.name] = {**row, "ms_spread": float("nan")}
             continue
