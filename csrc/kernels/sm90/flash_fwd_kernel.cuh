@@ -154,7 +154,9 @@ struct FwdKernelTraits {
   // fragments rides in the pipelined softmax, filling the next row's SFU gaps, while O += P_{i-1} V
   // still reads the other buffer. Tune harness (H200, 6 rounds, on top of the pipelined order):
   // d96 / d128 +1.7 / +1.9 % more at N >= 4k; with three warpgroups (d64) -4 % on short causal loops.
-  static constexpr bool kDoubleBufferP = kSoftmaxOrder == RowOrder::kPipelined;
+  // Above 144 keys two P buffers no longer fit beside S and O (d128, 176 keys: 2 x 44 + 88 + 64
+  // registers; ptxas serializes the wgmmas, C7512), so such a row keeps one.
+  static constexpr bool kDoubleBufferP = kSoftmaxOrder == RowOrder::kPipelined && kBlockN <= 144;
   // Each consumer warpgroup visits only the key blocks its own 64 rows see (the kernel's n_wg):
   // where the tile's warpgroups cross the causal diagonal in different key blocks at every tile
   // (d64: 192 rows over 128-key blocks; d192 / d256: 112 / 80 keys), and where the sequence's
