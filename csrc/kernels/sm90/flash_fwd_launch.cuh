@@ -94,13 +94,21 @@ inline void note_sm80_fallback() {
 }
 }  // namespace sm90
 
-template <typename Element, int kHeadDim>
-void run_mha_fwd_(Sm90, Flash_fwd_params& params, cudaStream_t stream) {
-  static_assert(sm90::FwdTile<kHeadDim>::kSupported, "no sm90 forward tile row for this head dim");
-  if (!sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim>>(params, stream)) {
-    sm90::note_sm80_fallback();
+namespace sm90 {
+// launch_fwd with the tile row Tile, or the sm80 kernel where it declines the call.
+template <typename Element, int kHeadDim, typename Tile>
+void launch_fwd_or_sm80(Flash_fwd_params& params, cudaStream_t stream) {
+  static_assert(Tile::kSupported, "no sm90 forward tile row for this head dim");
+  if (!launch_fwd<FwdKernelTraits<Element, kHeadDim, Tile>>(params, stream)) {
+    note_sm80_fallback();
     run_mha_fwd_<Element, kHeadDim>(Sm80{}, params, stream);  // defined by the sm80 instantiations
   }
+}
+}  // namespace sm90
+
+template <typename Element, int kHeadDim>
+void run_mha_fwd_(Sm90, Flash_fwd_params& params, cudaStream_t stream) {
+  sm90::launch_fwd_or_sm80<Element, kHeadDim, sm90::FwdTile<kHeadDim>>(params, stream);
 }
 
 }  // namespace flash

@@ -10,11 +10,7 @@ namespace flash {
 
 template <typename Element, int kHeadDim>
 void run_mha_fwd_long_(Sm90, Flash_fwd_params& params, cudaStream_t stream) {
-  static_assert(sm90::FwdLongTile<kHeadDim>::kSupported, "no long-key sm90 forward tile row for this head dim");
-  if (!sm90::launch_fwd<sm90::FwdKernelTraits<Element, kHeadDim, sm90::FwdLongTile<kHeadDim>>>(params, stream)) {
-    sm90::note_sm80_fallback();
-    run_mha_fwd_<Element, kHeadDim>(Sm80{}, params, stream);  // defined by the sm80 instantiations
-  }
+  sm90::launch_fwd_or_sm80<Element, kHeadDim, sm90::FwdLongTile<kHeadDim>>(params, stream);
 }
 
 }  // namespace flash
