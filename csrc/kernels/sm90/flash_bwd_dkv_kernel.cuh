@@ -37,7 +37,7 @@ namespace flash::sm90 {
 template <typename Element, int kHeadDim, typename Tile>
 struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
   using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64>;
-  using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, typename Base::TileQ, typename Base::TileKV;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, Base::kHeadDimMma, typename Base::TileQ, typename Base::TileKV;
   static constexpr int kSplit = Tile::kSplit, kStages = Tile::kStages;
   // Shared layout (1024-byte aligned): sK, sV, then kStages x (sQ, sdO), then kStages x (hi, lo, D)
   // of kBlockM floats each, then the stages' full and empty mbarriers (BwdStages).
@@ -57,7 +57,8 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
   static constexpr bool kPackedDs = kPRounded && std::is_same<Element, __nv_bfloat16>::value;
   static_assert(kBlockN % 64 == 0 && kBlockM % 16 == 0, "64 K rows per warpgroup, k16 steps of Q rows");
   static_assert(kBlockM / kSplit == 64 || kBlockM / kSplit == 128, "a part's S^T is one m64nNk16 wgmma wide");
-  static_assert(kHeadDimPad == 64 || kHeadDimPad == 128, "dK/dV are one m64nNk16 wgmma wide (N = d, padded)");
+  static_assert(kHeadDimMma == 64 || kHeadDimMma == 96 || kHeadDimMma == 128,
+                "dK/dV are one m64nNk16 wgmma wide (N = d, or d padded)");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
@@ -70,8 +71,9 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
   using TileKV = typename T::TileKV;
   using TileQ = typename T::TileQ;
   constexpr int kThreads = T::kThreads, kPart = kBlockM / kSplit;  // kPart: Q rows per part
-  constexpr int kHeadDimPad = T::kHeadDimPad;                      // shared tiles' and dK / dV's columns
-  constexpr int kNBlkP = kPart / 8, kNBlkD = kHeadDimPad / 8;     // n8 blocks of a part's S^T, of dK / dV
+  constexpr int kHeadDimPad = T::kHeadDimPad;                      // shared tiles' columns
+  constexpr int kHeadDimMma = T::kHeadDimMma;                      // dK's and dV's columns (smem_layout.cuh)
+  constexpr int kNBlkP = kPart / 8, kNBlkD = kHeadDimMma / 8;     // n8 blocks of a part's S^T, of dK / dV
 
   unsigned char* smem = aligned_dynamic_smem();
   const uint32_t smem_addr = smem_u32addr(smem);
@@ -158,7 +160,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
 
       // Alg. 2 line 13: dV_j += P^T dO_part.
-      wgmma_rs_group<Element, kHeadDimPad, 1>(flat(acc_dv), a_p[h],
+      wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dv), a_p[h],
                                             [&](int kk) { return TileQ::desc_mn_major(sdO, q0 / 16 + kk); });
 
       // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows. With kPRounded, P^T
@@ -194,7 +196,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       }
 
       // Alg. 2 line 17: dK_j += dS^T Q_part.
-      wgmma_rs_group<Element, kHeadDimPad, 1>(flat(acc_dk), a_ds[h],
+      wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dk), a_ds[h],
                                             [&](int kk) { return TileQ::desc_mn_major(sQ, q0 / 16 + kk); });
     }
     wgmma_wait<0>();

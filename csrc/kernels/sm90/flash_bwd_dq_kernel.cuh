@@ -30,7 +30,7 @@ template <typename Element, int kHeadDim, typename Tile>
 struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
   static_assert(Tile::kBlockM % 64 == 0 && Tile::kBlockN % 16 == 0, "64 Q rows per warpgroup, k16 steps of keys");
   using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64>;
-  using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, typename Base::TileQ, typename Base::TileKV;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, Base::kHeadDimMma, typename Base::TileQ, typename Base::TileKV;
   // Shared layout (1024-byte aligned): sQ, sdO, then kStages x (sK, sV), then the stages' full and
   // empty mbarriers (BwdStages).
   static constexpr int kStages = Tile::kStages;
@@ -40,7 +40,8 @@ struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
                        kOffBar = Regions::offset(4);
   static constexpr int kSmemBytes = Regions::kBytes + 1024;  // + alignment slack
   static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64nNk16 wgmma wide (N = kBlockN)");
-  static_assert(kHeadDimPad == 64 || kHeadDimPad == 128, "dQ is one m64nNk16 wgmma wide (N = d, padded)");
+  static_assert(kHeadDimMma == 64 || kHeadDimMma == 96 || kHeadDimMma == 128,
+                "dQ is one m64nNk16 wgmma wide (N = d, or d padded)");
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
@@ -52,8 +53,9 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN;
   using TileQ = typename T::TileQ;
   using TileKV = typename T::TileKV;
-  constexpr int kThreads = T::kThreads, kHeadDimPad = T::kHeadDimPad;  // shared tiles' and dQ's columns
-  constexpr int kNBlkN = kBlockN / 8, kNBlkD = kHeadDimPad / 8;      // n8 blocks of S (keys), of dQ
+  constexpr int kThreads = T::kThreads, kHeadDimPad = T::kHeadDimPad;  // shared tiles' columns
+  constexpr int kHeadDimMma = T::kHeadDimMma;                          // dQ's columns (smem_layout.cuh)
+  constexpr int kNBlkN = kBlockN / 8, kNBlkD = kHeadDimMma / 8;      // n8 blocks of S (keys), of dQ
 
   // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
   const DqWork<kBlockM, kBlockN> w(params);
@@ -133,7 +135,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
     for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(a_ds[kk], acc_dp, kk);
 
     // Alg. 2 line 16: dQ_i += dS K_j.
-    wgmma_rs_group<Element, kHeadDimPad, 1>(flat(acc_dq), a_ds, [&](int kk) { return TileKV::desc_mn_major(sK, kk); });
+    wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dq), a_ds, [&](int kk) { return TileKV::desc_mn_major(sK, kk); });
     wgmma_wait<0>();
     stages.release(n_block);  // this thread is done with the stage
   }

@@ -131,6 +131,7 @@ struct FwdKernelTraits {
   // Shared tiles, TMA boxes and O are whole 64-column swizzle blocks: d96 runs 128 columns there
   // (the boxes past d read zeros: the tensor maps' extent is the user's d), S only its 6 k16 steps.
   static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  static constexpr int kHeadDimMma = head_dim_mma(kHeadDim);  // O's columns (P V at N = 96 for d96)
   static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kConsumerWGs = kBlockM / 64;
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;
@@ -206,8 +207,8 @@ struct FwdKernelTraits {
   static_assert(!kStageOInV || TileQ::kBytes <= kStages * TileKV::kBytes, "O (a Q tile) fits in the V ring");
 };
 
-// O += P V for one K/V tile: kBlockN / 16 k16 steps, N = the (padded) head dim as wgmma widths of
-// wgmma.cuh (64 or 128; d192 = 128 + 64 and d256 = 128 + 128 columns, each a run of 64-column
+// O += P V for one K/V tile: kBlockN / 16 k16 steps, N = O's columns (head_dim_mma) as wgmma widths
+// of wgmma.cuh (64, 96 or 128; d192 = 128 + 64 and d256 = 128 + 128 columns, each a run of 64-column
 // swizzle blocks of sV, hence its own descriptor base).
 template <typename Element, int kHeadDim, typename TileKV, int kKSteps>
 __device__ __forceinline__ void gemm_pv(float (&acc_o)[kHeadDim / 8][4], const uint32_t (&p)[kKSteps][4],
@@ -308,7 +309,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kStages = Traits::kStages;
   constexpr int kQStages = Traits::kQStages;
   constexpr int kNBlkN = kBlockN / 8;      // n8 blocks of S (keys)
-  constexpr int kNBlkD = kHeadDimPad / 8;  // n8 blocks of O (head dim, padded)
+  constexpr int kNBlkD = Traits::kHeadDimMma / 8;  // n8 blocks of O (smem_layout.cuh: head_dim_mma)
   constexpr int kConsumerWarps = 4 * Traits::kConsumerWGs;
 
   unsigned char* smem = aligned_dynamic_smem();
@@ -581,7 +582,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // ... and line 10 of the previous step: O += P_{i-1} V_{n+1}.
         mbarrier_wait(v_full(prev), kv_wg.phase(i - 1));
         wgmma_fence();
-        gemm_pv<Element, kHeadDimPad, TileKV>(acc_o[0], p_in, sV(prev));
+        gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_in, sV(prev));
         wgmma_commit();
         turns.end();
 
@@ -621,7 +622,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         turns.begin();
         mbarrier_wait(v_full(last), kv_wg.phase(n_wg - 1));
         wgmma_fence();
-        gemm_pv<Element, kHeadDimPad, TileKV>(acc_o[0], p_last, sV(last));
+        gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_last, sV(last));
         wgmma_commit();
         turns.end();
         wgmma_wait<0>();

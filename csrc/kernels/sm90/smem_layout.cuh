@@ -44,6 +44,19 @@ __device__ __forceinline__ unsigned char* aligned_dynamic_smem() {
   return smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
 }
 
+// The N width of the products whose N axis is the head dim (the forward's O += P V, the backward's
+// dV, dK and dQ): the head dim itself at d96, where the shared tiles are 128 columns (two 64-column
+// swizzle atoms, the second half zeros) but an N-major B operand of 96 columns reads only the first
+// atom and half of the second, so the products skip the padding's 25 % of their tensor work and
+// registers (accumulators of 12 n8 blocks, not 16); else the padded width (whole atoms).
+// -DFLASH_ATTN_EXT_SM90_NARROW_MMA=0 runs d96 on the padded 128 (A/B measurements).
+#ifndef FLASH_ATTN_EXT_SM90_NARROW_MMA
+#define FLASH_ATTN_EXT_SM90_NARROW_MMA 1
+#endif
+constexpr int head_dim_mma(int head_dim) {
+  return FLASH_ATTN_EXT_SM90_NARROW_MMA && head_dim == 96 ? 96 : (head_dim + 63) / 64 * 64;
+}
+
 // The 128-byte-swizzle layout (primitives/tma.cuh: Swizzle128Tile) with the wgmma descriptors of
 // its operands.
 template <int kRows, int kCols>
@@ -92,6 +105,7 @@ template <int kHeadDim, typename Tile, int kWarpGroups_>
 struct BwdTileTraits {
   static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
+  static constexpr int kHeadDimMma = head_dim_mma(kHeadDim);  // N of dK, dV, dQ (the rows kernels)
   static constexpr int kWarpGroups = kWarpGroups_;
   static constexpr int kThreads = kWarpGroups * 128;
   using TileQ = SwizzledTile<kBlockM, kHeadDimPad>;
