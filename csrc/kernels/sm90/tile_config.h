@@ -38,7 +38,7 @@ template <int kHeadDim> struct DqTile { static constexpr bool kSupported = false
 //   d128 dK/dV 64x128 444 / 484 / 502 and 308 / 433 / 492; dQ 128x64 463 / 517 / 516 and
 //        314 / 461 / 518. dQ 64x64 measured 516 / 538 / 503 and 372 / 517 / 534 per kernel, but end
 //        to end (python -m flash_attn_ext.benchmark, same session) it was +2-5 % only for causal
-//        N <= 2048 in bf16, -1 to -2 % at N >= 8192 and -2 to -3 % in fp16: kept 128x64.
+//        N <= 2048 in bf16, -1 to -2 % at N >= 8192 and -2 to -3 % in fp16: kept 128x64 (now 128x128, below).
 // Independent one-warpgroup CTAs sharing an SM overlap one CTA's softmax math with the other's
 // wgmma; a third buffer cost that second CTA its shared memory and was slower everywhere, and
 // split 2 (queueing two parts of the Q tile together) was 3-8 % slower at d64 (docs/PERF_NOTES.md).
@@ -53,13 +53,23 @@ template <int kHeadDim> struct DqTile { static constexpr bool kSupported = false
 //                                     BLOCK_N BLOCK_M split (sm80: warp rows, fast copy) stages
 template <> struct DkvTile<64>  : DkvTileShape< 64,  128,    1> { static constexpr bool kSupported = true; };
 template <> struct DkvTile<128> : DkvTileShape<128,   64,    1,   16,   true,    4> { static constexpr bool kSupported = true; };
-// dQ d64: three one-warpgroup CTAs per SM (168 registers per thread at most, no spills).
+// dQ d64: three one-warpgroup CTAs per SM (168 registers per thread at most, no spills). dQ d96 /
+// d128: 128-key blocks (2026-12-01, fifteenth session; tune_kernels.py, 4 rounds in one binary,
+// per-kernel matmul TFLOP/s at N = 1k / 4k / 8k / 16k): d128 128x128 572 / 652 / 645 / 665, causal
+// 426 / 591 / 623 / 673, against 128x64's 525 / 613 / 581 / 603 and 388 / 560 / 556 / 577 (half
+// the key steps, each S / dP wgmma twice as wide; 255 registers, no spills; the same bits: dQ's
+// k16 steps run in the same order); 64x128 434 / 485 / 494 / 539. d64 keeps 64x64: 575 / 544 / 550
+// at N >= 4k against 509 / 534 / 521 for 128x128.
 //                                    BLOCK_M BLOCK_N (warp rows, fast copy: sm80 only) min CTAs/SM
 template <> struct DqTile<64>  : DqTileShape< 64,  64,   16, true,                            3> { static constexpr bool kSupported = true; };
-template <> struct DqTile<128> : DqTileShape<128,  64> { static constexpr bool kSupported = true; };
+template <> struct DqTile<128> : DqTileShape<128, 128> { static constexpr bool kSupported = true; };
 
-// d96 runs d128's rows with 128-column shared tiles and accumulators (S over its 6 k16 steps; as
-// the forward does). d192 / d256: dK and dV of 64 K rows (d registers per thread) leave no room for
+// d96 runs d128's rows with 128-column shared tiles (S over its 6 k16 steps; as the forward does)
+// and 96-column dK, dV and dQ products (smem_layout.cuh: head_dim_mma; tune harness, 8 rounds
+// against the 128-column products: dK/dV +6.1 % (N <= 2k) / +7.2 % (N >= 4k), dQ +1.7 / +1.0 %).
+// Its dQ runs 128-key blocks as d128's: 513 / 594 / 583 at N = 1k / 4k / 16k, causal 375 / 533 /
+// 597, against 412 / 502 / 464 and 313 / 424 / 482 for 128x64 (with the 96-column products); the
+// dK/dV stages 2 / 3 / 4 within 4 % of each other. d192 / d256: dK and dV of 64 K rows (d registers per thread) leave no room for
 // S^T and dP^T in one warpgroup, so both kernels split their two warpgroups by role over a 64 x 64
 // tile pair (Roles<>, flash_bwd_{dkv,dq}_roles_kernel.cuh): one holds dV (or dQ's first columns),
 // the other dK (dQ's last columns), d / 2 registers each. Shared memory at d256: dK/dV K, V and two
@@ -70,7 +80,7 @@ template <> struct DqTile<128> : DqTileShape<128,  64> { static constexpr bool k
 // their cp.async twins, which varlen calls run, 8-19 % slower). 2026-12-01, the dK/dV refill under
 // the S^T / dP^T products: 447 / 486 / 521, causal 368 / 463 / 502.
 template <> struct DkvTile<96>  : DkvTileShape<128,   64,    1,   16,   true,    3> { static constexpr bool kSupported = true; };
-template <> struct DqTile<96>   : DqTileShape<128,  64> { static constexpr bool kSupported = true; };
+template <> struct DqTile<96>   : DqTileShape<128, 128> { static constexpr bool kSupported = true; };
 template <> struct DkvTile<192> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
 template <> struct DkvTile<256> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
 template <> struct DqTile<192>  : Roles<DqTileShape<64, 64>> { static constexpr bool kSupported = true; };
