@@ -128,8 +128,9 @@ struct FwdKernelTraits {
   using Element = Element_;
   using Tile = Tile_;
   static constexpr int kHeadDim = kHeadDim_;
-  // Shared tiles, TMA boxes and O are whole 64-column swizzle blocks: d96 runs 128 columns there
-  // (the boxes past d read zeros: the tensor maps' extent is the user's d), S only its 6 k16 steps.
+  // Shared tiles, TMA boxes and O's staging are whole 64-column swizzle blocks: d96 runs 128
+  // columns there (the boxes past d read zeros: the tensor maps' extent is the user's d), S only
+  // its 6 k16 steps, O += P V and O's accumulators kHeadDimMma = 96 columns.
   static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
   static constexpr int kHeadDimMma = head_dim_mma(kHeadDim);  // O's columns (P V at N = 96 for d96)
   static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
