@@ -1,7 +1,8 @@
 // Launch template of the Hopper forward kernel with the long-key tile row (tile_config.h:
 // FwdLongTile), for the dense non-causal calls that fwd_long_keys picks (kernels/dispatch.cu).
 // Explicitly instantiated per (dtype, head dim) by
-// csrc/kernels/sm90/instantiations/flash_fwd_long_hdim*_sm90.cu, which the build compiles for sm_90a only.
+// csrc/kernels/sm90/instantiations/flash_fwd_long_hdim*_sm90.cu, which the build compiles for
+// sm_90a only.
 #pragma once
 
 #include "kernels/sm90/flash_fwd_launch.cuh"

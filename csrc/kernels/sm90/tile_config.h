@@ -38,7 +38,8 @@ template <int kHeadDim> struct DqTile { static constexpr bool kSupported = false
 //   d128 dK/dV 64x128 444 / 484 / 502 and 308 / 433 / 492; dQ 128x64 463 / 517 / 516 and
 //        314 / 461 / 518. dQ 64x64 measured 516 / 538 / 503 and 372 / 517 / 534 per kernel, but end
 //        to end (python -m flash_attn_ext.benchmark, same session) it was +2-5 % only for causal
-//        N <= 2048 in bf16, -1 to -2 % at N >= 8192 and -2 to -3 % in fp16: kept 128x64 (now 128x128, below).
+//        N <= 2048 in bf16, -1 to -2 % at N >= 8192 and -2 to -3 % in fp16: kept 128x64 (now
+//        128x128, below).
 // Independent one-warpgroup CTAs sharing an SM overlap one CTA's softmax math with the other's
 // wgmma; a third buffer cost that second CTA its shared memory and was slower everywhere, and
 // split 2 (queueing two parts of the Q tile together) was 3-8 % slower at d64 (docs/PERF_NOTES.md).
@@ -58,8 +59,9 @@ template <> struct DkvTile<128> : DkvTileShape<128,   64,    1,   16,   true,   
 // per-kernel matmul TFLOP/s at N = 1k / 4k / 8k / 16k): d128 128x128 572 / 652 / 645 / 665, causal
 // 426 / 591 / 623 / 673, against 128x64's 525 / 613 / 581 / 603 and 388 / 560 / 556 / 577 (half
 // the key steps, each S / dP wgmma twice as wide; 255 registers, no spills in the TMA kernel, 8
-// bytes around the loop in its cp.async twin; the same bits: dQ's k16 steps keep their order); 64x128 434 / 485 / 494 / 539. d64 keeps 64x64: 575 / 544 / 550
-// at N >= 4k against 509 / 534 / 521 for 128x128.
+// bytes around the loop in its cp.async twin; the same bits: dQ's k16 steps keep their order);
+// 64x128 434 / 485 / 494 / 539. d64 keeps 64x64: 575 / 544 / 550 at N >= 4k against 509 / 534 /
+// 521 for 128x128.
 //                                    BLOCK_M BLOCK_N (warp rows, fast copy: sm80 only) min CTAs/SM
 template <> struct DqTile<64>  : DqTileShape< 64,  64,   16, true,                            3> { static constexpr bool kSupported = true; };
 template <> struct DqTile<128> : DqTileShape<128, 128> { static constexpr bool kSupported = true; };
@@ -70,8 +72,9 @@ template <> struct DqTile<128> : DqTileShape<128, 128> { static constexpr bool k
 // Its dQ runs 128-key blocks as d128's: 513 / 594 / 583 at N = 1k / 4k / 16k, causal 375 / 533 /
 // 597, against 412 / 502 / 464 and 313 / 424 / 482 for 128x64 (with the 96-column products); the
 // dK/dV stages 2 / 3 / 4 within 4 % of each other.
-// d192 / d256: dK and dV of 64 K rows (d registers per thread) leave no room for S^T and dP^T in one warpgroup, so both kernels split their two warpgroups by role over a 64 x 64
-// tile pair (Roles<>, flash_bwd_{dkv,dq}_roles_kernel.cuh): one holds dV (or dQ's first columns),
+// d192 / d256: dK and dV of 64 K rows (d registers per thread) leave no room for S^T and dP^T in
+// one warpgroup, so both kernels split their two warpgroups by role over a 64 x 64 tile pair
+// (Roles<>, flash_bwd_{dkv,dq}_roles_kernel.cuh): one holds dV (or dQ's first columns),
 // the other dK (dQ's last columns), d / 2 registers each. Shared memory at d256: dK/dV K, V and two
 // stages of Q, dO (64 x d each) 192 KB + 2 x 16 KB (P^T) + 1.5 KB (row statistics) = 225.5 KB; dQ
 // Q, dO and two stages of K, V 192 KB + 8 KB (dS) + 16 KB (P) = 216 KB. Measured (tune_kernels.py,
@@ -94,7 +97,8 @@ template <> struct DqTile<256>  : Roles<DqTileShape<64, 64>> { static constexpr 
 // d64 2 x 24 + 4 x 32 KB, d96/d128 2 x 32 + 2 x 64 KB, d192 48 + 2 x 84 KB, d256 64 + 2 x 80 KB
 // (the kernel's traits compute it). d96 runs the d128 shape with 128-column shared tiles (FA3:
 // 192 x 144 with 96 columns; the 128-byte swizzle atom is 64 columns wide), S over its 6 k16
-// steps only, O += P V 96 columns wide (smem_layout.cuh: head_dim_mma). Swept with benchmarks/tune_kernels.py (H200, bf16, N = 1k..16k, causal both;
+// steps only, O += P V 96 columns wide (smem_layout.cuh: head_dim_mma). Swept with
+// benchmarks/tune_kernels.py (H200, bf16, N = 1k..16k, causal both;
 // docs/PERF_NOTES.md): these rows are the fastest or within 3 % at N >= 2k; d128 non-causal runs
 // 128 x 128, not FA3's 128 x 176 (2-5 % slower at every N: one Q buffer instead of two).
 //                                     BLOCK_M BLOCK_N warps Q-in-regs minCTAs
