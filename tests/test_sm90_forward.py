@@ -322,13 +322,14 @@ def test_sm90_forward_persistent_deterministic(d, causal):
 # through the ring, no loads), between tiles with keys.
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", SM90_FWD_HDIMS)
-def test_sm90_forward_one_key_block_tiles(d, causal):
+def test_sm90_forward_one_key_block_tiles(d, causal, dtype):
     """seqlen_k = 100 (one key block) under 2048 query rows, 48 heads (GQA 3:1), 2 batches: every CTA
     walks many tiles; within the rule against the reference and against the (forced) sm80 kernel."""
     require_hdim(d, exact=True)
-    q, k, v = make_qkv(2, 2048, 100, 48, 16, d, torch.bfloat16, seed=d + 7)
+    q, k, v = make_qkv(2, 2048, 100, 48, 16, d, dtype, seed=d + 7)
     check_against_sm80(q, k, v, causal)
 
 
