@@ -8,7 +8,7 @@
 #   BENCH_ARGS="--seqlen 1024,4096,16384 --peers sdpa-flash" ROUNDS=2 bash scripts/gpu_ab.sh
 #   NEW_ENV="FLASH_ATTN_EXT_DISABLE_SM90=1" BENCH_ARGS="... --mode fwd" bash scripts/gpu_ab.sh  # env of the new side
 #     only (here: its sm80 forward against an old tree that had no sm90 forward)
-#   OLD_SRC=. OLD_ENV="FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS=0" BENCH_ARGS="--hdim 64 --mode bwd ..." bash scripts/gpu_ab.sh
+#   OLD_SRC=. OLD_ENV="FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS=0" BENCH_ARGS="--hdim 128 --mode fwd ..." bash scripts/gpu_ab.sh
 #     # one build, two environments (OLD_SRC the same tree as NEW_SRC: built once): a run-time knob's A/B
 set -uo pipefail
 cd "$(dirname "$0")/.."
