@@ -114,10 +114,10 @@ static TuneRegistrar tune_reg({1, HD, "dkv90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
                                  TUNE_LAUNCH_BWD90(dkv, (flash::DkvTileShape<A2, A1, A3, 16, true, A6>), A4, A5);
                                }});
-#elif KIND == 2 && defined(TUNE_SM90)  // A3..A5 always given
-static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " roles=" TUNE_STR(A3) " tma=" TUNE_STR(A4) " stages=" TUNE_STR(A5),
+#elif KIND == 2 && defined(TUNE_SM90)  // A3..A6 always given
+static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " roles=" TUNE_STR(A3) " tma=" TUNE_STR(A4) " stages=" TUNE_STR(A5) " minB=" TUNE_STR(A6),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 TUNE_LAUNCH_BWD90(dq, (flash::DqTileShape<A1, A2, 16, true, 1, A5>), A3, A4);
+                                 TUNE_LAUNCH_BWD90(dq, (flash::DqTileShape<A1, A2, 16, true, A6, A5>), A3, A4);
                                }});
 #elif KIND == 1
 #ifndef A4

@@ -9,11 +9,13 @@ A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path), dkv90, dq90 (sm9
     dkv:128:64,128,1             DkvTileShape of BLOCK_M, BLOCK_N, colsplit[, warp rows[, fast copy 0|1]]
     dq:128:128,64                DqTileShape<BLOCK_M, BLOCK_N[, warp rows[, fast copy 0|1]]>
     dkv90:128:64,128             sm90 DkvTileShape of BLOCK_M, BLOCK_N[, split[, roles 0|1[, tma 0|1[, stages]]]]
-    dq90:128:128,64              sm90 DqTileShape<BLOCK_M, BLOCK_N[, roles 0|1[, tma 0|1[, stages]]]> (roles
-                                 1: the Roles<> kernels, flash_bwd_{dkv,dq}_roles_kernel.cuh, 64 x 64
-                                 tiles; tma 0: the cp.async loads on dense inputs too, default 1;
-                                 stages: of the TMA ring, 2 or more, default 2; the roles kernels
-                                 take 2 only and refuse others at compile time)
+    dq90:128:128,64              sm90 DqTileShape<BLOCK_M, BLOCK_N[, roles 0|1[, tma 0|1[, stages[, min
+                                 CTAs/SM]]]]> (roles 1: the Roles<> kernels,
+                                 flash_bwd_{dkv,dq}_roles_kernel.cuh, 64 x 64 tiles; tma 0: the
+                                 cp.async loads on dense inputs too, default 1; stages: of the TMA
+                                 ring, 2 or more, default 2; the roles kernels take 2 only and refuse
+                                 others at compile time; min CTAs/SM: __launch_bounds__, default 1,
+                                 production d64 3)
     fwd90:128:128,128            sm90 forward FwdTileShape of BLOCK_M (64 rows per consumer
                                  warpgroup), BLOCK_N (a wgmma width: 64..176, csrc/primitives/gen_wgmma.py)
     splitkv:128:64,4,2,3         SplitKvTileShape of BLOCK_N, warps, stages, min CTAs/SM[, Q-in-regs
@@ -41,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "benchmarks", "tune_kernels.cu")
 # Values of the optional template arguments the .cu side does not default itself (sm90 backward:
 # split 1, roles 0, tma 1, stages 2; dq: roles 0, tma 1, stages 2).
-DEFAULTS = {"dkv90": ["", "", "1", "0", "1", "2"], "dq90": ["", "", "0", "1", "2"]}
+DEFAULTS = {"dkv90": ["", "", "1", "0", "1", "2"], "dq90": ["", "", "0", "1", "2", "1"]}
 KINDS = {"fwd": 0, "dkv": 1, "dq": 2, "fwd90": 0, "dkv90": 1, "dq90": 2, "splitkv": 3}  # kind -> output compared
 DEFAULT = [
     "fwd:64:128,64,4,false,2", "fwd:128:128,32,4,false,2",
@@ -63,7 +65,7 @@ def variant_defines(spec):
     # No commas inside -D values: nvcc splits option values at commas.
     kind, hdim, args = spec.split(":")
     a = args.split(",")
-    n_args = {"fwd": (5, 5), "dkv": (3, 5), "dq": (2, 4), "fwd90": (2, 2), "dkv90": (2, 6), "dq90": (2, 5),
+    n_args = {"fwd": (5, 5), "dkv": (3, 5), "dq": (2, 4), "fwd90": (2, 2), "dkv90": (2, 6), "dq90": (2, 6),
               "splitkv": (4, 7)}[kind]
     if not n_args[0] <= len(a) <= n_args[1]:  # (required, allowed)
         sys.exit(f"variant {spec}: {kind} takes {n_args[0]} to {n_args[1]} template arguments")
