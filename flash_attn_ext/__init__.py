@@ -1,12 +1,13 @@
 """flash_attn_ext: FlashAttention-2 (Dao 2023) as a PyTorch C++/CUDA extension.
 
 Public API:
-    flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
+    flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=False)
         BSHD attention with autograd (flash_attn_ext.interface).
-    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ...)
         packed variable-length sequences, with autograd.
-    flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+    flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
         block_table=None, ..., num_splits=0): inference against a (paged) KV cache, split-KV.
+    (* : the arguments after it are keyword-only.)
     scaled_dot_product_attention(...): BHSD drop-in for torch's SDPA (flash_attn_ext.sdpa,
         loaded on first use).
     build_info() -> dict: CUDA archs / head dims compiled, CUDA and torch versions built against.

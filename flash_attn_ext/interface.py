@@ -14,6 +14,7 @@ def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     softmax_scale: float | None = None,
     causal: bool = False,
     return_lse: bool = False,
@@ -49,8 +50,12 @@ def flash_attn_func(
             Used as given: ``torch.autocast`` does not cast them here (the nn modules and
             ``flash_attn_ext.sdpa`` apply it); cast float32 activations yourself for CUDA.
             headdim: a multiple of 8, at most 256.
-        softmax_scale: multiplies Q K^T before the softmax; default 1 / sqrt(headdim). Any finite
-            value (negative and zero included) with |softmax_scale| * log2(e) < 3.4e38.
+        softmax_scale, causal, return_lse: keyword-only (flash-attn's fourth positional argument
+            is dropout_p: a call ported positionally raises TypeError here instead of taking it as
+            the scale).
+        softmax_scale: multiplies Q K^T before the softmax; default 1 / sqrt(headdim). A real
+            number (not a bool or a string), finite (negative and zero included), with
+            |softmax_scale| * log2(e) < 3.4e38.
             Magnitude: outputs and gradients stay finite for any finite inputs whose scores q . k
             and scaled scores softmax_scale * log2(e) * q . k fit in float32 (the softmax keeps
             its max and sum apart, softmax_stats, so ties stay exact at any magnitude). Past that
@@ -79,17 +84,45 @@ def flash_attn_func(
             a last dimension that is not contiguous; a softmax_scale that is not finite or whose
             |softmax_scale| * log2(e) overflows float32; seqlen_q or seqlen_k above 2^31 - 256 (tile
             counts are int32); double backward.
-        NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian).
-        TypeError: causal that is not a bool (or 0 / 1).
+        NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
+            nested (jagged) tensors (pack them and call flash_attn_varlen_func).
+        TypeError: causal or return_lse that is not a bool (or 0 / 1), softmax_scale that is not
+            a real number, arguments after v given positionally.
 
     Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0
     gives out = 0 and LSE = +inf.
     """
-    if softmax_scale is None:
+    _check_not_nested(q=q, k=k, v=v)
+    scale = _scale("softmax_scale", softmax_scale, q)
+    out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal))
+    return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
+
+
+def _scale(name: str, value, q: torch.Tensor) -> float:
+    """softmax_scale as a Python float: None -> 1 / sqrt(headdim); else a real number (int, float,
+    NumPy or 0-dim real tensor), not a bool or a string, or TypeError naming ``name``."""
+    if value is None:
         # headdim 0 is rejected by the op with a message naming headdim; don't divide by zero first.
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
-    out, softmax_lse, _ = ops.attention_forward(q, k, v, float(softmax_scale), _as_bool("causal", causal))
-    return (out, softmax_lse) if return_lse else out
+        return 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    complex_tensor = isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool)
+    if isinstance(value, (bool, str, bytes, complex)) or numpy_bool or complex_tensor:
+        raise TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}") from None
+
+
+def _check_not_nested(**tensors) -> None:
+    """NotImplementedError naming the first nested (jagged) tensor argument: the ops take dense
+    tensors (the packed form of ragged batches is flash_attn_varlen_func's)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_nested:
+            raise NotImplementedError(
+                f"flash_attn_ext: {name} is a nested tensor; the attention functions take dense tensors. "
+                "For a ragged batch pass the packed rows (nt.values()) with cu_seqlens (nt.offsets(), int32) to "
+                "flash_attn_varlen_func")
 
 
 
@@ -127,6 +160,7 @@ def flash_attn_varlen_func(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    *,
     softmax_scale: float | None = None,
     causal: bool = False,
     return_lse: bool = False,
@@ -147,8 +181,10 @@ def flash_attn_varlen_func(
             at most total_q / total_k (e.g. ``F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))``).
             Zero-length sequences are allowed (a sequence without keys gives out 0, LSE +inf).
         max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence of each side.
-        softmax_scale: default 1 / sqrt(headdim). causal: bottom-right aligned per sequence
-            (query i of a sequence sees key j <= i + seqlen_k - seqlen_q of that sequence).
+        softmax_scale, causal, return_lse: keyword-only (flash-attn's eighth positional
+            argument is dropout_p). softmax_scale: default 1 / sqrt(headdim), as flash_attn_func's.
+            causal: bottom-right aligned per sequence (query i of a sequence sees key j <= i +
+            seqlen_k - seqlen_q of that sequence).
         return_lse: also return softmax_lse.
 
     Returns:
@@ -159,7 +195,9 @@ def flash_attn_varlen_func(
         RuntimeError naming the argument for wrong ranks, shapes, dtypes, devices, a
         cu_seqlens that is not int32 (batch + 1,) or whose two lengths differ, max_seqlen
         outside [0, 2^31 - 256], total_q or total_k above 2^31 - 256.
-        TypeError: max_seqlen that is not an int, causal that is not a bool.
+        TypeError: max_seqlen that is not an int, causal or return_lse that is not a bool,
+        softmax_scale that is not a real number, arguments after max_seqlen_k given positionally.
+        NotImplementedError: nested tensors.
         On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
         <= max_seqlen).
         On CUDA they are not (that would need a device sync): a sequence longer than
@@ -168,12 +206,11 @@ def flash_attn_varlen_func(
         of bounds. Rows of q / k not covered by cu_seqlens get unspecified out / gradients on
         CUDA (0 on CPU).
     """
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
+    _check_not_nested(q=q, k=k, v=v)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
-        _as_int("max_seqlen_k", max_seqlen_k), float(softmax_scale), _as_bool("causal", causal))
-    return (out, softmax_lse) if return_lse else out
+        _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal))
+    return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
 
 
 def flash_attn_with_kvcache(
@@ -182,6 +219,7 @@ def flash_attn_with_kvcache(
     v_cache: torch.Tensor,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    *,
     cache_seqlens: torch.Tensor | int | None = None,
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
@@ -207,6 +245,8 @@ def flash_attn_with_kvcache(
             float32 / float64); headdim a multiple of 8, <= 256.
         k, v: None, or new keys / values (batch, seqlen_new, nheads_k, headdim) written at cache
             rows ``cache_seqlens[b] + i`` (needs cache_seqlens).
+        cache_seqlens and everything after it: keyword-only (flash-attn's sixth positional
+            argument is rotary_cos).
         cache_seqlens: int32 (batch,) tensor or an int: the rows of each sequence's cache in
             use before this call. None: every cache row is used.
         block_table: int32 (batch, max_blocks): sequence b's cache row r lives in block
@@ -228,16 +268,17 @@ def flash_attn_with_kvcache(
         block numbers outside [0, num_blocks) raise too; on CUDA they are not read on the host
         (no sync): cache rows past the cache are dropped from the append and the attention,
         and block numbers are trusted. TypeError: num_splits or an int cache_seqlens that is
-        not an int, causal that is not a bool.
+        not an int, causal or return_lse that is not a bool, softmax_scale that is not a real
+        number, arguments after v given positionally. NotImplementedError: nested tensors.
     """
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
+    _check_not_nested(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+    scale = _scale("softmax_scale", softmax_scale, q)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         n = _as_int("cache_seqlens", cache_seqlens)
         if not 0 <= n < 2**31:
             raise RuntimeError(f"flash_attn_ext: cache_seqlens = {n} must be in [0, 2^31) (int32)")
         cache_seqlens = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, float(softmax_scale), _as_bool("causal", causal),
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, _as_bool("causal", causal),
         _as_int("num_splits", num_splits))
-    return (out, softmax_lse) if return_lse else out
+    return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out

@@ -116,7 +116,8 @@ class MultiheadFlashAttention(nn.Module):
     ``in_proj_bias`` ((H + 2 Hk) * headdim,) or None; ``out_proj``: Linear(E, E).
 
     Raises (construction): ValueError when E is not divisible by H, H not by Hk, rotary with an
-    odd headdim, or an unknown backend.
+    odd headdim, a headdim the flash_attn_ext backend does not take (not a multiple of 8, or
+    above 256), or an unknown backend.
 
     Differences from torch.nn.MultiheadAttention: always batch-first; no dropout, add_bias_kv,
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
@@ -148,6 +149,9 @@ class MultiheadFlashAttention(nn.Module):
         if backend not in ("flash_attn_ext", "torch_sdpa"):
             raise ValueError(f"MultiheadFlashAttention: backend must be 'flash_attn_ext' or "
                              f"'torch_sdpa', got {backend!r}")
+        if backend == "flash_attn_ext" and (head_dim % 8 != 0 or head_dim > 256):
+            raise ValueError(f"MultiheadFlashAttention: headdim = embed_dim / num_heads = {head_dim}; the "
+                             "flash_attn_ext backend needs a multiple of 8, at most 256")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = head_dim
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base

@@ -3,8 +3,9 @@ varlen_forward, varlen_backward, fwd_kvcache}``.
 
 The schemas and the CPU/CUDA kernels are registered in C++ (csrc/flash_api.cpp); this module
 adds what lives in Python:
-  * fake (meta) kernels for both ops, so torch.compile(fullgraph=True) and FakeTensor tracing
-    see output shapes without running anything;
+  * fake (meta) kernels for every op, so torch.compile(fullgraph=True) and FakeTensor tracing
+    see output shapes without running anything, after the op's own input checks (their twins in
+    flash_attn_ext._fake_checks: meta tensors and tracing refuse what a real call refuses);
   * autograd for both ops (an ``Autograd`` dispatch kernel each, calling a
     ``torch.autograd.Function`` with ``setup_context``, so the ``torch.func`` transforms work):
       - ``forward``: reverse mode calls ``torch.ops.flash_attn_ext.backward`` (FlashAttention-2,
@@ -42,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (defines the ops)
+from . import _fake_checks as _checks
 
 forward = torch.ops.flash_attn_ext.forward
 backward = torch.ops.flash_attn_ext.backward
@@ -73,62 +75,18 @@ must be this forward's own; pass softmax_lse alone for statistics merged over ch
 with q's, k's and v's shapes and dtypes. Raises RuntimeError naming the argument on bad input."""
 
 
-_MAX_HEADDIM = 256
-_MAX_SEQLEN = 2**31 - 256  # csrc/flash.h kMaxSeqlen: tile counts and 128-row roundings stay in int32
-
 # Kernels registered from Python (Autograd); kept alive for the life of the process.
 _lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
 
 
-def _check_fake_inputs(q, k, v):
-    """The shape/device/dtype checks of csrc/flash_api.cpp, for the fake (meta) kernels, so that
-    tracing (torch.compile, FakeTensor) and meta tensors get the same errors as a real call instead
-    of outputs of a shape that cannot exist. Raises RuntimeError naming the argument."""
-    for name, t, layout in (("q", q, "(batch, seqlen_q, nheads, headdim)"),
-                            ("k", k, "(batch, seqlen_k, nheads_k, headdim)"),
-                            ("v", v, "(batch, seqlen_k, nheads_k, headdim)")):
-        if t.dim() != 4:
-            raise RuntimeError(f"flash_attn_ext: {name} must be 4-D {layout} (BSHD), got {t.dim()}-D "
-                               f"of shape {tuple(t.shape)}")
-    for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise RuntimeError(f"flash_attn_ext: {name} is on {t.device} but q is on {q.device}; "
-                               "all tensors must be on one device")
-        if t.dtype != q.dtype:
-            raise RuntimeError(f"flash_attn_ext: {name} has dtype {t.dtype} but q has dtype {q.dtype}; "
-                               "they must match")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise RuntimeError(f"flash_attn_ext: q has dtype {q.dtype}; supported: float16, bfloat16 "
-                           "(CUDA and CPU), float32, float64 (CPU)")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise RuntimeError(f"flash_attn_ext: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                           f"v {tuple(v.shape)}; expected q (batch, seqlen_q, nheads, headdim) and k, v "
-                           "(batch, seqlen_k, nheads_k, headdim)")
-    if k.shape[2] == 0:
-        raise RuntimeError("flash_attn_ext: nheads_k (k.size(2)) is 0; expected >= 1")
-    if q.shape[2] % k.shape[2] != 0:
-        raise RuntimeError(f"flash_attn_ext: nheads (q.size(2) = {q.shape[2]}) must be a multiple of "
-                           f"nheads_k (k.size(2) = {k.shape[2]})")
-    headdim = q.shape[3]
-    if headdim <= 0 or headdim % 8 != 0 or headdim > _MAX_HEADDIM:
-        raise RuntimeError(f"flash_attn_ext: headdim must be a positive multiple of 8 and at most "
-                           f"{_MAX_HEADDIM}, got {headdim}")
-
-
 # ---- fake kernels ------------------------------------------------------------------------
 
-def _check_fake_scale(softmax_scale):
-    """csrc/flash_api.cpp's softmax_scale check, for the fake kernels."""
-    import math
-    if not math.isfinite(softmax_scale) or abs(softmax_scale) * 1.4426950408889634 >= 3.4028234663852886e38:
-        raise RuntimeError("flash_attn_ext: softmax_scale must be finite with |softmax_scale| * log2(e) < "
-                           f"3.4e38 (float32; the kernels scale scores by it), got {softmax_scale}")
-
+# Each fake kernel runs the checks of its C++ op first (flash_attn_ext._fake_checks: one twin per
+# check function of csrc/flash_api.cpp), so meta tensors and tracing refuse what a real call refuses.
 
 @torch.library.register_fake("flash_attn_ext::forward")
 def _forward_fake(q, k, v, softmax_scale, causal):
-    _check_fake_inputs(q, k, v)
-    _check_fake_scale(softmax_scale)
+    _checks.check_qkv(q, k, v, softmax_scale)
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -138,25 +96,7 @@ def _forward_fake(q, k, v, softmax_scale, causal):
 
 @torch.library.register_fake("flash_attn_ext::backward")
 def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None):
-    _check_fake_inputs(q, k, v)
-    _check_fake_scale(softmax_scale)
-    for name, t in (("dout", dout), ("out", out), ("softmax_lse", softmax_lse), ("softmax_stats", softmax_stats)):
-        if t is not None and t.device != q.device:
-            raise RuntimeError(f"flash_attn_ext: {name} is on {t.device} but q is on {q.device}; "
-                               "all tensors must be on one device")
-    if dout.shape != q.shape or out.shape != q.shape:
-        raise RuntimeError(f"flash_attn_ext: dout {tuple(dout.shape)} and out {tuple(out.shape)} must "
-                           f"have q's shape {tuple(q.shape)}")
-    batch, seqlen_q, nheads, _ = q.shape
-    if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (batch, nheads, seqlen_q):
-        raise RuntimeError(f"flash_attn_ext: softmax_lse has shape {tuple(softmax_lse.shape)} and dtype "
-                           f"{softmax_lse.dtype}; expected (batch, nheads, seqlen_q) = "
-                           f"{(batch, nheads, seqlen_q)} float32")
-    if softmax_stats is not None and (softmax_stats.dtype != torch.float32 or
-                                      tuple(softmax_stats.shape) != (2, batch, nheads, seqlen_q)):
-        raise RuntimeError(f"flash_attn_ext: softmax_stats has shape {tuple(softmax_stats.shape)} and "
-                           f"dtype {softmax_stats.dtype}; expected (2, batch, nheads, seqlen_q) = "
-                           f"{(2, batch, nheads, seqlen_q)} float32")
+    _checks.check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale, softmax_stats)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -455,8 +395,7 @@ and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiabl
 @torch.library.register_fake("flash_attn_ext::varlen_forward")
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                          causal):
-    _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    _check_fake_scale(softmax_scale)
+    _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     total_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
@@ -467,15 +406,8 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 @torch.library.register_fake("flash_attn_ext::varlen_backward")
 def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, softmax_scale, causal, softmax_stats=None):
-    _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    _check_fake_scale(softmax_scale)
-    if dout.shape != q.shape or out.shape != q.shape:
-        raise RuntimeError(f"flash_attn_ext: dout {tuple(dout.shape)} and out {tuple(out.shape)} must "
-                           f"have q's shape {tuple(q.shape)}")
-    total_q, nheads, _ = q.shape
-    if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (nheads, total_q):
-        raise RuntimeError(f"flash_attn_ext: softmax_lse has shape {tuple(softmax_lse.shape)} and dtype "
-                           f"{softmax_lse.dtype}; expected (nheads, total_q) = {(nheads, total_q)} float32")
+    _checks.check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, softmax_scale, softmax_stats)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -484,74 +416,13 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
 @torch.library.register_fake("flash_attn_ext::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                       num_splits):
-    """The shape/dtype/device checks of csrc/flash_api.cpp's check_kvcache (not the values, which a
-    real CUDA call does not read either), then the output shapes."""
-    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise RuntimeError(f"flash_attn_ext: q {tuple(q.shape)} must be (batch, seqlen_q, nheads, headdim) "
-                           f"and k_cache / v_cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)} 4-D and "
-                           "equal")
-    batch = q.shape[0]
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.device != q.device or t.dtype != q.dtype:
-            raise RuntimeError(f"flash_attn_ext: {name} is {t.dtype} on {t.device} but q is {q.dtype} on "
-                               f"{q.device}; expected equal")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise RuntimeError(f"flash_attn_ext: q has dtype {q.dtype}; supported: float16, bfloat16 "
-                           "(CUDA and CPU), float32, float64 (CPU)")
-    if k_cache.shape[3] != q.shape[3] or k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2] != 0:
-        raise RuntimeError(f"flash_attn_ext: q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: expected "
-                           "equal head dims and nheads a multiple of nheads_k")
-    headdim = q.shape[3]
-    if headdim <= 0 or headdim % 8 != 0 or headdim > _MAX_HEADDIM:
-        raise RuntimeError(f"flash_attn_ext: headdim {headdim} is not supported; expected a multiple of 8 in "
-                           f"[8, {_MAX_HEADDIM}]")
-    if block_table is not None:
-        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise RuntimeError(f"flash_attn_ext: block_table has shape {tuple(block_table.shape)} and dtype "
-                               f"{block_table.dtype}; expected (batch, max_blocks) int32")
-        if k_cache.shape[1] <= 0 or k_cache.shape[1] % 16 != 0:
-            raise RuntimeError(f"flash_attn_ext: paged k_cache has page_size {k_cache.shape[1]}; expected a "
-                               "positive multiple of 16")
-    elif k_cache.shape[0] != batch:
-        raise RuntimeError(f"flash_attn_ext: k_cache has batch {k_cache.shape[0]} but q has batch {batch}")
-    if cache_seqlens is not None and (cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,)):
-        raise RuntimeError(f"flash_attn_ext: cache_seqlens has shape {tuple(cache_seqlens.shape)} and dtype "
-                           f"{cache_seqlens.dtype}; expected (batch,) int32")
-    if (k is None) != (v is None):
-        raise RuntimeError("flash_attn_ext: k and v (the new keys and values) must be given together")
-    if k is not None and cache_seqlens is None:
-        raise RuntimeError("flash_attn_ext: k / v (new keys) need cache_seqlens")
-    if k is not None and (k.shape != v.shape or k.dim() != 4 or k.shape[0] != batch
-                          or k.shape[2:] != k_cache.shape[2:]):
-        raise RuntimeError(f"flash_attn_ext: k / v have shapes {tuple(k.shape)} / {tuple(v.shape)}; expected "
-                           f"(batch, seqlen_new, nheads_k, headdim) = ({batch}, seqlen_new, "
-                           f"{k_cache.shape[2]}, {k_cache.shape[3]})")
-    if not 0 <= num_splits <= 128:
-        raise RuntimeError(f"flash_attn_ext: num_splits must be in [0, 128] (0: chosen from the shapes), got "
-                           f"{num_splits}")
-    _check_fake_scale(softmax_scale)
-    seqlen_q, nheads = q.shape[1], q.shape[2]
+    """check_kvcache's shape / dtype / device / stride checks (not the values, which a real CUDA
+    call does not read either), then the output shapes."""
+    _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits)
+    batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     return out, softmax_lse
-
-
-def _check_fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """csrc/flash_api.cpp's varlen shape checks, for the fake kernels."""
-    if not (0 <= max_seqlen_q <= _MAX_SEQLEN and 0 <= max_seqlen_k <= _MAX_SEQLEN):
-        raise RuntimeError(f"flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = "
-                           f"{_MAX_SEQLEN}] (tile counts are int32), got {max_seqlen_q} and {max_seqlen_k}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise RuntimeError(f"flash_attn_ext: {name} must be 3-D (total, heads, headdim) (packed varlen), "
-                               f"got {t.dim()}-D of shape {tuple(t.shape)}")
-    _check_fake_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1 or cu.device != q.device:
-            raise RuntimeError(f"flash_attn_ext: {name} must be int32 (batch + 1,) on q's device, got "
-                               f"{cu.dtype} {tuple(cu.shape)} on {cu.device}")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise RuntimeError("flash_attn_ext: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)")
 
 
 class FlashAttnVarlenFunction(torch.autograd.Function):

@@ -114,7 +114,8 @@ def scaled_dot_product_attention(
         (possibly autocast) input dtype. Differentiable w.r.t. query, key, value.
 
     Raises (before any kernel runs; messages name query/key/value and their BHSD shapes):
-        NotImplementedError: ``attn_mask`` is not None or ``dropout_p`` != 0.
+        NotImplementedError: ``attn_mask`` is not None, ``dropout_p`` != 0, or a nested (jagged)
+            tensor.
         ValueError: not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
             also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0),
             headdim not a multiple of 8 or > 256 (or without a compiled CUDA kernel), a
@@ -133,6 +134,12 @@ def scaled_dot_product_attention(
         raise NotImplementedError(
             f"flash_attn_ext.scaled_dot_product_attention: dropout_p must be 0.0 (got {dropout_p}); "
             "attention dropout is not implemented")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if isinstance(t, torch.Tensor) and t.is_nested:
+            raise NotImplementedError(
+                f"flash_attn_ext.scaled_dot_product_attention: {name} is a nested tensor; it takes dense "
+                "(batch, nheads, seqlen, headdim) tensors (for a ragged batch: flash_attn_ext.flash_attn_varlen_func "
+                "on the packed rows with cu_seqlens)")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise ValueError(

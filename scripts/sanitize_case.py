@@ -62,8 +62,8 @@ with torch.no_grad():
         q = torch.randn(b, seqlen_q, 8, 128, device="cuda", dtype=torch.bfloat16)
         k_new, v_new = (torch.randn(b, 2, hk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         cache_seqlens = torch.tensor([0, 100, cap - 2], device="cuda", dtype=torch.int32)
-        out = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, table,
-                                                     causal=True, num_splits=num_splits)
+        out = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                                                     block_table=table, causal=True, num_splits=num_splits)
         assert torch.isfinite(out).all()
 torch.cuda.synchronize()
 print("sanitize case ok")

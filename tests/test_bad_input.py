@@ -218,7 +218,7 @@ def test_double_backward_raises():
 def test_meta_tensors_are_checked():
     """The fake (meta) kernels run the same checks as the real ones."""
     q, k, v = (t.to("meta") for t in qkv(d=12))
-    raises(r"headdim must be a positive multiple of 8", fwd, q, k, v, 0.1, False)
+    raises(r"headdim 12 is not supported; expected a multiple of 8", fwd, q, k, v, 0.1, False)
     q, k, v = qkv()
     raises(r"k is on meta but q is on cpu", fwd, q, k.to("meta"), v.to("meta"), 0.1, False)
 
@@ -227,3 +227,57 @@ def test_headdim_zero_with_default_scale():
     q = torch.randn(1, 4, 2, 0)
     with pytest.raises(RuntimeError, match="headdim"):
         flash_attn_ext.flash_attn_func(q, q, q)
+
+
+# ---- the user functions' Python arguments (flash_attn_ext/interface.py) ----------------------
+
+def test_arguments_after_v_are_keyword_only():
+    """flash-attn's fourth positional argument is dropout_p (its varlen's eighth, its KV-cache
+    entry's sixth rotary_cos): a call ported positionally raises instead of taking 0.0 as the
+    softmax scale (uniform attention, silently)."""
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="positional"):
+        flash_attn_ext.flash_attn_func(q, k, v, 0.0)
+    qv, kv, vv = q[0], k[0], v[0]
+    cu_q = torch.tensor([0, 16], dtype=torch.int32)
+    cu_k = torch.tensor([0, 24], dtype=torch.int32)
+    with pytest.raises(TypeError, match="positional"):
+        flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 16, 24, 0.0)
+    with pytest.raises(TypeError, match="positional"):
+        flash_attn_ext.flash_attn_with_kvcache(q, k, v, None, None, torch.tensor([3, 4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("scale", ["0.1", True, 1j, b"1"])
+def test_softmax_scale_must_be_a_real_number(scale):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="softmax_scale must be a real number"):
+        flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=scale)
+
+
+def test_softmax_scale_real_number_types():
+    """ints, NumPy scalars and 0-dim real tensors are real numbers: the same result as the float."""
+    import numpy as np
+
+    q, k, v = qkv()
+    ref = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=0.5)
+    for scale in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5)):
+        assert torch.equal(flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=scale), ref)
+    assert torch.equal(flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=1),
+                       flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=1.0))
+
+
+def test_return_lse_must_be_a_bool():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flash_attn_ext.flash_attn_func(q, k, v, return_lse="no")
+
+
+def test_nested_tensors_are_refused_clearly():
+    """A jagged nested tensor gets an error naming it and the varlen entry, not the dispatcher's
+    bare NotImplementedError."""
+    nt = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged)
+    with pytest.raises(NotImplementedError, match="q is a nested tensor.*flash_attn_varlen_func"):
+        flash_attn_ext.flash_attn_func(nt, nt, nt)
+    bhsd = nt.transpose(1, 2)
+    with pytest.raises(NotImplementedError, match="query is a nested tensor"):
+        flash_attn_ext.scaled_dot_product_attention(bhsd, bhsd, bhsd)

@@ -386,7 +386,7 @@ def test_peer_call_shapes():
     assert notes == ["sdpa-flash, standard skipped for varlen: no varlen entry"]
 
 
-def _fake_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+def _fake_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
                   softmax_scale=None, causal=False, num_splits=0, return_lse=False):
     """flash_attn_with_kvcache's semantics from the dense op, one sequence at a time (the
     pipeline test's stand-in where the build predates the real entry)."""
@@ -396,17 +396,17 @@ def _fake_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block
         k_cache = k_cache[block_table.long()].flatten(1, 2)
         v_cache = v_cache[block_table.long()].flatten(1, 2)
     return torch.cat([flash_attn_func(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
-                                      softmax_scale, causal)
+                                      softmax_scale=softmax_scale, causal=causal)
                       for b, n in enumerate(cache_seqlens.tolist())])
 
 
-def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  softmax_scale=None, causal=False, return_lse=False):
     from flash_attn_ext import flash_attn_func
 
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    return torch.cat([flash_attn_func(q[a:b][None], k[c:d][None], v[c:d][None], softmax_scale,
-                                      causal)[0]
+    return torch.cat([flash_attn_func(q[a:b][None], k[c:d][None], v[c:d][None], softmax_scale=softmax_scale,
+                                      causal=causal)[0]
                       for a, b, c, d in zip(cq[:-1], cq[1:], ck[:-1], ck[1:])])
 
 

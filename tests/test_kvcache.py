@@ -158,8 +158,8 @@ def test_kvcache_opcheck_and_compile():
     torch._dynamo.reset()
 
     def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
-        return flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                                      causal=True)
+        return flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                      block_table=block_table, causal=True)
 
     kc, vc = args["k_cache"].clone(), args["v_cache"].clone()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")

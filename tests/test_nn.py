@@ -183,6 +183,9 @@ def test_mha_errors_are_clear():
         MultiheadFlashAttention(64, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="backend"):
         MultiheadFlashAttention(64, 4, backend="xformers")
+    with pytest.raises(ValueError, match="headdim = embed_dim / num_heads = 12"):
+        MultiheadFlashAttention(48, 4)  # at construction, not at the first forward
+    MultiheadFlashAttention(48, 4, backend="torch_sdpa")  # SDPA takes any headdim
 
 
 # ---------------------------------------------------------------- scaled_dot_product_attention

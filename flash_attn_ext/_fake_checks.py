@@ -1,0 +1,269 @@
+"""The input checks of csrc/flash_api.cpp, for the fake (meta) kernels of flash_attn_ext.ops.
+
+A fake kernel runs instead of the real one under torch.compile / FakeTensor tracing, and for every
+call in which one tensor argument is on the meta device (the dispatcher picks the Meta kernel even
+when the others are on the CPU). It must refuse exactly what the real op refuses: a fake kernel
+that skipped a check would hand back a tensor of uninitialised memory, or a shape that cannot
+exist, where the op raises. So each function here is the twin of the C++ function of the same
+name (check_qkv, check_bwd_extra, check_varlen, check_kvcache, ...), with the same checks in the
+same order: shapes, devices, dtypes and strides, never values (a CUDA call cannot read those
+without a device sync either). Messages name the argument as the C++ ones do. Raises
+RuntimeError, as TORCH_CHECK does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MAX_HEADDIM = 256
+MAX_SEQLEN = 2**31 - 256  # csrc/flash.h kMaxSeqlen: tile counts and 128-row roundings stay in int32
+MAX_SPLITS = 128          # csrc/flash.h kMaxSplits
+_INT32_MAX = 2**31 - 1
+
+
+def _fail(*parts) -> None:
+    raise RuntimeError("flash_attn_ext: " + "".join(str(p) for p in parts))
+
+
+def _shape(t: torch.Tensor) -> list:
+    return list(t.shape)
+
+
+def check_rank(t: torch.Tensor, name: str, rank: int, layout: str) -> None:
+    """check_rank4 / check_rank3."""
+    if t.dim() != rank:
+        kind = "(BSHD)" if rank == 4 else "(packed varlen)"
+        _fail(name, f" must be {rank}-D ", layout, f" {kind}, got {t.dim()}-D of shape ", _shape(t))
+
+
+def check_same_device(t: torch.Tensor, name: str, q: torch.Tensor) -> None:
+    if t.device != q.device:
+        _fail(name, " is on ", t.device, " but q is on ", q.device, "; all tensors must be on one device")
+
+
+def check_same_dtype(t: torch.Tensor, name: str, q: torch.Tensor) -> None:
+    if t.dtype != q.dtype:
+        _fail(name, " has dtype ", t.dtype, " but q has dtype ", q.dtype, "; they must match")
+
+
+def check_last_dim_contiguous(t: torch.Tensor, name: str, hint: str = "; call .contiguous() first") -> None:
+    if t.stride(-1) != 1:
+        _fail(name, " must have a contiguous last dimension (stride(-1) == 1), got strides ", list(t.stride()), hint)
+
+
+def check_devices_dtypes(q, k, v, k_name: str, v_name: str) -> None:
+    """k / v on q's device with q's dtype; a CUDA q float16 / bfloat16 (the device decides, as the
+    C++ op's CUDA or CPU kernel does; meta follows the CPU rule)."""
+    check_same_device(k, k_name, q)
+    check_same_device(v, v_name, q)
+    if q.device.type == "cuda":
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            _fail("q has dtype ", q.dtype, "; CUDA supports float16 and bfloat16")
+    elif q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        _fail("q has dtype ", q.dtype, "; CPU supports float32, float64, float16 and bfloat16")
+    check_same_dtype(k, k_name, q)
+    check_same_dtype(v, v_name, q)
+
+
+def check_heads_headdim(q, k, v, k_name: str, v_name: str) -> None:
+    nheads, nheads_k, headdim = q.shape[-2], k.shape[-2], q.shape[-1]
+    if v.shape[-2] != nheads_k:
+        _fail(v_name, f" has {v.shape[-2]} heads but ", k_name, f" has nheads_k {nheads_k}; expected equal")
+    if k.shape[-1] != headdim or v.shape[-1] != headdim:
+        _fail(f"headdim mismatch: q has headdim {headdim}, ", k_name, f" has {k.shape[-1]}, ", v_name,
+              f" has {v.shape[-1]}; expected equal")
+    if nheads_k <= 0:
+        _fail(f"nheads_k ({k_name}.size({k.dim() - 2})) is 0; expected >= 1")
+    if nheads > _INT32_MAX:
+        _fail(f"nheads (q.size({q.dim() - 2}) = {nheads}) must fit in int32")
+    if nheads % nheads_k != 0:
+        _fail(f"nheads (q.size({q.dim() - 2}) = {nheads}) must be a multiple of nheads_k "
+              f"({k_name}.size({k.dim() - 2}) = {nheads_k})")
+    if not (0 < headdim <= MAX_HEADDIM and headdim % 8 == 0):
+        _fail(f"headdim {headdim} is not supported; expected a multiple of 8 in [8, {MAX_HEADDIM}]")
+
+
+def check_softmax_scale(softmax_scale: float) -> None:
+    if not math.isfinite(softmax_scale) or abs(softmax_scale) * 1.4426950408889634 >= 3.4028234663852886e38:
+        _fail("softmax_scale must be finite with |softmax_scale| * log2(e) < 3.4e38 (float32; the kernels "
+              f"scale scores by it), got {softmax_scale}")
+
+
+def check_last_dims_scale(q, k, v, softmax_scale: float) -> None:
+    check_last_dim_contiguous(q, "q")
+    check_last_dim_contiguous(k, "k")
+    check_last_dim_contiguous(v, "v")
+    check_softmax_scale(softmax_scale)
+
+
+def check_qkv(q, k, v, softmax_scale: float) -> None:
+    """The dense ops' q / k / v: rank, device, dtype, shapes, heads and headdim, strides, scale."""
+    check_rank(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    check_rank(k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_rank(v, "v", 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_devices_dtypes(q, k, v, "k", "v")
+    batch = q.shape[0]
+    if k.shape[0] != batch or v.shape[0] != batch:
+        _fail(f"batch mismatch: q has batch {batch}, k has {k.shape[0]}, v has {v.shape[0]}; expected equal")
+    if v.shape[1] != k.shape[1]:
+        _fail(f"v has seqlen {v.shape[1]} but k has seqlen_k {k.shape[1]}; expected equal")
+    check_heads_headdim(q, k, v, "k", "v")
+    if batch > _INT32_MAX or q.shape[1] > MAX_SEQLEN or k.shape[1] > MAX_SEQLEN:
+        _fail(f"batch must fit in int32 and seqlen_q, seqlen_k be at most 2^31 - 256 = {MAX_SEQLEN} (tile "
+              "counts are int32), got q shape ", _shape(q), ", k shape ", _shape(k))
+    check_last_dims_scale(q, k, v, softmax_scale)
+
+
+def check_stats(stats, q, expected: tuple, layout: str) -> None:
+    """softmax_stats: `expected` float32 on q's device (the forward's third output)."""
+    check_same_device(stats, "softmax_stats", q)
+    if stats.dtype != torch.float32 or tuple(stats.shape) != expected:
+        _fail("softmax_stats has shape ", _shape(stats), " and dtype ", stats.dtype, f"; expected {layout} = ",
+              list(expected), " float32, the forward's third output")
+
+
+def check_bwd_extra(dout, q, out, softmax_lse, lse_shape: tuple, lse_layout: str) -> None:
+    """check_bwd_extra / check_varlen_bwd_extra: dout / out like q, softmax_lse float32."""
+    check_same_device(dout, "dout", q)
+    check_same_device(out, "out", q)
+    check_same_device(softmax_lse, "softmax_lse", q)
+    check_same_dtype(dout, "dout", q)
+    check_same_dtype(out, "out", q)
+    if dout.shape != q.shape:
+        _fail("dout has shape ", _shape(dout), "; expected q's shape ", _shape(q))
+    if out.shape != q.shape:
+        _fail("out has shape ", _shape(out), "; expected q's shape ", _shape(q))
+    if softmax_lse.dtype != torch.float32:
+        _fail("softmax_lse has dtype ", softmax_lse.dtype, "; expected float32")
+    if tuple(softmax_lse.shape) != lse_shape:
+        _fail("softmax_lse has shape ", _shape(softmax_lse), f"; expected {lse_layout} = ", list(lse_shape))
+    check_last_dim_contiguous(out, "out")
+
+
+def check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale: float, softmax_stats) -> None:
+    """backward's checks (backward_cpu / backward_cuda)."""
+    check_qkv(q, k, v, softmax_scale)
+    check_rank(dout, "dout", 4, "(batch, seqlen_q, nheads, headdim)")
+    check_rank(out, "out", 4, "(batch, seqlen_q, nheads, headdim)")
+    batch, seqlen_q, nheads, _ = q.shape
+    check_bwd_extra(dout, q, out, softmax_lse, (batch, nheads, seqlen_q), "(batch, nheads, seqlen_q)")
+    if softmax_stats is not None:
+        check_stats(softmax_stats, q, (2, batch, nheads, seqlen_q), "(2, batch, nheads, seqlen_q)")
+
+
+def check_cu_seqlens(cu, name: str, q) -> None:
+    check_same_device(cu, name, q)
+    if cu.dtype != torch.int32:
+        _fail(name, " has dtype ", cu.dtype, "; expected int32")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        _fail(name, " has shape ", _shape(cu), "; expected (batch + 1,) with batch >= 0")
+    if not cu.is_contiguous():
+        _fail(name, " must be contiguous")
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                 softmax_scale: float) -> None:
+    check_rank(q, "q", 3, "(total_q, nheads, headdim)")
+    check_rank(k, "k", 3, "(total_k, nheads_k, headdim)")
+    check_rank(v, "v", 3, "(total_k, nheads_k, headdim)")
+    if v.shape[0] != k.shape[0]:
+        _fail(f"v has {v.shape[0]} rows but k has total_k = {k.shape[0]}; expected equal")
+    check_devices_dtypes(q, k, v, "k", "v")
+    check_heads_headdim(q, k, v, "k", "v")
+    check_last_dims_scale(q, k, v, softmax_scale)
+    check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
+    check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        _fail(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
+              "expected equal (batch + 1 each)")
+    if not (0 <= max_seqlen_q <= MAX_SEQLEN and 0 <= max_seqlen_k <= MAX_SEQLEN):
+        _fail(f"max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = {MAX_SEQLEN}] (tile counts are "
+              f"int32), got {max_seqlen_q} and {max_seqlen_k}")
+    if q.shape[0] > MAX_SEQLEN or k.shape[0] > MAX_SEQLEN:
+        _fail(f"total_q and total_k must be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32), got "
+              f"{q.shape[0]} and {k.shape[0]}")
+
+
+def check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                     max_seqlen_k: int, softmax_scale: float, softmax_stats) -> None:
+    """varlen_backward's checks (check_varlen, then check_varlen_bwd_extra)."""
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    check_rank(dout, "dout", 3, "(total_q, nheads, headdim)")
+    check_rank(out, "out", 3, "(total_q, nheads, headdim)")
+    total_q, nheads, _ = q.shape
+    check_bwd_extra(dout, q, out, softmax_lse, (nheads, total_q), "(nheads, total_q)")
+    if softmax_stats is not None:
+        check_stats(softmax_stats, q, (2, nheads, total_q), "(2, nheads, total_q)")
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
+                  num_splits: int) -> None:
+    check_rank(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    check_rank(k_cache, "k_cache", 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or paged (num_blocks, "
+               "page_size, nheads_k, headdim)")
+    check_rank(v_cache, "v_cache", 4, "like k_cache")
+    if v_cache.shape != k_cache.shape:
+        _fail("v_cache has shape ", _shape(v_cache), " but k_cache has shape ", _shape(k_cache), "; expected equal")
+    batch = q.shape[0]
+    if block_table is not None:
+        check_same_device(block_table, "block_table", q)
+        if block_table.dtype != torch.int32:
+            _fail("block_table has dtype ", block_table.dtype, "; expected int32")
+        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+            _fail("block_table has shape ", _shape(block_table), f"; expected (batch, max_blocks) = ({batch}, >= 1)")
+        if block_table.stride(1) != 1:
+            _fail("block_table must have a contiguous last dimension")
+        page_size = k_cache.shape[1]
+        if page_size <= 0 or page_size % 16 != 0:
+            _fail(f"paged k_cache has page_size {page_size} (k_cache.size(1)); expected a positive multiple of 16")
+        if block_table.shape[1] * page_size > MAX_SEQLEN:
+            _fail("block_table.size(1) * page_size (the longest sequence's cache) must be at most 2^31 - 256 = "
+                  f"{MAX_SEQLEN}, got {block_table.shape[1]} * {page_size}")
+    elif k_cache.shape[0] != batch:
+        _fail(f"k_cache has batch {k_cache.shape[0]} but q has batch {batch}; expected equal (or pass block_table "
+              "for a paged cache)")
+    check_devices_dtypes(q, k_cache, v_cache, "k_cache", "v_cache")
+    check_heads_headdim(q, k_cache, v_cache, "k_cache", "v_cache")
+    if batch > _INT32_MAX or k_cache.shape[1] > MAX_SEQLEN or \
+            q.shape[1] * (q.shape[2] // k_cache.shape[2]) > MAX_SEQLEN:
+        _fail("batch must fit in int32, seqlen_cache and seqlen_q * nheads / nheads_k (the packed rows of a kv "
+              f"head) be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32), got q shape ", _shape(q),
+              ", k_cache shape ", _shape(k_cache))
+    check_last_dim_contiguous(q, "q")
+    in_place = ("; the cache is written in place, so it cannot be copied: allocate it with a contiguous last "
+                "dimension")
+    check_last_dim_contiguous(k_cache, "k_cache", in_place)
+    check_last_dim_contiguous(v_cache, "v_cache", in_place)
+    check_softmax_scale(softmax_scale)
+    if cache_seqlens is not None:
+        check_same_device(cache_seqlens, "cache_seqlens", q)
+        if cache_seqlens.dtype != torch.int32:
+            _fail("cache_seqlens has dtype ", cache_seqlens.dtype, "; expected int32")
+        if tuple(cache_seqlens.shape) != (batch,):
+            _fail("cache_seqlens has shape ", _shape(cache_seqlens), f"; expected (batch,) = ({batch},)")
+        if not cache_seqlens.is_contiguous():
+            _fail("cache_seqlens must be contiguous")
+    if (k is None) != (v is None):
+        _fail("k and v (the new keys and values) must be given together")
+    if k is not None:
+        if cache_seqlens is None:
+            _fail("k / v (new keys) need cache_seqlens: they are written at rows cache_seqlens[b] + i")
+        for name, t in (("k", k), ("v", v)):
+            check_rank(t, name, 4, "(batch, seqlen_new, nheads_k, headdim)")
+            check_same_device(t, name, q)
+            check_same_dtype(t, name, q)
+            if t.shape[0] != batch or t.shape[2] != k_cache.shape[2] or t.shape[3] != q.shape[3]:
+                _fail(name, " has shape ", _shape(t), f"; expected (batch, seqlen_new, nheads_k, headdim) = ({batch}, "
+                      f"seqlen_new, {k_cache.shape[2]}, {q.shape[3]})")
+            check_last_dim_contiguous(t, name)
+        if v.shape[1] != k.shape[1]:
+            _fail(f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; expected equal")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            for d in range(3):
+                if t.stride(d) == 0 and t.shape[d] > 1:
+                    _fail(name, f" has stride 0 in dim {d} (an expanded view): appending k / v would write one "
+                          "cache row for several; pass a cache with its own storage per row")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        _fail(f"num_splits must be in [0, {MAX_SPLITS}] (0: chosen from the shapes), got {num_splits}")
