@@ -105,8 +105,8 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
         # headdim 0 is rejected by the op with a message naming headdim; don't divide by zero first.
         return 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
     numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
-    complex_tensor = isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool)
-    if isinstance(value, (bool, str, bytes, complex)) or numpy_bool or complex_tensor:
+    non_real_tensor = isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool)
+    if isinstance(value, (bool, str, bytes, complex)) or numpy_bool or non_real_tensor:
         raise TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
     try:
         return float(value)
