@@ -1,0 +1,182 @@
+"""The fake (meta) kernels of flash_attn_ext.ops refuse what the real ops refuse
+(flash_attn_ext/_fake_checks.py: the twin of csrc/flash_api.cpp's checks).
+
+A fake kernel runs under torch.compile / FakeTensor tracing, and for every call with one tensor
+argument on the meta device (the dispatcher picks the Meta kernel even when the other arguments
+are CPU tensors). One that skips a check returns uninitialised memory or an impossible shape where
+the op raises (and an in-place KV-cache append silently does not happen). Two checks per op, over
+every tensor argument and a table of bad inputs:
+  - each tensor argument alone on meta, the others on the CPU: a RuntimeError naming the device;
+  - each bad input: the CPU op raises a RuntimeError, and so does the same call with every tensor
+    on meta (the bad input built on meta, so that strides survive: ``.to("meta")`` of a sliced
+    tensor would copy it contiguous).
+"""
+
+import pytest
+import torch
+
+import flash_attn_ext  # noqa: F401  (registers torch.ops.flash_attn_ext)
+
+ops = torch.ops.flash_attn_ext
+
+
+def _rand(dev, *shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype, device=dev)
+
+
+def _cu(dev, lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
+
+
+# ---- valid argument lists (ordered as the op's schema), built on `dev`
+
+def _forward_args(dev):
+    return dict(q=_rand(dev, 2, 16, 4, 32), k=_rand(dev, 2, 24, 2, 32), v=_rand(dev, 2, 24, 2, 32),
+                softmax_scale=0.1, causal=False)
+
+
+def _backward_args(dev):
+    a = _forward_args(dev)
+    b, sq, h, _ = a["q"].shape
+    return dict(dout=_rand(dev, *a["q"].shape), q=a["q"], k=a["k"], v=a["v"], out=_rand(dev, *a["q"].shape),
+                softmax_lse=_rand(dev, b, h, sq), softmax_scale=0.1, causal=False,
+                softmax_stats=_rand(dev, 2, b, h, sq))
+
+
+def _varlen_forward_args(dev):
+    lens = [5, 11]
+    return dict(q=_rand(dev, 16, 4, 32), k=_rand(dev, 16, 2, 32), v=_rand(dev, 16, 2, 32),
+                cu_seqlens_q=_cu(dev, lens), cu_seqlens_k=_cu(dev, lens), max_seqlen_q=11, max_seqlen_k=11,
+                softmax_scale=0.1, causal=False)
+
+
+def _varlen_backward_args(dev):
+    a = _varlen_forward_args(dev)
+    return dict(dout=_rand(dev, 16, 4, 32), q=a["q"], k=a["k"], v=a["v"], out=_rand(dev, 16, 4, 32),
+                softmax_lse=_rand(dev, 4, 16), cu_seqlens_q=a["cu_seqlens_q"], cu_seqlens_k=a["cu_seqlens_k"],
+                max_seqlen_q=11, max_seqlen_k=11, softmax_scale=0.1, causal=False,
+                softmax_stats=_rand(dev, 2, 4, 16))
+
+
+def _kvcache_args(dev, paged=False):
+    cache = (5, 16, 2, 32) if paged else (2, 32, 2, 32)
+    table = torch.tensor([[0, 1], [3, 4]], dtype=torch.int32, device=dev) if paged else None
+    return dict(q=_rand(dev, 2, 1, 4, 32), k_cache=_rand(dev, *cache), v_cache=_rand(dev, *cache),
+                k=_rand(dev, 2, 1, 2, 32), v=_rand(dev, 2, 1, 2, 32),
+                cache_seqlens=torch.tensor([3, 9], dtype=torch.int32, device=dev), block_table=table,
+                softmax_scale=0.1, causal=True, num_splits=0)
+
+
+OPS = {
+    "forward": (ops.forward, _forward_args),
+    "backward": (ops.backward, _backward_args),
+    "varlen_forward": (ops.varlen_forward, _varlen_forward_args),
+    "varlen_backward": (ops.varlen_backward, _varlen_backward_args),
+    "fwd_kvcache": (ops.fwd_kvcache, _kvcache_args),
+    "fwd_kvcache_paged": (ops.fwd_kvcache, lambda dev: _kvcache_args(dev, paged=True)),
+}
+
+
+def _call(op_name, args):
+    op, _ = OPS[op_name]
+    return op(*args.values())
+
+
+def test_valid_arguments_pass_on_cpu_and_meta():
+    """The base argument lists are valid (so each case below fails for its own change only)."""
+    for name, (_, make) in OPS.items():
+        for dev in ("cpu", "meta"):
+            _call(name, make(dev))
+
+
+@pytest.mark.parametrize("op_name,arg", [(op_name, arg) for op_name, (_, make) in OPS.items()
+                                         for arg, value in make("cpu").items()
+                                         if isinstance(value, torch.Tensor)])
+def test_each_tensor_alone_on_meta_is_refused(op_name, arg):
+    """One tensor on meta, the rest on the CPU: the fake kernel runs and names the mismatch."""
+    args = OPS[op_name][1]("cpu")
+    args[arg] = args[arg].to("meta")
+    with pytest.raises(RuntimeError, match=r"is on (meta|cpu) but q is on (cpu|meta)"):
+        _call(op_name, args)
+
+
+def _strided(t):
+    """t's values in a view with a last-dim stride of 2 (on t's device)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    return wide[..., ::2]
+
+
+def _set(**changes):
+    """A case: args -> args with `changes` applied, each a function of the args dict."""
+    def apply(a):
+        for name, f in changes.items():
+            a[name] = f(a)
+        return a
+    return apply
+
+
+CASES = [
+    # dense forward (the same checks run in backward: check_qkv)
+    ("forward", "q last dim strided", _set(q=lambda a: _strided(a["q"]))),
+    ("forward", "k float64", _set(k=lambda a: a["k"].double())),
+    ("forward", "v seqlen", _set(v=lambda a: a["v"][:, :20])),
+    ("forward", "headdim 12", _set(q=lambda a: a["q"][..., :12], k=lambda a: a["k"][..., :12],
+                                   v=lambda a: a["v"][..., :12])),
+    ("forward", "3 heads over 2", _set(q=lambda a: a["q"][:, :, :3])),
+    ("forward", "batch", _set(k=lambda a: a["k"][:1], v=lambda a: a["v"][:1])),
+    ("forward", "q 3-D", _set(q=lambda a: a["q"][0])),
+    ("forward", "int32 inputs", _set(q=lambda a: a["q"].int(), k=lambda a: a["k"].int(), v=lambda a: a["v"].int())),
+    ("forward", "scale inf", _set(softmax_scale=lambda a: float("inf"))),
+    ("backward", "dout float64", _set(dout=lambda a: a["dout"].double())),
+    ("backward", "dout 3-D", _set(dout=lambda a: a["dout"][0])),
+    ("backward", "out shape", _set(out=lambda a: a["out"][:, :8])),
+    ("backward", "out last dim strided", _set(out=lambda a: _strided(a["out"]))),
+    ("backward", "lse float64", _set(softmax_lse=lambda a: a["softmax_lse"].double())),
+    ("backward", "lse shape", _set(softmax_lse=lambda a: a["softmax_lse"][:, :, :8])),
+    ("backward", "stats shape", _set(softmax_stats=lambda a: a["softmax_stats"][:1])),
+    ("backward", "k last dim strided", _set(k=lambda a: _strided(a["k"]))),
+    # varlen
+    ("varlen_forward", "cu_seqlens_q strided", _set(cu_seqlens_q=lambda a: torch.stack(
+        [a["cu_seqlens_q"], a["cu_seqlens_q"]], 1)[:, 0])),
+    ("varlen_forward", "cu_seqlens_k int64", _set(cu_seqlens_k=lambda a: a["cu_seqlens_k"].long())),
+    ("varlen_forward", "cu_seqlens_q 2-D", _set(cu_seqlens_q=lambda a: a["cu_seqlens_q"][None])),
+    ("varlen_forward", "cu_seqlens lengths differ", _set(cu_seqlens_k=lambda a: a["cu_seqlens_k"][:2])),
+    ("varlen_forward", "max_seqlen_q negative", _set(max_seqlen_q=lambda a: -1)),
+    ("varlen_forward", "q 4-D", _set(q=lambda a: a["q"][None])),
+    ("varlen_forward", "v rows", _set(v=lambda a: a["v"][:15])),
+    ("varlen_forward", "v last dim strided", _set(v=lambda a: _strided(a["v"]))),
+    ("varlen_backward", "dout float64", _set(dout=lambda a: a["dout"].double())),
+    ("varlen_backward", "out 4-D", _set(out=lambda a: a["out"][None])),
+    ("varlen_backward", "lse shape", _set(softmax_lse=lambda a: a["softmax_lse"][:, :8])),
+    ("varlen_backward", "stats float64", _set(softmax_stats=lambda a: a["softmax_stats"].double())),
+    # KV cache
+    ("fwd_kvcache", "k float64", _set(k=lambda a: a["k"].double(), v=lambda a: a["v"].double())),
+    ("fwd_kvcache", "k last dim strided", _set(k=lambda a: _strided(a["k"]))),
+    ("fwd_kvcache", "k_cache last dim strided", _set(k_cache=lambda a: _strided(a["k_cache"]))),
+    ("fwd_kvcache", "expanded cache with an append", _set(k_cache=lambda a: a["k_cache"][:1].expand(2, -1, -1, -1),
+                                                          v_cache=lambda a: a["v_cache"][:1].expand(2, -1, -1, -1))),
+    ("fwd_kvcache", "k without v", _set(v=lambda a: None)),
+    ("fwd_kvcache", "k and v seqlen_new differ", _set(v=lambda a: torch.cat([a["v"], a["v"]], 1))),
+    ("fwd_kvcache", "append without cache_seqlens", _set(cache_seqlens=lambda a: None)),
+    ("fwd_kvcache", "cache_seqlens int64", _set(cache_seqlens=lambda a: a["cache_seqlens"].long())),
+    ("fwd_kvcache", "cache_seqlens strided", _set(cache_seqlens=lambda a: torch.stack(
+        [a["cache_seqlens"], a["cache_seqlens"]], 1)[:, 0])),
+    ("fwd_kvcache", "cache_seqlens shape", _set(cache_seqlens=lambda a: a["cache_seqlens"][:1])),
+    ("fwd_kvcache", "cache batch", _set(k_cache=lambda a: a["k_cache"][:1], v_cache=lambda a: a["v_cache"][:1])),
+    ("fwd_kvcache", "v_cache shape", _set(v_cache=lambda a: a["v_cache"][:, :16])),
+    ("fwd_kvcache", "num_splits 500", _set(num_splits=lambda a: 500)),
+    ("fwd_kvcache", "q float64", _set(q=lambda a: a["q"].double())),
+    ("fwd_kvcache_paged", "block_table int64", _set(block_table=lambda a: a["block_table"].long())),
+    ("fwd_kvcache_paged", "block_table strided", _set(block_table=lambda a: torch.stack(
+        [a["block_table"], a["block_table"]], 2)[..., 0])),
+    ("fwd_kvcache_paged", "block_table shape", _set(block_table=lambda a: a["block_table"][:1])),
+    ("fwd_kvcache_paged", "page size 8", _set(k_cache=lambda a: a["k_cache"][:, :8], v_cache=lambda a: a["v_cache"][:, :8])),
+]
+
+
+@pytest.mark.parametrize("op_name,what,change", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_bad_input_refused_by_op_and_fake(op_name, what, change):
+    for dev in ("cpu", "meta"):
+        args = change(OPS[op_name][1](dev))
+        with pytest.raises(RuntimeError, match="flash_attn_ext"):
+            _call(op_name, args)
