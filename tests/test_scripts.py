@@ -124,3 +124,17 @@ def test_gpu_ab_tune_prebuilt_sides(tmp_path):
     for side in speeds:
         assert (tmp_path / "bins" / side / "n").read_text().strip() == "2"  # ROUNDS runs of each side
     assert (tmp_path / "work" / "compare.txt").exists() and (tmp_path / "work" / "compare_other.txt").exists()
+
+
+def test_varlen_idle_ctas_smoke(capsys):
+    """scripts/varlen_idle_ctas.py runs end to end on the CPU (its numbers mean something on a GPU
+    only): one row per (hdim, causal, pass), the ratio of the two max_seqlen calls."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("varlen_idle_ctas", os.path.join(REPO, "scripts", "varlen_idle_ctas.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--device", "cpu", "--tokens", "64", "--seqs", "4", "--lens", "8,32", "--hdim", "16", "--reps", "1",
+                 "--factor", "2"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 |")]
+    assert len(rows) == 4 and all(float(r.split("|")[-2]) > 0 for r in rows), rows
