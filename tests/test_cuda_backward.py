@@ -13,6 +13,7 @@ fill of torch.empty) so an unwritten element fails.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -264,3 +265,67 @@ def test_backward_many_heads(causal, poison_empty):
         check_accuracy(name, g, r, b)
     # The last (batch, head) pairs are written too (a 16-bit grid dimension would miss them).
     assert grads[2][-1].abs().amax() > 0 and grads[0][-1, -1].abs().amax() > 0
+
+
+# ---- The long-query dK/dV row (sm90/tile_config.h: DkvLongTile, chosen by dkv_long_rows): dense
+# calls with >= 8192 queries and >= 8192 keys at d64 run the sm90 dK/dV kernel on 128-key tiles
+# (two warpgroups per CTA sharing each Q / dO tile) instead of DkvTile<64>'s 64-key tiles. Every K
+# row's sum over the Q tiles keeps its order, so both rows give the same bits. A varlen call is not
+# dense and keeps DkvTile<64>: one packed sequence is the long row's bitwise twin (the varlen
+# kernels equal the dense ones bit for bit: tests/test_varlen_cuda.py).
+
+
+def _sm90_dkv_rows(fn):
+    """The tile rows of the sm90 dK/dV kernels fn() launches (torch.profiler kernel names, which
+    carry the row's type): "long" (DkvLongTile) or "short" (DkvTile); empty on the sm80 path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "flash_bwd_dkv" in e.name and "sm90" in e.name]
+    return {"long" if "DkvLongTile" in n else "short" for n in names}
+
+
+def _sm90_backward_runs(path):
+    """Whether the dispatch runs the sm90 backward kernels on this GPU and arch path."""
+    return (path == "auto" and torch.cuda.get_device_capability() == (9, 0)
+            and "90a" in str(flash_attn_ext.build_info().get("cuda_archs", "")))
+
+
+@pytest.mark.parametrize("seqlens", [(8192, 8192), (8192, 8400), (8000, 9000), (9000, 8100)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_long_query_rows(dtype, causal, seqlens, bwd_path, poison_empty):
+    """d64, GQA 2:1: the dispatch takes the long-query dK/dV row exactly where dkv_long_rows says
+    (both lengths >= 8192: 8192 x 8400 with a ragged last key tile; 8000 x 9000 and 9000 x 8100 do
+    not), its gradients are the short row's bits (a one-sequence varlen call) and within the rule."""
+    require_hdim(64, exact=True)
+    if bwd_path == "sm80":
+        pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = _qkv(1, seqlen_q, seqlen_k, 4, 2, 64, dtype)
+    dout = _rand(*q.shape, dtype=dtype)
+    scale = 0.125
+    dense = []
+    rows = _sm90_dkv_rows(lambda: dense.extend(_flash_bwd(q, k, v, dout, causal, scale)))
+    long_rows = min(seqlen_q, seqlen_k) >= 8192 and os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") != "0"
+    expected = ({"long" if long_rows else "short"} if _sm90_backward_runs(bwd_path) else set())
+    assert rows == expected, (rows, expected)
+
+    cu_q = torch.tensor([0, seqlen_q], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, seqlen_k], dtype=torch.int32, device="cuda")
+    ops = torch.ops.flash_attn_ext
+    packed = []
+
+    def varlen():
+        out, lse, stats = ops.varlen_forward(q[0], k[0], v[0], cu_q, cu_k, seqlen_q, seqlen_k, scale, causal)
+        packed.extend(ops.varlen_backward(dout[0], q[0], k[0], v[0], out, lse, cu_q, cu_k, seqlen_q, seqlen_k,
+                                          scale, causal, stats))
+    varlen_rows = _sm90_dkv_rows(varlen)
+    assert varlen_rows == ({"short"} if _sm90_backward_runs(bwd_path) else set()), varlen_rows
+    for name, a, b in zip(("dq", "dk", "dv"), dense, packed):
+        assert torch.equal(a[0], b), f"{name}: the long-query row and the varlen (short) row disagree"
+    _check_grads(q, k, v, dout, causal, dense)

@@ -7,8 +7,8 @@
 // The manifest (csrc/kernels/generate_kernels.py) is the one list of (arch path, kernel, head dim,
 // dtype); setup.py writes the subset this build compiles into csrc/generated/build_config.h as
 // X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS,
-// FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS, FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS) and the flag
-// FLASH_ATTN_EXT_WITH_SM90, read here only.
+// FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS, FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS,
+// FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS) and the flag FLASH_ATTN_EXT_WITH_SM90, read here only.
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches on `stream`:
 //   1. preprocess: D = rowsum(dO o O), LSE_log2 = hi + lo   (common/bwd_preprocess.cuh)
@@ -47,6 +47,7 @@ constexpr int kSm90FwdHdims[] = {FLASH_ATTN_EXT_SM90_FWD_HDIMS(FLASH_ATTN_EXT_LI
 constexpr int kSm90BwdHdims[] = {FLASH_ATTN_EXT_SM90_BWD_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90FwdSm80Hdims[] = {FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90FwdLongHdims[] = {FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
+constexpr int kSm90BwdDkvLongHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 #undef FLASH_ATTN_EXT_LIST_ITEM
 
 template <int N>
@@ -57,13 +58,23 @@ constexpr bool contains(const int (&list)[N], int d) {
   return false;
 }
 
-// FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS=0 (read once; a tuning knob for A/B runs) keeps every sm90
-// forward call on FwdTile, the long-key row (sm90/tile_config.h: FwdLongTile) unused.
+// Whether the environment variable `name` is set to "0" (the long rows' tuning knobs for A/B runs).
+bool env_set_to_zero(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::string(e) == "0";
+}
+
+// FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS=0 (read once) keeps every sm90 forward call on FwdTile, the
+// long-key row (sm90/tile_config.h: FwdLongTile) unused.
 bool sm90_long_keys_enabled() {
-  static const bool enabled = [] {
-    const char* e = std::getenv("FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS");
-    return e == nullptr || std::string(e) != "0";
-  }();
+  static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS");
+  return enabled;
+}
+
+// FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS=0 (read once) keeps every sm90 dK/dV call on DkvTile, the
+// long-query row (sm90/tile_config.h: DkvLongTile) unused. Either row gives the same bits.
+bool sm90_bwd_long_rows_enabled() {
+  static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS");
   return enabled;
 }
 
@@ -203,7 +214,13 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     run_bwd_preprocess<Element>(params, stream);
     if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
       if (path == ArchPath::kSm90) {
-        run_mha_bwd_dkv_<Element, kHeadDim>(Sm90{}, params, stream);
+        bool dkv_long = false;  // long dense calls: the long-query dK/dV row where the head dim has one
+        if constexpr (contains(kSm90BwdDkvLongHdims, kHeadDim)) {
+          dkv_long = sm90_bwd_long_rows_enabled() &&
+                     sm90::dkv_long_rows(params.cu_seqlens_q == nullptr, params.seqlen_q, params.seqlen_k);
+          if (dkv_long) run_mha_bwd_dkv_long_<Element, kHeadDim>(Sm90{}, params, stream);
+        }
+        if (!dkv_long) run_mha_bwd_dkv_<Element, kHeadDim>(Sm90{}, params, stream);
         run_mha_bwd_dq_<Element, kHeadDim>(Sm90{}, params, stream);
         return;
       }

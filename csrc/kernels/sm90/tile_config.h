@@ -89,6 +89,25 @@ template <> struct DkvTile<256> : Roles<DkvTileShape<64, 64>> { static constexpr
 template <> struct DqTile<192>  : Roles<DqTileShape<64, 64>> { static constexpr bool kSupported = true; };
 template <> struct DqTile<256>  : Roles<DqTileShape<64, 64>> { static constexpr bool kSupported = true; };
 
+// Long query sequences (sm90/flash_bwd_dkv_long_launch.cuh; dkv_long_rows below says when): d64's
+// dK/dV on 128-key tiles, two warpgroups of 64 K rows sharing each streamed Q / dO tile (one CTA
+// per SM, 224 registers), instead of DkvTile<64>'s two one-warpgroup CTAs per SM that each stream
+// their own. Half the Q / dO traffic per key, but one CTA's prologue and dK / dV stores no longer
+// overlap another's products. Tune harness (H200, bf16, one binary, 4 rounds, median per-kernel
+// matmul TFLOP/s at N = 1k / 4k / 8k / 16k; docs/PERF_NOTES.md, fifteenth session): 468 / 564 /
+// 567 / 574, causal 344 / 503 / 554 / 576, against DkvTile<64>'s 499 / 543 / 546 / 532 and 362 /
+// 526 / 517 / 531. The same bits (maxdiff 0): each K row's sum over the Q tiles runs in the same
+// order in either row.
+template <int kHeadDim> struct DkvLongTile { static constexpr bool kSupported = false; };
+template <> struct DkvLongTile<64> : DkvTileShape<128, 128, 1> { static constexpr bool kSupported = true; };
+
+// Whether a backward call takes DkvLongTile for its dK/dV kernel: dense (a varlen call's sequences
+// are shorter than its max_seqlen_q), and at least 8192 queries and keys (at N = 4k the long row
+// read +4 % non-causal but -4 % causal, below that -4 to -6 %).
+inline bool dkv_long_rows(bool dense, int seqlen_q, int seqlen_k) {
+  return dense && seqlen_q >= 8192 && seqlen_k >= 8192;
+}
+
 // Forward (sm90/flash_fwd_kernel.cuh): one producer warpgroup (TMA) + kBlockM / 64 consumer
 // warpgroups of 64 query rows each (kNWarps = 4 (producer) + kBlockM / 16); FlashAttention-3's
 // shapes (../shared/HOPPER.md §1.1; S widths 80 and 112 from primitives/gen_wgmma.py): 3
