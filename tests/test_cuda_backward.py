@@ -294,38 +294,52 @@ def _sm90_backward_runs(path):
             and "90a" in str(flash_attn_ext.build_info().get("cuda_archs", "")))
 
 
-@pytest.mark.parametrize("seqlens", [(8192, 8192), (8192, 8400), (8000, 9000), (9000, 8100)],
-                         ids=lambda s: f"{s[0]}x{s[1]}")
+# (batch, nheads, nheads_k, seqlen_q, seqlen_k): the long row where both lengths are >= 8192 and its
+# grid has >= 2 CTAs per SM (ceil(seqlen_k / 128) * batch * nheads_k); 8192 x 8200 (causal offset 8)
+# and 8400 x 8192 (offset -208) make the CTA's upper 64 key rows visit one fully masked Q tile more
+# than its lower ones; 8000 x 9000 is too short; batch 1 MQA at 8192 keys has 64 long CTAs.
+LONG_ROW_CASES = [(2, 8, 4, 8192, 8192), (2, 8, 4, 8192, 8200), (2, 8, 4, 8400, 8192), (2, 8, 4, 8000, 9000),
+                  (1, 2, 1, 8192, 8192)]
+
+
+@pytest.mark.parametrize("case", LONG_ROW_CASES, ids=lambda c: "b{}h{}hk{}_{}x{}".format(*c))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_backward_long_query_rows(dtype, causal, seqlens, bwd_path, poison_empty):
-    """d64, GQA 2:1: the dispatch takes the long-query dK/dV row exactly where dkv_long_rows says
-    (both lengths >= 8192: 8192 x 8400 with a ragged last key tile; 8000 x 9000 and 9000 x 8100 do
-    not), its gradients are the short row's bits (a one-sequence varlen call) and within the rule."""
+def test_backward_long_query_rows(dtype, causal, case, bwd_path, poison_empty):
+    """d64, GQA 2:1: the dispatch takes the long-query dK/dV row exactly where dkv_long_rows says,
+    and its gradients are the short row's bits (the same backward through the varlen op, on the
+    dense forward's out and statistics) and within the rule."""
     require_hdim(64, exact=True)
     if bwd_path == "sm80":
         pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
-    seqlen_q, seqlen_k = seqlens
-    q, k, v = _qkv(1, seqlen_q, seqlen_k, 4, 2, 64, dtype)
+    batch, nheads, nheads_k, seqlen_q, seqlen_k = case
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 64, dtype)
     dout = _rand(*q.shape, dtype=dtype)
     scale = 0.125
+    ops = torch.ops.flash_attn_ext
+    out, lse, stats = ops.forward(q, k, v, scale, causal)
     dense = []
-    rows = _sm90_dkv_rows(lambda: dense.extend(_flash_bwd(q, k, v, dout, causal, scale)))
-    long_rows = min(seqlen_q, seqlen_k) >= 8192 and os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") != "0"
+    rows = _sm90_dkv_rows(lambda: dense.extend(ops.backward(dout, q, k, v, out, lse, scale, causal, stats)))
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    long_ctas = -(-seqlen_k // 128) * batch * nheads_k
+    long_rows = (min(seqlen_q, seqlen_k) >= 8192 and long_ctas >= 2 * num_sms
+                 and os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") != "0")
     expected = ({"long" if long_rows else "short"} if _sm90_backward_runs(bwd_path) else set())
     assert rows == expected, (rows, expected)
 
-    cu_q = torch.tensor([0, seqlen_q], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, seqlen_k], dtype=torch.int32, device="cuda")
-    ops = torch.ops.flash_attn_ext
-    packed = []
-
-    def varlen():
-        out, lse, stats = ops.varlen_forward(q[0], k[0], v[0], cu_q, cu_k, seqlen_q, seqlen_k, scale, causal)
-        packed.extend(ops.varlen_backward(dout[0], q[0], k[0], v[0], out, lse, cu_q, cu_k, seqlen_q, seqlen_k,
-                                          scale, causal, stats))
-    varlen_rows = _sm90_dkv_rows(varlen)
+    # The same backward as one packed call (varlen: never the long row), on the dense forward's
+    # out, softmax_lse and softmax_stats, so that only the dK/dV tile row differs.
+    def packed(t):  # (batch, seqlen, heads, d) -> (batch * seqlen, heads, d)
+        return t.reshape(-1, *t.shape[2:])
+    cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * seqlen_q
+    cu_k = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * seqlen_k
+    lse_p = lse.transpose(0, 1).reshape(nheads, -1)
+    stats_p = stats.transpose(1, 2).reshape(2, nheads, -1)
+    varlen = []
+    varlen_rows = _sm90_dkv_rows(lambda: varlen.extend(ops.varlen_backward(
+        packed(dout), packed(q), packed(k), packed(v), packed(out), lse_p, cu_q, cu_k, seqlen_q, seqlen_k, scale,
+        causal, stats_p)))
     assert varlen_rows == ({"short"} if _sm90_backward_runs(bwd_path) else set()), varlen_rows
-    for name, a, b in zip(("dq", "dk", "dv"), dense, packed):
-        assert torch.equal(a[0], b), f"{name}: the long-query row and the varlen (short) row disagree"
+    for name, a, b in zip(("dq", "dk", "dv"), dense, varlen):
+        assert torch.equal(packed(a), b), f"{name}: the long-query row and the varlen (short) row disagree"
     _check_grads(q, k, v, dout, causal, dense)

@@ -217,7 +217,9 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
         bool dkv_long = false;  // long dense calls: the long-query dK/dV row where the head dim has one
         if constexpr (contains(kSm90BwdDkvLongHdims, kHeadDim)) {
           dkv_long = sm90_bwd_long_rows_enabled() &&
-                     sm90::dkv_long_rows(params.cu_seqlens_q == nullptr, params.seqlen_q, params.seqlen_k);
+                     sm90::dkv_long_rows(params.cu_seqlens_q == nullptr, params.seqlen_q, params.seqlen_k,
+                                         int64_t(params.b) * params.h_k, params.num_sms,
+                                         sm90::DkvLongTile<kHeadDim>::kBlockN);
           if (dkv_long) run_mha_bwd_dkv_long_<Element, kHeadDim>(Sm90{}, params, stream);
         }
         if (!dkv_long) run_mha_bwd_dkv_<Element, kHeadDim>(Sm90{}, params, stream);

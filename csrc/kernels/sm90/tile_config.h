@@ -102,10 +102,14 @@ template <int kHeadDim> struct DkvLongTile { static constexpr bool kSupported = 
 template <> struct DkvLongTile<64> : DkvTileShape<128, 128, 1> { static constexpr bool kSupported = true; };
 
 // Whether a backward call takes DkvLongTile for its dK/dV kernel: dense (a varlen call's sequences
-// are shorter than its max_seqlen_q), and at least 8192 queries and keys (at N = 4k the long row
-// read +4 % non-causal but -4 % causal, below that -4 to -6 %).
-inline bool dkv_long_rows(bool dense, int seqlen_q, int seqlen_k) {
-  return dense && seqlen_q >= 8192 && seqlen_k >= 8192;
+// are shorter than its max_seqlen_q), at least 8192 queries and keys (at N = 4k the long row read
+// +4 % non-causal but -4 % causal, below that -4 to -6 %), and at least two CTAs of it per SM (its
+// CTAs are one per SM, DkvTile<64>'s two: the measured grids had >= 1,000 long CTAs; MQA at batch
+// 1 and 8192 keys would leave half of an H200's SMs without one).
+inline bool dkv_long_rows(bool dense, int seqlen_q, int seqlen_k, int64_t batch_kv_heads, int num_sms,
+                          int long_block_n) {
+  const int64_t long_ctas = (int64_t(seqlen_k) + long_block_n - 1) / long_block_n * batch_kv_heads;
+  return dense && seqlen_q >= 8192 && seqlen_k >= 8192 && long_ctas >= 2 * int64_t(num_sms);
 }
 
 // Forward (sm90/flash_fwd_kernel.cuh): one producer warpgroup (TMA) + kBlockM / 64 consumer
