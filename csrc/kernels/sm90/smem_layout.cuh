@@ -353,6 +353,7 @@ void launch_bwd_stages(Kernel tma_kernel, Kernel cp_kernel, const TensorView& a,
 template <typename Tile, int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void zero_stage_tail(uint32_t a, uint32_t b, int valid, int tid) {
   if (valid >= kRows) return;
+  valid = valid > 0 ? valid : 0;  // (the kernels visit tiles with a row or key only: valid >= 1)
   zero_rows<Tile, kCols, kThreads>(a, valid, kRows, tid);
   zero_rows<Tile, kCols, kThreads>(b, valid, kRows, tid);
   fence_proxy_async();  // the zeros visible to the wgmmas (async proxy) that read the stage
