@@ -277,23 +277,32 @@ def test_varlen_issue_shape_16k_tokens_64_sequences(causal, poison_empty):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_varlen_nan_past_the_last_sequence(causal, d, poison_empty):
-    """Rows of q, dout, k and v past cu_seqlens_q[-1] / cu_seqlens_k[-1] (packed buffers larger
-    than their sequences) hold NaN: the last sequence's tiles reach into them (the sm90 kernels load
-    whole TMA boxes), where P = 0 met V = NaN in P V (forward), dO = NaN in dV += P^T dO and Q = NaN
-    in dK += dS^T Q (dK/dV kernel), K, V = NaN in dQ += dS K (dQ kernel) until those rows were
-    zeroed. Output and gradients must equal the dense op on each sequence alone, bit for bit."""
+    """Rows of q, dout, k and v that belong to no sequence's work hold NaN: past cu_seqlens_q[-1] /
+    cu_seqlens_k[-1] (packed buffers larger than their sequences), and the q / dout rows of a
+    sequence without keys, the k / v rows of a sequence without queries (between two sequences
+    with work). The tiles of the sequence before them reach into them (the sm90 kernels load whole
+    TMA boxes), where P = 0 met V = NaN in P V (forward), dO = NaN in dV += P^T dO and Q = NaN in
+    dK += dS^T Q (dK/dV kernel), K, V = NaN in dQ += dS K (dQ kernel) until those rows were zeroed.
+    Finite rows there give the same bits either way (P = 0 and dS = 0 times finite), so only NaN
+    tests the zeroing: output and gradients must equal the dense op on each sequence alone, bit
+    for bit, at every sm90 head dim (the rows and the roles kernels, d96's padded columns)."""
     require_hdim(d)
     dtype = torch.bfloat16
-    lens = [200, 37, 130]
-    q, k, v, cu_q, cu_k = _inputs(lens, lens, 4, 2, d, dtype)
-    nan_rows = lambda t: torch.full((100,) + tuple(t.shape[1:]), float("nan"), device="cuda", dtype=dtype)  # noqa: E731
-    k_pad, v_pad = torch.cat([k, nan_rows(k)]), torch.cat([v, nan_rows(v)])
+    # sequence 1 has no keys (its q / dout rows NaN), sequence 3 no queries (its k / v rows NaN)
+    lens_q, lens_k = [200, 37, 130, 0, 70], [200, 0, 130, 45, 70]
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 4, 2, d, dtype)
     dout = torch.randn_like(q)
-    q_pad, dout_pad = torch.cat([q, nan_rows(q)]), torch.cat([dout, nan_rows(dout)])
-    ours = run_varlen(q_pad, k_pad, v_pad, cu_q, cu_k, max(lens), max(lens), causal, dout_pad)
-    out, lse, dq, dk, dv = ours
+    nan = float("nan")
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    q_nan, dout_nan, k_nan, v_nan = q.clone(), dout.clone(), k.clone(), v.clone()
+    q_nan[cq[1]:cq[2]], dout_nan[cq[1]:cq[2]] = nan, nan
+    k_nan[ck[3]:ck[4]], v_nan[ck[3]:ck[4]] = nan, nan
+    nan_rows = lambda t: torch.full((100,) + tuple(t.shape[1:]), nan, device="cuda", dtype=dtype)  # noqa: E731
+    q_pad, dout_pad = torch.cat([q_nan, nan_rows(q)]), torch.cat([dout_nan, nan_rows(dout)])
+    k_pad, v_pad = torch.cat([k_nan, nan_rows(k)]), torch.cat([v_nan, nan_rows(v)])
+    out, lse, dq, dk, dv = run_varlen(q_pad, k_pad, v_pad, cu_q, cu_k, max(lens_q), max(lens_k), causal, dout_pad)
     n, nq = k.shape[0], q.shape[0]
     dense = run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout)
     assert_bitwise((out[:nq], lse[:, :nq], dq[:nq], dk[:n], dv[:n]), dense, "flash_attn_func on each sequence alone")

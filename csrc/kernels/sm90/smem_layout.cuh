@@ -349,7 +349,8 @@ void launch_bwd_stages(Kernel tma_kernel, Kernel cp_kernel, const TensorView& a,
 // through dP), so they are zeroed, as a dense call's out-of-bounds fill leaves them: the tile then
 // computes what the dense op computes on the sequence alone, bit for bit. Every thread of the CTA,
 // after acquire (the stage landed) and before the stage's products; `valid` is uniform over the
-// CTA, and only a sequence's last tile has valid < kRows (one CTA barrier there).
+// CTA, and only a sequence's last tile has valid < kRows (one CTA barrier there; the dK/dV
+// kernels visit it once per query head of the GQA group).
 template <typename Tile, int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void zero_stage_tail(uint32_t a, uint32_t b, int valid, int tid) {
   if (valid >= kRows) return;
