@@ -8,10 +8,11 @@ Criteria, per packed call:
     out, softmax_lse and the gradients dq, dk, dv. Every kernel runs a sequence's tiles in the
     order the dense call runs them (forward: key blocks last to first; dK/dV: query heads of the
     GQA group, then Q tiles, in order; dQ: key blocks in order; the preprocess per row), reads its
-    rows at the sequence's offset, zero-fills (sm80 cp.async, dK/dV, dQ) or masks (sm90 TMA: keys
-    past the end -> -inf in S, P = 0) what lies past the sequence's end, and the sm90 forward zeroes
-    the Q rows past the end that share a warp with the last rows (the dense call's TMA zero fill),
-    so the same floats meet in the same order;
+    rows at the sequence's offset, zero-fills (sm80 cp.async) or masks (sm90 TMA: keys past the
+    end -> -inf in S, P = 0) what lies past the sequence's end, the sm90 forward zeroes the Q rows
+    past the end that share a warp with the last rows and the V rows past the keys, and the sm90
+    dK/dV and dQ kernels (by TMA) the Q / dO and K / V rows past the end of a sequence's last tile
+    (the dense call's TMA zero fill), so the same floats meet in the same order;
   - within the accuracy rule of tests/accuracy.py against the float64 reference
     (flash_attn_ext.reference.attention_varlen_ref);
   - deterministic: two identical calls agree bit for bit;
@@ -27,6 +28,7 @@ magnitudes (the exact softmax path), and the issue's 16k tokens in 64 sequences 
 """
 
 import random
+import re
 
 import pytest
 import torch
@@ -275,21 +277,65 @@ def test_varlen_issue_shape_16k_tokens_64_sequences(causal, poison_empty):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_varlen_nan_past_the_last_sequence(causal, d, poison_empty):
-    """Rows of k / v past cu_seqlens_k[-1] (a packed buffer larger than its sequences) hold NaN:
-    the last sequence's key block reaches into them (the sm90 forward loads whole TMA boxes), where
-    P = 0 met V = NaN in P V until those V rows were zeroed. Output and gradients must equal the
-    dense op on each sequence alone, bit for bit."""
+    """Rows of q, dout, k and v that belong to no sequence's work hold NaN: past cu_seqlens_q[-1] /
+    cu_seqlens_k[-1] (packed buffers larger than their sequences), and the q / dout rows of a
+    sequence without keys, the k / v rows of a sequence without queries (between two sequences
+    with work). The tiles of the sequence before them reach into them (the sm90 kernels load whole
+    TMA boxes), where P = 0 met V = NaN in P V (forward), dO = NaN in dV += P^T dO and Q = NaN in
+    dK += dS^T Q (dK/dV kernel), K, V = NaN in dQ += dS K (dQ kernel) until those rows were zeroed.
+    Finite rows there give the same bits either way (P = 0 and dS = 0 times finite), so only NaN
+    tests the zeroing: output and gradients must equal the dense op on each sequence alone, bit
+    for bit, at every sm90 head dim (the rows and the roles kernels, d96's padded columns)."""
     require_hdim(d)
     dtype = torch.bfloat16
-    lens = [200, 37, 130]
-    q, k, v, cu_q, cu_k = _inputs(lens, lens, 4, 2, d, dtype)
-    pad = torch.full((100, 2, d), float("nan"), device="cuda", dtype=dtype)
-    k_pad, v_pad = torch.cat([k, pad]), torch.cat([v, pad])
+    # sequence 1 has no keys (its q / dout rows NaN), sequence 3 no queries (its k / v rows NaN)
+    lens_q, lens_k = [200, 37, 130, 0, 70], [200, 0, 130, 45, 70]
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 4, 2, d, dtype)
     dout = torch.randn_like(q)
-    ours = run_varlen(q, k_pad, v_pad, cu_q, cu_k, max(lens), max(lens), causal, dout)
-    out, lse, dq, dk, dv = ours
-    n = k.shape[0]
+    nan = float("nan")
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    q_nan, dout_nan, k_nan, v_nan = q.clone(), dout.clone(), k.clone(), v.clone()
+    q_nan[cq[1]:cq[2]], dout_nan[cq[1]:cq[2]] = nan, nan
+    k_nan[ck[3]:ck[4]], v_nan[ck[3]:ck[4]] = nan, nan
+    nan_rows = lambda t: torch.full((100,) + tuple(t.shape[1:]), nan, device="cuda", dtype=dtype)  # noqa: E731
+    q_pad, dout_pad = torch.cat([q_nan, nan_rows(q)]), torch.cat([dout_nan, nan_rows(dout)])
+    k_pad, v_pad = torch.cat([k_nan, nan_rows(k)]), torch.cat([v_nan, nan_rows(v)])
+    out, lse, dq, dk, dv = run_varlen(q_pad, k_pad, v_pad, cu_q, cu_k, max(lens_q), max(lens_k), causal, dout_pad)
+    n, nq = k.shape[0], q.shape[0]
     dense = run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout)
-    assert_bitwise((out, lse, dq, dk[:n], dv[:n]), dense, "flash_attn_func on each sequence alone")
+    assert_bitwise((out[:nq], lse[:, :nq], dq[:nq], dk[:n], dv[:n]), dense, "flash_attn_func on each sequence alone")
+
+
+def _sm90_backward_kernel_names(fn):
+    """Names of the sm90 dK/dV and dQ kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "sm90" in e.name and ("flash_bwd_dkv" in e.name or "flash_bwd_dq" in e.name)]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen_backward_loads_by_tma(d, arch_path, poison_empty):
+    """On the sm90 path the varlen backward's dK/dV and dQ kernels stream their tiles by TMA (the
+    packed tensors as one batch; kernels/sm90/smem_layout.cuh: launch_bwd_stages, zero_stage_tail),
+    the instantiation whose last template argument (kTma) is true; the rows past each sequence's
+    end are zeroed so the result is the dense op's per sequence, bit for bit."""
+    require_hdim(d, exact=True)
+    if arch_path != "auto" or torch.cuda.get_device_capability() != (9, 0) or \
+            "90a" not in str(flash_attn_ext.build_info().get("cuda_archs", "")):
+        pytest.skip("the sm90 backward kernels run on the default path of an sm_90a build only")
+    lens_q, lens_k = [70, 129, 1, 300], [33, 200, 64, 301]
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
+    dout = torch.randn_like(q)
+    ours = []
+    names = _sm90_backward_kernel_names(
+        lambda: ours.extend(run_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), True, dout)))
+    tma = lambda n: re.search(r",\s*true>\s*\(", n) is not None or "Lb1EEEv" in n  # noqa: E731 (demangled or not)
+    assert len(names) == 2 and all(tma(n) for n in names), names
+    dense = run_dense_per_sequence(q, k, v, cu_q, cu_k, True, dout)
+    assert_bitwise(tuple(ours), dense, "flash_attn_func on each sequence alone")

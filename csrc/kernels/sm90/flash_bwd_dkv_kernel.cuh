@@ -7,7 +7,7 @@
 // [64 wg, 64 wg + 64). K_j, V_j stay in shared memory; for every query head of the GQA group and
 // every Q tile i of kBlockM rows that sees block j, Q_i, dO_i, LSE_log2_i (hi + lo), D_i stream in
 // through the tile row's kStages stages (BwdStages, smem_layout.cuh: by TMA on full / empty
-// mbarriers for dense calls whose q / dout TMA can describe, the loader's refill issued under the
+// mbarriers for calls whose q / dout TMA can describe, the loader's refill issued under the
 // next tile's first products; else by cp.async through two), and each warpgroup computes
 //   S^T  = K_j Q_i^T                    wgmma SS, B = Q_i K-major         (Alg. 2 line 11)
 //   dP^T = V_j dO_i^T                   wgmma SS, B = dO_i K-major        (line 14)
@@ -120,6 +120,10 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
     const float* sLo = sLo0 + stage * kBlockM;
     const float* sDsum = sDsum0 + stage * kBlockM;
     const int m0 = w.m0(it);
+    // Varlen by TMA: the rows of a sequence's last Q tile past its end, zeroed (smem_layout.cuh).
+    if (kTma && params.cu_seqlens_q != nullptr) {
+      zero_stage_tail<TileQ, kBlockM, kHeadDimPad, kThreads>(sQ, sdO, w.seq.seqlen_q - m0, tid);
+    }
 
     // Alg. 2 lines 11 and 14 (transposed), all issued up front: for each of the kSplit parts of
     // the Q tile (kPart rows), S^T = K_j Q_part^T and dP^T = V_j dO_part^T. The tensor cores then
@@ -218,6 +222,6 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
 }  // namespace flash::sm90
 
 // The sm90 dK/dV launch: the roles kernel (flash_bwd_dkv_roles_kernel.cuh) for a Roles<> row, the
-// rows kernel above for other rows; q / dout by TMA for dense calls whose tensors TMA can describe,
+// rows kernel above for other rows; q / dout by TMA for calls whose tensors TMA can describe,
 // else by cp.async (smem_layout.cuh: FLASH_SM90_BWD_LAUNCH).
-FLASH_SM90_BWD_LAUNCH(Dkv, dkv, "dK/dV", q, dout, seqlen_q, h, kBlockM)
+FLASH_SM90_BWD_LAUNCH(Dkv, dkv, "dK/dV", q, dout, seqlen_q, total_q, h, kBlockM)

@@ -19,15 +19,15 @@
 // mbarrier (arrive, no wait) and may start the next Q tile while warpgroup 1 finishes this one.
 //
 // Q_i, dO_i and their row statistics (hi, lo, D) stream through two stages, in one of two ways:
-//   kTma (dense calls whose q / dout TMA can describe): one thread of warpgroup 1 loads a stage by
-//     TMA (Q, dO: the 128-byte-swizzle boxes of primitives/tma.cuh; rows past seqlen_q read as
-//     zeros) and bulk copies (the statistics), completing on the stage's full mbarrier; every
-//     thread arrives on its empty mbarrier once its products of the stage are done, and the
-//     loading thread refills the stage once all have. No CTA-wide barrier in the loop: warpgroup 0
-//     runs ahead into the next Q tile while warpgroup 1 finishes dK of this one.
-//   cp.async (varlen, where rows past a sequence's end must read as zeros, and strides TMA cannot
-//     describe): every thread copies its share of the next stage while this one is computed
-//     (kernels/common/work.cuh), with a CTA barrier per Q tile.
+//   kTma (calls whose q / dout TMA can describe): one thread of warpgroup 1 loads a stage by TMA
+//     (Q, dO: the 128-byte-swizzle boxes of primitives/tma.cuh; rows past seqlen_q read as zeros,
+//     varlen: zeroed after landing, smem_layout.cuh: zero_stage_tail) and bulk copies (the
+//     statistics), completing on the stage's full mbarrier; every thread arrives on its empty
+//     mbarrier once its products of the stage are done, and the loading thread refills the stage
+//     once all have. No CTA-wide barrier in the loop (but at a varlen sequence's last Q tile):
+//     warpgroup 0 runs ahead into the next Q tile while warpgroup 1 finishes dK of this one.
+//   cp.async (strides TMA cannot describe): every thread copies its share of the next stage while
+//     this one is computed (kernels/common/work.cuh), with a CTA barrier per Q tile.
 // Masks, tile ranges, ragged edges, GQA and the exact recompute are the rows kernel's.
 //
 // Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S^T / dP^T acc[j][e] hold
@@ -121,6 +121,10 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
     const bool precise = precise_next;
     precise_next = w.precise(params, it + 1);
     stages.acquire(it, w.n_iter, load_q_tile);  // Q_it, dO_it and their statistics landed
+    // Varlen by TMA: the rows of a sequence's last Q tile past its end, zeroed (smem_layout.cuh).
+    if (kTma && params.cu_seqlens_q != nullptr) {
+      zero_stage_tail<TileQ, kBlockM, kHeadDimPad, T::kThreads>(sQ(stage), sdO(stage), w.seq.seqlen_q - w.m0(it), tid);
+    }
     const uint32_t sFirst = wg == 0 ? sQ(stage) : sdO(stage), sSecond = wg == 0 ? sdO(stage) : sQ(stage);
 
     // Alg. 2 line 11 (role 0: S^T = K_j Q_i^T) or line 14 (role 1: dP^T = V_j dO_i^T).

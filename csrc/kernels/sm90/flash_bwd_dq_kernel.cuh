@@ -6,7 +6,7 @@
 // One CTA per (Q tile i of kBlockM rows, batch, query head); warpgroup wg owns Q rows
 // [64 wg, 64 wg + 64). Q_i and dO_i stay in shared memory, hi (LSE_log2) / D of the thread's two
 // rows in registers; K_j, V_j stream through the tile row's kStages stages (BwdStages,
-// smem_layout.cuh: by TMA on full / empty mbarriers for dense calls whose k / v TMA can describe,
+// smem_layout.cuh: by TMA on full / empty mbarriers for calls whose k / v TMA can describe,
 // the loader's refill issued under the next block's first products; else by cp.async through two):
 //   S   = Q_i K_j^T                    wgmma SS, B = K_j K-major            (line 11)
 //   dP  = dO_i V_j^T                   wgmma SS, B = V_j K-major            (line 14)
@@ -98,6 +98,10 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
     const uint32_t sK = smem_addr + T::kOffK + stage * TileKV::kBytes;
     const uint32_t sV = smem_addr + T::kOffV + stage * TileKV::kBytes;
     const int n0 = n_block * kBlockN;
+    // Varlen by TMA: the rows of a sequence's last key block past its end, zeroed (smem_layout.cuh).
+    if (kTma && params.cu_seqlens_k != nullptr) {
+      zero_stage_tail<TileKV, kBlockN, kHeadDimPad, kThreads>(sK, sV, w.seq.seqlen_k - n0, tid);
+    }
 
     // Alg. 2 lines 11 and 14, issued back to back: S = Q_i K_j^T, dP = dO_i V_j^T.
     float acc_s[kNBlkN][4], acc_dp[kNBlkN][4];
@@ -152,6 +156,6 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
 }  // namespace flash::sm90
 
 // The sm90 dQ launch: the roles kernel (flash_bwd_dq_roles_kernel.cuh) for a Roles<> row, the rows
-// kernel above for other rows; k / v by TMA for dense calls whose tensors TMA can describe, else by
+// kernel above for other rows; k / v by TMA for calls whose tensors TMA can describe, else by
 // cp.async (smem_layout.cuh: FLASH_SM90_BWD_LAUNCH).
-FLASH_SM90_BWD_LAUNCH(Dq, dq, "dQ", k, v, seqlen_k, h_k, kBlockN)
+FLASH_SM90_BWD_LAUNCH(Dq, dq, "dQ", k, v, seqlen_k, total_k, h_k, kBlockN)

@@ -17,8 +17,9 @@
 // the rows kernel's register A operand is.
 //
 // K_j, V_j stream through two stages as the dK/dV roles kernel's Q tiles do: by TMA with full /
-// empty mbarriers (kTma: dense calls whose k / v TMA can describe; keys past seqlen_k read as
-// zeros, and the mask hides them), else by cp.async with a CTA barrier per key block.
+// empty mbarriers (kTma: calls whose k / v TMA can describe; keys past seqlen_k read as zeros,
+// varlen: zeroed after landing, and the mask hides them), else by cp.async with a CTA barrier per
+// key block.
 //
 // Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S / dP acc[j][e] hold
 //   Q row m = m0 + 16 w + g + 8 (e / 2),  key n = n0 + 8 j + 2 t + (e % 2).
@@ -108,6 +109,10 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
     const uint32_t sK = smem_addr + T::kOffK + stage * TileKV::kBytes;
     const uint32_t sV = smem_addr + T::kOffV + stage * TileKV::kBytes;
     const int n0 = n_block * kBlockN;
+    // Varlen by TMA: the rows of a sequence's last key block past its end, zeroed (smem_layout.cuh).
+    if (kTma && params.cu_seqlens_k != nullptr) {
+      zero_stage_tail<TileKV, kBlockN, kHeadDimPad, kThreads>(sK, sV, w.seq.seqlen_k - n0, tid);
+    }
 
     // Alg. 2 line 11 (role 0: S = Q_i K_j^T) or line 14 (role 1: dP = dO_i V_j^T).
     float acc_s[kNBlkN][4];

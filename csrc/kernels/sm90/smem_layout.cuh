@@ -113,8 +113,9 @@ struct BwdTileTraits {
 };
 
 // Tensor maps of the backward's streamed tiles (primitives/tma.cuh), encoded per call by the launch
-// (dense calls whose inputs TMA can describe): q and dout for the dK/dV kernel, k and v for the dQ
-// kernel. A __grid_constant__ kernel parameter; unused (zeros) by a kernel that copies by cp.async.
+// (calls whose inputs TMA can describe; varlen as one batch of the packed rows): q and dout for the
+// dK/dV kernel, k and v for the dQ kernel. A __grid_constant__ kernel parameter; unused (zeros) by
+// a kernel that copies by cp.async.
 struct BwdTmaMaps {
   CUtensorMap a, b;
 };
@@ -321,20 +322,43 @@ __device__ __forceinline__ void load_dq_stage(const Work& w, const Flash_bwd_par
 }
 
 // Launches a backward kernel (tma_kernel / cp_kernel: its two instantiations, taking (params,
-// maps)) over Work's grid: by TMA where allowed, the call is dense (varlen rows past a sequence's
-// end must read as zeros) and the driver encodes maps of tensors a and b (rows x heads, boxes of
-// box_rows rows), else by cp.async.
+// maps)) over Work's grid: by TMA where allowed and the driver encodes maps of tensors a and b
+// (rows x heads, boxes of box_rows rows; varlen: the packed tensors as one batch of total_rows
+// rows, as the forward encodes them), else by cp.async. Varlen tiles by TMA zero their rows past
+// the sequence's end themselves (zero_stage_tail below).
 template <typename Traits, typename Work, typename Kernel>
 void launch_bwd_stages(Kernel tma_kernel, Kernel cp_kernel, const TensorView& a, const TensorView& b, int rows,
-                       int heads, int box_rows, const char* what, Flash_bwd_params& params, cudaStream_t stream,
-                       bool allow_tma) {
+                       int total_rows, int heads, int box_rows, const char* what, Flash_bwd_params& params,
+                       cudaStream_t stream, bool allow_tma) {
   static_assert(Traits::kSmemBytes <= kMaxSmem, "backward tile row exceeds sm90 shared memory");
   BwdTmaMaps maps{};
-  const bool tma = allow_tma && params.cu_seqlens_q == nullptr &&
-                   tma_encode_bshd(&maps.a, a, params.b, rows, heads, params.d, params.is_bf16, box_rows) &&
-                   tma_encode_bshd(&maps.b, b, params.b, rows, heads, params.d, params.is_bf16, box_rows);
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  const int batch = varlen ? 1 : params.b, map_rows = varlen ? total_rows : rows;
+  const bool tma = allow_tma &&
+                   tma_encode_bshd(&maps.a, a, batch, map_rows, heads, params.d, params.is_bf16, box_rows) &&
+                   tma_encode_bshd(&maps.b, b, batch, map_rows, heads, params.d, params.is_bf16, box_rows);
   launch_1d(tma ? tma_kernel : cp_kernel, Work::grid_size(params), Traits::kThreads, Traits::kSmemBytes, what,
             params.d_rounded, stream, params, maps);
+}
+
+// Varlen calls by TMA: a stage's two tiles (a, b: Q_i and dO_i of the dK/dV kernels, K_j and V_j
+// of the dQ kernels; Tile layout, kCols columns) were read as whole TMA boxes of the packed
+// tensors, so their rows [valid, kRows) past the sequence's end hold the next sequence's rows (or
+// whatever lies past cu_seqlens[-1], NaN included). P (or P^T) is 0 there, but 0 * NaN is NaN in
+// the products that take these rows as an operand (dV += P^T dO, dK += dS^T Q, dQ += dS K, and dS
+// through dP), so they are zeroed, as a dense call's out-of-bounds fill leaves them: the tile then
+// computes what the dense op computes on the sequence alone, bit for bit. Every thread of the CTA,
+// after acquire (the stage landed) and before the stage's products; `valid` is uniform over the
+// CTA, and only a sequence's last tile has valid < kRows (one CTA barrier there; the dK/dV
+// kernels visit it once per query head of the GQA group).
+template <typename Tile, int kRows, int kCols, int kThreads>
+__device__ __forceinline__ void zero_stage_tail(uint32_t a, uint32_t b, int valid, int tid) {
+  if (valid >= kRows) return;
+  valid = valid > 0 ? valid : 0;  // (the kernels visit tiles with a row or key only: valid >= 1)
+  zero_rows<Tile, kCols, kThreads>(a, valid, kRows, tid);
+  zero_rows<Tile, kCols, kThreads>(b, valid, kRows, tid);
+  fence_proxy_async();  // the zeros visible to the wgmmas (async proxy) that read the stage
+  __syncthreads();
 }
 
 // Alg. 2 line 12 on a transposed (key x query) accumulator, the dK/dV kernels' S^T: P^T =
@@ -394,17 +418,17 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
 
 // Defines flash::sm90::launch_bwd_<kind>(params, stream, allow_tma) for tile row Tile (the roles
 // kernel for a Roles<> row, else the rows kernel; either by TMA where launch_bwd_stages can, tensors
-// a / b: rows x heads, boxes of Traits::box rows) and flash::run_mha_bwd_<kind>_(Sm90, ...), the
+// a / b: rows x heads, varlen total x heads, boxes of Traits::box rows) and flash::run_mha_bwd_<kind>_(Sm90, ...), the
 // launch the generated instantiations compile with the production row <Kind>Tile<d>. Used at global
 // scope after both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
-#define FLASH_SM90_BWD_LAUNCH(Kind, kind, what, a, b, rows, heads, box)                                          \
+#define FLASH_SM90_BWD_LAUNCH(Kind, kind, what, a, b, rows, total, heads, box)                                   \
   namespace flash::sm90 {                                                                                       \
   template <typename Traits, typename Kernel>                                                                   \
   void launch_bwd_##kind##_with(Kernel tma_kernel, Kernel cp_kernel, Flash_bwd_params& params,                  \
                                 cudaStream_t stream, bool allow_tma) {                                          \
     launch_bwd_stages<Traits, Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                                    \
-        tma_kernel, cp_kernel, params.a, params.b, params.rows, params.heads, Traits::box, what, params, stream, \
-        allow_tma);                                                                                             \
+        tma_kernel, cp_kernel, params.a, params.b, params.rows, params.total, params.heads, Traits::box, what,   \
+        params, stream, allow_tma);                                                                             \
   }                                                                                                             \
   template <typename Element, int kHeadDim, typename Tile>                                                      \
   void launch_bwd_##kind(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma = true) {                \

@@ -80,7 +80,8 @@ template <> struct DqTile<128> : DqTileShape<128, 128> { static constexpr bool k
 // Q, dO and two stages of K, V 192 KB + 8 KB (dS) + 16 KB (P) = 216 KB. Measured (tune_kernels.py,
 // bf16, N = 1024 / 4096 / 16384, per-kernel matmul TFLOP/s; docs/PERF_NOTES.md): d256 dK/dV
 // 439 / 477 / 498, causal 348 / 452 / 469; dQ 427 / 492 / 493, causal 336 / 425 / 477 (TMA stages;
-// their cp.async twins, which varlen calls run, 8-19 % slower). 2026-12-01, the dK/dV refill under
+// their cp.async twins, which strides TMA cannot describe run (varlen calls did until
+// smem_layout.cuh's zero_stage_tail), 8-19 % slower). 2026-12-01, the dK/dV refill under
 // the S^T / dP^T products: 447 / 486 / 521, causal 368 / 463 / 502.
 template <> struct DkvTile<96>  : DkvTileShape<128,   64,    1,   16,   true,    3> { static constexpr bool kSupported = true; };
 template <> struct DqTile<96>   : DqTileShape<128, 128> { static constexpr bool kSupported = true; };
