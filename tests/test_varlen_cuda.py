@@ -339,3 +339,51 @@ def test_varlen_backward_loads_by_tma(d, arch_path, poison_empty):
     assert len(names) == 2 and all(tma(n) for n in names), names
     dense = run_dense_per_sequence(q, k, v, cu_q, cu_k, True, dout)
     assert_bitwise(tuple(ours), dense, "flash_attn_func on each sequence alone")
+
+
+def _kernel_grids(fn, tmp_path):
+    """{kernel name: [grid x of each launch]} of the CUDA kernels fn() launches (the profiler's
+    chrome trace, whose kernel events carry their launch grid)."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    grids = {}
+    for e in json.loads(path.read_text())["traceEvents"]:
+        if e.get("cat") == "kernel" and "grid" in e.get("args", {}):
+            grids.setdefault(e["name"], []).append(e["args"]["grid"][0])
+    return grids
+
+
+# Skewed lengths (a few long sequences, many short or empty): most tiles of a grid sized by
+# max_seqlen would start past their sequence's end, so the kernels run on a tight grid of the real
+# tiles (kernels/common/work.cuh: varlen_tight_grid, varlen_dense_index).
+TIGHT_LENS = ([900, 3, 17, 0, 130, 1, 64, 255, 2, 700], [700, 40, 0, 9, 130, 1, 200, 255, 5, 900])
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_tight_grid(d, causal, arch_path, poison_empty, tmp_path):
+    """On a tight grid every CTA finds its (sequence, tile) by a prefix sum over cu_seqlens: the
+    result is the dense op's per sequence, bit for bit, and the kernels' grids do not grow with
+    max_seqlen (a call with 4x the longest sequence launches the same grids). The sm80 forward keeps
+    the grid of max_seqlen (its registers), so on that path only the backward's grids are compared."""
+    require_hdim(d, exact=True)
+    lens_q, lens_k = TIGHT_LENS
+    check_varlen_call(lens_q, lens_k, 8, 2, d, torch.bfloat16, causal)
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
+    dout = torch.randn_like(q)
+    grids = [_kernel_grids(lambda m=m: run_varlen(q, k, v, cu_q, cu_k, m * max(lens_q), m * max(lens_k), causal,
+                                                  dout), tmp_path)
+             for m in (1, 4)]
+    sm90_forward = any("sm90" in n and "flash_fwd_kernel" in n for n in grids[0])
+    names = [n for n in grids[0] if "flash_bwd_dkv" in n or "flash_bwd_dq" in n or (sm90_forward and "flash_fwd" in n)]
+    assert names, list(grids[0])
+    for n in names:
+        assert grids[0][n] == grids[1].get(n), (n, grids[0][n], grids[1].get(n))

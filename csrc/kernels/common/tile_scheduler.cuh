@@ -35,6 +35,7 @@
 
 #include "flash.h"
 #include "kernels/common/mask.cuh"
+#include "kernels/common/work.cuh"  // varlen_tight_grid
 #include "primitives/math.cuh"
 
 namespace flash {
@@ -47,6 +48,8 @@ struct FwdTileScheduler {
   int num_m;           // Q tiles per (batch, head)
   int paired;          // a unit is a (heavy, light) pair of causal Q tiles
   int persistent;      // grid of <= num_sms CTAs looping over units; else one CTA per tile
+  int varlen_tight;    // not persistent, varlen on a tight grid (work.cuh: varlen_tight_grid): unit u is
+                       // CTA u, whose tile the kernel finds itself (varlen_dense_index)
   // The unit ranges, in walk order: [0, tail_begin) full units, (batch, head) bh's K of them
   // (K = units_div.d) for bh < num_bh - split; [tail_begin, split_begin) the last `split`
   // (batch, head)s' first K - 1 units (tail_div.d = K - 1); [split_begin, split_begin + 2 split)
@@ -84,14 +87,17 @@ struct FwdTileScheduler {
     const int64_t rest = sms > 0 ? full % sms : 0;
     const bool split = s.paired && k >= 2 && full > sms && rest > 0 && rest <= bh && 2 * rest + light_units <= sms;
     s.split = split ? int(rest) : 0;
-    const int64_t total = units + s.split;  // each split unit becomes two
+    s.varlen_tight = !s.persistent &&
+                     varlen_tight_grid(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q, kBlockM);
+    const int64_t total = s.varlen_tight ? varlen_tight_per_head(params.total_q, params.b, kBlockM) * params.h
+                                         : units + s.split;  // each split unit becomes two
     s.num_units = total <= (int64_t(1) << 30) ? uint32_t(total) : 0;  // so tile indices < 2^31
     // (With num_units = 0 the walk ends at once and the fields below are never read.)
     s.num_bh = int(bh);
     s.p_first = light ? 1 : 0;
     s.tail_begin = uint32_t(full - int64_t(s.split) * k);
     s.split_begin = uint32_t(full - s.split);
-    s.light_begin = uint32_t(full + s.split);
+    s.light_begin = s.varlen_tight ? s.num_units : uint32_t(full + s.split);  // tight: one tile per unit
     s.units_div = FastDivmod(k > 0 ? k : 1);
     s.tail_div = FastDivmod(k > 1 ? k - 1 : 1);
     s.m_div = FastDivmod(s.num_m > 0 ? s.num_m : 1);

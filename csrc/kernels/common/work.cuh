@@ -16,11 +16,71 @@
 
 namespace flash {
 
+// ---- Varlen grids of the real tiles only (as FlashAttention-4's varlen tile scheduler). A varlen
+// grid sized by max_seqlen runs ceil(max_seqlen / kBlock) CTAs per (sequence, head), and on skewed
+// lengths most of them start past their sequence's end and exit at once (past_end), after their
+// launch and setup. The host cannot read cu_seqlens (no device sync) but knows the packed rows
+// `total`: a sequence of len rows has ceil(len / kBlock) <= len / kBlock + 1 tiles, so
+// ceil(total / kBlock) + batch CTAs per head cover every real tile, and each CTA finds its
+// (sequence, tile) by a prefix sum of the tile counts over cu_seqlens (varlen_dense_index, 32
+// sequences per warp step). Taken where it at least halves the grid and the batch keeps the scan
+// short; host and device evaluate varlen_tight_grid on the same params, so they agree.
+constexpr int kVarlenTightMaxBatch = 512;
+
+__host__ __device__ __forceinline__ int64_t varlen_tight_per_head(int total, int batch, int block) {
+  return int64_t(ceil_div(total, block)) + batch;
+}
+__host__ __device__ __forceinline__ bool varlen_tight_grid(const int* cu_seqlens, int batch, int total, int max_len,
+                                                           int block) {
+  return cu_seqlens != nullptr && batch <= kVarlenTightMaxBatch &&
+         2 * varlen_tight_per_head(total, batch, block) <= int64_t(ceil_div(max_len, block)) * batch;
+}
+
+// The index, in the dense numbering (b * heads + head) * num + p with num = ceil(max_len / kBlock)
+// tiles per (sequence, head), of CTA `cta` of a tight grid (cta = head * per_head + u, u counting
+// the real tiles of sequences 0, 1, ... in order), or -1 where u lies past them. Tile j of
+// sequence b, which has n_b = ceil(min(len_b, max_len) / kBlock) tiles (SeqInfo clamps len_b to
+// max_len), is p = num - n_b + j with kReverse (Q tiles: the sequence's last tile first, heavy
+// first under causal, as the dense order), else p = j (key blocks in order). Warp-collective:
+// every lane of a converged warp calls it and gets the same value.
+template <int kBlock, bool kReverse>
+__device__ __forceinline__ int64_t varlen_dense_index(const int* cu_seqlens, int batch, int total, int max_len,
+                                                      int heads, int64_t cta) {
+  const int64_t per_head = varlen_tight_per_head(total, batch, kBlock);
+  const int head = int(cta / per_head);
+  const int u = int(cta - int64_t(head) * per_head);
+  const int lane = threadIdx.x % 32, num = ceil_div(max_len, kBlock);
+  int base = 0;  // the real tiles of the sequences before this step's 32
+  for (int b0 = 0; b0 < batch; b0 += 32) {
+    const int b = b0 + lane;
+    const int len = b < batch ? min(max(cu_seqlens[b + 1] - cu_seqlens[b], 0), max_len) : 0;
+    const int n = ceil_div(len, kBlock);
+    int incl = n;  // inclusive prefix sum over the lanes
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const unsigned hit = __ballot_sync(0xffffffffu, base + incl > u);  // uniform over the warp
+    if (hit != 0) {
+      const int l = __ffs(int(hit)) - 1;
+      const int n_b = __shfl_sync(0xffffffffu, n, l);
+      const int j = u - base - (__shfl_sync(0xffffffffu, incl, l) - n_b);
+      return (int64_t(b0 + l) * heads + head) * num + (kReverse ? num - n_b + j : j);
+    }
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  return -1;
+}
+
 // Forward / dQ CTA: Q tile of kBlockM rows from m0 of (batch, head bidh; kv head bidhk).
 // blockIdx.x runs the Q tiles fastest and in reverse, so the heavy (late, under causal) tiles go
 // first and the CTAs of one (batch, head) run together and share K / V in L2. The loop visits
 // the key blocks [0, n_block_max); blocks [0, n_block_unmasked) need no mask.
-template <int kBlockM, int kBlockN>
+// kTightVarlen: varlen calls may run on a tight grid (varlen_tight_grid); false keeps the grid of
+// max_seqlen_q (the sm80 forward: its 128 x 64 row for sm_90a sits at 255 registers, and a decode
+// that cannot be recomputed from blockIdx.x cost it 80 bytes of spills).
+template <int kBlockM, int kBlockN, bool kTightVarlen = true>
 struct QTileWork {
   SeqInfo seq;
   AttnMask mask;
@@ -37,11 +97,20 @@ struct QTileWork {
     n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
     n_block_unmasked = mask.n_block_unmasked(m0, kBlockN);
   }
-  // (batch, m_block * h + head) of blockIdx.x = (b*h + head) * num_m + (num_m - 1 - m_block).
+  // (batch, m_block * h + head) of blockIdx.x = (b*h + head) * num_m + (num_m - 1 - m_block); on a
+  // varlen tight grid of the dense index varlen_dense_index finds (warp-collective: every thread of
+  // the CTA constructs its QTileWork at the kernel's start), a CTA past every real tile getting a
+  // tile past sequence 0's end (past_end()).
   __device__ __forceinline__ static int2 decode(const Flash_fwd_params& params) {
     const int num_m = ceil_div(params.seqlen_q, kBlockM);
-    const int64_t bh = blockIdx.x / num_m;
-    const int m_block = num_m - 1 - int(blockIdx.x % num_m);
+    int64_t idx = blockIdx.x;
+    if (kTightVarlen && varlen_tight_grid(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q, kBlockM)) {
+      idx = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q,
+                                              params.h, blockIdx.x);
+      if (idx < 0) return make_int2(0, num_m * params.h);  // m0 = num_m * kBlockM >= every seqlen_q
+    }
+    const int64_t bh = idx / num_m;
+    const int m_block = num_m - 1 - int(idx % num_m);
     return make_int2(int(bh / params.h), m_block * params.h + int(bh % params.h));
   }
   // The tile of an explicit index in blockIdx.x's numbering (a persistent CTA's loop over tiles,
@@ -67,8 +136,12 @@ struct QTileWork {
     store_tile<Layout, kBlockM, kHeadDim, kThreads>(seq.template q_row<Element>(out, bidh, m0), out.row_stride, smem,
                                                     rows_q, params.d, tid);
   }
-  // The grid of such CTAs: every (batch, head, Q tile); blockIdx.x decodes as in decode().
+  // The grid of such CTAs: every (batch, head, Q tile), or a varlen tight grid; blockIdx.x decodes
+  // as in decode().
   __host__ __device__ __forceinline__ static int64_t grid_size(const Flash_fwd_params& params) {
+    if (kTightVarlen && varlen_tight_grid(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q, kBlockM)) {
+      return varlen_tight_per_head(params.total_q, params.b, kBlockM) * params.h;
+    }
     return int64_t(ceil_div(params.seqlen_q, kBlockM)) * params.b * params.h;
   }
 };
@@ -87,13 +160,22 @@ struct DkvWork {
   int64_t ws0;           // seq.ws_index(params, 0, 0)
 
   // blockIdx.x = (b * h_k + kv head) * num_n + key block, num_n from params.seqlen_k (the grid's
-  // key blocks: max_seqlen_k for varlen), not from the sequence's own length.
-  __device__ __forceinline__ explicit DkvWork(const Flash_bwd_params& params)
-      : seq(params, int(blockIdx.x / ceil_div(params.seqlen_k, kBlockN)) / params.h_k),
+  // key blocks: max_seqlen_k for varlen), not from the sequence's own length; on a varlen tight
+  // grid the index varlen_dense_index finds (warp-collective: every thread constructs its DkvWork
+  // at the kernel's start), a CTA past every real key block getting one past sequence 0's end.
+  __device__ __forceinline__ explicit DkvWork(const Flash_bwd_params& params) : DkvWork(params, cta_index(params)) {}
+  __device__ __forceinline__ static int64_t cta_index(const Flash_bwd_params& params) {
+    if (!varlen_tight_grid(params.cu_seqlens_k, params.b, params.total_k, params.seqlen_k, kBlockN)) return blockIdx.x;
+    return varlen_dense_index<kBlockN, false>(params.cu_seqlens_k, params.b, params.total_k, params.seqlen_k,
+                                              params.h_k, blockIdx.x);
+  }
+  // idx: the dense index, or -1 (no key block: sequence 0, kv head 0, key block num_n).
+  __device__ __forceinline__ DkvWork(const Flash_bwd_params& params, int64_t idx)
+      : seq(params, idx < 0 ? 0 : int(idx / ceil_div(params.seqlen_k, kBlockN)) / params.h_k),
         mask(seq, params.is_causal) {
     const int num_n_blocks = ceil_div(params.seqlen_k, kBlockN);
-    bidhk = int(blockIdx.x / num_n_blocks) % params.h_k;
-    n0 = int(blockIdx.x % num_n_blocks) * kBlockN;
+    bidhk = idx < 0 ? 0 : int(idx / num_n_blocks) % params.h_k;
+    n0 = (idx < 0 ? num_n_blocks : int(idx % num_n_blocks)) * kBlockN;
     m_block_min = mask.first_m_block(n0, kBlockM);
     const int m_block_max = ceil_div(seq.seqlen_q, kBlockM);
     num_m = m_block_max > m_block_min ? m_block_max - m_block_min : 0;
@@ -102,8 +184,12 @@ struct DkvWork {
     num_m_div = FastDivmod(num_m > 0 ? num_m : 1);
     ws0 = seq.ws_index(params, 0, 0);
   }
-  // The grid of such CTAs: every (batch, kv head, key block), key block fastest.
+  // The grid of such CTAs: every (batch, kv head, key block), key block fastest, or a varlen tight
+  // grid.
   __host__ __device__ __forceinline__ static int64_t grid_size(const Flash_fwd_params& params) {
+    if (varlen_tight_grid(params.cu_seqlens_k, params.b, params.total_k, params.seqlen_k, kBlockN)) {
+      return varlen_tight_per_head(params.total_k, params.b, kBlockN) * params.h_k;
+    }
     return int64_t(ceil_div(params.seqlen_k, kBlockN)) * params.b * params.h_k;
   }
   // The key block starts at or past its sequence's last key (varlen: the grid is sized by
@@ -183,8 +269,9 @@ template <int kBlockM, int kBlockN>
 struct DqWork : QTileWork<kBlockM, kBlockN> {
   bool precise;
   __device__ __forceinline__ explicit DqWork(const Flash_bwd_params& params)
-      : QTileWork<kBlockM, kBlockN>(params),
-        precise(params.precise_rows_ptr[this->seq.precise_index(params, this->bidh, this->m0)] != 0) {}
+      : QTileWork<kBlockM, kBlockN>(params),  // past_end: no flag (its tile may lie past the flags)
+        precise(!this->past_end() &&
+                params.precise_rows_ptr[this->seq.precise_index(params, this->bidh, this->m0)] != 0) {}
 
   // Alg. 2 line 10: this CTA's Q_i and dO_i (resident) by cp.async into the shared tiles at sQ / sdO
   // (Layout, kCols columns: primitives/tile_copy.cuh).

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   // This CTA's Q tile, its sequence view, mask and key-block range (kernels/common/work.cuh):
   // the heaviest causal tiles start first; 64-bit offsets throughout.
-  const QTileWork<kBlockM, kBlockN> w(params);
+  const QTileWork<kBlockM, kBlockN, /*kTightVarlen=*/false> w(params);  // (work.cuh: its registers)
   if (w.past_end()) return;  // varlen: a Q tile past its sequence's end (grid sized by max_seqlen_q)
   const int d = params.d;
   const Element* gQ = w.seq.template q_row<const Element>(params.q, w.bidh, w.m0);

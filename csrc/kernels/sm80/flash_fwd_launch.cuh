@@ -14,8 +14,8 @@ namespace sm80 {
 template <typename Traits>
 void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   static_assert(Traits::kSmemBytes <= kMaxSmem, "forward tile row exceeds sm_80 shared memory");
-  launch_tiles<Traits, QTileWork<Traits::kBlockM, Traits::kBlockN>>(flash_fwd_kernel<Traits>, "forward", params,
-                                                                     stream);
+  launch_tiles<Traits, QTileWork<Traits::kBlockM, Traits::kBlockN, false>>(flash_fwd_kernel<Traits>, "forward",
+                                                                            params, stream);
 }
 
 }  // namespace sm80

@@ -177,9 +177,9 @@ struct FwdKernelTraits {
   // this tile's last S products: kStageOInV below). K/V ring depth: as many stages as fit next to
   // them (2..4; one CTA per SM): d64 4, d96/d128 2, d192/d256 2 (FA3: 2 everywhere; TK: 4 at d64).
   // One Q buffer and three K/V stages at d96 / d128 (O then staged in the V ring) measured 1-4 %
-  // slower. Barriers (8 bytes each, at most 2 Q + 4 K/V stages + o_free) and 1024 bytes of
-  // alignment slack come first.
-  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4 + 1) + 1024;
+  // slower. Barriers (8 bytes each, at most 2 Q + 4 K/V stages + o_free), the varlen tile slot (8
+  // bytes) and 1024 bytes of alignment slack come first.
+  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4 + 1 + 1) + 1024;
   static constexpr int kQStages = 2 * TileQ::kBytes + 4 * TileKV::kBytes + kBarBytes <= kMaxSmem ? 2 : 1;
   static constexpr int kStagesFit = (kMaxSmem - kQStages * TileQ::kBytes - kBarBytes) / (2 * TileKV::kBytes);
   static constexpr int kStages = kStagesFit < 4 ? kStagesFit : 4;
@@ -196,7 +196,9 @@ struct FwdKernelTraits {
   static constexpr bool kStageOInV = kQStages == 1;
   // Barriers: per Q stage full, empty; then per K/V stage K full, K empty, V full, V empty; o_free.
   static constexpr int kNumBars = 2 * kQStages + 4 * kStages + 1;
-  static constexpr int kSmemBytes = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
+  // After them: a varlen tight grid's tile (int64), found by warp 0 for the whole CTA.
+  static constexpr int kOffTileSlot = kOffBar + 8 * kNumBars;
+  static constexpr int kSmemBytes = kOffTileSlot + 8 + 1024;  // + alignment slack
 
   static_assert(Tile::kNWarps == 4 * (kConsumerWGs + 1), "tile row: 4 producer warps + 4 per 64 query rows");
   static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "1-3 consumer warpgroups of 64 rows");
@@ -331,6 +333,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = threadIdx.x;
   const int wg = tid / 128;
 
+  // Varlen on a tight grid (one CTA per real tile, common/work.cuh: varlen_dense_index): warp 0
+  // finds this CTA's tile in the dense numbering before the roles split and publishes it through
+  // the CTA barrier below; a CTA past every real tile leaves right after it.
+  int64_t& s_varlen_tile = *reinterpret_cast<int64_t*>(smem + Traits::kOffTileSlot);
+  if (sched.varlen_tight && tid < 32) {
+    const int64_t t = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q,
+                                                        params.seqlen_q, params.h, blockIdx.x);
+    if (tid == 0) s_varlen_tile = t;
+  }
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kQStages; ++s) {
@@ -348,6 +359,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     mbarrier_init_fence();
   }
   __syncthreads();  // the last CTA-wide barrier: the producer's other warps leave below
+  if (sched.varlen_tight && s_varlen_tile < 0) return;  // uniform over the CTA
 
   // The producer and the consumers walk this CTA's tiles (common/tile_scheduler.cuh) in the same
   // order and each decode them (QTileWork): no tile index passes through shared memory.
@@ -369,6 +381,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto tiles = sched.begin();
 #pragma unroll 1
       for (int64_t tile; tiles.next(sched, tile);) {
+        if (sched.varlen_tight) tile = s_varlen_tile;  // its one tile (the walk has one unit)
         const int2 bm = QTileWork<kBlockM, kBlockN>::decode(int(tile), sched.m_div, sched.h_div);
         const QTileWork<kBlockM, kBlockN> w(params, bm);
         if (w.past_end()) continue;  // varlen: no work, no ring position (the consumers skip it too)
@@ -451,7 +464,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The next tile (the producer's, in the same order): wait for its Q (a tile without keys: for
     // the buffer). The index is opaque from here on: what derives from it is recomputed in the
     // epilogue instead of held live across the main loop.
-    int64_t tile = tile_index;
+    int64_t tile = sched.varlen_tight ? s_varlen_tile : tile_index;  // varlen tight grid: its one tile
     asm volatile("" : "+l"(tile));
     const QTileWork<kBlockM, kBlockN> w(params, tile, sched.m_div, sched.h_div);
     if (w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
