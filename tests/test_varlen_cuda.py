@@ -372,18 +372,23 @@ TIGHT_LENS = ([900, 3, 17, 0, 130, 1, 64, 255, 2, 700], [700, 40, 0, 9, 130, 1, 
 def test_varlen_tight_grid(d, causal, arch_path, poison_empty, tmp_path):
     """On a tight grid every CTA finds its (sequence, tile) by a prefix sum over cu_seqlens: the
     result is the dense op's per sequence, bit for bit, and the kernels' grids do not grow with
-    max_seqlen (a call with 4x the longest sequence launches the same grids). The sm80 forward keeps
-    the grid of max_seqlen (its registers), so on that path only the backward's grids are compared."""
+    max_seqlen (a call with 4x the longest sequence launches the same grids and gives the same
+    bits). The sm80 forward keeps the grid of max_seqlen (its registers): its grids are not
+    compared."""
     require_hdim(d, exact=True)
     lens_q, lens_k = TIGHT_LENS
     check_varlen_call(lens_q, lens_k, 8, 2, d, torch.bfloat16, causal)
     q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
     dout = torch.randn_like(q)
-    grids = [_kernel_grids(lambda m=m: run_varlen(q, k, v, cu_q, cu_k, m * max(lens_q), m * max(lens_k), causal,
-                                                  dout), tmp_path)
-             for m in (1, 4)]
-    sm90_forward = any("sm90" in n and "flash_fwd_kernel" in n for n in grids[0])
-    names = [n for n in grids[0] if "flash_bwd_dkv" in n or "flash_bwd_dq" in n or (sm90_forward and "flash_fwd" in n)]
+    results, grids = [], []
+    for m in (1, 4):
+        grids.append(_kernel_grids(lambda m=m: results.append(
+            run_varlen(q, k, v, cu_q, cu_k, m * max(lens_q), m * max(lens_k), causal, dout)), tmp_path))
+    assert_bitwise(results[1], results[0], "the call with max_seqlen = the longest sequence")
+    # The sm90 forward (flash::sm90::flash_fwd_kernel; not the sm80 forward's sm_90 row, whose
+    # name carries sm90::Sm80FwdTile and whose grid stays that of max_seqlen) and the backward.
+    tight = lambda n: "sm90::flash_fwd_kernel<" in n or "flash_bwd_dkv" in n or "flash_bwd_dq" in n  # noqa: E731
+    names = [n for n in grids[0] if tight(n)]
     assert names, list(grids[0])
     for n in names:
         assert grids[0][n] == grids[1].get(n), (n, grids[0][n], grids[1].get(n))

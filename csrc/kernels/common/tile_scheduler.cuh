@@ -87,8 +87,7 @@ struct FwdTileScheduler {
     const int64_t rest = sms > 0 ? full % sms : 0;
     const bool split = s.paired && k >= 2 && full > sms && rest > 0 && rest <= bh && 2 * rest + light_units <= sms;
     s.split = split ? int(rest) : 0;
-    s.varlen_tight = !s.persistent &&
-                     varlen_tight_grid(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q, kBlockM);
+    s.varlen_tight = !s.persistent && QTileWork<kBlockM, 64>::tight(params);  // (kBlockN does not enter it)
     const int64_t total = s.varlen_tight ? varlen_tight_per_head(params.total_q, params.b, kBlockM) * params.h
                                          : units + s.split;  // each split unit becomes two
     s.num_units = total <= (int64_t(1) << 30) ? uint32_t(total) : 0;  // so tile indices < 2^31

@@ -23,17 +23,23 @@ namespace flash {
 // `total`: a sequence of len rows has ceil(len / kBlock) <= len / kBlock + 1 tiles, so
 // ceil(total / kBlock) + batch CTAs per head cover every real tile, and each CTA finds its
 // (sequence, tile) by a prefix sum of the tile counts over cu_seqlens (varlen_dense_index, 32
-// sequences per warp step). Taken where it at least halves the grid and the batch keeps the scan
-// short; host and device evaluate varlen_tight_grid on the same params, so they agree.
+// sequences per warp step). Taken where it at least halves the grid, the batch keeps the scan
+// short, and the dense numbering fits the kernels' int decodes (< 2^31 tiles: a max_seqlen far
+// above total would otherwise wrap them; the dense grid of such a call is refused at launch);
+// host and device evaluate varlen_tight_grid on the same params, so they agree. The bound needs
+// non-decreasing cu_seqlens inside the tensors (the CUDA path cannot check them without a sync:
+// README, "What CUDA cannot check"); past it, tiles beyond the bound are not computed.
 constexpr int kVarlenTightMaxBatch = 512;
 
 __host__ __device__ __forceinline__ int64_t varlen_tight_per_head(int total, int batch, int block) {
   return int64_t(ceil_div(total, block)) + batch;
 }
 __host__ __device__ __forceinline__ bool varlen_tight_grid(const int* cu_seqlens, int batch, int total, int max_len,
-                                                           int block) {
+                                                           int block, int heads) {
+  const int64_t dense_per_head = int64_t(ceil_div(max_len, block)) * batch;
   return cu_seqlens != nullptr && batch <= kVarlenTightMaxBatch &&
-         2 * varlen_tight_per_head(total, batch, block) <= int64_t(ceil_div(max_len, block)) * batch;
+         2 * varlen_tight_per_head(total, batch, block) <= dense_per_head &&
+         dense_per_head * heads < (int64_t(1) << 31);
 }
 
 // The index, in the dense numbering (b * heads + head) * num + p with num = ceil(max_len / kBlock)
@@ -97,6 +103,11 @@ struct QTileWork {
     n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
     n_block_unmasked = mask.n_block_unmasked(m0, kBlockN);
   }
+  // Whether `params` runs on a varlen tight grid (varlen_tight_grid: host and device alike).
+  __host__ __device__ __forceinline__ static bool tight(const Flash_fwd_params& params) {
+    return kTightVarlen &&
+           varlen_tight_grid(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q, kBlockM, params.h);
+  }
   // (batch, m_block * h + head) of blockIdx.x = (b*h + head) * num_m + (num_m - 1 - m_block); on a
   // varlen tight grid of the dense index varlen_dense_index finds (warp-collective: every thread of
   // the CTA constructs its QTileWork at the kernel's start), a CTA past every real tile getting a
@@ -104,7 +115,7 @@ struct QTileWork {
   __device__ __forceinline__ static int2 decode(const Flash_fwd_params& params) {
     const int num_m = ceil_div(params.seqlen_q, kBlockM);
     int64_t idx = blockIdx.x;
-    if (kTightVarlen && varlen_tight_grid(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q, kBlockM)) {
+    if (tight(params)) {
       idx = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q,
                                               params.h, blockIdx.x);
       if (idx < 0) return make_int2(0, num_m * params.h);  // m0 = num_m * kBlockM >= every seqlen_q
@@ -139,9 +150,7 @@ struct QTileWork {
   // The grid of such CTAs: every (batch, head, Q tile), or a varlen tight grid; blockIdx.x decodes
   // as in decode().
   __host__ __device__ __forceinline__ static int64_t grid_size(const Flash_fwd_params& params) {
-    if (kTightVarlen && varlen_tight_grid(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q, kBlockM)) {
-      return varlen_tight_per_head(params.total_q, params.b, kBlockM) * params.h;
-    }
+    if (tight(params)) return varlen_tight_per_head(params.total_q, params.b, kBlockM) * params.h;
     return int64_t(ceil_div(params.seqlen_q, kBlockM)) * params.b * params.h;
   }
 };
@@ -164,8 +173,11 @@ struct DkvWork {
   // grid the index varlen_dense_index finds (warp-collective: every thread constructs its DkvWork
   // at the kernel's start), a CTA past every real key block getting one past sequence 0's end.
   __device__ __forceinline__ explicit DkvWork(const Flash_bwd_params& params) : DkvWork(params, cta_index(params)) {}
+  __host__ __device__ __forceinline__ static bool tight(const Flash_fwd_params& params) {
+    return varlen_tight_grid(params.cu_seqlens_k, params.b, params.total_k, params.seqlen_k, kBlockN, params.h_k);
+  }
   __device__ __forceinline__ static int64_t cta_index(const Flash_bwd_params& params) {
-    if (!varlen_tight_grid(params.cu_seqlens_k, params.b, params.total_k, params.seqlen_k, kBlockN)) return blockIdx.x;
+    if (!tight(params)) return blockIdx.x;
     return varlen_dense_index<kBlockN, false>(params.cu_seqlens_k, params.b, params.total_k, params.seqlen_k,
                                               params.h_k, blockIdx.x);
   }
@@ -187,9 +199,7 @@ struct DkvWork {
   // The grid of such CTAs: every (batch, kv head, key block), key block fastest, or a varlen tight
   // grid.
   __host__ __device__ __forceinline__ static int64_t grid_size(const Flash_fwd_params& params) {
-    if (varlen_tight_grid(params.cu_seqlens_k, params.b, params.total_k, params.seqlen_k, kBlockN)) {
-      return varlen_tight_per_head(params.total_k, params.b, kBlockN) * params.h_k;
-    }
+    if (tight(params)) return varlen_tight_per_head(params.total_k, params.b, kBlockN) * params.h_k;
     return int64_t(ceil_div(params.seqlen_k, kBlockN)) * params.b * params.h_k;
   }
   // The key block starts at or past its sequence's last key (varlen: the grid is sized by

@@ -8,7 +8,8 @@
 // tiles of one (batch, head) together for L2). Barrier setup and register reallocation happen once
 // per CTA, and the mbarrier rings keep running across tiles, so the next tile's loads overlap this
 // tile's last steps and epilogue. Producer and consumers walk the same schedule (a pure function
-// of blockIdx.x and the call), so no tile index passes through shared memory.
+// of blockIdx.x and the call), so no tile index passes through shared memory (but a varlen tight
+// grid's, which warp 0 finds once per CTA: common/work.cuh, varlen_dense_index).
 // Warpgroups (128 threads each):
 //   WG 0 (producer, setmaxnreg down): one thread issues the TMA loads of every tile: K_n and V_n
 //        for n = n_block_max - 1 down to 0 into kStages-deep rings, and Q (after the first K/V
@@ -362,7 +363,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (sched.varlen_tight && s_varlen_tile < 0) return;  // uniform over the CTA
 
   // The producer and the consumers walk this CTA's tiles (common/tile_scheduler.cuh) in the same
-  // order and each decode them (QTileWork): no tile index passes through shared memory.
+  // order and each decode them (QTileWork): no tile index passes through shared memory (but a
+  // varlen tight grid's, s_varlen_tile above).
   // Both after their register reallocation (nothing live across setmaxnreg).
   // n_block_max == 0: no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
   // sequence without keys): no K/V, no Q load, but one Q-ring phase all the same (the consumers
