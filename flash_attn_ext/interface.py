@@ -104,7 +104,7 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
     if value is None:
         # headdim 0 is rejected by the op with a message naming headdim; don't divide by zero first.
         return 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
-    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    numpy_bool = _is_numpy_bool(value)
     non_real_tensor = isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool)
     if isinstance(value, (bool, str, bytes, complex)) or numpy_bool or non_real_tensor:
         raise TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
@@ -126,6 +126,11 @@ def _check_not_nested(**tensors) -> None:
 
 
 
+def _is_numpy_bool(value) -> bool:
+    """A NumPy bool scalar (numpy.bool in NumPy 2, numpy.bool_ in 1), without importing NumPy."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
 def _as_int(name: str, value) -> int:
     """``value`` as a Python int (ints and integer scalars such as numpy.int64; not floats, not
     bool), or TypeError naming ``name``."""
@@ -140,8 +145,7 @@ def _as_int(name: str, value) -> int:
 def _as_bool(name: str, value) -> bool:
     """``value`` as a Python bool (a bool, numpy.bool_, or an integer 0 / 1), or TypeError naming
     ``name``: a string such as ``'no'`` is not taken as true."""
-    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")  # NumPy 2 / 1
-    if isinstance(value, bool) or numpy_bool:
+    if isinstance(value, bool) or _is_numpy_bool(value):
         return bool(value)
     try:
         as_int = operator.index(value)

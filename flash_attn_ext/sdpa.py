@@ -21,13 +21,13 @@ import math
 import torch
 
 from . import _C
-from .interface import flash_attn_func
+from ._fake_checks import MAX_HEADDIM as _MAX_HEADDIM
+from .interface import _check_not_nested, flash_attn_func
 
 __all__ = ["scaled_dot_product_attention"]
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)
 _ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_MAX_HEADDIM = 256
 
 
 def _compiled_cuda_head_dims() -> tuple[int, ...]:
@@ -134,12 +134,7 @@ def scaled_dot_product_attention(
         raise NotImplementedError(
             f"flash_attn_ext.scaled_dot_product_attention: dropout_p must be 0.0 (got {dropout_p}); "
             "attention dropout is not implemented")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if isinstance(t, torch.Tensor) and t.is_nested:
-            raise NotImplementedError(
-                f"flash_attn_ext.scaled_dot_product_attention: {name} is a nested tensor; it takes dense "
-                "(batch, nheads, seqlen, headdim) tensors (for a ragged batch: flash_attn_ext.flash_attn_varlen_func "
-                "on the packed rows with cu_seqlens)")
+    _check_not_nested(query=query, key=key, value=value)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise ValueError(
