@@ -66,6 +66,14 @@ struct Flash_fwd_params : public Qkv_params {
   // select_arch (kernels/arch.h) chose the sm90 path for this call (set by dispatch.cu): the
   // split-KV kernel's TMA rows run only then (force_sm80_path turns them off too).
   bool sm90_path = false;
+  // Tuning knobs for A/B runs, set by dispatch.cu from the environment (read once):
+  //   varlen_tight: varlen grids of the real tiles only where they pay (common/work.cuh:
+  //     varlen_tight_grid); FLASH_ATTN_EXT_VARLEN_TIGHT_GRID=0 keeps the grids of max_seqlen.
+  //   sm90_bwd_tma: the sm90 backward streams its tiles by TMA where it can (sm90/smem_layout.cuh:
+  //     launch_bwd_stages); FLASH_ATTN_EXT_SM90_BWD_TMA=0 copies them by cp.async.
+  // Either setting gives the same bits.
+  bool varlen_tight = true;
+  bool sm90_bwd_tma = true;
 
   // ---- Packed variable-length sequences (varlen; flash_attn_varlen_func). q/o/dq are
   // (total_q, nheads, d) and k/v/dk/dv (total_k, nheads_k, d), given as TensorViews with

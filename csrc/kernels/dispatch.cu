@@ -78,6 +78,14 @@ bool sm90_bwd_long_rows_enabled() {
   return enabled;
 }
 
+// The run-time tuning knobs of params (flash.h: varlen_tight, sm90_bwd_tma), read once.
+void set_tuning_knobs(Flash_fwd_params& params) {
+  static const bool tight = !env_set_to_zero("FLASH_ATTN_EXT_VARLEN_TIGHT_GRID");
+  static const bool bwd_tma = !env_set_to_zero("FLASH_ATTN_EXT_SM90_BWD_TMA");
+  params.varlen_tight = tight;
+  params.sm90_bwd_tma = bwd_tma;
+}
+
 std::string arch_name(int arch) { return std::to_string(arch / 10) + "." + std::to_string(arch % 10); }
 
 // Calls f(std::integral_constant<int, d>{}) for the compiled head dim d == params.d_rounded, with
@@ -160,6 +168,7 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
     throw std::runtime_error("flash_attn_ext forward: cu_seqlens_q and cu_seqlens_k are set together");
   }
   const ArchPath path = select_arch(params.arch);
+  set_tuning_knobs(params);
   // The sm90 forward reads whole K/V tiles by TMA: past a KV cache's visible length (cache_seqlens)
   // those rows may hold anything, NaN included, which masking cannot undo in P V (0 * NaN); the
   // sm80 kernel's predicated loads zero-fill them. Varlen rows past a sequence's end are the next
@@ -208,6 +217,7 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     throw std::runtime_error("flash_attn_ext backward: no backward through a KV cache");
   }
   const ArchPath path = select_arch(params.arch);
+  set_tuning_knobs(params);
   dispatch(params, "backward", [&](auto element, auto hdim) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;

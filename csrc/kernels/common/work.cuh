@@ -26,7 +26,8 @@ namespace flash {
 // sequences per warp step). Taken where it at least halves the grid, the batch keeps the scan
 // short, and the dense numbering fits the kernels' int decodes (< 2^31 tiles: a max_seqlen far
 // above total would otherwise wrap them; the dense grid of such a call is refused at launch);
-// host and device evaluate varlen_tight_grid on the same params, so they agree. The bound needs
+// host and device evaluate varlen_tight_grid on the same params, so they agree (`enabled`: the
+// FLASH_ATTN_EXT_VARLEN_TIGHT_GRID knob, flash.h: varlen_tight). The bound needs
 // non-decreasing cu_seqlens inside the tensors (the CUDA path cannot check them without a sync:
 // README, "What CUDA cannot check"); past it, tiles beyond the bound are not computed.
 constexpr int kVarlenTightMaxBatch = 512;
@@ -34,10 +35,10 @@ constexpr int kVarlenTightMaxBatch = 512;
 __host__ __device__ __forceinline__ int64_t varlen_tight_per_head(int total, int batch, int block) {
   return int64_t(ceil_div(total, block)) + batch;
 }
-__host__ __device__ __forceinline__ bool varlen_tight_grid(const int* cu_seqlens, int batch, int total, int max_len,
-                                                           int block, int heads) {
+__host__ __device__ __forceinline__ bool varlen_tight_grid(bool enabled, const int* cu_seqlens, int batch, int total,
+                                                           int max_len, int block, int heads) {
   const int64_t dense_per_head = int64_t(ceil_div(max_len, block)) * batch;
-  return cu_seqlens != nullptr && batch <= kVarlenTightMaxBatch &&
+  return enabled && cu_seqlens != nullptr && batch <= kVarlenTightMaxBatch &&
          2 * varlen_tight_per_head(total, batch, block) <= dense_per_head &&
          dense_per_head * heads < (int64_t(1) << 31);
 }
@@ -106,7 +107,8 @@ struct QTileWork {
   // Whether `params` runs on a varlen tight grid (varlen_tight_grid: host and device alike).
   __host__ __device__ __forceinline__ static bool tight(const Flash_fwd_params& params) {
     return kTightVarlen &&
-           varlen_tight_grid(params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q, kBlockM, params.h);
+           varlen_tight_grid(params.varlen_tight, params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q,
+                             kBlockM, params.h);
   }
   // (batch, m_block * h + head) of blockIdx.x = (b*h + head) * num_m + (num_m - 1 - m_block); on a
   // varlen tight grid of the dense index varlen_dense_index finds (warp-collective: every thread of
@@ -174,7 +176,8 @@ struct DkvWork {
   // at the kernel's start), a CTA past every real key block getting one past sequence 0's end.
   __device__ __forceinline__ explicit DkvWork(const Flash_bwd_params& params) : DkvWork(params, cta_index(params)) {}
   __host__ __device__ __forceinline__ static bool tight(const Flash_fwd_params& params) {
-    return varlen_tight_grid(params.cu_seqlens_k, params.b, params.total_k, params.seqlen_k, kBlockN, params.h_k);
+    return varlen_tight_grid(params.varlen_tight, params.cu_seqlens_k, params.b, params.total_k, params.seqlen_k,
+                             kBlockN, params.h_k);
   }
   __device__ __forceinline__ static int64_t cta_index(const Flash_bwd_params& params) {
     if (!tight(params)) return blockIdx.x;

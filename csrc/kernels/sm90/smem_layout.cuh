@@ -334,7 +334,7 @@ void launch_bwd_stages(Kernel tma_kernel, Kernel cp_kernel, const TensorView& a,
   BwdTmaMaps maps{};
   const bool varlen = params.cu_seqlens_q != nullptr;
   const int batch = varlen ? 1 : params.b, map_rows = varlen ? total_rows : rows;
-  const bool tma = allow_tma &&
+  const bool tma = allow_tma && params.sm90_bwd_tma &&
                    tma_encode_bshd(&maps.a, a, batch, map_rows, heads, params.d, params.is_bf16, box_rows) &&
                    tma_encode_bshd(&maps.b, b, batch, map_rows, heads, params.d, params.is_bf16, box_rows);
   launch_1d(tma ? tma_kernel : cp_kernel, Work::grid_size(params), Traits::kThreads, Traits::kSmemBytes, what,
