@@ -65,7 +65,6 @@ def test_config_macros_follow_the_build(manifest):
     assert macro(text, "FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS") == [128]
     assert macro(manifest.config_macros(["90a"], [64]), "FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS") == []
     assert macro(text, "FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS") == [128]
-    assert macro(manifest.config_macros(["90a"], [96]), "FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS") == [96]
     assert macro(manifest.config_macros(["90a"], [64]), "FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS") == []
     assert macro(text, "FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS") == [64]
     assert macro(manifest.config_macros(["90a"], [128]), "FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS") == []

@@ -220,7 +220,7 @@ def test_sm90_forward_kernel_is_the_one_that_runs(d):
 
 # ---- The long-key tile row (sm90/tile_config.h: FwdLongTile, chosen by fwd_long_keys): dense
 # non-causal calls with >= 8192 keys whose 144-key blocks pad at most 0.5 % more keys than 128-key
-# ones take the d96 / d128 kernels with 144-key tiles. (seqlen_q, seqlen_k): 8192 and 16384 take it; 8200
+# ones take the d128 kernel with 144-key tiles. (seqlen_q, seqlen_k): 8192 and 16384 take it; 8200
 # takes it with a ragged last block (136 keys); 12288 does not (0.8 % more padding).
 
 
@@ -238,12 +238,11 @@ def _tile_rows(names):
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 8192), (777, 8200), (300, 16384), (500, 12288)])
-@pytest.mark.parametrize("d", [96, 128])
-def test_sm90_forward_long_key_tiles(d, seqlen_q, seqlen_k):
+def test_sm90_forward_long_key_tiles(seqlen_q, seqlen_k):
     """The dispatch picks the long-key row exactly where fwd_long_keys says (non-causal only), and
     both rows are within the rule and agree with the (forced) sm80 kernel, GQA 3:1."""
-    require_hdim(d, exact=True)
-    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 6, 2, d, torch.bfloat16, seed=seqlen_k)
+    require_hdim(128, exact=True)
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 6, 2, 128, torch.bfloat16, seed=seqlen_k)
     for causal in (False, True):
         names = _forward_kernel_names(q, k, v, causal)
         assert _tile_rows(names) == {"long" if _long_keys(seqlen_k, causal) else "short"}, (causal, names)

@@ -33,7 +33,7 @@ KINDS = {
 MANIFEST = {
     "sm80": ("Sm80", None, {"fwd": HDIMS, "bwd_dkv": HDIMS, "bwd_dq": HDIMS, "fwd_splitkv": HDIMS}),
     "sm90": ("Sm90", "90a", {"fwd": [64, 96, 128, 192, 256], "bwd_dkv": [64, 96, 128, 192, 256],
-                          "bwd_dq": [64, 96, 128, 192, 256], "fwd_sm80": [128], "fwd_long": [96, 128],
+                          "bwd_dq": [64, 96, 128, 192, 256], "fwd_sm80": [128], "fwd_long": [128],
                           "bwd_dkv_long": [64]}),
 }
 

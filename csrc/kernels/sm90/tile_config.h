@@ -142,11 +142,8 @@ template <> struct FwdTile<256> : FwdTileShape<128,   80,   12,  false,    1> { 
 // flash_attn_ext.benchmark, one build, FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS=0 and unset alternated
 // three times): 8k 683 -> 719 (+5 %), 16k 660 -> 662. Two Q buffers and two K/V stages, as
 // FwdTile<128>; unlike it, the per-warpgroup key ranges (FwdKernelTraits::kWarpgroupKeyRanges:
-// 144 keys are not the two warpgroups' 128 rows), measured with them. d96 (128-column shared
-// tiles as FwdTile<96>): one harness run (fifteenth session) read 128 x 144 420 / 547 / 591 at N =
-// 1k / 4k / 16k against 128 x 128's 462 / 574 / 557 (+6 % at 16k); not yet measured end to end.
+// 144 keys are not the two warpgroups' 128 rows), measured with them.
 template <int kHeadDim> struct FwdLongTile { static constexpr bool kSupported = false; };
-template <> struct FwdLongTile<96>  : FwdTileShape<128,  144,   12,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdLongTile<128> : FwdTileShape<128,  144,   12,  false,    1> { static constexpr bool kSupported = true; };
 
 // Whether a forward call takes FwdLongTile instead of FwdTile: dense (a varlen call's sequences
