@@ -21,6 +21,9 @@ def load(dirs, impl):
     frames = []
     for i, d in enumerate(dirs):
         df = pd.read_csv(os.path.join(d, "results.csv"))
+        if "max_len" in df:  # varlen rows (ours and the dense comparison row): keyed by the longest sequence
+            varlen = df["mode"].astype(str).str.startswith("varlen")
+            df.loc[varlen, "seqlen"] = df.loc[varlen, "max_len"]
         df = df[(df["impl"] == impl) & (df["status"] == "ok")][KEYS + ["tflops"]]
         frames.append(df.assign(run=i))
     runs = pd.concat(frames)
