@@ -98,11 +98,14 @@ template <> struct DqTile<256>  : Roles<DqTileShape<64, 64>> { static constexpr 
 // matmul TFLOP/s at N = 1k / 4k / 8k / 16k; docs/PERF_NOTES.md, fifteenth session): 468 / 564 /
 // 567 / 574, causal 344 / 503 / 554 / 576, against DkvTile<64>'s 499 / 543 / 546 / 532 and 362 /
 // 526 / 517 / 531. The same bits (maxdiff 0): each K row's sum over the Q tiles runs in the same
-// order in either row. Three Q / dO stages (seventeenth session, 3 rounds, N = 2k / 4k / 8k / 16k /
-// 32k): 504 / 531 / 564 / 567 / 568, causal 425 / 475 / 524 / 563 / 577, against two stages' 515 /
-// 523 / 549 / 538 / 572 and 427 / 470 / 504 / 550 / 570 (four: within 1-2 % of three).
+// order in either row. End to end (seventeenth session, the benchmark with
+// FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS=0 and unset, 3 rounds each): the backward +2.9-4.7 % at N = 8k
+// / 16k / 32k. Three Q / dO stages read +3-5 % over two at 8k / 16k in the harness (504 / 531 / 564
+// / 567 / 568 at N = 2k..32k, causal 425 / 475 / 524 / 563 / 577, against 515 / 523 / 549 / 538 /
+// 572 and 427 / 470 / 504 / 550 / 570), but their end-to-end gain over the short row was 1-2 points
+// smaller (+2.1-3.4 %, another machine): two stages kept until one build times both.
 template <int kHeadDim> struct DkvLongTile { static constexpr bool kSupported = false; };
-template <> struct DkvLongTile<64> : DkvTileShape<128, 128, 1, 16, true, 3> { static constexpr bool kSupported = true; };
+template <> struct DkvLongTile<64> : DkvTileShape<128, 128, 1> { static constexpr bool kSupported = true; };
 
 // Whether a backward call takes DkvLongTile for its dK/dV kernel: dense (a varlen call's sequences
 // are shorter than its max_seqlen_q), at least 8192 queries and keys (at N = 4k the long row read
