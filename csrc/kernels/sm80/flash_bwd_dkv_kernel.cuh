@@ -87,7 +87,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 
   // This CTA's key block, batch, kv head and the Q tiles that see the block (see the header).
   const DkvWork<kBlockM, kBlockN> w(params);
-  if (w.past_end()) return;  // varlen: a key block past its sequence's end (grid sized by max_seqlen_k)
+  if (w.past_end()) return;  // varlen: a key block past its sequence's end (work.cuh: past_end)
 
   // Alg. 2 line 10: the cp.async copies of iteration `it` (query head, Q tile) into `stage`.
   auto load_q_tile = [&](int it, int stage) {

@@ -72,7 +72,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   const int g = lane / 4, t = lane % 4;
 
   // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh); a Q
-  // tile past its sequence's end (varlen: the grid is sized by max_seqlen_q) has nothing to do.
+  // tile past its sequence's end (varlen; work.cuh: past_end) has nothing to do.
   const DqWork<kBlockM, kBlockN> w(params);
   if (w.past_end()) return;
 

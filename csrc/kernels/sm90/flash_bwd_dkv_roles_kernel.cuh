@@ -86,7 +86,7 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
 
   // This CTA's key block, batch, kv head and the Q tiles that see the block (kernels/common/work.cuh).
   const DkvWork<kBlockM, T::kBlockN> w(params);
-  if (w.past_end()) return;  // varlen: a key block past its sequence's end (grid sized by max_seqlen_k)
+  if (w.past_end()) return;  // varlen: a key block past its sequence's end (work.cuh: past_end)
 
   // Alg. 2 line 10: Q_i, dO_i, hi, lo, D of iteration `it` (query head, Q tile) into `stage`
   // (smem_layout.cuh). Line 7: K_j, V_j (resident, cp.async), with the first Q tiles.

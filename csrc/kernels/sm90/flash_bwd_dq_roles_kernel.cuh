@@ -65,7 +65,7 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
 
   // This CTA's Q tile, batch, head and the key blocks its rows see (kernels/common/work.cuh).
   const DqWork<kBlockM, kBlockN> w(params);
-  if (w.past_end()) return;  // varlen: a Q tile past its sequence's end (grid sized by max_seqlen_q)
+  if (w.past_end()) return;  // varlen: a Q tile past its sequence's end (work.cuh: past_end)
 
   unsigned char* smem = aligned_dynamic_smem();
   const uint32_t smem_addr = smem_u32addr(smem);
