@@ -46,6 +46,8 @@ def main():
         table[f"{args.peer} new/old"] = load(new_dirs, args.peer)["median"] / load(old_dirs, args.peer)["median"]
     print(table.round(3).to_string())
     ratio = table["new/old"]
+    if ratio.notna().sum() == 0:
+        raise SystemExit("compare_runs: no case of flash_attn_ext measured ok on both sides")
     print(f"\nnew/old over {len(ratio)} cases: min {ratio.min():.3f}, median {ratio.median():.3f}, "
           f"max {ratio.max():.3f}")
 

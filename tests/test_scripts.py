@@ -1,6 +1,7 @@
 """Developer scripts that run without a GPU: scripts/compare_tune.py (the table of
-scripts/gpu_ab_tune.sh) on synthetic tune_kernels.py outputs, and the -D flags
-benchmarks/tune_kernels.py compiles a variant with."""
+scripts/gpu_ab_tune.sh) on synthetic tune_kernels.py outputs, scripts/compare_runs.py (the table of
+scripts/gpu_ab.sh) on synthetic benchmark results, and the -D flags benchmarks/tune_kernels.py
+compiles a variant with."""
 
 import os
 import subprocess
@@ -71,6 +72,45 @@ def test_compare_tune_without_common_cells_fails(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "compare_tune.py"), "--old", old, "--new", new],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "no cell common" in r.stderr
+
+
+RESULTS_HEADER = "dtype,hdim,causal,max_len,mode,impl,status,tflops,seqlen\n"
+
+
+def _bench_results(path, rows):
+    """A benchmark results.csv: rows = [(hdim, mode, impl, tflops, seqlen)]; varlen rows have no
+    seqlen (empty), as the benchmark writes them, and max_len 1024."""
+    path.mkdir()
+    lines = [RESULTS_HEADER] + [f"bf16,{h},False,1024,{mode},{impl},ok,{tf},{'' if n is None else n}\n"
+                                for h, mode, impl, tf, n in rows]
+    (path / "results.csv").write_text("".join(lines))
+    return str(path)
+
+
+def _compare_runs(old, new, peer=None):
+    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "compare_runs.py"), "--old", old,
+                           "--new", new] + (["--peer", peer] if peer else []), capture_output=True, text=True)
+
+
+def test_compare_runs_keys_varlen_rows_by_their_longest_sequence(tmp_path):
+    """Varlen rows (no seqlen) and the dense comparison row of the same mode are compared, not dropped."""
+    old = _bench_results(tmp_path / "old", [(64, "fwd", "flash_attn_ext", 400.0, 4096),
+                                            (64, "varlen_fwd", "flash_attn_ext", 200.0, None),
+                                            (64, "varlen_fwd", "flash_attn_ext-dense", 300.0, 1024)])
+    new = _bench_results(tmp_path / "new", [(64, "fwd", "flash_attn_ext", 440.0, 4096),
+                                            (64, "varlen_fwd", "flash_attn_ext", 230.0, None),
+                                            (64, "varlen_fwd", "flash_attn_ext-dense", 330.0, 1024)])
+    r = _compare_runs(old, new, peer="flash_attn_ext-dense")
+    assert r.returncode == 0, r.stderr
+    assert "varlen_fwd" in r.stdout and f"{230 / 200:.3f}" in r.stdout and f"{330 / 300:.3f}" in r.stdout
+    assert "over 2 cases" in r.stdout
+
+
+def test_compare_runs_without_common_cases_fails(tmp_path):
+    old = _bench_results(tmp_path / "old", [(64, "fwd", "flash_attn_ext", 400.0, 4096)])
+    new = _bench_results(tmp_path / "new", [(128, "fwd", "flash_attn_ext", 440.0, 4096)])
+    r = _compare_runs(old, new)
+    assert r.returncode != 0 and "no case" in r.stderr
 
 
 def _tune_kernels():
