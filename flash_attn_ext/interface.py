@@ -104,14 +104,14 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
     if value is None:
         # headdim 0 is rejected by the op with a message naming headdim; don't divide by zero first.
         return 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
-    numpy_bool = _is_numpy_bool(value)
+    error = TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
     non_real_tensor = isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool)
-    if isinstance(value, (bool, str, bytes, complex)) or numpy_bool or non_real_tensor:
-        raise TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
+    if isinstance(value, (bool, str, bytes, complex)) or _is_numpy_bool(value) or non_real_tensor:
+        raise error
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}") from None
+        raise error from None
 
 
 def _check_not_nested(**tensors) -> None:
@@ -123,7 +123,6 @@ def _check_not_nested(**tensors) -> None:
                 f"flash_attn_ext: {name} is a nested tensor; the attention functions take dense tensors. "
                 "For a ragged batch pass the packed rows (nt.values()) with cu_seqlens (nt.offsets(), int32) to "
                 "flash_attn_varlen_func")
-
 
 
 def _is_numpy_bool(value) -> bool:
