@@ -86,8 +86,9 @@ def flash_attn_func(
             counts are int32); double backward.
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
             nested (jagged) tensors (pack them and call flash_attn_varlen_func).
-        TypeError: causal or return_lse that is not a bool (or 0 / 1), softmax_scale that is not
-            a real number, arguments after v given positionally.
+        TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
+            0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
+            scale gets no gradient); arguments after v given positionally.
 
     Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0
     gives out = 0 and LSE = +inf.
@@ -108,15 +109,23 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
     non_real_tensor = isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool)
     if isinstance(value, (bool, str, bytes, complex)) or _is_numpy_bool(value) or non_real_tensor:
         raise error
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        raise TypeError(f"flash_attn_ext: {name} is a tensor that requires grad, but the scale is a constant of "
+                        "the kernels (no gradient reaches it); pass a float or a detached tensor")
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise error from None
 
 
-def _check_not_nested(**tensors) -> None:
-    """NotImplementedError naming the first nested (jagged) tensor argument: the ops take dense
-    tensors (the packed form of ragged batches is flash_attn_varlen_func's)."""
+def _check_not_nested(_optional=(), **tensors) -> None:
+    """TypeError naming the first argument that is not a torch.Tensor (None allowed for the names
+    in ``_optional``), then NotImplementedError naming the first nested (jagged) tensor: the ops
+    take dense tensors (the packed form of ragged batches is flash_attn_varlen_func's)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name in _optional):
+            expected = "a torch.Tensor or None" if name in _optional else "a torch.Tensor"
+            raise TypeError(f"flash_attn_ext: {name} must be {expected}, got {type(t).__name__}")
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and t.is_nested:
             raise NotImplementedError(
@@ -198,8 +207,9 @@ def flash_attn_varlen_func(
         RuntimeError naming the argument for wrong ranks, shapes, dtypes, devices, a
         cu_seqlens that is not int32 (batch + 1,) or whose two lengths differ, max_seqlen
         outside [0, 2^31 - 256], total_q or total_k above 2^31 - 256.
-        TypeError: max_seqlen that is not an int, causal or return_lse that is not a bool,
-        softmax_scale that is not a real number, arguments after max_seqlen_k given positionally.
+        TypeError: a tensor argument that is not a torch.Tensor, max_seqlen that is not an int,
+        causal or return_lse that is not a bool, softmax_scale as flash_attn_func's, arguments
+        after max_seqlen_k given positionally.
         NotImplementedError: nested tensors.
         On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
         <= max_seqlen).
@@ -209,7 +219,7 @@ def flash_attn_varlen_func(
         of bounds. Rows of q / k not covered by cu_seqlens get unspecified out / gradients on
         CUDA (0 on CPU).
     """
-    _check_not_nested(q=q, k=k, v=v)
+    _check_not_nested(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
         _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal))
@@ -270,13 +280,18 @@ def flash_attn_with_kvcache(
         nheads_k above 2^31 - 256. On CPU cache_seqlens[b] + seqlen_new past the cache and
         block numbers outside [0, num_blocks) raise too; on CUDA they are not read on the host
         (no sync): cache rows past the cache are dropped from the append and the attention,
-        and block numbers are trusted. TypeError: num_splits or an int cache_seqlens that is
-        not an int, causal or return_lse that is not a bool, softmax_scale that is not a real
-        number, arguments after v given positionally. NotImplementedError: nested tensors.
+        and block numbers are trusted. TypeError: q / k_cache / v_cache not a torch.Tensor (k,
+        v, block_table: a tensor or None), num_splits not an int, cache_seqlens not a tensor, an
+        int or None, causal or return_lse that is not a bool, softmax_scale as flash_attn_func's,
+        arguments after v given positionally. NotImplementedError: nested tensors.
     """
-    _check_not_nested(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+    _check_not_nested(("k", "v", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                      block_table=block_table)
     scale = _scale("softmax_scale", softmax_scale, q)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        if not hasattr(type(cache_seqlens), "__index__") or isinstance(cache_seqlens, bool):
+            raise TypeError("flash_attn_ext: cache_seqlens must be an int32 (batch,) tensor, an int or None, got "
+                            f"{type(cache_seqlens).__name__} {cache_seqlens!r}")
         n = _as_int("cache_seqlens", cache_seqlens)
         if not 0 <= n < 2**31:
             raise RuntimeError(f"flash_attn_ext: cache_seqlens = {n} must be in [0, 2^31) (int32)")

@@ -288,9 +288,14 @@ class MultiheadFlashAttention(nn.Module):
         RuntimeError when the compiled code runs on CPU, and is a device-side assertion on
         CUDA (which leaves the CUDA context unusable, as torch's own in-graph asserts do).
         """
+        if seqlen_q != seqlen_k:
+            raise NotImplementedError(
+                f"MultiheadFlashAttention: is_causal=True with an attn_mask needs seqlen_q == seqlen_k "
+                f"(the mask is torch's square causal hint), got seqlen_q {seqlen_q} and seqlen_k {seqlen_k}; "
+                "pass attn_mask=None with is_causal=True for bottom-right aligned causal attention")
         msg = ("MultiheadFlashAttention: with is_causal=True, attn_mask must be the square causal "
                f"mask of shape ({seqlen_q}, {seqlen_k}) (or None); other masks are not supported")
-        if seqlen_q != seqlen_k or tuple(attn_mask.shape) != (seqlen_q, seqlen_k):
+        if tuple(attn_mask.shape) != (seqlen_q, seqlen_k):
             raise NotImplementedError(msg)
         i = torch.arange(seqlen_q, device=attn_mask.device)[:, None]
         j = torch.arange(seqlen_k, device=attn_mask.device)[None, :]

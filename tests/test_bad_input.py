@@ -155,6 +155,41 @@ def test_interface_errors_too():
         flash_attn_ext.flash_attn_func(q, k, v)
 
 
+def test_interface_non_tensor_arguments():
+    """Every entry names the argument that is not a tensor (None, a NumPy array, a list), instead of
+    an AttributeError from inside or an empty-tensor shape message."""
+    import numpy as np
+
+    q, k, v = qkv()
+    for bad in (None, np.zeros((2, 16, 4, 32), dtype=np.float32), [1.0]):
+        for i, name in enumerate(("q", "k", "v")):
+            args = [q, k, v]
+            args[i] = bad
+            with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got"):
+                flash_attn_ext.flash_attn_func(*args)
+    with pytest.raises(TypeError, match="value must be a torch.Tensor, got NoneType"):
+        flash_attn_ext.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), None)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a torch.Tensor, got NoneType"):
+        flash_attn_ext.flash_attn_varlen_func(q[0], k[0], v[0], None, cu, 16, 24)
+    kc = torch.randn(2, 32, 2, 32)
+    with pytest.raises(TypeError, match="k_cache must be a torch.Tensor, got NoneType"):
+        flash_attn_ext.flash_attn_with_kvcache(q, None, kc)
+    with pytest.raises(TypeError, match="block_table must be a torch.Tensor or None, got list"):
+        flash_attn_ext.flash_attn_with_kvcache(q, kc, kc.clone(), block_table=[[0]])
+    with pytest.raises(TypeError, match=r"cache_seqlens must be an int32 \(batch,\) tensor, an int or None, got list"):
+        flash_attn_ext.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=[2, 2])
+
+
+def test_interface_scale_that_requires_grad():
+    """A softmax_scale tensor that requires grad would silently get no gradient: refused."""
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="softmax_scale is a tensor that requires grad"):
+        flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.1, requires_grad=True))
+    out = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.1))  # a plain tensor is fine
+    torch.testing.assert_close(out, flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=0.1))
+
+
 # ---- backward-only arguments -------------------------------------------------------------
 
 def _bwd_args():

@@ -423,6 +423,15 @@ def test_causal_hint_is_checked_under_compile(backend):
         cm(x, x, x, attn_mask=torch.zeros(7, 8), is_causal=True)
 
 
+def test_causal_hint_cross_attention_message():
+    """seqlen_q != seqlen_k with is_causal and a mask: the message says why (the hint is torch's
+    square mask), not that a (5, 9) mask should have shape (5, 9)."""
+    m = _hint_module()
+    x, y = _randn(1, 5, 64, seed=71), _randn(1, 9, 64, seed=72)
+    with pytest.raises(NotImplementedError, match="needs seqlen_q == seqlen_k .* got seqlen_q 5 and seqlen_k 9"):
+        m(x, y, y, attn_mask=torch.ones(5, 9, dtype=torch.bool).triu(1), is_causal=True, need_weights=False)
+
+
 @requires_cuda
 def test_causal_hint_under_compile_cuda():
     """CUDA: the good mask compiles with no graph break and matches eager. (A wrong mask is a
