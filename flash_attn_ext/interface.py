@@ -93,7 +93,7 @@ def flash_attn_func(
     Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0
     gives out = 0 and LSE = +inf.
     """
-    _check_not_nested(q=q, k=k, v=v)
+    _check_tensors(q=q, k=k, v=v)
     scale = _scale("softmax_scale", softmax_scale, q)
     out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal))
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
@@ -118,7 +118,7 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
         raise error from None
 
 
-def _check_not_nested(_optional=(), **tensors) -> None:
+def _check_tensors(_optional=(), **tensors) -> None:
     """TypeError naming the first argument that is not a torch.Tensor (None allowed for the names
     in ``_optional``), then NotImplementedError naming the first nested (jagged) tensor: the ops
     take dense tensors (the packed form of ragged batches is flash_attn_varlen_func's)."""
@@ -219,7 +219,7 @@ def flash_attn_varlen_func(
         of bounds. Rows of q / k not covered by cu_seqlens get unspecified out / gradients on
         CUDA (0 on CPU).
     """
-    _check_not_nested(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
         _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal))
@@ -285,7 +285,7 @@ def flash_attn_with_kvcache(
         int or None, causal or return_lse that is not a bool, softmax_scale as flash_attn_func's,
         arguments after v given positionally. NotImplementedError: nested tensors.
     """
-    _check_not_nested(("k", "v", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+    _check_tensors(("k", "v", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                       block_table=block_table)
     scale = _scale("softmax_scale", softmax_scale, q)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):

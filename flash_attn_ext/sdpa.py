@@ -22,7 +22,7 @@ import torch
 
 from . import _C
 from ._fake_checks import MAX_HEADDIM as _MAX_HEADDIM
-from .interface import _check_not_nested, flash_attn_func
+from .interface import _check_tensors, flash_attn_func
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -134,7 +134,7 @@ def scaled_dot_product_attention(
         raise NotImplementedError(
             f"flash_attn_ext.scaled_dot_product_attention: dropout_p must be 0.0 (got {dropout_p}); "
             "attention dropout is not implemented")
-    _check_not_nested(query=query, key=key, value=value)
+    _check_tensors(query=query, key=key, value=value)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise ValueError(
