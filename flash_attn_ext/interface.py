@@ -120,13 +120,12 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
 
 def _check_tensors(_optional=(), **tensors) -> None:
     """TypeError naming the first argument that is not a torch.Tensor (None allowed for the names
-    in ``_optional``), then NotImplementedError naming the first nested (jagged) tensor: the ops
+    in ``_optional``) or NotImplementedError naming the first nested (jagged) tensor: the ops
     take dense tensors (the packed form of ragged batches is flash_attn_varlen_func's)."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) and not (t is None and name in _optional):
             expected = "a torch.Tensor or None" if name in _optional else "a torch.Tensor"
             raise TypeError(f"flash_attn_ext: {name} must be {expected}, got {type(t).__name__}")
-    for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and t.is_nested:
             raise NotImplementedError(
                 f"flash_attn_ext: {name} is a nested tensor; the attention functions take dense tensors. "
@@ -289,10 +288,11 @@ def flash_attn_with_kvcache(
                       block_table=block_table)
     scale = _scale("softmax_scale", softmax_scale, q)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-        if not hasattr(type(cache_seqlens), "__index__") or isinstance(cache_seqlens, bool):
+        try:
+            n = _as_int("cache_seqlens", cache_seqlens)
+        except TypeError:
             raise TypeError("flash_attn_ext: cache_seqlens must be an int32 (batch,) tensor, an int or None, got "
-                            f"{type(cache_seqlens).__name__} {cache_seqlens!r}")
-        n = _as_int("cache_seqlens", cache_seqlens)
+                            f"{type(cache_seqlens).__name__} {cache_seqlens!r}") from None
         if not 0 <= n < 2**31:
             raise RuntimeError(f"flash_attn_ext: cache_seqlens = {n} must be in [0, 2^31) (int32)")
         cache_seqlens = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
