@@ -391,8 +391,10 @@ def test_varlen_tight_grid(d, causal, arch_path, poison_empty, tmp_path):
     if os.environ.get("FLASH_ATTN_EXT_VARLEN_TIGHT_GRID") == "0":
         return  # the knob keeps the grids of max_seqlen: only the bits above are compared
     # The sm90 forward (flash::sm90::flash_fwd_kernel; not the sm80 forward's sm_90 row, whose
-    # name carries sm90::Sm80FwdTile and whose grid stays that of max_seqlen) and the backward.
-    tight = lambda n: "sm90::flash_fwd_kernel<" in n or "flash_bwd_dkv" in n or "flash_bwd_dq" in n  # noqa: E731
+    # name carries sm90::Sm80FwdTile and whose grid stays that of max_seqlen) and the backward's
+    # three kernels (preprocess, dK/dV, dQ).
+    tight = lambda n: ("sm90::flash_fwd_kernel<" in n or "flash_bwd_dkv" in n or "flash_bwd_dq" in n  # noqa: E731
+                       or "flash_bwd_preprocess" in n)
     names = [n for n in grids[0] if tight(n)]
     assert names, list(grids[0])
     for n in names:

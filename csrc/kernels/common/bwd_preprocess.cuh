@@ -14,7 +14,10 @@
 // Varlen (flash.h): the grid is sized by max_seqlen_q; sequence b's rows past seqlen_q up to its
 // rows rounded up to 128 (SeqInfo::ws_rows: what a Q tile can read) get the same (+inf, 0, 0), and
 // no row past them is written (the next sequence's region of the workspaces); a 128-row block
-// past the sequence's end writes only its flag (0).
+// past the sequence's end writes only its flag (0). On a varlen tight grid (work.cuh:
+// varlen_tight_grid, 128-row blocks) only the sequences' own blocks run: the flags of the blocks
+// past a sequence's end stay unwritten, and no kernel reads them (the dQ and dK/dV kernels read
+// the flags of their own Q tiles, which start before the sequence's end).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,6 +30,7 @@
 #include "flash.h"
 #include "kernels/common/mask.cuh"
 #include "kernels/common/seqlen.cuh"
+#include "kernels/common/work.cuh"
 #include "kernels/launch_utils.h"
 #include "primitives/mma.cuh"
 #include "primitives/softmax.cuh"
@@ -38,12 +42,36 @@ constexpr int kPreRowsPerPass = 64;
 constexpr int kPreRowsPerBlock = 128;  // = one precise_rows flag; two passes of 64 rows
 constexpr int kPreThreads = kPreThreadsPerRow * kPreRowsPerPass;  // 512
 
-// Grid: 1-D, (batch * nheads) x num_row_blocks, row block fastest (64-bit offsets throughout).
+// Whether a call's preprocess runs on a varlen tight grid (host and device alike).
+__host__ __device__ __forceinline__ bool preprocess_tight(const Flash_bwd_params& params) {
+  return varlen_tight_grid(params.varlen_tight, params.cu_seqlens_q, params.b, params.total_q,
+                           params.seqlen_q_rounded, kPreRowsPerBlock, params.h);
+}
+
+// Grid: 1-D, (batch * nheads) x num_row_blocks, row block fastest (64-bit offsets throughout), or
+// a varlen tight grid whose CTA finds that index by varlen_dense_index (warp-collective: warp 0
+// computes it and shares it through shared memory, which keeps the kernel at main's registers where
+// every warp computing it took 64 on sm_80; a CTA past every real block returns).
 template <typename Element>
 __global__ void __launch_bounds__(kPreThreads)
 flash_bwd_preprocess_kernel(const Flash_bwd_params params, int num_row_blocks) {
-  const int row_block = blockIdx.x % num_row_blocks;
-  const int bh = blockIdx.x / num_row_blocks;
+  unsigned idx = blockIdx.x;  // 32-bit: a grid index, or a tight grid's dense index (< 2^31)
+  if (preprocess_tight(params)) {
+    // (max_len seqlen_q_rounded: its blocks are num_row_blocks, and a sequence cut to max_seqlen_q
+    // has as many blocks either way)
+    __shared__ int s_dense;
+    if (threadIdx.x < 32) {
+      const int64_t dense = varlen_dense_index<kPreRowsPerBlock, false>(
+          params.cu_seqlens_q, params.b, params.total_q, params.seqlen_q_rounded, params.h, blockIdx.x);
+      if (threadIdx.x == 0) s_dense = int(dense);
+    }
+    __syncthreads();
+    const int dense = s_dense;
+    if (dense < 0) return;
+    idx = unsigned(dense);
+  }
+  const int row_block = int(idx % unsigned(num_row_blocks));
+  const int bh = int(idx / unsigned(num_row_blocks));
   const SeqInfo seq(params, bh / params.h);
   const int head = bh % params.h;
   const int sub = threadIdx.x % kPreThreadsPerRow;
@@ -111,11 +139,14 @@ flash_bwd_preprocess_kernel(const Flash_bwd_params params, int num_row_blocks) {
   }
 }
 
-// Launches the preprocess over every (batch, head, row < seqlen_q_rounded).
+// Launches the preprocess over every (batch, head, row < seqlen_q_rounded), or over the varlen
+// sequences' own 128-row blocks (a tight grid).
 template <typename Element>
 void run_bwd_preprocess(Flash_bwd_params& params, cudaStream_t stream) {
   const int num_row_blocks = params.seqlen_q_rounded / kPreRowsPerBlock;
-  const int64_t blocks = int64_t(num_row_blocks) * params.b * params.h;
+  const int64_t blocks = preprocess_tight(params)
+                             ? varlen_tight_per_head(params.total_q, params.b, kPreRowsPerBlock) * params.h
+                             : int64_t(num_row_blocks) * params.b * params.h;
   launch_1d(flash_bwd_preprocess_kernel<Element>, blocks, kPreThreads, 0, "preprocess", params.d, stream, params,
             num_row_blocks);
 }
