@@ -91,6 +91,14 @@ def check_softmax_scale(softmax_scale: float) -> None:
               f"scale scores by it), got {softmax_scale}")
 
 
+def check_window(window_size_left: int, window_size_right: int) -> None:
+    """mask_args: each side of the sliding window -1 (no bound) or >= 0."""
+    if window_size_left < -1:
+        _fail("window_size_left must be -1 (no left bound) or >= 0, got ", window_size_left)
+    if window_size_right < -1:
+        _fail("window_size_right must be -1 (no right bound) or >= 0, got ", window_size_right)
+
+
 def check_last_dims_scale(q, k, v, softmax_scale: float) -> None:
     check_last_dim_contiguous(q, "q")
     check_last_dim_contiguous(k, "k")

@@ -174,7 +174,11 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   // sm80 kernel's predicated loads zero-fill them. Varlen rows past a sequence's end are the next
   // sequence's keys (or rows past cu_seqlens_k[-1]): masked in S, and their V rows zeroed in shared
   // memory before P V (sm90/flash_fwd_kernel.cuh), since 0 * NaN would be NaN.
-  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr;
+  // A sliding window (flash.h: window_left / window_right) runs the sm80 kernel too: the sm90
+  // forward's key-block ranges, turns and scheduler know the causal diagonal only (and its
+  // backward's too: run_mha_bwd).
+  const bool windowed = params.window_left >= 0 || params.window_right >= 0;
+  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr && !windowed;
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
@@ -193,7 +197,7 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
         return;
       }
     }
-    // The sm80 kernel on an sm_90 GPU (inputs TMA cannot describe, a KV cache, the forced sm80
+    // The sm80 kernel on an sm_90 GPU (inputs TMA cannot describe, a KV cache, a window, the forced sm80
     // path): its sm_90 row where the sm90 table has one (sm_90a code runs on compute capability
     // 9.0 only).
     if constexpr (contains(kSm90FwdSm80Hdims, kHeadDim)) {
@@ -223,7 +227,9 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     constexpr int kHeadDim = decltype(hdim)::value;
     run_bwd_preprocess<Element>(params, stream);
     if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
-      if (path == ArchPath::kSm90) {
+      // A sliding window runs the sm80 kernels, as the forward (their mask layer has the window's
+      // left bound; the sm90 kernels are compiled for the causal diagonal only).
+      if (path == ArchPath::kSm90 && params.window_left < 0 && params.window_right < 0) {
         bool dkv_long = false;  // long dense calls: the long-query dK/dV row where the head dim has one
         if constexpr (contains(kSm90BwdDkvLongHdims, kHeadDim)) {
           dkv_long = sm90_bwd_long_rows_enabled() &&

@@ -124,7 +124,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
 
     wgmma_wait<1>();
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), while dP runs (masked -> 0; smem_layout.cuh).
-    recompute_p_rows(acc_s, w.mask, w.precise, w.block_needs_mask(n_block), params.scale_softmax_log2, hi,
+    recompute_p_rows(acc_s, w.mask, w.precise, w.template block_needs_mask<false>(n_block), params.scale_softmax_log2, hi,
                      params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 
     // Alg. 2 line 15: dS = P o (dP - D).

@@ -121,7 +121,7 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
 
     if (wg == 0) {
       // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2) (masked -> 0), handed to role 1.
-      recompute_p_rows(acc_s, w.mask, w.precise, w.block_needs_mask(n_block), params.scale_softmax_log2, row_stat,
+      recompute_p_rows(acc_s, w.mask, w.precise, w.template block_needs_mask<false>(n_block), params.scale_softmax_log2, row_stat,
                        params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 #pragma unroll
       for (int j = 0; j < kNBlkN; ++j) sP[j * 128 + tid_wg] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);

@@ -578,7 +578,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_fence_operands(flat(s[0]));
       __syncwarp();
       if (lane == 0) mbarrier_arrive(k_empty(kv_wg.stage(0)));  // this warp is done with K
-      if (n_wg - 1 >= n_unmasked) w.mask.apply(s, w.m0 + row0(), (n_wg - 1) * kBlockN);
+      if (n_wg - 1 >= n_unmasked) w.mask.apply_right(s, w.m0 + row0(), (n_wg - 1) * kBlockN);
       softmax.update(s, acc_o, scale_log2);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
@@ -609,7 +609,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
         // The mask (common/mask.cuh) only on tiles crossing the causal diagonal or the seqlen_k edge
         // (a warpgroup-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S - m) c), l; alpha for O.
-        if (n >= n_unmasked) w.mask.apply(s, w.m0 + row0(), n * kBlockN);
+        if (n >= n_unmasked) w.mask.apply_right(s, w.m0 + row0(), n * kBlockN);
         float alpha[2];
         bool rescaled;
         if (early) {
