@@ -168,6 +168,9 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
 // ceil(n / kBlock) (kBlock <= 256) and 128-row roundings of n stay in int32. flash_api.cpp refuses
 // longer ones by name.
 constexpr int kMaxSeqlen = 2147483647 - 255;
+// The longest seqlen_q + seqlen_k of a call with a sliding window (flash_api.cpp: mask_args), so
+// that the window's mask sums stay in int32 (kernels/common/mask.cuh).
+constexpr int64_t kMaxWindowedSeqlens = 2147483647 - 511;
 
 // The KV-cache forward (flash_attn_with_kvcache; params with cache_seqlens and/or block_table,
 // seqlen_q >= 1): appends knew / vnew into the cache, then runs the split-KV kernel with

@@ -120,15 +120,28 @@ void check_softmax_scale(double softmax_scale) {
 // window_size = (w, w) is (w, 0)).
 struct MaskArgs {
   bool causal;
-  int64_t window_left, window_right;
+  int window_left, window_right;  // normalized (flash.h): -1 where the bound hides no key
 };
 
-MaskArgs mask_args(bool causal, int64_t window_size_left, int64_t window_size_right) {
+// The checked and normalized mask for a call whose longest sequence has seqlen_q queries and
+// seqlen_k keys (dense: the tensors'; varlen: max_seqlen_q / max_seqlen_k; KV cache: the cache's
+// capacity): a bound that hides no key is none (left >= seqlen_k - 1, right >= seqlen_q - 1; a
+// non-causal window (-1, 0) is causal), so such a call runs as the unwindowed one. A window that
+// remains needs seqlen_q + seqlen_k <= 2^31 - 512: the kernels' mask sums stay in int32 then
+// (kernels/common/mask.cuh).
+MaskArgs mask_args(bool causal, int64_t window_size_left, int64_t window_size_right, int64_t seqlen_q,
+                   int64_t seqlen_k) {
   TORCH_CHECK(window_size_left >= -1, "flash_attn_ext: window_size_left must be -1 (no left bound) or >= 0, got ",
               window_size_left);
   TORCH_CHECK(window_size_right >= -1, "flash_attn_ext: window_size_right must be -1 (no right bound) or >= 0, got ",
               window_size_right);
-  return {causal, window_size_left, causal ? -1 : window_size_right};
+  int64_t left = window_size_left >= seqlen_k - 1 ? -1 : window_size_left;
+  int64_t right = causal || window_size_right >= seqlen_q - 1 ? -1 : window_size_right;
+  if (!causal && left < 0 && right == 0) causal = true, right = -1;
+  TORCH_CHECK((left < 0 && right < 0) || seqlen_q + seqlen_k <= flash::kMaxWindowedSeqlens,
+              "flash_attn_ext: a sliding window needs seqlen_q + seqlen_k <= 2^31 - 512 = ", flash::kMaxWindowedSeqlens,
+              " (the kernels' mask arithmetic is int32), got seqlen_q ", seqlen_q, " and seqlen_k ", seqlen_k);
+  return {causal, int(left), int(right)};
 }
 
 // The last checks of the dense and varlen ops: contiguous last dims of q / k / v, the scale.
@@ -226,10 +239,8 @@ void set_fwd_params(flash::Flash_fwd_params& p, const Sizes& s, const Tensor& q,
   p.scale_softmax = softmax_scale;
   p.scale_softmax_log2 = float(softmax_scale * M_LOG2E);
   p.is_causal = mask.causal;
-  // A bound that hides no key becomes none (flash.h): left >= seqlen_k (the longest sequence's
-  // keys: max_seqlen_k, a cache's capacity), right >= seqlen_q - 1 (the longest one's queries).
-  p.window_left = mask.window_left >= 0 && mask.window_left < s.seqlen_k ? int(mask.window_left) : -1;
-  p.window_right = mask.window_right >= 0 && mask.window_right < s.seqlen_q - 1 ? int(mask.window_right) : -1;
+  p.window_left = mask.window_left;  // normalized by mask_args
+  p.window_right = mask.window_right;
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
 }
 
@@ -301,7 +312,7 @@ flash::cpu::Dtype cpu_dtype(at::ScalarType t) {
 FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
                    int64_t window_size_left, int64_t window_size_right) {
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
-  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   FwdOut outs = alloc_fwd(q, s);
   if (!fwd_nonempty(outs, s)) return outs;
   const auto& [out, lse, stats] = outs;
@@ -320,7 +331,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   check_rank4(out, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q, out, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q, s);
-  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   Tensor dq = torch::empty(q.sizes(), q.options());
   Tensor dk = torch::empty(k.sizes(), k.options());
   Tensor dv = torch::empty(v.sizes(), v.options());
@@ -448,7 +459,7 @@ FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
                           bool causal, int64_t window_size_left, int64_t window_size_right) {
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
-  mask_args(causal, window_size_left, window_size_right);  // checked before the first sequence
+  mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
   FwdOut outs = alloc_varlen_fwd(q, s);
@@ -481,7 +492,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
   check_rank3(dout, "dout", "(total_q, nheads, headdim)");
   check_rank3(out, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats, s);
-  mask_args(causal, window_size_left, window_size_right);  // checked before the first sequence
+  mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
   const bool has_stats = softmax_stats.has_value() && softmax_stats->defined();
@@ -625,7 +636,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
                                            int64_t num_splits, int64_t window_size_left, int64_t window_size_right) {
   const KvcacheSizes ks =
       check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits, /*cuda=*/false);
-  mask_args(causal, window_size_left, window_size_right);  // checked before the append
+  mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);  // before the append
   const Sizes& s = ks.s;
   const bool has_seqlens = cache_seqlens.has_value() && cache_seqlens->defined();
   Tensor out = torch::empty(q.sizes(), q.options());
@@ -759,7 +770,7 @@ int cuda_rounded_headdim(int d) {
 FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, double softmax_scale, bool causal,
                     int64_t window_size_left, int64_t window_size_right) {
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
-  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -785,7 +796,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   check_rank4(out_in, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q_in, out_in, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q_in, s);
-  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
@@ -848,7 +859,7 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
                            double softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right) {
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
-  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -879,7 +890,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
   check_rank3(dout_in, "dout", "(total_q, nheads, headdim)");
   check_rank3(out_in, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout_in, q_in, out_in, softmax_lse, softmax_stats, s);
-  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
@@ -919,7 +930,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
                                             bool causal, int64_t num_splits, int64_t window_size_left, int64_t window_size_right) {
   const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, softmax_scale,
                                         num_splits, /*cuda=*/true);
-  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);
   const Sizes& s = ks.s;
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   // A cache that new k / v are appended to is written in place: it must already be 16-byte aligned

@@ -93,7 +93,7 @@ _lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
 @torch.library.register_fake("flash_attn_ext::forward")
 def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1):
     _checks.check_qkv(q, k, v, softmax_scale)
-    _checks.check_window(window_size_left, window_size_right)
+    _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -105,7 +105,7 @@ def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_si
 def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
                    window_size_left=-1, window_size_right=-1):
     _checks.check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale, softmax_stats)
-    _checks.check_window(window_size_left, window_size_right)
+    _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -415,7 +415,7 @@ and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiabl
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                          causal, window_size_left=-1, window_size_right=-1):
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    _checks.check_window(window_size_left, window_size_right)
+    _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     total_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
@@ -429,7 +429,7 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
                           window_size_right=-1):
     _checks.check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, softmax_scale, softmax_stats)
-    _checks.check_window(window_size_left, window_size_right)
+    _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -441,7 +441,8 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
     """check_kvcache's shape / dtype / device / stride checks (not the values, which a real CUDA
     call does not read either), then the output shapes."""
     _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits)
-    _checks.check_window(window_size_left, window_size_right)
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], capacity)
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)

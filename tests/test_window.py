@@ -74,16 +74,37 @@ def test_window_rows_without_keys_cpu():
 
 
 def test_window_that_hides_nothing_is_the_unwindowed_call():
-    """Bounds that hide no key are normalized away (flash.h): the same bits as window (-1, -1); and
+    """Bounds that hide no key are normalized away (flash_api.cpp: mask_args; left >= seqlen_k - 1,
+    right >= seqlen_q - 1): the same bits as window (-1, -1); a non-causal (-1, 0) is causal; and
     causal=True ignores window_size[1] (flash-attn's rule)."""
     q, k, v = make_qkv(2, 70, 90, 4, 2, 32, torch.float32, requires_grad=False)
     base = _run(q, k, v, False, (-1, -1))
-    for w in [(90, -1), (-1, 69), (5000, 5000)]:
+    for w in [(89, -1), (-1, 69), (5000, 5000)]:
         for a, b in zip(_run(q, k, v, False, w), base):
             assert torch.equal(a, b), w
     causal = _run(q, k, v, True, (-1, -1))
     for a, b in zip(_run(q, k, v, True, (-1, 7)), causal):
         assert torch.equal(a, b)
+    for a, b in zip(_run(q, k, v, False, (-1, 0)), causal):
+        assert torch.equal(a, b)
+    # One less than hiding nothing does hide keys: not the unwindowed result.
+    assert not torch.equal(_run(q, k, v, False, (88, -1))[0], base[0])
+    assert not torch.equal(_run(q, k, v, False, (-1, 68))[0], base[0])
+
+
+def test_window_refused_past_int32_mask_sums():
+    """A window that hides keys needs seqlen_q + seqlen_k <= 2^31 - 512 (the kernels' mask sums are
+    int32): refused by name before any work, by the op and by its fake kernel; the same lengths
+    without a window are not refused by this check."""
+    n = 2**30 + 64
+    x = torch.zeros(1, 1, 1, 8).expand(1, n, 1, 8)  # stride 0 along the sequence: no memory
+    with pytest.raises(RuntimeError, match="a sliding window needs seqlen_q . seqlen_k <= 2.31 - 512"):
+        flash_attn_ext.flash_attn_func(x, x, x, causal=True, window_size=(5, 0))
+    m = torch.empty(1, n, 1, 8, device="meta")
+    with pytest.raises(RuntimeError, match="a sliding window needs seqlen_q . seqlen_k <= 2.31 - 512"):
+        torch.ops.flash_attn_ext.forward(m, m, m, 0.5, False, -1, 3)
+    out = torch.ops.flash_attn_ext.forward(m, m, m, 0.5, True, n, -1)[0]  # normalized away: no window
+    assert out.shape == m.shape
 
 
 @pytest.mark.parametrize("window", [(0, 0), (7, -1), (3, 2)], ids=str)
