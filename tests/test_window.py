@@ -168,6 +168,26 @@ def test_window_forward_ad_and_compile_cpu():
                                rtol=1e-10, atol=1e-10)
 
 
+def test_window_nn_modules_cpu():
+    """FlashAttention(window_size=...) equals the reference; MultiheadFlashAttention's flash and
+    torch_sdpa backends (an explicit window mask there) compute the same function."""
+    from flash_attn_ext.nn import FlashAttention, MultiheadFlashAttention
+
+    q, k, v = make_qkv(2, 30, 30, 4, 2, 16, torch.float64, requires_grad=False)
+    out = FlashAttention(causal=True, window_size=(5, 0))(q, k, v)
+    torch.testing.assert_close(out, attention_ref(q, k, v, causal=True, window_size=(5, 0))[0], rtol=1e-10, atol=1e-10)
+    torch.manual_seed(0)
+    flash = MultiheadFlashAttention(64, 4, 2, causal=True, window_size=(7, 0), dtype=torch.float64)
+    ref = MultiheadFlashAttention(64, 4, 2, causal=True, window_size=(7, 0), dtype=torch.float64, backend="torch_sdpa")
+    ref.load_state_dict(flash.state_dict())
+    x = torch.randn(2, 40, 64, dtype=torch.float64)
+    torch.testing.assert_close(flash(x)[0], ref(x)[0], rtol=1e-10, atol=1e-10)
+    assert "window_size=(7, 0)" in repr(flash)
+    full = MultiheadFlashAttention(64, 4, 2, causal=True, dtype=torch.float64)
+    full.load_state_dict(flash.state_dict())
+    assert not torch.allclose(full(x)[0], flash(x)[0])  # the window changes the result
+
+
 def test_window_opcheck():
     """The ops' schemas, fake kernels and autograd registrations with window arguments given."""
     from torch.library import opcheck
