@@ -9,34 +9,14 @@ keeps). On sm_90 a windowed call runs the sm80 kernels (kernels/dispatch.cu), so
 full causal call shows what a windowed sm90 kernel would be worth.
 
     python scripts/window_bench.py [--hdim 64,128] [--seqlen 4096,16384] [--window 256,1024,4096]
-    python scripts/window_bench.py --device cpu --seqlen 256 --window 32 --hdim 32 --reps 2   # smoke run
+    python scripts/window_bench.py --device cpu --seqlen 256 --window 32 --hdim 32 --rep-ms 1   # smoke run
 """
 import argparse
-import statistics
-import time
 
 import torch
 
 import flash_attn_ext
-
-
-def _timed(fn, device, reps):
-    """Median ms of fn() over reps calls (CUDA events around each, after a warm-up)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from flash_attn_ext.bench.timing import Timer
 
 
 def visible_pairs(seqlen: int, window: int) -> int:
@@ -62,11 +42,12 @@ def main(argv=None):
     ap.add_argument("--seqlen", default="4096,16384")
     ap.add_argument("--window", default="256,1024,4096", help="windows in keys (transformers' sliding_window)")
     ap.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seqlen (at least 1)")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rep-ms", type=float, default=100.0, help="timed repetitions per measurement (the benchmark's Timer)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     fa4 = _fa4() if device.type == "cuda" else None
+    timer = Timer(device, warmup_ms=min(25.0, args.rep_ms), rep_ms=args.rep_ms)
     print(f"{dtype}, {device}; causal; nheads = 2048 / hdim; FlashAttention-4: {'yes' if fa4 else 'not importable'}")
     print("| hdim | seqlen | window | impl | pass | ms | TFLOP/s | x full causal (ms) |")
     print("|---|---|---|---|---|---|---|---|")
@@ -96,7 +77,7 @@ def main(argv=None):
                             else:
                                 torch.autograd.grad(out_of(w), (q, k, v), dout)
 
-                        ms = _timed(run, device, args.reps)
+                        ms = timer(run)
                         flops = scale * 4.0 * batch * nheads * d * visible_pairs(n, window)
                         if window == 0:
                             full[pass_name] = ms

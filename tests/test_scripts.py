@@ -193,6 +193,6 @@ def test_window_bench_smoke(capsys):
     for n, w in [(50, 0), (50, 7), (50, 50), (50, 80), (7, 3)]:
         want = int(visible_mask(n, n, True, w - 1 if w > 0 else -1, -1).sum())
         assert script.visible_pairs(n, w) == want, (n, w)
-    script.main(["--device", "cpu", "--seqlen", "64", "--window", "8", "--hdim", "16", "--tokens", "64", "--reps", "1"])
+    script.main(["--device", "cpu", "--seqlen", "64", "--window", "8", "--hdim", "16", "--tokens", "64", "--rep-ms", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 |")]
     assert len(rows) == 4 and all(float(r.split("|")[6]) > 0 for r in rows), rows

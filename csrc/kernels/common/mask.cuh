@@ -96,30 +96,10 @@ struct AttnMask {
   // s[mi][ni][e] is query row0 + 16 mi + g + 8 (e / 2), key col0 + 8 ni + 2 t + (e % 2),
   // lane = 4 g + t (primitives/mma.cuh). The limits are taken relative to the thread's first
   // column, so each element costs one compare against a compile-time constant per bound.
-  // apply_right: the right bound and seqlen_k only (the kernels no windowed call reaches:
-  // kernels/dispatch.cu); apply: a window's left bound too, its compares behind a uniform branch.
-  template <int kMAtoms, int kNAtoms>
-  __device__ __forceinline__ void apply_right(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
-    const int lane = threadIdx.x % 32;
-    const int g = lane / 4, col_t = col0 + 2 * (lane % 4);
-#pragma unroll
-    for (int mi = 0; mi < kMAtoms; ++mi) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int limit = key_limit(row0 + mi * 16 + g + h * 8) - col_t;
-#pragma unroll
-        for (int ni = 0; ni < kNAtoms; ++ni) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (ni * 8 + e >= limit) s[mi][ni][2 * h + e] = -INFINITY;
-          }
-        }
-      }
-    }
-  }
-  template <int kMAtoms, int kNAtoms>
-  __device__ __forceinline__ void apply(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
-    if (!local()) return apply_right(s, row0, col0);
+  // kLeft = false: the right bound and seqlen_k only (apply_right: the kernels no windowed call
+  // reaches, kernels/dispatch.cu); apply: a window's left bound too, behind a uniform branch.
+  template <bool kLeft, int kMAtoms, int kNAtoms>
+  __device__ __forceinline__ void apply_bounds(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, col_t = col0 + 2 * (lane % 4);
 #pragma unroll
@@ -127,15 +107,27 @@ struct AttnMask {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + mi * 16 + g + h * 8;
-        const int limit = key_limit(row) - col_t, start = key_start(row) - col_t;
+        const int limit = key_limit(row) - col_t, start = kLeft ? key_start(row) - col_t : 0;
 #pragma unroll
         for (int ni = 0; ni < kNAtoms; ++ni) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            if (ni * 8 + e >= limit || ni * 8 + e < start) s[mi][ni][2 * h + e] = -INFINITY;
+            if (ni * 8 + e >= limit || (kLeft && ni * 8 + e < start)) s[mi][ni][2 * h + e] = -INFINITY;
           }
         }
       }
+    }
+  }
+  template <int kMAtoms, int kNAtoms>
+  __device__ __forceinline__ void apply_right(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
+    apply_bounds<false>(s, row0, col0);
+  }
+  template <int kMAtoms, int kNAtoms>
+  __device__ __forceinline__ void apply(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
+    if (local()) {
+      apply_bounds<true>(s, row0, col0);
+    } else {
+      apply_bounds<false>(s, row0, col0);
     }
   }
 };
