@@ -53,7 +53,9 @@ struct DqKernelTraits {
 
 // Tile::kFastCopy: predicate-free copies of whole K / V tiles (primitives/tile_copy.cuh), used
 // where the registers allow it (tile_config.h).
-template <typename Element, int kHeadDim, typename TileShape>
+// kLocal: the call has a sliding window's left bound (the launch picks: launch_utils.h,
+// FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone.
+template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dq_kernel(const Flash_bwd_params params) {
   using T = DqKernelTraits<Element, kHeadDim, TileShape>;
@@ -78,7 +80,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
 
   // Alg. 2 line 7 (K_j, V_j) of step i (key block n_block_min + i: a sliding window's first block,
   // else 0), into `stage`.
-  const int n_block_min = w.n_block_min(), n_steps = max(w.n_block_max - n_block_min, 0);
+  const int n_block_min = kLocal ? w.n_block_min() : 0, n_steps = max(w.n_block_max - n_block_min, 0);
   auto load_kv_tile = [&](int i, int stage) {
     w.template copy_kv_tiles_async<Element, SmemTile<kHeadDim>, kHeadDim, kThreads, kFastCopy>(
         params, n_block_min + i, smem_u32addr(sK0 + stage * T::kTileKV), smem_u32addr(sV0 + stage * T::kTileKV), tid);
@@ -131,7 +133,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
 
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), masked keys -> 0; the masked and exact
     // copies run on the blocks that need them only (a CTA-uniform branch).
-    const bool needs_mask = w.block_needs_mask(n_block);
+    const bool needs_mask = w.template block_needs_mask<kLocal>(n_block);
     // kPRounded: P as Element pairs p_rounded[ma][nb][h] (row g + 8h, keys 8nb + 2t, +1) before
     // dP is computed, so the fp32 S is dead during the dP product.
     uint32_t p_rounded[kPRounded ? kMA : 1][kPRounded ? T::kNBlkN : 1][2];
@@ -149,7 +151,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
           }
         }
       };
-      with_p_mode(w.precise, needs_mask, w.mask.local(), round_p);
+      with_p_mode(w.precise, needs_mask, kLocal, round_p);
     }
 
     // Alg. 2 line 14: dP = dO_i V_j^T.
@@ -180,7 +182,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     if constexpr (kPRounded) {
       make_ds(std::integral_constant<PMode, PMode::kFast>{});  // P comes from p_rounded
     } else {
-      with_p_mode(w.precise, needs_mask, w.mask.local(), make_ds);
+      with_p_mode(w.precise, needs_mask, kLocal, make_ds);
     }
 
     // Alg. 2 line 16: dQ_i += dS K_j (A = dS from registers, B = K_j via ldmatrix.trans).

@@ -55,7 +55,10 @@ struct FwdKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {
   static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "K/V tile: whole chunks per thread");
 };
 
-template <typename Traits>
+// kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd picks):
+// the key loop starts at the window's first block and the left edge's tiles are masked too. The
+// kernel without it is the causal mask's code alone (its registers: 255 in the sm_90 row).
+template <typename Traits, bool kLocal = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_kernel(const Flash_fwd_params params) {
   using Element = typename Traits::Element;
@@ -85,7 +88,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int seqlen_k = w.seq.seqlen_k;
   // Key blocks [n_block_min, n_block_max); empty: no row sees a key (causal with seqlen_q >
   // seqlen_k, a window past the keys).
-  const int n_block_min = w.n_block_min(), n_block_max = w.n_block_max;
+  const int n_block_min = kLocal ? w.n_block_min() : 0, n_block_max = w.n_block_max;
 
   float acc_o[kMAtoms][kDAtoms][4];  // FA2 Alg. 1 line 5: O = 0
 #pragma unroll
@@ -171,7 +174,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
       // The mask (common/mask.cuh): only tiles crossing the causal diagonal, a window's left edge or
       // the seqlen_k edge run mask code; the branch is uniform over the CTA, so tiles below the diagonal pay nothing.
-      if (w.block_needs_mask(n)) w.mask.apply(s, w.m0 + warp_row0, n * kBlockN);
+      if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply_bounds<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
 
       cp_async_wait<0>();  // V_n landed ...
       __syncthreads();     // ... everyone's; and every warp finished reading K_n: K buffer free
