@@ -8,7 +8,7 @@
 //   j >= i + off - left    when it has a left bound (a sliding window's left side: window_size[0]).
 // The visible keys of a row are the interval [key_start(i), key_limit(i)), so a mask is two
 // compares per element (one without a left bound) and a tile range is a division on each side.
-// The API normalizes a bound that hides no key to none (left >= seqlen_k, right >= seqlen_q - 1;
+// The API normalizes a bound that hides no key to none (left >= seqlen_k - 1, right >= seqlen_q - 1;
 // varlen: the max_seqlen) and refuses a window where seqlen_q + seqlen_k > 2^31 - 512, so every
 // sum below stays in int32 (without a window they are the sums of the causal mask alone).
 //
