@@ -36,8 +36,8 @@ Masks (never ignored):
     two kernel launches per layer whatever the batch (one dense call when nothing is masked),
     differentiable; the analysis costs a few host syncs per layer (sizes and max_seqlen, a
     constant number, not one per sequence). A layer's ``sliding_window`` (Mistral, Qwen2,
-    Gemma's local layers) adds the window to the causal problems (``window_size``); right padding
-    longer than the window is refused. Any other pattern (a window the layer does not pass, packed
+    Gemma's local layers) adds the window to the causal problems (``window_size``) and to right
+    padding's pad rows (one call per distinct count of them). Any other pattern (a window the layer does not pass, packed
     sequences, per-head masks, additive biases) raises NotImplementedError naming the cause: use
     attn_implementation="sdpa" for those models.
 """
@@ -94,8 +94,8 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
         raise NotImplementedError(
             f"flash_attn_ext attention: the attention mask of batch element "
             f"{int(bad.nonzero()[0])} is neither padding nor causal+padding"
-            + (" with the layer's sliding window (or right padding longer than the window)"
-               if window_left >= 0 else " (e.g. a sliding window the layer does not pass, or packed sequences)")
+            + (" with the layer's sliding window" if window_left >= 0
+               else " (e.g. a sliding window the layer does not pass, or packed sequences)")
             + '; those patterns are not supported, use attn_implementation="sdpa"')
     total_k, max_k, total_q, max_q = stats[1], stats[2], stats[3::2], stats[4::2]
     if total_q[1] == B * Lq and total_k == B * Lk:  # every query sees every key: nothing masked
@@ -105,13 +105,23 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
     kb, kj = k_in.nonzero().unbind(1)
     k_packed, v_packed, cu_k = k[kb, kj], v[kb, kj], _cu_seqlens(nk)
     out = q.new_zeros(q.shape)                                   # rows that see no key stay 0
-    for p, causal in enumerate((True, False)):
-        if total_q[p] == 0:
-            continue
-        qb, qi = q_parts[p].nonzero().unbind(1)
-        o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, _cu_seqlens(nq[p]), cu_k,
-                                   max_q[p], max_k, softmax_scale=scaling, causal=causal,
-                                   window_size=(window_left if causal else -1, -1))
+    calls = []  # (query rows, per-element counts, max count, causal, window_size)
+    if total_q[0]:
+        calls.append((q_parts[0], nq[0], max_q[0], True, (window_left, -1)))
+    if total_q[1] and window_left < 0:
+        calls.append((q_parts[1], nq[1], max_q[1], False, (-1, -1)))
+    elif total_q[1]:
+        # With a window the rows that see all keys (right padding's pad rows: row r of an
+        # element's P, after its nk real ones, sees keys j >= nk + r - window_left) are a
+        # bottom-right problem of P rows only with left bound window_left - P: one call per
+        # distinct P (a host sync for them), the other elements zero-length sequences there.
+        for count in sorted(set(nq[1].tolist()) - {0}):
+            sel = q_parts[1] & (nq[1] == count)[:, None]
+            calls.append((sel, sel.sum(1), count, False, (window_left - count, -1)))
+    for rows, counts, max_rows, causal, window in calls:
+        qb, qi = rows.nonzero().unbind(1)
+        o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, _cu_seqlens(counts), cu_k,
+                                   max_rows, max_k, softmax_scale=scaling, causal=causal, window_size=window)
         out = out.index_put((qb, qi), o)                         # pad
     return out
 
@@ -129,8 +139,7 @@ def _split_mask(m, window_left=-1):
     padding under a causal mask).
 
     With a sliding window (window_left >= 0) each query also sees only keys j >= i + off -
-    window_left; the rows that see all keys must then see them within the window too (else bad:
-    right padding longer than the window, which the non-causal call could not express).
+    window_left (the rows that see all keys of their element: those within the window).
 
     Returns (bad, k_in, (causal_q, full_q)): bad (B,) bool, the elements whose mask is not
     such a pattern; k_in (B, Lk) bool, the keys seen by some query; causal_q / full_q (B, Lq)
@@ -147,10 +156,7 @@ def _split_mask(m, window_left=-1):
         expected &= j[:, None, :] >= i[:, :, None] + off[:, None, None] - window_left
     bad = (m != expected).flatten(1).any(1)
     h = torch.where(off + 1 >= nk, 0, nk - off)[:, None]         # rows of the causal problem
-    full_q = q_in & (i >= h)
-    if window_left >= 0:  # a full row whose window starts past key 0 sees not all keys
-        bad |= (full_q & (i + off[:, None] - window_left > 0)).any(1)
-    return bad, k_in, (q_in & (i < h), full_q)
+    return bad, k_in, (q_in & (i < h), q_in & (i >= h))
 
 
 def _cu_seqlens(seqlens):

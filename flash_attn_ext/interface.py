@@ -74,7 +74,8 @@ def flash_attn_func(
             right, off = seqlen_k - seqlen_q (bottom-right aligned); -1 leaves that side unbounded
             (the default (-1, -1): full attention). With causal=True the right side is 0 whatever
             window_size[1] says (flash-attn's rule, so ``causal=True, window_size=(w, w)`` is
-            ``(w, 0)``). Rows whose window holds no key give out 0, LSE +inf, zero gradients.
+            ``(w, 0)``). Rows whose window holds no key give out 0, LSE +inf, zero gradients. A
+            window that hides keys needs seqlen_q + seqlen_k <= 2^31 - 512 (RuntimeError).
             On sm_90 GPUs a windowed forward runs the sm80 kernel (mma.sync), not the Hopper one.
         return_lse: also return the log-sum-exp.
 
@@ -110,10 +111,11 @@ def flash_attn_func(
 
 def _window(window_size) -> tuple[int, int]:
     """window_size as (left, right) Python ints, or TypeError: a pair (tuple or list) of ints.
-    Their values (-1 or >= 0) are the op's to check."""
+    Their values (-1 or >= 0) are the op's to check; one past any sequence length (>= 2^62) is the
+    same bound as 2^62, which the op's int64 argument holds."""
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
         raise TypeError(f"flash_attn_ext: window_size must be a pair (left, right) of ints, got {window_size!r}")
-    return _as_int("window_size[0]", window_size[0]), _as_int("window_size[1]", window_size[1])
+    return tuple(min(_as_int(f"window_size[{i}]", window_size[i]), 2**62) for i in range(2))
 
 
 def _scale(name: str, value, q: torch.Tensor) -> float:

@@ -258,8 +258,9 @@ def test_unsupported_patterns_are_refused():
 
 def test_sliding_window_layer_masks(count_calls):
     """A layer's sliding_window (transformers: kv_idx > q_idx - sliding_window) with the masks a
-    model builds for it: no padding, left padding, decoding against a cache, each equal to sdpa on
-    the same mask; right padding longer than the window is refused by name."""
+    model builds for it: no padding, left padding, right padding (pad rows with windows of the real
+    keys, per-element pad counts 1..3 and one past the window), decoding against a cache, each equal
+    to sdpa on the same mask."""
     m = _Module(True)
     q = _bhsd(2, 4, 12, 32, 16)
     i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
@@ -279,11 +280,18 @@ def test_sliding_window_layer_masks(count_calls):
     ref = F.scaled_dot_product_attention(q1.double(), q.double(), q.double(), attn_mask=dec, scale=0.25)
     base = F.scaled_dot_product_attention(q1, q, q, attn_mask=dec, scale=0.25)
     check_accuracy("sliding window decode", out, ref.transpose(1, 2), base.transpose(1, 2))
-    # Right padding (element 0 has 6 real tokens): its pad rows see a window of the real keys
-    # that the non-causal call for such rows cannot express.
-    right = torch.stack([(j <= i) & (j > i - 4) & (j < 6) | ((i >= 6) & (j < 6) & (j > i - 4)), window])[:, None]
-    with pytest.raises(NotImplementedError, match="right padding longer than the window"):
-        fx.flash_attn_ext_attention_forward(m, q, q, q, right, scaling=0.25, sliding_window=4)
+    # Right padding (real lengths 11, 10, 9, 6 and 12): the pad rows see windows of their real keys
+    # (the last few see none: out 0), a call per distinct count of pad rows that see a key.
+    q4 = _bhsd(5, 4, 12, 32, 18)
+    right = torch.stack([window & (j < n) for n in (11, 10, 9, 6, 12)])[:, None]
+    count_calls.clear()
+    out, _ = fx.flash_attn_ext_attention_forward(m, q4, q4, q4, right, scaling=0.25, sliding_window=4)
+    ref = F.scaled_dot_product_attention(q4.double(), q4.double(), q4.double(), attn_mask=right, scale=0.25)
+    base = F.scaled_dot_product_attention(q4, q4, q4, attn_mask=right, scale=0.25)
+    rows = right[:, 0].any(-1)
+    assert (out[~rows] == 0).all()
+    check_accuracy("sliding window right padding", out[rows], ref.transpose(1, 2)[rows], base.transpose(1, 2)[rows])
+    assert count_calls == ["varlen causal"] + ["varlen"] * 3, count_calls  # pad-row counts 1, 2, 3
     with pytest.raises(NotImplementedError, match="bidirectional sliding window"):
         fx.flash_attn_ext_attention_forward(_Module(False), q, q, q, None, sliding_window=4)
 
@@ -478,10 +486,10 @@ def _tiny_causal_lm(arch):
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=64)
         return cfg, tf.LlamaForCausalLM
-    if arch == "mistral":
+    if arch in ("mistral", "mistral-sliding"):
         cfg = tf.MistralConfig(vocab_size=96, hidden_size=128, intermediate_size=256,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                               max_position_embeddings=64, sliding_window=None)
+                               max_position_embeddings=64, sliding_window=5 if arch == "mistral-sliding" else None)
         return cfg, tf.MistralForCausalLM
     cfg = tf.GPT2Config(vocab_size=96, n_positions=64, n_embd=128, n_layer=2, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -491,7 +499,7 @@ def _tiny_causal_lm(arch):
 @pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
                                           pytest.param("cuda", torch.bfloat16, id="cuda-bf16",
                                                        marks=requires_cuda)])
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral", "mistral-sliding"])
 def test_causal_lm_right_padding_forward_and_training_step(arch, device, dtype, name, count_calls):
     """Random small Llama / GPT-2 / Mistral, right-padded batch: logits of real tokens, the loss
     with labels (-100 on padding) and every parameter gradient match sdpa (accuracy rule vs a

@@ -337,3 +337,12 @@ def test_window_cuda_kernels_that_run():
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if "flash_fwd_kernel" in e.name or "flash_bwd_d" in e.name]
     assert names and all("sm90" in n for n in names), names
+
+
+def test_window_huge_values_are_unbounded():
+    """A window side past any length (even past int64) is no bound: the unwindowed bits."""
+    q, k, v = make_qkv(1, 20, 30, 2, 1, 16, torch.float32, requires_grad=False)
+    base = _run(q, k, v, True, (-1, -1))
+    for w in [(2**40, 0), (2**63, 2**70)]:
+        for a, b in zip(_run(q, k, v, True, w), base):
+            assert torch.equal(a, b), w
