@@ -5,7 +5,8 @@ query i sees key j only if i + off - left <= j <= i + off + right, -1 leaving a 
 causal=True is the right bound 0 and overrides window_size[1]. Rows whose window holds no key give
 out 0, LSE +inf and zero gradients. Every case is checked against the float64 reference with the
 accuracy rule (tests/accuracy.py), the CPU ones in CI, the CUDA ones on each arch path of the GPU
-(conftest.py: arch_path; on sm_90 a windowed call runs the sm80 kernels either way: dispatch.cu).
+(conftest.py: arch_path; on sm_90 "auto" runs the windowed forward on the sm90 kernel, the
+backward on the sm80 ones: dispatch.cu).
 """
 
 import pytest
@@ -259,6 +260,18 @@ def test_window_cuda_other_head_dims(arch_path, poison_empty, d):
 
 
 @cuda
+def test_window_cuda_sm90_forward_rows(arch_path, poison_empty):
+    """The sm90 forward's windowed tiles on its other rows: d128's long-key row (non-causal, >= 8192
+    keys: 144-key tiles, per-warpgroup ranges), more tiles than SMs (the persistent walk), and a
+    window narrower than a key tile (warpgroups whose rows skip steps at both ends)."""
+    require_hdim(128, exact=True)
+    for b, sq, sk, causal, window in [(1, 1000, 8192, False, (300, 200)), (8, 2048, 2048, True, (100, 0)),
+                                      (2, 640, 640, False, (5, 5))]:
+        q, k, v = make_qkv(b, sq, sk, 4, 2, 128, torch.bfloat16, device="cuda")
+        check_fwd_bwd(q, k, v, lambda: _run(q, k, v, causal, window), _ref(q, k, v, causal, window))
+
+
+@cuda
 def test_window_cuda_varlen_equals_dense(arch_path):
     """A packed batch with a window gives, per sequence, the dense windowed call's bits (the same
     kernels, the same arch path), gradients included."""
@@ -313,8 +326,8 @@ def test_window_cuda_kvcache(paged, window, seqlen_q):
 
 @cuda
 def test_window_cuda_kernels_that_run():
-    """On sm_90 a windowed call runs the sm80 kernels, forward and backward (the sm90 kernels know
-    the causal diagonal only: dispatch.cu), and an unwindowed one the sm90 kernels."""
+    """On sm_90 a windowed forward runs the sm90 kernel, its backward the sm80 kernels (the sm90
+    backward knows the causal diagonal only: dispatch.cu), and an unwindowed call the sm90 kernels."""
     if torch.cuda.get_device_capability() != (9, 0) or "90a" not in flash_attn_ext.build_info().get("cuda_archs", ""):
         pytest.skip("needs an sm_90 GPU and a build with sm_90a code")
     require_hdim(128, exact=True)
@@ -329,7 +342,7 @@ def test_window_cuda_kernels_that_run():
     names = [e.name for e in prof.events()]
     fwd = [n for n in names if "flash_fwd_kernel" in n]
     bwd = [n for n in names if "flash_bwd_dkv_kernel" in n or "flash_bwd_dq_kernel" in n]
-    assert fwd and all("sm80" in n for n in fwd), fwd
+    assert fwd and all("sm90" in n for n in fwd), fwd
     assert bwd and all("sm80" in n for n in bwd), bwd
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = flash_attn_ext.flash_attn_func(q, k, v, causal=True)

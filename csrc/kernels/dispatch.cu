@@ -174,11 +174,10 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   // sm80 kernel's predicated loads zero-fill them. Varlen rows past a sequence's end are the next
   // sequence's keys (or rows past cu_seqlens_k[-1]): masked in S, and their V rows zeroed in shared
   // memory before P V (sm90/flash_fwd_kernel.cuh), since 0 * NaN would be NaN.
-  // A sliding window (flash.h: window_left / window_right) runs the sm80 kernel too: the sm90
-  // forward's key-block ranges, turns and scheduler know the causal diagonal only (and its
-  // backward's too: run_mha_bwd).
-  const bool windowed = params.window_left >= 0 || params.window_right >= 0;
-  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr && !windowed;
+  // A sliding window (flash.h: window_left / window_right) runs here too: the sm90 forward's
+  // per-warpgroup key ranges skip the steps before a window's left edge (its backward does not
+  // take windows: run_mha_bwd).
+  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr;
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
@@ -197,7 +196,7 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
         return;
       }
     }
-    // The sm80 kernel on an sm_90 GPU (inputs TMA cannot describe, a KV cache, a window, the forced sm80
+    // The sm80 kernel on an sm_90 GPU (inputs TMA cannot describe, a KV cache, the forced sm80
     // path): its sm_90 row where the sm90 table has one (sm_90a code runs on compute capability
     // 9.0 only).
     if constexpr (contains(kSm90FwdSm80Hdims, kHeadDim)) {
