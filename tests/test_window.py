@@ -262,13 +262,35 @@ def test_window_cuda_other_head_dims(arch_path, poison_empty, d):
 @cuda
 def test_window_cuda_sm90_forward_rows(arch_path, poison_empty):
     """The sm90 forward's windowed tiles on its other rows: d128's long-key row (non-causal, >= 8192
-    keys: 144-key tiles, per-warpgroup ranges), more tiles than SMs (the persistent walk), and a
-    window narrower than a key tile (warpgroups whose rows skip steps at both ends)."""
-    require_hdim(128, exact=True)
-    for b, sq, sk, causal, window in [(1, 1000, 8192, False, (300, 200)), (8, 2048, 2048, True, (100, 0)),
-                                      (2, 640, 640, False, (5, 5))]:
-        q, k, v = make_qkv(b, sq, sk, 4, 2, 128, torch.bfloat16, device="cuda")
+    keys: 144-key tiles, per-warpgroup ranges), more tiles than SMs (the persistent walk), and
+    windows narrower than a key tile on the rows with per-warpgroup ranges (d64: three warpgroups;
+    d256: O staged in the V ring), whose warpgroups skip steps at both ends."""
+    for d, b, sq, sk, causal, window in [(128, 1, 1000, 8192, False, (300, 200)), (128, 8, 2048, 2048, True, (100, 0)),
+                                         (128, 2, 640, 640, False, (5, 5)), (64, 2, 640, 640, False, (5, 5)),
+                                         (64, 1, 1000, 1000, True, (40, 0)), (256, 2, 500, 700, False, (9, 3))]:
+        require_hdim(d, exact=True)
+        q, k, v = make_qkv(b, sq, sk, 4, 2, d, torch.bfloat16, device="cuda")
         check_fwd_bwd(q, k, v, lambda: _run(q, k, v, causal, window), _ref(q, k, v, causal, window))
+
+
+@cuda
+@pytest.mark.parametrize("d", [64, 256])
+def test_window_cuda_varlen_wg_ranges(arch_path, d):
+    """Varlen with a window on the rows with per-warpgroup ranges (the V tail zeroed at step 0, tail
+    skips, O in the V ring at d256) against the reference, sequences shorter and longer than a tile."""
+    require_hdim(d, exact=True)
+    lens_q, lens_k = [70, 1, 300, 129], [90, 5, 300, 0]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), 4, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    v = torch.randn(sum(lens_k), 2, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    for causal, window in [(True, (33, 0)), (False, (7, 7))]:
+        check_fwd_bwd(
+            q, k, v,
+            lambda: flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 300, 300, causal=causal,
+                                                          window_size=window, return_lse=True),
+            lambda upcast: attention_varlen_ref(q, k, v, cu_q, cu_k, None, causal, upcast, window_size=window))
 
 
 @cuda

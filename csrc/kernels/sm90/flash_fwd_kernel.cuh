@@ -54,7 +54,8 @@
 //     thread after cp.async.bulk.wait_group.read; varlen, one per consumer warp after its stores.
 //     kStageOInV: one arrival per consumer warp before its last P V (its last S is complete), or,
 //     in a warpgroup without steps, once its skipped steps' stages have landed (right after the
-//     q_full wait in a tile without keys); O goes to the V ring instead.
+//     q_full wait in a tile without keys); O goes to the V ring instead. (A window's tail skips
+//     come after that arrival: they read no Q.)
 //   o_free (kStageOInV): one phase per tile, tiles without keys included. Producer, per tile: wait
 //     o_free (parity phase ^ 1: the previous tile's O store has read the V ring) after its Q and
 //     before V of the first key block, or before the q_full arrival of a tile without keys.
@@ -368,9 +369,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // order and each decode them (QTileWork): no tile index passes through shared memory (but a
   // varlen tight grid's, s_varlen_tile above).
   // Both after their register reallocation (nothing live across setmaxnreg).
-  // No steps (n_block_max <= n_block_min): no row of the tile sees a key (causal, seqlen_q >
-  // seqlen_k; varlen, a sequence without keys; a window past the keys): no K/V, no Q load, but
-  // one Q-ring phase all the same (the consumers stage O = 0 through the buffer). A tile past its sequence's end: skipped by both sides.
+  // No steps (n_block_max <= n_block_min, which a window alone never makes: key_start < key_limit
+  // wherever key_limit > 0): no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
+  // sequence without keys): no K/V, no Q load, but one Q-ring phase all the same (the consumers
+  // stage O = 0 through the buffer). A tile past its sequence's end: skipped by both sides.
   if (wg == 0) {
     // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread.
     setmaxnreg_dec<Traits::kProducerRegs>();
@@ -579,11 +581,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       uint32_t p[kBlockN / 16][4];  // P_{i-1} as 16-bit A fragments (FA2 Alg. 1 line 10)
       float s[1][kNBlkN][4];
       // The ring position of this warpgroup's first step; its steps i = 0 .. n_wg - 1 visit key
-      // blocks n = n_wg - 1 - i (the tile's steps i0 + i).
+      // blocks n = n_top - 1 - i (the tile's steps i0 + i).
       PipelineState<kStages> kv_wg = kv_pipe;
       kv_wg.advance(i0);
 
-      // Step 0 (key block n_wg - 1, the last this warpgroup sees): S_0, its softmax and P_0 (O = 0 yet).
+      // Step 0 (key block n_top - 1, the last this warpgroup sees): S_0, its softmax and P_0 (O = 0 yet).
       turns.begin();
       mbarrier_wait(k_full(kv_wg.stage(0)), kv_wg.phase(0));
       wgmma_fence();
@@ -601,7 +603,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
 
-      // Step i of the loop (i >= 1, key block n = n_wg - 1 - i): S_i, then O += P_{i-1} V
+      // Step i of the loop (i >= 1, key block n = n_top - 1 - i): S_i, then O += P_{i-1} V
       // from p_in; P_i into p_out. early (Traits::kDoubleBufferP, p_out != p_in): P_i is converted
       // row by row inside the softmax while O += P_{i-1} V still reads p_in; else after that product.
       auto step = [&](int i, uint32_t (&p_in)[kBlockN / 16][4], uint32_t (&p_out)[kBlockN / 16][4], bool early) {
@@ -650,7 +652,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p_out[kk], s[0], kk);
         }
       };
-      // The last step's O += P V (key block 0).
+      // The last step's O += P V (key block n_lo; then the tail skips, which read no Q).
       auto last_pv = [&](uint32_t (&p_last)[kBlockN / 16][4]) {
         const int last = kv_wg.stage(n_wg - 1);
         release_q();  // the last S product (in the step before) is complete
