@@ -76,7 +76,6 @@ def flash_attn_func(
             window_size[1] says (flash-attn's rule, so ``causal=True, window_size=(w, w)`` is
             ``(w, 0)``). Rows whose window holds no key give out 0, LSE +inf, zero gradients. A
             window that hides keys needs seqlen_q + seqlen_k <= 2^31 - 512 (RuntimeError).
-            On sm_90 GPUs a windowed backward runs the sm80 kernels (mma.sync), not the Hopper ones.
         return_lse: also return the log-sum-exp.
 
     Returns:

@@ -61,7 +61,7 @@ multiple of 8, <= 256; CUDA: float16 / bfloat16, CPU: also float32 / float64. ca
 aligned (query i sees key j <= i + seqlen_k - seqlen_q). window_size_left / window_size_right: a
 sliding window (local attention; -1: no bound), query i sees key j only if i + off - left <= j <= i +
 off + right with off = seqlen_k - seqlen_q; causal sets the right bound to 0 (flash-attn's
-semantics; on sm_90 a windowed backward runs the sm80 kernels). Returns out (q's shape and dtype),
+semantics). Returns out (q's shape and dtype),
 softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
 out row is 0), and softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
 as (row max * softmax_scale * log2 e rounded to float32, i.e. the max of the scaled log2 scores;

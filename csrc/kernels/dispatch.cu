@@ -175,8 +175,8 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   // sequence's keys (or rows past cu_seqlens_k[-1]): masked in S, and their V rows zeroed in shared
   // memory before P V (sm90/flash_fwd_kernel.cuh), since 0 * NaN would be NaN.
   // A sliding window (flash.h: window_left / window_right) runs here too: the sm90 forward's
-  // per-warpgroup key ranges skip the steps before a window's left edge (its backward does not
-  // take windows: run_mha_bwd).
+  // per-warpgroup key ranges skip the steps outside a window (and the backward's kernels loop over
+  // the window's tiles: common/work.cuh, DkvWork / DqWork).
   const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr;
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
@@ -226,9 +226,7 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     constexpr int kHeadDim = decltype(hdim)::value;
     run_bwd_preprocess<Element>(params, stream);
     if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
-      // A sliding window runs the sm80 kernels, as the forward (their mask layer has the window's
-      // left bound; the sm90 kernels are compiled for the causal diagonal only).
-      if (path == ArchPath::kSm90 && params.window_left < 0 && params.window_right < 0) {
+      if (path == ArchPath::kSm90) {
         bool dkv_long = false;  // long dense calls: the long-query dK/dV row where the head dim has one
         if constexpr (contains(kSm90BwdDkvLongHdims, kHeadDim)) {
           dkv_long = sm90_bwd_long_rows_enabled() &&

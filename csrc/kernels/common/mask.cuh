@@ -96,8 +96,8 @@ struct AttnMask {
   // s[mi][ni][e] is query row0 + 16 mi + g + 8 (e / 2), key col0 + 8 ni + 2 t + (e % 2),
   // lane = 4 g + t (primitives/mma.cuh). The limits are taken relative to the thread's first
   // column, so each element costs one compare against a compile-time constant per bound.
-  // kLeft = false: the right bound and seqlen_k only (apply_right: the kernels no windowed call
-  // reaches, kernels/dispatch.cu); apply: a window's left bound too, behind a uniform branch.
+  // kLeft = false: the right bound and seqlen_k only (apply_right: the sm80 kernels' twins for
+  // calls without a left bound); apply: a window's left bound too, behind a uniform branch.
   template <bool kLeft, int kMAtoms, int kNAtoms>
   __device__ __forceinline__ void apply_bounds(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
     const int lane = threadIdx.x % 32;

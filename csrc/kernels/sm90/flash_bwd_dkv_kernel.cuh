@@ -149,7 +149,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
     // copies run under the products just issued).
     stages.refill(it + 1 - stages.kStages, w.n_iter, tid, load_q_tile);
 
-    const bool needs_mask = w.template needs_mask</*kLeft=*/false>(it);  // no window here (dispatch.cu)
+    const bool needs_mask = w.needs_mask(it);
     const int key0 = w.n0 + 64 * wg + 16 * warp_wg + g;
     uint32_t a_p[kSplit][kPart / 16][4], a_ds[kSplit][kPart / 16][4];
 #pragma unroll

@@ -136,7 +136,7 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
     float4* p_xchg = sP(it);
     if (wg == 0) {
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0), handed to role 1.
-      recompute_pt(acc_s, w.mask, precise, w.template needs_mask<false>(it), params.scale_softmax_log2, sHi(stage), sLo(stage),
+      recompute_pt(acc_s, w.mask, precise, w.needs_mask(it), params.scale_softmax_log2, sHi(stage), sLo(stage),
                    w.m0(it), 0, key0, t);
 #pragma unroll
       for (int j = 0; j < kNBlkM; ++j) p_xchg[j * 128 + tid_wg] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
