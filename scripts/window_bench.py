@@ -5,8 +5,8 @@ issues' cases). For each (hdim, seqlen, window) it times causal calls with windo
 FlashAttention-4 where importable (flash_attn.cute.flash_attn_func, window_size=(window - 1, 0)), and
 prints ms and TFLOP/s by the window's FLOP count: 4 B H d per visible (query, key) pair forward,
 2.5x that for the backward (the benchmark's count, reference.attention_flops, on the pairs a window
-keeps). On sm_90 a windowed call runs the sm80 kernels (kernels/dispatch.cu), so the ratio to the
-full causal call shows what a windowed sm90 kernel would be worth.
+keeps). The ratio to the full causal call shows how close the windowed kernels (their kLocal
+twins, common/mask.cuh) come to visiting only the window's tiles.
 
     python scripts/window_bench.py [--hdim 64,128] [--seqlen 4096,16384] [--window 256,1024,4096]
     python scripts/window_bench.py --device cpu --seqlen 256 --window 32 --hdim 32 --rep-ms 1   # smoke run

@@ -323,9 +323,9 @@ struct OnlineSoftmax {
 // Three copies of a kernel's P loop, picked per tile by a uniform branch (with_p_mode):
 //   kFast   tiles without masked pairs or large-magnitude rows (lo == 0 there): one FFMA and the
 //           exp2; `visible` is ignored (true on such tiles).
-//   kMasked the same for tiles crossing the causal diagonal or the seqlen_k edge: invisible -> 0
-//           (`visible` from the mask's right bound only: mask.cuh, visible<false>).
-//   kMaskedWindow  the same for a sliding window's tiles: `visible` from both bounds.
+//   kMasked the same for tiles crossing the causal diagonal, a sliding window's edge or the
+//           seqlen_k edge: invisible -> 0 (`visible` from the kernel's mask: its kLocal twin
+//           checks the window's left bound too, mask.cuh visible<kLocal>).
 //   kExact  tiles holding a large-magnitude row: the scaled score rounded first (as the forward's
 //           row max, hi = round(M c)), then hi and lo subtracted, so the max of a row gets exactly
 //           2^-lo at any magnitude (ties included). A recomputed score is a sum in another order
@@ -336,7 +336,7 @@ struct OnlineSoftmax {
 //           that distance of the max errs by < 2^(2^-22 |hi|) - 1 (0.2 % at |hi| = 1e4, the point
 //           where score rounding itself is that coarse). Invisible -> 0.
 // Rows without keys have hi = +inf: P = 0 in every mode.
-enum class PMode { kFast, kMasked, kMaskedWindow, kExact };
+enum class PMode { kFast, kMasked, kExact };
 constexpr float kTieTolerance = 1.f / (1 << 22);
 
 template <PMode kMode>
@@ -352,15 +352,12 @@ __device__ __forceinline__ float recompute_p(float s, float scale_log2, float hi
 }
 
 // Calls f(std::integral_constant<PMode, mode>{}) for the tile's mode: kExact where the tile holds
-// a large-magnitude row, else kMasked (kMaskedWindow for a call with a sliding window's left bound,
-// `window`) where it holds masked pairs, else kFast. The flags must be uniform over the threads
-// that share the tile (a branch, not a select).
+// a large-magnitude row, else kMasked where it holds masked pairs, else kFast. Both flags must be
+// uniform over the threads that share the tile (a branch, not a select).
 template <typename F>
-__device__ __forceinline__ void with_p_mode(bool precise, bool needs_mask, bool window, F&& f) {
+__device__ __forceinline__ void with_p_mode(bool precise, bool needs_mask, F&& f) {
   if (precise) {
     f(std::integral_constant<PMode, PMode::kExact>{});
-  } else if (needs_mask && window) {
-    f(std::integral_constant<PMode, PMode::kMaskedWindow>{});
   } else if (needs_mask) {
     f(std::integral_constant<PMode, PMode::kMasked>{});
   } else {

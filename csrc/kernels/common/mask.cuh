@@ -96,10 +96,10 @@ struct AttnMask {
   // s[mi][ni][e] is query row0 + 16 mi + g + 8 (e / 2), key col0 + 8 ni + 2 t + (e % 2),
   // lane = 4 g + t (primitives/mma.cuh). The limits are taken relative to the thread's first
   // column, so each element costs one compare against a compile-time constant per bound.
-  // kLeft = false: the right bound and seqlen_k only (apply_right: the sm80 kernels' twins for
-  // calls without a left bound); apply: a window's left bound too, behind a uniform branch.
+  // kLeft = false: the right bound and seqlen_k only, the code of the causal mask alone (the
+  // kernels' twins for calls without a window's left bound); true: the left bound too (kLocal).
   template <bool kLeft, int kMAtoms, int kNAtoms>
-  __device__ __forceinline__ void apply_bounds(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
+  __device__ __forceinline__ void apply(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, col_t = col0 + 2 * (lane % 4);
 #pragma unroll
@@ -116,18 +116,6 @@ struct AttnMask {
           }
         }
       }
-    }
-  }
-  template <int kMAtoms, int kNAtoms>
-  __device__ __forceinline__ void apply_right(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
-    apply_bounds<false>(s, row0, col0);
-  }
-  template <int kMAtoms, int kNAtoms>
-  __device__ __forceinline__ void apply(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
-    if (local()) {
-      apply_bounds<true>(s, row0, col0);
-    } else {
-      apply_bounds<false>(s, row0, col0);
     }
   }
 };

@@ -132,7 +132,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) in place (fp32; masked pairs -> 0),
     // primitives/softmax.cuh. The masked and exact copies of the loop run on the tiles that need
     // them only: the branch is uniform over the CTA.
-    with_p_mode(precise, w.template needs_mask<kLocal>(it), kLocal, [&](auto mode) {
+    with_p_mode(precise, w.template needs_mask<kLocal>(it), [&](auto mode) {
       constexpr PMode kMode = decltype(mode)::value;
 #pragma unroll
       for (int nb = 0; nb < T::kNBlkM; ++nb) {
@@ -145,7 +145,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = w.n0 + kWarpRows * warp_n + g + 8 * (e / 2) + 16 * ma;
-            const bool visible = w.mask.template visible<kMode != PMode::kMasked>(m0 + mc + (e % 2), key);
+            const bool visible = w.mask.template visible<kLocal>(m0 + mc + (e % 2), key);
             acc_s[ma][nb][e] = recompute_p<kMode>(acc_s[ma][nb][e], params.scale_softmax_log2, (e % 2) ? hi2.y : hi2.x,
                                                   (e % 2) ? lo2.y : lo2.x, visible);
           }

@@ -111,7 +111,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     constexpr PMode kMode = decltype(mode)::value;
     const int row = row_lo + 16 * ma + 8 * (e / 2);
     const float lo = kMode == PMode::kExact ? params.softmax_lse_log2_lo_ptr[ws + row] : 0.f;
-    const bool visible = w.mask.template visible<kMode != PMode::kMasked>(row, n0 + nb * 8 + 2 * t + (e % 2));
+    const bool visible = w.mask.template visible<kLocal>(row, n0 + nb * 8 + 2 * t + (e % 2));
     return recompute_p<kMode>(s, params.scale_softmax_log2, hi[ma][e / 2], lo, visible);
   };
 
@@ -151,7 +151,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
           }
         }
       };
-      with_p_mode(w.precise, needs_mask, kLocal, round_p);
+      with_p_mode(w.precise, needs_mask, round_p);
     }
 
     // Alg. 2 line 14: dP = dO_i V_j^T.
@@ -182,7 +182,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     if constexpr (kPRounded) {
       make_ds(std::integral_constant<PMode, PMode::kFast>{});  // P comes from p_rounded
     } else {
-      with_p_mode(w.precise, needs_mask, kLocal, make_ds);
+      with_p_mode(w.precise, needs_mask, make_ds);
     }
 
     // Alg. 2 line 16: dQ_i += dS K_j (A = dS from registers, B = K_j via ldmatrix.trans).

@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
       // The mask (common/mask.cuh): only tiles crossing the causal diagonal, a window's left edge or
       // the seqlen_k edge run mask code; the branch is uniform over the CTA, so tiles below the diagonal pay nothing.
-      if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply_bounds<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
+      if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
 
       cp_async_wait<0>();  // V_n landed ...
       __syncthreads();     // ... everyone's; and every warp finished reading K_n: K buffer free

@@ -45,7 +45,9 @@ struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, typename TileShape, bool kTma>
+// kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
+// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone.
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, TileShape::kMinBlocks)
 flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -72,7 +74,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
   // Alg. 2 line 7: K_j, V_j of step i (key block n_block_min + i: a sliding window's first block,
   // else 0) into `stage` (smem_layout.cuh). Line 10: Q_i, dO_i (resident, cp.async) with the first
   // K/V tiles.
-  const int n_block_min = w.n_block_min(), n_steps = max(w.n_block_max - n_block_min, 0);
+  const int n_block_min = kLocal ? w.n_block_min() : 0, n_steps = max(w.n_block_max - n_block_min, 0);
   const BwdStages<kTma, kThreads, T::kStages> stages(smem_addr + T::kOffBar);
   auto load_kv_tile = [&](int i, int s) {
     load_dq_stage<kTma, Element, T>(w, params, maps, smem, n_block_min + i, s, stages.full(s), tid);
@@ -126,7 +128,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
 
     wgmma_wait<1>();
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), while dP runs (masked -> 0; smem_layout.cuh).
-    recompute_p_rows(acc_s, w.mask, w.precise, w.block_needs_mask(n_block), params.scale_softmax_log2, hi,
+    recompute_p_rows<kLocal>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, hi,
                      params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 
     // Alg. 2 line 15: dS = P o (dP - D).

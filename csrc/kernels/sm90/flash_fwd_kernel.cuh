@@ -303,7 +303,10 @@ struct WarpgroupTurns {
   }
 };
 
-template <typename Traits>
+// kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd picks):
+// the tiles' key ranges start at the window's first block. The kernel without it is the causal
+// mask's code alone (n_block_min = 0, no left-edge masks or tail skips).
+template <typename Traits, bool kLocal = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_kernel(const __grid_constant__ Flash_fwd_params params, const __grid_constant__ FwdTmaMaps tma,
                      const __grid_constant__ FwdTileScheduler<Traits::kBlockM> sched) {
@@ -393,7 +396,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (w.past_end()) continue;  // varlen: no work, no ring position (the consumers skip it too)
         // Key blocks [n_block_min, n_block_max): n_steps steps (a sliding window's left bound: the
         // tile's first row's first block; else 0).
-        const int n_block_max = w.n_block_max, n_steps = max(n_block_max - w.n_block_min(), 0);
+        const int n_block_max = w.n_block_max, n_steps = max(n_block_max - (kLocal ? w.n_block_min() : 0), 0);
         const int bidb = w.seq.tma_batch(params);
         // K_n or V_n of step i (n = n_block_max - 1 - i) into its buffer of the next ring stage,
         // once the consumers released it (round 0 passes at once: fresh barriers), completing on its
@@ -479,7 +482,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
     const int qs = q_pipe.stage();
     mbarrier_wait(q_full(qs), q_pipe.phase());
-    const int n_block_max = w.n_block_max, n_block_min = w.n_block_min();
+    const int n_block_max = w.n_block_max, n_block_min = kLocal ? w.n_block_min() : 0;
     const int n_steps = max(n_block_max - n_block_min, 0);  // the tile's steps (key blocks)
     // This warpgroup's own key range where Traits::kWarpgroupKeyRanges (else the tile's): its 64
     // rows see keys of blocks [n_lo, n_top) only, so the tile's first n_block_max - n_top steps
@@ -491,13 +494,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int r0 = w.m0 + 64 * cw;  // this warpgroup's first row
     const bool own_range = Traits::kWarpgroupKeyRanges && 64 * cw < w.rows_q;
     int n_top = !Traits::kWarpgroupKeyRanges ? n_block_max : own_range ? w.mask.n_block_max(r0, 64, kBlockN) : 0;
-    int n_lo = !Traits::kWarpgroupKeyRanges ? n_block_min : own_range ? w.mask.n_block_min(r0, kBlockN) : 0;
-    if (n_top <= n_lo) n_top = n_lo = n_block_min;  // no key: every step skipped (at the front)
+    int n_lo = !kLocal || !Traits::kWarpgroupKeyRanges ? n_block_min : own_range ? w.mask.n_block_min(r0, kBlockN) : 0;
+    if (kLocal && n_top <= n_lo) n_top = n_lo = n_block_min;  // no key: every step skipped (at the front)
     const int n_wg = n_top - n_lo;
     const int n_unmasked =
         Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked(r0, kBlockN) : w.n_block_unmasked;
-    const int n_unmasked_lo = Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked_lo(r0, 64, kBlockN)
-                                                          : w.mask.n_block_unmasked_lo(w.m0, kBlockM, kBlockN);
+    const int n_unmasked_lo = !kLocal                      ? 0
+                              : Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked_lo(r0, 64, kBlockN)
+                                                            : w.mask.n_block_unmasked_lo(w.m0, kBlockM, kBlockN);
     const int i0 = n_block_max - n_top;  // this warpgroup's first step
     const uint32_t sQ_t = sQ(qs);
     // Step i of the tile: S_i reads K at kv_pipe.stage(i), P_{i-1} V at kv_pipe.stage(i - 1).
@@ -596,8 +600,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_fence_operands(flat(s[0]));
       __syncwarp();
       if (lane == 0) mbarrier_arrive(k_empty(kv_wg.stage(0)));  // this warp is done with K
-      if (n_top - 1 >= n_unmasked || n_top - 1 < n_unmasked_lo) {
-        w.mask.apply(s, w.m0 + row0(), (n_top - 1) * kBlockN);
+      if (n_top - 1 >= n_unmasked || (kLocal && n_top - 1 < n_unmasked_lo)) {
+        w.mask.template apply<kLocal>(s, w.m0 + row0(), (n_top - 1) * kBlockN);
       }
       softmax.update(s, acc_o, scale_log2);
 #pragma unroll
@@ -630,7 +634,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // The mask (common/mask.cuh) only on tiles crossing the causal diagonal, a window's left edge
         // or the seqlen_k edge (a warpgroup-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S -
         // m) c), l; alpha for O.
-        if (n >= n_unmasked || n < n_unmasked_lo) w.mask.apply(s, w.m0 + row0(), n * kBlockN);
+        if (n >= n_unmasked || (kLocal && n < n_unmasked_lo)) w.mask.template apply<kLocal>(s, w.m0 + row0(), n * kBlockN);
         float alpha[2];
         bool rescaled;
         if (early) {
@@ -690,8 +694,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       // The tile's steps after this warpgroup's (key blocks before its rows' window): skipped, so
       // every warpgroup takes the tile's n_steps + 1 turns and releases every stage.
+      if constexpr (kLocal) {
 #pragma unroll 1
-      for (int i = i0 + n_wg; i < n_steps; ++i) skip(i);
+        for (int i = i0 + n_wg; i < n_steps; ++i) skip(i);
+      }
     }
 
     // ---- Epilogue (Alg. 1 lines 12-13): O = acc_o / l, LSE = m + log2(l) (and its two parts), as
@@ -729,7 +735,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // buffer address is opaque per tile, as the thread index.
       uint32_t sO_addr = Traits::kStageOInV ? smem_addr + Traits::kOffV : sQ(qs);
       asm volatile("" : "+r"(sO_addr));
-      if (Traits::kStageOInV && wo.n_block_max > wo.n_block_min()) {  // the tile had steps (V loads)
+      if (Traits::kStageOInV && wo.n_block_max > (kLocal ? wo.n_block_min() : 0)) {  // the tile had steps (V loads)
         PipelineState<kStages> last = kv_next;  // the tile's last key block: one position before the next tile's first
         last.advance(2 * kStages - 1);
         mbarrier_wait(v_empty(last.stage()), last.phase());
