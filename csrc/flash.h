@@ -57,6 +57,13 @@ struct Flash_fwd_params : public Qkv_params {
   float scale_softmax_log2 = 0.f;  // softmax_scale * log2(e): scores go through exp2
 
   bool is_causal = false;  // bottom-right aligned: query i sees key j <= i + seqlen_k - seqlen_q
+  // Sliding window (local attention; flash-attn's window_size): with off = seqlen_k - seqlen_q,
+  // query i sees key j only if i + off - window_left <= j (window_left >= 0) and
+  // j <= i + off + window_right (window_right >= 0); -1: no bound on that side. is_causal is the
+  // right bound 0 (the API sets window_right = -1 then), so kernels read the bounds through
+  // AttnMask (kernels/common/mask.cuh). The API normalizes a bound that hides no key to -1.
+  int window_left = -1;
+  int window_right = -1;
   bool is_bf16 = false;    // element type of q/k/v/o: bf16 if true, else fp16
 
   // Device facts read once by the API (cudaGetDeviceProperties).
@@ -114,7 +121,6 @@ struct Flash_fwd_params : public Qkv_params {
   float* __restrict__ oaccum_ptr = nullptr;     // (num_splits, b, h, seqlen_q, d_rounded) float32
   float* __restrict__ softmax_lseaccum_ptr = nullptr;  // (num_splits, b, h, seqlen_q) float32
 
-  // Roadmap (docs/DESIGN.md): window_size_left/right.
 };
 
 struct Flash_bwd_params : public Flash_fwd_params {
@@ -162,6 +168,9 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
 // ceil(n / kBlock) (kBlock <= 256) and 128-row roundings of n stay in int32. flash_api.cpp refuses
 // longer ones by name.
 constexpr int kMaxSeqlen = 2147483647 - 255;
+// The longest seqlen_q + seqlen_k of a call with a sliding window (flash_api.cpp: mask_args), so
+// that the window's mask sums stay in int32 (kernels/common/mask.cuh).
+constexpr int64_t kMaxWindowedSeqlens = 2147483647 - 511;
 
 // The KV-cache forward (flash_attn_with_kvcache; params with cache_seqlens and/or block_table,
 // seqlen_q >= 1): appends knew / vnew into the cache, then runs the split-KV kernel with

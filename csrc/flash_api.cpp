@@ -113,6 +113,37 @@ void check_softmax_scale(double softmax_scale) {
               "the kernels scale scores by it), got ", softmax_scale);
 }
 
+// The mask of a call: causal (bottom-right aligned) and a sliding window (flash-attn's
+// window_size = (window_size_left, window_size_right); -1: no bound on that side). Query i sees
+// key j iff i + off - left <= j <= i + off + right, off = seqlen_k - seqlen_q; causal=True is the
+// right bound 0 and takes precedence over window_size_right (as flash-attn: causal with
+// window_size = (w, w) is (w, 0)).
+struct MaskArgs {
+  bool causal;
+  int window_left, window_right;  // normalized (flash.h): -1 where the bound hides no key
+};
+
+// The checked and normalized mask for a call whose longest sequence has seqlen_q queries and
+// seqlen_k keys (dense: the tensors'; varlen: max_seqlen_q / max_seqlen_k; KV cache: the cache's
+// capacity): a bound that hides no key is none (left >= seqlen_k - 1, right >= seqlen_q - 1; a
+// non-causal window (-1, 0) is causal), so such a call runs as the unwindowed one. A window that
+// remains needs seqlen_q + seqlen_k <= 2^31 - 512: the kernels' mask sums stay in int32 then
+// (kernels/common/mask.cuh).
+MaskArgs mask_args(bool causal, int64_t window_size_left, int64_t window_size_right, int64_t seqlen_q,
+                   int64_t seqlen_k) {
+  TORCH_CHECK(window_size_left >= -1, "flash_attn_ext: window_size_left must be -1 (no left bound) or >= 0, got ",
+              window_size_left);
+  TORCH_CHECK(window_size_right >= -1, "flash_attn_ext: window_size_right must be -1 (no right bound) or >= 0, got ",
+              window_size_right);
+  int64_t left = window_size_left >= seqlen_k - 1 ? -1 : window_size_left;
+  int64_t right = causal || window_size_right >= seqlen_q - 1 ? -1 : window_size_right;
+  if (!causal && left < 0 && right == 0) causal = true, right = -1;
+  TORCH_CHECK((left < 0 && right < 0) || seqlen_q + seqlen_k <= flash::kMaxWindowedSeqlens,
+              "flash_attn_ext: a sliding window needs seqlen_q + seqlen_k <= 2^31 - 512 = ", flash::kMaxWindowedSeqlens,
+              " (the kernels' mask arithmetic is int32), got seqlen_q ", seqlen_q, " and seqlen_k ", seqlen_k);
+  return {causal, int(left), int(right)};
+}
+
 // The last checks of the dense and varlen ops: contiguous last dims of q / k / v, the scale.
 void check_last_dims_scale(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale) {
   check_last_dim_contiguous(q, "q");
@@ -189,7 +220,7 @@ flash::TensorView view(const Tensor& t) {
 // stats: the (2, batch, nheads, seqlen_q) float32 contiguous softmax_stats, or undefined.
 void set_fwd_params(flash::Flash_fwd_params& p, const Sizes& s, const Tensor& q, const Tensor& k,
                     const Tensor& v, const Tensor& out, const Tensor& softmax_lse, const Tensor& stats,
-                    double softmax_scale, bool causal) {
+                    double softmax_scale, const MaskArgs& mask) {
   p.q = view(q), p.k = view(k), p.v = view(v), p.o = view(out);
   p.h = int(s.nheads);
   p.h_k = int(s.nheads_k);
@@ -207,15 +238,17 @@ void set_fwd_params(flash::Flash_fwd_params& p, const Sizes& s, const Tensor& q,
   p.d_rounded = p.d;  // the CUDA path overrides with the compiled head dim
   p.scale_softmax = softmax_scale;
   p.scale_softmax_log2 = float(softmax_scale * M_LOG2E);
-  p.is_causal = causal;
+  p.is_causal = mask.causal;
+  p.window_left = mask.window_left;  // normalized by mask_args
+  p.window_right = mask.window_right;
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
 }
 
 void set_bwd_params(flash::Flash_bwd_params& p, const Sizes& s, const Tensor& dout, const Tensor& q,
                     const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                     const Tensor& stats, const Tensor& dq, const Tensor& dk, const Tensor& dv, double softmax_scale,
-                    bool causal) {
-  set_fwd_params(p, s, q, k, v, out, softmax_lse, stats, softmax_scale, causal);
+                    const MaskArgs& mask) {
+  set_fwd_params(p, s, q, k, v, out, softmax_lse, stats, softmax_scale, mask);
   p.dout = view(dout), p.dq = view(dq), p.dk = view(dk), p.dv = view(dv);
 }
 
@@ -276,13 +309,15 @@ flash::cpu::Dtype cpu_dtype(at::ScalarType t) {
   }
 }
 
-FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal) {
+FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
+                   int64_t window_size_left, int64_t window_size_right) {
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   FwdOut outs = alloc_fwd(q, s);
   if (!fwd_nonempty(outs, s)) return outs;
   const auto& [out, lse, stats] = outs;
   flash::Flash_fwd_params params;
-  set_fwd_params(params, s, q, k, v, out, lse, stats, softmax_scale, causal);
+  set_fwd_params(params, s, q, k, v, out, lse, stats, softmax_scale, mask);
   flash::cpu::run_mha_fwd_cpu(params, cpu_dtype(q.scalar_type()));
   return outs;
 }
@@ -290,12 +325,13 @@ FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double sof
 std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Tensor& q, const Tensor& k,
                                                 const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                 double softmax_scale, bool causal,
-                                                const c10::optional<Tensor>& softmax_stats) {
+                                                const c10::optional<Tensor>& softmax_stats, int64_t window_size_left, int64_t window_size_right) {
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   check_rank4(dout_in, "dout", "(batch, seqlen_q, nheads, headdim)");
   check_rank4(out, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q, out, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q, s);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   Tensor dq = torch::empty(q.sizes(), q.options());
   Tensor dk = torch::empty(k.sizes(), k.options());
   Tensor dv = torch::empty(v.sizes(), v.options());
@@ -304,7 +340,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   const Tensor dout = dout_in.stride(-1) == 1 ? dout_in : dout_in.contiguous();
   const Tensor lse = softmax_lse.contiguous();
   flash::Flash_bwd_params params;
-  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, softmax_scale, causal);
+  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, softmax_scale, mask);
   flash::cpu::run_mha_bwd_cpu(params, cpu_dtype(q.scalar_type()));
   return {dq, dk, dv};
 }
@@ -420,9 +456,10 @@ Tensor seq_slice(const Tensor& t, int begin, int end) { return t.narrow(0, begin
 
 FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                           const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-                          bool causal) {
+                          bool causal, int64_t window_size_left, int64_t window_size_right) {
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
+  mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
   FwdOut outs = alloc_varlen_fwd(q, s);
@@ -435,7 +472,8 @@ FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
   for (int64_t b = 0; b < s.batch; ++b) {
     if (cq[b + 1] == cq[b]) continue;
     const auto [o_b, lse_b, stats_b] = forward_cpu(seq_slice(q, cq[b], cq[b + 1]), seq_slice(k, ck[b], ck[b + 1]),
-                                                   seq_slice(v, ck[b], ck[b + 1]), softmax_scale, causal);
+                                                   seq_slice(v, ck[b], ck[b + 1]), softmax_scale, causal,
+                                                   window_size_left, window_size_right);
     out.narrow(0, cq[b], cq[b + 1] - cq[b]).copy_(o_b[0]);
     lse.narrow(1, cq[b], cq[b + 1] - cq[b]).copy_(lse_b[0]);
     stats.narrow(2, cq[b], cq[b + 1] - cq[b]).copy_(stats_b.select(1, 0));
@@ -447,12 +485,14 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
                                                        const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                        const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-                                                       bool causal, const c10::optional<Tensor>& softmax_stats) {
+                                                       bool causal, const c10::optional<Tensor>& softmax_stats,
+                                                       int64_t window_size_left, int64_t window_size_right) {
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
   check_rank3(dout, "dout", "(total_q, nheads, headdim)");
   check_rank3(out, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats, s);
+  mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
   const bool has_stats = softmax_stats.has_value() && softmax_stats->defined();
@@ -468,7 +508,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
     const auto [dq_b, dk_b, dv_b] =
         backward_cpu(seq_slice(dout, q0, q1), seq_slice(q, q0, q1), seq_slice(k, k0, k1), seq_slice(v, k0, k1),
                      seq_slice(out, q0, q1), softmax_lse.narrow(1, q0, q1 - q0).unsqueeze(0), softmax_scale, causal,
-                     stats_b);
+                     stats_b, window_size_left, window_size_right);
     dq.narrow(0, q0, q1 - q0).copy_(dq_b[0]);
     dk.narrow(0, k0, k1 - k0).copy_(dk_b[0]);
     dv.narrow(0, k0, k1 - k0).copy_(dv_b[0]);
@@ -593,9 +633,10 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
                                            const c10::optional<Tensor>& k, const c10::optional<Tensor>& v,
                                            const c10::optional<Tensor>& cache_seqlens,
                                            const c10::optional<Tensor>& block_table, double softmax_scale, bool causal,
-                                           int64_t num_splits) {
+                                           int64_t num_splits, int64_t window_size_left, int64_t window_size_right) {
   const KvcacheSizes ks =
       check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits, /*cuda=*/false);
+  mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);  // before the append
   const Sizes& s = ks.s;
   const bool has_seqlens = cache_seqlens.has_value() && cache_seqlens->defined();
   Tensor out = torch::empty(q.sizes(), q.options());
@@ -630,7 +671,8 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
     const int64_t len_k = cached[b] + ks.seqlen_new;
     const auto [o_b, lse_b, stats_b] =
         forward_cpu(q.narrow(0, b, 1), cache_rows(k_cache, ks, table[b], b, len_k).unsqueeze(0),
-                    cache_rows(v_cache, ks, table[b], b, len_k).unsqueeze(0), softmax_scale, causal);
+                    cache_rows(v_cache, ks, table[b], b, len_k).unsqueeze(0), softmax_scale, causal,
+                    window_size_left, window_size_right);
     out[b].copy_(o_b[0]);
     lse[b].copy_(lse_b[0]);
   }
@@ -725,8 +767,10 @@ int cuda_rounded_headdim(int d) {
   return d_rounded;
 }
 
-FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, double softmax_scale, bool causal) {
+FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, double softmax_scale, bool causal,
+                    int64_t window_size_left, int64_t window_size_right) {
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -737,7 +781,7 @@ FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, 
   const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
 
   flash::Flash_fwd_params params;
-  set_fwd_params(params, s, q, k, v, out, lse, stats, scale, causal);
+  set_fwd_params(params, s, q, k, v, out, lse, stats, scale, mask);
   launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
 }
@@ -745,13 +789,14 @@ FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, 
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
                                                  const Tensor& v_in, const Tensor& out_in,
                                                  const Tensor& softmax_lse, double softmax_scale, bool causal,
-                                                 const c10::optional<Tensor>& softmax_stats) {
+                                                 const c10::optional<Tensor>& softmax_stats, int64_t window_size_left, int64_t window_size_right) {
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   check_rank4(dout_in, "dout", "(batch, seqlen_q, nheads, headdim)");
   check_rank4(out_in, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q_in, out_in, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q_in, s);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
@@ -766,7 +811,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   const Tensor dout = aligned_for_cuda(dout_in);
   const Tensor lse = softmax_lse.contiguous();
   flash::Flash_bwd_params params;
-  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, causal);
+  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, mask);
   // Workspaces (b, h, seqlen_q rounded up to 128) per plane.
   const int64_t seqlen_q_rounded = (s.seqlen_q + 127) / 128 * 128;
   const auto workspaces = set_bwd_workspaces(params, {s.batch, s.nheads, seqlen_q_rounded}, s.batch, s.nheads,
@@ -811,9 +856,10 @@ void set_varlen_params(flash::Flash_fwd_params& p, const VarlenSizes& s, const T
 
 FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& cu_seqlens_q,
                            const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                           double softmax_scale, bool causal) {
+                           double softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right) {
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -826,7 +872,7 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   flash::Flash_fwd_params params;
   const Sizes dense{s.batch, max_seqlen_q, max_seqlen_k, s.nheads, s.nheads_k, s.headdim};
   set_fwd_params(params, dense, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse, stats, scale,
-                 causal);
+                 mask);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
@@ -837,13 +883,14 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
                                                         const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
                                                         const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                         int64_t max_seqlen_k, double softmax_scale, bool causal,
-                                                        const c10::optional<Tensor>& softmax_stats) {
+                                                        const c10::optional<Tensor>& softmax_stats, int64_t window_size_left, int64_t window_size_right) {
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   check_rank3(dout_in, "dout", "(total_q, nheads, headdim)");
   check_rank3(out_in, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout_in, q_in, out_in, softmax_lse, softmax_stats, s);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
@@ -863,7 +910,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
   flash::Flash_bwd_params params;
   const Sizes dense{s.batch, max_seqlen_q, max_seqlen_k, s.nheads, s.nheads_k, s.headdim};
   set_bwd_params(params, dense, dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
-                 lse, stats, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), scale, causal);
+                 lse, stats, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), scale, mask);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.dout = view_packed(dout), params.dq = view_packed(dq), params.dk = view_packed(dk), params.dv = view_packed(dv);
   // Workspaces (flash.h): (nheads, varlen_ws_rows) per plane; precise_rows per 128 rows of
@@ -880,9 +927,10 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
                                             const c10::optional<Tensor>& k_new, const c10::optional<Tensor>& v_new,
                                             const c10::optional<Tensor>& cache_seqlens,
                                             const c10::optional<Tensor>& block_table, double softmax_scale,
-                                            bool causal, int64_t num_splits) {
+                                            bool causal, int64_t num_splits, int64_t window_size_left, int64_t window_size_right) {
   const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, softmax_scale,
                                         num_splits, /*cuda=*/true);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);
   const Sizes& s = ks.s;
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   // A cache that new k / v are appended to is written in place: it must already be 16-byte aligned
@@ -905,7 +953,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
   const Tensor q = aligned_for_cuda(q_pos);
 
   flash::Flash_fwd_params params;
-  set_fwd_params(params, s, q, k_cache_r, v_cache_r, out, lse, Tensor(), scale, causal);
+  set_fwd_params(params, s, q, k_cache_r, v_cache_r, out, lse, Tensor(), scale, mask);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
   if (cache_seqlens.has_value() && cache_seqlens->defined()) params.cache_seqlens = cache_seqlens->data_ptr<int>();
@@ -942,32 +990,32 @@ void no_cuda(const Tensor& q, std::initializer_list<std::pair<const Tensor&, con
   TORCH_CHECK(false, "flash_attn_ext: this build has no CUDA kernels (built with FLASH_ATTN_EXT_CUDA_ARCHS=none "
                      "or without nvcc / a CUDA-enabled torch); rebuild with CUDA to run on a GPU");
 }
-FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool) {
+FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool, int64_t, int64_t) {
   no_cuda(q, {{k, "k"}, {v, "v"}});
   return {};
 }
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                  const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
-                                                 double, bool, const c10::optional<Tensor>&) {
+                                                 double, bool, const c10::optional<Tensor>&, int64_t, int64_t) {
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
 }
 FwdOut varlen_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
-                           const Tensor& cu_seqlens_k, int64_t, int64_t, double, bool) {
+                           const Tensor& cu_seqlens_k, int64_t, int64_t, double, bool, int64_t, int64_t) {
   no_cuda(q, {{k, "k"}, {v, "v"}, {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}});
   return {};
 }
 std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                         const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                         const Tensor&, const Tensor&, int64_t, int64_t, double, bool,
-                                                        const c10::optional<Tensor>&) {
+                                                        const c10::optional<Tensor>&, int64_t, int64_t) {
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
 }
 std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&, double, bool,
-                                            int64_t) {
+                                            int64_t, int64_t, int64_t) {
   no_cuda(q, {{k_cache, "k_cache"}, {v_cache, "v_cache"}});
   return {};
 }
@@ -980,21 +1028,25 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   // Fake kernels and autograd live in this Python module; torch imports it on demand.
   m.set_python_module("flash_attn_ext.ops");
   m.def(
-      "forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor softmax_lse, "
-      "Tensor softmax_stats)");
+      "forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_size_left=-1, "
+      "int window_size_right=-1) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
-      "bool causal, Tensor? softmax_stats=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1) -> (Tensor dq, "
+      "Tensor dk, Tensor dv)");
   m.def(
       "varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-      "int max_seqlen_k, float softmax_scale, bool causal) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
+      "int max_seqlen_k, float softmax_scale, bool causal, int window_size_left=-1, int window_size_right=-1) -> "
+      "(Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
-      "bool causal, Tensor? softmax_stats=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1) -> (Tensor dq, "
+      "Tensor dk, Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
-      "Tensor? block_table, float softmax_scale, bool causal, int num_splits) -> (Tensor out, Tensor softmax_lse)");
+      "Tensor? block_table, float softmax_scale, bool causal, int num_splits, int window_size_left=-1, "
+      "int window_size_right=-1) -> (Tensor out, Tensor softmax_lse)");
 }
 
 // Every op's kernel for one dispatch key: the CPU and CUDA functions differ by their suffix only.

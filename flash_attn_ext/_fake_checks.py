@@ -91,6 +91,24 @@ def check_softmax_scale(softmax_scale: float) -> None:
               f"scale scores by it), got {softmax_scale}")
 
 
+MAX_WINDOWED_SEQLENS = 2**31 - 512  # csrc/flash.h kMaxWindowedSeqlens
+
+
+def check_window(window_size_left: int, window_size_right: int, causal: bool, seqlen_q, seqlen_k) -> None:
+    """mask_args: each side of the sliding window -1 (no bound) or >= 0, and a window that hides
+    some key only where seqlen_q + seqlen_k <= 2^31 - 512 (the longest sequence's lengths)."""
+    if window_size_left < -1:
+        _fail("window_size_left must be -1 (no left bound) or >= 0, got ", window_size_left)
+    if window_size_right < -1:
+        _fail("window_size_right must be -1 (no right bound) or >= 0, got ", window_size_right)
+    left = window_size_left >= 0 and window_size_left < seqlen_k - 1
+    right = not causal and window_size_right >= 0 and window_size_right < seqlen_q - 1
+    right = right and not (not causal and not left and window_size_right == 0)
+    if (left or right) and seqlen_q + seqlen_k > MAX_WINDOWED_SEQLENS:
+        _fail("a sliding window needs seqlen_q + seqlen_k <= 2^31 - 512 = ", MAX_WINDOWED_SEQLENS,
+              " (the kernels' mask arithmetic is int32), got seqlen_q ", seqlen_q, " and seqlen_k ", seqlen_k)
+
+
 def check_last_dims_scale(q, k, v, softmax_scale: float) -> None:
     check_last_dim_contiguous(q, "q")
     check_last_dim_contiguous(k, "k")

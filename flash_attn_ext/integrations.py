@@ -35,9 +35,11 @@ Masks (never ignored):
     into a zero tensor, so every row equals sdpa's and rows that see no key are 0. So at most
     two kernel launches per layer whatever the batch (one dense call when nothing is masked),
     differentiable; the analysis costs a few host syncs per layer (sizes and max_seqlen, a
-    constant number, not one per sequence). Any other pattern (sliding windows, packed
-    sequences, per-head masks, additive biases) raises NotImplementedError naming the cause:
-    use attn_implementation="sdpa" for those models.
+    constant number, not one per sequence). A layer's ``sliding_window`` (Mistral, Qwen2,
+    Gemma's local layers) adds the window to the causal problems (``window_size``) and to right
+    padding's pad rows (one call per distinct count of them). Any other pattern (a window the layer does not pass, packed
+    sequences, per-head masks, additive biases) raises NotImplementedError naming the cause: use
+    attn_implementation="sdpa" for those models.
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ def _allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def _masked_attention(q, k, v, attention_mask, scaling):
+def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
     """Unpad, at most two varlen calls, pad (see the module docstring). q: (B, Lq, H, D) BSHD,
-    k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk). Returns (B, Lq, H, D)."""
+    k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk); window_left: a causal sliding
+    window's left bound (window_size[0]), -1 for none. Returns (B, Lq, H, D)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
     if attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, B) or \
             attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (Lq, Lk):
@@ -83,16 +86,17 @@ def _masked_attention(q, k, v, attention_mask, scaling):
     m = _allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
     if m.numel() == 0:
         return q.new_zeros(q.shape)
-    bad, k_in, q_parts = _split_mask(m)
+    bad, k_in, q_parts = _split_mask(m, window_left)
     nk, nq = k_in.sum(1), [sel.sum(1) for sel in q_parts]        # (B,) each
     stats = torch.stack([bad.any().long(), nk.sum(), nk.max(), nq[0].sum(), nq[0].max(),
                          nq[1].sum(), nq[1].max()]).tolist()     # one host sync for the sizes
     if stats[0]:
         raise NotImplementedError(
             f"flash_attn_ext attention: the attention mask of batch element "
-            f"{int(bad.nonzero()[0])} is neither padding nor causal+padding (e.g. a sliding "
-            "window or packed sequences); those patterns are not supported, use "
-            'attn_implementation="sdpa"')
+            f"{int(bad.nonzero()[0])} is neither padding nor causal+padding"
+            + (" with the layer's sliding window" if window_left >= 0
+               else " (e.g. a sliding window the layer does not pass, or packed sequences)")
+            + '; those patterns are not supported, use attn_implementation="sdpa"')
     total_k, max_k, total_q, max_q = stats[1], stats[2], stats[3::2], stats[4::2]
     if total_q[1] == B * Lq and total_k == B * Lk:  # every query sees every key: nothing masked
         return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False)
@@ -101,17 +105,28 @@ def _masked_attention(q, k, v, attention_mask, scaling):
     kb, kj = k_in.nonzero().unbind(1)
     k_packed, v_packed, cu_k = k[kb, kj], v[kb, kj], _cu_seqlens(nk)
     out = q.new_zeros(q.shape)                                   # rows that see no key stay 0
-    for p, causal in enumerate((True, False)):
-        if total_q[p] == 0:
-            continue
-        qb, qi = q_parts[p].nonzero().unbind(1)
-        o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, _cu_seqlens(nq[p]), cu_k,
-                                   max_q[p], max_k, softmax_scale=scaling, causal=causal)
+    calls = []  # (query rows, per-element counts, max count, causal, window_size)
+    if total_q[0]:
+        calls.append((q_parts[0], nq[0], max_q[0], True, (window_left, -1)))
+    if total_q[1] and window_left < 0:
+        calls.append((q_parts[1], nq[1], max_q[1], False, (-1, -1)))
+    elif total_q[1]:
+        # With a window the rows that see all keys (right padding's pad rows: row r of an
+        # element's P, after its nk real ones, sees keys j >= nk + r - window_left) are a
+        # bottom-right problem of P rows only with left bound window_left - P: one call per
+        # distinct P (a host sync for them), the other elements zero-length sequences there.
+        for count in sorted(set(nq[1].tolist()) - {0}):
+            sel = q_parts[1] & (nq[1] == count)[:, None]
+            calls.append((sel, sel.sum(1), count, False, (window_left - count, -1)))
+    for rows, counts, max_rows, causal, window in calls:
+        qb, qi = rows.nonzero().unbind(1)
+        o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, _cu_seqlens(counts), cu_k,
+                                   max_rows, max_k, softmax_scale=scaling, causal=causal, window_size=window)
         out = out.index_put((qb, qi), o)                         # pad
     return out
 
 
-def _split_mask(m):
+def _split_mask(m, window_left=-1):
     """Analysis of a boolean (B, Lq, Lk) mask, vectorized over the batch.
 
     For batch element b: the queries that see some key (nq of them, ranked i = 0..nq-1 in
@@ -122,6 +137,9 @@ def _split_mask(m):
     rows with all nk keys are a bottom-right causal problem (h = nq: left padding, a cache) and
     the other nq - h rows see all nk keys (off = 0, nq > nk: the pad query rows of right
     padding under a causal mask).
+
+    With a sliding window (window_left >= 0) each query also sees only keys j >= i + off -
+    window_left (the rows that see all keys of their element: those within the window).
 
     Returns (bad, k_in, (causal_q, full_q)): bad (B,) bool, the elements whose mask is not
     such a pattern; k_in (B, Lk) bool, the keys seen by some query; causal_q / full_q (B, Lq)
@@ -134,6 +152,8 @@ def _split_mask(m):
     off = m.sum(2).gather(1, first[:, None]).squeeze(1) - 1      # -1 where none does
     expected = (q_in[:, :, None] & k_in[:, None, :]
                 & (j[:, None, :] <= i[:, :, None] + off[:, None, None]))
+    if window_left >= 0:
+        expected &= j[:, None, :] >= i[:, :, None] + off[:, None, None] - window_left
     bad = (m != expected).flatten(1).any(1)
     h = torch.where(off + 1 >= nk, 0, nk - off)[:, None]         # rows of the causal problem
     return bad, k_in, (q_in & (i < h), q_in & (i >= h))
@@ -166,8 +186,10 @@ def flash_attn_ext_attention_forward(
         dropout: must be 0.0 (call ``model.eval()``, or set the attention dropout to 0).
         scaling: softmax scale (default 1 / sqrt(headdim)).
         is_causal: overrides ``module.is_causal``.
-        kwargs: ``softcap``, ``position_bias``, ``s_aux``/``sinks`` must be None; others (e.g.
-            ``sliding_window``, already encoded in the mask) are ignored as by the sdpa path.
+        kwargs: ``softcap``, ``position_bias``, ``s_aux``/``sinks`` must be None;
+            ``sliding_window`` (a causal layer's window of that many keys, transformers' ``kv_idx >
+            q_idx - sliding_window``) runs as ``window_size=(sliding_window - 1, 0)``; others are
+            ignored as by the sdpa path.
     Returns:
         (attn_output (batch, q_len, nheads, headdim) contiguous, None).
     Raises:
@@ -188,18 +210,26 @@ def flash_attn_ext_attention_forward(
             "flash_attn_ext attention: output_attentions=True is not supported (the attention "
             'weights are never materialised); use attn_implementation="eager"')
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window_left = -1
+    if kwargs.get("sliding_window") is not None:
+        if not is_causal:
+            raise NotImplementedError(
+                "flash_attn_ext attention: a bidirectional sliding window is not supported; use "
+                'attn_implementation="sdpa" for this model')
+        window_left = int(kwargs["sliding_window"]) - 1
     q_len, kv_len = query.shape[2], key.shape[2]
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # BSHD views
     if attention_mask is not None:
-        return _masked_attention(q, k, v, attention_mask, scaling), None
+        return _masked_attention(q, k, v, attention_mask, scaling, window_left), None
     # No mask: transformers' sdpa_mask returned None, so the pattern is plain causal or plain
     # bidirectional. As the sdpa path: one query token sees everything; with kv_len > q_len
     # (prefill into an empty static cache) the keys beyond q_len are empty slots: drop them.
     causal = bool(is_causal) and q_len > 1
     if causal and kv_len > q_len:
         k, v = k[:, :q_len], v[:, :q_len]
-    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal), None
+    window = (window_left, 0) if window_left >= 0 else (-1, -1)  # right bound 0: decode's one query too
+    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window), None
 
 
 def register_transformers(name: str = DEFAULT_NAME) -> str:

@@ -17,6 +17,7 @@ def flash_attn_func(
     *,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
 ):
     """Exact attention ``softmax(softmax_scale * Q K^T) V`` without materialising the scores.
@@ -68,6 +69,13 @@ def flash_attn_func(
         causal: mask aligned to the bottom-right corner: query i sees key j iff
             j <= i + seqlen_k - seqlen_q. When seqlen_q > seqlen_k the first query rows see no
             key: their output is 0, their LSE is +inf and their gradients are 0 (never NaN).
+        window_size: (left, right) sliding window (local attention, as flash-attn's; Beltagy et
+            al. 2020, "Longformer"): query i sees key j only if i + off - left <= j <= i + off +
+            right, off = seqlen_k - seqlen_q (bottom-right aligned); -1 leaves that side unbounded
+            (the default (-1, -1): full attention). With causal=True the right side is 0 whatever
+            window_size[1] says (flash-attn's rule, so ``causal=True, window_size=(w, w)`` is
+            ``(w, 0)``). Rows whose window holds no key give out 0, LSE +inf, zero gradients. A
+            window that hides keys needs seqlen_q + seqlen_k <= 2^31 - 512 (RuntimeError).
         return_lse: also return the log-sum-exp.
 
     Returns:
@@ -88,15 +96,25 @@ def flash_attn_func(
             nested (jagged) tensors (pack them and call flash_attn_varlen_func).
         TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
-            scale gets no gradient); arguments after v given positionally.
+            scale gets no gradient); window_size that is not a pair of ints; arguments after v
+            given positionally. (A window side below -1 is a RuntimeError naming it.)
 
     Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0
     gives out = 0 and LSE = +inf.
     """
     _check_tensors(q=q, k=k, v=v)
     scale = _scale("softmax_scale", softmax_scale, q)
-    out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal))
+    out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size))
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
+
+
+def _window(window_size) -> tuple[int, int]:
+    """window_size as (left, right) Python ints, or TypeError: a pair (tuple or list) of ints.
+    Their values (-1 or >= 0) are the op's to check; one past any sequence length (>= 2^62) is the
+    same bound as 2^62, which the op's int64 argument holds."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"flash_attn_ext: window_size must be a pair (left, right) of ints, got {window_size!r}")
+    return tuple(min(_as_int(f"window_size[{i}]", window_size[i]), 2**62) for i in range(2))
 
 
 def _scale(name: str, value, q: torch.Tensor) -> float:
@@ -174,6 +192,7 @@ def flash_attn_varlen_func(
     *,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
 ):
     """Exact attention over a batch of variable-length sequences packed along one dimension.
@@ -196,6 +215,7 @@ def flash_attn_varlen_func(
             argument is dropout_p). softmax_scale: default 1 / sqrt(headdim), as flash_attn_func's.
             causal: bottom-right aligned per sequence (query i of a sequence sees key j <= i +
             seqlen_k - seqlen_q of that sequence).
+        window_size: (left, right) sliding window per sequence, as ``flash_attn_func``'s.
         return_lse: also return softmax_lse.
 
     Returns:
@@ -221,7 +241,8 @@ def flash_attn_varlen_func(
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
-        _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal))
+        _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
+        *_window(window_size))
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
 
 
@@ -236,6 +257,7 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
     num_splits: int = 0,
     return_lse: bool = False,
 ):
@@ -265,6 +287,9 @@ def flash_attn_with_kvcache(
             ``block_table[b, r // page_size]``, row ``r % page_size``.
         softmax_scale: default 1 / sqrt(headdim). causal: bottom-right aligned: query i sees
             cache row j <= i + cache_seqlens[b] + seqlen_new - seqlen_q.
+        window_size: (left, right) sliding window against the same count, as
+            ``flash_attn_func``'s (a decode step with window_size=(w - 1, 0) reads the last w
+            cache rows only).
         num_splits: 0 = chosen from the shapes; 1 = no split; up to 128.
         return_lse: also return softmax_lse.
 
@@ -298,5 +323,5 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, _as_bool("causal", causal),
-        _as_int("num_splits", num_splits))
+        _as_int("num_splits", num_splits), *_window(window_size))
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out

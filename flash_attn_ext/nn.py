@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .interface import flash_attn_func
+from .reference import visible_mask
 from .sdpa import _autocast_and_check_dtype
 
 __all__ = ["FlashAttention", "MultiheadFlashAttention", "apply_rotary", "rotary_cos_sin"]
@@ -31,6 +32,8 @@ class FlashAttention(nn.Module):
         softmax_scale: default 1 / sqrt(headdim).
         causal: bottom-right aligned causal mask: query i sees key j <= i + seqlen_k - seqlen_q
             (the usual mask when seqlen_q == seqlen_k).
+        window_size: (left, right) sliding window, as ``flash_attn_func``'s (default (-1, -1):
+            none; a causal model's window of w keys is (w - 1, 0)).
 
     Forward:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
@@ -44,17 +47,21 @@ class FlashAttention(nn.Module):
     vjp, jvp, jacrev, jacfwd, vmap): see ``flash_attn_ext.flash_attn_func``.
     """
 
-    def __init__(self, softmax_scale: float | None = None, causal: bool = False):
+    def __init__(self, softmax_scale: float | None = None, causal: bool = False,
+                 window_size: tuple[int, int] = (-1, -1)):
         super().__init__()
         self.softmax_scale = softmax_scale
         self.causal = causal
+        self.window_size = tuple(window_size)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = _autocast_and_check_dtype({"q": q, "k": k, "v": v})
-        return flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal)
+        return flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal,
+                               window_size=self.window_size)
 
     def extra_repr(self) -> str:
-        return f"softmax_scale={self.softmax_scale}, causal={self.causal}"
+        window = "" if self.window_size == (-1, -1) else f", window_size={self.window_size}"
+        return f"softmax_scale={self.softmax_scale}, causal={self.causal}{window}"
 
 
 def rotary_cos_sin(seqlen: int, headdim: int, base: float = 10000.0, device=None,
@@ -105,6 +112,8 @@ class MultiheadFlashAttention(nn.Module):
         num_kv_heads: key/value heads Hk (default H); ``H % Hk == 0``. Hk < H is GQA, Hk = 1 MQA.
         bias: biases in the input and output projections.
         causal: causal self-attention (bottom-right aligned when seqlen_q != seqlen_k).
+        window_size: (left, right) sliding window, as ``flash_attn_func``'s (keyword-only;
+            default (-1, -1): none; a causal model's window of w keys is (w - 1, 0)).
         rotary: apply rotary position embedding to q and k, positions 0..seqlen-1 of each.
         rotary_base: the base of the rotary frequencies (theta_i = base^(-2i/headdim)).
         device, dtype: of the parameters.
@@ -134,7 +143,7 @@ class MultiheadFlashAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
                  bias: bool = True, causal: bool = False, rotary: bool = False,
                  rotary_base: float = 10000.0, device=None, dtype=None, *,
-                 backend: str = "flash_attn_ext"):
+                 backend: str = "flash_attn_ext", window_size: tuple[int, int] = (-1, -1)):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if embed_dim % num_heads != 0:
@@ -156,6 +165,7 @@ class MultiheadFlashAttention(nn.Module):
         self.head_dim = head_dim
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
         self.backend = backend
+        self.window_size = tuple(window_size)
         self.batch_first = True  # for code that inspects nn.MultiheadAttention's attribute
         factory = {"device": device, "dtype": dtype}
         qkv_dim = (num_heads + 2 * num_kv_heads) * head_dim
@@ -179,15 +189,14 @@ class MultiheadFlashAttention(nn.Module):
     def _attention(self, q, k, v, causal: bool) -> torch.Tensor:
         if self.backend == "flash_attn_ext":
             q, k, v = _autocast_and_check_dtype({"query": q, "key": k, "value": v})
-            return flash_attn_func(q, k, v, causal=causal)
+            return flash_attn_func(q, k, v, causal=causal, window_size=self.window_size)
         # Reference path: torch SDPA on BHSD views; an explicit bottom-right mask when the
-        # alignments differ (seqlen_q != seqlen_k), so both backends compute the same function.
+        # alignments differ (seqlen_q != seqlen_k) or a window is set, so both backends compute
+        # the same function.
         Lq, Lk = q.shape[1], k.shape[1]
         mask = None
-        if causal and Lq != Lk:
-            i = torch.arange(Lq, device=q.device)[:, None]
-            j = torch.arange(Lk, device=q.device)[None, :]
-            mask = j <= i + (Lk - Lq)
+        if (causal and Lq != Lk) or self.window_size != (-1, -1):
+            mask = visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             is_causal=causal and mask is None, enable_gqa=self.num_kv_heads != self.num_heads)
@@ -315,4 +324,4 @@ class MultiheadFlashAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, causal={self.causal}, rotary={self.rotary}, "
-                f"backend={self.backend!r}")
+                f"backend={self.backend!r}" + ("" if self.window_size == (-1, -1) else f", window_size={self.window_size}"))

@@ -22,7 +22,8 @@ adds what lives in Python:
     ``torch.vmap`` and per-sample gradients ``torch.vmap(torch.func.grad(...))`` need no
     per-sample fallback loop.
 
-Op contract (docs/DESIGN.md):
+Op contract (docs/DESIGN.md); every op also takes ``window_size_left=-1, window_size_right=-1``
+(a sliding window, flash-attn's ``window_size``; see ``reference.visible_mask``):
   forward(q, k, v, softmax_scale, causal) -> (out, softmax_lse, softmax_stats)
       q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim), BSHD with a
       contiguous last dim; out: q's shape, contiguous; softmax_lse: (batch, nheads, seqlen_q)
@@ -44,18 +45,23 @@ import torch
 
 from . import _C  # noqa: F401  (defines the ops)
 from . import _fake_checks as _checks
+from .reference import visible_mask
 
 forward = torch.ops.flash_attn_ext.forward
 backward = torch.ops.flash_attn_ext.backward
 
 forward.__doc__ = forward.default.__doc__ = """\
-forward(q, k, v, softmax_scale: float, causal: bool) -> (out, softmax_lse, softmax_stats)
+forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
+        window_size_right: int = -1) -> (out, softmax_lse, softmax_stats)
 
 Exact attention softmax(softmax_scale * Q K^T) V (FlashAttention-2, Dao 2023, Algorithm 1; on
 sm_90 GPUs FlashAttention-3's Hopper kernel). q: (batch, seqlen_q, nheads, headdim); k, v:
 (batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0; last dim contiguous; headdim a
 multiple of 8, <= 256; CUDA: float16 / bfloat16, CPU: also float32 / float64. causal: bottom-right
-aligned (query i sees key j <= i + seqlen_k - seqlen_q). Returns out (q's shape and dtype),
+aligned (query i sees key j <= i + seqlen_k - seqlen_q). window_size_left / window_size_right: a
+sliding window (local attention; -1: no bound), query i sees key j only if i + off - left <= j <= i +
+off + right with off = seqlen_k - seqlen_q; causal sets the right bound to 0 (flash-attn's
+semantics). Returns out (q's shape and dtype),
 softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
 out row is 0), and softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
 as (row max * softmax_scale * log2 e rounded to float32, i.e. the max of the scaled log2 scores;
@@ -63,8 +69,8 @@ log2 of the row sum), which keeps the backward exact at any input magnitude. Rai
 strides, before any launch. Autograd, forward-mode AD, vmap and fake (meta) kernels are registered
 (flash_attn_ext.ops)."""
 backward.__doc__ = backward.default.__doc__ = """\
-backward(dout, q, k, v, out, softmax_lse, softmax_scale: float, causal: bool, softmax_stats=None)
-    -> (dq, dk, dv)
+backward(dout, q, k, v, out, softmax_lse, softmax_scale: float, causal: bool, softmax_stats=None,
+         window_size_left: int = -1, window_size_right: int = -1) -> (dq, dk, dv)
 
 Gradients of forward by recomputation (FlashAttention-2, Dao 2023, Algorithm 2: a preprocess, then
 separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's shape; the other
@@ -85,8 +91,9 @@ _lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
 # check function of csrc/flash_api.cpp), so meta tensors and tracing refuse what a real call refuses.
 
 @torch.library.register_fake("flash_attn_ext::forward")
-def _forward_fake(q, k, v, softmax_scale, causal):
+def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1):
     _checks.check_qkv(q, k, v, softmax_scale)
+    _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -95,8 +102,10 @@ def _forward_fake(q, k, v, softmax_scale, causal):
 
 
 @torch.library.register_fake("flash_attn_ext::backward")
-def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None):
+def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
+                   window_size_left=-1, window_size_right=-1):
     _checks.check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale, softmax_stats)
+    _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -105,10 +114,11 @@ def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softm
 
 # ---- forward-mode AD ---------------------------------------------------------------------
 
-def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool) -> torch.Tensor:
+def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, window_size_left: int = -1,
+                  window_size_right: int = -1) -> torch.Tensor:
     """Tangent of ``out`` (forward-mode derivative) of ``out = softmax(c Q K^T) V``.
 
-    With S = c Q K^T (causal entries -inf), P = softmax(S) row-wise, O = P V:
+    With S = c Q K^T (masked entries -inf: causal, sliding window), P = softmax(S) row-wise, O = P V:
         dS = c (dQ K^T + Q dK^T),  dP = P * (dS - rowsum(P * dS)),  dO = dP V + P dV.
     Computed with plain torch ops, materialising P of shape (batch, nheads, seqlen_q,
     seqlen_k) in float32 (float64 for float64 inputs): memory O(seqlen_q * seqlen_k), exact up
@@ -122,7 +132,8 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool) ->
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):  # keep the float32 matmuls float32
-            return attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale, causal)
+            return attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale, causal, window_size_left,
+                                 window_size_right)
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -138,12 +149,9 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool) ->
 
     qh, kh, vh = qlayout(q), kvlayout(k), kvlayout(v)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale          # (B, Hk, G, Sq, Sk)
-    i = torch.arange(Sq, device=q.device)[:, None]
-    j = torch.arange(Sk, device=q.device)[None, :]
-    has_key = torch.full((Sq, 1), Sk > 0, dtype=torch.bool, device=q.device)
-    if causal:
-        s = s.masked_fill(j > i + (Sk - Sq), float("-inf"))
-        has_key = has_key & (i + (Sk - Sq) >= 0)
+    visible = visible_mask(Sq, Sk, causal, window_size_left, window_size_right, q.device)
+    has_key = visible.any(dim=-1, keepdim=True)  # by the mask alone (False for every row if Sk == 0)
+    s = s.masked_fill(~visible, float("-inf"))
     # Rows that see no key: softmax of all -inf is NaN; by the op's convention P = 0 there.
     # (torch.where, not nan_to_num: a NaN coming from the inputs must stay NaN.)
     p = torch.where(has_key, torch.softmax(s, dim=-1), 0.0)
@@ -190,18 +198,22 @@ class FlashAttnFunction(torch.autograd.Function):
     """Autograd for ``flash_attn_ext::forward``: reverse mode (the FlashAttention-2 backward
     kernel), forward mode (``attention_jvp``) and torch.func (``setup_context`` plus a vmap rule
     generated from the ops' batching rules). Inputs/outputs as the op:
-    ``apply(q, k, v, softmax_scale, causal) -> (out, softmax_lse, softmax_stats)``."""
+    ``apply(q, k, v, softmax_scale, causal[, window_size_left, window_size_right]) -> (out,
+    softmax_lse, softmax_stats)``."""
 
     generate_vmap_rule = True  # vmaps forward/backward/jvp through the ops' batching rules
 
     @staticmethod
-    def forward(q, k, v, softmax_scale, causal):
+    def forward(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1):
         # Grad mode and forward grad mode are off here, so this reaches the kernel directly.
-        return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+        return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
+                                                window_size_right)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, softmax_scale, causal = inputs
+        q, k, v, softmax_scale, causal = inputs[:5]
+        ctx.window = tuple(inputs[5:7]) + (-1, -1)[len(inputs[5:7]):]  # (left, right)
+        ctx.num_inputs = len(inputs)
         out, softmax_lse, softmax_stats = output
         # The same tensors, in the same order, for both modes: the generated vmap rule keeps one
         # list of batch dims for the saved tensors (two different lists broke reverse over vmap).
@@ -217,13 +229,13 @@ class FlashAttnFunction(torch.autograd.Function):
         # dlse, dstats are ignored: softmax_lse and softmax_stats are non-differentiable.
         q, k, v, out, softmax_lse, softmax_stats = ctx.saved_tensors
         dq, dk, dv = FlashAttnBackwardFunction.apply(
-            dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats)
-        return dq, dk, dv, None, None
+            dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window)
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     @staticmethod
-    def jvp(ctx, q_t, k_t, v_t, _scale_t, _causal_t):
+    def jvp(ctx, q_t, k_t, v_t, *_scalar_tangents):
         q, k, v = ctx.saved_tensors[:3]
-        out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal)
+        out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal, *ctx.window)
         return out_t, None, None
 
 
@@ -234,9 +246,10 @@ class FlashAttnBackwardFunction(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None):
+    def forward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
+                window_size_left=-1, window_size_right=-1):
         return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
-                                                 causal, softmax_stats)
+                                                 causal, softmax_stats, window_size_left, window_size_right)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -294,7 +307,8 @@ _lib.impl("forward", _autograd_kernel("forward", FlashAttnFunction), "Autograd")
 _lib.impl("backward", _autograd_kernel("backward", FlashAttnBackwardFunction), "Autograd")
 
 
-def attention_forward(q, k, v, softmax_scale: float, causal: bool):
+def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
+                      window_size_right: int = -1):
     """``torch.ops.flash_attn_ext.forward`` with autograd that every transform understands:
     returns ``(out, softmax_lse, softmax_stats)`` exactly as the op (see the module docstring).
 
@@ -305,8 +319,8 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool):
     torch.compile traces as one op.
     """
     if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
-        return FlashAttnFunction.apply(q, k, v, softmax_scale, causal)
-    return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+        return FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size_left, window_size_right)
+    return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right)
 
 
 # ---- vmap (batching rules) ---------------------------------------------------------------
@@ -330,16 +344,17 @@ def _unfold(t, batch_size, at=0):
 
 
 @torch.library.register_vmap("flash_attn_ext::forward")
-def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal):
+def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1):
     n = info.batch_size
     q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
-    out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal)
+    out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
+                                                       window_size_right)
     return (_unfold(out, n), _unfold(lse, n), _unfold(stats, n, at=1)), (0, 0, 1)
 
 
 @torch.library.register_vmap("flash_attn_ext::backward")
 def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale, causal,
-                   softmax_stats=None):
+                   softmax_stats=None, window_size_left=-1, window_size_right=-1):
     n = info.batch_size
     dout, q, k, v, out = (_fold(t, d, n) for t, d in zip((dout, q, k, v, out), in_dims[:5]))
     softmax_lse = _fold(softmax_lse, in_dims[5], n).contiguous()
@@ -347,7 +362,7 @@ def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale
         softmax_stats = _fold(softmax_stats, in_dims[8] if len(in_dims) > 8 else None, n,
                               at=1).contiguous()
     dq, dk, dv = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
-                                                   causal, softmax_stats)
+                                                   causal, softmax_stats, window_size_left, window_size_right)
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
@@ -359,7 +374,8 @@ fwd_kvcache = torch.ops.flash_attn_ext.fwd_kvcache
 
 varlen_forward.__doc__ = varlen_forward.default.__doc__ = """\
 varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-               softmax_scale: float, causal: bool) -> (out, softmax_lse, softmax_stats)
+               softmax_scale: float, causal: bool, window_size_left: int = -1,
+               window_size_right: int = -1) -> (out, softmax_lse, softmax_stats)
 
 forward on packed variable-length sequences (FlashAttention-2, Dao 2023, Alg. 1, one sequence per
 (batch) entry of the grid). q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim);
@@ -367,19 +383,21 @@ cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) on q's device, sequence b = rows
 max_seqlen_q / max_seqlen_k: >= every sequence's length (sizes the grid; on CUDA not checked, a
 longer sequence is cut to its first max_seqlen rows / keys). Returns out (q's shape), softmax_lse (nheads,
 total_q) float32 natural log, softmax_stats (2, nheads, total_q) float32. Each sequence gives what
-forward gives on it alone (causal bottom-right per sequence; a sequence without keys: out 0, lse
-+inf). Rows outside every sequence: unspecified on CUDA, 0 / +inf on CPU. Raises RuntimeError
+forward gives on it alone (causal and the window bottom-right per sequence; a sequence without
+keys: out 0, lse +inf). Rows outside every sequence: unspecified on CUDA, 0 / +inf on CPU. Raises RuntimeError
 naming the argument for bad shapes, dtypes, devices; on CPU also for cu_seqlens that decrease,
 leave the tensors or exceed max_seqlen (on CUDA those values are not read on the host: no sync)."""
 varlen_backward.__doc__ = varlen_backward.default.__doc__ = """\
 varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal, softmax_stats=None) -> (dq, dk, dv)
+                max_seqlen_k, softmax_scale, causal, softmax_stats=None, window_size_left=-1,
+                window_size_right=-1) -> (dq, dk, dv)
 
 Gradients of varlen_forward (FlashAttention-2 Alg. 2 per sequence; deterministic, no atomics).
 Shapes as varlen_forward's inputs and outputs; returns dq, dk, dv like q, k, v."""
 fwd_kvcache.__doc__ = fwd_kvcache.default.__doc__ = """\
 fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
-            causal: bool, num_splits: int) -> (out, softmax_lse)
+            causal: bool, num_splits: int, window_size_left: int = -1, window_size_right: int = -1)
+    -> (out, softmax_lse)
 
 Attention of q against a KV cache, with an optional in-place append of new keys/values, split over
 num_splits CTAs per (sequence, kv head) (FlashDecoding: partial outputs merged by their LSEs;
@@ -388,14 +406,16 @@ k_cache / v_cache: (batch, seqlen_cache, nheads_k, headdim), or paged (num_block
 nheads_k, headdim) with block_table int32 (batch, max_blocks); cache_seqlens: int32 (batch,) or
 None (all rows); k / v: None or (batch, seqlen_new, nheads_k, headdim), written into the cache at
 rows cache_seqlens[b] + i (mutates k_cache / v_cache). Sequence b attends to its first
-cache_seqlens[b] + seqlen_new cache rows (causal: bottom-right aligned). Returns out (q's shape)
+cache_seqlens[b] + seqlen_new cache rows (causal and the window: bottom-right aligned against that
+count; a window reads only the key tiles it covers). Returns out (q's shape)
 and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiable."""
 
 
 @torch.library.register_fake("flash_attn_ext::varlen_forward")
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                         causal):
+                         causal, window_size_left=-1, window_size_right=-1):
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     total_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
@@ -405,9 +425,11 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 @torch.library.register_fake("flash_attn_ext::varlen_backward")
 def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, softmax_scale, causal, softmax_stats=None):
+                          max_seqlen_k, softmax_scale, causal, softmax_stats=None, window_size_left=-1,
+                          window_size_right=-1):
     _checks.check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, softmax_scale, softmax_stats)
+    _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -415,10 +437,12 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
 
 @torch.library.register_fake("flash_attn_ext::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-                      num_splits):
+                      num_splits, window_size_left=-1, window_size_right=-1):
     """check_kvcache's shape / dtype / device / stride checks (not the values, which a real CUDA
     call does not read either), then the output shapes."""
     _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits)
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], capacity)
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -428,19 +452,24 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """Autograd for ``flash_attn_ext::varlen_forward`` (reverse mode: ``varlen_backward``).
     ``apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-    causal) -> (out, softmax_lse, softmax_stats)``."""
+    causal[, window_size_left, window_size_right]) -> (out, softmax_lse, softmax_stats)``."""
 
     @staticmethod
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                window_size_left=-1, window_size_right=-1):
         return torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                       max_seqlen_k, softmax_scale, causal)
+                                                       max_seqlen_k, softmax_scale, causal, window_size_left,
+                                                       window_size_right)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs[:9]
+        window = tuple(inputs[9:11]) + (-1, -1)[len(inputs[9:11]):]
         out, softmax_lse, softmax_stats = output
         ctx.save_for_backward(q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        ctx.window = window
+        ctx.num_inputs = len(inputs)
         ctx.mark_non_differentiable(softmax_lse, softmax_stats)
 
     @staticmethod
@@ -449,8 +478,8 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         max_seqlen_q, max_seqlen_k, softmax_scale, causal = ctx.args
         dq, dk, dv = FlashAttnVarlenBackwardFunction.apply(
             dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, softmax_stats)
-        return dq, dk, dv, None, None, None, None, None, None
+            softmax_scale, causal, softmax_stats, *ctx.window)
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     @staticmethod
     def jvp(ctx, *tangents):

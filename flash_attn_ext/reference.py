@@ -3,8 +3,8 @@
 Standard attention, materialising the (seqlen_q, seqlen_k) score matrix:
     S = softmax_scale * Q K^T,  P = softmax(S) (row-wise),  O = P V,  LSE = logsumexp(S)
 (Vaswani et al. 2017, eq. 1). Same conventions as the kernels: BSHD layout, GQA/MQA by
-repeating K/V heads, causal masks aligned to the bottom-right corner, and a query row that
-sees no key gives O = 0 and LSE = +inf.
+repeating K/V heads, causal masks and sliding windows aligned to the bottom-right corner, and a
+query row that sees no key gives O = 0 and LSE = +inf.
 
 ``attention_ref(..., upcast=True)`` is the accuracy reference (computed in float64 by default);
 ``upcast=False`` computes in the inputs' own dtype: the "torch same-dtype math" baseline of the
@@ -21,9 +21,25 @@ import torch
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """Boolean (seqlen_q, seqlen_k) mask, True where query i may see key j:
     j <= i + seqlen_k - seqlen_q (bottom-right aligned)."""
+    return visible_mask(seqlen_q, seqlen_k, causal=True, device=device)
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size_left: int = -1,
+                 window_size_right: int = -1, device=None) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k) mask, True where query i may see key j (flash-attn's
+    semantics): with off = seqlen_k - seqlen_q (bottom-right alignment), j <= i + off when causal,
+    j <= i + off + window_size_right when window_size_right >= 0 (ignored when causal), and
+    j >= i + off - window_size_left when window_size_left >= 0 (-1: no bound on that side)."""
     i = torch.arange(seqlen_q, device=device).unsqueeze(1)
     j = torch.arange(seqlen_k, device=device).unsqueeze(0)
-    return j <= i + (seqlen_k - seqlen_q)
+    off = seqlen_k - seqlen_q
+    visible = torch.ones((seqlen_q, seqlen_k), dtype=torch.bool, device=device)
+    right = 0 if causal else window_size_right
+    if right >= 0:
+        visible &= j <= i + off + right
+    if window_size_left >= 0:
+        visible &= j >= i + off - window_size_left
+    return visible
 
 
 def attention_ref(
@@ -34,6 +50,7 @@ def attention_ref(
     causal: bool = False,
     upcast: bool = True,
     ref_dtype: torch.dtype = torch.float64,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention on BSHD tensors.
 
@@ -44,13 +61,14 @@ def attention_ref(
         causal: bottom-right aligned causal mask.
         upcast: compute in ``ref_dtype`` (float64 by default) if True, else in q's dtype.
         ref_dtype: the compute dtype when ``upcast`` is True.
+        window_size: (left, right) sliding window, bottom-right aligned (``visible_mask``).
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in the compute dtype (differentiable).
         lse: (batch, nheads, seqlen_q) float32 natural-log logsumexp of the scaled scores
              (+inf for rows that see no key).
 
-    Rows that see no key (decided by the mask alone: causal with seqlen_q > seqlen_k, or
-    seqlen_k == 0) get out = 0 and lse = +inf, with zero gradients. Non-finite inputs are not
+    Rows that see no key (decided by the mask alone: causal with seqlen_q > seqlen_k, a window
+    past the keys, or seqlen_k == 0) get out = 0 and lse = +inf, with zero gradients. Non-finite inputs are not
     hidden: a NaN (or an inf that makes a score NaN) in q or k propagates to every row whose
     scores it enters, and one in v to the rows that read it (P V is a matmul, so as in torch's
     math SDPA it also reaches rows that see a key but give it probability 0).
@@ -67,8 +85,8 @@ def attention_ref(
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
     # Rows that see at least one key (by the mask alone, never by the values).
     has_key = torch.full((seqlen_q, 1), seqlen_k > 0, dtype=torch.bool, device=q.device)
-    if causal:
-        mask = causal_mask(seqlen_q, seqlen_k, device=q.device)
+    if causal or window_size[0] >= 0 or window_size[1] >= 0:
+        mask = visible_mask(seqlen_q, seqlen_k, causal, window_size[0], window_size[1], device=q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         has_key = has_key & mask.any(dim=-1, keepdim=True)
     lse = torch.logsumexp(scores.float() if dtype != torch.float64 else scores, dim=-1)
@@ -93,7 +111,7 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
 
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, upcast=True,
-                         ref_dtype: torch.dtype = torch.float64):
+                         ref_dtype: torch.dtype = torch.float64, window_size: tuple[int, int] = (-1, -1)):
     """Reference for packed sequences: ``attention_ref`` on each sequence alone.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: (batch + 1,)
@@ -112,7 +130,7 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
             outs.append(torch.zeros((q0 - covered, *q.shape[1:]), dtype=dtype, device=q.device))
             lses.append(torch.full((q.shape[1], q0 - covered), float("inf"), device=q.device))
         o, lse = attention_ref(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
-                               softmax_scale, causal, upcast, ref_dtype)
+                               softmax_scale, causal, upcast, ref_dtype, window_size)
         outs.append(o[0])
         lses.append(lse[0])
         covered = q1
@@ -123,7 +141,8 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
 
 
 def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None,
-                          causal=False, upcast=True, ref_dtype: torch.dtype = torch.float64):
+                          causal=False, upcast=True, ref_dtype: torch.dtype = torch.float64,
+                          window_size: tuple[int, int] = (-1, -1)):
     """Reference for attention against a KV cache (no append: pass the cache after it).
 
     q: (batch, seqlen_q, nheads, headdim); k_cache / v_cache: (batch, seqlen_cache, nheads_k,
@@ -142,7 +161,7 @@ def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=N
             kb, vb = k_cache[b], v_cache[b]
         n = kb.shape[0] if cache_seqlens is None else int(cache_seqlens[b])
         o, lse = attention_ref(q[b:b + 1], kb[:n].unsqueeze(0), vb[:n].unsqueeze(0), softmax_scale, causal,
-                               upcast, ref_dtype)
+                               upcast, ref_dtype, window_size)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 0), torch.cat(lses, 0)

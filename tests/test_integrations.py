@@ -256,6 +256,78 @@ def test_unsupported_patterns_are_refused():
         fx.flash_attn_ext_attention_forward(m, q2, q2, q2, mixed)
 
 
+def test_sliding_window_layer_masks(count_calls):
+    """A layer's sliding_window (transformers: kv_idx > q_idx - sliding_window) with the masks a
+    model builds for it: no padding, left padding, right padding (pad rows with windows of the real
+    keys, per-element pad counts 1..3 and one past the window), decoding against a cache, each equal
+    to sdpa on the same mask."""
+    m = _Module(True)
+    q = _bhsd(2, 4, 12, 32, 16)
+    i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    window = (j <= i) & (j > i - 4)
+    left = torch.stack([window & (j >= 3), window])[:, None]          # element 0 left-padded by 3
+    for mask in (window[None, None].expand(2, 1, 12, 12), left):
+        out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, mask, scaling=0.25, sliding_window=4)
+        ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), attn_mask=mask, scale=0.25)
+        base = F.scaled_dot_product_attention(q, q, q, attn_mask=mask, scale=0.25)
+        rows = mask[:, 0].any(-1)                                     # rows that see a key
+        check_accuracy("sliding window", out[rows], ref.transpose(1, 2)[rows], base.transpose(1, 2)[rows])
+    assert count_calls and all(c == "varlen causal" for c in count_calls)
+    # Decoding one token against 12 cached keys: the window is its last 4.
+    q1 = _bhsd(2, 4, 1, 32, 17)
+    dec = (torch.arange(12) > 11 - 4)[None, None, None].expand(2, 1, 1, 12)
+    out, _ = fx.flash_attn_ext_attention_forward(m, q1, q, q, None, scaling=0.25, sliding_window=4)
+    ref = F.scaled_dot_product_attention(q1.double(), q.double(), q.double(), attn_mask=dec, scale=0.25)
+    base = F.scaled_dot_product_attention(q1, q, q, attn_mask=dec, scale=0.25)
+    check_accuracy("sliding window decode", out, ref.transpose(1, 2), base.transpose(1, 2))
+    # Right padding (real lengths 11, 10, 9, 6 and 12): the pad rows see windows of their real keys
+    # (the last few see none: out 0), a call per distinct count of pad rows that see a key.
+    q4 = _bhsd(5, 4, 12, 32, 18)
+    right = torch.stack([window & (j < n) for n in (11, 10, 9, 6, 12)])[:, None]
+    count_calls.clear()
+    out, _ = fx.flash_attn_ext_attention_forward(m, q4, q4, q4, right, scaling=0.25, sliding_window=4)
+    ref = F.scaled_dot_product_attention(q4.double(), q4.double(), q4.double(), attn_mask=right, scale=0.25)
+    base = F.scaled_dot_product_attention(q4, q4, q4, attn_mask=right, scale=0.25)
+    rows = right[:, 0].any(-1)
+    assert (out[~rows] == 0).all()
+    check_accuracy("sliding window right padding", out[rows], ref.transpose(1, 2)[rows], base.transpose(1, 2)[rows])
+    assert count_calls == ["varlen causal"] + ["varlen"] * 3, count_calls  # pad-row counts 1, 2, 3
+    with pytest.raises(NotImplementedError, match="bidirectional sliding window"):
+        fx.flash_attn_ext_attention_forward(_Module(False), q, q, q, None, sliding_window=4)
+
+
+def test_sliding_window_mistral_matches_sdpa(name, count_calls):
+    """A random small Mistral with sliding_window=4: padded batches and greedy generation equal
+    sdpa's (float32 logits within the accuracy rule against a float64 sdpa run)."""
+    import transformers as tf
+
+    cfg = tf.MistralConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                           sliding_window=4)
+    torch.manual_seed(0)
+    base_model = tf.MistralForCausalLM(cfg).eval()
+    ids = torch.randint(3, 96, (3, 18), generator=torch.Generator().manual_seed(2))
+    attn = torch.tensor([[0] * 5 + [1] * 13, [1] * 18, [0] * 9 + [1] * 9])
+
+    def model(impl, dtype):
+        m = tf.MistralForCausalLM(cfg).eval()
+        m.load_state_dict(base_model.state_dict())
+        m.set_attn_implementation(impl)
+        return m.to(dtype)
+
+    with torch.no_grad():
+        for mask in (None, attn):
+            valid = torch.ones(3, 18, dtype=torch.bool) if mask is None else attn.bool()
+            ref = model("sdpa", torch.float64)(input_ids=ids, attention_mask=mask).logits
+            base = model("sdpa", torch.float32)(input_ids=ids, attention_mask=mask).logits
+            n = len(count_calls)
+            ours = model(name, torch.float32)(input_ids=ids, attention_mask=mask).logits
+            assert len(count_calls) > n
+            check_accuracy("mistral logits", ours[valid], ref[valid], base[valid])
+        gen = dict(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False)
+        assert torch.equal(model(name, torch.float64).generate(**gen), model("sdpa", torch.float64).generate(**gen))
+
+
 # ------------------------------------------------------------ a causal GQA model (random weights)
 
 
@@ -414,10 +486,10 @@ def _tiny_causal_lm(arch):
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=64)
         return cfg, tf.LlamaForCausalLM
-    if arch == "mistral":
+    if arch in ("mistral", "mistral-sliding"):
         cfg = tf.MistralConfig(vocab_size=96, hidden_size=128, intermediate_size=256,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                               max_position_embeddings=64, sliding_window=None)
+                               max_position_embeddings=64, sliding_window=5 if arch == "mistral-sliding" else None)
         return cfg, tf.MistralForCausalLM
     cfg = tf.GPT2Config(vocab_size=96, n_positions=64, n_embd=128, n_layer=2, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -427,7 +499,7 @@ def _tiny_causal_lm(arch):
 @pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
                                           pytest.param("cuda", torch.bfloat16, id="cuda-bf16",
                                                        marks=requires_cuda)])
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral", "mistral-sliding"])
 def test_causal_lm_right_padding_forward_and_training_step(arch, device, dtype, name, count_calls):
     """Random small Llama / GPT-2 / Mistral, right-padded batch: logits of real tokens, the loss
     with labels (-100 on padding) and every parameter gradient match sdpa (accuracy rule vs a

@@ -174,6 +174,9 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   // sm80 kernel's predicated loads zero-fill them. Varlen rows past a sequence's end are the next
   // sequence's keys (or rows past cu_seqlens_k[-1]): masked in S, and their V rows zeroed in shared
   // memory before P V (sm90/flash_fwd_kernel.cuh), since 0 * NaN would be NaN.
+  // A sliding window (flash.h: window_left / window_right) runs here too: the sm90 forward's
+  // per-warpgroup key ranges skip the steps outside a window (and the backward's kernels loop over
+  // the window's tiles: common/work.cuh, DkvWork / DqWork).
   const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr;
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);

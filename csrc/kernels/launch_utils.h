@@ -116,7 +116,8 @@ void launch_tiles(void (*kernel)(Params), const char* what, Params& params, cuda
 // Defines flash::run_mha_bwd_<kind>_(Tag, ...) (kernels/arch.h), the launch template the generated
 // instantiations of arch path `ns` compile: flash_bwd_<kind>_kernel with the production row
 // <Kind>Tile of the arch's tile table (<Kind>KernelTraits; its CTAs are <Kind>Work items), through
-// launch_tiles. Used at global scope, after the kernel; the tuning harness launches other rows.
+// launch_tiles; a call with a sliding window's left bound (params.window_left >= 0) takes the
+// kernel's kLocal twin. Used at global scope, after the kernel; the tuning harness launches other rows.
 #define FLASH_BWD_LAUNCH_TEMPLATE(Tag, ns, Kind, kind, what)                                               \
   template <typename Element, int kHeadDim>                                                               \
   void flash::run_mha_bwd_##kind##_(flash::Tag, flash::Flash_bwd_params& params, cudaStream_t stream) {   \
@@ -124,7 +125,9 @@ void launch_tiles(void (*kernel)(Params), const char* what, Params& params, cuda
     using Traits = flash::ns::Kind##KernelTraits<Element, kHeadDim, Tile>;                                 \
     static_assert(Traits::kSmemBytes <= flash::ns::kMaxSmem, what " tile row exceeds " #ns " shared memory"); \
     flash::launch_tiles<Traits, flash::Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                      \
-        flash::ns::flash_bwd_##kind##_kernel<Element, kHeadDim, Tile>, what, params, stream);              \
+        params.window_left >= 0 ? flash::ns::flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true>      \
+                                : flash::ns::flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false>,    \
+        what, params, stream);                                                                             \
   }
 
 }  // namespace flash

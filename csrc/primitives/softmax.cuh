@@ -323,7 +323,9 @@ struct OnlineSoftmax {
 // Three copies of a kernel's P loop, picked per tile by a uniform branch (with_p_mode):
 //   kFast   tiles without masked pairs or large-magnitude rows (lo == 0 there): one FFMA and the
 //           exp2; `visible` is ignored (true on such tiles).
-//   kMasked the same for tiles crossing the causal diagonal or the seqlen_k edge: invisible -> 0.
+//   kMasked the same for tiles crossing the causal diagonal, a sliding window's edge or the
+//           seqlen_k edge: invisible -> 0 (`visible` from the kernel's mask: its kLocal twin
+//           checks the window's left bound too, mask.cuh visible<kLocal>).
 //   kExact  tiles holding a large-magnitude row: the scaled score rounded first (as the forward's
 //           row max, hi = round(M c)), then hi and lo subtracted, so the max of a row gets exactly
 //           2^-lo at any magnitude (ties included). A recomputed score is a sum in another order

@@ -1,14 +1,20 @@
 // Which keys a query row sees, and which tiles a kernel visits: the one mask and tile-range layer
 // of every kernel (forward, dK/dV, dQ; both arch paths; FA2 mask.h / block_info.h, FA3 mask.h).
 //
-// Contract (docs/DESIGN.md): key j is visible to query i iff j < seqlen_k and, when causal
-// (bottom-right aligned, off = seqlen_k - seqlen_q), j <= i + off. The visible keys of a row are
-// the prefix [0, key_limit(i)), so a mask is one compare per element and a tile range is a
-// division. A sliding window becomes a lower limit here (key_start(i)) and a first block.
+// Contract (docs/DESIGN.md): with off = seqlen_k - seqlen_q (bottom-right alignment), key j is
+// visible to query i iff j < seqlen_k and
+//   j <= i + off + right   when the mask has a right bound (causal: right = 0; a window's right
+//                          side: window_size[1]), and
+//   j >= i + off - left    when it has a left bound (a sliding window's left side: window_size[0]).
+// The visible keys of a row are the interval [key_start(i), key_limit(i)), so a mask is two
+// compares per element (one without a left bound) and a tile range is a division on each side.
+// The API normalizes a bound that hides no key to none (left >= seqlen_k - 1, right >= seqlen_q - 1;
+// varlen: the max_seqlen) and refuses a window where seqlen_q + seqlen_k > 2^31 - 512, so every
+// sum below stays in int32 (without a window they are the sums of the causal mask alone).
 //
 // Tiles: a query tile is rows [m0, m0 + kBlockM), a key block rows [n0, n0 + kBlockN). The
 // "transposed" view of the dK/dV kernels (one key block, a loop over query tiles) asks the same
-// questions from the key side: first_m_block, kv_block_needs_mask.
+// questions from the key side: first_m_block, m_block_end, kv_block_needs_mask.
 #pragma once
 
 #include <cmath>
@@ -20,46 +26,79 @@ namespace flash {
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 struct AttnMask {
-  int seqlen_q, seqlen_k, off;
-  bool causal;
+  static constexpr int kNoLeft = -0x7fffffff - 1;  // off_left without a left bound: key_start 0
+  int seqlen_q, seqlen_k;
+  int off_right;  // off + right (causal: right = 0); read only with `causal`
+  bool causal;    // a right bound: is_causal or a window's right side
+  int off_left;   // off - left, or kNoLeft (row + kNoLeft < 0 for every row >= 0)
 
-  __host__ __device__ __forceinline__ AttnMask(const SeqInfo& s, bool causal_)
-      : seqlen_q(s.seqlen_q), seqlen_k(s.seqlen_k), off(s.seqlen_k - s.seqlen_q), causal(causal_) {}
+  __host__ __device__ __forceinline__ AttnMask(const SeqInfo& s, const Flash_fwd_params& p)
+      : seqlen_q(s.seqlen_q), seqlen_k(s.seqlen_k),
+        off_right(s.seqlen_k - s.seqlen_q + (p.is_causal ? 0 : max(p.window_right, 0))),
+        causal(p.is_causal || p.window_right >= 0),
+        off_left(p.window_left >= 0 ? s.seqlen_k - s.seqlen_q - p.window_left : kNoLeft) {}
+  __host__ __device__ __forceinline__ bool local() const { return off_left != kNoLeft; }  // a left bound
 
   // Exclusive end of the keys query `row` sees (<= 0: none).
   __host__ __device__ __forceinline__ int key_limit(int row) const {
-    return causal ? min(seqlen_k, row + off + 1) : seqlen_k;
+    return causal ? min(seqlen_k, row + off_right + 1) : seqlen_k;
   }
-  __host__ __device__ __forceinline__ bool visible(int row, int key) const { return key < key_limit(row); }
+  // First key query `row` (>= 0) sees (>= key_limit(row): none).
+  __host__ __device__ __forceinline__ int key_start(int row) const { return max(0, row + off_left); }
+  // kLeft = false checks the right bound only: the masked recompute of a call without a left
+  // bound (primitives/softmax.cuh: PMode::kMasked), the code of the causal mask alone.
+  template <bool kLeft = true>
+  __host__ __device__ __forceinline__ bool visible(int row, int key) const {
+    return key < key_limit(row) && (!kLeft || key >= key_start(row));
+  }
 
   // ---- Query tile [m0, m0 + kBlockM) against key blocks of kBlockN (forward, dQ).
-  // Key blocks [0, n_block_max) hold a key some valid row of the tile sees (0: none).
+  // Key blocks [n_block_min, n_block_max) hold a key some valid row of the tile sees (empty when
+  // n_block_max <= n_block_min: no row sees a key).
   __host__ __device__ __forceinline__ int n_block_max(int m0, int kBlockM, int kBlockN) const {
     const int limit = key_limit(min(m0 + kBlockM, seqlen_q) - 1);
     return limit <= 0 ? 0 : ceil_div(limit, kBlockN);
   }
-  // Key blocks [0, n_block_unmasked) are visible to every row of the tile: no mask code there.
+  __host__ __device__ __forceinline__ int n_block_min(int m0, int kBlockN) const {
+    return key_start(m0) / kBlockN;  // the first row starts first
+  }
+  // Key blocks [n_block_unmasked_lo, n_block_unmasked) are visible to every row of the tile: no
+  // mask code there (the left edge: the last row starts last; the right edge: the first row ends first).
   __host__ __device__ __forceinline__ int n_block_unmasked(int m0, int kBlockN) const {
-    const int full = seqlen_k / kBlockN;
-    return causal ? min(full, max(0, m0 + off + 1) / kBlockN) : full;
+    return max(0, key_limit(m0)) / kBlockN;
+  }
+  __host__ __device__ __forceinline__ int n_block_unmasked_lo(int m0, int kBlockM, int kBlockN) const {
+    return ceil_div(key_start(min(m0 + kBlockM, seqlen_q) - 1), kBlockN);
   }
 
   // ---- Key block [n0, n0 + kBlockN) against query tiles of kBlockM (dK/dV, transposed).
-  // Query tiles before first_m_block see none of the block's keys.
+  // Query tiles [first_m_block, m_block_end) hold a row that sees some key of the block.
   __host__ __device__ __forceinline__ int first_m_block(int n0, int kBlockM) const {
-    return causal && n0 - off > 0 ? (n0 - off) / kBlockM : 0;
+    const int row = n0 - off_right;  // the first row whose keys reach n0
+    return causal && row > 0 ? row / kBlockM : 0;
   }
-  // The (query tile m0, key block n0) pair holds pairs the causal diagonal hides. Keys past
-  // seqlen_k need no mask in the dK/dV kernels: they only feed dK/dV rows that are never stored.
-  __host__ __device__ __forceinline__ bool kv_block_needs_mask(int m0, int n0, int kBlockN) const {
-    return causal && n0 + kBlockN - 1 > m0 + off;
+  __host__ __device__ __forceinline__ int m_block_end(int n0, int kBlockN, int kBlockM) const {
+    const int num_m = ceil_div(seqlen_q, kBlockM);
+    if (!local()) return num_m;
+    const int64_t last = int64_t(n0) + kBlockN - 1 - off_left;  // the last row whose keys start by the block's end
+    return last < 0 ? 0 : int(min(int64_t(num_m), last / kBlockM + 1));
+  }
+  // The (query tile m0, key block n0) pair holds pairs the mask hides: the block passes the right
+  // end of the tile's first row, or the left start of its last row (m0 + kBlockM - 1) passes n0.
+  // Keys past seqlen_k need no mask in the dK/dV kernels: they only feed dK/dV rows that are never
+  // stored.
+  template <bool kLeft = true>
+  __host__ __device__ __forceinline__ bool kv_block_needs_mask(int m0, int kBlockM, int n0, int kBlockN) const {
+    return (causal && n0 + kBlockN - 1 > m0 + off_right) || (kLeft && m0 + (kBlockM - 1) + off_left > n0);
   }
 
   // Sets the invisible scores of a warp's mma-C-fragment tile to -inf (rows = queries):
   // s[mi][ni][e] is query row0 + 16 mi + g + 8 (e / 2), key col0 + 8 ni + 2 t + (e % 2),
-  // lane = 4 g + t (primitives/mma.cuh). The limit is taken relative to the thread's first column,
-  // so each element costs one compare against a compile-time constant.
-  template <int kMAtoms, int kNAtoms>
+  // lane = 4 g + t (primitives/mma.cuh). The limits are taken relative to the thread's first
+  // column, so each element costs one compare against a compile-time constant per bound.
+  // kLeft = false: the right bound and seqlen_k only, the code of the causal mask alone (the
+  // kernels' twins for calls without a window's left bound); true: the left bound too (kLocal).
+  template <bool kLeft, int kMAtoms, int kNAtoms>
   __device__ __forceinline__ void apply(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0) const {
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, col_t = col0 + 2 * (lane % 4);
@@ -67,12 +106,13 @@ struct AttnMask {
     for (int mi = 0; mi < kMAtoms; ++mi) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int limit = key_limit(row0 + mi * 16 + g + h * 8) - col_t;
+        const int row = row0 + mi * 16 + g + h * 8;
+        const int limit = key_limit(row) - col_t, start = kLeft ? key_start(row) - col_t : 0;
 #pragma unroll
         for (int ni = 0; ni < kNAtoms; ++ni) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            if (ni * 8 + e >= limit) s[mi][ni][2 * h + e] = -INFINITY;
+            if (ni * 8 + e >= limit || (kLeft && ni * 8 + e < start)) s[mi][ni][2 * h + e] = -INFINITY;
           }
         }
       }

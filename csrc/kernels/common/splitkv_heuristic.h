@@ -30,8 +30,9 @@ inline int splitkv_smem_per_sm(int arch) {
 // ctas * s / slots, a split count s runs at efficiency rounds / ceil(rounds); the choice is the
 // smallest s within 5 % of the best over [1, max_splits] (FA2's rule, tighter), 1 outright when the
 // unsplit grid is >= 4 rounds (its tail is small). max_splits: kMaxSplits, the key tiles of the
-// longest possible sequence (params.seqlen_k: more splits get no keys), and >= 8 key tiles per
-// split (a split's prologue, merge and the combine must pay for themselves: H200, hd128 32:8, B1
+// longest possible sequence (params.seqlen_k, or a sliding window's span: more splits get no
+// keys), and >= 8 key tiles per split (a split's prologue, merge and the combine must pay for
+// themselves: H200, hd128 32:8, B1
 // Nk 8k ran at 1.57 TB/s with 48 splits of 2-3 tiles, 1.67 with 16 of 8; docs/PERF_NOTES.md).
 // CTAs of the unsplit grid (sequence, kv head, 16-row packed tile), and the GPU's CTA slots.
 inline int64_t splitkv_unsplit_ctas(const Flash_fwd_params& params) {
@@ -48,7 +49,13 @@ inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int s
   const int64_t ctas = splitkv_unsplit_ctas(params);
   const int64_t slots = splitkv_slots(params, smem_bytes, min_blocks);
   if (ctas >= 4 * slots) return 1;
-  const int64_t key_tiles = (int64_t(params.seqlen_k) + block_n - 1) / block_n;
+  // The key tiles one row tile visits: the cache's capacity, or a sliding window's (its left
+  // bound plus the packed queries' span, and a tile of misalignment on each side).
+  int64_t keys = params.seqlen_k;
+  if (params.window_left >= 0) {
+    keys = std::min<int64_t>(keys, int64_t(params.window_left) + params.seqlen_q + 2 * block_n);
+  }
+  const int64_t key_tiles = (keys + block_n - 1) / block_n;
   const int64_t max_splits =
       std::max<int64_t>(1, std::min<int64_t>({kMaxSplits, key_tiles / 8}));
   const auto efficiency = [&](int64_t s) {

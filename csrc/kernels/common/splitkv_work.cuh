@@ -20,34 +20,39 @@ namespace flash {
 template <int kBlockM, int kBlockN>
 struct SplitKvWork {
   SeqInfo seq;      // seqlen_k: the keys this sequence sees (cache_seqlens[b] + seqlen_knew, capped)
-  AttnMask mask;    // causal: bottom-right aligned against seq.seqlen_k
+  AttnMask mask;    // causal / window: bottom-right aligned against seq.seqlen_k
   KvCacheRows kv;   // where its key rows live (contiguous or paged)
   int bidhk, ratio, split, num_splits;
   int m0;           // first packed row of the tile
   int rows;         // packed rows of the sequence, R = seqlen_q * ratio
   int n_begin, n_end;    // key tiles [n_begin, n_end) of this split (empty: n_begin >= n_end)
-  int n_block_unmasked;  // key tiles [0, n_block_unmasked) are visible to every row of the tile
+  int n_block_unmasked_lo, n_block_unmasked;  // key tiles [lo, n_block_unmasked) are visible to every row of the tile
 
   // blockIdx.x = ((bidb * h_k + bidhk) * row_tiles + m_block) * num_splits + split: the splits
   // of one (sequence, kv head, row tile) are neighbours.
   __device__ __forceinline__ explicit SplitKvWork(const Flash_fwd_params& p) : SplitKvWork(p, decode(p)) {}
   __device__ __forceinline__ SplitKvWork(const Flash_fwd_params& p, int4 c)
-      : seq(p, c.x), mask(seq, p.is_causal), kv(p, c.x) {
+      : seq(p, c.x), mask(seq, p), kv(p, c.x) {
     bidhk = c.y;
     ratio = p.h_h_k_ratio;
     split = c.w;
     num_splits = p.num_splits;
     m0 = c.z * kBlockM;
     rows = seq.seqlen_q * ratio;
-    // Key tiles some valid row of the tile sees: up to the key limit of its last query (the
-    // visible keys of a row are a prefix, longer for later queries).
-    const int limit_last = mask.key_limit(query(min(m0 + kBlockM, rows) - 1));
+    // Key tiles some valid row of the tile sees: from the key start of its first query to the
+    // key limit of its last (the visible keys of a row are an interval, both ends later for later
+    // queries; the start is 0 without a sliding window).
+    const int q_last = query(min(m0 + kBlockM, rows) - 1);
+    const int limit_last = mask.key_limit(q_last);
     const int n_block_max = limit_last <= 0 ? 0 : ceil_div(limit_last, kBlockN);
-    // Split s gets tiles [s n / S, (s + 1) n / S): sizes differ by at most one tile, and every
-    // split has work while n >= S.
-    n_begin = int(int64_t(split) * n_block_max / num_splits);
-    n_end = int(int64_t(split + 1) * n_block_max / num_splits);
+    const int n_block_min = min(mask.key_start(query(m0)) / kBlockN, n_block_max);
+    // Split s gets tiles n_block_min + [s n / S, (s + 1) n / S) of the n = n_block_max -
+    // n_block_min: sizes differ by at most one tile, and every split has work while n >= S.
+    const int n = n_block_max - n_block_min;
+    n_begin = n_block_min + int(int64_t(split) * n / num_splits);
+    n_end = n_block_min + int(int64_t(split + 1) * n / num_splits);
     n_block_unmasked = max(mask.key_limit(query(m0)), 0) / kBlockN;
+    n_block_unmasked_lo = ceil_div(mask.key_start(q_last), kBlockN);  // 0 without a left bound
   }
   __device__ __forceinline__ static int4 decode(const Flash_fwd_params& p) {
     const int row_tiles = num_row_tiles(p);
@@ -70,7 +75,9 @@ struct SplitKvWork {
   // Packed row r: query r / ratio of query head bidhk * ratio + r % ratio.
   __device__ __forceinline__ int query(int r) const { return r / ratio; }
   __device__ __forceinline__ int head(int r) const { return bidhk * ratio + r % ratio; }
-  __device__ __forceinline__ bool tile_needs_mask(int n_block) const { return n_block >= n_block_unmasked; }
+  __device__ __forceinline__ bool tile_needs_mask(int n_block) const {
+    return n_block >= n_block_unmasked || n_block < n_block_unmasked_lo;
+  }
 
   // Row r of the split accumulators, (num_splits, b, h, seqlen_q) for the LSE and the same times
   // d_rounded for O (flash.h: softmax_lseaccum_ptr, oaccum_ptr).

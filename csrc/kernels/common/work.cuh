@@ -83,7 +83,8 @@ __device__ __forceinline__ int64_t varlen_dense_index(const int* cu_seqlens, int
 // Forward / dQ CTA: Q tile of kBlockM rows from m0 of (batch, head bidh; kv head bidhk).
 // blockIdx.x runs the Q tiles fastest and in reverse, so the heavy (late, under causal) tiles go
 // first and the CTAs of one (batch, head) run together and share K / V in L2. The loop visits
-// the key blocks [0, n_block_max); blocks [0, n_block_unmasked) need no mask.
+// the key blocks [n_block_min, n_block_max) (n_block_min: 0 but for a sliding window); blocks
+// [n_block_unmasked_lo, n_block_unmasked) need no mask.
 // kTightVarlen: varlen calls may run on a tight grid (varlen_tight_grid); false keeps the grid of
 // max_seqlen_q (the sm80 forward: its 128 x 64 row for sm_90a sits at 255 registers, and a decode
 // that cannot be recomputed from blockIdx.x cost it 80 bytes of spills).
@@ -96,7 +97,7 @@ struct QTileWork {
   __device__ __forceinline__ explicit QTileWork(const Flash_fwd_params& params) : QTileWork(params, decode(params)) {}
   // bm = decode(params), computed once (its 64-bit divisions are the CTA's costliest setup).
   __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int2 bm)
-      : seq(params, bm.x), mask(seq, params.is_causal) {
+      : seq(params, bm.x), mask(seq, params) {
     bidh = bm.y % params.h;
     bidhk = bidh / params.h_h_k_ratio;  // GQA/MQA: shared K/V head, never copied
     m0 = (bm.y / params.h) * kBlockM;
@@ -137,7 +138,14 @@ struct QTileWork {
     const int bidb = h_div.div(bh), head = bh - bidb * h_div.d;
     return make_int2(bidb, (m_div.d - 1 - j) * h_div.d + head);
   }
-  __device__ __forceinline__ bool block_needs_mask(int n_block) const { return n_block >= n_block_unmasked; }
+  // The left end of the ranges (0 without a sliding window), computed where used rather than
+  // kept: the sm80 forward's sm_90a row sits at 255 registers across its key loop.
+  __device__ __forceinline__ int n_block_min() const { return mask.n_block_min(m0, kBlockN); }
+  // kLeft = false: the right bound and seqlen_k only (the sm80 kernels' twins without a left bound).
+  template <bool kLeft = true>
+  __device__ __forceinline__ bool block_needs_mask(int n_block) const {
+    return n_block >= n_block_unmasked || (kLeft && n_block < mask.n_block_unmasked_lo(m0, kBlockM, kBlockN));
+  }
   // The tile starts at or past its sequence's last query row (varlen: the grid is sized by
   // max_seqlen_q): nothing to compute or store. Never for a dense call.
   __device__ __forceinline__ bool past_end() const { return m0 >= seq.seqlen_q; }
@@ -187,12 +195,12 @@ struct DkvWork {
   // idx: the dense index, or -1 (no key block: sequence 0, kv head 0, key block num_n).
   __device__ __forceinline__ DkvWork(const Flash_bwd_params& params, int64_t idx)
       : seq(params, idx < 0 ? 0 : int(idx / ceil_div(params.seqlen_k, kBlockN)) / params.h_k),
-        mask(seq, params.is_causal) {
+        mask(seq, params) {
     const int num_n_blocks = ceil_div(params.seqlen_k, kBlockN);
     bidhk = idx < 0 ? 0 : int(idx / num_n_blocks) % params.h_k;
     n0 = (idx < 0 ? num_n_blocks : int(idx % num_n_blocks)) * kBlockN;
     m_block_min = mask.first_m_block(n0, kBlockM);
-    const int m_block_max = ceil_div(seq.seqlen_q, kBlockM);
+    const int m_block_max = mask.m_block_end(n0, kBlockN, kBlockM);
     num_m = m_block_max > m_block_min ? m_block_max - m_block_min : 0;
     ratio = params.h_h_k_ratio;
     n_iter = num_m * ratio;
@@ -221,7 +229,11 @@ struct DkvWork {
   __device__ __forceinline__ int m0(int it) const { return (m_block_min + num_m_div.mod(it)) * kBlockM; }  // first Q row
   // Iteration it needs the exact P recompute where it holds a masked pair or a large-magnitude row
   // (flash.h: precise_rows). The flag is a global load: kernels read it one iteration ahead.
-  __device__ __forceinline__ bool needs_mask(int it) const { return mask.kv_block_needs_mask(m0(it), n0, kBlockN); }
+  // kLeft = false: the right bound only (the sm80 kernels' twins without a left bound).
+  template <bool kLeft = true>
+  __device__ __forceinline__ bool needs_mask(int it) const {
+    return mask.template kv_block_needs_mask<kLeft>(m0(it), kBlockM, n0, kBlockN);
+  }
   __device__ __forceinline__ bool precise(const Flash_bwd_params& params, int it) const {
     return it < n_iter && params.precise_rows_ptr[seq.precise_index(params, head(it), m0(it))] != 0;
   }

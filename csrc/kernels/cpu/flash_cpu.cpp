@@ -29,18 +29,27 @@ namespace {
 constexpr int kBlockM = 64;  // query rows per tile
 constexpr int kBlockN = 64;  // key/value rows per tile
 
-// Number of keys query row i may see: causal is bottom-right aligned, key j is visible
-// iff j <= i + seqlen_k - seqlen_q. Clamped to [0, seqlen_k].
-inline int visible_keys(int i, int seqlen_q, int seqlen_k, bool causal) {
-  if (!causal) return seqlen_k;
-  const int64_t n = int64_t(i) + seqlen_k - seqlen_q + 1;
-  return int(std::min<int64_t>(std::max<int64_t>(n, 0), seqlen_k));
+// The keys query row i sees, [begin, end) (empty: begin >= end): with off = seqlen_k - seqlen_q
+// (bottom-right alignment), j <= i + off under causal (or j <= i + off + window_right), and
+// j >= i + off - window_left for a sliding window (flash.h; the CUDA kernels' contract,
+// kernels/common/mask.cuh). Clamped to [0, seqlen_k].
+struct KeyRange {
+  int begin, end;
+};
+inline KeyRange visible_keys(const Flash_fwd_params& p, int i) {
+  const int64_t diag = int64_t(i) + p.seqlen_k - p.seqlen_q;
+  int64_t end = p.seqlen_k, begin = 0;
+  if (p.is_causal) end = std::min<int64_t>(end, diag + 1);
+  else if (p.window_right >= 0) end = std::min<int64_t>(end, diag + p.window_right + 1);
+  if (p.window_left >= 0) begin = std::max<int64_t>(0, diag - p.window_left);
+  return {int(begin), int(std::max<int64_t>(end, 0))};
 }
 
-// Visible keys of row i inside the key tile starting at n0 with rows_n rows. Visible keys
-// of a row form a prefix, so the causal mask is a column count.
-inline int visible_in_tile(int i, int n0, int rows_n, int seqlen_q, int seqlen_k, bool causal) {
-  return std::min(std::max(visible_keys(i, seqlen_q, seqlen_k, causal) - n0, 0), rows_n);
+// The visible keys of row i inside the key tile starting at n0 with rows_n rows, as tile columns
+// [begin, end): the visible keys of a row are an interval, so the mask is two column bounds.
+inline KeyRange visible_in_tile(const Flash_fwd_params& p, int i, int n0, int rows_n) {
+  const KeyRange r = visible_keys(p, i);
+  return {std::min(std::max(r.begin - n0, 0), rows_n), std::min(std::max(r.end - n0, 0), rows_n)};
 }
 
 // rows x d tile (row-major, leading dim d) <- rows of one head starting at `src`.
@@ -132,9 +141,11 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
       std::fill(l_row.begin(), l_row.end(), Acc(0));
       std::fill(m_row.begin(), m_row.end(), neg_inf);
 
-      // Causal: the tile's last row sees the most keys; later key tiles are skipped.
-      const int n_end = visible_keys(m0 + rows_m - 1, p.seqlen_q, p.seqlen_k, p.is_causal);
-      for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+      // Key tiles some row sees: the first row starts first, the last row ends last (causal and a
+      // window skip the others).
+      const int n_begin = visible_keys(p, m0).begin / kBlockN * kBlockN;
+      const int n_end = visible_keys(p, m0 + rows_m - 1).end;
+      for (int n0 = n_begin; n0 < n_end; n0 += kBlockN) {
         const int rows_n = std::min(kBlockN, p.seqlen_k - n0);
         // Alg. 1 line 8: load K_j, V_j.
         load_rows_transposed(k + n0 * p.k.row_stride, p.k.row_stride, rows_n, d, kt_tile.data());
@@ -143,19 +154,19 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
         matmul_abt(q_tile.data(), rows_m, kt_tile.data(), d, s_tile.data());
 
         for (int i = 0; i < rows_m; ++i) {
-          const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
-          if (ncols == 0) continue;  // masked entries contribute exp(-inf) = 0
+          const auto [c0, c1] = visible_in_tile(p, m0 + i, n0, rows_n);
+          if (c1 <= c0) continue;  // masked entries contribute exp(-inf) = 0
           Acc* s = s_tile.data() + int64_t(i) * kBlockN;
           // Alg. 1 line 10: m_new = max(m_old, rowmax(S_ij)) (scaled, log2 units).
           Acc m_new = m_row[i];
-          for (int j = 0; j < ncols; ++j) {
+          for (int j = c0; j < c1; ++j) {
             s[j] *= scale_log2;
             m_new = std::max(m_new, s[j]);
           }
           // Alg. 1 line 10: P~ = exp2(S - m_new), l_new = exp2(m_old - m_new) l_old + rowsum(P~).
           const Acc alpha = std::exp2(m_row[i] - m_new);  // 0 on the first visible tile
           Acc row_sum = 0;
-          for (int j = 0; j < ncols; ++j) {
+          for (int j = c0; j < c1; ++j) {
             s[j] = std::exp2(s[j] - m_new);
             row_sum += s[j];
           }
@@ -165,7 +176,7 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
           // Alg. 1 line 11: O_i = diag(exp(m_old - m_new)) O_i + P~ V_j.
           Acc* o = acc.data() + int64_t(i) * d;
           for (int c = 0; c < d; ++c) o[c] *= alpha;
-          for (int j = 0; j < ncols; ++j) axpy(s[j], v_tile.data() + int64_t(j) * d, o, d);
+          for (int j = c0; j < c1; ++j) axpy(s[j], v_tile.data() + int64_t(j) * d, o, d);
         }
       }
 
@@ -263,13 +274,13 @@ void bwd_impl(const Flash_bwd_params& p) {
     matmul_abt(q_tile, rows_m, kt_tile, d, s_tile);
     matmul_abt(do_tile, rows_m, vt_tile, d, dp_tile);
     for (int i = 0; i < rows_m; ++i) {
-      const int ncols = visible_in_tile(m0 + i, n0, rows_n, p.seqlen_q, p.seqlen_k, p.is_causal);
-      if (ncols == 0) continue;  // P = 0: no contribution (also rows with LSE = +inf)
+      const auto [c0, c1] = visible_in_tile(p, m0 + i, n0, rows_n);
+      if (c1 <= c0) continue;  // P = 0: no contribution (also rows with LSE = +inf)
       const auto [hi, lo] = row_hi_lo(b, h, m0 + i);
       const Acc dsum_i = row_dsum(b, h, m0 + i);
       const Acc* s = s_tile + int64_t(i) * kBlockN;
       const Acc* dp = dp_tile + int64_t(i) * kBlockN;
-      for (int j = 0; j < ncols; ++j) {
+      for (int j = c0; j < c1; ++j) {
         const Acc pij = prob(s[j], hi, lo);  // line 12: P_ij = exp(S_ij - L_i)
         visit(i, j, pij, pij * (dp[j] - dsum_i));  // line 15: dS_ij = P_ij (dP_ij - D_i)
       }
@@ -300,14 +311,20 @@ void bwd_impl(const Flash_bwd_params& p) {
       std::fill(dk_acc.begin(), dk_acc.end(), Acc(0));
       std::fill(dv_acc.begin(), dv_acc.end(), Acc(0));
 
-      // Causal: query row i sees key n0 iff i >= n0 - (seqlen_k - seqlen_q); earlier Q tiles are skipped.
-      const int64_t first_row = std::max<int64_t>(0, int64_t(n0) - (int64_t(p.seqlen_k) - p.seqlen_q));
-      const int m_begin = p.is_causal ? int(first_row / kBlockM) * kBlockM : 0;
+      // The query rows that see a key of the tile: a right bound (causal, a window's right side)
+      // skips the Q tiles before the first, a left bound (a window) the ones after the last.
+      const int64_t off = int64_t(p.seqlen_k) - p.seqlen_q;
+      const int64_t right = p.is_causal ? 0 : p.window_right;
+      const int64_t first_row = right >= 0 ? std::max<int64_t>(0, n0 - off - right) : 0;
+      const int64_t end_row = p.window_left >= 0 ? std::min<int64_t>(p.seqlen_q, n0 + rows_n - off + p.window_left)
+                                                 : p.seqlen_q;
+      const int m_begin = int(first_row / kBlockM) * kBlockM;
+      const int m_end = int(std::max<int64_t>(end_row, 0));
 
       for (int h = h_k * p.h_h_k_ratio; h < (h_k + 1) * p.h_h_k_ratio; ++h) {
         const T* q = static_cast<const T*>(p.q.ptr) + b * p.q.batch_stride + h * p.q.head_stride;
         const T* dout = static_cast<const T*>(p.dout.ptr) + b * p.dout.batch_stride + h * p.dout.head_stride;
-        for (int m0 = m_begin; m0 < p.seqlen_q; m0 += kBlockM) {
+        for (int m0 = m_begin; m0 < m_end; m0 += kBlockM) {
           const int rows_m = std::min(kBlockM, p.seqlen_q - m0);
           // Alg. 2 line 10: load Q_i, dO_i (L_i, D_i read per row below).
           load_rows(q + m0 * p.q.row_stride, p.q.row_stride, rows_m, d, q_tile.data());
@@ -357,8 +374,9 @@ void bwd_impl(const Flash_bwd_params& p) {
       load_rows(dout + m0 * p.dout.row_stride, p.dout.row_stride, rows_m, d, do_tile.data());
       std::fill(dq_acc.begin(), dq_acc.end(), Acc(0));
 
-      const int n_end = visible_keys(m0 + rows_m - 1, p.seqlen_q, p.seqlen_k, p.is_causal);
-      for (int n0 = 0; n0 < n_end; n0 += kBlockN) {
+      const int n_begin = visible_keys(p, m0).begin / kBlockN * kBlockN;
+      const int n_end = visible_keys(p, m0 + rows_m - 1).end;
+      for (int n0 = n_begin; n0 < n_end; n0 += kBlockN) {
         const int rows_n = std::min(kBlockN, p.seqlen_k - n0);
         load_rows(k + n0 * p.k.row_stride, p.k.row_stride, rows_n, d, k_tile.data());
         load_rows_transposed(k + n0 * p.k.row_stride, p.k.row_stride, rows_n, d, kt_tile.data());

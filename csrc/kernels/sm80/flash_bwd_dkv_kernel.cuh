@@ -62,7 +62,9 @@ struct DkvKernelTraits {
 
 // Tile::kFastCopy: predicate-free copies of whole Q / dO tiles (primitives/tile_copy.cuh), used
 // where the registers allow it (tile_config.h).
-template <typename Element, int kHeadDim, typename TileShape>
+// kLocal: the call has a sliding window's left bound (the launch picks: launch_utils.h,
+// FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone.
+template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false>
 __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 #if defined(__CUDA_ARCH__)  // device code only: the host pass needs just the stub
@@ -130,7 +132,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) in place (fp32; masked pairs -> 0),
     // primitives/softmax.cuh. The masked and exact copies of the loop run on the tiles that need
     // them only: the branch is uniform over the CTA.
-    with_p_mode(precise, w.needs_mask(it), [&](auto mode) {
+    with_p_mode(precise, w.template needs_mask<kLocal>(it), [&](auto mode) {
       constexpr PMode kMode = decltype(mode)::value;
 #pragma unroll
       for (int nb = 0; nb < T::kNBlkM; ++nb) {
@@ -143,8 +145,9 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = w.n0 + kWarpRows * warp_n + g + 8 * (e / 2) + 16 * ma;
+            const bool visible = w.mask.template visible<kLocal>(m0 + mc + (e % 2), key);
             acc_s[ma][nb][e] = recompute_p<kMode>(acc_s[ma][nb][e], params.scale_softmax_log2, (e % 2) ? hi2.y : hi2.x,
-                                                  (e % 2) ? lo2.y : lo2.x, w.mask.visible(m0 + mc + (e % 2), key));
+                                                  (e % 2) ? lo2.y : lo2.x, visible);
           }
         }
       }

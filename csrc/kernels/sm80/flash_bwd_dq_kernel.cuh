@@ -53,7 +53,9 @@ struct DqKernelTraits {
 
 // Tile::kFastCopy: predicate-free copies of whole K / V tiles (primitives/tile_copy.cuh), used
 // where the registers allow it (tile_config.h).
-template <typename Element, int kHeadDim, typename TileShape>
+// kLocal: the call has a sliding window's left bound (the launch picks: launch_utils.h,
+// FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone.
+template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dq_kernel(const Flash_bwd_params params) {
   using T = DqKernelTraits<Element, kHeadDim, TileShape>;
@@ -76,16 +78,18 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   const DqWork<kBlockM, kBlockN> w(params);
   if (w.past_end()) return;
 
-  // Alg. 2 line 7 (K_j, V_j), into `stage`.
-  auto load_kv_tile = [&](int n_block, int stage) {
+  // Alg. 2 line 7 (K_j, V_j) of step i (key block n_block_min + i: a sliding window's first block,
+  // else 0), into `stage`.
+  const int n_block_min = kLocal ? w.n_block_min() : 0, n_steps = max(w.n_block_max - n_block_min, 0);
+  auto load_kv_tile = [&](int i, int stage) {
     w.template copy_kv_tiles_async<Element, SmemTile<kHeadDim>, kHeadDim, kThreads, kFastCopy>(
-        params, n_block, smem_u32addr(sK0 + stage * T::kTileKV), smem_u32addr(sV0 + stage * T::kTileKV), tid);
+        params, n_block_min + i, smem_u32addr(sK0 + stage * T::kTileKV), smem_u32addr(sV0 + stage * T::kTileKV), tid);
   };
 
   // Alg. 2 line 10: Q_i, dO_i (resident), hi and D of this thread's rows r and r + 8.
   w.template copy_q_tiles_async<Element, SmemTile<kHeadDim>, kHeadDim, kThreads>(params, smem_u32addr(sQ),
                                                                                smem_u32addr(sdO), tid);
-  if (w.n_block_max > 0) load_kv_tile(0, 0);
+  if (n_steps > 0) load_kv_tile(0, 0);
   cp_async_commit();
 
   const int warp_row0 = kWarpRows * warp;  // first tile row of this warp
@@ -107,16 +111,16 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     constexpr PMode kMode = decltype(mode)::value;
     const int row = row_lo + 16 * ma + 8 * (e / 2);
     const float lo = kMode == PMode::kExact ? params.softmax_lse_log2_lo_ptr[ws + row] : 0.f;
-    return recompute_p<kMode>(s, params.scale_softmax_log2, hi[ma][e / 2], lo,
-                              w.mask.visible(row, n0 + nb * 8 + 2 * t + (e % 2)));
+    const bool visible = w.mask.template visible<kLocal>(row, n0 + nb * 8 + 2 * t + (e % 2));
+    return recompute_p<kMode>(s, params.scale_softmax_log2, hi[ma][e / 2], lo, visible);
   };
 
   float acc_dq[kMA][T::kNBlkD][4];
   zero_acc(acc_dq);
 
-  for (int n_block = 0; n_block < w.n_block_max; ++n_block) {
-    const int stage = n_block % 2;
-    pipeline_step(n_block, w.n_block_max, load_kv_tile);  // K_{j+1}, V_{j+1} in flight; K_j, V_j landed
+  for (int i = 0; i < n_steps; ++i) {
+    const int n_block = n_block_min + i, stage = i % 2;
+    pipeline_step(i, n_steps, load_kv_tile);  // K_{j+1}, V_{j+1} in flight; K_j, V_j landed
 
     const Element* sK = sK0 + stage * T::kTileKV;
     const Element* sV = sV0 + stage * T::kTileKV;
@@ -129,7 +133,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
 
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), masked keys -> 0; the masked and exact
     // copies run on the blocks that need them only (a CTA-uniform branch).
-    const bool needs_mask = w.block_needs_mask(n_block);
+    const bool needs_mask = w.template block_needs_mask<kLocal>(n_block);
     // kPRounded: P as Element pairs p_rounded[ma][nb][h] (row g + 8h, keys 8nb + 2t, +1) before
     // dP is computed, so the fp32 S is dead during the dP product.
     uint32_t p_rounded[kPRounded ? kMA : 1][kPRounded ? T::kNBlkN : 1][2];

@@ -55,7 +55,10 @@ struct FwdKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {
   static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "K/V tile: whole chunks per thread");
 };
 
-template <typename Traits>
+// kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd picks):
+// the key loop starts at the window's first block and the left edge's tiles are masked too. The
+// kernel without it is the causal mask's code alone (its registers: 255 in the sm_90 row).
+template <typename Traits, bool kLocal = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_kernel(const Flash_fwd_params params) {
   using Element = typename Traits::Element;
@@ -83,7 +86,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const Element* gK = w.seq.template k_row<const Element>(params.k, w.bidhk, 0);
   const Element* gV = w.seq.template k_row<const Element>(params.v, w.bidhk, 0);
   const int seqlen_k = w.seq.seqlen_k;
-  const int n_block_max = w.n_block_max;  // 0: causal with seqlen_q > seqlen_k, no row sees a key
+  // Key blocks [n_block_min, n_block_max); empty: no row sees a key (causal with seqlen_q >
+  // seqlen_k, a window past the keys).
+  const int n_block_min = kLocal ? w.n_block_min() : 0, n_block_max = w.n_block_max;
 
   float acc_o[kMAtoms][kDAtoms][4];  // FA2 Alg. 1 line 5: O = 0
 #pragma unroll
@@ -95,7 +100,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   OnlineSoftmax<kMAtoms> softmax;  // m = -inf, l = 0
   const float scale_log2 = params.scale_softmax_log2;
 
-  if (n_block_max > 0) {
+  if (n_block_max > n_block_min) {
     // ---- Prologue: Q tile (loaded once, FA2 Alg. 1 line 4) and the first K tile, one group.
     copy_tile_async<Tile, kBlockM, kHeadDim, kThreads>(smem_u32addr(sQ), gQ, params.q.row_stride, w.rows_q, d, tid);
     {
@@ -131,7 +136,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
     // FA2 Alg. 1 lines 6-11: loop over K/V tiles, last to first (the masked tiles come first).
 #pragma unroll 1
-    for (int n = n_block_max - 1; n >= 0; --n) {
+    for (int n = n_block_max - 1; n >= n_block_min; --n) {
       float s[kMAtoms][kNAtoms][4];
 #pragma unroll
       for (int mi = 0; mi < kMAtoms; ++mi)
@@ -167,13 +172,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       }
 
-      // The mask (common/mask.cuh): only tiles crossing the causal diagonal or the seqlen_k edge run
-      // mask code; the branch is uniform over the CTA, so tiles below the diagonal pay nothing.
-      if (w.block_needs_mask(n)) w.mask.apply(s, w.m0 + warp_row0, n * kBlockN);
+      // The mask (common/mask.cuh): only tiles crossing the causal diagonal, a window's left edge or
+      // the seqlen_k edge run mask code; the branch is uniform over the CTA, so tiles below the diagonal pay nothing.
+      if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
 
       cp_async_wait<0>();  // V_n landed ...
       __syncthreads();     // ... everyone's; and every warp finished reading K_n: K buffer free
-      if (n > 0) {
+      if (n > n_block_min) {
         copy_tile_async<Tile, kBlockN, kHeadDim, kThreads>(
             smem_u32addr(sK), gK + int64_t(n - 1) * kBlockN * params.k.row_stride, params.k.row_stride,
             seqlen_k - (n - 1) * kBlockN, d, tid);
@@ -206,7 +211,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
 
   // ---- Epilogue (Alg. 1 lines 12-13): O = acc_o / l, LSE = m + log2(l) (and its two parts).
-  // A tile whose rows see no key (n_block_max == 0) gets O = 0, LSE = +inf.
+  // A tile whose rows see no key (an empty block range) gets O = 0, LSE = +inf.
   {
     float lse[2 * kMAtoms], row_max[2 * kMAtoms], row_log2sum[2 * kMAtoms];
     softmax.finalize(acc_o, scale_log2, lse, row_max, row_log2sum);

@@ -14,8 +14,10 @@ namespace sm80 {
 template <typename Traits>
 void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   static_assert(Traits::kSmemBytes <= kMaxSmem, "forward tile row exceeds sm_80 shared memory");
-  launch_tiles<Traits, QTileWork<Traits::kBlockM, Traits::kBlockN, false>>(flash_fwd_kernel<Traits>, "forward",
-                                                                            params, stream);
+  // A sliding window's left bound takes the kernel's kLocal twin (flash_fwd_kernel.cuh).
+  launch_tiles<Traits, QTileWork<Traits::kBlockM, Traits::kBlockN, false>>(
+      params.window_left >= 0 ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>, "forward", params,
+      stream);
 }
 
 }  // namespace sm80

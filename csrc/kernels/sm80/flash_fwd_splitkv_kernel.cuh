@@ -152,11 +152,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     for (int e = 0; e < 4; ++e) acc_o[0][di][e] = 0.f;
   OnlineSoftmax<1> softmax;  // m = -inf, l = 0
 
-  // Key limits of this thread's two packed rows (lane / 4 and lane / 4 + 8 of the tile; the
-  // mask layer, common/mask.cuh, on the row's query): a key j is visible iff j < limit.
-  int limit[2];
+  // Key ranges of this thread's two packed rows (lane / 4 and lane / 4 + 8 of the tile; the mask
+  // layer, common/mask.cuh, on the row's query): a key j is visible iff start <= j < limit.
+  int limit[2], start[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) limit[h] = w.mask.key_limit(w.query(w.m0 + lane / 4 + 8 * h));
+  for (int h = 0; h < 2; ++h) {
+    const int q = w.query(w.m0 + lane / 4 + 8 * h);
+    limit[h] = w.mask.key_limit(q);
+    start[h] = w.mask.key_start(q);
+  }
 
   // Per-lane ldmatrix addresses (primitives/ldmatrix.cuh recipes), relative to the tile bases.
   // Q as the A operand: row = lane % 16, col = (lane / 16) * 8.
@@ -225,8 +229,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
     }
 
-    // The mask, only on tiles some row does not see whole (the causal diagonal, the end of the
-    // sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row lane/4 + 8h, key
+    // The mask, only on tiles some row does not see whole (the causal diagonal, a window's left
+    // edge, the end of the sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row lane/4 + 8h, key
     // key0 + 8 ni + 2 (lane % 4) + e. Past the sequence's keys S = 0 (cp.async zero-fills those K
     // rows) or anything, NaN included (TMA brings whole boxes): the tile holding them always takes
     // this branch (every row's key limit is <= seqlen_k) and the -inf replaces the value.
@@ -236,7 +240,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       for (int ni = 0; ni < kNAtoms; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (key0 + ni * 8 + (e % 2) >= limit[e / 2]) s[0][ni][e] = -INFINITY;
+          const int key = key0 + ni * 8 + (e % 2);
+          if (key >= limit[e / 2] || key < start[e / 2]) s[0][ni][e] = -INFINITY;
         }
     }
 

@@ -62,7 +62,9 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, typename TileShape, bool kTma>
+// kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
+// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone.
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false>
 __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -149,7 +151,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
     // copies run under the products just issued).
     stages.refill(it + 1 - stages.kStages, w.n_iter, tid, load_q_tile);
 
-    const bool needs_mask = w.needs_mask(it);
+    const bool needs_mask = w.template needs_mask<kLocal>(it);
     const int key0 = w.n0 + 64 * wg + 16 * warp_wg + g;
     uint32_t a_p[kSplit][kPart / 16][4], a_ds[kSplit][kPart / 16][4];
 #pragma unroll
@@ -159,7 +161,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       wgmma_wait<2 * kSplit - 1>();
       const int q0 = h * kPart;  // first tile row of part h
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0; smem_layout.cuh).
-      recompute_pt(acc_s[h], w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, q0, key0, t);
+      recompute_pt<kLocal>(acc_s[h], w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, q0, key0, t);
 #pragma unroll
       for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
 

@@ -59,7 +59,9 @@ struct DkvRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
                 "S^T is one m64nNk16 wgmma wide (N = kBlockM); Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, typename TileShape, bool kTma>
+// kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
+// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone.
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -136,7 +138,7 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
     float4* p_xchg = sP(it);
     if (wg == 0) {
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0), handed to role 1.
-      recompute_pt(acc_s, w.mask, precise, w.needs_mask(it), params.scale_softmax_log2, sHi(stage), sLo(stage),
+      recompute_pt<kLocal>(acc_s, w.mask, precise, w.template needs_mask<kLocal>(it), params.scale_softmax_log2, sHi(stage), sLo(stage),
                    w.m0(it), 0, key0, t);
 #pragma unroll
       for (int j = 0; j < kNBlkM; ++j) p_xchg[j * 128 + tid_wg] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);

@@ -45,7 +45,9 @@ struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
-template <typename Element, int kHeadDim, typename TileShape, bool kTma>
+// kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
+// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone.
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, TileShape::kMinBlocks)
 flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -69,13 +71,15 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
   const int tid = threadIdx.x, wg = warpgroup_index(tid), tid_wg = tid % 128, warp_wg = tid_wg / 32;
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
 
-  // Alg. 2 line 7: K_j, V_j of key block n_block into `stage` (smem_layout.cuh). Line 10: Q_i, dO_i
-  // (resident, cp.async) with the first K/V tiles.
+  // Alg. 2 line 7: K_j, V_j of step i (key block n_block_min + i: a sliding window's first block,
+  // else 0) into `stage` (smem_layout.cuh). Line 10: Q_i, dO_i (resident, cp.async) with the first
+  // K/V tiles.
+  const int n_block_min = kLocal ? w.n_block_min() : 0, n_steps = max(w.n_block_max - n_block_min, 0);
   const BwdStages<kTma, kThreads, T::kStages> stages(smem_addr + T::kOffBar);
-  auto load_kv_tile = [&](int n, int s) {
-    load_dq_stage<kTma, Element, T>(w, params, maps, smem, n, s, stages.full(s), tid);
+  auto load_kv_tile = [&](int i, int s) {
+    load_dq_stage<kTma, Element, T>(w, params, maps, smem, n_block_min + i, s, stages.full(s), tid);
   };
-  stages.start(tid, maps, w.n_block_max, load_kv_tile,
+  stages.start(tid, maps, n_steps, load_kv_tile,
                [&] { w.template copy_q_tiles_async<Element, TileQ, kHeadDimPad, kThreads>(params, sQ, sdO, tid); });
 
   // hi and D of this thread's rows (whole tiles lie inside the 128-rounded workspaces).
@@ -91,9 +95,9 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
     for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.f;
   }
 
-  for (int n_block = 0; n_block < w.n_block_max; ++n_block) {
-    const int stage = stages.stage(n_block);
-    stages.acquire(n_block, w.n_block_max, load_kv_tile);  // K_j, V_j landed
+  for (int i = 0; i < n_steps; ++i) {
+    const int n_block = n_block_min + i, stage = stages.stage(i);
+    stages.acquire(i, n_steps, load_kv_tile);  // K_j, V_j landed
 
     const uint32_t sK = smem_addr + T::kOffK + stage * TileKV::kBytes;
     const uint32_t sV = smem_addr + T::kOffV + stage * TileKV::kBytes;
@@ -120,11 +124,11 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
     wgmma_commit();
     // Key block n_block + 1 into the stage an earlier block released (kTma: the loader's wait and
     // copies run under the products just issued).
-    stages.refill(n_block + 1 - stages.kStages, w.n_block_max, tid, load_kv_tile);
+    stages.refill(i + 1 - stages.kStages, n_steps, tid, load_kv_tile);
 
     wgmma_wait<1>();
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), while dP runs (masked -> 0; smem_layout.cuh).
-    recompute_p_rows(acc_s, w.mask, w.precise, w.block_needs_mask(n_block), params.scale_softmax_log2, hi,
+    recompute_p_rows<kLocal>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, hi,
                      params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 
     // Alg. 2 line 15: dS = P o (dP - D).
@@ -141,7 +145,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
     // Alg. 2 line 16: dQ_i += dS K_j.
     wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dq), a_ds, [&](int kk) { return TileKV::desc_mn_major(sK, kk); });
     wgmma_wait<0>();
-    stages.release(n_block);  // this thread is done with the stage
+    stages.release(i);  // this thread is done with the stage
   }
 
   // dQ_i (times softmax_scale), staged through sQ for coalesced 16-byte stores.

@@ -50,7 +50,9 @@ struct DqRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
   static_assert(kCols1 > 0 && kCols0 <= 128, "each warpgroup holds at most 128 dQ columns");
 };
 
-template <typename Element, int kHeadDim, typename TileShape, bool kTma>
+// kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
+// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone.
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -76,13 +78,15 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
   const int tid = threadIdx.x, wg = warpgroup_index(tid), tid_wg = tid % 128, warp_wg = tid_wg / 32;
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
 
-  // Alg. 2 line 7: K_j, V_j of key block n_block into `stage` (smem_layout.cuh). Line 10: Q_i, dO_i
-  // (resident, cp.async) with the first K/V tiles.
+  // Alg. 2 line 7: K_j, V_j of step i (key block n_block_min + i: a sliding window's first block,
+  // else 0) into `stage` (smem_layout.cuh). Line 10: Q_i, dO_i (resident, cp.async) with the first
+  // K/V tiles.
+  const int n_block_min = kLocal ? w.n_block_min() : 0, n_steps = max(w.n_block_max - n_block_min, 0);
   const BwdStages<kTma, kThreads> stages(smem_addr + T::kOffBar);
-  auto load_kv_tile = [&](int n, int s) {
-    load_dq_stage<kTma, Element, T>(w, params, maps, smem, n, s, stages.full(s), tid);
+  auto load_kv_tile = [&](int i, int s) {
+    load_dq_stage<kTma, Element, T>(w, params, maps, smem, n_block_min + i, s, stages.full(s), tid);
   };
-  stages.start(tid, maps, w.n_block_max, load_kv_tile,
+  stages.start(tid, maps, n_steps, load_kv_tile,
                [&] { w.template copy_q_tiles_async<Element, TileQ, kHeadDimPad, kThreads>(params, sQ, sdO, tid); });
 
   // The row statistic of this thread's two rows its role needs: hi (LSE_log2) for role 0, D for
@@ -103,9 +107,9 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
   }
 
 #pragma unroll 1
-  for (int n_block = 0; n_block < w.n_block_max; ++n_block) {
-    const int stage = n_block % 2;
-    stages.acquire(n_block, w.n_block_max, load_kv_tile);  // K_j, V_j landed
+  for (int i = 0; i < n_steps; ++i) {
+    const int n_block = n_block_min + i, stage = i % 2;
+    stages.acquire(i, n_steps, load_kv_tile);  // K_j, V_j landed
     const uint32_t sK = smem_addr + T::kOffK + stage * TileKV::kBytes;
     const uint32_t sV = smem_addr + T::kOffV + stage * TileKV::kBytes;
     const int n0 = n_block * kBlockN;
@@ -121,7 +125,7 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
 
     if (wg == 0) {
       // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2) (masked -> 0), handed to role 1.
-      recompute_p_rows(acc_s, w.mask, w.precise, w.block_needs_mask(n_block), params.scale_softmax_log2, row_stat,
+      recompute_p_rows<kLocal>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, row_stat,
                        params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 #pragma unroll
       for (int j = 0; j < kNBlkN; ++j) sP[j * 128 + tid_wg] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
@@ -168,10 +172,10 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
     }
     // P and dS are free again once both roles passed the P barrier of the next key block (each
     // waited for its dQ product before); this thread is done with the K/V stage.
-    stages.release(n_block);
+    stages.release(i);
     // Here, not under this key block's S / dP products as in the other sm90 backward kernels: there,
     // this kernel ran 6-9 % slower (tune_kernels.py dq90:256, N >= 4k; docs/PERF_NOTES.md).
-    stages.refill(n_block, w.n_block_max, tid, load_kv_tile);
+    stages.refill(i, n_steps, tid, load_kv_tile);
   }
 
   // dQ_i (times softmax_scale), staged through sQ for coalesced 16-byte stores: each warpgroup its

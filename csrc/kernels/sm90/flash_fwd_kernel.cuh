@@ -12,7 +12,8 @@
 // grid's, which warp 0 finds once per CTA: common/work.cuh, varlen_dense_index).
 // Warpgroups (128 threads each):
 //   WG 0 (producer, setmaxnreg down): one thread issues the TMA loads of every tile: K_n and V_n
-//        for n = n_block_max - 1 down to 0 into kStages-deep rings, and Q (after the first K/V
+//        for n = n_block_max - 1 down to n_block_min (0 but for a sliding window's left edge) into
+//        kStages-deep rings, and Q (after the first K/V
 //        block; with one Q buffer after the first K, before the first V) into a kQStages-deep ring
 //        (2 where it fits: d64, d96, d128; else 1); full / empty mbarriers per stage. Its other
 //        threads leave at once.
@@ -20,7 +21,7 @@
 //        S_i = Q K^T               wgmma SS (Q and K K-major in shared memory)      Alg. 1 line 8
 //        O += P_{i-1} V_{i-1}      wgmma RS (P in registers as 16-bit A fragments; V N-major), issued
 //                                  right behind S_i (intra-warpgroup overlap, FA3 §3.2)
-//        wait S_i, release K; mask (diagonal / seqlen_k edge tiles only); online softmax of S_i
+//        wait S_i, release K; mask (diagonal / window / seqlen_k edge tiles only); online softmax of S_i
 //        (primitives/softmax.cuh: the sm80 kernel's numerics, the same code) while O += P V runs
 //                                                                                    Alg. 1 lines 9-10
 //        wait O += P V, release V; O *= alpha; P_i = S_i as A fragments (d96 / d128: row by row
@@ -30,8 +31,9 @@
 //        barriers, WarpgroupTurns), so one's softmax runs under another's products.
 //        d64 / d192 / d256 and d128's 144-key row (FwdKernelTraits::kWarpgroupKeyRanges): a
 //        warpgroup runs only the steps of the key blocks its own rows see (n_wg of the tile's
-//        n_block_max: the causal diagonal, rows past seqlen_q); for the tile's first
-//        n_block_max - n_wg steps it passes its turn and releases the stage.
+//        steps: the causal diagonal, rows past seqlen_q, a window's left edge); for the tile's
+//        other steps (first n_block_max - n_top, last n_lo - n_block_min) it passes its turn and
+//        releases the stage.
 //   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer (two Q buffers:
 //   d64, d96, d128) or of the V ring (one Q buffer: d192, d256; FwdKernelTraits::kStageOInV), LSE
 //   and the two softmax_stats planes written by the row owners, as the sm80 kernel does. Dense
@@ -52,7 +54,8 @@
 //     thread after cp.async.bulk.wait_group.read; varlen, one per consumer warp after its stores.
 //     kStageOInV: one arrival per consumer warp before its last P V (its last S is complete), or,
 //     in a warpgroup without steps, once its skipped steps' stages have landed (right after the
-//     q_full wait in a tile without keys); O goes to the V ring instead.
+//     q_full wait in a tile without keys); O goes to the V ring instead. (A window's tail skips
+//     come after that arrival: they read no Q.)
 //   o_free (kStageOInV): one phase per tile, tiles without keys included. Producer, per tile: wait
 //     o_free (parity phase ^ 1: the previous tile's O store has read the V ring) after its Q and
 //     before V of the first key block, or before the q_full arrival of a tile without keys.
@@ -60,14 +63,14 @@
 //     V; those V loads came after o_free), or in a tile without keys for q_full (after o_free),
 //     then O staged from the ring's start and stored as above; the storing thread's (dense) or
 //     each warp's (varlen) arrivals go to o_free.
-//   K and V rings (kStages): one position per key block of a tile with n_block_max > 0, kept by
+//   K and V rings (kStages): one position per key block of a tile with steps, kept by
 //     producer and consumers alike (the same tiles in the same order); the producer's K/V
 //     loads for tile t+1 wait only on k_empty / v_empty (its first V on o_free too: kStageOInV),
 //     so they run during tile t. Arrival counts: full 1 (+ tx bytes), empty kConsumerWGs * 4 (one
 //     per warp, per stage use). A warpgroup skipping a key block arrives on its empty barriers
 //     too, after waiting for the full ones (an earlier arrival would count towards the stage's
 //     previous use).
-//   Ping-pong turns (named barriers 4..3 + kConsumerWGs): n_block_max + 1 turns per warpgroup per
+//   Ping-pong turns (named barriers 4..3 + kConsumerWGs): n_steps + 1 turns per warpgroup per
 //     tile (none without keys; a skipped step's turn is passed on empty), continuing across tiles;
 //     primed once, drained once at exit (WarpgroupTurns).
 //   Epilogue named barriers 1 + c (128 threads, warpgroup c only).
@@ -268,7 +271,7 @@ __device__ __forceinline__ void zero_rows_past_end(uint32_t sQ, int first, int c
 // The turn-taking of the consumer warpgroups' GEMM issue (FA3's warp scheduler barriers): named
 // barrier kBarrier + c is warpgroup c's turn, complete when c (bar.sync) and its
 // predecessor (bar.arrive, after issuing its own GEMMs) have both arrived. Every warpgroup of a CTA
-// takes the same number of turns per tile (n_block_max + 1, none without keys; every warpgroup
+// takes the same number of turns per tile (n_steps + 1, none without keys; every warpgroup
 // walks the same tiles), so the order 0, 1, .., 0, 1, .. runs on across tiles. Warpgroup 0 is
 // primed once by the last one (prime, before the first tile) and takes one extra turn-start after
 // the last tile (drain), which consumes the last warpgroup's final hand-over: no barrier is left
@@ -300,7 +303,10 @@ struct WarpgroupTurns {
   }
 };
 
-template <typename Traits>
+// kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd picks):
+// the tiles' key ranges start at the window's first block. The kernel without it is the causal
+// mask's code alone (n_block_min = 0, no left-edge masks or tail skips).
+template <typename Traits, bool kLocal = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_kernel(const __grid_constant__ Flash_fwd_params params, const __grid_constant__ FwdTmaMaps tma,
                      const __grid_constant__ FwdTileScheduler<Traits::kBlockM> sched) {
@@ -366,7 +372,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // order and each decode them (QTileWork): no tile index passes through shared memory (but a
   // varlen tight grid's, s_varlen_tile above).
   // Both after their register reallocation (nothing live across setmaxnreg).
-  // n_block_max == 0: no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
+  // No steps (n_block_max <= n_block_min, which a window alone never makes: key_start < key_limit
+  // wherever key_limit > 0): no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
   // sequence without keys): no K/V, no Q load, but one Q-ring phase all the same (the consumers
   // stage O = 0 through the buffer). A tile past its sequence's end: skipped by both sides.
   if (wg == 0) {
@@ -387,7 +394,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int2 bm = QTileWork<kBlockM, kBlockN>::decode(int(tile), sched.m_div, sched.h_div);
         const QTileWork<kBlockM, kBlockN> w(params, bm);
         if (w.past_end()) continue;  // varlen: no work, no ring position (the consumers skip it too)
-        const int n_block_max = w.n_block_max, bidb = w.seq.tma_batch(params);
+        // Key blocks [n_block_min, n_block_max): n_steps steps (a sliding window's left bound: the
+        // tile's first row's first block; else 0).
+        const int n_block_max = w.n_block_max, n_steps = max(n_block_max - (kLocal ? w.n_block_min() : 0), 0);
+        const int bidb = w.seq.tma_batch(params);
         // K_n or V_n of step i (n = n_block_max - 1 - i) into its buffer of the next ring stage,
         // once the consumers released it (round 0 passes at once: fresh barriers), completing on its
         // full barrier.
@@ -406,11 +416,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // The first key block before Q: Q waits for the consumers to release the buffer (q_empty),
         // K/V need not. With O staged in the V ring (kStageOInV), V_0 comes after Q and waits for
         // the previous tile's O store to have read the ring (o_free; every tile takes one phase).
-        if (n_block_max > 0) load_k(0);
-        if (!Traits::kStageOInV && n_block_max > 0) load_v(0);
+        if (n_steps > 0) load_k(0);
+        if (!Traits::kStageOInV && n_steps > 0) load_v(0);
         const int qs = q_pipe.stage();
         mbarrier_wait(q_empty(qs), q_pipe.phase() ^ 1);
-        if (n_block_max > 0) {
+        if (n_steps > 0) {
           mbarrier_arrive_expect_tx(q_full(qs), TileQ::kBytes);
 #pragma unroll
           for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
@@ -426,18 +436,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         q_pipe.advance();
         if constexpr (Traits::kStageOInV) {
-          if (n_block_max > 0) {
+          if (n_steps > 0) {
             mbarrier_wait(o_free, o_pipe.phase() ^ 1);
             load_v(0);
           }
           o_pipe.advance();
         }
 #pragma unroll 1
-        for (int i = 1; i < n_block_max; ++i) {
+        for (int i = 1; i < n_steps; ++i) {
           load_k(i);
           load_v(i);
         }
-        kv_pipe.advance(n_block_max);
+        kv_pipe.advance(n_steps);
       }
     }
     return;
@@ -472,28 +482,51 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
     const int qs = q_pipe.stage();
     mbarrier_wait(q_full(qs), q_pipe.phase());
-    const int n_block_max = w.n_block_max;
+    const int n_block_max = w.n_block_max, n_block_min = kLocal ? w.n_block_min() : 0;
+    const int n_steps = max(n_block_max - n_block_min, 0);  // the tile's steps (key blocks)
     // This warpgroup's own key range where Traits::kWarpgroupKeyRanges (else the tile's): its 64
-    // rows see keys of blocks [0, n_wg) only, so the tile's first n_block_max - n_wg steps hold no
-    // key any of its rows sees (the causal diagonal crosses the tile, or its rows lie past
-    // seqlen_q in the tile that ends the sequence): it skips them, passing its turns and releasing
-    // the stages. Blocks [0, n_unmasked) need no mask for its rows.
-    const int n_wg = !Traits::kWarpgroupKeyRanges ? n_block_max
-                     : 64 * cw < w.rows_q         ? w.mask.n_block_max(w.m0 + 64 * cw, 64, kBlockN)
-                                                  : 0;
+    // rows see keys of blocks [n_lo, n_top) only, so the tile's first n_block_max - n_top steps
+    // (the causal diagonal crosses the tile, or its rows lie past seqlen_q in the tile that ends
+    // the sequence) and its last n_lo - n_block_min ones (a sliding window's left edge) hold no key
+    // any of its rows sees: it skips them, passing its turns and releasing the stages. n_wg = n_top
+    // - n_lo steps of its own (0: it passes every turn). Blocks [n_unmasked_lo, n_unmasked) need
+    // no mask for its rows.
+    const int r0 = w.m0 + 64 * cw;  // this warpgroup's first row
+    const bool own_range = Traits::kWarpgroupKeyRanges && 64 * cw < w.rows_q;
+    int n_top = !Traits::kWarpgroupKeyRanges ? n_block_max : own_range ? w.mask.n_block_max(r0, 64, kBlockN) : 0;
+    int n_lo = !kLocal || !Traits::kWarpgroupKeyRanges ? n_block_min : own_range ? w.mask.n_block_min(r0, kBlockN) : 0;
+    if (kLocal && n_top <= n_lo) n_top = n_lo = n_block_min;  // no key: every step skipped (at the front)
+    const int n_wg = n_top - n_lo;
     const int n_unmasked =
-        Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked(w.m0 + 64 * cw, kBlockN) : w.n_block_unmasked;
-    const int i0 = n_block_max - n_wg;  // this warpgroup's first step
+        Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked(r0, kBlockN) : w.n_block_unmasked;
+    const int n_unmasked_lo = !kLocal                      ? 0
+                              : Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked_lo(r0, 64, kBlockN)
+                                                            : w.mask.n_block_unmasked_lo(w.m0, kBlockM, kBlockN);
+    const int i0 = n_block_max - n_top;  // this warpgroup's first step
     const uint32_t sQ_t = sQ(qs);
     // Step i of the tile: S_i reads K at kv_pipe.stage(i), P_{i-1} V at kv_pipe.stage(i - 1).
     const PipelineState<kStages> kv_pipe = kv_next;
-    kv_next.advance(n_block_max);
+    kv_next.advance(n_steps);
     // The thread's indices, read afresh for every tile and again in the epilogue (an opaque read
     // of %tid.x): the compiler would otherwise hoist the row- and thread-derived mask, stats and
     // store terms out of the tile loop and keep them live (spilled) across the main loop.
     const int lane = thread_index_opaque() % 32;
     // The warp's first row inside the tile (mask, stats), read afresh where it is used.
     auto row0 = [] { return thread_index_opaque() / 32 * 16 - 64; };
+
+    // Step i skipped (no row of this warpgroup sees its key block): the turn passes on at once,
+    // and the stage is released once it has landed (an arrival before that would count towards
+    // the stage's previous use).
+    auto skip = [&](int i) {
+      const int stage = kv_pipe.stage(i);
+      turns.pass();
+      mbarrier_wait(k_full(stage), kv_pipe.phase(i));
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(k_empty(stage));
+      mbarrier_wait(v_full(stage), kv_pipe.phase(i));
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(v_empty(stage));
+    };
 
     float acc_o[1][kNBlkD][4];  // FA2 Alg. 1 line 5: O = 0
 #pragma unroll
@@ -503,7 +536,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     OnlineSoftmax<1, ExactForm::kSecondLoop, Traits::kSoftmaxOrder> softmax;  // m = -inf, l = 0 (softmax.cuh)
 
-    if (n_block_max > 0) {
+    if (n_steps > 0) {
       // Varlen: the TMA box brought the next sequence's rows past this one's end. Those that share
       // a warp with its last rows are zeroed, as a dense call's out-of-bounds fill leaves them: the
       // online softmax decides rescales and the exact form per warp (or per warp and row index),
@@ -526,20 +559,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
 
-      // Steps before i0 (key blocks no row of this warpgroup sees): the turn passes on at once,
-      // and each stage is released once it has landed (an arrival before that would count towards
-      // the stage's previous use). A warpgroup without keys (n_wg = 0) passes the tile's last turn
-      // too, and its rows get O = 0, LSE = +inf.
-      auto skip = [&](int i) {
-        const int stage = kv_pipe.stage(i);
-        turns.pass();
-        mbarrier_wait(k_full(stage), kv_pipe.phase(i));
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(k_empty(stage));
-        mbarrier_wait(v_full(stage), kv_pipe.phase(i));
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(v_empty(stage));
-      };
+      // Steps before i0 (key blocks no row of this warpgroup sees) are skipped. A warpgroup without
+      // keys (n_wg = 0) passes the tile's last turn too, and its rows get O = 0, LSE = +inf. (Steps
+      // past its range at a window's left edge: after its own, below.)
 #pragma unroll 1
       for (int i = 0; i < i0; ++i) skip(i);
       if (n_wg == 0) turns.pass();
@@ -563,11 +585,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       uint32_t p[kBlockN / 16][4];  // P_{i-1} as 16-bit A fragments (FA2 Alg. 1 line 10)
       float s[1][kNBlkN][4];
       // The ring position of this warpgroup's first step; its steps i = 0 .. n_wg - 1 visit key
-      // blocks n = n_wg - 1 - i (the tile's steps i0 + i).
+      // blocks n = n_top - 1 - i (the tile's steps i0 + i).
       PipelineState<kStages> kv_wg = kv_pipe;
       kv_wg.advance(i0);
 
-      // Step 0 (key block n_wg - 1, the last this warpgroup sees): S_0, its softmax and P_0 (O = 0 yet).
+      // Step 0 (key block n_top - 1, the last this warpgroup sees): S_0, its softmax and P_0 (O = 0 yet).
       turns.begin();
       mbarrier_wait(k_full(kv_wg.stage(0)), kv_wg.phase(0));
       wgmma_fence();
@@ -578,16 +600,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_fence_operands(flat(s[0]));
       __syncwarp();
       if (lane == 0) mbarrier_arrive(k_empty(kv_wg.stage(0)));  // this warp is done with K
-      if (n_wg - 1 >= n_unmasked) w.mask.apply(s, w.m0 + row0(), (n_wg - 1) * kBlockN);
+      if (n_top - 1 >= n_unmasked || (kLocal && n_top - 1 < n_unmasked_lo)) {
+        w.mask.template apply<kLocal>(s, w.m0 + row0(), (n_top - 1) * kBlockN);
+      }
       softmax.update(s, acc_o, scale_log2);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
 
-      // Step i of the loop (i >= 1, key block n = n_wg - 1 - i): S_i, then O += P_{i-1} V
+      // Step i of the loop (i >= 1, key block n = n_top - 1 - i): S_i, then O += P_{i-1} V
       // from p_in; P_i into p_out. early (Traits::kDoubleBufferP, p_out != p_in): P_i is converted
       // row by row inside the softmax while O += P_{i-1} V still reads p_in; else after that product.
       auto step = [&](int i, uint32_t (&p_in)[kBlockN / 16][4], uint32_t (&p_out)[kBlockN / 16][4], bool early) {
-        const int n = n_wg - 1 - i, stage = kv_wg.stage(i), prev = kv_wg.stage(i - 1);
+        const int n = n_top - 1 - i, stage = kv_wg.stage(i), prev = kv_wg.stage(i - 1);
 
         // Alg. 1 line 8: S_i = Q K_n^T (unscaled: the scale goes into the softmax) ...
         turns.begin();
@@ -607,9 +631,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         __syncwarp();
         if (lane == 0) mbarrier_arrive(k_empty(stage));  // this warp is done with K_n
 
-        // The mask (common/mask.cuh) only on tiles crossing the causal diagonal or the seqlen_k edge
-        // (a warpgroup-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S - m) c), l; alpha for O.
-        if (n >= n_unmasked) w.mask.apply(s, w.m0 + row0(), n * kBlockN);
+        // The mask (common/mask.cuh) only on tiles crossing the causal diagonal, a window's left edge
+        // or the seqlen_k edge (a warpgroup-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S -
+        // m) c), l; alpha for O.
+        if (n >= n_unmasked || (kLocal && n < n_unmasked_lo)) w.mask.template apply<kLocal>(s, w.m0 + row0(), n * kBlockN);
         float alpha[2];
         bool rescaled;
         if (early) {
@@ -631,7 +656,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p_out[kk], s[0], kk);
         }
       };
-      // The last step's O += P V (key block 0).
+      // The last step's O += P V (key block n_lo; then the tail skips, which read no Q).
       auto last_pv = [&](uint32_t (&p_last)[kBlockN / 16][4]) {
         const int last = kv_wg.stage(n_wg - 1);
         release_q();  // the last S product (in the step before) is complete
@@ -667,10 +692,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int i = 1; i < n_wg; ++i) step(i, p, p, false);
         last_pv(p);
       }
+      // The tile's steps after this warpgroup's (key blocks before its rows' window): skipped, so
+      // every warpgroup takes the tile's n_steps + 1 turns and releases every stage.
+      if constexpr (kLocal) {
+#pragma unroll 1
+        for (int i = i0 + n_wg; i < n_steps; ++i) skip(i);
+      }
     }
 
     // ---- Epilogue (Alg. 1 lines 12-13): O = acc_o / l, LSE = m + log2(l) (and its two parts), as
-    // the sm80 kernel. A tile whose rows see no key (n_block_max == 0) gets O = 0, LSE = +inf.
+    // the sm80 kernel. A tile whose rows see no key (no steps) gets O = 0, LSE = +inf.
     // The tile's decode once more: cheaper than holding the output offsets live, spilled, across
     // the main loop.
     {
@@ -704,7 +735,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // buffer address is opaque per tile, as the thread index.
       uint32_t sO_addr = Traits::kStageOInV ? smem_addr + Traits::kOffV : sQ(qs);
       asm volatile("" : "+r"(sO_addr));
-      if (Traits::kStageOInV && wo.n_block_max > 0) {
+      if (Traits::kStageOInV && wo.n_block_max > (kLocal ? wo.n_block_min() : 0)) {  // the tile had steps (V loads)
         PipelineState<kStages> last = kv_next;  // the tile's last key block: one position before the next tile's first
         last.advance(2 * kStages - 1);
         mbarrier_wait(v_empty(last.stage()), last.phase());

@@ -73,8 +73,10 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const auto sched =
       FwdTileScheduler<Traits::kBlockM>::make(params, fwd_persistent(params), Traits::kWarpgroupKeyRanges);
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
-  launch_1d(flash_fwd_kernel<Traits>, sched.grid_size(params), Traits::kThreads, Traits::kSmemBytes, "forward (sm90)",
-            kHeadDim, stream, params, maps, sched);
+  // A sliding window's left bound takes the kernel's kLocal twin (flash_fwd_kernel.cuh).
+  launch_1d(params.window_left >= 0 ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>,
+            sched.grid_size(params), Traits::kThreads, Traits::kSmemBytes, "forward (sm90)", kHeadDim, stream, params,
+            maps, sched);
   return true;
 }
 

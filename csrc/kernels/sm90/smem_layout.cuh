@@ -138,8 +138,9 @@ __device__ __forceinline__ void gemm_ss(float (&acc)[kN / 2], uint32_t sA, uint3
 // leading part, lo_ptr at row0's trailing part, row0 + 8's 8 further) against keys n0 + 8 j + 2 t
 // (+1) of kNBlk n8 blocks. The masks (a key past seqlen_k or after the query -> P = 0) and the exact
 // recompute are compiled into other copies of the loop that run on the last key block, causal
-// diagonal blocks and tiles with large-magnitude rows only (a uniform branch).
-template <int kNBlk, typename Mask>
+// diagonal blocks, a sliding window's edge blocks and tiles with large-magnitude rows only (a
+// uniform branch). kLocal: the kernel's twin for a window's left bound (mask.cuh: visible<kLocal>).
+template <bool kLocal, int kNBlk, typename Mask>
 __device__ __forceinline__ void recompute_p_rows(float (&acc)[kNBlk][4], const Mask& mask, bool precise,
                                                  bool needs_mask, float scale_log2, const float (&hi)[2],
                                                  const float* lo_ptr, int row0, int n0, int t) {
@@ -155,7 +156,7 @@ __device__ __forceinline__ void recompute_p_rows(float (&acc)[kNBlk][4], const M
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         acc[j][e] = recompute_p<kMode>(acc[j][e], scale_log2, hi[e / 2], lo[e / 2],
-                                       mask.visible(row0 + 8 * (e / 2), n0 + 8 * j + 2 * t + (e % 2)));
+                                       mask.template visible<kLocal>(row0 + 8 * (e / 2), n0 + 8 * j + 2 * t + (e % 2)));
       }
     }
   });
@@ -367,8 +368,9 @@ __device__ __forceinline__ void zero_stage_tail(uint32_t a, uint32_t b, int vali
 // column q0 of the Q tile at m0, whose LSE_log2 = hi + lo sit in shared memory (sHi, sLo: one float
 // per tile column). The mask (a key after the query or past seqlen_k -> P^T = 0) and the exact
 // recompute are compiled into other copies of the loop that run on diagonal tiles and
-// large-magnitude rows only: the branch is uniform, so the other tiles pay nothing for them.
-template <int kNBlk, typename Mask>
+// large-magnitude rows only (a window's edge tiles too; kLocal as recompute_p_rows): the branch is
+// uniform, so the other tiles pay nothing for them.
+template <bool kLocal, int kNBlk, typename Mask>
 __device__ __forceinline__ void recompute_pt(float (&acc)[kNBlk][4], const Mask& mask, bool precise, bool needs_mask,
                                              float scale_log2, const float* sHi, const float* sLo, int m0, int q0,
                                              int key0, int t) {
@@ -383,7 +385,7 @@ __device__ __forceinline__ void recompute_pt(float (&acc)[kNBlk][4], const Mask&
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         acc[j][e] = recompute_p<kMode>(acc[j][e], scale_log2, (e % 2) ? hi2.y : hi2.x, (e % 2) ? lo2.y : lo2.x,
-                                       mask.visible(m0 + mc + (e % 2), key0 + 8 * (e / 2)));
+                                       mask.template visible<kLocal>(m0 + mc + (e % 2), key0 + 8 * (e / 2)));
       }
     }
   });
@@ -419,8 +421,9 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
 // Defines flash::sm90::launch_bwd_<kind>(params, stream, allow_tma) for tile row Tile (the roles
 // kernel for a Roles<> row, else the rows kernel; either by TMA where launch_bwd_stages can, tensors
 // a / b: rows x heads, varlen total x heads, boxes of Traits::box rows) and flash::run_mha_bwd_<kind>_(Sm90, ...), the
-// launch the generated instantiations compile with the production row <Kind>Tile<d>. Used at global
-// scope after both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
+// launch the generated instantiations compile with the production row <Kind>Tile<d>; a call with a
+// sliding window's left bound (params.window_left >= 0) takes the kernels' kLocal twins. Used at
+// global scope after both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
 #define FLASH_SM90_BWD_LAUNCH(Kind, kind, what, a, b, rows, total, heads, box)                                   \
   namespace flash::sm90 {                                                                                       \
   template <typename Traits, typename Kernel>                                                                   \
@@ -433,13 +436,27 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
   template <typename Element, int kHeadDim, typename Tile>                                                      \
   void launch_bwd_##kind(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma = true) {                \
     if constexpr (Tile::kRoles) {                                                                               \
-      launch_bwd_##kind##_with<Kind##RolesKernelTraits<Element, kHeadDim, Tile>>(                                \
-          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true>,                                       \
-          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false>, params, stream, allow_tma);          \
+      using Traits = Kind##RolesKernelTraits<Element, kHeadDim, Tile>;                                          \
+      if (params.window_left >= 0) {                                                                            \
+        launch_bwd_##kind##_with<Traits>(flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, true>,   \
+                                         flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, true>,  \
+                                         params, stream, allow_tma);                                            \
+      } else {                                                                                                  \
+        launch_bwd_##kind##_with<Traits>(flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, false>,  \
+                                         flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, false>, \
+                                         params, stream, allow_tma);                                            \
+      }                                                                                                         \
     } else {                                                                                                    \
-      launch_bwd_##kind##_with<Kind##KernelTraits<Element, kHeadDim, Tile>>(                                     \
-          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true>,                                             \
-          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false>, params, stream, allow_tma);                \
+      using Traits = Kind##KernelTraits<Element, kHeadDim, Tile>;                                               \
+      if (params.window_left >= 0) {                                                                            \
+        launch_bwd_##kind##_with<Traits>(flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, true>,         \
+                                         flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, true>,        \
+                                         params, stream, allow_tma);                                            \
+      } else {                                                                                                  \
+        launch_bwd_##kind##_with<Traits>(flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, false>,        \
+                                         flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, false>,       \
+                                         params, stream, allow_tma);                                            \
+      }                                                                                                         \
     }                                                                                                           \
   }                                                                                                             \
   }                                                                                                             \

@@ -164,8 +164,9 @@ inline bool fwd_long_keys(bool dense, bool causal, int seqlen_k, int short_block
 
 // The sm80 forward kernel (sm80/flash_fwd_kernel.cuh) on an sm_90 GPU: the inputs the forward
 // above does not take (strides or bases TMA cannot describe, a KV cache) and the forced sm80
-// path. Its sm_90a code has more room than its sm_80 / sm_86 code: at d128, 128 x 64 has no
-// spills in sm_90a SASS (80 bytes of spills at sm_80 and sm_86, whose row stays 128 x 48), and
+// path. Its sm_90a code has more room than its sm_80 / sm_86 code: at d128, 128 x
+// 64 had no spills in sm_90a SASS (80 bytes of spills at sm_80 and sm_86, whose row stays 128 x
+// 48; since the window's bounds, 8 bytes: one reload per key block in the K prefetch), and
 // it ran 2-8 % faster than 128 x 48 on the H200 (docs/PERF_NOTES.md, ninth and eleventh
 // sessions). Compiled for sm_90a only (the manifest's
 // fwd_sm80 kind, sm90/flash_fwd_sm80_launch.cuh); dispatch.cu takes it on compute capability 9.0.
