@@ -433,30 +433,24 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
         tma_kernel, cp_kernel, params.a, params.b, params.rows, params.total, params.heads, Traits::box, what,   \
         params, stream, allow_tma);                                                                             \
   }                                                                                                             \
+  template <typename Element, int kHeadDim, typename Tile, bool kLocal>                                         \
+  void launch_bwd_##kind##_twin(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma) {                \
+    if constexpr (Tile::kRoles) {                                                                               \
+      launch_bwd_##kind##_with<Kind##RolesKernelTraits<Element, kHeadDim, Tile>>(                               \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, kLocal>,                               \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, kLocal>, params, stream, allow_tma);  \
+    } else {                                                                                                    \
+      launch_bwd_##kind##_with<Kind##KernelTraits<Element, kHeadDim, Tile>>(                                    \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, kLocal>,                                     \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, kLocal>, params, stream, allow_tma);        \
+    }                                                                                                           \
+  }                                                                                                             \
   template <typename Element, int kHeadDim, typename Tile>                                                      \
   void launch_bwd_##kind(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma = true) {                \
-    if constexpr (Tile::kRoles) {                                                                               \
-      using Traits = Kind##RolesKernelTraits<Element, kHeadDim, Tile>;                                          \
-      if (params.window_left >= 0) {                                                                            \
-        launch_bwd_##kind##_with<Traits>(flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, true>,   \
-                                         flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, true>,  \
-                                         params, stream, allow_tma);                                            \
-      } else {                                                                                                  \
-        launch_bwd_##kind##_with<Traits>(flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, false>,  \
-                                         flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, false>, \
-                                         params, stream, allow_tma);                                            \
-      }                                                                                                         \
+    if (params.window_left >= 0) { /* a sliding window's left bound: the kLocal twins */                        \
+      launch_bwd_##kind##_twin<Element, kHeadDim, Tile, true>(params, stream, allow_tma);                       \
     } else {                                                                                                    \
-      using Traits = Kind##KernelTraits<Element, kHeadDim, Tile>;                                               \
-      if (params.window_left >= 0) {                                                                            \
-        launch_bwd_##kind##_with<Traits>(flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, true>,         \
-                                         flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, true>,        \
-                                         params, stream, allow_tma);                                            \
-      } else {                                                                                                  \
-        launch_bwd_##kind##_with<Traits>(flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, false>,        \
-                                         flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, false>,       \
-                                         params, stream, allow_tma);                                            \
-      }                                                                                                         \
+      launch_bwd_##kind##_twin<Element, kHeadDim, Tile, false>(params, stream, allow_tma);                      \
     }                                                                                                           \
   }                                                                                                             \
   }                                                                                                             \
