@@ -8,6 +8,8 @@ accuracy rule (tests/accuracy.py), the CPU ones in CI, the CUDA ones on each arc
 (conftest.py: arch_path; on sm_90 "auto" runs windowed calls on the sm90 kernels).
 """
 
+import re
+
 import pytest
 import torch
 
@@ -371,6 +373,56 @@ def test_window_cuda_kernels_that_run():
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if "flash_fwd_kernel" in e.name or "flash_bwd_d" in e.name]
     assert names and all("sm90" in n for n in names), names
+
+
+_TWIN_KERNEL = re.compile(r"flash_(fwd|bwd_dkv|bwd_dq)(_roles)?_kernel")
+
+
+def _local_twin(name: str) -> bool:
+    """The kLocal template argument (a window's left bound) of a windowed kernel's profiler name:
+    the kernel's last template argument, demangled (`..., true>(`) or not (`Lb1EEEv`)."""
+    demangled = re.findall(r"\b(true|false)>\s*\(", name)
+    if demangled:
+        return demangled[-1] == "true"
+    mangled = re.findall(r"Lb([01])EEEv", name)
+    assert mangled, f"no kLocal template argument in {name!r}"
+    return mangled[-1] == "1"
+
+
+def test_local_twin_parser():
+    """_local_twin reads the last template argument, demangled or mangled."""
+    dkv = ("void flash::sm90::flash_bwd_dkv_kernel<__nv_bfloat16, 64, flash::sm90::DkvTile<64>, true, false>"
+           "(flash::Flash_bwd_params, flash::sm90::BwdTmaMaps)")
+    fwd = ("void flash::sm90::flash_fwd_kernel<flash::sm90::FwdKernelTraits<__nv_bfloat16, 128, "
+           "flash::sm90::FwdTile<128> >, true>(flash::Flash_fwd_params, flash::sm90::FwdTmaMaps, "
+           "flash::FwdTileScheduler<128>)")
+    assert not _local_twin(dkv) and _local_twin(fwd)
+    assert _local_twin("_ZN5flash4sm9020flash_bwd_dkv_kernelI13__nv_bfloat16Li64ENS0_7DkvTileILi64EEELb0ELb1EEEvNS_16F")
+    assert not _local_twin("_ZN5flash4sm8016flash_fwd_kernelINS0_15FwdKernelTraitsI13__nv_bfloat16Li128EEELb0EEEvNS_16F")
+
+
+@cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_window_left_bound_runs_the_local_twins(arch_path, d):
+    """A call with a window's left bound runs the kernels' kLocal twins, forward and backward; a
+    call without one (plain causal, or a right bound alone) the twins compiled for the causal mask
+    alone, whose code is main's (common/mask.cuh; docs/DESIGN.md), on both arch paths."""
+    require_hdim(d, exact=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = make_qkv(2, 300, 400, 4, 2, d, torch.bfloat16, device="cuda")
+    for causal, window, local in [(True, (64, 0), True), (False, (50, 20), True), (True, (-1, -1), False),
+                                  (False, (-1, 3), False), (False, (-1, -1), False)]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, window_size=window)
+            out.sum().backward()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if _TWIN_KERNEL.search(e.name) and "splitkv" not in e.name]
+        kinds = {m.group(1) for m in map(_TWIN_KERNEL.search, names)}
+        assert kinds == {"fwd", "bwd_dkv", "bwd_dq"}, (causal, window, names)
+        assert all(_local_twin(n) == local for n in names), (causal, window, names)
+        q.grad = k.grad = v.grad = None
 
 
 def test_window_huge_values_are_unbounded():
