@@ -47,7 +47,7 @@ struct AttnMask {
   __host__ __device__ __forceinline__ int key_start(int row) const { return max(0, row + off_left); }
   // kLeft = false checks the right bound only: the masked recompute of a call without a left
   // bound (primitives/softmax.cuh: PMode::kMasked), the code of the causal mask alone.
-  template <bool kLeft = true>
+  template <bool kLeft>
   __host__ __device__ __forceinline__ bool visible(int row, int key) const {
     return key < key_limit(row) && (!kLeft || key >= key_start(row));
   }
@@ -87,7 +87,7 @@ struct AttnMask {
   // end of the tile's first row, or the left start of its last row (m0 + kBlockM - 1) passes n0.
   // Keys past seqlen_k need no mask in the dK/dV kernels: they only feed dK/dV rows that are never
   // stored.
-  template <bool kLeft = true>
+  template <bool kLeft>
   __host__ __device__ __forceinline__ bool kv_block_needs_mask(int m0, int kBlockM, int n0, int kBlockN) const {
     return (causal && n0 + kBlockN - 1 > m0 + off_right) || (kLeft && m0 + (kBlockM - 1) + off_left > n0);
   }

@@ -141,8 +141,8 @@ struct QTileWork {
   // The left end of the ranges (0 without a sliding window), computed where used rather than
   // kept: the sm80 forward's sm_90a row sits at 255 registers across its key loop.
   __device__ __forceinline__ int n_block_min() const { return mask.n_block_min(m0, kBlockN); }
-  // kLeft = false: the right bound and seqlen_k only (the sm80 kernels' twins without a left bound).
-  template <bool kLeft = true>
+  // kLeft = false: the right bound and seqlen_k only (the kernels' twins without a left bound).
+  template <bool kLeft>
   __device__ __forceinline__ bool block_needs_mask(int n_block) const {
     return n_block >= n_block_unmasked || (kLeft && n_block < mask.n_block_unmasked_lo(m0, kBlockM, kBlockN));
   }
@@ -229,8 +229,8 @@ struct DkvWork {
   __device__ __forceinline__ int m0(int it) const { return (m_block_min + num_m_div.mod(it)) * kBlockM; }  // first Q row
   // Iteration it needs the exact P recompute where it holds a masked pair or a large-magnitude row
   // (flash.h: precise_rows). The flag is a global load: kernels read it one iteration ahead.
-  // kLeft = false: the right bound only (the sm80 kernels' twins without a left bound).
-  template <bool kLeft = true>
+  // kLeft = false: the right bound only (the kernels' twins without a left bound).
+  template <bool kLeft>
   __device__ __forceinline__ bool needs_mask(int it) const {
     return mask.template kv_block_needs_mask<kLeft>(m0(it), kBlockM, n0, kBlockN);
   }
