@@ -404,9 +404,9 @@ def test_local_twin_parser():
 @cuda
 @pytest.mark.parametrize("d", [64, 128])
 def test_window_left_bound_runs_the_local_twins(arch_path, d):
-    """A call with a window's left bound runs the kernels' kLocal twins, forward and backward; a
-    call without one (plain causal, or a right bound alone) the twins compiled for the causal mask
-    alone, whose code is main's (common/mask.cuh; docs/DESIGN.md), on both arch paths."""
+    """A call with a window's left bound runs the kernels' kLocal twins, forward and backward, and
+    the split-KV decode; a call without one (plain causal, or a right bound alone) the twins
+    compiled for the causal mask alone (common/mask.cuh; docs/DESIGN.md), on both arch paths."""
     require_hdim(d, exact=True)
     from torch.profiler import ProfilerActivity, profile
 
@@ -418,11 +418,24 @@ def test_window_left_bound_runs_the_local_twins(arch_path, d):
             out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, window_size=window)
             out.sum().backward()
             torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if _TWIN_KERNEL.search(e.name) and "splitkv" not in e.name]
+        names = [e.name for e in prof.events() if _TWIN_KERNEL.search(e.name)]
         kinds = {m.group(1) for m in map(_TWIN_KERNEL.search, names)}
         assert kinds == {"fwd", "bwd_dkv", "bwd_dq"}, (causal, window, names)
         assert all(_local_twin(n) == local for n in names), (causal, window, names)
         q.grad = k.grad = v.grad = None
+    # Decode against a KV cache: the split-KV kernel's twins.
+    qd = torch.randn(2, 1, 4, d, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(2, 1024, 2, d, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    cache_seqlens = torch.tensor([700, 1024], dtype=torch.int32, device="cuda")
+    for window, local in [((255, 0), True), ((-1, -1), False)]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            flash_attn_ext.flash_attn_with_kvcache(qd, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True,
+                                                   window_size=window, num_splits=4)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "flash_fwd_splitkv_kernel" in e.name]
+        assert names and all(_local_twin(n) == local for n in names), (window, names)
 
 
 def test_window_huge_values_are_unbounded():

@@ -75,8 +75,10 @@ struct SplitKvWork {
   // Packed row r: query r / ratio of query head bidhk * ratio + r % ratio.
   __device__ __forceinline__ int query(int r) const { return r / ratio; }
   __device__ __forceinline__ int head(int r) const { return bidhk * ratio + r % ratio; }
+  // kLeft = false: the right bound and seqlen_k only (the kernel's twin without a left bound).
+  template <bool kLeft>
   __device__ __forceinline__ bool tile_needs_mask(int n_block) const {
-    return n_block >= n_block_unmasked || n_block < n_block_unmasked_lo;
+    return n_block >= n_block_unmasked || (kLeft && n_block < n_block_unmasked_lo);
   }
 
   // Row r of the split accumulators, (num_splits, b, h, seqlen_q) for the LSE and the same times

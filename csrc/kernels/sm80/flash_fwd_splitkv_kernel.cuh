@@ -80,7 +80,9 @@ struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBloc
   static_assert(kSmemMergeBytes <= 2 * kStages * kTileBytes, "merge fits the ring");
 };
 
-template <typename Traits>
+// kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd_splitkv
+// picks): its masked tiles check the left bound too. The kernel without it is the causal mask's code.
+template <typename Traits, bool kLocal = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_splitkv_kernel(const Flash_fwd_params params, const __grid_constant__ KvTmaMaps maps) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -153,13 +155,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   OnlineSoftmax<1> softmax;  // m = -inf, l = 0
 
   // Key ranges of this thread's two packed rows (lane / 4 and lane / 4 + 8 of the tile; the mask
-  // layer, common/mask.cuh, on the row's query): a key j is visible iff start <= j < limit.
+  // layer, common/mask.cuh, on the row's query): a key j is visible iff start <= j < limit
+  // (start 0 without a left bound: the kLocal twin only compares it).
   int limit[2], start[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int q = w.query(w.m0 + lane / 4 + 8 * h);
     limit[h] = w.mask.key_limit(q);
-    start[h] = w.mask.key_start(q);
+    start[h] = kLocal ? w.mask.key_start(q) : 0;
   }
 
   // Per-lane ldmatrix addresses (primitives/ldmatrix.cuh recipes), relative to the tile bases.
@@ -234,14 +237,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // key0 + 8 ni + 2 (lane % 4) + e. Past the sequence's keys S = 0 (cp.async zero-fills those K
     // rows) or anything, NaN included (TMA brings whole boxes): the tile holding them always takes
     // this branch (every row's key limit is <= seqlen_k) and the -inf replaces the value.
-    if (w.tile_needs_mask(w.n_begin + t)) {
+    if (w.template tile_needs_mask<kLocal>(w.n_begin + t)) {
       const int key0 = (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4);
 #pragma unroll
       for (int ni = 0; ni < kNAtoms; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key0 + ni * 8 + (e % 2);
-          if (key >= limit[e / 2] || key < start[e / 2]) s[0][ni][e] = -INFINITY;
+          if (key >= limit[e / 2] || (kLocal && key < start[e / 2])) s[0][ni][e] = -INFINITY;
         }
     }
 
@@ -375,19 +378,22 @@ void launch_fwd_splitkv(Flash_fwd_params& params, cudaStream_t stream) {
     params.kv_stream_exceeds_l2 = params.l2_bytes > 0 && kv_bytes > 2 * params.l2_bytes;
   }
   // All of the unified L1 / shared memory as shared memory, so kMinBlocks CTAs fit an SM (the
-  // K/V copies bypass L1: cp.async.cg; only the block table goes through it). Once per device.
+  // K/V copies bypass L1: cp.async.cg; only the block table goes through it). Once per device,
+  // for both twins (a sliding window's left bound runs the kLocal one).
   static std::atomic<uint64_t> carveout_set{0};  // bit i: done on device i
   int device = 0;
   FLASH_CHECK_CUDA(cudaGetDevice(&device));
   const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
   if (bit == 0 || !(carveout_set.load(std::memory_order_relaxed) & bit)) {
-    FLASH_CHECK_CUDA(cudaFuncSetAttribute(flash_fwd_splitkv_kernel<Traits>,
-                                          cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
+    for (auto twin : {flash_fwd_splitkv_kernel<Traits, false>, flash_fwd_splitkv_kernel<Traits, true>}) {
+      FLASH_CHECK_CUDA(cudaFuncSetAttribute(twin, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared));
+    }
     carveout_set.fetch_or(bit, std::memory_order_relaxed);
   }
-  launch_1d(flash_fwd_splitkv_kernel<Traits>, SplitKvWork<Traits::kBlockM, Traits::kBlockN>::grid_size(params),
-            Traits::kThreads, Traits::kSmemBytes, "split-KV forward", params.d_rounded, stream, params, maps);
+  launch_1d(params.window_left >= 0 ? flash_fwd_splitkv_kernel<Traits, true> : flash_fwd_splitkv_kernel<Traits, false>,
+            SplitKvWork<Traits::kBlockM, Traits::kBlockN>::grid_size(params), Traits::kThreads, Traits::kSmemBytes,
+            "split-KV forward", params.d_rounded, stream, params, maps);
 }
 
 }  // namespace flash::sm80
