@@ -1,10 +1,12 @@
 """flash_attn_ext: FlashAttention-2 (Dao 2023) as a PyTorch C++/CUDA extension.
 
 Public API:
-    flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=False)
+    flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False)
         BSHD attention with autograd (flash_attn_ext.interface).
     flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ...)
         packed variable-length sequences, with autograd.
+    flash_attn_qkvpacked_func(qkv, *, ...), flash_attn_kvpacked_func(q, kv, *, ...) and their varlen
+        forms: flash-attn's packed layouts (views of the packed tensor, no copy).
     flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
         block_table=None, ..., num_splits=0): inference against a (paged) KV cache, split-KV.
     (* : the arguments after it are keyword-only.)
@@ -33,7 +35,15 @@ except ImportError as e:  # pragma: no cover - depends on the install
     ) from e
 
 from . import ops  # noqa: E402,F401  (fake kernels + autograd for the C++ ops)
-from .interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
+from .interface import (  # noqa: E402
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
 
 
 def build_info() -> dict:
@@ -66,4 +76,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention", "build_info", "force_sm80_path", "__version__"]
+__all__ = [
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
+    "scaled_dot_product_attention", "build_info", "force_sm80_path", "__version__",
+]

@@ -246,6 +246,145 @@ def flash_attn_varlen_func(
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
 
 
+def _unpack(name: str, packed: torch.Tensor, layout: str, slots: int) -> tuple[torch.Tensor, ...]:
+    """The ``slots`` views of a packed tensor (``layout``: its documented shape, the slot dimension
+    named by its size): qkv -> (q, k, v), kv -> (k, v). Views, no copy; autograd stacks their
+    gradients back into one packed gradient."""
+    _check_tensors(**{name: packed})
+    dims = layout.strip("()").split(", ")
+    dim = dims.index(str(slots))
+    if packed.dim() != len(dims) or packed.shape[dim] != slots:
+        raise RuntimeError(f"flash_attn_ext: {name} must be {layout}, got shape {tuple(packed.shape)}")
+    return packed.unbind(dim)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+):
+    """``flash_attn_func`` on q, k, v packed in one tensor (flash-attn's name and layout), e.g. the
+    output of one fused QKV projection.
+
+    Args:
+        qkv: (batch, seqlen, 3, nheads, headdim): q = qkv[:, :, 0], k = qkv[:, :, 1],
+            v = qkv[:, :, 2] (views: no copy; stride 1 along headdim). Other arguments,
+            keyword-only, and the semantics (FlashAttention-2, Dao 2023, Alg. 1 / Alg. 2) as
+            ``flash_attn_func``'s.
+
+    Returns:
+        out: (batch, seqlen, nheads, headdim); softmax_lse (if return_lse): (batch, nheads,
+        seqlen) float32, natural log. The gradient w.r.t. qkv has qkv's shape.
+
+    Raises:
+        RuntimeError: qkv not of rank 5 with 3 along dim 2 (message names qkv), else as
+            ``flash_attn_func``. TypeError: qkv not a torch.Tensor, or as ``flash_attn_func``.
+    """
+    q, k, v = _unpack("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)", 3)
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           return_lse=return_lse)
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+):
+    """``flash_attn_func`` with k and v packed in one tensor (flash-attn's name and layout).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim).
+        kv: (batch, seqlen_k, 2, nheads_k, headdim): k = kv[:, :, 0], v = kv[:, :, 1] (views;
+            nheads % nheads_k == 0: GQA / MQA). Other arguments, keyword-only, and the semantics
+            as ``flash_attn_func``'s.
+
+    Returns:
+        As ``flash_attn_func``; the gradient w.r.t. kv has kv's shape.
+
+    Raises:
+        RuntimeError: kv not of rank 5 with 2 along dim 2 (message names kv), else as
+            ``flash_attn_func``. TypeError: q or kv not a torch.Tensor, or as ``flash_attn_func``.
+    """
+    _check_tensors(q=q)
+    k, v = _unpack("kv", kv, "(batch, seqlen_k, 2, nheads_k, headdim)", 2)
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           return_lse=return_lse)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+):
+    """``flash_attn_varlen_func`` on q, k, v packed in one tensor, one set of sequence lengths
+    for queries and keys (flash-attn's name and layout).
+
+    Args:
+        qkv: (total, 3, nheads, headdim): q = qkv[:, 0], k = qkv[:, 1], v = qkv[:, 2] (views).
+        cu_seqlens: int32 (batch + 1,), as ``flash_attn_varlen_func``'s cu_seqlens_q and
+            cu_seqlens_k. max_seqlen: its max_seqlen_q and max_seqlen_k. Other arguments,
+            keyword-only, and the semantics as ``flash_attn_varlen_func``'s.
+
+    Returns:
+        out: (total, nheads, headdim); softmax_lse (if return_lse): (nheads, total) float32. The
+        gradient w.r.t. qkv has qkv's shape.
+
+    Raises:
+        RuntimeError: qkv not of rank 4 with 3 along dim 1 (message names qkv), else as
+            ``flash_attn_varlen_func``. TypeError: as ``flash_attn_varlen_func``.
+    """
+    q, k, v = _unpack("qkv", qkv, "(total, 3, nheads, headdim)", 3)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                  return_lse=return_lse)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+):
+    """``flash_attn_varlen_func`` with k and v packed in one tensor (flash-attn's name and layout).
+
+    Args:
+        q: (total_q, nheads, headdim). kv: (total_k, 2, nheads_k, headdim): k = kv[:, 0],
+            v = kv[:, 1] (views). Other arguments, keyword-only after max_seqlen_k, and the
+            semantics as ``flash_attn_varlen_func``'s.
+
+    Returns:
+        As ``flash_attn_varlen_func``; the gradient w.r.t. kv has kv's shape.
+
+    Raises:
+        RuntimeError: kv not of rank 4 with 2 along dim 1 (message names kv), else as
+            ``flash_attn_varlen_func``. TypeError: as ``flash_attn_varlen_func``.
+    """
+    _check_tensors(q=q)
+    k, v = _unpack("kv", kv, "(total_k, 2, nheads_k, headdim)", 2)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                  return_lse=return_lse)
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
