@@ -19,6 +19,11 @@ def flash_attn_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
 ):
     """Exact attention ``softmax(softmax_scale * Q K^T) V`` without materialising the scores.
 
@@ -77,6 +82,11 @@ def flash_attn_func(
             ``(w, 0)``). Rows whose window holds no key give out 0, LSE +inf, zero gradients. A
             window that hides keys needs seqlen_q + seqlen_k <= 2^31 - 512 (RuntimeError).
         return_lse: also return the log-sum-exp.
+        dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs: flash-attn's other
+            keywords, accepted at the values that ask for nothing this library lacks, so ported
+            calls run unchanged: dropout_p=0.0, softcap=0.0, alibi_slopes=None,
+            return_attn_probs=False (another value: NotImplementedError naming it);
+            deterministic: any bool (the backward is always deterministic: no atomics).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
@@ -93,7 +103,8 @@ def flash_attn_func(
             |softmax_scale| * log2(e) overflows float32; seqlen_q or seqlen_k above 2^31 - 256 (tile
             counts are int32); double backward.
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
-            nested (jagged) tensors (pack them and call flash_attn_varlen_func).
+            nested (jagged) tensors (pack them and call flash_attn_varlen_func); dropout_p or
+            softcap other than 0, alibi_slopes, return_attn_probs=True.
         TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
             scale gets no gradient); window_size that is not a pair of ints; arguments after v
@@ -103,6 +114,7 @@ def flash_attn_func(
     gives out = 0 and LSE = +inf.
     """
     _check_tensors(q=q, k=k, v=v)
+    _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     scale = _scale("softmax_scale", softmax_scale, q)
     out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size))
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
@@ -181,6 +193,29 @@ def _as_bool(name: str, value) -> bool:
     return bool(as_int)
 
 
+def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs) -> None:
+    """NotImplementedError naming the first flash-attn feature a call asks for that this library
+    does not have; TypeError naming an argument of the wrong type."""
+    for name, value in (("dropout_p", dropout_p), ("softcap", softcap)):
+        error = TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
+        if isinstance(value, (bool, str, bytes)) or _is_numpy_bool(value):
+            raise error
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise error from None
+        if number != 0.0:
+            what = "attention dropout" if name == "dropout_p" else "logit soft-capping"
+            raise NotImplementedError(f"flash_attn_ext: {name}={value!r}: {what} is not supported; pass {name}=0.0 "
+                                      "(the default)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("flash_attn_ext: alibi_slopes: ALiBi biases are not supported; pass None")
+    _as_bool("deterministic", deterministic)  # the backward is always deterministic
+    if _as_bool("return_attn_probs", return_attn_probs):
+        raise NotImplementedError("flash_attn_ext: return_attn_probs=True: the attention probabilities are never "
+                                  "materialised (return_lse=True returns the log-sum-exp)")
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -194,6 +229,11 @@ def flash_attn_varlen_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
 ):
     """Exact attention over a batch of variable-length sequences packed along one dimension.
 
@@ -217,6 +257,8 @@ def flash_attn_varlen_func(
             seqlen_k - seqlen_q of that sequence).
         window_size: (left, right) sliding window per sequence, as ``flash_attn_func``'s.
         return_lse: also return softmax_lse.
+        dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs: as
+            ``flash_attn_func``'s (flash-attn's keywords at their no-feature values).
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. softmax_lse (if return_lse): (nheads,
@@ -229,7 +271,7 @@ def flash_attn_varlen_func(
         TypeError: a tensor argument that is not a torch.Tensor, max_seqlen that is not an int,
         causal or return_lse that is not a bool, softmax_scale as flash_attn_func's, arguments
         after max_seqlen_k given positionally.
-        NotImplementedError: nested tensors.
+        NotImplementedError: nested tensors; the flash-attn keywords as ``flash_attn_func``'s.
         On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
         <= max_seqlen).
         On CUDA they are not (that would need a device sync): a sequence longer than
@@ -239,6 +281,7 @@ def flash_attn_varlen_func(
         CUDA (0 on CPU).
     """
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
         _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
@@ -265,6 +308,11 @@ def flash_attn_qkvpacked_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
 ):
     """``flash_attn_func`` on q, k, v packed in one tensor (flash-attn's name and layout), e.g. the
     output of one fused QKV projection.
@@ -284,8 +332,10 @@ def flash_attn_qkvpacked_func(
             ``flash_attn_func``. TypeError: qkv not a torch.Tensor, or as ``flash_attn_func``.
     """
     q, k, v = _unpack("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)", 3)
+    compat = dict(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                  return_attn_probs=return_attn_probs)
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           return_lse=return_lse)
+                           return_lse=return_lse, **compat)
 
 
 def flash_attn_kvpacked_func(
@@ -296,6 +346,11 @@ def flash_attn_kvpacked_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
 ):
     """``flash_attn_func`` with k and v packed in one tensor (flash-attn's name and layout).
 
@@ -314,8 +369,10 @@ def flash_attn_kvpacked_func(
     """
     _check_tensors(q=q)
     k, v = _unpack("kv", kv, "(batch, seqlen_k, 2, nheads_k, headdim)", 2)
+    compat = dict(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                  return_attn_probs=return_attn_probs)
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           return_lse=return_lse)
+                           return_lse=return_lse, **compat)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -327,6 +384,11 @@ def flash_attn_varlen_qkvpacked_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
 ):
     """``flash_attn_varlen_func`` on q, k, v packed in one tensor, one set of sequence lengths
     for queries and keys (flash-attn's name and layout).
@@ -346,9 +408,11 @@ def flash_attn_varlen_qkvpacked_func(
             ``flash_attn_varlen_func``. TypeError: as ``flash_attn_varlen_func``.
     """
     q, k, v = _unpack("qkv", qkv, "(total, 3, nheads, headdim)", 3)
+    compat = dict(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                  return_attn_probs=return_attn_probs)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                  return_lse=return_lse)
+                                  return_lse=return_lse, **compat)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -363,6 +427,11 @@ def flash_attn_varlen_kvpacked_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
 ):
     """``flash_attn_varlen_func`` with k and v packed in one tensor (flash-attn's name and layout).
 
@@ -380,9 +449,11 @@ def flash_attn_varlen_kvpacked_func(
     """
     _check_tensors(q=q)
     k, v = _unpack("kv", kv, "(total_k, 2, nheads_k, headdim)", 2)
+    compat = dict(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                  return_attn_probs=return_attn_probs)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                  return_lse=return_lse)
+                                  return_lse=return_lse, **compat)
 
 
 def flash_attn_with_kvcache(

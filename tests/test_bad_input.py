@@ -282,6 +282,56 @@ def test_arguments_after_v_are_keyword_only():
         flash_attn_ext.flash_attn_with_kvcache(q, k, v, None, None, torch.tensor([3, 4], dtype=torch.int32))
 
 
+def _flash_attn_calls():
+    """(name, call(**keywords)) for every entry that takes flash-attn's keywords."""
+    q, k, v = qkv()
+    qv, kv, vv = q[0], k[0], v[0]
+    cu_q, cu_k = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([0, 24], dtype=torch.int32)
+    return [
+        ("flash_attn_func", lambda **kw: flash_attn_ext.flash_attn_func(q, k, v, causal=True, **kw)),
+        ("flash_attn_varlen_func",
+         lambda **kw: flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 16, 24, causal=True, **kw)),
+        ("flash_attn_qkvpacked_func",
+         lambda **kw: flash_attn_ext.flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2), **kw)),
+        ("flash_attn_kvpacked_func",
+         lambda **kw: flash_attn_ext.flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), **kw)),
+        ("flash_attn_varlen_qkvpacked_func",
+         lambda **kw: flash_attn_ext.flash_attn_varlen_qkvpacked_func(torch.stack([qv, qv, qv], dim=1), cu_q, 16, **kw)),
+        ("flash_attn_varlen_kvpacked_func",
+         lambda **kw: flash_attn_ext.flash_attn_varlen_kvpacked_func(qv, torch.stack([kv, vv], dim=1), cu_q, cu_k, 16,
+                                                                     24, **kw)),
+    ]
+
+
+def test_flash_attn_keywords_at_their_defaults_are_the_plain_call():
+    """A call ported from flash-attn with dropout_p=0.0, softcap=0.0, alibi_slopes=None,
+    deterministic (either value) and return_attn_probs=False runs unchanged: the same bits."""
+    for name, call in _flash_attn_calls():
+        ref = call()
+        for deterministic in (False, True):
+            out = call(dropout_p=0.0, softcap=0.0, alibi_slopes=None, deterministic=deterministic,
+                       return_attn_probs=False)
+            assert torch.equal(out, ref), name
+        assert torch.equal(call(dropout_p=0), ref), name
+
+
+@pytest.mark.parametrize("keyword, value, error, match", [
+    ("dropout_p", 0.1, NotImplementedError, r"dropout_p=0.1: attention dropout is not supported"),
+    ("softcap", 30.0, NotImplementedError, r"softcap=30.0: logit soft-capping is not supported"),
+    ("alibi_slopes", torch.ones(2), NotImplementedError, "alibi_slopes: ALiBi biases are not supported"),
+    ("return_attn_probs", True, NotImplementedError, "return_attn_probs=True: .*return_lse=True"),
+    ("dropout_p", "0.1", TypeError, "dropout_p must be a real number"),
+    ("softcap", None, TypeError, "softcap must be a real number"),
+    ("deterministic", "yes", TypeError, "deterministic must be a bool"),
+])
+def test_flash_attn_keywords_that_ask_for_a_missing_feature(keyword, value, error, match):
+    """Another value asks for a feature this library does not have: an error naming it, before
+    any work (never a silently different result)."""
+    for name, call in _flash_attn_calls():
+        with pytest.raises(error, match=match):
+            call(**{keyword: value})
+
+
 @pytest.mark.parametrize("scale", ["0.1", True, 1j, b"1"])
 def test_softmax_scale_must_be_a_real_number(scale):
     q, k, v = qkv()
