@@ -10,7 +10,13 @@ from conftest import require_hdim
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _dtype(device):
+def _dtype(device, arch_path, d):
+    """The test's dtype (float32 on CPU, bfloat16 on CUDA); skips the CPU's second arch path and
+    CUDA head dims this build lacks."""
+    if device == "cpu" and arch_path != "auto":
+        pytest.skip("the CPU has one path")
+    if device == "cuda":
+        require_hdim(d, exact=True)
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
@@ -35,11 +41,7 @@ def _unpacked_leaves(packed, dim):
 @pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, 0)), (False, (3, 2))],
                          ids=["full", "causal", "causal-window", "window"])
 def test_qkvpacked_is_the_unpacked_call(device, causal, window, arch_path):
-    if device == "cpu" and arch_path != "auto":
-        pytest.skip("the CPU has one path")
-    if device == "cuda":
-        require_hdim(64, exact=True)
-    qkv = torch.randn(2, 37, 3, 4, 64, dtype=_dtype(device), device=device, requires_grad=True)
+    qkv = torch.randn(2, 37, 3, 4, 64, dtype=_dtype(device, arch_path, 64), device=device, requires_grad=True)
     out, lse = flash_attn_ext.flash_attn_qkvpacked_func(qkv, causal=causal, window_size=window, return_lse=True)
     (dqkv,) = _grads(out, lse, [qkv])
     q, k, v = _unpacked_leaves(qkv, 2)
@@ -50,11 +52,7 @@ def test_qkvpacked_is_the_unpacked_call(device, causal, window, arch_path):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kvpacked_is_the_unpacked_call_gqa(device, arch_path):
-    if device == "cpu" and arch_path != "auto":
-        pytest.skip("the CPU has one path")
-    if device == "cuda":
-        require_hdim(128, exact=True)
-    dtype = _dtype(device)
+    dtype = _dtype(device, arch_path, 128)
     q = torch.randn(2, 19, 6, 128, dtype=dtype, device=device, requires_grad=True)
     kv = torch.randn(2, 45, 2, 2, 128, dtype=dtype, device=device, requires_grad=True)
     out, lse = flash_attn_ext.flash_attn_kvpacked_func(q, kv, causal=True, softmax_scale=0.3, return_lse=True)
@@ -69,11 +67,7 @@ def test_kvpacked_is_the_unpacked_call_gqa(device, arch_path):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_varlen_packed_are_the_unpacked_calls(device, arch_path):
-    if device == "cpu" and arch_path != "auto":
-        pytest.skip("the CPU has one path")
-    if device == "cuda":
-        require_hdim(64, exact=True)
-    dtype = _dtype(device)
+    dtype = _dtype(device, arch_path, 64)
     cu = torch.tensor([0, 5, 5, 31, 40], dtype=torch.int32, device=device)
     qkv = torch.randn(40, 3, 4, 64, dtype=dtype, device=device, requires_grad=True)
     out, lse = flash_attn_ext.flash_attn_varlen_qkvpacked_func(qkv, cu, 26, causal=True, window_size=(7, 0),
