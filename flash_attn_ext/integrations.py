@@ -86,7 +86,7 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
     m = _allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
     if m.numel() == 0:
         return q.new_zeros(q.shape)
-    bad, k_in, q_parts = _split_mask(m, window_left)
+    bad, k_in, q_parts, all_full = _split_mask(m, window_left)
     nk, nq = k_in.sum(1), [sel.sum(1) for sel in q_parts]        # (B,) each
     stats = torch.stack([bad.any().long(), nk.sum(), nk.max(), nq[0].sum(), nq[0].max(),
                          nq[1].sum(), nq[1].max()]).tolist()     # one host sync for the sizes
@@ -111,13 +111,16 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
     if total_q[1] and window_left < 0:
         calls.append((q_parts[1], nq[1], max_q[1], False, (-1, -1)))
     elif total_q[1]:
-        # With a window the rows that see all keys (right padding's pad rows: row r of an
-        # element's P, after its nk real ones, sees keys j >= nk + r - window_left) are a
-        # bottom-right problem of P rows only with left bound window_left - P: one call per
-        # distinct P (a host sync for them), the other elements zero-length sequences there.
-        for count in sorted(set(nq[1].tolist()) - {0}):
-            sel = q_parts[1] & (nq[1] == count)[:, None]
-            calls.append((sel, sel.sum(1), count, False, (window_left - count, -1)))
+        # With a window the rows that see all keys are a bottom-right problem of their P rows
+        # (offset nk - P): right padding's pad rows (row r of P, after the nk real rows, sees
+        # keys j >= nk + r - window_left) with left bound window_left - P; an element whose
+        # every row sees all keys (all_full: a decode step, row r sees j >= nk - 1 + r -
+        # window_left) with window_left + 1 - P. Both are >= 0: a row past the window would see
+        # no key, and so is no full row. One call per distinct (P, all_full) (a host sync for
+        # them), the other elements zero-length sequences there.
+        for count, shift in sorted(set(zip(nq[1].tolist(), all_full.int().tolist())) - {(0, 0), (0, 1)}):
+            sel = q_parts[1] & ((nq[1] == count) & (all_full.int() == shift))[:, None]
+            calls.append((sel, sel.sum(1), count, False, (window_left - count + shift, -1)))
     for rows, counts, max_rows, causal, window in calls:
         qb, qi = rows.nonzero().unbind(1)
         o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, _cu_seqlens(counts), cu_k,
@@ -141,9 +144,12 @@ def _split_mask(m, window_left=-1):
     With a sliding window (window_left >= 0) each query also sees only keys j >= i + off -
     window_left (the rows that see all keys of their element: those within the window).
 
-    Returns (bad, k_in, (causal_q, full_q)): bad (B,) bool, the elements whose mask is not
-    such a pattern; k_in (B, Lk) bool, the keys seen by some query; causal_q / full_q (B, Lq)
-    bool, the query rows of the causal problems and the rows that see all keys of their element.
+    Returns (bad, k_in, (causal_q, full_q), all_full): bad (B,) bool, the elements whose mask
+    is not such a pattern; k_in (B, Lk) bool, the keys seen by some query; causal_q / full_q
+    (B, Lq) bool, the query rows of the causal problems and the rows that see all keys of their
+    element; all_full (B,) bool, the elements whose first query already sees all keys (h = 0:
+    every row is a full row, e.g. a decode step; under a window its full rows start one key
+    later than right padding's, whose first full row comes after the diagonal).
     """
     q_in, k_in = m.any(2), m.any(1)                              # (B, Lq), (B, Lk)
     i, j = q_in.cumsum(1) - 1, k_in.cumsum(1) - 1                # ranks among them
@@ -155,8 +161,9 @@ def _split_mask(m, window_left=-1):
     if window_left >= 0:
         expected &= j[:, None, :] >= i[:, :, None] + off[:, None, None] - window_left
     bad = (m != expected).flatten(1).any(1)
-    h = torch.where(off + 1 >= nk, 0, nk - off)[:, None]         # rows of the causal problem
-    return bad, k_in, (q_in & (i < h), q_in & (i >= h))
+    all_full = off + 1 >= nk
+    h = torch.where(all_full, 0, nk - off)[:, None]              # rows of the causal problem
+    return bad, k_in, (q_in & (i < h), q_in & (i >= h)), all_full
 
 
 def _cu_seqlens(seqlens):

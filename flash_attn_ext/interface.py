@@ -121,12 +121,19 @@ def flash_attn_func(
 
 
 def _window(window_size) -> tuple[int, int]:
-    """window_size as (left, right) Python ints, or TypeError: a pair (tuple or list) of ints.
-    Their values (-1 or >= 0) are the op's to check; one past any sequence length (>= 2^62) is the
-    same bound as 2^62, which the op's int64 argument holds."""
+    """window_size as (left, right) Python ints: TypeError unless a pair (tuple or list) of ints,
+    RuntimeError naming the side below -1 (the op's message, with the value given: one past int64
+    would not reach the op). One past any sequence length (>= 2^62) is the same bound as 2^62,
+    which the op's int64 argument holds."""
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
         raise TypeError(f"flash_attn_ext: window_size must be a pair (left, right) of ints, got {window_size!r}")
-    return tuple(min(_as_int(f"window_size[{i}]", window_size[i]), 2**62) for i in range(2))
+    sides = []
+    for i, side in enumerate(("left", "right")):
+        value = _as_int(f"window_size[{i}]", window_size[i])
+        if value < -1:
+            raise RuntimeError(f"flash_attn_ext: window_size_{side} must be -1 (no {side} bound) or >= 0, got {value}")
+        sides.append(min(value, 2**62))
+    return tuple(sides)
 
 
 def _scale(name: str, value, q: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .interface import flash_attn_func
+from .interface import _window, flash_attn_func
 from .reference import visible_mask
 from .sdpa import _autocast_and_check_dtype
 
@@ -33,7 +33,8 @@ class FlashAttention(nn.Module):
         causal: bottom-right aligned causal mask: query i sees key j <= i + seqlen_k - seqlen_q
             (the usual mask when seqlen_q == seqlen_k).
         window_size: (left, right) sliding window, as ``flash_attn_func``'s (default (-1, -1):
-            none; a causal model's window of w keys is (w - 1, 0)).
+            none; a causal model's window of w keys is (w - 1, 0)); checked here (TypeError /
+            RuntimeError naming it).
 
     Forward:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
@@ -52,7 +53,7 @@ class FlashAttention(nn.Module):
         super().__init__()
         self.softmax_scale = softmax_scale
         self.causal = causal
-        self.window_size = tuple(window_size)
+        self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = _autocast_and_check_dtype({"q": q, "k": k, "v": v})
@@ -113,7 +114,8 @@ class MultiheadFlashAttention(nn.Module):
         bias: biases in the input and output projections.
         causal: causal self-attention (bottom-right aligned when seqlen_q != seqlen_k).
         window_size: (left, right) sliding window, as ``flash_attn_func``'s (keyword-only;
-            default (-1, -1): none; a causal model's window of w keys is (w - 1, 0)).
+            default (-1, -1): none; a causal model's window of w keys is (w - 1, 0)); checked
+            here (TypeError / RuntimeError naming it).
         rotary: apply rotary position embedding to q and k, positions 0..seqlen-1 of each.
         rotary_base: the base of the rotary frequencies (theta_i = base^(-2i/headdim)).
         device, dtype: of the parameters.
@@ -165,7 +167,7 @@ class MultiheadFlashAttention(nn.Module):
         self.head_dim = head_dim
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
         self.backend = backend
-        self.window_size = tuple(window_size)
+        self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
         self.batch_first = True  # for code that inspects nn.MultiheadAttention's attribute
         factory = {"device": device, "dtype": dtype}
         qkv_dim = (num_heads + 2 * num_kv_heads) * head_dim

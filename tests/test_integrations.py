@@ -296,6 +296,38 @@ def test_sliding_window_layer_masks(count_calls):
         fx.flash_attn_ext_attention_forward(_Module(False), q, q, q, None, sliding_window=4)
 
 
+def test_sliding_window_masked_decode_steps():
+    """Decode steps (and 2-3 token chunks) under a padding mask with the layer's window: rows
+    whose window holds exactly sliding_window keys (the oldest of them included) and padded
+    elements, random patterns against float64 sdpa on the same mask (the rows that see all keys
+    of an element whose first row already does start one key later than right padding's pad
+    rows: a user trial found the oldest window key dropped there)."""
+    m = _Module(True)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 1, 16, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 1, 6, 16, dtype=torch.float64, generator=g)
+    v = torch.randn(2, 1, 6, 16, dtype=torch.float64, generator=g)
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]], dtype=torch.bool)[:, None, None]
+    out, _ = fx.flash_attn_ext_attention_forward(m, q, k, v, mask, scaling=0.25, sliding_window=6)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+    for trial in range(60):
+        window, lq = int(torch.randint(2, 7, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        lk = int(torch.randint(lq, 12, (1,), generator=g))
+        pad = torch.randint(0, lk - lq + 1, (3,), generator=g)            # left padding per element
+        i = torch.arange(lq)[:, None] + lk - lq                            # the queries' positions
+        j = torch.arange(lk)[None, :]
+        mask = torch.stack([(j <= i) & (j > i - window) & (j >= p) for p in pad])[:, None]
+        q = torch.randn(3, 2, lq, 8, dtype=torch.float64, generator=g)
+        k = torch.randn(3, 1, lk, 8, dtype=torch.float64, generator=g)
+        v = torch.randn(3, 1, lk, 8, dtype=torch.float64, generator=g)
+        out, _ = fx.flash_attn_ext_attention_forward(m, q, k, v, mask, scaling=0.3, sliding_window=window)
+        ref = F.scaled_dot_product_attention(q, k.expand(3, 2, lk, 8), v.expand(3, 2, lk, 8), attn_mask=mask,
+                                             scale=0.3)
+        rows = mask[:, 0].any(-1)
+        torch.testing.assert_close(out[rows], ref.transpose(1, 2)[rows], msg=f"trial {trial}")
+
+
 def test_sliding_window_mistral_matches_sdpa(name, count_calls):
     """A random small Mistral with sliding_window=4: padded batches and greedy generation equal
     sdpa's (float32 logits within the accuracy rule against a float64 sdpa run)."""

@@ -188,6 +188,12 @@ def test_window_nn_modules_cpu():
     full = MultiheadFlashAttention(64, 4, 2, causal=True, dtype=torch.float64)
     full.load_state_dict(flash.state_dict())
     assert not torch.allclose(full(x)[0], flash(x)[0])  # the window changes the result
+    # A bad window is refused at construction, naming it, not at the first forward.
+    for bad, error in [(5, TypeError), ("ab", TypeError), ((-2, 0), RuntimeError)]:
+        with pytest.raises(error, match="window_size"):
+            FlashAttention(window_size=bad)
+        with pytest.raises(error, match="window_size"):
+            MultiheadFlashAttention(64, 4, causal=True, window_size=bad)
 
 
 def test_window_opcheck():
@@ -214,6 +220,9 @@ def test_window_bad_input():
         flash_attn_ext.flash_attn_func(q, k, v, window_size=(-2, 0))
     with pytest.raises(RuntimeError, match="window_size_right must be -1 .no right bound. or >= 0, got -5"):
         flash_attn_ext.flash_attn_func(q, k, v, window_size=(0, -5))
+    # Past int64 too: the same message with the value given (it would not reach the op's int64).
+    with pytest.raises(RuntimeError, match=f"window_size_left must be -1 .no left bound. or >= 0, got {-2**70}"):
+        flash_attn_ext.flash_attn_func(q, k, v, window_size=(-2**70, 0))
     for bad in [3, (1, 2, 3), "ab", (1.5, 0)]:
         with pytest.raises(TypeError, match="window_size"):
             flash_attn_ext.flash_attn_func(q, k, v, window_size=bad)
