@@ -356,8 +356,21 @@ def test_sliding_window_mistral_matches_sdpa(name, count_calls):
             ours = model(name, torch.float32)(input_ids=ids, attention_mask=mask).logits
             assert len(count_calls) > n
             check_accuracy("mistral logits", ours[valid], ref[valid], base[valid])
-        gen = dict(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False)
-        assert torch.equal(model(name, torch.float64).generate(**gen), model("sdpa", torch.float64).generate(**gen))
+        gen = dict(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False, output_logits=True,
+                   return_dict_in_generate=True)
+        ours, ref = model(name, torch.float64).generate(**gen), model("sdpa", torch.float64).generate(**gen)
+        assert torch.equal(ours.sequences, ref.sequences)
+        # A prompt shorter than the window (6): the decode steps' masks keep the padding while
+        # the rows see all their keys (a user trial's case: the oldest window key was dropped).
+        # Every step's logits, not only the argmax tokens.
+        cfg.sliding_window = 6
+        base_model = tf.MistralForCausalLM(cfg).eval()
+        short = dict(gen, input_ids=ids[:, :5], attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1] * 5, [0, 0, 0, 1, 1]]),
+                     max_new_tokens=8)
+        ours, ref = model(name, torch.float64).generate(**short), model("sdpa", torch.float64).generate(**short)
+        assert torch.equal(ours.sequences, ref.sequences)
+        for step, (a, b) in enumerate(zip(ours.logits, ref.logits)):
+            torch.testing.assert_close(a, b, msg=f"decode step {step}")
 
 
 # ------------------------------------------------------------ a causal GQA model (random weights)
