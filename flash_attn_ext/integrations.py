@@ -88,7 +88,7 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
         return q.new_zeros(q.shape)
     bad, k_in, q_parts, all_full = _split_mask(m, window_left)
     nk, nq = k_in.sum(1), [sel.sum(1) for sel in q_parts]        # (B,) each
-    stats = torch.stack([bad.any().long(), nk.sum(), nk.max(), nq[0].sum(), nq[0].max(),
+    stats = torch.stack([bad.any().long(), m.all().long(), nk.max(), nq[0].sum(), nq[0].max(),
                          nq[1].sum(), nq[1].max()]).tolist()     # one host sync for the sizes
     if stats[0]:
         raise NotImplementedError(
@@ -97,8 +97,11 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
             + (" with the layer's sliding window" if window_left >= 0
                else " (e.g. a sliding window the layer does not pass, or packed sequences)")
             + '; those patterns are not supported, use attn_implementation="sdpa"')
-    total_k, max_k, total_q, max_q = stats[1], stats[2], stats[3::2], stats[4::2]
-    if total_q[1] == B * Lq and total_k == B * Lk:  # every query sees every key: nothing masked
+    all_visible, max_k, total_q, max_q = stats[1], stats[2], stats[3::2], stats[4::2]
+    # Every query sees every key: nothing masked. (Not "every row a full row and every key seen",
+    # the test before windows: the full rows of an element whose first row sees all keys are
+    # still cut on the window's left, e.g. a one-element band of two queries past two keys.)
+    if all_visible:
         return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False)
     # Unpad: nonzero() lists (batch element, position) pairs in packed order. Both calls share
     # the packed keys; an element without rows in a call is a zero-length query sequence there.

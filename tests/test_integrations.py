@@ -311,6 +311,12 @@ def test_sliding_window_masked_decode_steps():
     out, _ = fx.flash_attn_ext_attention_forward(m, q, k, v, mask, scaling=0.25, sliding_window=6)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25).transpose(1, 2)
     torch.testing.assert_close(out, ref)
+    # One element, every row a full row and every key seen, the window still cutting row 1 (a
+    # band the "nothing masked" shortcut once took for an all-True mask).
+    q, k, v = (torch.randn(1, 1, 2, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    band = torch.tensor([[True, True], [False, True]])[None, None]
+    out, _ = fx.flash_attn_ext_attention_forward(m, q, k, v, band, scaling=0.5, sliding_window=2)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=0.5).transpose(1, 2))
     for trial in range(60):
         window, lq = int(torch.randint(2, 7, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
         lk = int(torch.randint(lq, 12, (1,), generator=g))
