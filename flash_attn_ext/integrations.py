@@ -36,8 +36,9 @@ Masks (never ignored):
     two kernel launches per layer whatever the batch (one dense call when nothing is masked),
     differentiable; the analysis costs a few host syncs per layer (sizes and max_seqlen, a
     constant number, not one per sequence). A layer's ``sliding_window`` (Mistral, Qwen2,
-    Gemma's local layers) adds the window to the causal problems (``window_size``) and to right
-    padding's pad rows (one call per distinct count of them). Any other pattern (a window the layer does not pass, packed
+    Gemma's local layers) adds the window to the causal problems (``window_size``) and to the
+    rows that see all their keys (right padding's pad rows, decode steps: one call per distinct
+    count of them and kind). Any other pattern (a window the layer does not pass, packed
     sequences, per-head masks, additive biases) raises NotImplementedError naming the cause: use
     attn_implementation="sdpa" for those models.
 """
