@@ -107,8 +107,10 @@ def flash_attn_func(
             softcap other than 0, alibi_slopes, return_attn_probs=True.
         TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
-            scale gets no gradient); window_size that is not a pair of ints; arguments after v
-            given positionally. (A window side below -1 is a RuntimeError naming it.)
+            scale gets no gradient); window_size that is not a pair of ints; dropout_p or softcap
+            that is not a real number, deterministic or return_attn_probs that is not a bool;
+            arguments after v given positionally. (A window side below -1 is a RuntimeError
+            naming it.)
 
     Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0
     gives out = 0 and LSE = +inf.
