@@ -44,6 +44,14 @@ struct Flash_fwd_params : public Qkv_params {
   // seqlen_q) float32 contiguous: the two planes of the op's softmax_stats output.
   float* __restrict__ row_max_ptr = nullptr;
   float* __restrict__ row_log2sum_ptr = nullptr;
+  // Attention sinks (gpt-oss; null: none): (h,) float32, per query head a logit in the units of
+  // softmax_scale * S (natural log) of one more key every row sees, whose value is zero. The
+  // forward's epilogue adds it to the row's softmax: out *= exp(LSE - LSE'), LSE' = logaddexp(LSE,
+  // sink); the statistics keep the row max and add LSE' - LSE (log2 units) to the log2 sum, so the
+  // backward recomputes the sink's P from them unchanged. A row without keys: out 0, LSE' = sink,
+  // statistics (+inf, 0) (P = 0). A sink of -inf is no sink. The backward reads it on the CPU only
+  // (its float64 statistics recompute); the CUDA backward kernels never do.
+  const float* __restrict__ sinks_ptr = nullptr;
 
   int b = 0;          // batch
   int seqlen_q = 0;

@@ -207,6 +207,81 @@ void check_bwd_extra(const Tensor& dout, const Tensor& q, const Tensor& out, con
   check_last_dim_contiguous(out, "out");
 }
 
+// sinks (attention sinks, flash.h: sinks_ptr): None, or (nheads,) float32 contiguous on q's device.
+// Returns the checked tensor (undefined for None).
+Tensor check_sinks(const c10::optional<Tensor>& sinks, const Tensor& q, int64_t nheads) {
+  if (!sinks.has_value() || !sinks->defined()) return Tensor();
+  check_same_device(*sinks, "sinks", q);
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat, "flash_attn_ext: sinks has dtype ", sinks->scalar_type(),
+              "; expected float32 (flash_attn_func and the other entry points convert it)");
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == nheads, "flash_attn_ext: sinks has shape ", sinks->sizes(),
+              "; expected (nheads,) = (", nheads, ",): one logit per query head");
+  return sinks->contiguous();
+}
+
+// sinks on q's device, checked first: a sinks tensor on another device can route the call to another
+// device's kernel (the dispatcher picks CUDA if any argument is a CUDA tensor), whose own checks would
+// otherwise name q's dtype or device instead.
+void check_sinks_device(const c10::optional<Tensor>& sinks, const Tensor& q) {
+  if (sinks.has_value() && sinks->defined()) check_same_device(*sinks, "sinks", q);
+}
+
+const float* sinks_ptr(const Tensor& sinks) { return sinks.defined() ? sinks.data_ptr<float>() : nullptr; }
+
+// softmax_lse of rows that see no key: +inf, or with sinks the head's sink (+inf for a -inf one).
+// `head_dim`: the head dimension of lse ((batch, nheads, seqlen_q): 1; (nheads, total_q): 0).
+void fill_keyless_lse(Tensor& lse, const Tensor& sinks, int64_t head_dim) {
+  const float inf = std::numeric_limits<float>::infinity();
+  if (!sinks.defined()) {
+    lse.fill_(inf);
+    return;
+  }
+  std::vector<int64_t> shape(lse.dim(), 1);
+  shape[head_dim] = sinks.size(0);
+  lse.copy_(at::where(sinks == -inf, inf, sinks).view(shape).expand_as(lse));
+}
+
+// dsinks (the backward ops' optional output buffer for the sinks' gradient): None, or (nheads,) float32
+// contiguous on q's device, given with sinks.
+void check_dsinks(const c10::optional<Tensor>& dsinks, const Tensor& sinks, const Tensor& q, int64_t nheads) {
+  if (!dsinks.has_value() || !dsinks->defined()) return;
+  TORCH_CHECK(sinks.defined(), "flash_attn_ext: dsinks (the sinks' gradient buffer) was given without sinks");
+  check_same_device(*dsinks, "dsinks", q);
+  TORCH_CHECK(dsinks->scalar_type() == at::kFloat && dsinks->dim() == 1 && dsinks->size(0) == nheads &&
+                  dsinks->is_contiguous(),
+              "flash_attn_ext: dsinks has dtype ", dsinks->scalar_type(), " and shape ", dsinks->sizes(),
+              "; expected contiguous float32 (nheads,) = (", nheads, ",)");
+}
+
+// The sinks' gradient (FlashAttention-2 Alg. 2's D with the sink as one more key of value 0):
+// d sinks[h] = -sum over the rows i of head h of exp(sinks[h] - LSE_i) D_i. p_sink: exp(sinks[h] -
+// LSE_i) per row, d: D_i, both with the head along `head_dim` and nothing else per head (rows
+// without keys or outside every sequence have D = 0). A torch reduction: deterministic.
+void sinks_grad_into(Tensor& dsinks, const Tensor& p_sink, const Tensor& d, int64_t head_dim) {
+  std::vector<int64_t> other;
+  for (int64_t i = 0; i < d.dim(); ++i) {
+    if (i != head_dim) other.push_back(i);
+  }
+  dsinks.copy_((p_sink * d).sum(other).neg());
+}
+
+// The sinks' head axis broadcast over a (..., nheads at head_dim, ...) plane of `rank` dims.
+Tensor sinks_along(const Tensor& sinks, int64_t rank, int64_t head_dim) {
+  std::vector<int64_t> shape(rank, 1);
+  shape[head_dim] = sinks.size(0);
+  return sinks.view(shape);
+}
+
+// CPU: D = rowsum(dout o out) in the accumulation type (float64 for float32 / float64 inputs, else
+// float32) over BSHD rows; lse_rows: softmax_lse as (batch, seqlen_q, nheads), holding the sink.
+void sinks_grad_cpu(Tensor& dsinks, const Tensor& dout, const Tensor& out, const Tensor& lse_rows,
+                    const Tensor& sinks) {
+  const auto acc = (out.scalar_type() == at::kDouble || out.scalar_type() == at::kFloat) ? at::kDouble : at::kFloat;
+  const Tensor d = (dout.to(acc) * out.to(acc)).sum(-1);  // (batch, seqlen_q, nheads)
+  const Tensor p_sink = at::exp(sinks_along(sinks.to(acc), d.dim(), d.dim() - 1) - lse_rows.to(acc));
+  sinks_grad_into(dsinks, p_sink, d, d.dim() - 1);
+}
+
 // ---- Params ----------------------------------------------------------------------------
 
 // A BSHD tensor's {ptr, batch/row/head strides} (flash.h).
@@ -268,11 +343,11 @@ FwdOut alloc_fwd(const Tensor& q, const Sizes& s) {
 }
 
 // True if the kernel must run; otherwise the outputs are already final.
-bool fwd_nonempty(FwdOut& outs, const Sizes& s) {
+bool fwd_nonempty(FwdOut& outs, const Sizes& s, const Tensor& sinks) {
   if (s.batch == 0 || s.seqlen_q == 0) return false;
   if (s.seqlen_k == 0) {
     std::get<0>(outs).zero_();
-    std::get<1>(outs).fill_(std::numeric_limits<float>::infinity());
+    fill_keyless_lse(std::get<1>(outs), sinks, 1);
     std::get<2>(outs)[0].fill_(std::numeric_limits<float>::infinity());
     std::get<2>(outs)[1].zero_();
     return false;
@@ -310,14 +385,17 @@ flash::cpu::Dtype cpu_dtype(at::ScalarType t) {
 }
 
 FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
-                   int64_t window_size_left, int64_t window_size_right) {
+                   int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in) {
+  check_sinks_device(sinks_in, q);
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
+  const Tensor sinks = check_sinks(sinks_in, q, s.nheads);
   FwdOut outs = alloc_fwd(q, s);
-  if (!fwd_nonempty(outs, s)) return outs;
+  if (!fwd_nonempty(outs, s, sinks)) return outs;
   const auto& [out, lse, stats] = outs;
   flash::Flash_fwd_params params;
   set_fwd_params(params, s, q, k, v, out, lse, stats, softmax_scale, mask);
+  params.sinks_ptr = sinks_ptr(sinks);
   flash::cpu::run_mha_fwd_cpu(params, cpu_dtype(q.scalar_type()));
   return outs;
 }
@@ -325,12 +403,21 @@ FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double sof
 std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Tensor& q, const Tensor& k,
                                                 const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                 double softmax_scale, bool causal,
-                                                const c10::optional<Tensor>& softmax_stats, int64_t window_size_left, int64_t window_size_right) {
+                                                const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
+                                                int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
+                                                const c10::optional<Tensor>& dsinks) {
+  check_sinks_device(sinks_in, q);
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   check_rank4(dout_in, "dout", "(batch, seqlen_q, nheads, headdim)");
   check_rank4(out, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q, out, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q, s);
+  const Tensor sinks = check_sinks(sinks_in, q, s.nheads);
+  check_dsinks(dsinks, sinks, q, s.nheads);
+  if (dsinks.has_value() && dsinks->defined()) {
+    Tensor ds = *dsinks;
+    sinks_grad_cpu(ds, dout_in, out, softmax_lse.transpose(1, 2), sinks);
+  }
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   Tensor dq = torch::empty(q.sizes(), q.options());
   Tensor dk = torch::empty(k.sizes(), k.options());
@@ -341,6 +428,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   const Tensor lse = softmax_lse.contiguous();
   flash::Flash_bwd_params params;
   set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, softmax_scale, mask);
+  params.sinks_ptr = sinks_ptr(sinks);  // the float64 statistics recompute adds the sink as the forward did
   flash::cpu::run_mha_bwd_cpu(params, cpu_dtype(q.scalar_type()));
   return {dq, dk, dv};
 }
@@ -456,10 +544,13 @@ Tensor seq_slice(const Tensor& t, int begin, int end) { return t.narrow(0, begin
 
 FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                           const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-                          bool causal, int64_t window_size_left, int64_t window_size_right) {
+                          bool causal, int64_t window_size_left, int64_t window_size_right,
+                          const c10::optional<Tensor>& sinks_in) {
+  check_sinks_device(sinks_in, q);
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
   mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
+  const Tensor sinks = check_sinks(sinks_in, q, s.nheads);
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
   FwdOut outs = alloc_varlen_fwd(q, s);
@@ -473,7 +564,7 @@ FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
     if (cq[b + 1] == cq[b]) continue;
     const auto [o_b, lse_b, stats_b] = forward_cpu(seq_slice(q, cq[b], cq[b + 1]), seq_slice(k, ck[b], ck[b + 1]),
                                                    seq_slice(v, ck[b], ck[b + 1]), softmax_scale, causal,
-                                                   window_size_left, window_size_right);
+                                                   window_size_left, window_size_right, sinks);
     out.narrow(0, cq[b], cq[b + 1] - cq[b]).copy_(o_b[0]);
     lse.narrow(1, cq[b], cq[b + 1] - cq[b]).copy_(lse_b[0]);
     stats.narrow(2, cq[b], cq[b + 1] - cq[b]).copy_(stats_b.select(1, 0));
@@ -486,9 +577,12 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
                                                        const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                                                        bool causal, const c10::optional<Tensor>& softmax_stats,
-                                                       int64_t window_size_left, int64_t window_size_right) {
+                                                       int64_t window_size_left, int64_t window_size_right,
+                                                       const c10::optional<Tensor>& sinks_in) {
+  check_sinks_device(sinks_in, q);
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
+  const Tensor sinks = check_sinks(sinks_in, q, s.nheads);
   check_rank3(dout, "dout", "(total_q, nheads, headdim)");
   check_rank3(out, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats, s);
@@ -508,7 +602,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
     const auto [dq_b, dk_b, dv_b] =
         backward_cpu(seq_slice(dout, q0, q1), seq_slice(q, q0, q1), seq_slice(k, k0, k1), seq_slice(v, k0, k1),
                      seq_slice(out, q0, q1), softmax_lse.narrow(1, q0, q1 - q0).unsqueeze(0), softmax_scale, causal,
-                     stats_b, window_size_left, window_size_right);
+                     stats_b, window_size_left, window_size_right, sinks, c10::nullopt);
     dq.narrow(0, q0, q1 - q0).copy_(dq_b[0]);
     dk.narrow(0, k0, k1 - k0).copy_(dk_b[0]);
     dv.narrow(0, k0, k1 - k0).copy_(dv_b[0]);
@@ -633,10 +727,13 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
                                            const c10::optional<Tensor>& k, const c10::optional<Tensor>& v,
                                            const c10::optional<Tensor>& cache_seqlens,
                                            const c10::optional<Tensor>& block_table, double softmax_scale, bool causal,
-                                           int64_t num_splits, int64_t window_size_left, int64_t window_size_right) {
+                                           int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
+                                           const c10::optional<Tensor>& sinks_in) {
+  check_sinks_device(sinks_in, q);
   const KvcacheSizes ks =
       check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits, /*cuda=*/false);
   mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);  // before the append
+  const Tensor sinks = check_sinks(sinks_in, q, ks.s.nheads);
   const Sizes& s = ks.s;
   const bool has_seqlens = cache_seqlens.has_value() && cache_seqlens->defined();
   Tensor out = torch::empty(q.sizes(), q.options());
@@ -672,7 +769,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
     const auto [o_b, lse_b, stats_b] =
         forward_cpu(q.narrow(0, b, 1), cache_rows(k_cache, ks, table[b], b, len_k).unsqueeze(0),
                     cache_rows(v_cache, ks, table[b], b, len_k).unsqueeze(0), softmax_scale, causal,
-                    window_size_left, window_size_right);
+                    window_size_left, window_size_right, sinks);
     out[b].copy_(o_b[0]);
     lse[b].copy_(lse_b[0]);
   }
@@ -768,41 +865,64 @@ int cuda_rounded_headdim(int d) {
 }
 
 FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, double softmax_scale, bool causal,
-                    int64_t window_size_left, int64_t window_size_right) {
+                    int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in) {
+  check_sinks_device(sinks_in, q_in);
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
+  const Tensor sinks = check_sinks(sinks_in, q_in, s.nheads);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   FwdOut outs = alloc_fwd(q_in, s);
-  if (!fwd_nonempty(outs, s)) return outs;
+  if (!fwd_nonempty(outs, s, sinks)) return outs;
   const auto& [out, lse, stats] = outs;
   const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
   const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
 
   flash::Flash_fwd_params params;
   set_fwd_params(params, s, q, k, v, out, lse, stats, scale, mask);
+  params.sinks_ptr = sinks_ptr(sinks);
   launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
+}
+
+// dsinks from the backward's workspace (set_bwd_workspaces: D and LSE_log2 = hi + lo, the preprocess's,
+// one plane each, in the same row layout; rows past a sequence have D = 0 and hi = +inf):
+// p_sink = exp2(sinks log2(e) - hi - lo). No extra pass over dout / out.
+void sinks_grad_from_workspace(Tensor dsinks, const Tensor& ws, const Tensor& sinks, int64_t head_dim) {
+  const Tensor d = ws[0], hi = ws[1], lo = ws[2];
+  const Tensor s2 = sinks_along(sinks * M_LOG2E, d.dim(), head_dim);
+  const Tensor p_sink = at::exp2((s2 - hi) - lo);
+  sinks_grad_into(dsinks, p_sink, d, head_dim);
 }
 
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
                                                  const Tensor& v_in, const Tensor& out_in,
                                                  const Tensor& softmax_lse, double softmax_scale, bool causal,
-                                                 const c10::optional<Tensor>& softmax_stats, int64_t window_size_left, int64_t window_size_right) {
+                                                 const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
+                                                 int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
+                                                 const c10::optional<Tensor>& dsinks) {
+  check_sinks_device(sinks_in, q_in);
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   check_rank4(dout_in, "dout", "(batch, seqlen_q, nheads, headdim)");
   check_rank4(out_in, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q_in, out_in, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q_in, s);
+  // The kernels' P comes from the LSE, which holds the sink: sinks only feed dsinks here.
+  const Tensor sinks = check_sinks(sinks_in, q_in, s.nheads);
+  check_dsinks(dsinks, sinks, q_in, s.nheads);
+  const bool want_dsinks = dsinks.has_value() && dsinks->defined();
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
   Tensor dk = torch::empty(k_in.sizes(), k_in.options());
   Tensor dv = torch::empty(v_in.sizes(), v_in.options());
-  if (!bwd_nonempty(dq, dk, dv, s)) return {dq, dk, dv};
+  if (!bwd_nonempty(dq, dk, dv, s)) {
+    if (want_dsinks) dsinks->zero_();  // every row's out is 0 (or there is none): D = 0
+    return {dq, dk, dv};
+  }
 
   const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
   const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
@@ -818,15 +938,17 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
                                              seqlen_q_rounded, q);
   launch_on_device(flash::run_mha_bwd, params, d_rounded, q.get_device());
   scale_dq_back(dq, softmax_scale);
+  if (want_dsinks) sinks_grad_from_workspace(*dsinks, workspaces.first, sinks, 1);
   return {dq, dk, dv};
 }
 
 // True if the kernels must run. No sequence has a query (max_seqlen_q = 0 or no rows) or none has
 // a key: the outputs are final here (out = 0, lse = +inf, stats (+inf, 0)).
-bool varlen_fwd_nonempty(FwdOut& outs, const VarlenSizes& s, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+bool varlen_fwd_nonempty(FwdOut& outs, const VarlenSizes& s, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                         const Tensor& sinks) {
   if (s.batch > 0 && s.total_q > 0 && max_seqlen_q > 0 && s.total_k > 0 && max_seqlen_k > 0) return true;
   std::get<0>(outs).zero_();
-  std::get<1>(outs).fill_(std::numeric_limits<float>::infinity());
+  fill_keyless_lse(std::get<1>(outs), sinks, 0);
   std::get<2>(outs)[0].fill_(std::numeric_limits<float>::infinity());
   std::get<2>(outs)[1].zero_();
   return false;
@@ -856,15 +978,18 @@ void set_varlen_params(flash::Flash_fwd_params& p, const VarlenSizes& s, const T
 
 FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& cu_seqlens_q,
                            const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                           double softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right) {
+                           double softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
+                           const c10::optional<Tensor>& sinks_in) {
+  check_sinks_device(sinks_in, q_in);
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
+  const Tensor sinks = check_sinks(sinks_in, q_in, s.nheads);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   FwdOut outs = alloc_varlen_fwd(q_in, s);
-  if (!varlen_fwd_nonempty(outs, s, max_seqlen_q, max_seqlen_k)) return outs;
+  if (!varlen_fwd_nonempty(outs, s, max_seqlen_q, max_seqlen_k, sinks)) return outs;
   const auto& [out, lse, stats] = outs;
   const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
   const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
@@ -874,6 +999,7 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   set_fwd_params(params, dense, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse, stats, scale,
                  mask);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  params.sinks_ptr = sinks_ptr(sinks);
   launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
 }
@@ -883,10 +1009,13 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
                                                         const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
                                                         const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                         int64_t max_seqlen_k, double softmax_scale, bool causal,
-                                                        const c10::optional<Tensor>& softmax_stats, int64_t window_size_left, int64_t window_size_right) {
+                                                        const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
+                                                        int64_t window_size_right, const c10::optional<Tensor>& sinks) {
+  check_sinks_device(sinks, q_in);
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
+  check_sinks(sinks, q_in, s.nheads);  // checked only: the kernels' P comes from the LSE, which holds the sink
   check_rank3(dout_in, "dout", "(total_q, nheads, headdim)");
   check_rank3(out_in, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout_in, q_in, out_in, softmax_lse, softmax_stats, s);
@@ -927,12 +1056,15 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
                                             const c10::optional<Tensor>& k_new, const c10::optional<Tensor>& v_new,
                                             const c10::optional<Tensor>& cache_seqlens,
                                             const c10::optional<Tensor>& block_table, double softmax_scale,
-                                            bool causal, int64_t num_splits, int64_t window_size_left, int64_t window_size_right) {
+                                            bool causal, int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
+                                            const c10::optional<Tensor>& sinks_in) {
+  check_sinks_device(sinks_in, q_in);
   const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, softmax_scale,
                                         num_splits, /*cuda=*/true);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);
   const Sizes& s = ks.s;
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
+  const Tensor sinks = check_sinks(sinks_in, q_in, s.nheads);
   // A cache that new k / v are appended to is written in place: it must already be 16-byte aligned
   // (no copy can stand in for it). One that is only read is copied when it is not (as q is).
   const bool appends = ks.seqlen_new > 0;
@@ -954,6 +1086,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
 
   flash::Flash_fwd_params params;
   set_fwd_params(params, s, q, k_cache_r, v_cache_r, out, lse, Tensor(), scale, mask);
+  params.sinks_ptr = sinks_ptr(sinks);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
   if (cache_seqlens.has_value() && cache_seqlens->defined()) params.cache_seqlens = cache_seqlens->data_ptr<int>();
@@ -990,37 +1123,79 @@ void no_cuda(const Tensor& q, std::initializer_list<std::pair<const Tensor&, con
   TORCH_CHECK(false, "flash_attn_ext: this build has no CUDA kernels (built with FLASH_ATTN_EXT_CUDA_ARCHS=none "
                      "or without nvcc / a CUDA-enabled torch); rebuild with CUDA to run on a GPU");
 }
-FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool, int64_t, int64_t) {
+FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool, int64_t, int64_t,
+                    const c10::optional<Tensor>& sinks) {
+  check_sinks_device(sinks, q);
   no_cuda(q, {{k, "k"}, {v, "v"}});
   return {};
 }
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                  const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
-                                                 double, bool, const c10::optional<Tensor>&, int64_t, int64_t) {
+                                                 double, bool, const c10::optional<Tensor>&, int64_t, int64_t,
+                                                 const c10::optional<Tensor>& sinks, const c10::optional<Tensor>&) {
+  check_sinks_device(sinks, q);
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
 }
 FwdOut varlen_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
-                           const Tensor& cu_seqlens_k, int64_t, int64_t, double, bool, int64_t, int64_t) {
+                           const Tensor& cu_seqlens_k, int64_t, int64_t, double, bool, int64_t, int64_t,
+                           const c10::optional<Tensor>& sinks) {
+  check_sinks_device(sinks, q);
   no_cuda(q, {{k, "k"}, {v, "v"}, {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}});
   return {};
 }
 std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                         const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                         const Tensor&, const Tensor&, int64_t, int64_t, double, bool,
-                                                        const c10::optional<Tensor>&, int64_t, int64_t) {
+                                                        const c10::optional<Tensor>&, int64_t, int64_t,
+                                                        const c10::optional<Tensor>& sinks) {
+  check_sinks_device(sinks, q);
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
 }
 std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&, double, bool,
-                                            int64_t, int64_t, int64_t) {
+                                            int64_t, int64_t, int64_t, const c10::optional<Tensor>& sinks) {
+  check_sinks_device(sinks, q);
   no_cuda(q, {{k_cache, "k_cache"}, {v_cache, "v_cache"}});
   return {};
 }
 
 #endif  // FLASH_ATTN_EXT_WITH_CUDA
+
+// The backward ops over the bodies above: without the sinks' gradient (backward, varlen_backward)
+// and with it (backward_dsinks: a fresh (nheads,) float32 dsinks).
+using Grads = std::tuple<Tensor, Tensor, Tensor>;
+using GradsDsinks = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+Tensor new_dsinks(const Tensor& sinks) { return torch::empty({sinks.numel()}, sinks.options().dtype(at::kFloat)); }
+
+#define FLASH_ATTN_EXT_BACKWARD_OPS(suffix)                                                                        \
+  Grads backward_op_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,              \
+                             const Tensor& out, const Tensor& lse, double scale, bool causal,                    \
+                             const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,                         \
+                             const c10::optional<Tensor>& sinks) {                                               \
+    return backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, c10::nullopt);         \
+  }                                                                                                              \
+  GradsDsinks backward_dsinks_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,     \
+                                       const Tensor& out, const Tensor& lse, double scale, bool causal,          \
+                                       const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,               \
+                                       const Tensor& sinks) {                                                    \
+    Tensor ds = new_dsinks(sinks);                                                                               \
+    auto [dq, dk, dv] = backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, ds);      \
+    return {dq, dk, dv, ds};                                                                                     \
+  }                                                                                                              \
+  Grads varlen_backward_op_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,       \
+                                    const Tensor& out, const Tensor& lse, const Tensor& cq, const Tensor& ck,    \
+                                    int64_t mq, int64_t mk, double scale, bool causal,                           \
+                                    const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,                  \
+                                    const c10::optional<Tensor>& sinks) {                                        \
+    return varlen_backward_##suffix(dout, q, k, v, out, lse, cq, ck, mq, mk, scale, causal, stats, wl, wr, sinks); \
+  }
+FLASH_ATTN_EXT_BACKWARD_OPS(cpu)
+FLASH_ATTN_EXT_BACKWARD_OPS(cuda)
+#undef FLASH_ATTN_EXT_BACKWARD_OPS
 
 }  // namespace
 
@@ -1029,34 +1204,42 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.set_python_module("flash_attn_ext.ops");
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_size_left=-1, "
-      "int window_size_right=-1) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
+      "int window_size_right=-1, Tensor? sinks=None) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
-      "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1) -> (Tensor dq, "
-      "Tensor dk, Tensor dv)");
+      "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1, "
+      "Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-      "int max_seqlen_k, float softmax_scale, bool causal, int window_size_left=-1, int window_size_right=-1) -> "
-      "(Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
+      "int max_seqlen_k, float softmax_scale, bool causal, int window_size_left=-1, int window_size_right=-1, "
+      "Tensor? sinks=None) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
-      "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1) -> (Tensor dq, "
-      "Tensor dk, Tensor dv)");
+      "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1, "
+      "Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
       "Tensor? block_table, float softmax_scale, bool causal, int num_splits, int window_size_left=-1, "
-      "int window_size_right=-1) -> (Tensor out, Tensor softmax_lse)");
+      "int window_size_right=-1, Tensor? sinks=None) -> (Tensor out, Tensor softmax_lse)");
+  // backward that also returns the sinks' gradient, from the backward's own workspace on CUDA (D and
+  // the LSE of the preprocess: no extra pass over dout / out). (The varlen backward's workspace
+  // leaves rows between sequences unwritten; its sinks' gradient is ops.sinks_grad's for now.)
+  m.def(
+      "backward_dsinks(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+      "float softmax_scale, bool causal, Tensor? softmax_stats, int window_size_left, int window_size_right, "
+      "Tensor sinks) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
 }
 
 // Every op's kernel for one dispatch key: the CPU and CUDA functions differ by their suffix only.
 #define FLASH_ATTN_EXT_IMPLS(KEY, suffix)                      \
   TORCH_LIBRARY_IMPL(flash_attn_ext, KEY, m) {                 \
     m.impl("forward", &forward_##suffix);                      \
-    m.impl("backward", &backward_##suffix);                    \
+    m.impl("backward", &backward_op_##suffix);                 \
     m.impl("varlen_forward", &varlen_forward_##suffix);        \
-    m.impl("varlen_backward", &varlen_backward_##suffix);      \
+    m.impl("varlen_backward", &varlen_backward_op_##suffix);   \
     m.impl("fwd_kvcache", &fwd_kvcache_##suffix);              \
+    m.impl("backward_dsinks", &backward_dsinks_##suffix);      \
   }
 FLASH_ATTN_EXT_IMPLS(CPU, cpu)
 FLASH_ATTN_EXT_IMPLS(CUDA, cuda)
@@ -1065,7 +1248,7 @@ FLASH_ATTN_EXT_IMPLS(CUDA, cuda)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
       "flash_attn_ext C++ extension: registers torch.ops.flash_attn_ext.{forward, backward, varlen_forward, "
-      "varlen_backward, fwd_kvcache}";
+      "varlen_backward, fwd_kvcache, backward_dsinks}";
   m.def(
       "build_info",
       []() {

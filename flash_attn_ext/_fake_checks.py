@@ -171,6 +171,24 @@ def check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale: float, softm
         check_stats(softmax_stats, q, (2, batch, nheads, seqlen_q), "(2, batch, nheads, seqlen_q)")
 
 
+def check_sinks_device(sinks, q) -> None:
+    """check_sinks_device: the ops' first check (a sinks tensor on another device routes the call)."""
+    if sinks is not None:
+        check_same_device(sinks, "sinks", q)
+
+
+def check_sinks(sinks, q, nheads: int) -> None:
+    """check_sinks: None, or (nheads,) float32 on q's device."""
+    if sinks is None:
+        return
+    check_same_device(sinks, "sinks", q)
+    if sinks.dtype != torch.float32:
+        _fail("sinks has dtype ", sinks.dtype, "; expected float32 (flash_attn_func and the other entry points "
+              "convert it)")
+    if sinks.dim() != 1 or sinks.shape[0] != nheads:
+        _fail("sinks has shape ", _shape(sinks), "; expected (nheads,) = (", nheads, ",): one logit per query head")
+
+
 def check_cu_seqlens(cu, name: str, q) -> None:
     check_same_device(cu, name, q)
     if cu.dtype != torch.int32:

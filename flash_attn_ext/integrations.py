@@ -41,6 +41,12 @@ Masks (never ignored):
     count of them and kind). Any other pattern (a window the layer does not pass, packed
     sequences, per-head masks, additive biases) raises NotImplementedError naming the cause: use
     attn_implementation="sdpa" for those models.
+
+Attention sinks (gpt-oss): the model passes ``s_aux=self.sinks``, one logit per query head of an
+extra key that every query sees and whose value is zero (``sinks`` is accepted as an alias); it
+goes to every kernel call as ``sinks=`` (dense, and each varlen call of the masked path), so the
+result is its ``eager_attention_forward``'s (rows that see no key are 0 there too) and the sinks
+parameter gets its gradient.
 """
 
 from __future__ import annotations
@@ -73,10 +79,12 @@ def _allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
+def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None):
     """Unpad, at most two varlen calls, pad (see the module docstring). q: (B, Lq, H, D) BSHD,
     k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk); window_left: a causal sliding
-    window's left bound (window_size[0]), -1 for none. Returns (B, Lq, H, D)."""
+    window's left bound (window_size[0]), -1 for none; sinks: None or (H,) attention sinks, given
+    to every call (a row that sees no key stays 0, which is also its value with a sink). Returns
+    (B, Lq, H, D)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
     if attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, B) or \
             attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (Lq, Lk):
@@ -103,7 +111,7 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
     # the test before windows: the full rows of an element whose first row sees all keys are
     # still cut on the window's left, e.g. a one-element band of two queries past two keys.)
     if all_visible:
-        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False)
+        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False, sinks=sinks)
     # Unpad: nonzero() lists (batch element, position) pairs in packed order. Both calls share
     # the packed keys; an element without rows in a call is a zero-length query sequence there.
     kb, kj = k_in.nonzero().unbind(1)
@@ -128,7 +136,8 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1):
     for rows, counts, max_rows, causal, window in calls:
         qb, qi = rows.nonzero().unbind(1)
         o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, _cu_seqlens(counts), cu_k,
-                                   max_rows, max_k, softmax_scale=scaling, causal=causal, window_size=window)
+                                   max_rows, max_k, softmax_scale=scaling, causal=causal, window_size=window,
+                                   sinks=sinks)
         out = out.index_put((qb, qi), o)                         # pad
     return out
 
@@ -197,21 +206,34 @@ def flash_attn_ext_attention_forward(
         dropout: must be 0.0 (call ``model.eval()``, or set the attention dropout to 0).
         scaling: softmax scale (default 1 / sqrt(headdim)).
         is_causal: overrides ``module.is_causal``.
-        kwargs: ``softcap``, ``position_bias``, ``s_aux``/``sinks`` must be None;
+        kwargs: ``softcap`` and ``position_bias`` must be None;
             ``sliding_window`` (a causal layer's window of that many keys, transformers' ``kv_idx >
-            q_idx - sliding_window``) runs as ``window_size=(sliding_window - 1, 0)``; others are
-            ignored as by the sdpa path.
+            q_idx - sliding_window``) runs as ``window_size=(sliding_window - 1, 0)``;
+            ``s_aux`` (gpt-oss passes its learnable attention sinks so: a (nheads,) parameter in
+            the model dtype) or its alias ``sinks``, not both: one logit per query head of an
+            extra key every query sees, with value zero (gpt-oss's ``eager_attention_forward``:
+            softmax over the scores and the sink, the sink's column dropped), passed as
+            ``sinks=`` to every kernel call (differentiable: the parameter gets its gradient);
+            others are ignored as by the sdpa path.
     Returns:
         (attn_output (batch, q_len, nheads, headdim) contiguous, None).
     Raises:
         NotImplementedError: dropout > 0, unsupported kwargs or mask patterns.
-        TypeError: float32 on CUDA outside autocast.
+        TypeError: float32 on CUDA outside autocast; both ``s_aux`` and ``sinks`` given.
+        RuntimeError: sinks not of shape (nheads,), not floating or on another device
+            (flash_attn_func's checks).
     """
-    for name in ("softcap", "position_bias", "s_aux", "sinks"):
+    for name in ("softcap", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(
                 f"flash_attn_ext attention: `{name}` is not supported; use "
                 'attn_implementation="sdpa" or "eager" for this model')
+    sinks = kwargs.get("s_aux")
+    if kwargs.get("sinks") is not None:
+        if sinks is not None:
+            raise TypeError("flash_attn_ext attention: both `s_aux` and `sinks` were given; they are two names "
+                            "of the same argument (the attention sinks), pass one")
+        sinks = kwargs["sinks"]
     if dropout:
         raise NotImplementedError(
             f"flash_attn_ext attention: attention dropout ({dropout}) is not supported; call "
@@ -232,7 +254,7 @@ def flash_attn_ext_attention_forward(
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # BSHD views
     if attention_mask is not None:
-        return _masked_attention(q, k, v, attention_mask, scaling, window_left), None
+        return _masked_attention(q, k, v, attention_mask, scaling, window_left, sinks), None
     # No mask: transformers' sdpa_mask returned None, so the pattern is plain causal or plain
     # bidirectional. As the sdpa path: one query token sees everything; with kv_len > q_len
     # (prefill into an empty static cache) the keys beyond q_len are empty slots: drop them.
@@ -240,7 +262,7 @@ def flash_attn_ext_attention_forward(
     if causal and kv_len > q_len:
         k, v = k[:, :q_len], v[:, :q_len]
     window = (window_left, 0) if window_left >= 0 else (-1, -1)  # right bound 0: decode's one query too
-    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window), None
+    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks), None
 
 
 def register_transformers(name: str = DEFAULT_NAME) -> str:

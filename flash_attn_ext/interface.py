@@ -19,6 +19,7 @@ def flash_attn_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
@@ -82,6 +83,16 @@ def flash_attn_func(
             ``(w, 0)``). Rows whose window holds no key give out 0, LSE +inf, zero gradients. A
             window that hides keys needs seqlen_q + seqlen_k <= 2^31 - 512 (RuntimeError).
         return_lse: also return the log-sum-exp.
+        sinks: attention sinks (gpt-oss, "learnable sinks"; Xiao et al. 2024, "Efficient
+            Streaming Language Models with Attention Sinks", as one logit per head): None, or
+            (nheads,) of any floating dtype on q's device (used as float32). Per query head h a
+            logit sinks[h], in the units of softmax_scale * q.k (natural log), of one more key
+            that every row sees and whose value is zero: P_ij = exp(S_ij - LSE_i) with LSE_i =
+            log(exp(sinks[h]) + sum_j exp(S_ij)); the sink's own probability is dropped, so a
+            row's weights sum to less than 1. Differentiable: d sinks[h] = -sum_{b,i}
+            exp(sinks[h] - LSE_i) D_i, D = rowsum(dout * out) (FlashAttention-2 Alg. 2's D). The
+            kernels add the sink in their epilogue (the backward kernels need nothing: P comes
+            from the LSE, which includes it). -inf for a head is no sink.
         dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs: flash-attn's other
             keywords, accepted at the values that ask for nothing this library lacks, so ported
             calls run unchanged: dropout_p=0.0, softcap=0.0, alibi_slopes=None,
@@ -92,7 +103,8 @@ def flash_attn_func(
         out: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
         softmax_lse (only if return_lse): (batch, nheads, seqlen_q) float32,
             LSE_i = log(sum_j exp(softmax_scale * q_i . k_j)) in natural log (+inf when no key is
-            visible). It carries no gradient.
+            visible); with sinks the sink's exp is in the sum (a row without keys: LSE = sinks[h],
+            out 0). It carries no gradient.
 
     Raises:
         RuntimeError: before any work, with a message naming the argument, for: tensors on
@@ -109,8 +121,9 @@ def flash_attn_func(
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
             scale gets no gradient); window_size that is not a pair of ints; dropout_p or softcap
             that is not a real number, deterministic or return_attn_probs that is not a bool;
-            arguments after v given positionally. (A window side below -1 is a RuntimeError
-            naming it.)
+            arguments after v given positionally; sinks that is not a tensor or None. (A window
+            side below -1, and sinks of another shape or device or not floating, are RuntimeErrors
+            naming them.)
 
     Zero-length batch or seqlen_q gives empty outputs without running a kernel; seqlen_k = 0
     gives out = 0 and LSE = +inf.
@@ -118,8 +131,22 @@ def flash_attn_func(
     _check_tensors(q=q, k=k, v=v)
     _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     scale = _scale("softmax_scale", softmax_scale, q)
-    out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size))
+    out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size),
+                                                _sinks(sinks))
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
+
+
+def _sinks(sinks) -> torch.Tensor | None:
+    """sinks as the ops take them: None, or float32 (a differentiable cast). TypeError unless a
+    tensor or None; RuntimeError naming sinks for a dtype that is not floating. Shape and device
+    are the op's checks (their messages name sinks too)."""
+    if sinks is None:
+        return None
+    _check_tensors(sinks=sinks)
+    if not sinks.is_floating_point():
+        raise RuntimeError(f"flash_attn_ext: sinks has dtype {sinks.dtype}; expected a floating dtype (one logit "
+                           "per query head)")
+    return sinks if sinks.dtype == torch.float32 else sinks.to(torch.float32)
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -238,6 +265,7 @@ def flash_attn_varlen_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
@@ -266,6 +294,7 @@ def flash_attn_varlen_func(
             seqlen_k - seqlen_q of that sequence).
         window_size: (left, right) sliding window per sequence, as ``flash_attn_func``'s.
         return_lse: also return softmax_lse.
+        sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (differentiable).
         dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs: as
             ``flash_attn_func``'s (flash-attn's keywords at their no-feature values).
 
@@ -294,7 +323,7 @@ def flash_attn_varlen_func(
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
         _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
-        *_window(window_size))
+        *_window(window_size), _sinks(sinks))
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
 
 
@@ -317,6 +346,7 @@ def flash_attn_qkvpacked_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
@@ -344,7 +374,7 @@ def flash_attn_qkvpacked_func(
     compat = dict(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                   return_attn_probs=return_attn_probs)
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           return_lse=return_lse, **compat)
+                           return_lse=return_lse, sinks=sinks, **compat)
 
 
 def flash_attn_kvpacked_func(
@@ -355,6 +385,7 @@ def flash_attn_kvpacked_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
@@ -381,7 +412,7 @@ def flash_attn_kvpacked_func(
     compat = dict(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                   return_attn_probs=return_attn_probs)
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           return_lse=return_lse, **compat)
+                           return_lse=return_lse, sinks=sinks, **compat)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -393,6 +424,7 @@ def flash_attn_varlen_qkvpacked_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
@@ -421,7 +453,7 @@ def flash_attn_varlen_qkvpacked_func(
                   return_attn_probs=return_attn_probs)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                  return_lse=return_lse, **compat)
+                                  return_lse=return_lse, sinks=sinks, **compat)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -436,6 +468,7 @@ def flash_attn_varlen_kvpacked_func(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
@@ -462,7 +495,7 @@ def flash_attn_varlen_kvpacked_func(
                   return_attn_probs=return_attn_probs)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                  return_lse=return_lse, **compat)
+                                  return_lse=return_lse, sinks=sinks, **compat)
 
 
 def flash_attn_with_kvcache(
@@ -479,6 +512,7 @@ def flash_attn_with_kvcache(
     window_size: tuple[int, int] = (-1, -1),
     num_splits: int = 0,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of new queries against a KV cache, for inference (decoding, chunked prefill).
 
@@ -511,6 +545,8 @@ def flash_attn_with_kvcache(
             cache rows only).
         num_splits: 0 = chosen from the shapes; 1 = no split; up to 128.
         return_lse: also return softmax_lse.
+        sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (the split-KV combine merges
+            the sink as one more partial with O = 0; not differentiable here).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
@@ -542,5 +578,5 @@ def flash_attn_with_kvcache(
         cache_seqlens = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, _as_bool("causal", causal),
-        _as_int("num_splits", num_splits), *_window(window_size))
+        _as_int("num_splits", num_splits), *_window(window_size), _sinks(sinks))
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out

@@ -23,7 +23,11 @@ adds what lives in Python:
     per-sample fallback loop.
 
 Op contract (docs/DESIGN.md); every op also takes ``window_size_left=-1, window_size_right=-1``
-(a sliding window, flash-attn's ``window_size``; see ``reference.visible_mask``):
+(a sliding window, flash-attn's ``window_size``; see ``reference.visible_mask``) and, last,
+``sinks=None`` (attention sinks, (nheads,) float32; the forward ops add them in the kernels'
+epilogue; ``backward_dsinks`` is the dense backward op with sinks required that also returns the
+sinks' gradient, from its own workspace; ``sinks_grad`` is the same formula in torch ops, for the
+paths it does not serve: vmap, double-backward recording, varlen):
   forward(q, k, v, softmax_scale, causal) -> (out, softmax_lse, softmax_stats)
       q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim), BSHD with a
       contiguous last dim; out: q's shape, contiguous; softmax_lse: (batch, nheads, seqlen_q)
@@ -52,7 +56,7 @@ backward = torch.ops.flash_attn_ext.backward
 
 forward.__doc__ = forward.default.__doc__ = """\
 forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
-        window_size_right: int = -1) -> (out, softmax_lse, softmax_stats)
+        window_size_right: int = -1, sinks=None) -> (out, softmax_lse, softmax_stats)
 
 Exact attention softmax(softmax_scale * Q K^T) V (FlashAttention-2, Dao 2023, Algorithm 1; on
 sm_90 GPUs FlashAttention-3's Hopper kernel). q: (batch, seqlen_q, nheads, headdim); k, v:
@@ -61,23 +65,27 @@ multiple of 8, <= 256; CUDA: float16 / bfloat16, CPU: also float32 / float64. ca
 aligned (query i sees key j <= i + seqlen_k - seqlen_q). window_size_left / window_size_right: a
 sliding window (local attention; -1: no bound), query i sees key j only if i + off - left <= j <= i +
 off + right with off = seqlen_k - seqlen_q; causal sets the right bound to 0 (flash-attn's
-semantics). Returns out (q's shape and dtype),
+semantics). sinks: None or (nheads,) float32, attention sinks (one logit per query head of a key
+every row sees, value zero; flash_attn_func's docstring). Returns out (q's shape and dtype),
 softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
-out row is 0), and softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
+out row is 0; with sinks the sink is in the sum and such a row's LSE is the sink), and softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
 as (row max * softmax_scale * log2 e rounded to float32, i.e. the max of the scaled log2 scores;
 log2 of the row sum), which keeps the backward exact at any input magnitude. Raises RuntimeError naming the argument for bad shapes, dtypes, devices or
 strides, before any launch. Autograd, forward-mode AD, vmap and fake (meta) kernels are registered
 (flash_attn_ext.ops)."""
 backward.__doc__ = backward.default.__doc__ = """\
 backward(dout, q, k, v, out, softmax_lse, softmax_scale: float, causal: bool, softmax_stats=None,
-         window_size_left: int = -1, window_size_right: int = -1) -> (dq, dk, dv)
+         window_size_left: int = -1, window_size_right: int = -1, sinks=None) -> (dq, dk, dv)
 
 Gradients of forward by recomputation (FlashAttention-2, Dao 2023, Algorithm 2: a preprocess, then
 separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's shape; the other
 tensors as forward's inputs and outputs; softmax_stats: forward's third output (autograd passes
 it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). On CPU, float32 and
 float64 inputs recompute the statistics in float64 from q and k when softmax_stats is given (so it
-must be this forward's own; pass softmax_lse alone for statistics merged over chunks of K/V). Returns dq, dk, dv
+must be this forward's own, sinks included; pass softmax_lse alone for statistics merged over chunks
+of K/V). sinks: the forward's (the CUDA kernels need them not: out and softmax_lse hold the sink; the
+CPU float32 / float64 recompute adds them; backward_dsinks, the same op with sinks required, also
+returns their gradient). Returns dq, dk, dv
 with q's, k's and v's shapes and dtypes. Raises RuntimeError naming the argument on bad input."""
 
 
@@ -91,9 +99,11 @@ _lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
 # check function of csrc/flash_api.cpp), so meta tensors and tracing refuse what a real call refuses.
 
 @torch.library.register_fake("flash_attn_ext::forward")
-def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1):
+def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None):
+    _checks.check_sinks_device(sinks, q)
     _checks.check_qkv(q, k, v, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
+    _checks.check_sinks(sinks, q, q.shape[2])
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -103,8 +113,10 @@ def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_si
 
 @torch.library.register_fake("flash_attn_ext::backward")
 def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
-                   window_size_left=-1, window_size_right=-1):
+                   window_size_left=-1, window_size_right=-1, sinks=None):
+    _checks.check_sinks_device(sinks, q)
     _checks.check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale, softmax_stats)
+    _checks.check_sinks(sinks, q, q.shape[2])
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -115,11 +127,14 @@ def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softm
 # ---- forward-mode AD ---------------------------------------------------------------------
 
 def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, window_size_left: int = -1,
-                  window_size_right: int = -1) -> torch.Tensor:
+                  window_size_right: int = -1, sinks=None, sinks_t=None) -> torch.Tensor:
     """Tangent of ``out`` (forward-mode derivative) of ``out = softmax(c Q K^T) V``.
 
     With S = c Q K^T (masked entries -inf: causal, sliding window), P = softmax(S) row-wise, O = P V:
         dS = c (dQ K^T + Q dK^T),  dP = P * (dS - rowsum(P * dS)),  dO = dP V + P dV.
+    With attention sinks (``sinks`` (nheads,), tangent ``sinks_t`` or None) the softmax runs over
+    one more column per row, the head's sink with value 0 and tangent sinks_t[h]; its P column
+    enters rowsum(P * dS) only.
     Computed with plain torch ops, materialising P of shape (batch, nheads, seqlen_q,
     seqlen_k) in float32 (float64 for float64 inputs): memory O(seqlen_q * seqlen_k), exact up
     to that dtype's rounding. Query rows that see no key have P = 0, so their tangent is 0.
@@ -128,12 +143,12 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     shapes) or None (zero). Returns the tangent of out: q's shape and dtype. Autocast is
     disabled inside (the float32 products stay float32).
     """
-    if q_t is None and k_t is None and v_t is None:
+    if q_t is None and k_t is None and v_t is None and sinks_t is None:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):  # keep the float32 matmuls float32
             return attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale, causal, window_size_left,
-                                 window_size_right)
+                                 window_size_right, sinks, sinks_t)
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -152,9 +167,16 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     visible = visible_mask(Sq, Sk, causal, window_size_left, window_size_right, q.device)
     has_key = visible.any(dim=-1, keepdim=True)  # by the mask alone (False for every row if Sk == 0)
     s = s.masked_fill(~visible, float("-inf"))
-    # Rows that see no key: softmax of all -inf is NaN; by the op's convention P = 0 there.
-    # (torch.where, not nan_to_num: a NaN coming from the inputs must stay NaN.)
-    p = torch.where(has_key, torch.softmax(s, dim=-1), 0.0)
+    p_sink = None
+    if sinks is not None:
+        # The sink column (B, Hk, G, Sq, 1): every row sees it, so no row is without a key.
+        sink_col = sinks.to(cdt).reshape(1, Hk, G, 1, 1).expand(*s.shape[:-1], 1)
+        p_ext = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)
+        p, p_sink = p_ext[..., :Sk], p_ext[..., Sk:]
+    else:
+        # Rows that see no key: softmax of all -inf is NaN; by the op's convention P = 0 there.
+        # (torch.where, not nan_to_num: a NaN coming from the inputs must stay NaN.)
+        p = torch.where(has_key, torch.softmax(s, dim=-1), 0.0)
     out_t = None
     ds = None
     if q_t is not None:
@@ -162,9 +184,15 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     if k_t is not None:
         term = torch.matmul(qh, kvlayout(k_t).transpose(-1, -2))
         ds = term if ds is None else ds + term
-    if ds is not None:
-        pds = p * (ds * softmax_scale)
-        dp = pds - p * pds.sum(dim=-1, keepdim=True)
+    sink_term = None  # rowsum's sink column: P_sink * sinks_t
+    if sinks_t is not None and p_sink is not None:
+        sink_term = p_sink * sinks_t.to(cdt).reshape(1, Hk, G, 1, 1)
+    if ds is not None or sink_term is not None:
+        pds = p * (ds * softmax_scale) if ds is not None else torch.zeros_like(p)
+        rowsum = pds.sum(dim=-1, keepdim=True)
+        if sink_term is not None:
+            rowsum = rowsum + sink_term
+        dp = pds - p * rowsum
         out_t = torch.matmul(dp, vh)
     if v_t is not None:
         term = torch.matmul(p, kvlayout(v_t))
@@ -198,26 +226,28 @@ class FlashAttnFunction(torch.autograd.Function):
     """Autograd for ``flash_attn_ext::forward``: reverse mode (the FlashAttention-2 backward
     kernel), forward mode (``attention_jvp``) and torch.func (``setup_context`` plus a vmap rule
     generated from the ops' batching rules). Inputs/outputs as the op:
-    ``apply(q, k, v, softmax_scale, causal[, window_size_left, window_size_right]) -> (out,
-    softmax_lse, softmax_stats)``."""
+    ``apply(q, k, v, softmax_scale, causal[, window_size_left, window_size_right[, sinks]]) ->
+    (out, softmax_lse, softmax_stats)``. With sinks, their gradient is ``sinks_grad``'s."""
 
     generate_vmap_rule = True  # vmaps forward/backward/jvp through the ops' batching rules
 
     @staticmethod
-    def forward(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1):
+    def forward(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None):
         # Grad mode and forward grad mode are off here, so this reaches the kernel directly.
         return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
-                                                window_size_right)
+                                                window_size_right, sinks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, softmax_scale, causal = inputs[:5]
         ctx.window = tuple(inputs[5:7]) + (-1, -1)[len(inputs[5:7]):]  # (left, right)
+        sinks = inputs[7] if len(inputs) > 7 else None
         ctx.num_inputs = len(inputs)
+        ctx.has_sinks = sinks is not None
         out, softmax_lse, softmax_stats = output
         # The same tensors, in the same order, for both modes: the generated vmap rule keeps one
         # list of batch dims for the saved tensors (two different lists broke reverse over vmap).
-        saved = (q, k, v, out, softmax_lse, softmax_stats)
+        saved = (q, k, v, out, softmax_lse, softmax_stats) + ((sinks,) if ctx.has_sinks else ())
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)
         ctx.softmax_scale = softmax_scale
@@ -227,16 +257,53 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, dstats):
         # dlse, dstats are ignored: softmax_lse and softmax_stats are non-differentiable.
-        q, k, v, out, softmax_lse, softmax_stats = ctx.saved_tensors
-        dq, dk, dv = FlashAttnBackwardFunction.apply(
-            dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window)
-        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+        q, k, v, out, softmax_lse, softmax_stats = ctx.saved_tensors[:6]
+        sinks = ctx.saved_tensors[6] if ctx.has_sinks else None
+        want_dsinks = ctx.has_sinks and ctx.needs_input_grad[7]
+        if want_dsinks and _fused_dsinks():
+            # The op fills dsinks from its own workspace (D and the LSE of the preprocess): no pass
+            # over dout / out of its own.
+            dq, dk, dv, dsinks = torch.ops.flash_attn_ext.backward_dsinks(
+                dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks)
+        else:
+            dq, dk, dv = FlashAttnBackwardFunction.apply(
+                dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks)
+            dsinks = sinks_grad(dout, out, softmax_lse.transpose(1, 2), sinks) if want_dsinks else None
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3 - ctx.has_sinks) + ((dsinks,) if ctx.has_sinks else ())
 
     @staticmethod
-    def jvp(ctx, q_t, k_t, v_t, *_scalar_tangents):
+    def jvp(ctx, q_t, k_t, v_t, *scalar_tangents):
         q, k, v = ctx.saved_tensors[:3]
-        out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal, *ctx.window)
+        sinks = ctx.saved_tensors[6] if ctx.has_sinks else None
+        sinks_t = scalar_tangents[4] if ctx.has_sinks else None
+        out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal, *ctx.window, sinks, sinks_t)
         return out_t, None, None
+
+
+def _fused_dsinks() -> bool:
+    """Whether the dense backward may take the sinks' gradient from ``backward_dsinks`` (its own
+    workspace's D and LSE): not while recording a graph (double backward must reach
+    FlashAttnBackwardFunction's refusal) and not under torch.func transforms (the ops have no vmap
+    rule: one dsinks would sum over the vmapped samples); there ``sinks_grad`` computes it from dout
+    and out instead."""
+    return not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+
+
+def sinks_grad(dout, out, softmax_lse, sinks, rows_valid=None):
+    """Gradient of the attention sinks (FlashAttention-2's D = rowsum(dO * O), Alg. 2 line 4, with
+    the sink as one more key of value 0): d sinks[h] = -sum over rows i of head h of
+    exp(sinks[h] - LSE_i) D_i, LSE including the sink (``backward_dsinks`` computes the same from
+    its workspace: _fused_dsinks; the varlen backward's sinks always take this path). dout / out: (..., nheads, headdim) with the
+    rows in the leading dims; softmax_lse: out's leading shape plus nheads, i.e. (..., nheads);
+    rows_valid: None or a bool mask of out.shape[:-1] (varlen: rows outside every sequence, whose
+    out the CUDA kernels leave unwritten, contribute nothing). A torch reduction: deterministic.
+    Returns sinks' shape and dtype."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    D = (dout.to(acc) * out.to(acc)).sum(-1)                               # (..., nheads)
+    term = torch.exp(sinks.to(acc) - softmax_lse.to(acc)) * D
+    if rows_valid is not None:
+        term = torch.where(rows_valid, term, 0.0)
+    return (-term.reshape(-1, sinks.shape[0]).sum(0)).to(sinks.dtype)
 
 
 class FlashAttnBackwardFunction(torch.autograd.Function):
@@ -247,9 +314,9 @@ class FlashAttnBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
-                window_size_left=-1, window_size_right=-1):
+                window_size_left=-1, window_size_right=-1, sinks=None):
         return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
-                                                 causal, softmax_stats, window_size_left, window_size_right)
+                                                 causal, softmax_stats, window_size_left, window_size_right, sinks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -308,7 +375,7 @@ _lib.impl("backward", _autograd_kernel("backward", FlashAttnBackwardFunction), "
 
 
 def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
-                      window_size_right: int = -1):
+                      window_size_right: int = -1, sinks=None):
     """``torch.ops.flash_attn_ext.forward`` with autograd that every transform understands:
     returns ``(out, softmax_lse, softmax_stats)`` exactly as the op (see the module docstring).
 
@@ -319,8 +386,9 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_l
     torch.compile traces as one op.
     """
     if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
-        return FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size_left, window_size_right)
-    return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right)
+        return FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks)
+    return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right,
+                                            sinks)
 
 
 # ---- vmap (batching rules) ---------------------------------------------------------------
@@ -338,31 +406,42 @@ def _fold(t, bdim, batch_size, at=0, contiguous_last=True):
     return t
 
 
+def _sinks_not_vmapped(in_dims, index):
+    """One sink per head serves every vmapped sample: a vmapped sinks tensor (per-sample sinks) has
+    no kernel."""
+    if len(in_dims) > index and in_dims[index] is not None:
+        raise NotImplementedError("flash_attn_ext: vmap over sinks (a different sinks tensor per vmapped "
+                                  "sample) is not supported; vmap over q / k / v with one sinks tensor")
+
+
 def _unfold(t, batch_size, at=0):
     """Inverse of _fold for an output: split dim ``at`` into (batch_size, batch)."""
     return t.unflatten(at, (batch_size, t.shape[at] // batch_size))
 
 
 @torch.library.register_vmap("flash_attn_ext::forward")
-def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1):
+def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
+                  sinks=None):
     n = info.batch_size
+    _sinks_not_vmapped(in_dims, 7)
     q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
     out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
-                                                       window_size_right)
+                                                       window_size_right, sinks)
     return (_unfold(out, n), _unfold(lse, n), _unfold(stats, n, at=1)), (0, 0, 1)
 
 
 @torch.library.register_vmap("flash_attn_ext::backward")
 def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale, causal,
-                   softmax_stats=None, window_size_left=-1, window_size_right=-1):
+                   softmax_stats=None, window_size_left=-1, window_size_right=-1, sinks=None):
     n = info.batch_size
+    _sinks_not_vmapped(in_dims, 11)
     dout, q, k, v, out = (_fold(t, d, n) for t, d in zip((dout, q, k, v, out), in_dims[:5]))
     softmax_lse = _fold(softmax_lse, in_dims[5], n).contiguous()
     if softmax_stats is not None:
         softmax_stats = _fold(softmax_stats, in_dims[8] if len(in_dims) > 8 else None, n,
                               at=1).contiguous()
     dq, dk, dv = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
-                                                   causal, softmax_stats, window_size_left, window_size_right)
+                                                   causal, softmax_stats, window_size_left, window_size_right, sinks)
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
@@ -375,7 +454,7 @@ fwd_kvcache = torch.ops.flash_attn_ext.fwd_kvcache
 varlen_forward.__doc__ = varlen_forward.default.__doc__ = """\
 varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, window_size_left: int = -1,
-               window_size_right: int = -1) -> (out, softmax_lse, softmax_stats)
+               window_size_right: int = -1, sinks=None) -> (out, softmax_lse, softmax_stats)
 
 forward on packed variable-length sequences (FlashAttention-2, Dao 2023, Alg. 1, one sequence per
 (batch) entry of the grid). q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim);
@@ -384,20 +463,20 @@ max_seqlen_q / max_seqlen_k: >= every sequence's length (sizes the grid; on CUDA
 longer sequence is cut to its first max_seqlen rows / keys). Returns out (q's shape), softmax_lse (nheads,
 total_q) float32 natural log, softmax_stats (2, nheads, total_q) float32. Each sequence gives what
 forward gives on it alone (causal and the window bottom-right per sequence; a sequence without
-keys: out 0, lse +inf). Rows outside every sequence: unspecified on CUDA, 0 / +inf on CPU. Raises RuntimeError
+keys: out 0, lse +inf, or the sink with sinks (forward's)). Rows outside every sequence: unspecified on CUDA, 0 / +inf on CPU. Raises RuntimeError
 naming the argument for bad shapes, dtypes, devices; on CPU also for cu_seqlens that decrease,
 leave the tensors or exceed max_seqlen (on CUDA those values are not read on the host: no sync)."""
 varlen_backward.__doc__ = varlen_backward.default.__doc__ = """\
 varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, softmax_stats=None, window_size_left=-1,
-                window_size_right=-1) -> (dq, dk, dv)
+                window_size_right=-1, sinks=None) -> (dq, dk, dv)
 
 Gradients of varlen_forward (FlashAttention-2 Alg. 2 per sequence; deterministic, no atomics).
 Shapes as varlen_forward's inputs and outputs; returns dq, dk, dv like q, k, v."""
 fwd_kvcache.__doc__ = fwd_kvcache.default.__doc__ = """\
 fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
-            causal: bool, num_splits: int, window_size_left: int = -1, window_size_right: int = -1)
-    -> (out, softmax_lse)
+            causal: bool, num_splits: int, window_size_left: int = -1, window_size_right: int = -1,
+            sinks=None) -> (out, softmax_lse)
 
 Attention of q against a KV cache, with an optional in-place append of new keys/values, split over
 num_splits CTAs per (sequence, kv head) (FlashDecoding: partial outputs merged by their LSEs;
@@ -407,15 +486,18 @@ nheads_k, headdim) with block_table int32 (batch, max_blocks); cache_seqlens: in
 None (all rows); k / v: None or (batch, seqlen_new, nheads_k, headdim), written into the cache at
 rows cache_seqlens[b] + i (mutates k_cache / v_cache). Sequence b attends to its first
 cache_seqlens[b] + seqlen_new cache rows (causal and the window: bottom-right aligned against that
-count; a window reads only the key tiles it covers). Returns out (q's shape)
+count; a window reads only the key tiles it covers); sinks as forward's (the combine merges the sink
+as one more partial with O = 0). Returns out (q's shape)
 and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiable."""
 
 
 @torch.library.register_fake("flash_attn_ext::varlen_forward")
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                         causal, window_size_left=-1, window_size_right=-1):
+                         causal, window_size_left=-1, window_size_right=-1, sinks=None):
+    _checks.check_sinks_device(sinks, q)
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
+    _checks.check_sinks(sinks, q, q.shape[1])
     total_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
@@ -426,9 +508,11 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 @torch.library.register_fake("flash_attn_ext::varlen_backward")
 def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, softmax_scale, causal, softmax_stats=None, window_size_left=-1,
-                          window_size_right=-1):
+                          window_size_right=-1, sinks=None):
+    _checks.check_sinks_device(sinks, q)
     _checks.check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, softmax_scale, softmax_stats)
+    _checks.check_sinks(sinks, q, q.shape[1])
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
@@ -437,12 +521,14 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
 
 @torch.library.register_fake("flash_attn_ext::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-                      num_splits, window_size_left=-1, window_size_right=-1):
+                      num_splits, window_size_left=-1, window_size_right=-1, sinks=None):
     """check_kvcache's shape / dtype / device / stride checks (not the values, which a real CUDA
     call does not read either), then the output shapes."""
+    _checks.check_sinks_device(sinks, q)
     _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], capacity)
+    _checks.check_sinks(sinks, q, q.shape[2])
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -452,21 +538,24 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """Autograd for ``flash_attn_ext::varlen_forward`` (reverse mode: ``varlen_backward``).
     ``apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-    causal[, window_size_left, window_size_right]) -> (out, softmax_lse, softmax_stats)``."""
+    causal[, window_size_left, window_size_right[, sinks]]) -> (out, softmax_lse, softmax_stats)``."""
 
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_size_left=-1, window_size_right=-1):
+                window_size_left=-1, window_size_right=-1, sinks=None):
         return torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                        max_seqlen_k, softmax_scale, causal, window_size_left,
-                                                       window_size_right)
+                                                       window_size_right, sinks)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs[:9]
         window = tuple(inputs[9:11]) + (-1, -1)[len(inputs[9:11]):]
+        sinks = inputs[11] if len(inputs) > 11 else None
         out, softmax_lse, softmax_stats = output
-        ctx.save_for_backward(q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k)
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k,
+                              *((sinks,) if ctx.has_sinks else ()))
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         ctx.window = window
         ctx.num_inputs = len(inputs)
@@ -474,12 +563,21 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, dstats):
-        q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors[:8]
+        sinks = ctx.saved_tensors[8] if ctx.has_sinks else None
         max_seqlen_q, max_seqlen_k, softmax_scale, causal = ctx.args
+        want_dsinks = ctx.has_sinks and ctx.needs_input_grad[11]
         dq, dk, dv = FlashAttnVarlenBackwardFunction.apply(
             dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, softmax_stats, *ctx.window)
-        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+            softmax_scale, causal, softmax_stats, *ctx.window, sinks)
+        dsinks = None
+        if want_dsinks:
+            # Rows outside every sequence (before cu_seqlens_q[0], from cu_seqlens_q[-1]) are not
+            # written by the CUDA forward: masked on the device, without a host sync.
+            rows = torch.arange(q.shape[0], device=q.device)
+            valid = ((rows >= cu_seqlens_q[0]) & (rows < cu_seqlens_q[-1])).unsqueeze(-1)
+            dsinks = sinks_grad(dout, out, softmax_lse.transpose(0, 1), sinks, valid)
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3 - ctx.has_sinks) + ((dsinks,) if ctx.has_sinks else ())
 
     @staticmethod
     def jvp(ctx, *tangents):
@@ -524,3 +622,38 @@ def _fwd_kvcache_autograd(*args):
 _lib.impl("varlen_forward", _autograd_kernel("varlen_forward", FlashAttnVarlenFunction), "Autograd")
 _lib.impl("varlen_backward", _autograd_kernel("varlen_backward", FlashAttnVarlenBackwardFunction), "Autograd")
 _lib.impl("fwd_kvcache", _fwd_kvcache_autograd, "Autograd")
+
+
+# ---- backward with the sinks' gradient ---------------------------------------------------
+
+backward_dsinks = torch.ops.flash_attn_ext.backward_dsinks
+backward_dsinks.__doc__ = backward_dsinks.default.__doc__ = """\
+backward_dsinks(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats, window_size_left,
+                window_size_right, sinks) -> (dq, dk, dv, dsinks)
+
+backward with attention sinks (required, (nheads,) float32), also returning their gradient dsinks
+((nheads,) float32): -sum_{b,i} exp(sinks[h] - LSE_i) D_i (FlashAttention-2 Alg. 2's D =
+rowsum(dout o out); sinks_grad's formula), on CUDA from the backward's own workspace (its D and
+LSE planes: no extra pass over dout / out). Not differentiable; no vmap rule (sinks_grad serves
+vmap)."""
+@torch.library.register_fake("flash_attn_ext::backward_dsinks")
+def _backward_dsinks_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
+                          window_size_left, window_size_right, sinks):
+    dq, dk, dv = _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
+                                window_size_left, window_size_right, sinks)
+    return dq, dk, dv, torch.empty((sinks.numel(),), dtype=torch.float32, device=sinks.device)
+
+
+def _not_differentiable(name):
+    op = getattr(torch.ops.flash_attn_ext, name).default
+
+    def kernel(*args):
+        if _needs_autograd(args):
+            raise RuntimeError(_DOUBLE_BACKWARD_MSG)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    return kernel
+
+
+_lib.impl("backward_dsinks", _not_differentiable("backward_dsinks"), "Autograd")

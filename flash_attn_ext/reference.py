@@ -51,6 +51,7 @@ def attention_ref(
     upcast: bool = True,
     ref_dtype: torch.dtype = torch.float64,
     window_size: tuple[int, int] = (-1, -1),
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention on BSHD tensors.
 
@@ -62,10 +63,14 @@ def attention_ref(
         upcast: compute in ``ref_dtype`` (float64 by default) if True, else in q's dtype.
         ref_dtype: the compute dtype when ``upcast`` is True.
         window_size: (left, right) sliding window, bottom-right aligned (``visible_mask``).
+        sinks: (nheads,) attention sinks (gpt-oss), or None: per head a logit (natural-log units,
+            the scaled scores' scale) of an extra key every row sees, with a zero value. The
+            softmax runs over the keys and the sink; the sink's column is dropped from P.
+            Differentiable (computed in the compute dtype).
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in the compute dtype (differentiable).
         lse: (batch, nheads, seqlen_q) float32 natural-log logsumexp of the scaled scores
-             (+inf for rows that see no key).
+             and the sink (+inf for rows that see no key, or the sink's logit with sinks).
 
     Rows that see no key (decided by the mask alone: causal with seqlen_q > seqlen_k, a window
     past the keys, or seqlen_k == 0) get out = 0 and lse = +inf, with zero gradients. Non-finite inputs are not
@@ -89,6 +94,20 @@ def attention_ref(
         mask = visible_mask(seqlen_q, seqlen_k, causal, window_size[0], window_size[1], device=q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         has_key = has_key & mask.any(dim=-1, keepdim=True)
+    if sinks is not None:
+        # The sink as one more key column, visible to every row, its value 0 (P's column dropped).
+        sink_col = sinks.to(dtype).view(1, nheads, 1, 1).expand(*scores.shape[:3], 1)
+        ext = torch.cat([scores, sink_col], dim=-1)
+        lse = torch.logsumexp(ext.float() if dtype != torch.float64 else ext, dim=-1)
+        probs = torch.softmax(ext, dim=-1)[..., :seqlen_k]
+        # A -inf sink is no sink: a row without keys then has P = 0 and lse +inf (softmax of all
+        # -inf would be NaN).
+        keyless = ~has_key.view(1, 1, seqlen_q, 1) & (sinks == float("-inf")).view(1, nheads, 1, 1).to(q.device)
+        zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
+        probs = torch.where(keyless, zero, probs)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+        lse = torch.where(keyless[..., 0], float("inf"), lse)
+        return out, lse.float()
     lse = torch.logsumexp(scores.float() if dtype != torch.float64 else scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
     # Rows with no visible key: softmax of all -inf is NaN; the convention is P = 0 there. Only
@@ -111,12 +130,14 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
 
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, upcast=True,
-                         ref_dtype: torch.dtype = torch.float64, window_size: tuple[int, int] = (-1, -1)):
+                         ref_dtype: torch.dtype = torch.float64, window_size: tuple[int, int] = (-1, -1),
+                         sinks: torch.Tensor | None = None):
     """Reference for packed sequences: ``attention_ref`` on each sequence alone.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: (batch + 1,)
-    integer tensors (any device). Returns out (total_q, nheads, headdim) in the compute dtype and
-    lse (nheads, total_q) float32; rows outside every sequence: out 0, lse +inf. Differentiable.
+    integer tensors (any device); sinks as ``attention_ref``'s. Returns out (total_q, nheads, headdim)
+    in the compute dtype and lse (nheads, total_q) float32; rows outside every sequence: out 0, lse
+    +inf. Differentiable.
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -130,7 +151,7 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
             outs.append(torch.zeros((q0 - covered, *q.shape[1:]), dtype=dtype, device=q.device))
             lses.append(torch.full((q.shape[1], q0 - covered), float("inf"), device=q.device))
         o, lse = attention_ref(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
-                               softmax_scale, causal, upcast, ref_dtype, window_size)
+                               softmax_scale, causal, upcast, ref_dtype, window_size, sinks)
         outs.append(o[0])
         lses.append(lse[0])
         covered = q1
@@ -142,12 +163,13 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
 
 def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None,
                           causal=False, upcast=True, ref_dtype: torch.dtype = torch.float64,
-                          window_size: tuple[int, int] = (-1, -1)):
+                          window_size: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None):
     """Reference for attention against a KV cache (no append: pass the cache after it).
 
     q: (batch, seqlen_q, nheads, headdim); k_cache / v_cache: (batch, seqlen_cache, nheads_k,
     headdim) or paged (num_blocks, page_size, nheads_k, headdim) with block_table (batch,
-    max_blocks); cache_seqlens: (batch,) rows in use (None: all). ``attention_ref`` of each sequence
+    max_blocks); cache_seqlens: (batch,) rows in use (None: all); sinks as ``attention_ref``'s.
+    ``attention_ref`` of each sequence
     against its first cache_seqlens[b] rows. Returns out (q's shape, compute dtype) and lse (batch,
     nheads, seqlen_q) float32.
     """
@@ -161,7 +183,7 @@ def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=N
             kb, vb = k_cache[b], v_cache[b]
         n = kb.shape[0] if cache_seqlens is None else int(cache_seqlens[b])
         o, lse = attention_ref(q[b:b + 1], kb[:n].unsqueeze(0), vb[:n].unsqueeze(0), softmax_scale, causal,
-                               upcast, ref_dtype, window_size)
+                               upcast, ref_dtype, window_size, sinks)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 0), torch.cat(lses, 0)

@@ -585,3 +585,277 @@ def test_causal_lm_right_padding_forward_and_training_step(arch, device, dtype, 
     assert set(ours[2]) == set(ref[2])
     for n in ours[2]:
         check_accuracy(f"{arch} grad {n}", ours[2][n], ref[2][n], base[2][n])
+
+
+# ------------------------------------------------------------ attention sinks (gpt-oss's s_aux)
+
+
+@pytest.fixture
+def sink_calls(monkeypatch):
+    """Records every kernel call the integration makes as (label, the sinks tensor it passed):
+    with s_aux given, every call (dense and each varlen call) must carry it."""
+    calls = []
+
+    def spy(label, real):
+        def f(*a, **kw):
+            calls.append((label + (" causal" if kw.get("causal") else ""), kw.get("sinks")))
+            return real(*a, **kw)
+        return f
+
+    monkeypatch.setattr(fx, "flash_attn_func", spy("dense", fx.flash_attn_func))
+    monkeypatch.setattr(fx, "flash_attn_varlen_func", spy("varlen", fx.flash_attn_varlen_func))
+    return calls
+
+
+def _eager_sinks(q, k, v, mask, sinks, scale, is_causal=False, window=None):
+    """gpt-oss's eager_attention_forward (BHSD in, BSHD out) with a boolean mask (True = attend)
+    or None (causal per is_causal, bottom-right as transformers' masks when q_len < kv_len;
+    window: a causal sliding window of that many keys): softmax over the scores and the sink,
+    the sink's column dropped. Rows that see no key get only the sink: out 0."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    k = k.repeat_interleave(H // k.shape[1], 1)
+    v = v.repeat_interleave(H // v.shape[1], 1)
+    s = torch.matmul(q, k.transpose(2, 3)) * scale
+    i = torch.arange(Lq)[:, None] + Lk - Lq
+    j = torch.arange(Lk)[None, :]
+    allowed = torch.ones(Lq, Lk, dtype=torch.bool)
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+    else:
+        if is_causal and Lq > 1:
+            allowed = allowed & (j <= i)
+        if window is not None:
+            allowed = allowed & (j > i - window)
+    s = s.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(B, H, Lq, 1)
+    p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    return torch.matmul(p, v).transpose(1, 2)
+
+
+def _check_sinks_vs_eager(label, q, k, v, mask, sinks, is_causal, window=None, **kw):
+    """Ours (float32) vs gpt-oss's eager math in float64 (ref) and float32 (baseline), every row
+    (rows that see no key are 0 in both)."""
+    out, w = fx.flash_attn_ext_attention_forward(_Module(is_causal), q, k, v, mask, scaling=0.25, s_aux=sinks,
+                                                 sliding_window=window, **kw)
+    assert w is None
+    ref = _eager_sinks(q.double(), k.double(), v.double(), mask, sinks.double(), 0.25, is_causal, window)
+    base = _eager_sinks(q, k, v, mask, sinks, 0.25, is_causal, window)
+    check_accuracy(label, out, ref, base)
+    return out
+
+
+def _sinks(H, seed, scale=2.0):
+    return torch.randn(H, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("nheads_k", [4, 2])
+def test_sinks_no_mask(nheads_k, sink_calls):
+    """No mask (one dense call), bidirectional, causal and a causal window, decode: the sinks
+    reach the kernel and the result is the eager math's."""
+    q, k, v = _bhsd(2, 4, 30, 32, 40), _bhsd(2, nheads_k, 30, 32, 41), _bhsd(2, nheads_k, 30, 32, 42)
+    sinks = _sinks(4, 43)
+    _check_sinks_vs_eager("bidirectional", q, k, v, None, sinks, False)
+    _check_sinks_vs_eager("causal", q, k, v, None, sinks, True)
+    _check_sinks_vs_eager("causal window", q, k, v, None, sinks, True, window=5)
+    _check_sinks_vs_eager("decode", q[:, :, -1:], k, v, None, sinks, True, window=5)
+    assert [c[0] for c in sink_calls] == ["dense", "dense causal", "dense causal", "dense"]
+    assert all(s is sinks for _, s in sink_calls)
+    # The sinks change the result (the comparison above could fail without them).
+    plain, _ = fx.flash_attn_ext_attention_forward(_Module(True), q, k, v, None, scaling=0.25)
+    with pytest.raises(AssertionError):
+        check_accuracy("no sinks", plain, _eager_sinks(q.double(), k.double(), v.double(), None, sinks.double(),
+                                                       0.25, True), _eager_sinks(q, k, v, None, sinks, 0.25, True))
+
+
+@pytest.mark.parametrize("nheads_k", [2, 1])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("past", [0, 9])
+def test_sinks_mixed_padding(past, causal, nheads_k, sink_calls):
+    """The unpad / varlen / pad path with sinks: left / right / no / all padding in one batch, with
+    and without a cache. Every row equals the eager math's, rows that see no key included (0 in
+    both), and every varlen call carries the sinks."""
+    Lq = 12
+    mask = _mixed_padding_mask(Lq, past, causal)
+    B, Lk = mask.shape[0], mask.shape[-1]
+    q = _bhsd(B, 4, Lq, 32, 44)
+    k, v = _bhsd(B, nheads_k, Lk, 32, 45), _bhsd(B, nheads_k, Lk, 32, 46)
+    sinks = _sinks(4, 47)
+    out = _check_sinks_vs_eager(f"mixed padding past={past} causal={causal}", q, k, v, mask, sinks, causal)
+    assert (out[~mask[:, 0].any(-1)] == 0).all()
+    assert [c[0] for c in sink_calls] == (["varlen causal", "varlen"] if causal else ["varlen"])
+    sink_calls.clear()
+    _check_sinks_vs_eager("mixed padding, decode", q[:, :, -1:], k, v, mask[:, :, -1:], sinks, causal)
+    fmask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    _check_sinks_vs_eager("additive float mask", q, k, v, fmask, sinks, causal)
+    assert sink_calls and all(s is sinks for _, s in sink_calls)
+
+
+def test_sinks_sliding_window_right_padding(sink_calls):
+    """Right padding under a layer's sliding window: the causal call and one call per distinct
+    count of pad rows, every one with the sinks; all-True mask: the dense shortcut, with them."""
+    q4 = _bhsd(5, 4, 12, 32, 48)
+    sinks = _sinks(4, 49)
+    i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    window = (j <= i) & (j > i - 4)
+    right = torch.stack([window & (j < n) for n in (11, 10, 9, 6, 12)])[:, None]
+    _check_sinks_vs_eager("window right padding", q4, q4, q4, right, sinks, True, window=4)
+    assert [c[0] for c in sink_calls] == ["varlen causal"] + ["varlen"] * 3
+    sink_calls.clear()
+    _check_sinks_vs_eager("all-true mask", q4, q4, q4, torch.ones(5, 1, 12, 12, dtype=torch.bool), sinks, False)
+    assert [c[0] for c in sink_calls] == ["dense"] and all(s is sinks for _, s in sink_calls)
+
+
+@pytest.mark.parametrize("past", [0, 9])
+def test_sinks_gradients_mixed_padding(past):
+    """Gradients through the unpad / varlen / pad path with sinks, the sinks' own included (summed
+    over the two varlen calls), vs the eager math in float64 / float32."""
+    Lq, H, Hk = 12, 4, 2
+    mask = _mixed_padding_mask(Lq, past, True)
+    B, Lk = mask.shape[0], mask.shape[-1]
+    w = _bhsd(B, Lq, H, 32, 50)
+    inputs = [_bhsd(B, H, Lq, 32, 51), _bhsd(B, Hk, Lk, 32, 52), _bhsd(B, Hk, Lk, 32, 53), _sinks(H, 54)]
+
+    def run(fn, dtype):
+        q, k, v, s = (t.to(dtype).requires_grad_() for t in inputs)
+        out = fn(q, k, v, s)
+        (out * w.to(dtype)).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad, s.grad]
+
+    def eager(q, k, v, s):
+        return _eager_sinks(q, k, v, mask, s, 0.25)
+
+    def ours(q, k, v, s):
+        return fx.flash_attn_ext_attention_forward(_Module(True), q, k, v, mask, scaling=0.25, s_aux=s)[0]
+
+    ref, base, got = run(eager, torch.float64), run(eager, torch.float32), run(ours, torch.float32)
+    assert got[-1].abs().max() > 0.1  # the sinks get a real gradient
+    for label, o, r, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref, base):
+        check_accuracy(f"sinks mixed padding past={past} {label}", o, r, b)
+
+
+def test_sinks_alias_and_errors():
+    """`sinks` is an alias of `s_aux` (the same bits); both given is a TypeError; a sinks tensor of
+    the wrong shape is flash_attn_func's RuntimeError naming sinks; None is no sink."""
+    q = _bhsd(2, 4, 10, 32, 55)
+    s = _sinks(4, 56)
+    m = _Module(True)
+    a, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, scaling=0.25, s_aux=s)
+    b, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, scaling=0.25, sinks=s)
+    c, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, scaling=0.25, s_aux=None, sinks=None)
+    d, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, scaling=0.25)
+    assert torch.equal(a, b) and torch.equal(c, d) and not torch.allclose(a, d)
+    with pytest.raises(TypeError, match="s_aux.*sinks"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, None, scaling=0.25, s_aux=s, sinks=s)
+    with pytest.raises(RuntimeError, match="sinks"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, None, scaling=0.25, s_aux=torch.randn(3))
+    mask = _padding_mask([10, 6], 10)[:, None, None, :] & torch.ones(10, 10, dtype=torch.bool).tril()
+    with pytest.raises(RuntimeError, match="sinks"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, mask, scaling=0.25, s_aux=torch.randn(2, 2))
+
+
+def _tiny_gpt_oss():
+    """A random small gpt-oss (alternating sliding-window (4) and full layers, GQA 4:2, head dim
+    16, 4 experts): weights at std 0.2 so the attention is far from uniform, and sinks ~ 2 N(0, 1)
+    (their initialisation, std 0.02, would barely matter)."""
+    import transformers as tf
+
+    cfg = tf.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                          num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                          initializer_range=0.2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          experts_implementation="eager")  # grouped_mm has no float64
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    base_model = tf.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in base_model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4) * 2)
+    return cfg, tf.GptOssForCausalLM, base_model
+
+
+def _gpt_oss(cfg, cls, base_model, impl, dtype, sinks=None):
+    m = cls(cfg)
+    m.load_state_dict(base_model.state_dict())
+    if sinks is not None:
+        with torch.no_grad():
+            for layer in m.model.layers:
+                layer.self_attn.sinks.fill_(sinks)
+    m.set_attn_implementation(impl)
+    return m.to(dtype)
+
+
+def test_gpt_oss_logits_match_eager(name, sink_calls):
+    """A random gpt-oss with our attention vs its eager attention (float32 logits of real tokens
+    within the accuracy rule against a float64 eager run): no padding, left padding, right
+    padding. Every kernel call carries the layer's sinks; with the sinks at -inf (no sink) the
+    logits differ beyond the rule, so the sinks are what is checked."""
+    cfg, cls, base_model = _tiny_gpt_oss()
+    ids = torch.randint(3, 96, (3, 18), generator=torch.Generator().manual_seed(2))
+    masks = {"none": None, "left": _padding_mask([18, 11, 5], 18, left=True).long(),
+             "right": _padding_mask([18, 11, 5], 18).long()}
+    with torch.no_grad():
+        for label, mask in masks.items():
+            valid = torch.ones(3, 18, dtype=torch.bool) if mask is None else mask.bool()
+            ref = _gpt_oss(cfg, cls, base_model, "eager", torch.float64)(input_ids=ids, attention_mask=mask).logits
+            base = _gpt_oss(cfg, cls, base_model, "eager", torch.float32)(input_ids=ids, attention_mask=mask).logits
+            sink_calls.clear()
+            ours = _gpt_oss(cfg, cls, base_model, name, torch.float32)(input_ids=ids, attention_mask=mask).logits
+            assert len(sink_calls) >= 2                                 # both layers ran ours
+            assert all(s is not None and s.shape == (4,) for _, s in sink_calls), sink_calls
+            assert torch.isfinite(ours).all()
+            check_accuracy(f"gpt-oss logits ({label} padding)", ours[valid], ref[valid], base[valid])
+            nosink = _gpt_oss(cfg, cls, base_model, name, torch.float32, sinks=float("-inf"))
+            with pytest.raises(AssertionError):
+                check_accuracy("gpt-oss logits without sinks", nosink(input_ids=ids, attention_mask=mask).logits[valid],
+                               ref[valid], base[valid])
+
+
+def test_gpt_oss_training_step_matches_eager(name, sink_calls):
+    """A training step of the random gpt-oss on a right-padded batch (labels -100 on padding):
+    logits, loss and every parameter gradient, the sinks' included, within the accuracy rule
+    against a float64 eager run."""
+    cfg, cls, base_model = _tiny_gpt_oss()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 96, (3, 18), generator=g)
+    attn = _padding_mask([18, 11, 4], 18).long()
+    labels = ids.masked_fill(attn == 0, -100)
+
+    def run(impl, dtype):
+        m = _gpt_oss(cfg, cls, base_model, impl, dtype).train()
+        out = m(input_ids=ids, attention_mask=attn, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        return out.logits.detach(), out.loss.detach(), grads
+
+    ref, base = run("eager", torch.float64), run("eager", torch.float32)
+    sink_calls.clear()
+    ours = run(name, torch.float32)
+    assert sink_calls and all(s is not None for _, s in sink_calls)
+    valid = attn.bool()
+    check_accuracy("gpt-oss logits", ours[0][valid], ref[0][valid], base[0][valid])
+    check_accuracy("gpt-oss loss", ours[1], ref[1], base[1])
+    assert set(ours[2]) == set(ref[2])
+    sink_grads = [n for n in ours[2] if n.endswith("self_attn.sinks")]
+    assert len(sink_grads) == 2
+    for n in sink_grads:
+        assert ref[2][n].abs().max() > 1e-4, n   # a gradient that can be got wrong
+    for n in ours[2]:
+        check_accuracy(f"gpt-oss grad {n}", ours[2][n], ref[2][n], base[2][n])
+
+
+def test_gpt_oss_generate_matches_eager(name, sink_calls):
+    """Greedy generation (prefill of a left-padded batch, then cached decode steps through the
+    sliding-window and full layers): the same tokens as eager, every step's logits close (float64)."""
+    cfg, cls, base_model = _tiny_gpt_oss()
+    ids = torch.randint(3, 96, (3, 9), generator=torch.Generator().manual_seed(4))
+    attn = torch.tensor([[0, 0, 0] + [1] * 6, [1] * 9, [0] * 5 + [1] * 4])
+    gen = dict(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        ours = _gpt_oss(cfg, cls, base_model, name, torch.float64).generate(**gen)
+        ref = _gpt_oss(cfg, cls, base_model, "eager", torch.float64).generate(**gen)
+    assert len(sink_calls) >= 2 * 6 and all(s is not None for _, s in sink_calls)
+    assert torch.equal(ours.sequences, ref.sequences)
+    for step, (a, b) in enumerate(zip(ours.logits, ref.logits)):
+        torch.testing.assert_close(a, b, msg=f"decode step {step}")

@@ -196,3 +196,19 @@ def test_window_bench_smoke(capsys):
     script.main(["--device", "cpu", "--seqlen", "64", "--window", "8", "--hdim", "16", "--tokens", "64", "--rep-ms", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 16 |")]
     assert len(rows) == 4 and all(float(r.split("|")[6]) > 0 for r in rows), rows
+
+
+def test_sinks_bench_smoke(capsys):
+    """scripts/sinks_bench.py runs end to end on the CPU: one row per (hdim, seqlen, causal, pass)
+    and per decode case, positive times both ways."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sinks_bench", os.path.join(REPO, "scripts", "sinks_bench.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script._cases("B1xN8192,b64xn512") == [(1, 8192), (64, 512)]
+    script.main(["--device", "cpu", "--seqlen", "64", "--hdim", "16", "--tokens", "64", "--decode", "B2xN128",
+                 "--rounds", "1", "--rep-ms", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d16 ") or "decode" in line]
+    assert len(rows) == 5, rows
+    assert all(float(r.split("|")[2]) > 0 and float(r.split("|")[3]) > 0 for r in rows), rows

@@ -57,6 +57,32 @@ struct NoRowDone {
   __device__ __forceinline__ void operator()(int) const {}
 };
 
+// ---- Attention sinks (flash.h: sinks_ptr): one more key per row with logit `sink` (natural log,
+// the units of softmax_scale * S) and value 0, added to a finished row. With t = sink log2(e) -
+// LSE_log2 (the sink's weight against the keys', log2 units), the row's mass grows by 1 + 2^t:
+// O *= scale = 1 / (1 + 2^t), LSE_log2 += log2_gain = log2(1 + 2^t) (computed as t + log2(1 +
+// 2^-t) for t > 0, so a dominant sink does not overflow). t < -64 (a -inf sink: no sink) gives
+// exactly (1, 0), the same bits as without sinks; a NaN sink gives NaN.
+struct SinkShare {
+  float scale;
+  float log2_gain;
+};
+
+__device__ __forceinline__ SinkShare sink_share(float lse_log2, float sink) {
+  const float t = sink * 1.4426950408889634f - lse_log2;
+  if (t < -64.f) return {1.f, 0.f};
+  const float gain = t > 0.f ? t + __log2f(1.f + fast_exp2(-t)) : __log2f(1.f + fast_exp2(t));
+  return {fast_exp2(-gain), gain};
+}
+
+// The natural-log LSE of a row without keys: the sink's logit, +inf without a sink (-inf).
+__device__ __forceinline__ float empty_row_lse(float sink) { return sink == -INFINITY ? INFINITY : sink; }
+
+// The row's sink (natural log) for query head `head`: -inf without sinks.
+__device__ __forceinline__ float head_sink(const float* sinks, int head) {
+  return sinks == nullptr ? -INFINITY : sinks[head];
+}
+
 // Running row state of the online softmax for the 2*kMAtoms rows a thread owns.
 // row_sum is kept per thread (partial over the thread's columns) and reduced over the
 // quad only once, in finalize(): alpha is equal across the quad, so this is exact.
@@ -292,9 +318,11 @@ struct OnlineSoftmax {
   // LSE's two parts in log2 units against the true row max M (max[r] = round(M c), log2sum[r] =
   // log2 l + (m - M) c, the sum as if taken against M; +inf and 0 when l == 0) and the natural-log
   // LSE = (m c + log2 l) ln 2 (+inf when l == 0). Row r's values are identical on the 4 lanes of
-  // its quad.
+  // its quad. sink: the row's attention sink (natural log, flash.h: sinks_ptr; -inf: none), added
+  // by sink_share: O and the LSE as the softmax over the keys and the sink, the max kept; a row
+  // without keys gets LSE = sink (O 0, statistics +inf / 0 as without it).
   template <int kDAtoms>
-  __device__ __forceinline__ void finalize(float (&acc_o)[kMAtoms][kDAtoms][4], float c, float (&lse)[kRows],
+  __device__ __forceinline__ void finalize(float (&acc_o)[kMAtoms][kDAtoms][4], float c, float sink, float (&lse)[kRows],
                                            float (&max)[kRows], float (&log2sum)[kRows]) {
 #pragma unroll
     for (int mi = 0; mi < kMAtoms; ++mi) {
@@ -303,11 +331,13 @@ struct OnlineSoftmax {
         const int r = 2 * mi + h;
         const float l = quad_allreduce_sum(row_sum[r]);
         const bool empty = !(l > 0.f);  // also catches a NaN l, never producing NaN output
-        const float inv_l = empty ? 0.f : 1.f / l;
         const float log2_l = __log2f(l);
+        const float lse_log2 = fmaf(row_max[r], c, log2_l);
+        const SinkShare sh = empty ? SinkShare{1.f, 0.f} : sink_share(lse_log2, sink);
+        const float inv_l = empty ? 0.f : sh.scale / l;
         max[r] = empty ? INFINITY : __fmul_rn(true_max[r], c);
-        log2sum[r] = empty ? 0.f : fmaf(row_max[r] - true_max[r], c, log2_l);
-        lse[r] = empty ? INFINITY : fmaf(row_max[r], c, log2_l) * 0.69314718055994530942f;
+        log2sum[r] = empty ? 0.f : fmaf(row_max[r] - true_max[r], c, log2_l) + sh.log2_gain;
+        lse[r] = empty ? empty_row_lse(sink) : (lse_log2 + sh.log2_gain) * 0.69314718055994530942f;
 #pragma unroll
         for (int di = 0; di < kDAtoms; ++di) {
           acc_o[mi][di][2 * h] *= inv_l;

@@ -101,7 +101,22 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
   for (int v = 1; v < kCombineWarps; ++v) sum += s_sum[v];
   const bool empty = m == -INFINITY || !(sum > 0.f);
-  const float lse = empty ? INFINITY : m + logf(sum);
+  // The row's query head, for its sink (flash.h: sinks_ptr): one more split with lse = sink and O
+  // = 0, so lse = logaddexp(lse over the keys, sink) and the weights shrink with it. A row without
+  // keys: lse = sink (+inf without a sink), O = 0.
+  const int i = int(row % params.seqlen_q);
+  const int64_t bh = row / params.seqlen_q;
+  const int head = int(bh % params.h);
+  float lse = empty ? INFINITY : m + logf(sum);
+  if (params.sinks_ptr != nullptr) {
+    const float sink = params.sinks_ptr[head];
+    if (empty) {
+      lse = sink == -INFINITY ? INFINITY : sink;
+    } else if (sink != -INFINITY) {
+      const float hi = lse > sink ? lse : sink, lo = lse > sink ? sink : lse;  // a NaN sink: NaN
+      lse = hi + log1pf(expf(lo - hi));
+    }
+  }
   if (tid < num_splits) s_weight[tid] = empty ? 0.f : expf(lse_s - lse);
   __syncthreads();
 
@@ -127,9 +142,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   // The groups' sums in order, into row (b, head, i) of out and softmax_lse (the views of
   // common/seqlen.cuh).
   if (group != 0) return;
-  const int i = int(row % params.seqlen_q);
-  const int64_t bh = row / params.seqlen_q;
-  const int head = int(bh % params.h);
   const SeqInfo seq(params, int(bh / params.h));
   if (col_ok) {
     float4 o = s_part[chunk];

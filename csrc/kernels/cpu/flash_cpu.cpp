@@ -180,27 +180,40 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
         }
       }
 
-      // The LSE's two parts (m, log2 l), (+inf, 0) for a row without a visible key.
+      // The LSE's two parts (m, log2 l), (+inf, 0) for a row without a visible key; the head's
+      // sink (flash.h: sinks_ptr) adds gain = log2(1 + 2^t) to log2 l, t = sink log2(e) - (m +
+      // log2 l), and scales O by 2^-gain (the CUDA kernels' sink_share, primitives/softmax.cuh).
       const int64_t stat0 = (int64_t(b) * p.h + h) * p.seqlen_q + m0;
       const Acc inf = std::numeric_limits<Acc>::infinity();
+      const float sink = p.sinks_ptr != nullptr ? p.sinks_ptr[h] : -std::numeric_limits<float>::infinity();
       auto stat_max = [&](int i) { return l_row[i] == Acc(0) ? inf : m_row[i]; };
-      auto stat_log2sum = [&](int i) { return l_row[i] == Acc(0) ? Acc(0) : std::log2(l_row[i]); };
+      auto keys_log2sum = [&](int i) { return l_row[i] == Acc(0) ? Acc(0) : std::log2(l_row[i]); };
+      auto sink_gain = [&](int i) -> Acc {
+        if (l_row[i] == Acc(0) || sink == -std::numeric_limits<float>::infinity()) return Acc(0);
+        const Acc t = Acc(sink) * Acc(1.4426950408889634074) - (m_row[i] + keys_log2sum(i));
+        return t > Acc(0) ? t + std::log2(Acc(1) + std::exp2(-t)) : std::log1p(std::exp2(t)) * Acc(1.4426950408889634074);
+      };
       if (kLseOnly) {
         for (int i = 0; i < rows_m; ++i) {
           max_acc[stat0 + i] = stat_max(i);
-          log2sum_acc[stat0 + i] = stat_log2sum(i);
+          log2sum_acc[stat0 + i] = keys_log2sum(i) + sink_gain(i);
         }
         continue;
       }
-      // Alg. 1 lines 13-16: O_i = diag(l_i)^-1 O_i, L_i = (m_i + log2 l_i) ln 2; write both.
+      // Alg. 1 lines 13-16: O_i = diag(l_i)^-1 O_i, L_i = (m_i + log2 l_i) ln 2; write both. A row
+      // without keys: O 0, L = the sink (+inf without one).
       T* out = static_cast<T*>(p.o.ptr) + b * p.o.batch_stride + h * p.o.head_stride;
       for (int i = 0; i < rows_m; ++i) {
         T* o_row = out + (m0 + i) * p.o.row_stride;
         const Acc* a = acc.data() + int64_t(i) * d;
-        const Acc inv_l = l_row[i] == Acc(0) ? Acc(0) : Acc(1) / l_row[i];  // out = 0 for a row without keys
+        const Acc gain = sink_gain(i);
+        // out = 0 for a row without keys
+        const Acc inv_l = l_row[i] == Acc(0) ? Acc(0) : (gain == Acc(0) ? Acc(1) : std::exp2(-gain)) / l_row[i];
         for (int c = 0; c < d; ++c) o_row[c] = static_cast<T>(a[c] * inv_l);
-        const Acc m = stat_max(i), l2 = stat_log2sum(i);
-        p.softmax_lse_ptr[stat0 + i] = static_cast<float>((m + l2) * Acc(0.69314718055994530942));
+        const Acc m = stat_max(i), l2 = keys_log2sum(i) + gain;
+        const bool empty_with_sink = l_row[i] == Acc(0) && sink != -std::numeric_limits<float>::infinity();
+        p.softmax_lse_ptr[stat0 + i] =
+            empty_with_sink ? sink : static_cast<float>((m + l2) * Acc(0.69314718055994530942));
         if (p.row_max_ptr != nullptr) {
           p.row_max_ptr[stat0 + i] = static_cast<float>(m);
           p.row_log2sum_ptr[stat0 + i] = static_cast<float>(l2);

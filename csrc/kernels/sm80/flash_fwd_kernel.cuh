@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // A tile whose rows see no key (an empty block range) gets O = 0, LSE = +inf.
   {
     float lse[2 * kMAtoms], row_max[2 * kMAtoms], row_log2sum[2 * kMAtoms];
-    softmax.finalize(acc_o, scale_log2, lse, row_max, row_log2sum);
+    softmax.finalize(acc_o, scale_log2, head_sink(params.sinks_ptr, w.bidh), lse, row_max, row_log2sum);
     if (lane % 4 == 0) {
       const int64_t stat0 = w.seq.stat_index(params, w.bidh, w.m0);
 #pragma unroll

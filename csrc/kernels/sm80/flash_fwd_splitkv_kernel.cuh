@@ -341,7 +341,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       *reinterpret_cast<float4*>(dst + 4) = make_float4(o[4], o[5], o[6], o[7]);
       if (col == 0) params.softmax_lseaccum_ptr[ar] = empty ? -INFINITY : lse_log2 * 0.69314718055994530942f;
     } else {
+      // One split: the sink (flash.h: sinks_ptr) here; split calls add it in the combine.
       const int head = w.head(r), i = w.query(r);
+      const float sink = head_sink(params.sinks_ptr, head);
+      const SinkShare sh = empty ? SinkShare{1.f, 0.f} : sink_share(lse_log2, sink);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] *= sh.scale;
       uint4 packed;
       packed.x = pack2<Element>(o[0], o[1]);
       packed.y = pack2<Element>(o[2], o[3]);
@@ -350,7 +355,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       *reinterpret_cast<uint4*>(w.seq.template q_row<Element>(params.o, head, i) + col) = packed;
       if (col == 0) {
         params.softmax_lse_ptr[w.seq.stat_index(params, head, i)] =
-            empty ? INFINITY : lse_log2 * 0.69314718055994530942f;
+            empty ? empty_row_lse(sink) : (lse_log2 + sh.log2_gain) * 0.69314718055994530942f;
       }
     }
   }
