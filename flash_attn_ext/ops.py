@@ -68,7 +68,8 @@ off + right with off = seqlen_k - seqlen_q; causal sets the right bound to 0 (fl
 semantics). sinks: None or (nheads,) float32, attention sinks (one logit per query head of a key
 every row sees, value zero; flash_attn_func's docstring). Returns out (q's shape and dtype),
 softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
-out row is 0; with sinks the sink is in the sum and such a row's LSE is the sink), and softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
+out row is 0; with sinks the sink is in the sum and such a row's LSE is the sink), and
+softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
 as (row max * softmax_scale * log2 e rounded to float32, i.e. the max of the scaled log2 scores;
 log2 of the row sum), which keeps the backward exact at any input magnitude. Raises RuntimeError naming the argument for bad shapes, dtypes, devices or
 strides, before any launch. Autograd, forward-mode AD, vmap and fake (meta) kernels are registered
@@ -293,8 +294,9 @@ def sinks_grad(dout, out, softmax_lse, sinks, rows_valid=None):
     """Gradient of the attention sinks (FlashAttention-2's D = rowsum(dO * O), Alg. 2 line 4, with
     the sink as one more key of value 0): d sinks[h] = -sum over rows i of head h of
     exp(sinks[h] - LSE_i) D_i, LSE including the sink (``backward_dsinks`` computes the same from
-    its workspace: _fused_dsinks; the varlen backward's sinks always take this path). dout / out: (..., nheads, headdim) with the
-    rows in the leading dims; softmax_lse: out's leading shape plus nheads, i.e. (..., nheads);
+    its workspace: _fused_dsinks; the varlen backward's sinks always take this path). dout / out:
+    (..., nheads, headdim) with the rows in the leading dims; softmax_lse: out's leading shape plus
+    nheads, i.e. (..., nheads);
     rows_valid: None or a bool mask of out.shape[:-1] (varlen: rows outside every sequence, whose
     out the CUDA kernels leave unwritten, contribute nothing). A torch reduction: deterministic.
     Returns sinks' shape and dtype."""
@@ -463,7 +465,8 @@ max_seqlen_q / max_seqlen_k: >= every sequence's length (sizes the grid; on CUDA
 longer sequence is cut to its first max_seqlen rows / keys). Returns out (q's shape), softmax_lse (nheads,
 total_q) float32 natural log, softmax_stats (2, nheads, total_q) float32. Each sequence gives what
 forward gives on it alone (causal and the window bottom-right per sequence; a sequence without
-keys: out 0, lse +inf, or the sink with sinks (forward's)). Rows outside every sequence: unspecified on CUDA, 0 / +inf on CPU. Raises RuntimeError
+keys: out 0, lse +inf, or the sink with sinks (forward's)). Rows outside every sequence:
+unspecified on CUDA, 0 / +inf on CPU. Raises RuntimeError
 naming the argument for bad shapes, dtypes, devices; on CPU also for cu_seqlens that decrease,
 leave the tensors or exceed max_seqlen (on CUDA those values are not read on the host: no sync)."""
 varlen_backward.__doc__ = varlen_backward.default.__doc__ = """\

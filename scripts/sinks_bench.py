@@ -33,7 +33,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seqlen (at least 1)")
     ap.add_argument("--decode", default="B1xN8192,B8xN32768,B64xN8192", help="decode cases BxN ('' for none)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rep-ms", type=float, default=50.0, help="timed repetitions per measurement (the benchmark's Timer)")
+    ap.add_argument("--rep-ms", type=float, default=50.0,
+                    help="timed repetitions per measurement (the benchmark's Timer)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
