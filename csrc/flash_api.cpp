@@ -262,7 +262,9 @@ void sinks_grad_into(Tensor& dsinks, const Tensor& p_sink, const Tensor& d, int6
   for (int64_t i = 0; i < d.dim(); ++i) {
     if (i != head_dim) other.push_back(i);
   }
-  dsinks.copy_((p_sink * d).sum(other).neg());
+  // D = 0 (out 0: no keys, a +inf sink) gives 0, also where p_sink is NaN or inf there.
+  const Tensor term = at::where(d == 0, at::zeros({}, d.options()), p_sink * d);
+  dsinks.copy_(term.sum(other).neg());
 }
 
 // The sinks' head axis broadcast over a (..., nheads at head_dim, ...) plane of `rank` dims.
@@ -273,12 +275,17 @@ Tensor sinks_along(const Tensor& sinks, int64_t rank, int64_t head_dim) {
 }
 
 // CPU: D = rowsum(dout o out) in the accumulation type (float64 for float32 / float64 inputs, else
-// float32) over BSHD rows; lse_rows: softmax_lse as (batch, seqlen_q, nheads), holding the sink.
+// float32) over BSHD rows; lse_rows: softmax_lse as (batch, seqlen_q, nheads), holding the sink;
+// stats_rows: undefined or softmax_stats as (2, batch, seqlen_q, nheads): then the sink's P is
+// exp2(sink log2(e) - max - log2sum), exact at any magnitude (the float32 LSE errs by ~|LSE| 2^-24).
 void sinks_grad_cpu(Tensor& dsinks, const Tensor& dout, const Tensor& out, const Tensor& lse_rows,
-                    const Tensor& sinks) {
+                    const Tensor& stats_rows, const Tensor& sinks) {
   const auto acc = (out.scalar_type() == at::kDouble || out.scalar_type() == at::kFloat) ? at::kDouble : at::kFloat;
   const Tensor d = (dout.to(acc) * out.to(acc)).sum(-1);  // (batch, seqlen_q, nheads)
-  const Tensor p_sink = at::exp(sinks_along(sinks.to(acc), d.dim(), d.dim() - 1) - lse_rows.to(acc));
+  const Tensor s = sinks_along(sinks.to(acc), d.dim(), d.dim() - 1);
+  const Tensor p_sink = stats_rows.defined()
+                            ? at::exp2((s * M_LOG2E - stats_rows[0].to(acc)) - stats_rows[1].to(acc))
+                            : at::exp(s - lse_rows.to(acc));
   sinks_grad_into(dsinks, p_sink, d, d.dim() - 1);
 }
 
@@ -416,7 +423,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   check_dsinks(dsinks, sinks, q, s.nheads);
   if (dsinks.has_value() && dsinks->defined()) {
     Tensor ds = *dsinks;
-    sinks_grad_cpu(ds, dout_in, out, softmax_lse.transpose(1, 2), sinks);
+    sinks_grad_cpu(ds, dout_in, out, softmax_lse.transpose(1, 2), stats.defined() ? stats.transpose(2, 3) : Tensor(),
+                   sinks);
   }
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   Tensor dq = torch::empty(q.sizes(), q.options());
@@ -1182,6 +1190,8 @@ Tensor new_dsinks(const Tensor& sinks) { return torch::empty({sinks.numel()}, si
                                        const Tensor& out, const Tensor& lse, double scale, bool causal,          \
                                        const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,               \
                                        const Tensor& sinks) {                                                    \
+    TORCH_CHECK(sinks.defined(), "flash_attn_ext: backward_dsinks needs sinks (the forward's (nheads,) float32); " \
+                                 "without sinks call backward");                                                 \
     Tensor ds = new_dsinks(sinks);                                                                               \
     auto [dq, dk, dv] = backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, ds);      \
     return {dq, dk, dv, ds};                                                                                     \

@@ -286,7 +286,8 @@ def flash_attn_varlen_func(
             dtype / headdim / strides as ``flash_attn_func`` (stride 1 along headdim).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device, non-decreasing, from 0 to
             at most total_q / total_k (e.g. ``F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))``).
-            Zero-length sequences are allowed (a sequence without keys gives out 0, LSE +inf).
+            Zero-length sequences are allowed (a sequence without keys gives out 0, LSE +inf, or
+            the head's sink with sinks).
         max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence of each side.
         softmax_scale, causal, return_lse: keyword-only (flash-attn's eighth positional
             argument is dropout_p). softmax_scale: default 1 / sqrt(headdim), as flash_attn_func's.
@@ -550,7 +551,8 @@ def flash_attn_with_kvcache(
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
-        seqlen_q) float32, natural log (+inf for a row that sees no key, whose out row is 0).
+        seqlen_q) float32, natural log (+inf for a row that sees no key, whose out row is 0; with
+        sinks the head's sink there).
 
     Raises:
         RuntimeError naming the argument for wrong shapes, dtypes, devices, a block_table or

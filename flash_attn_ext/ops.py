@@ -83,8 +83,8 @@ separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's s
 tensors as forward's inputs and outputs; softmax_stats: forward's third output (autograd passes
 it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). On CPU, float32 and
 float64 inputs recompute the statistics in float64 from q and k when softmax_stats is given (so it
-must be this forward's own, sinks included; pass softmax_lse alone for statistics merged over chunks
-of K/V). sinks: the forward's (the CUDA kernels need them not: out and softmax_lse hold the sink; the
+must be this forward's own, sinks included: a RuntimeError when they do not match the recompute;
+pass softmax_lse alone for statistics merged over chunks of K/V). sinks: the forward's (the CUDA kernels need them not: out and softmax_lse hold the sink; the
 CPU float32 / float64 recompute adds them; backward_dsinks, the same op with sinks required, also
 returns their gradient). Returns dq, dk, dv
 with q's, k's and v's shapes and dtypes. Raises RuntimeError naming the argument on bad input."""
@@ -173,6 +173,8 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
         # The sink column (B, Hk, G, Sq, 1): every row sees it, so no row is without a key.
         sink_col = sinks.to(cdt).reshape(1, Hk, G, 1, 1).expand(*s.shape[:-1], 1)
         p_ext = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)
+        # A -inf sink is no sink: a row without keys then has P = 0 (softmax of all -inf is NaN).
+        p_ext = torch.where(~has_key & (sink_col == float("-inf")), 0.0, p_ext)
         p, p_sink = p_ext[..., :Sk], p_ext[..., Sk:]
     else:
         # Rows that see no key: softmax of all -inf is NaN; by the op's convention P = 0 there.
@@ -269,7 +271,8 @@ class FlashAttnFunction(torch.autograd.Function):
         else:
             dq, dk, dv = FlashAttnBackwardFunction.apply(
                 dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks)
-            dsinks = sinks_grad(dout, out, softmax_lse.transpose(1, 2), sinks) if want_dsinks else None
+            dsinks = SinksGradFunction.apply(dout, out, softmax_lse.transpose(1, 2), sinks, None,
+                                             softmax_stats.transpose(2, 3)) if want_dsinks else None
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3 - ctx.has_sinks) + ((dsinks,) if ctx.has_sinks else ())
 
     @staticmethod
@@ -290,22 +293,54 @@ def _fused_dsinks() -> bool:
     return not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
 
 
-def sinks_grad(dout, out, softmax_lse, sinks, rows_valid=None):
+def sinks_grad(dout, out, softmax_lse, sinks, rows_valid=None, softmax_stats=None):
     """Gradient of the attention sinks (FlashAttention-2's D = rowsum(dO * O), Alg. 2 line 4, with
     the sink as one more key of value 0): d sinks[h] = -sum over rows i of head h of
     exp(sinks[h] - LSE_i) D_i, LSE including the sink (``backward_dsinks`` computes the same from
     its workspace: _fused_dsinks; the varlen backward's sinks always take this path). dout / out:
     (..., nheads, headdim) with the rows in the leading dims; softmax_lse: out's leading shape plus
-    nheads, i.e. (..., nheads);
-    rows_valid: None or a bool mask of out.shape[:-1] (varlen: rows outside every sequence, whose
-    out the CUDA kernels leave unwritten, contribute nothing). A torch reduction: deterministic.
-    Returns sinks' shape and dtype."""
+    nheads, i.e. (..., nheads); softmax_stats: None or the forward's statistics as (2, ...,
+    nheads) (row max and log2 row sum, log2 units): the sink's probability from them,
+    exp2(sinks log2(e) - max - log2sum), exact at any magnitude (from softmax_lse, a float32, it errs
+    by ~|LSE| 2^-24 relative); rows_valid: None or a bool mask of out.shape[:-1] (varlen: rows
+    outside every sequence, whose out the CUDA kernels leave unwritten, contribute nothing). Rows
+    with D = 0 (out 0: no keys, or a +inf sink) contribute 0. A torch reduction: deterministic.
+    Returns sinks' shape and dtype. Not differentiable here (SinksGradFunction refuses)."""
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
     D = (dout.to(acc) * out.to(acc)).sum(-1)                               # (..., nheads)
-    term = torch.exp(sinks.to(acc) - softmax_lse.to(acc)) * D
+    s = sinks.to(acc)
+    if softmax_stats is not None:
+        p_sink = torch.exp2((s * 1.4426950408889634 - softmax_stats[0].to(acc)) - softmax_stats[1].to(acc))
+    else:
+        p_sink = torch.exp(s - softmax_lse.to(acc))
+    term = torch.where(D == 0, 0.0, p_sink * D)  # not inf * 0 for a +inf sink
     if rows_valid is not None:
         term = torch.where(rows_valid, term, 0.0)
     return (-term.reshape(-1, sinks.shape[0]).sum(0)).to(sinks.dtype)
+
+
+class SinksGradFunction(torch.autograd.Function):
+    """``sinks_grad`` as an autograd.Function that refuses to be differentiated, as
+    FlashAttnBackwardFunction: its formula treats the LSE as a constant, so its derivative would be
+    wrong, not merely missing."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(dout, out, softmax_lse, sinks, rows_valid=None, softmax_stats=None):
+        return sinks_grad(dout, out, softmax_lse, sinks, rows_valid, softmax_stats)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, ddsinks):
+        raise RuntimeError(_DOUBLE_BACKWARD_MSG)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(_FWD_OVER_REV_MSG)
 
 
 class FlashAttnBackwardFunction(torch.autograd.Function):
@@ -579,7 +614,8 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
             # written by the CUDA forward: masked on the device, without a host sync.
             rows = torch.arange(q.shape[0], device=q.device)
             valid = ((rows >= cu_seqlens_q[0]) & (rows < cu_seqlens_q[-1])).unsqueeze(-1)
-            dsinks = sinks_grad(dout, out, softmax_lse.transpose(0, 1), sinks, valid)
+            dsinks = SinksGradFunction.apply(dout, out, softmax_lse.transpose(0, 1), sinks, valid,
+                                             softmax_stats.transpose(1, 2))
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3 - ctx.has_sinks) + ((dsinks,) if ctx.has_sinks else ())
 
     @staticmethod
@@ -642,6 +678,9 @@ vmap)."""
 @torch.library.register_fake("flash_attn_ext::backward_dsinks")
 def _backward_dsinks_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
                           window_size_left, window_size_right, sinks):
+    if sinks is None:
+        raise RuntimeError("flash_attn_ext: backward_dsinks needs sinks (the forward's (nheads,) float32); "
+                           "without sinks call backward")
     dq, dk, dv = _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
                                 window_size_left, window_size_right, sinks)
     return dq, dk, dv, torch.empty((sinks.numel(),), dtype=torch.float32, device=sinks.device)

@@ -38,9 +38,11 @@ def _forward_args(dev):
 def _backward_args(dev):
     a = _forward_args(dev)
     b, sq, h, _ = a["q"].shape
-    return dict(dout=_rand(dev, *a["q"].shape), q=a["q"], k=a["k"], v=a["v"], out=_rand(dev, *a["q"].shape),
-                softmax_lse=_rand(dev, b, h, sq), softmax_scale=0.1, causal=False,
-                softmax_stats=_rand(dev, 2, b, h, sq))
+    out, lse, stats = _rand(dev, *a["q"].shape), _rand(dev, b, h, sq), _rand(dev, 2, b, h, sq)
+    if dev != "meta":  # the float32 CPU backward checks the statistics against its recompute
+        out, lse, stats = ops.forward(a["q"], a["k"], a["v"], 0.1, False)
+    return dict(dout=_rand(dev, *a["q"].shape), q=a["q"], k=a["k"], v=a["v"], out=out,
+                softmax_lse=lse, softmax_scale=0.1, causal=False, softmax_stats=stats)
 
 
 def _varlen_forward_args(dev):
@@ -52,10 +54,13 @@ def _varlen_forward_args(dev):
 
 def _varlen_backward_args(dev):
     a = _varlen_forward_args(dev)
-    return dict(dout=_rand(dev, 16, 4, 32), q=a["q"], k=a["k"], v=a["v"], out=_rand(dev, 16, 4, 32),
-                softmax_lse=_rand(dev, 4, 16), cu_seqlens_q=a["cu_seqlens_q"], cu_seqlens_k=a["cu_seqlens_k"],
+    out, lse, stats = _rand(dev, 16, 4, 32), _rand(dev, 4, 16), _rand(dev, 2, 4, 16)
+    if dev != "meta":  # as _backward_args
+        out, lse, stats = ops.varlen_forward(*a.values())
+    return dict(dout=_rand(dev, 16, 4, 32), q=a["q"], k=a["k"], v=a["v"], out=out,
+                softmax_lse=lse, cu_seqlens_q=a["cu_seqlens_q"], cu_seqlens_k=a["cu_seqlens_k"],
                 max_seqlen_q=11, max_seqlen_k=11, softmax_scale=0.1, causal=False,
-                softmax_stats=_rand(dev, 2, 4, 16))
+                softmax_stats=stats)
 
 
 def _kvcache_args(dev, paged=False):

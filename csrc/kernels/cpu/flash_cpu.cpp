@@ -10,6 +10,8 @@
 // fixed trip count and vectorize without -ffast-math.
 #include "kernels/cpu/flash_cpu.h"
 
+#include <stdexcept>
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -263,6 +265,23 @@ void bwd_impl(const Flash_bwd_params& p) {
     hi_acc.resize(rows_total);
     lo_acc.resize(rows_total);
     fwd_impl<T, Acc, /*kLseOnly=*/true>(p, hi_acc.data(), lo_acc.data());
+    // The recomputed statistics must be the given ones up to their float32 rounding: else they
+    // belong to another forward (other q / k, or its sinks not passed here), and P from the
+    // recompute would be another attention's, silently.
+    for (int64_t r = 0; r < rows_total; ++r) {
+      const double mine = double(hi_acc[r]) + double(lo_acc[r]);
+      const double given = double(p.row_max_ptr[r]) + double(p.row_log2sum_ptr[r]);
+      if (std::isnan(mine) || std::isnan(given)) continue;  // NaN inputs propagate as NaN, not an error
+      const double tol = 8.0 / (1 << 24) * (std::abs(double(hi_acc[r])) + std::abs(double(lo_acc[r])) + 1.0);
+      const bool same = std::isfinite(mine) ? std::isfinite(given) && std::abs(mine - given) <= tol
+                                            : !std::isfinite(given) && (mine > 0) == (given > 0);
+      if (!same) {
+        throw std::runtime_error(
+            "flash_attn_ext: softmax_stats do not match this backward's q, k and sinks (the float32 / float64 "
+            "CPU backward recomputes them): pass the forward's own softmax_stats and the sinks it was given, or "
+            "softmax_stats=None to use softmax_lse as given");
+      }
+    }
   }
   auto row_hi_lo = [&](int b, int h, int i) -> std::pair<Acc, Acc> {
     const int64_t idx = (int64_t(b) * p.h + h) * p.seqlen_q + i;
