@@ -171,17 +171,22 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
     if value is None:
         # headdim 0 is rejected by the op with a message naming headdim; don't divide by zero first.
         return 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
-    error = TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
+    if type(value) is float:  # the common case; under torch.compile(dynamic=True) a symbolic float
+        return value              # (no message is formatted on it: that would break the graph)
+
+    def error():
+        return TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
+
     non_real_tensor = isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool)
     if isinstance(value, (bool, str, bytes, complex)) or _is_numpy_bool(value) or non_real_tensor:
-        raise error
+        raise error()
     if isinstance(value, torch.Tensor) and value.requires_grad:
         raise TypeError(f"flash_attn_ext: {name} is a tensor that requires grad, but the scale is a constant of "
                         "the kernels (no gradient reaches it); pass a float or a detached tensor")
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
-        raise error from None
+        raise error() from None
 
 
 def _check_tensors(_optional=(), **tensors) -> None:
@@ -233,13 +238,15 @@ def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return
     """NotImplementedError naming the first flash-attn feature a call asks for that this library
     does not have; TypeError naming an argument of the wrong type."""
     for name, value in (("dropout_p", dropout_p), ("softcap", softcap)):
-        error = TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
+        def error():  # formatted only when raised (a symbolic float under torch.compile must not be)
+            return TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
+
         if isinstance(value, (bool, str, bytes)) or _is_numpy_bool(value):
-            raise error
+            raise error()
         try:
             number = float(value)
         except (TypeError, ValueError, RuntimeError):
-            raise error from None
+            raise error() from None
         if number != 0.0:
             what = "attention dropout" if name == "dropout_p" else "logit soft-capping"
             raise NotImplementedError(f"flash_attn_ext: {name}={value!r}: {what} is not supported; pass {name}=0.0 "

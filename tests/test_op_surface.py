@@ -92,6 +92,26 @@ def test_torch_compile_fullgraph(backend, qkv_factory):
         torch.testing.assert_close(g, t.grad)
 
 
+def test_torch_compile_fullgraph_dynamic_shapes_and_scale(qkv_factory):
+    """dynamic=True: symbolic shapes and a symbolic softmax_scale compile with no graph break (the
+    argument checks format no message on a symbolic float), and a second shape reuses the graph."""
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, dynamic=True, backend="aot_eager")
+    def loss_fn(q, k, v, scale):
+        return flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=scale, causal=True).square().sum()
+
+    for shape in ((1, 16, 16), (2, 24, 40)):
+        q, k, v = qkv_factory(shape[0], shape[1], shape[2], 2, 1, 16, torch.float32)
+        loss = loss_fn(q, k, v, 0.3)
+        want = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True).square().sum()
+        torch.testing.assert_close(loss, want)
+        grads = torch.autograd.grad(loss, (q, k, v))
+        want_grads = torch.autograd.grad(want, (q, k, v))
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w)
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k,causal", [(5, 7, False), (5, 7, True), (9, 4, True), (6, 6, True)])
 def test_gradcheck_float64(seqlen_q, seqlen_k, causal):
     q = torch.randn(1, seqlen_q, 2, 8, dtype=torch.float64, requires_grad=True)
