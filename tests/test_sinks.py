@@ -1061,6 +1061,18 @@ def test_cpu_backward_refuses_statistics_of_another_forward():
         ops.backward(do, q + 1, q, q, o, lse, 0.3, False, st, -1, -1, s)
     ops.backward(do, q, q, q, o, lse, 0.3, False, st, -1, -1, s)
     ops.backward(do, q, q, q, o, lse, 0.3, False, None, -1, -1, None)
+    # A sink a little below a large row max changes only the log2 sum (by ~0.05): still caught.
+    qb = torch.full((1, 2, 1, 64), 100.0) + torch.randn(1, 2, 1, 64)
+    o2, lse2, st2 = ops.forward(qb, qb, qb, 0.125, False)
+    sb = (lse2[0, :, 0] - 3.3).float()
+    o3, lse3, st3 = ops.forward(qb, qb, qb, 0.125, False, -1, -1, sb)
+    with pytest.raises(RuntimeError, match="softmax_stats do not match"):
+        ops.backward(torch.randn_like(o3), qb, qb, qb, o3, lse3, 0.125, False, st3, -1, -1, None)
+    # Valid calls whose statistics leave float32 (scores past its range; a sink of 3e38) still run.
+    for qq, ss in ((torch.full((1, 1, 1, 8), 2e19, dtype=torch.float64), None),
+                   (torch.randn(1, 3, 2, 8), torch.tensor([3e38, 0.5]))):
+        o4, lse4, st4 = ops.forward(qq, qq, qq, 1.0, False, -1, -1, ss)
+        ops.backward(torch.randn_like(o4), qq, qq, qq, o4, lse4, 1.0, False, st4, -1, -1, ss)
 
 
 def test_backward_dsinks_needs_sinks_on_cpu_and_meta():

@@ -268,14 +268,19 @@ void bwd_impl(const Flash_bwd_params& p) {
     // The recomputed statistics must be the given ones up to their float32 rounding: else they
     // belong to another forward (other q / k, or its sinks not passed here), and P from the
     // recompute would be another attention's, silently.
+    // Part by part, as the forward stored them (float32 casts of the same doubles): the max must
+    // match, and the log2 sum, which a dropped sink changes, to 2 float32 ulps (not to the max's
+    // scale); infinities (no keys, or statistics past float32) must match exactly.
+    auto same = [](float a, float b) {
+      if (std::isinf(a) || std::isinf(b)) return a == b;
+      return std::abs(double(a) - double(b)) <=
+             2.0 * std::numeric_limits<float>::epsilon() * std::max(std::abs(double(a)), std::abs(double(b)));
+    };
     for (int64_t r = 0; r < rows_total; ++r) {
-      const double mine = double(hi_acc[r]) + double(lo_acc[r]);
-      const double given = double(p.row_max_ptr[r]) + double(p.row_log2sum_ptr[r]);
-      if (std::isnan(mine) || std::isnan(given)) continue;  // NaN inputs propagate as NaN, not an error
-      const double tol = 8.0 / (1 << 24) * (std::abs(double(hi_acc[r])) + std::abs(double(lo_acc[r])) + 1.0);
-      const bool same = std::isfinite(mine) ? std::isfinite(given) && std::abs(mine - given) <= tol
-                                            : !std::isfinite(given) && (mine > 0) == (given > 0);
-      if (!same) {
+      const float hi = static_cast<float>(hi_acc[r]), lo = static_cast<float>(lo_acc[r]);
+      const float given_hi = p.row_max_ptr[r], given_lo = p.row_log2sum_ptr[r];
+      if (std::isnan(hi) || std::isnan(lo) || std::isnan(given_hi) || std::isnan(given_lo)) continue;  // NaN inputs
+      if (!same(hi, given_hi) || !same(lo, given_lo)) {
         throw std::runtime_error(
             "flash_attn_ext: softmax_stats do not match this backward's q, k and sinks (the float32 / float64 "
             "CPU backward recomputes them): pass the forward's own softmax_stats and the sinks it was given, or "
