@@ -207,11 +207,10 @@ void check_bwd_extra(const Tensor& dout, const Tensor& q, const Tensor& out, con
   check_last_dim_contiguous(out, "out");
 }
 
-// sinks (attention sinks, flash.h: sinks_ptr): None, or (nheads,) float32 contiguous on q's device.
-// Returns the checked tensor (undefined for None).
-Tensor check_sinks(const c10::optional<Tensor>& sinks, const Tensor& q, int64_t nheads) {
+// sinks (attention sinks, flash.h: sinks_ptr): None, or (nheads,) float32 (its device: every op's
+// first check, check_sinks_device). Returns the checked tensor, contiguous (undefined for None).
+Tensor check_sinks(const c10::optional<Tensor>& sinks, int64_t nheads) {
   if (!sinks.has_value() || !sinks->defined()) return Tensor();
-  check_same_device(*sinks, "sinks", q);
   TORCH_CHECK(sinks->scalar_type() == at::kFloat, "flash_attn_ext: sinks has dtype ", sinks->scalar_type(),
               "; expected float32 (flash_attn_func and the other entry points convert it)");
   TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == nheads, "flash_attn_ext: sinks has shape ", sinks->sizes(),
@@ -228,6 +227,13 @@ void check_sinks_device(const c10::optional<Tensor>& sinks, const Tensor& q) {
 
 const float* sinks_ptr(const Tensor& sinks) { return sinks.defined() ? sinks.data_ptr<float>() : nullptr; }
 
+// The sinks' head axis broadcast over a (..., nheads at head_dim, ...) plane of `rank` dims.
+Tensor sinks_along(const Tensor& sinks, int64_t rank, int64_t head_dim) {
+  std::vector<int64_t> shape(rank, 1);
+  shape[head_dim] = sinks.size(0);
+  return sinks.view(shape);
+}
+
 // softmax_lse of rows that see no key: +inf, or with sinks the head's sink (+inf for a -inf one).
 // `head_dim`: the head dimension of lse ((batch, nheads, seqlen_q): 1; (nheads, total_q): 0).
 void fill_keyless_lse(Tensor& lse, const Tensor& sinks, int64_t head_dim) {
@@ -236,9 +242,7 @@ void fill_keyless_lse(Tensor& lse, const Tensor& sinks, int64_t head_dim) {
     lse.fill_(inf);
     return;
   }
-  std::vector<int64_t> shape(lse.dim(), 1);
-  shape[head_dim] = sinks.size(0);
-  lse.copy_(at::where(sinks == -inf, inf, sinks).view(shape).expand_as(lse));
+  lse.copy_(sinks_along(at::where(sinks == -inf, inf, sinks), lse.dim(), head_dim).expand_as(lse));
 }
 
 // dsinks (the backward ops' optional output buffer for the sinks' gradient): None, or (nheads,) float32
@@ -265,13 +269,6 @@ void sinks_grad_into(Tensor& dsinks, const Tensor& p_sink, const Tensor& d, int6
   // D = 0 (out 0: no keys, a +inf sink) gives 0, also where p_sink is NaN or inf there.
   const Tensor term = at::where(d == 0, at::zeros({}, d.options()), p_sink * d);
   dsinks.copy_(term.sum(other).neg());
-}
-
-// The sinks' head axis broadcast over a (..., nheads at head_dim, ...) plane of `rank` dims.
-Tensor sinks_along(const Tensor& sinks, int64_t rank, int64_t head_dim) {
-  std::vector<int64_t> shape(rank, 1);
-  shape[head_dim] = sinks.size(0);
-  return sinks.view(shape);
 }
 
 // CPU: D = rowsum(dout o out) in the accumulation type (float64 for float32 / float64 inputs, else
@@ -396,7 +393,7 @@ FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double sof
   check_sinks_device(sinks_in, q);
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
-  const Tensor sinks = check_sinks(sinks_in, q, s.nheads);
+  const Tensor sinks = check_sinks(sinks_in, s.nheads);
   FwdOut outs = alloc_fwd(q, s);
   if (!fwd_nonempty(outs, s, sinks)) return outs;
   const auto& [out, lse, stats] = outs;
@@ -419,7 +416,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   check_rank4(out, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q, out, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q, s);
-  const Tensor sinks = check_sinks(sinks_in, q, s.nheads);
+  const Tensor sinks = check_sinks(sinks_in, s.nheads);
   check_dsinks(dsinks, sinks, q, s.nheads);
   if (dsinks.has_value() && dsinks->defined()) {
     Tensor ds = *dsinks;
@@ -558,7 +555,7 @@ FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
   mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
-  const Tensor sinks = check_sinks(sinks_in, q, s.nheads);
+  const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
   FwdOut outs = alloc_varlen_fwd(q, s);
@@ -590,7 +587,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
   check_sinks_device(sinks_in, q);
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
-  const Tensor sinks = check_sinks(sinks_in, q, s.nheads);
+  const Tensor sinks = check_sinks(sinks_in, s.nheads);
   check_rank3(dout, "dout", "(total_q, nheads, headdim)");
   check_rank3(out, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats, s);
@@ -741,7 +738,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cach
   const KvcacheSizes ks =
       check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits, /*cuda=*/false);
   mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);  // before the append
-  const Tensor sinks = check_sinks(sinks_in, q, ks.s.nheads);
+  const Tensor sinks = check_sinks(sinks_in, ks.s.nheads);
   const Sizes& s = ks.s;
   const bool has_seqlens = cache_seqlens.has_value() && cache_seqlens->defined();
   Tensor out = torch::empty(q.sizes(), q.options());
@@ -878,7 +875,7 @@ FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, 
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
-  const Tensor sinks = check_sinks(sinks_in, q_in, s.nheads);
+  const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   FwdOut outs = alloc_fwd(q_in, s);
@@ -918,7 +915,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   check_bwd_extra(dout_in, q_in, out_in, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q_in, s);
   // The kernels' P comes from the LSE, which holds the sink: sinks only feed dsinks here.
-  const Tensor sinks = check_sinks(sinks_in, q_in, s.nheads);
+  const Tensor sinks = check_sinks(sinks_in, s.nheads);
   check_dsinks(dsinks, sinks, q_in, s.nheads);
   const bool want_dsinks = dsinks.has_value() && dsinks->defined();
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
@@ -993,7 +990,7 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
                                      softmax_scale, /*cuda=*/true);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
-  const Tensor sinks = check_sinks(sinks_in, q_in, s.nheads);
+  const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   FwdOut outs = alloc_varlen_fwd(q_in, s);
@@ -1023,7 +1020,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
-  check_sinks(sinks, q_in, s.nheads);  // checked only: the kernels' P comes from the LSE, which holds the sink
+  check_sinks(sinks, s.nheads);  // checked only: the kernels' P comes from the LSE, which holds the sink
   check_rank3(dout_in, "dout", "(total_q, nheads, headdim)");
   check_rank3(out_in, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout_in, q_in, out_in, softmax_lse, softmax_stats, s);
@@ -1072,7 +1069,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);
   const Sizes& s = ks.s;
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
-  const Tensor sinks = check_sinks(sinks_in, q_in, s.nheads);
+  const Tensor sinks = check_sinks(sinks_in, s.nheads);
   // A cache that new k / v are appended to is written in place: it must already be 16-byte aligned
   // (no copy can stand in for it). One that is only read is copied when it is not (as q is).
   const bool appends = ks.seqlen_new > 0;

@@ -177,11 +177,10 @@ def check_sinks_device(sinks, q) -> None:
         check_same_device(sinks, "sinks", q)
 
 
-def check_sinks(sinks, q, nheads: int) -> None:
-    """check_sinks: None, or (nheads,) float32 on q's device."""
+def check_sinks(sinks, nheads: int) -> None:
+    """check_sinks: None, or (nheads,) float32 (its device: check_sinks_device, every op's first check)."""
     if sinks is None:
         return
-    check_same_device(sinks, "sinks", q)
     if sinks.dtype != torch.float32:
         _fail("sinks has dtype ", sinks.dtype, "; expected float32 (flash_attn_func and the other entry points "
               "convert it)")

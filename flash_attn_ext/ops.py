@@ -104,7 +104,7 @@ def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_si
     _checks.check_sinks_device(sinks, q)
     _checks.check_qkv(q, k, v, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
-    _checks.check_sinks(sinks, q, q.shape[2])
+    _checks.check_sinks(sinks, q.shape[2])
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -117,7 +117,7 @@ def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softm
                    window_size_left=-1, window_size_right=-1, sinks=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale, softmax_stats)
-    _checks.check_sinks(sinks, q, q.shape[2])
+    _checks.check_sinks(sinks, q.shape[2])
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -535,7 +535,7 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     _checks.check_sinks_device(sinks, q)
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
-    _checks.check_sinks(sinks, q, q.shape[1])
+    _checks.check_sinks(sinks, q.shape[1])
     total_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
@@ -550,7 +550,7 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
     _checks.check_sinks_device(sinks, q)
     _checks.check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, softmax_scale, softmax_stats)
-    _checks.check_sinks(sinks, q, q.shape[1])
+    _checks.check_sinks(sinks, q.shape[1])
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
@@ -566,7 +566,7 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
     _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], capacity)
-    _checks.check_sinks(sinks, q, q.shape[2])
+    _checks.check_sinks(sinks, q.shape[2])
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
