@@ -4,7 +4,9 @@ more query tiles than SMs (the persistent sm90 forward's CTAs run several tiles)
 forward and backward on every arch path of the GPU; the forward alone at d192 / d256 with several
 tiles per CTA (O staged in the V ring); packed varlen batches with zero-length
 sequences (forward and backward); KV-cache decode steps (contiguous and paged, append, split-KV
-with the combine); for compute-sanitizer memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
+with the combine); every other dense case, one varlen and two KV-cache cases with attention sinks
+(float32 per head: the forward's sink load and share, the combine's extra partial, d sinks from
+the backward's workspace); for compute-sanitizer memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
 
 import torch
 
@@ -22,13 +24,15 @@ cases = [(64, True, (77, 45), 1.0, None, 2), (80, True, (45, 77), 1.0, None, 2),
          (256, True, (150, 150), 1e4, None, 2)]
 for force_sm80 in paths:
     flash_attn_ext.force_sm80_path(force_sm80)
-    for headdim, causal, (sq, sk), magnitude, scale, b in cases:
+    for i, (headdim, causal, (sq, sk), magnitude, scale, b) in enumerate(cases):
+        sinks = (2 * torch.randn(4, device="cuda")).requires_grad_() if i % 2 else None
         q = (magnitude * torch.randn(b, sq, 4, headdim, device="cuda")).bfloat16().requires_grad_()
         k = (magnitude * torch.randn(b, sk, 2, headdim, device="cuda")).bfloat16().requires_grad_()
         v = torch.randn(b, sk, 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        out = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, sinks=sinks)
         out.backward(torch.randn_like(out))
         assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+        assert sinks is None or torch.isfinite(sinks.grad).all()
     # Varlen: mixed lengths with empty q and/or k sequences, q != k lengths, GQA.
     for headdim, causal in ((64, True), (128, False), (256, True)):
         lens_q, lens_k = [5, 0, 130, 64, 1], [9, 7, 0, 200, 1]
@@ -37,7 +41,8 @@ for force_sm80 in paths:
         q = torch.randn(sum(lens_q), 4, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(sum(lens_k), 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(sum(lens_k), 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 200, causal=causal)
+        sinks = torch.randn(4, device="cuda") if headdim == 128 else None
+        out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 200, causal=causal, sinks=sinks)
         out.backward(torch.randn_like(out))
         assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
 flash_attn_ext.force_sm80_path(False)
@@ -63,7 +68,8 @@ with torch.no_grad():
         k_new, v_new = (torch.randn(b, 2, hk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         cache_seqlens = torch.tensor([0, 100, cap - 2], device="cuda", dtype=torch.int32)
         out = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
-                                                     block_table=table, causal=True, num_splits=num_splits)
+                                                     block_table=table, causal=True, num_splits=num_splits,
+                                                     sinks=torch.randn(8, device="cuda") if seqlen_q == 3 else None)
         assert torch.isfinite(out).all()
 torch.cuda.synchronize()
 print("sanitize case ok")

@@ -52,19 +52,59 @@ def check_fwd_bwd_sinks(q, k, v, sinks, run, reference, dout=None, grads_of=None
     grads = torch.autograd.grad(out, inputs, dout)
     ref_grads = torch.autograd.grad(ref_out, inputs, dout.to(ref_out.dtype))
     base_grads = torch.autograd.grad(base_out, inputs, dout.to(base_out.dtype))
-    base_grads = base_grads[:3] + (_dsinks_baseline(base_grads[3], ref_grads[3], base_out, ref_lse, dout, sinks,
+    stored = _stored_outputs(base_out, ref_out, out.dtype)
+    base_grads = base_grads[:3] + (_dsinks_baseline(base_grads[3], ref_grads[3], stored, ref_lse, dout, sinks,
                                                     out.dtype),)
     problem = getattr(reference, "problem", None)
     if problem is not None and out.dtype in (torch.float16, torch.bfloat16):
-        # FlashAttention-2 Alg. 2 in float64 with D from the same-dtype baseline's output: the error
-        # every backward that reads a stored 16-bit output carries (see _alg2_grads_with_stored_out).
-        alg2 = _alg2_grads_with_stored_out(*problem, dout, base_out)
-        base_grads = tuple(_worse(bg, ag, rg) if ag is not None else bg
-                           for bg, ag, rg in zip(base_grads, alg2, ref_grads))
+        # FlashAttention-2 Alg. 2 in float64 with D from a stored 16-bit output: the error every
+        # backward that reads a stored 16-bit output carries (see _alg2_grads_with_stored_out).
+        for stored_out in stored:
+            alg2 = _alg2_grads_with_stored_out(*problem, dout, stored_out)
+            base_grads = tuple(_worse(bg, ag, rg) if ag is not None else bg
+                               for bg, ag, rg in zip(base_grads, alg2, ref_grads))
     for name, g, rg, bg in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, base_grads):
         check_accuracy(name, g, rg, bg)
+    _check_dsinks_consistent(grads[3], out, lse, dout, sinks)
     assert grads[3].dtype == sinks.dtype and grads[3].shape == sinks.shape
     return out, lse, grads
+
+
+def _check_dsinks_consistent(dsinks, out, lse, dout, sinks):
+    """d sinks against FlashAttention-2 Alg. 2's formula on the call's own out and softmax_lse, in
+    float64: -sum_i exp(sinks - LSE_i) rowsum(dout_i o out_i) (rows with out 0 add nothing). Tight
+    (1e-4 of the terms' absolute sum, plus the float32 LSE's own rounding at large |LSE|): catches a
+    wrong row, head or statistic where the accuracy rule's bound is loose (the same-dtype math's d
+    sinks can be far off on a head whose sink takes most of the weight). out: (..., nheads,
+    headdim) with lse (batch, nheads, seqlen_q) (dense) or (nheads, total_q) (varlen)."""
+    lse_rows = (lse.transpose(1, 2) if out.dim() == 4 else lse.transpose(0, 1)).detach().double()
+    d = (dout.double() * out.detach().double()).sum(-1)
+    terms = torch.where(d == 0, torch.zeros_like(d), torch.exp(sinks.detach().double() - lse_rows) * d)
+    terms = terms.reshape(-1, sinks.shape[0])
+    finite = lse_rows[torch.isfinite(lse_rows)]
+    lse_ulps = 2.0 ** -22 * (finite.abs().max().item() if finite.numel() else 0.0)
+    tol = (1e-4 + lse_ulps) * terms.abs().sum(0) + 1e-12
+    err = (dsinks.detach().double() - (-terms.sum(0))).abs()
+    assert (err <= tol).all(), f"dsinks: {err.tolist()} from its own out / lse's formula (tolerance {tol.tolist()})"
+
+
+def _stored_outputs(base_out, ref_out, dtype, dithered=8):
+    """The 16-bit outputs a backward may read as its stored O (FlashAttention-2 Alg. 2's D =
+    rowsum(dO o O)) for the gradients' baselines: the same-dtype baseline's, the exact output
+    rounded to nearest, and ``dithered`` roundings of it after a uniform +-1/2-ulp perturbation
+    (seeded: each within one ulp of exact, as a kernel's own output is). d sinks sums D's rounding
+    errors over every row of a head, a random walk: two implementations' sums are two draws, whose
+    ratio exceeds 2 about a third of the time (a Cauchy ratio), so one draw (torch's) is no bound;
+    the largest of these draws is. Other dtypes: the baseline's output only."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return [base_out]
+    exact = ref_out.detach().double()
+    nearest = exact.to(dtype)
+    ulp = torch.nextafter(nearest, torch.full_like(nearest, math.inf)).double() - nearest.double()
+    gen = torch.Generator(device=exact.device).manual_seed(0)
+    noise = [torch.rand(exact.shape, generator=gen, device=exact.device, dtype=torch.float64) - 0.5
+             for _ in range(dithered)]
+    return [base_out, nearest] + [(exact + u * ulp).to(dtype) for u in noise]
 
 
 def _worse(base, other, ref):
@@ -106,20 +146,23 @@ def _alg2_grads_with_stored_out(q, k, v, sinks, causal, window, softmax_scale, d
     return dq, dk, None, dsinks
 
 
-def _dsinks_baseline(base, ref, base_out, ref_lse, dout, sinks, dtype):
+def _dsinks_baseline(base, ref, stored_outs, ref_lse, dout, sinks, dtype):
     """The baseline of d sinks for the accuracy rule: the same-dtype math's, or, for 16-bit outputs
     where that is farther from the reference, the formula -sum_i exp(sinks - LSE_i) rowsum(dout_i
-    * O_i) with the exact LSE and the same-dtype baseline's output O. Every backward that reads
-    the stored output (FlashAttention-2 Alg. 2's D = rowsum(dO * O)) carries that output's error,
-    summed over the rows; torch's bfloat16 math reaches P's sink column another way and is at times
-    several times closer. base_out: (..., nheads, headdim) with ref_lse (batch, nheads, seqlen_q)
-    (dense) or (nheads, total_q) (varlen)."""
+    * O_i) with the exact LSE and a stored 16-bit output O (each of ``stored_outs``: the same-dtype
+    baseline's, the exact output rounded once). Every backward that reads the stored output
+    (FlashAttention-2 Alg. 2's D = rowsum(dO * O)) carries that output's error, summed over the
+    rows; torch's bfloat16 math reaches P's sink column another way and is at times several times
+    closer. stored_outs: (..., nheads, headdim) with ref_lse (batch, nheads, seqlen_q) (dense) or
+    (nheads, total_q) (varlen)."""
     if dtype not in (torch.float16, torch.bfloat16):
         return base
-    lse = ref_lse.transpose(1, 2) if base_out.dim() == 4 else ref_lse.transpose(0, 1)
-    d = (dout.double() * base_out.detach().double()).sum(-1)
-    stored = -(torch.exp(sinks.detach().double() - lse.double()) * d).reshape(-1, sinks.shape[0]).sum(0)
-    return _worse(base, stored, ref)
+    for stored_out in stored_outs:
+        lse = ref_lse.transpose(1, 2) if stored_out.dim() == 4 else ref_lse.transpose(0, 1)
+        d = (dout.double() * stored_out.detach().double()).sum(-1)
+        formula = -(torch.exp(sinks.detach().double() - lse.double()) * d).reshape(-1, sinks.shape[0]).sum(0)
+        base = _worse(base, formula, ref)
+    return base
 
 
 def _run(q, k, v, sinks, causal=False, window=(-1, -1), **kw):

@@ -103,7 +103,9 @@ template <> struct DqTile<256>  : Roles<DqTileShape<64, 64>> { static constexpr 
 // / 16k / 32k. Three Q / dO stages read +3-5 % over two at 8k / 16k in the harness (504 / 531 / 564
 // / 567 / 568 at N = 2k..32k, causal 425 / 475 / 524 / 563 / 577, against 515 / 523 / 549 / 538 /
 // 572 and 427 / 470 / 504 / 550 / 570), but their end-to-end gain over the short row was 1-2 points
-// smaller (+2.1-3.4 %, another machine): two stages kept until one build times both.
+// smaller (+2.1-3.4 %, another machine). Both timed in one session (twenty-first, scripts/gpu_ab.sh,
+// 3 rounds, bf16 hd64 backward 8k / 16k, causal both): three stages over two 0.993-1.007, median
+// 1.000: two stages kept.
 template <int kHeadDim> struct DkvLongTile { static constexpr bool kSupported = false; };
 template <> struct DkvLongTile<64> : DkvTileShape<128, 128, 1> { static constexpr bool kSupported = true; };
 
