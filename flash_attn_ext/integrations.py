@@ -35,10 +35,14 @@ Masks (never ignored):
     into a zero tensor, so every row equals sdpa's and rows that see no key are 0. So at most
     two kernel launches per layer whatever the batch (one dense call when nothing is masked),
     differentiable; the analysis costs a few host syncs per layer (sizes and max_seqlen, a
-    constant number, not one per sequence). A layer's ``sliding_window`` (Mistral, Qwen2,
+    constant number, not one per sequence). Under ``torch.compile`` (no host syncs there) the
+    same two calls run in a static-shape form (``_masked_attention_traced``: no unpadding, the
+    gaps between the sequences as filler sequences, the pattern checked on the device), so
+    ``fullgraph=True`` and CUDA graphs work; transformers (torch < 2.14) builds a 4-D mask
+    while tracing even without padding. A layer's ``sliding_window`` (Mistral, Qwen2,
     Gemma's local layers) adds the window to the causal problems (``window_size``) and to the
     rows that see all their keys (right padding's pad rows, decode steps: one call per distinct
-    count of them and kind). Any other pattern (a window the layer does not pass, packed
+    count of them and kind; under torch.compile this eager path runs, a graph break). Any other pattern (a window the layer does not pass, packed
     sequences, per-head masks, additive biases) raises NotImplementedError naming the cause: use
     attn_implementation="sdpa" for those models.
 
@@ -95,6 +99,8 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=No
     m = _allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
     if m.numel() == 0:
         return q.new_zeros(q.shape)
+    if torch.compiler.is_compiling() and window_left < 0:
+        return _masked_attention_traced(q, k, v, m, scaling, sinks)
     bad, k_in, q_parts, all_full = _split_mask(m, window_left)
     nk, nq = k_in.sum(1), [sel.sum(1) for sel in q_parts]        # (B,) each
     stats = torch.stack([bad.any().long(), m.all().long(), nk.max(), nq[0].sum(), nq[0].max(),
@@ -140,6 +146,58 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=No
                                    sinks=sinks)
         out = out.index_put((qb, qi), o)                         # pad
     return out
+
+
+def _masked_attention_traced(q, k, v, m, scaling, sinks=None):
+    """_masked_attention without host syncs or data-dependent shapes, for ``torch.compile``
+    (fullgraph, CUDA graphs): transformers (before torch 2.14) builds a 4-D mask there even
+    without padding, since while tracing it cannot rule out packed sequences in position_ids.
+    m: the (B, Lq, Lk) boolean mask. The same two problems as the eager path (the causal rows,
+    the rows that see all their element's keys), each one varlen call over the flattened batch
+    without unpadding: per element its rows and keys as one sequence, the gaps between them as
+    filler sequences (computed and dropped), so every size is static (2B + 1 sequences, max_seqlen
+    2 L). Needs each element's rows of a call and its keys to be one run each (all padding and
+    cache patterns are); the pattern check runs on the device (torch._assert_async: a
+    RuntimeError on the CPU, a device-side assert on CUDA) instead of NotImplementedError. Rows
+    that see no key stay 0. Sliding windows take the eager path (their number of calls depends
+    on the data)."""
+    B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
+    bad, k_in, q_parts, _ = _split_mask(m)
+    ks, nk, k_run = _run_of(k_in)
+    out = q.new_zeros(q.shape)
+    ok = ~bad & k_run
+    for rows, causal in zip(q_parts, (True, False)):
+        qs, nq, q_run = _run_of(rows)
+        ok = ok & q_run
+        o = flash_attn_varlen_func(q.reshape(B * Lq, *q.shape[2:]), k.reshape(B * Lk, *k.shape[2:]),
+                                   v.reshape(B * Lk, *v.shape[2:]), _interleaved_cu_seqlens(qs, nq, Lq),
+                                   _interleaved_cu_seqlens(ks, nk, Lk), 2 * Lq, 2 * Lk, softmax_scale=scaling,
+                                   causal=causal, sinks=sinks)
+        out = torch.where(rows[:, :, None, None], o.view(q.shape), out)
+    torch._assert_async(ok.all(), "flash_attn_ext attention: an attention mask under torch.compile is neither "
+                                  "padding nor causal+padding with one run of rows and keys per batch element; "
+                                  "those patterns are not supported, use attn_implementation='sdpa'")
+    # (no double quote in the message: inductor pastes it into C++ unescaped)
+    return out
+
+
+def _run_of(sel):
+    """(start, count, one_run) of each row of the boolean (B, L) ``sel``: its first True (0 if
+    none), its number of Trues, and whether they form one contiguous run."""
+    count = sel.sum(1)
+    start = torch.where(count > 0, sel.int().argmax(1), 0)
+    pos = torch.arange(sel.shape[1], device=sel.device)[None, :]
+    run = (pos >= start[:, None]) & (pos < (start + count)[:, None])
+    return start, count, (run == sel).all(1)
+
+
+def _interleaved_cu_seqlens(start, count, L):
+    """int32 (2B + 2,) cu_seqlens over B flattened blocks of L rows: for block b a filler sequence
+    up to its run, then the run [b L + start, b L + start + count), then a last filler to B L."""
+    B = start.shape[0]
+    base = torch.arange(B, device=start.device) * L + start
+    bounds = torch.stack([base, base + count], 1).flatten()
+    return torch.cat([bounds.new_zeros(1), bounds, bounds.new_full((1,), B * L)]).int()
 
 
 def _split_mask(m, window_left=-1):

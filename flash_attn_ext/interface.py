@@ -183,10 +183,18 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
     if isinstance(value, torch.Tensor) and value.requires_grad:
         raise TypeError(f"flash_attn_ext: {name} is a tensor that requires grad, but the scale is a constant of "
                         "the kernels (no gradient reaches it); pass a float or a detached tensor")
+    if isinstance(value, torch.Tensor) and torch.compiler.is_compiling():
+        # Its value is data while tracing, and the ops take a float: a graph break reads it eagerly
+        # (under fullgraph=True, Dynamo's error carries this message).
+        torch._dynamo.graph_break(msg=f"flash_attn_ext: {name} is a tensor; under torch.compile pass a Python "
+                                      "float (the ops take the scale as a float, a tensor's value is data)")
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise error() from None
+    except OverflowError:  # an int past float64's range
+        raise TypeError(f"flash_attn_ext: {name} must be a real number within float64's range, got "
+                        f"{type(value).__name__} {value!r}") from None
 
 
 def _check_tensors(_optional=(), **tensors) -> None:

@@ -547,6 +547,78 @@ def _tiny_causal_lm(arch):
     return cfg, tf.GPT2LMHeadModel
 
 
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+@pytest.mark.parametrize("causal,past", [(False, 0), (True, 0), (True, 3)], ids=["full", "causal", "cache"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_masked_attention_traced_equals_eager(left, causal, past, with_sinks):
+    """The compile path (static shapes, fillers between the elements' runs) gives the eager
+    path's bits on the CPU and its gradients: padding both sides, causal, a cache's offset, rows
+    that see no key, GQA, sinks."""
+    B, Lq, Lk, H, Hk, D = 3, 11, 11 + past, 4, 2, 16
+    pos = torch.arange(Lk)[None]
+    lengths = torch.tensor([Lk, 7, 2])[:, None]
+    m = (pos >= Lk - lengths if left else pos < lengths)[:, None, :].expand(B, Lq, Lk).clone()
+    if causal:
+        m &= torch.arange(Lk)[None, None] <= torch.arange(Lq)[None, :, None] + past
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, Lq, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Lk, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(H, generator=g, dtype=torch.float64) if with_sinks else None
+    inputs = [t.requires_grad_() for t in (q, k, v) + ((sinks,) if with_sinks else ())]
+    eager = fx._masked_attention(q, k, v, m[:, None], 0.3, -1, sinks)
+    traced = fx._masked_attention_traced(q, k, v, m, 0.3, sinks)
+    assert torch.equal(traced, eager)
+    w = torch.randn(eager.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((eager * w).sum(), inputs), torch.autograd.grad((traced * w).sum(), inputs)):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)  # filler rows add exact zeros
+
+
+def test_masked_attention_traced_refuses_other_patterns():
+    """Packed sequences (block-diagonal causal) and keys in two runs: the device-side check
+    raises (a RuntimeError on the CPU)."""
+    q = torch.randn(1, 8, 2, 16)
+    k = v = torch.randn(1, 8, 2, 16)
+    i = torch.arange(8)
+    packed = (i[None, :] <= i[:, None]) & ((i[:, None] < 4) == (i[None, :] < 4))
+    gaps = torch.ones(8, 8, dtype=torch.bool)
+    gaps[:, 3] = False
+    for m in (packed, gaps):
+        with pytest.raises(RuntimeError, match="neither padding nor causal"):
+            fx._masked_attention_traced(q, k, v, m[None], 0.25)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_causal_lm_compiles_fullgraph(arch, padding, name, count_calls):
+    """torch.compile(fullgraph=True) of a whole model: transformers (torch < 2.14) builds a 4-D
+    mask while tracing even without padding; the traced masked path runs it without a graph
+    break: two varlen calls per layer, the eager logits on the real tokens."""
+    cfg, cls = _tiny_causal_lm(arch)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.set_attn_implementation(name)
+    ids = torch.randint(3, cfg.vocab_size, (2, 9))
+    mask = None
+    if padding is not None:
+        mask = torch.ones(2, 9, dtype=torch.long)
+        if padding == "left":
+            mask[1, :4] = 0
+        else:
+            mask[1, 5:] = 0
+
+    def logits(x, am):
+        return model(input_ids=x, attention_mask=am, use_cache=False).logits
+
+    with torch.no_grad():
+        eager = logits(ids, mask)
+        torch._dynamo.reset()
+        count_calls.clear()
+        compiled = torch.compile(logits, fullgraph=True)(ids, mask)
+    real = torch.ones(2, 9, dtype=torch.bool) if mask is None else mask.bool()
+    torch.testing.assert_close(compiled[real], eager[real], rtol=1e-5, atol=1e-5)
+    assert count_calls == ["varlen causal", "varlen"] * cfg.num_hidden_layers
+
+
 @pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
                                           pytest.param("cuda", torch.bfloat16, id="cuda-bf16",
                                                        marks=requires_cuda)])

@@ -112,6 +112,23 @@ def test_torch_compile_fullgraph_dynamic_shapes_and_scale(qkv_factory):
             torch.testing.assert_close(g, w)
 
 
+def test_torch_compile_tensor_scale(qkv_factory):
+    """A 0-dim tensor softmax_scale under torch.compile: a graph break reads it eagerly (the
+    eager result); under fullgraph=True Dynamo's error names softmax_scale and asks for a float
+    (it was an internal schema error: a SymFloat for the op's float argument)."""
+    q, k, v = qkv_factory(2, 5, 7, 4, 2, 16, torch.float32)
+    want = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=0.3)
+
+    def f(q, k, v, s):
+        return flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=s)
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend="aot_eager")(q, k, v, torch.tensor(0.3)), want)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="softmax_scale is a tensor; under torch.compile pass a Python float"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, torch.tensor(0.3))
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k,causal", [(5, 7, False), (5, 7, True), (9, 4, True), (6, 6, True)])
 def test_gradcheck_float64(seqlen_q, seqlen_k, causal):
     q = torch.randn(1, seqlen_q, 2, 8, dtype=torch.float64, requires_grad=True)
