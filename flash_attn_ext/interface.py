@@ -529,6 +529,14 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     sinks: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    return_softmax_lse: bool = False,
 ):
     """Attention of new queries against a KV cache, for inference (decoding, chunked prefill).
 
@@ -563,6 +571,12 @@ def flash_attn_with_kvcache(
         return_lse: also return softmax_lse.
         sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (the split-KV combine merges
             the sink as one more partial with O = 0; not differentiable here).
+        rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, softcap, rotary_interleaved,
+            alibi_slopes, return_softmax_lse: flash-attn's keywords, so that its calls port
+            unchanged: accepted at their defaults (None, 0.0, any bool for rotary_interleaved);
+            return_softmax_lse=True is return_lse=True. Anything else raises
+            NotImplementedError naming the feature (rotary embedding in the kernel: apply it to
+            q and k first; cache_batch_idx / cache_leftpad: index or shift the cache first).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
@@ -579,10 +593,22 @@ def flash_attn_with_kvcache(
         and block numbers are trusted. TypeError: q / k_cache / v_cache not a torch.Tensor (k,
         v, block_table: a tensor or None), num_splits not an int, cache_seqlens not a tensor, an
         int or None, causal or return_lse that is not a bool, softmax_scale as flash_attn_func's,
-        arguments after v given positionally. NotImplementedError: nested tensors.
+        arguments after v given positionally. NotImplementedError: nested tensors; the
+        flash-attn features above.
     """
     _check_tensors(("k", "v", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                       block_table=block_table)
+    for name, value, what in (("rotary_cos", rotary_cos, "rotary embedding inside the kernel"),
+                              ("rotary_sin", rotary_sin, "rotary embedding inside the kernel"),
+                              ("cache_batch_idx", cache_batch_idx, "a cache batch index"),
+                              ("cache_leftpad", cache_leftpad, "left-padded caches")):
+        if value is not None:
+            fix = ("apply it to q and k before the call" if name.startswith("rotary")
+                   else "index or shift the cache before the call")
+            raise NotImplementedError(f"flash_attn_ext: {name}: {what} is not supported; {fix} and pass None")
+    _as_bool("rotary_interleaved", rotary_interleaved)  # only meaningful with rotary_cos
+    _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
+    want_lse = _as_bool("return_lse", return_lse) | _as_bool("return_softmax_lse", return_softmax_lse)
     scale = _scale("softmax_scale", softmax_scale, q)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         try:
@@ -596,4 +622,4 @@ def flash_attn_with_kvcache(
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, _as_bool("causal", causal),
         _as_int("num_splits", num_splits), *_window(window_size), _sinks(sinks))
-    return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
+    return (out, softmax_lse) if want_lse else out
