@@ -42,9 +42,10 @@ Masks (never ignored):
     while tracing even without padding. A layer's ``sliding_window`` (Mistral, Qwen2,
     Gemma's local layers) adds the window to the causal problems (``window_size``) and to the
     rows that see all their keys (right padding's pad rows, decode steps: one call per distinct
-    count of them and kind; under torch.compile this eager path runs, a graph break). Any other pattern (a window the layer does not pass, packed
-    sequences, per-head masks, additive biases) raises NotImplementedError naming the cause: use
-    attn_implementation="sdpa" for those models.
+    count of them and kind; under torch.compile this eager path runs, a graph break). Any
+    other pattern (a window the layer does not pass, packed sequences, per-head masks, additive
+    biases) raises NotImplementedError naming the cause: use attn_implementation="sdpa" for
+    those models.
 
 Attention sinks (gpt-oss): the model passes ``s_aux=self.sinks``, one logit per query head of an
 extra key that every query sees and whose value is zero (``sinks`` is accepted as an alias); it
