@@ -77,15 +77,22 @@ def _check_dsinks_consistent(dsinks, out, lse, dout, sinks):
     wrong row, head or statistic where the accuracy rule's bound is loose (the same-dtype math's d
     sinks can be far off on a head whose sink takes most of the weight). out: (..., nheads,
     headdim) with lse (batch, nheads, seqlen_q) (dense) or (nheads, total_q) (varlen)."""
-    lse_rows = (lse.transpose(1, 2) if out.dim() == 4 else lse.transpose(0, 1)).detach().double()
-    d = (dout.double() * out.detach().double()).sum(-1)
-    terms = torch.where(d == 0, torch.zeros_like(d), torch.exp(sinks.detach().double() - lse_rows) * d)
-    terms = terms.reshape(-1, sinks.shape[0])
-    finite = lse_rows[torch.isfinite(lse_rows)]
+    terms = _dsinks_terms(out, lse, dout, sinks)
+    finite = lse[torch.isfinite(lse)].double()
     lse_ulps = 2.0 ** -22 * (finite.abs().max().item() if finite.numel() else 0.0)
     tol = (1e-4 + lse_ulps) * terms.abs().sum(0) + 1e-12
     err = (dsinks.detach().double() - (-terms.sum(0))).abs()
     assert (err <= tol).all(), f"dsinks: {err.tolist()} from its own out / lse's formula (tolerance {tol.tolist()})"
+
+
+def _dsinks_terms(out, lse, dout, sinks):
+    """The rows' terms of d sinks, -d sinks[h] = sum_i exp(sinks[h] - LSE_i) rowsum(dout_i o out_i),
+    in float64 as (rows, nheads) (rows with out 0 give 0). out: (..., nheads, headdim) with lse
+    (batch, nheads, seqlen_q) (dense) or (nheads, total_q) (varlen)."""
+    lse_rows = (lse.transpose(1, 2) if out.dim() == 4 else lse.transpose(0, 1)).detach().double()
+    d = (dout.double() * out.detach().double()).sum(-1)
+    terms = torch.where(d == 0, torch.zeros_like(d), torch.exp(sinks.detach().double() - lse_rows) * d)
+    return terms.reshape(-1, sinks.shape[0])
 
 
 def _stored_outputs(base_out, ref_out, dtype, dithered=8):
@@ -149,8 +156,8 @@ def _alg2_grads_with_stored_out(q, k, v, sinks, causal, window, softmax_scale, d
 def _dsinks_baseline(base, ref, stored_outs, ref_lse, dout, sinks, dtype):
     """The baseline of d sinks for the accuracy rule: the same-dtype math's, or, for 16-bit outputs
     where that is farther from the reference, the formula -sum_i exp(sinks - LSE_i) rowsum(dout_i
-    * O_i) with the exact LSE and a stored 16-bit output O (each of ``stored_outs``: the same-dtype
-    baseline's, the exact output rounded once). Every backward that reads the stored output
+    * O_i) with the exact LSE and a stored 16-bit output O (each of ``stored_outs``,
+    _stored_outputs: within one ulp of exact). Every backward that reads the stored output
     (FlashAttention-2 Alg. 2's D = rowsum(dO * O)) carries that output's error, summed over the
     rows; torch's bfloat16 math reaches P's sink column another way and is at times several times
     closer. stored_outs: (..., nheads, headdim) with ref_lse (batch, nheads, seqlen_q) (dense) or
@@ -158,10 +165,7 @@ def _dsinks_baseline(base, ref, stored_outs, ref_lse, dout, sinks, dtype):
     if dtype not in (torch.float16, torch.bfloat16):
         return base
     for stored_out in stored_outs:
-        lse = ref_lse.transpose(1, 2) if stored_out.dim() == 4 else ref_lse.transpose(0, 1)
-        d = (dout.double() * stored_out.detach().double()).sum(-1)
-        formula = -(torch.exp(sinks.detach().double() - lse.double()) * d).reshape(-1, sinks.shape[0]).sum(0)
-        base = _worse(base, formula, ref)
+        base = _worse(base, -_dsinks_terms(stored_out, ref_lse, dout, sinks).sum(0), ref)
     return base
 
 
