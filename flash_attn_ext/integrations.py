@@ -100,8 +100,15 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=No
     m = _allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
     if m.numel() == 0:
         return q.new_zeros(q.shape)
-    if torch.compiler.is_compiling() and window_left < 0:
-        return _masked_attention_traced(q, k, v, m, scaling, sinks)
+    if torch.compiler.is_compiling():
+        if window_left < 0:
+            return _masked_attention_traced(q, k, v, m, scaling, sinks)
+        # The windowed split below reads sizes on the host (its number of calls depends on the
+        # data): an explicit graph break, so fullgraph=True names the cause (not a guard error).
+        torch._dynamo.graph_break(
+            msg="flash_attn_ext attention: a sliding-window layer with an attention mask reads the "
+                "sequence sizes on the host, which torch.compile(fullgraph=True) cannot trace; compile "
+                "without fullgraph (a graph break per such layer) or use attn_implementation='sdpa'")
     bad, k_in, q_parts, all_full = _split_mask(m, window_left)
     nk, nq = k_in.sum(1), [sel.sum(1) for sel in q_parts]        # (B,) each
     stats = torch.stack([bad.any().long(), m.all().long(), nk.max(), nq[0].sum(), nq[0].max(),

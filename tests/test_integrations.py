@@ -624,6 +624,35 @@ def test_causal_lm_compiles_fullgraph(arch, padding, device, dtype, name, count_
     assert count_calls == ["varlen causal", "varlen"] * cfg.num_hidden_layers
 
 
+def test_sliding_window_model_under_compile(name, count_calls):
+    """A sliding-window model with a padding mask under torch.compile: fullgraph=True raises an
+    error that names the cause and the ways out (it used to be Dynamo's guard error on a
+    data-dependent size); without fullgraph the layers break the graph and the logits of the real
+    tokens are the eager ones, through our windowed varlen calls."""
+    cfg, cls = _tiny_causal_lm("mistral-sliding")
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.set_attn_implementation(name)
+    ids = torch.randint(3, cfg.vocab_size, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 5:] = 0
+
+    def logits(x, am):
+        return model(input_ids=x, attention_mask=am, use_cache=False).logits
+
+    with torch.no_grad():
+        eager = logits(ids, mask)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="sliding-window layer with an attention mask.*fullgraph"):
+            torch.compile(logits, fullgraph=True)(ids, mask)
+        torch._dynamo.reset()
+        count_calls.clear()
+        compiled = torch.compile(logits)(ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(compiled[real], eager[real], rtol=1e-5, atol=1e-5)
+    assert count_calls and all(c.startswith("varlen") for c in count_calls)
+
+
 @pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
                                           pytest.param("cuda", torch.bfloat16, id="cuda-bf16",
                                                        marks=requires_cuda)])
