@@ -587,16 +587,9 @@ def test_masked_attention_traced_refuses_other_patterns():
             fx._masked_attention_traced(q, k, v, m[None], 0.25)
 
 
-@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
-                                          pytest.param("cuda", torch.bfloat16, id="cuda-bf16",
-                                                       marks=requires_cuda)])
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("padding", [None, "left", "right"])
-def test_causal_lm_compiles_fullgraph(arch, padding, device, dtype, name, count_calls):
-    """torch.compile(fullgraph=True) of a whole model: transformers (torch < 2.14) builds a 4-D
-    mask while tracing even without padding; the traced masked path runs it without a graph
-    break: two varlen calls per layer, the eager logits on the real tokens (on CUDA in bf16 the
-    compiled model's other ops round differently: a bf16 tolerance)."""
+def _tiny_lm_batch(arch, padding, device, dtype, name):
+    """A random tiny model of `arch` on our attention and a (2, 9) batch whose second element has
+    `padding` (None, "left": 4 pad tokens, "right": 4): (config, logits(ids, mask), ids, mask)."""
     cfg, cls = _tiny_causal_lm(arch)
     torch.manual_seed(0)
     model = cls(cfg).eval().to(device, dtype)
@@ -613,6 +606,20 @@ def test_causal_lm_compiles_fullgraph(arch, padding, device, dtype, name, count_
     def logits(x, am):
         return model(input_ids=x, attention_mask=am, use_cache=False).logits
 
+    return cfg, logits, ids, mask
+
+
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
+                                          pytest.param("cuda", torch.bfloat16, id="cuda-bf16",
+                                                       marks=requires_cuda)])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_causal_lm_compiles_fullgraph(arch, padding, device, dtype, name, count_calls):
+    """torch.compile(fullgraph=True) of a whole model: transformers (torch < 2.14) builds a 4-D
+    mask while tracing even without padding; the traced masked path runs it without a graph
+    break: two varlen calls per layer, the eager logits on the real tokens (on CUDA in bf16 the
+    compiled model's other ops round differently: a bf16 tolerance)."""
+    cfg, logits, ids, mask = _tiny_lm_batch(arch, padding, device, dtype, name)
     with torch.no_grad():
         eager = logits(ids, mask)
         torch._dynamo.reset()
@@ -629,17 +636,7 @@ def test_sliding_window_model_under_compile(name, count_calls):
     error that names the cause and the ways out (it used to be Dynamo's guard error on a
     data-dependent size); without fullgraph the layers break the graph and the logits of the real
     tokens are the eager ones, through our windowed varlen calls."""
-    cfg, cls = _tiny_causal_lm("mistral-sliding")
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    model.set_attn_implementation(name)
-    ids = torch.randint(3, cfg.vocab_size, (2, 9))
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, 5:] = 0
-
-    def logits(x, am):
-        return model(input_ids=x, attention_mask=am, use_cache=False).logits
-
+    _, logits, ids, mask = _tiny_lm_batch("mistral-sliding", "right", "cpu", torch.float32, name)
     with torch.no_grad():
         eager = logits(ids, mask)
         torch._dynamo.reset()
