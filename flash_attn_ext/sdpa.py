@@ -117,7 +117,8 @@ def scaled_dot_product_attention(
         NotImplementedError: ``attn_mask`` is not None, ``dropout_p`` != 0, or a nested (jagged)
             tensor.
         ValueError: not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
-            also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0),
+            also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0), key/value
+            without heads for a query with some (nheads = 0: an empty output, as torch),
             headdim not a multiple of 8 or > 256 (or without a compiled CUDA kernel), a
             non-finite scale.
         RuntimeError: query, key, value on different devices, or on a device other than
@@ -154,7 +155,11 @@ def scaled_dot_product_attention(
         raise ValueError(
             f"flash_attn_ext.scaled_dot_product_attention: query has {H} heads but key/value have "
             f"{Hk}; pass enable_gqa=True for grouped-query attention (as torch requires)")
-    if H % Hk != 0:
+    if Hk == 0 and H > 0:
+        raise ValueError(
+            f"flash_attn_ext.scaled_dot_product_attention: key/value have 0 heads (shape "
+            f"{tuple(key.shape)}) for a query with {H}; expected nheads_k >= 1")
+    if Hk and H % Hk != 0:
         raise ValueError(
             f"flash_attn_ext.scaled_dot_product_attention: nheads ({H}) must be a multiple of "
             f"nheads_k ({Hk})")
@@ -182,6 +187,10 @@ def scaled_dot_product_attention(
         raise ValueError(f"flash_attn_ext.scaled_dot_product_attention: scale must be finite, got "
                          f"{scale}")
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
+    if H == 0:
+        # No heads (as torch: an empty output); the sum ties it to the inputs for autograd (their
+        # gradients: empty zeros).
+        return query.new_zeros((B, 0, L, D)) + 0 * (query.sum() + key.sum() + value.sum())
     # As torch: a last dim with a stride other than 1 is copied to a contiguous tensor (the
     # kernels read rows of headdim contiguous elements); every other stride is used as is.
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))

@@ -231,6 +231,18 @@ def test_sdpa_refuses_what_it_does_not_do():
         scaled_dot_product_attention(q, q.double(), q)
 
 
+def test_sdpa_zero_heads():
+    """No heads: an empty output as torch (and empty gradients); key/value without heads for a
+    query with some: a ValueError naming them (was a ZeroDivisionError from nheads % nheads_k)."""
+    q, k = _randn(2, 0, 5, 16).requires_grad_(), _randn(2, 0, 7, 16).requires_grad_()
+    out = scaled_dot_product_attention(q, k, k)
+    assert out.shape == F.scaled_dot_product_attention(q, k, k).shape == (2, 0, 5, 16)
+    dq, dk = torch.autograd.grad(out.sum(), (q, k))
+    assert dq.shape == q.shape and dk.shape == k.shape
+    with pytest.raises(ValueError, match="key/value have 0 heads"):
+        scaled_dot_product_attention(_randn(2, 4, 5, 16), k, k, enable_gqa=True)
+
+
 # ---------------------------------------------------------------- torch.compile
 
 
