@@ -340,8 +340,11 @@ def test_sm90_forward_one_key_block_tiles(d, causal, dtype):
 #   (1024, 1024): d64's last 192-row tile has 64 rows (two warpgroups without rows, light units last);
 #   (1088, 1088): its last tile has 128 rows (one without rows);
 #   (1000, 900): causal rows 0..99 see no key: a warpgroup with no key inside a tile with keys;
-#   (300, 2000): causal offset 1700 (not a multiple of 64): every warpgroup its own last block.
-WARPGROUP_RANGE_PAIRS = [(1024, 1024), (1088, 1088), (1000, 900), (300, 2000)]
+#   (300, 2000): causal offset 1700 (not a multiple of 64): every warpgroup its own last block;
+#   (1000, 850): causal d64 with the partial tile at the top (FwdTileScheduler::m_shift = 128: the
+#   first tile's two warpgroups above row 0 store nothing) and rows 0..149 without keys.
+# Causal d64 at 1024 / 1088 / 1000 also starts its tiles above row 0 (m_shift 128 / 64 / 128).
+WARPGROUP_RANGE_PAIRS = [(1024, 1024), (1088, 1088), (1000, 900), (300, 2000), (1000, 850)]
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", WARPGROUP_RANGE_PAIRS)
@@ -356,15 +359,17 @@ def test_sm90_forward_warpgroup_key_ranges(d, causal, seqlen_q, seqlen_k):
     check_against_sm80(q, k, v, causal)
 
 
-def _split_tail_units(bh, seqlen_q, block_m, causal, num_sms, skips_empty_warpgroups):
+def _split_tail_units(bh, seqlen_q, block_m, causal, num_sms, skips_empty_warpgroups, window=False):
     """csrc/kernels/common/tile_scheduler.cuh's split-tail count (FwdTileScheduler::make), dense
-    persistent calls: how many causal pairs it deals as single tiles after the other full units."""
+    persistent calls: how many causal pairs it deals as single tiles after the other full units.
+    window: a left window bound (no top-aligned partial tile, so the light units stay)."""
     num_m = math.ceil(seqlen_q / block_m)
     if not (causal and num_m >= 2 and bh * num_m > num_sms):
         return 0
     units_per_bh = (num_m + 1) // 2
     rows_last = seqlen_q % block_m
-    light = skips_empty_warpgroups and units_per_bh >= 2 and 0 < rows_last <= block_m - 64
+    shifted = skips_empty_warpgroups and not window and 0 < rows_last <= block_m - 64  # m_shift > 0
+    light = skips_empty_warpgroups and units_per_bh >= 2 and 0 < rows_last <= block_m - 64 and not shifted
     k = units_per_bh - 1 if light else units_per_bh
     full, rest = bh * k, (bh * k) % num_sms
     fits = 2 * rest + (bh if light else 0) <= num_sms
@@ -372,8 +377,9 @@ def _split_tail_units(bh, seqlen_q, block_m, causal, num_sms, skips_empty_warpgr
 
 
 # (d, batch, nheads, nheads_k, seqlen): on 132 SMs each splits a causal tail: d128 an even and an
-# odd number of Q tiles per sequence (8, 9), d64 with light units last (6 and 9 tiles of 192 rows).
-SPLIT_TAIL_CASES = [(128, 2, 17, 17, 1024), (128, 3, 9, 3, 1152), (64, 2, 35, 7, 1000), (64, 2, 17, 1, 1600)]
+# odd number of Q tiles per sequence (8, 9), d64 with the partial tile at the top (6 and 9 tiles of
+# 192 rows, m_shift 128).
+SPLIT_TAIL_CASES = [(128, 2, 17, 17, 1024), (128, 3, 9, 3, 1152), (64, 2, 25, 5, 1000), (64, 3, 9, 1, 1600)]
 
 
 @pytest.mark.parametrize("d,batch,nheads,nheads_k,seqlen", SPLIT_TAIL_CASES)
@@ -388,3 +394,30 @@ def test_sm90_forward_persistent_split_tail(d, batch, nheads, nheads_k, seqlen):
         assert split > 0, "the case no longer exercises the split tail on this GPU"
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads_k, d, torch.bfloat16, seed=seqlen + d)
     check_against_sm80(q, k, v, True)
+
+
+# (d, batch, nheads, nheads_k, seqlen, window_left): causal with a left window bound: no partial tile
+# at the top, so d64's light units (the last tile's warpgroups without rows) follow the split tail.
+WINDOW_SPLIT_TAIL_CASES = [(64, 2, 35, 7, 1000, 300), (64, 2, 17, 1, 1600, 700)]
+
+
+@pytest.mark.parametrize("d,batch,nheads,nheads_k,seqlen,window_left", WINDOW_SPLIT_TAIL_CASES)
+def test_sm90_forward_persistent_split_tail_window(d, batch, nheads, nheads_k, seqlen, window_left):
+    """Windowed causal calls with a split tail and light units: every tile computed once, within the
+    rule against the reference and against the (forced) sm80 kernel."""
+    require_hdim(d, exact=True)
+    split = _split_tail_units(batch * nheads, seqlen, 192, True, _num_sms(), True, window=True)
+    if _num_sms() == 132:
+        assert split > 0, "the case no longer exercises the split tail on this GPU"
+    q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads_k, d, torch.bfloat16, seed=seqlen + window_left)
+    scale = 1.0 / math.sqrt(d)
+    out90, lse90, _ = torch.ops.flash_attn_ext.forward(q, k, v, scale, True, window_left, 0)
+    with _sm80_forced():
+        out80, lse80, _ = torch.ops.flash_attn_ext.forward(q, k, v, scale, True, window_left, 0)
+    ref_out, ref_lse = attention_ref(q, k, v, scale, True, upcast=True, window_size=(window_left, 0))
+    base_out, base_lse = attention_ref(q, k, v, scale, True, upcast=False, window_size=(window_left, 0))
+    check_accuracy("out", out90, ref_out, base_out)
+    check_accuracy("softmax_lse", lse90, ref_lse, base_lse)
+    base_err = (base_out.double() - ref_out.double()).abs().max().item()
+    assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
+    torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)

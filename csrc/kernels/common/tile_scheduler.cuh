@@ -22,6 +22,15 @@
 //     after all the others, so the full units spread evenly and the light ones fill the tail.
 //     Without it the stride aliases again: at N = 1024, 192-row tiles (num_m = 6, 132 SMs), a
 //     sixth of the CTAs would get only the light tiles and the rest only full ones.
+//   - top-aligned partial tile (m_shift): a causal call whose seqlen_q is not a multiple of kBlockM
+//     (dense, no sliding window, paired units, a kernel with per-warpgroup key ranges: hdim 64,
+//     192, 256) has its tiles start kBlockM - seqlen_q % kBlockM rows
+//     (rounded down to whole warpgroups of 64: a TMA store of a box above row 0 is an illegal
+//     instruction, so such warpgroups store nothing and no box may cross row 0) before row 0, so the partial tile holds the first rows, which see the fewest keys, instead
+//     of the last ones, which see the most (with the warpgroup key ranges, its warpgroups without
+//     rows skip every step). hdim 64 at N = 1024 (192-row tiles): key-block steps per (batch,
+//     head) 2 / 3 / 5 / 6 / 8 / 8 (the last tile one warpgroup of three) -> 1 / 2 / 4 / 5 / 7 / 8,
+//     and the pairs cost 9 each. No light units then.
 //   - split tail: the full units fill R rounds of gridDim.x and L = (full units) mod gridDim.x
 //     more; those L CTAs would run a whole unit after everyone else. When 2 L + (light units)
 //     fits in one round, the last L (batch, head)s' most even pairs (their last unit: Q tiles
@@ -57,6 +66,7 @@ struct FwdTileScheduler {
   // (p = 0) of every (batch, head). Without light units p counts from 0, else from 1.
   uint32_t tail_begin, split_begin, light_begin;
   int num_bh, split, p_first;
+  int m_shift;  // rows the tiles start before row 0 (QTileWork's m_shift; see the top)
   // Divisions by K, K - 1, num_m and nheads, their magic numbers computed on the host: a
   // tile's decode is multiplies and shifts (the producer decodes every tile once, each consumer
   // warpgroup twice), not integer divisions (QTileWork(params, tile, m_div, h_div)).
@@ -77,8 +87,15 @@ struct FwdTileScheduler {
     const int units_per_bh = s.paired ? (s.num_m + 1) / 2 : s.num_m;
     const int64_t units = bh * units_per_bh;
     const int rows_last = params.seqlen_q % kBlockM;
+    // (Whole warpgroups: no O box crosses row 0. Only where the kernel skips a warpgroup's empty
+    // key range: d96 / d128 take the tile's range, so the shift would only double the masked
+    // diagonal blocks there. Never with a window's left bound: mask.cuh's key_start assumes rows
+    // >= 0 without one and the kLocal twin is not shifted.)
+    s.m_shift = skips_empty_warpgroups && s.paired && rows_last > 0 && params.cu_seqlens_q == nullptr &&
+                        params.window_left < 0
+                    ? (kBlockM - rows_last) / 64 * 64 : 0;
     const bool light = skips_empty_warpgroups && s.persistent && units_per_bh >= 2 && rows_last > 0 &&
-                       rows_last <= kBlockM - 64;
+                       rows_last <= kBlockM - 64 && s.m_shift == 0;
     const int k = light ? units_per_bh - 1 : units_per_bh;  // full units per (batch, head)
     const int64_t full = bh * k, sms = params.num_sms;
     const int64_t light_units = light ? bh : 0;

@@ -96,11 +96,14 @@ struct QTileWork {
 
   __device__ __forceinline__ explicit QTileWork(const Flash_fwd_params& params) : QTileWork(params, decode(params)) {}
   // bm = decode(params), computed once (its 64-bit divisions are the CTA's costliest setup).
-  __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int2 bm)
+  // m_shift: the tiles start m_shift rows before row 0 (FwdTileScheduler::m_shift: the sm90
+  // forward's causal calls put a partial tile at the top, where the causal rows are lightest),
+  // so the first tile's rows below m_shift are not rows of the sequence (m0 + row < 0).
+  __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int2 bm, int m_shift = 0)
       : seq(params, bm.x), mask(seq, params) {
     bidh = bm.y % params.h;
     bidhk = bidh / params.h_h_k_ratio;  // GQA/MQA: shared K/V head, never copied
-    m0 = (bm.y / params.h) * kBlockM;
+    m0 = (bm.y / params.h) * kBlockM - m_shift;
     rows_q = min(kBlockM, seq.seqlen_q - m0);
     n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
     n_block_unmasked = mask.n_block_unmasked(m0, kBlockN);
@@ -131,8 +134,8 @@ struct QTileWork {
   // common/tile_scheduler.cuh), with the divisions by num_m (m_div.d) and nheads (h_div.d) by the
   // scheduler's precomputed FastDivmods (tile < 2^31).
   __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int64_t tile, const FastDivmod& m_div,
-                                       const FastDivmod& h_div)
-      : QTileWork(params, decode(int(tile), m_div, h_div)) {}
+                                       const FastDivmod& h_div, int m_shift = 0)
+      : QTileWork(params, decode(int(tile), m_div, h_div), m_shift) {}
   __device__ __forceinline__ static int2 decode(int tile, const FastDivmod& m_div, const FastDivmod& h_div) {
     const int bh = m_div.div(tile), j = tile - bh * m_div.d;
     const int bidb = h_div.div(bh), head = bh - bidb * h_div.d;

@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int64_t tile; tiles.next(sched, tile);) {
         if (sched.varlen_tight) tile = s_varlen_tile;  // its one tile (the walk has one unit)
         const int2 bm = QTileWork<kBlockM, kBlockN>::decode(int(tile), sched.m_div, sched.h_div);
-        const QTileWork<kBlockM, kBlockN> w(params, bm);
+        const QTileWork<kBlockM, kBlockN> w(params, bm, sched.m_shift);
         if (w.past_end()) continue;  // varlen: no work, no ring position (the consumers skip it too)
         // Key blocks [n_block_min, n_block_max): n_steps steps (a sliding window's left bound: the
         // tile's first row's first block; else 0).
@@ -478,7 +478,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // epilogue instead of held live across the main loop.
     int64_t tile = sched.varlen_tight ? s_varlen_tile : tile_index;  // varlen tight grid: its one tile
     asm volatile("" : "+l"(tile));
-    const QTileWork<kBlockM, kBlockN> w(params, tile, sched.m_div, sched.h_div);
+    const QTileWork<kBlockM, kBlockN> w(params, tile, sched.m_div, sched.h_div, sched.m_shift);
     if (w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
     // The head's attention sink for the epilogue (flash.h: sinks_ptr), loaded here so its latency
     // hides under the main loop (at the epilogue it stalled every tile: +3-5 % at d128 N = 1k-4k).
@@ -495,7 +495,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // - n_lo steps of its own (0: it passes every turn). Blocks [n_unmasked_lo, n_unmasked) need
     // no mask for its rows.
     const int r0 = w.m0 + 64 * cw;  // this warpgroup's first row
-    const bool own_range = Traits::kWarpgroupKeyRanges && 64 * cw < w.rows_q;
+    // (r0 < 0: a warpgroup above row 0 in the shifted first tile, FwdTileScheduler::m_shift, whole
+    // warpgroups: its rows are no rows, though with seqlen_k > seqlen_q their key range is not empty.)
+    const bool own_range = Traits::kWarpgroupKeyRanges && 64 * cw < w.rows_q && r0 >= 0;
     int n_top = !Traits::kWarpgroupKeyRanges ? n_block_max : own_range ? w.mask.n_block_max(r0, 64, kBlockN) : 0;
     int n_lo = !kLocal || !Traits::kWarpgroupKeyRanges ? n_block_min : own_range ? w.mask.n_block_min(r0, kBlockN) : 0;
     if (kLocal && n_top <= n_lo) n_top = n_lo = n_block_min;  // no key: every step skipped (at the front)
@@ -708,7 +710,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The tile's decode once more: cheaper than holding the output offsets live, spilled, across
     // the main loop.
     {
-      const QTileWork<kBlockM, kBlockN> wo(params, tile, sched.m_div, sched.h_div);
+      const QTileWork<kBlockM, kBlockN> wo(params, tile, sched.m_div, sched.h_div, sched.m_shift);
       const int tid_e = thread_index_opaque();
       const int c = tid_e / 128 - 1, tid_wg = tid_e % 128, lane = tid_e % 32;
       float lse[2], row_max[2], row_log2sum[2];
@@ -718,7 +720,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = row0() + lane / 4 + 8 * r;
-          if (row < wo.rows_q) {
+          if (row < wo.rows_q && wo.m0 + row >= 0) {  // (rows above row 0: the shifted first tile)
             params.softmax_lse_ptr[stat0 + row] = lse[r];
             if (params.row_max_ptr != nullptr) {
               params.row_max_ptr[stat0 + row] = row_max[r];
@@ -756,6 +758,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (tid_wg == 0) {
 #pragma unroll
           for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+            if (wo.m0 + 64 * c < 0) break;  // a warpgroup above row 0 (the shifted first tile): nothing to store
             tma_store_4d(&tma.o, sO_addr + cb * TileQ::kColBlockBytes + 64 * c * 128, 64 * cb, wo.m0 + 64 * c, wo.bidh,
                          wo.seq.tma_batch(params));
           }
