@@ -236,7 +236,8 @@ def test_sdpa_zero_heads():
     query with some: a ValueError naming them (was a ZeroDivisionError from nheads % nheads_k)."""
     q, k = _randn(2, 0, 5, 16).requires_grad_(), _randn(2, 0, 7, 16).requires_grad_()
     out = scaled_dot_product_attention(q, k, k)
-    assert out.shape == F.scaled_dot_product_attention(q, k, k).shape == (2, 0, 5, 16)
+    # (torch's own SDPA is not called here: torch 2.11's CPU kernel dies of SIGFPE on zero heads.)
+    assert out.shape == (2, 0, 5, 16)
     dq, dk = torch.autograd.grad(out.sum(), (q, k))
     assert dq.shape == q.shape and dk.shape == k.shape
     with pytest.raises(ValueError, match="key/value have 0 heads"):
