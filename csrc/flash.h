@@ -86,9 +86,13 @@ struct Flash_fwd_params : public Qkv_params {
   //     varlen_tight_grid); FLASH_ATTN_EXT_VARLEN_TIGHT_GRID=0 keeps the grids of max_seqlen.
   //   sm90_bwd_tma: the sm90 backward streams its tiles by TMA where it can (sm90/smem_layout.cuh:
   //     launch_bwd_stages); FLASH_ATTN_EXT_SM90_BWD_TMA=0 copies them by cp.async.
-  // Either setting gives the same bits.
+  // Either setting of those two gives the same bits.
+  //   fwd_top_shift: the sm90 forward's causal partial Q tile at the top (common/tile_scheduler.cuh:
+  //     m_shift); FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT=0 keeps it at the bottom (the same results
+  //     within the accuracy rule: a row's tile and warpgroup change, not its key blocks).
   bool varlen_tight = true;
   bool sm90_bwd_tma = true;
+  bool fwd_top_shift = true;
 
   // ---- Packed variable-length sequences (varlen; flash_attn_varlen_func). q/o/dq are
   // (total_q, nheads, d) and k/v/dk/dv (total_k, nheads_k, d), given as TensorViews with

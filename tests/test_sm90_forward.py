@@ -12,6 +12,9 @@ padded head dims and strided views is tests/test_cuda_forward.py, which runs on 
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,24 +52,26 @@ class _sm80_forced:
         flash_attn_ext.force_sm80_path(self.previous)
 
 
-def _forward(q, k, v, scale, causal, nan_outputs=True):
-    """The op with its outputs' memory poisoned with NaN (an unwritten element shows as NaN)."""
+def _forward(q, k, v, scale, causal, nan_outputs=True, window_left=-1):
+    """The op with its outputs' memory poisoned with NaN (an unwritten element shows as NaN).
+    window_left: a left window bound (causal: the window (window_left, 0))."""
     if nan_outputs:
         junk = torch.full((q.numel() * 2 + q.shape[0] * q.shape[1] * q.shape[2] * 4,), float("nan"),
                           dtype=torch.float32, device=q.device)
         del junk
-    return torch.ops.flash_attn_ext.forward(q, k, v, scale, causal)
+    return torch.ops.flash_attn_ext.forward(q, k, v, scale, causal, window_left)
 
 
-def check_forward(q, k, v, causal, scale=None):
+def check_forward(q, k, v, causal, scale=None, window_left=-1):
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse, stats = _forward(q, k, v, scale, causal)
+    out, lse, stats = _forward(q, k, v, scale, causal, window_left=window_left)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any(), "out: NaN"
     assert not torch.isnan(lse).any() and not torch.isnan(stats).any(), "softmax_lse / softmax_stats: NaN"
-    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, upcast=True)
-    base_out, base_lse = attention_ref(q, k, v, scale, causal, upcast=False)
+    window = (window_left, -1)
+    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, upcast=True, window_size=window)
+    base_out, base_lse = attention_ref(q, k, v, scale, causal, upcast=False, window_size=window)
     check_accuracy("out", out, ref_out, base_out)
     check_accuracy("softmax_lse", lse, ref_lse, base_lse)
     # softmax_stats: LSE * log2(e) = stats[0] + stats[1]; rows without keys (+inf, 0).
@@ -81,16 +86,17 @@ def check_forward(q, k, v, causal, scale=None):
     return out, lse, stats
 
 
-def check_against_sm80(q, k, v, causal, check_sm80=False):
+def check_against_sm80(q, k, v, causal, check_sm80=False, window_left=-1):
     """check_forward on the default path, then O within 3x the same-dtype error of the (forced) sm80
     kernel's and the LSE equal up to fp32 summation order: a skipped or twice-computed tile shows.
     check_sm80: the sm80 outputs through check_forward too. Returns both paths' softmax_stats."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out90, lse90, st90 = check_forward(q, k, v, causal)
+    out90, lse90, st90 = check_forward(q, k, v, causal, window_left=window_left)
     with _sm80_forced():
-        out80, lse80, st80 = check_forward(q, k, v, causal) if check_sm80 else _forward(q, k, v, scale, causal)
-    ref_out, _ = attention_ref(q, k, v, scale, causal, upcast=True)
-    base_out, _ = attention_ref(q, k, v, scale, causal, upcast=False)
+        out80, lse80, st80 = (check_forward(q, k, v, causal, window_left=window_left) if check_sm80
+                              else _forward(q, k, v, scale, causal, window_left=window_left))
+    ref_out, _ = attention_ref(q, k, v, scale, causal, upcast=True, window_size=(window_left, -1))
+    base_out, _ = attention_ref(q, k, v, scale, causal, upcast=False, window_size=(window_left, -1))
     base_err = (base_out.double() - ref_out.double()).abs().max().item()
     assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
     torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)
@@ -359,6 +365,12 @@ def test_sm90_forward_warpgroup_key_ranges(d, causal, seqlen_q, seqlen_k):
     check_against_sm80(q, k, v, causal)
 
 
+def _top_shift():
+    """Whether the scheduler puts a causal partial tile at the top (FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT
+    not 0; read once per process)."""
+    return os.environ.get("FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT") != "0"
+
+
 def _split_tail_units(bh, seqlen_q, block_m, causal, num_sms, skips_empty_warpgroups, window=False):
     """csrc/kernels/common/tile_scheduler.cuh's split-tail count (FwdTileScheduler::make), dense
     persistent calls: how many causal pairs it deals as single tiles after the other full units.
@@ -368,8 +380,9 @@ def _split_tail_units(bh, seqlen_q, block_m, causal, num_sms, skips_empty_warpgr
         return 0
     units_per_bh = (num_m + 1) // 2
     rows_last = seqlen_q % block_m
-    shifted = skips_empty_warpgroups and not window and 0 < rows_last <= block_m - 64  # m_shift > 0
-    light = skips_empty_warpgroups and units_per_bh >= 2 and 0 < rows_last <= block_m - 64 and not shifted
+    partial = skips_empty_warpgroups and 0 < rows_last <= block_m - 64  # a warpgroup without rows
+    shifted = partial and not window and _top_shift()  # m_shift > 0: the partial tile at the top, no light units
+    light = partial and units_per_bh >= 2 and not shifted
     k = units_per_bh - 1 if light else units_per_bh
     full, rest = bh * k, (bh * k) % num_sms
     fits = 2 * rest + (bh if light else 0) <= num_sms
@@ -390,7 +403,7 @@ def test_sm90_forward_persistent_split_tail(d, batch, nheads, nheads_k, seqlen):
     require_hdim(d, exact=True)
     block_m = 192 if d == 64 else 128
     split = _split_tail_units(batch * nheads, seqlen, block_m, True, _num_sms(), d != 128)
-    if _num_sms() == 132:
+    if _num_sms() == 132 and _top_shift():
         assert split > 0, "the case no longer exercises the split tail on this GPU"
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads_k, d, torch.bfloat16, seed=seqlen + d)
     check_against_sm80(q, k, v, True)
@@ -410,14 +423,36 @@ def test_sm90_forward_persistent_split_tail_window(d, batch, nheads, nheads_k, s
     if _num_sms() == 132:
         assert split > 0, "the case no longer exercises the split tail on this GPU"
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads_k, d, torch.bfloat16, seed=seqlen + window_left)
+    check_against_sm80(q, k, v, True, window_left=window_left)
+
+
+_TOP_SHIFT_OFF_SCRIPT = """
+import sys, torch, flash_attn_ext
+q, k, v = torch.load(sys.argv[1])
+out, lse, _ = torch.ops.flash_attn_ext.forward(q, k, v, float(sys.argv[3]), True)
+torch.save((out, lse), sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("seqlen", [1000, 1088])
+def test_sm90_forward_top_shift_knob(seqlen, tmp_path):
+    """The partial Q tile at the top (FwdTileScheduler::m_shift; d64 causal, 192-row tiles: m_shift
+    128 at 1000, 64 at 1088) and, in a subprocess with FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT=0, at the
+    bottom (the light units): both within the rule against the reference, the same LSE up to fp32
+    summation order."""
+    require_hdim(64, exact=True)
+    batch, nheads, nheads_k, d = 2, 48, 16, 64
+    q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads_k, d, torch.bfloat16, seed=seqlen)
     scale = 1.0 / math.sqrt(d)
-    out90, lse90, _ = torch.ops.flash_attn_ext.forward(q, k, v, scale, True, window_left, 0)
-    with _sm80_forced():
-        out80, lse80, _ = torch.ops.flash_attn_ext.forward(q, k, v, scale, True, window_left, 0)
-    ref_out, ref_lse = attention_ref(q, k, v, scale, True, upcast=True, window_size=(window_left, 0))
-    base_out, base_lse = attention_ref(q, k, v, scale, True, upcast=False, window_size=(window_left, 0))
-    check_accuracy("out", out90, ref_out, base_out)
-    check_accuracy("softmax_lse", lse90, ref_lse, base_lse)
-    base_err = (base_out.double() - ref_out.double()).abs().max().item()
-    assert (out90.double() - out80.double()).abs().max().item() <= 3 * base_err
-    torch.testing.assert_close(lse90, lse80, rtol=1e-5, atol=1e-4)
+    torch.save((q, k, v), tmp_path / "qkv.pt")
+    env = dict(os.environ, FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT="0")
+    r = subprocess.run([sys.executable, "-c", _TOP_SHIFT_OFF_SCRIPT, str(tmp_path / "qkv.pt"), str(tmp_path / "out.pt"),
+                        repr(scale)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out_off, lse_off = torch.load(tmp_path / "out.pt")
+    _, lse_on, _ = check_forward(q, k, v, True)  # the shift as configured (on unless the knob says 0)
+    ref_out, ref_lse = attention_ref(q, k, v, scale, True, upcast=True)
+    base_out, base_lse = attention_ref(q, k, v, scale, True, upcast=False)
+    check_accuracy("out (top shift off)", out_off, ref_out, base_out)
+    check_accuracy("softmax_lse (top shift off)", lse_off, ref_lse, base_lse)
+    torch.testing.assert_close(lse_on, lse_off, rtol=1e-5, atol=1e-4)

@@ -78,12 +78,14 @@ bool sm90_bwd_long_rows_enabled() {
   return enabled;
 }
 
-// The run-time tuning knobs of params (flash.h: varlen_tight, sm90_bwd_tma), read once.
+// The run-time tuning knobs of params (flash.h: varlen_tight, sm90_bwd_tma, fwd_top_shift), read once.
 void set_tuning_knobs(Flash_fwd_params& params) {
   static const bool tight = !env_set_to_zero("FLASH_ATTN_EXT_VARLEN_TIGHT_GRID");
   static const bool bwd_tma = !env_set_to_zero("FLASH_ATTN_EXT_SM90_BWD_TMA");
+  static const bool top_shift = !env_set_to_zero("FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT");
   params.varlen_tight = tight;
   params.sm90_bwd_tma = bwd_tma;
+  params.fwd_top_shift = top_shift;
 }
 
 std::string arch_name(int arch) { return std::to_string(arch / 10) + "." + std::to_string(arch % 10); }

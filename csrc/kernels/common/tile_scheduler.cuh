@@ -92,7 +92,7 @@ struct FwdTileScheduler {
     // diagonal blocks there. Never with a window's left bound: mask.cuh's key_start assumes rows
     // >= 0 without one and the kLocal twin is not shifted.)
     s.m_shift = skips_empty_warpgroups && s.paired && rows_last > 0 && params.cu_seqlens_q == nullptr &&
-                        params.window_left < 0
+                        params.window_left < 0 && params.fwd_top_shift
                     ? (kBlockM - rows_last) / 64 * 64 : 0;
     const bool light = skips_empty_warpgroups && s.persistent && units_per_bh >= 2 && rows_last > 0 &&
                        rows_last <= kBlockM - 64 && s.m_shift == 0;
