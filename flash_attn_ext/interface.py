@@ -199,8 +199,9 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
 
 def _check_tensors(_optional=(), **tensors) -> None:
     """TypeError naming the first argument that is not a torch.Tensor (None allowed for the names
-    in ``_optional``) or NotImplementedError naming the first nested (jagged) tensor: the ops
-    take dense tensors (the packed form of ragged batches is flash_attn_varlen_func's)."""
+    in ``_optional``) or NotImplementedError naming the first nested (jagged) or non-strided (sparse,
+    mkldnn) tensor: the ops take dense tensors (the packed form of ragged batches is
+    flash_attn_varlen_func's)."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) and not (t is None and name in _optional):
             expected = "a torch.Tensor or None" if name in _optional else "a torch.Tensor"
@@ -210,6 +211,10 @@ def _check_tensors(_optional=(), **tensors) -> None:
                 f"flash_attn_ext: {name} is a nested tensor; the attention functions take dense tensors. "
                 "For a ragged batch pass the packed rows (nt.values()) with cu_seqlens (nt.offsets(), int32) to "
                 "flash_attn_varlen_func")
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise NotImplementedError(
+                f"flash_attn_ext: {name} has layout {t.layout}; the attention functions take strided (dense) "
+                f"tensors: pass {name}.to_dense()")
 
 
 def _is_numpy_bool(value) -> bool:

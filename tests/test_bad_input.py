@@ -366,3 +366,23 @@ def test_nested_tensors_are_refused_clearly():
     bhsd = nt.transpose(1, 2)
     with pytest.raises(NotImplementedError, match="query is a nested tensor"):
         flash_attn_ext.scaled_dot_product_attention(bhsd, bhsd, bhsd)
+
+
+@pytest.mark.parametrize("entry", ["dense", "varlen", "kvcache", "sdpa"])
+def test_sparse_tensors_are_refused_clearly(entry):
+    """A sparse (non-strided) tensor gets an error naming the argument and its layout, not the
+    dispatcher's "Could not run ... with arguments from the 'SparseCPU' backend"."""
+    q, k, v = qkv()
+    sparse = q.to_sparse()
+    if entry == "dense":
+        call, name = lambda: flash_attn_ext.flash_attn_func(sparse, k, v), "q"
+    elif entry == "varlen":
+        cu = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+        kp = k[0].to_sparse()
+        call, name = lambda: flash_attn_ext.flash_attn_varlen_func(q[0], kp, v[0], cu, cu, q.shape[1], q.shape[1]), "k"
+    elif entry == "kvcache":
+        call, name = lambda: flash_attn_ext.flash_attn_with_kvcache(q, k, v.to_sparse()), "v_cache"
+    else:
+        call, name = lambda: flash_attn_ext.scaled_dot_product_attention(sparse, k, v), "query"
+    with pytest.raises(NotImplementedError, match=f"{name} has layout torch.sparse_coo.*strided"):
+        call()
