@@ -109,6 +109,12 @@ torch.cuda.synchronize()" >"$OUT/ncu.txt" 2>&1
 fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
+  # SM clock, power and temperature every 200 ms while the sweeps run (clocks.csv): the tune
+  # harness's short runs hold the boost clock, a long sweep may not (power-capped), which is the
+  # first thing to rule out when a kernel's harness and benchmark rates disagree.
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+    -lms 200 >"$OUT/clocks.csv" 2>/dev/null &
+  smi_pid=$!
   timeout "${BENCH_S:-0}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   summary+=("benchmark: rc=$? (bench.log, bench/)")
   pack
@@ -127,6 +133,13 @@ if [[ " $STEPS " == *" bench "* ]]; then
     summary+=("benchmark 2: rc=$? (bench2.log, bench2/)")
     pack
   fi
+  kill "$smi_pid" 2>/dev/null
+  summary+=("clocks during the sweeps, min / median / max: $($PY -c "
+import csv, statistics as st, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 4]
+cols = [sorted(float(r[i]) for r in rows) for i in (1, 2, 3)]
+print(', '.join('%.0f / %.0f / %.0f %s' % (c[0], st.median(c), c[-1], u) for c, u in zip(cols, ('MHz', 'W', 'C'))) if rows else 'none')
+" "$OUT/clocks.csv")")
   sed -n '/^| dtype/,$p' "$OUT/bench.log" | head -n 60
   [ -n "${BENCH2_ARGS:-}" ] && sed -n '/^| dtype/,$p' "$OUT/bench2.log" | head -n 70
   if [ -n "$BENCH3_ARGS" ]; then  # the decode / varlen tables (with the notes above them) last

@@ -47,9 +47,10 @@ for force_sm80 in paths:
         assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
 flash_attn_ext.force_sm80_path(False)
 # The forward alone with several tiles per CTA where O is staged in the V ring (the sm90 forward at
-# d192 / d256: 420 tiles), causal tiles without keys between tiles with keys.
+# d192 / d256: 420 tiles), causal tiles without keys between tiles with keys; d96's three
+# warpgroups over 96-key tiles, causal with the partial tile at the top (257 rows: m_shift 64).
 with torch.no_grad():
-    for headdim, causal, (sq, sk) in ((192, True, (300, 100)), (256, False, (200, 90))):
+    for headdim, causal, (sq, sk) in ((192, True, (300, 100)), (256, False, (200, 90)), (96, True, (257, 300))):
         q = torch.randn(35, sq, 4, headdim, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(35, sk, 2, headdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         assert torch.isfinite(flash_attn_ext.flash_attn_func(q, k, v, causal=causal)).all()

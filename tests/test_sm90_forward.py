@@ -260,6 +260,12 @@ def test_sm90_forward_long_key_tiles(seqlen_q, seqlen_k):
 # dealt in (heavy, light) pairs when there are more tiles than SMs.
 
 
+def _block_m(d):
+    """The sm90 forward's Q tile rows (csrc/kernels/sm90/tile_config.h, FwdTile): three consumer
+    warpgroups at d64 and d96, two above."""
+    return 192 if d in (64, 96) else 128
+
+
 def _num_sms():
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
@@ -278,7 +284,7 @@ def test_sm90_forward_persistent_many_tiles(d, causal, seqlen_q, seqlen_k):
     several tiles and CTAs walk different numbers of them (and of key blocks), GQA."""
     require_hdim(d, exact=True)
     batch, nheads, nheads_k = 2, 48, 16
-    block_m = 192 if d == 64 else 128
+    block_m = _block_m(d)
     tiles = batch * nheads * math.ceil(seqlen_q / block_m)
     assert tiles > 2 * _num_sms() or _num_sms() > 150, (tiles, _num_sms())
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, torch.bfloat16, seed=d + seqlen_q)
@@ -307,7 +313,7 @@ def test_sm90_forward_persistent_batch_heads_70000():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("d", SM90_FWD_HDIMS)
 def test_sm90_forward_persistent_deterministic(d, causal):
     """Many tiles per CTA (two Q buffers at d64 and d128; one at d192 and d256, whose O is staged in
     the V ring): three calls, bit-identical outputs."""
@@ -339,23 +345,23 @@ def test_sm90_forward_one_key_block_tiles(d, causal, dtype):
     check_against_sm80(q, k, v, causal)
 
 
-# ---- Warpgroup key ranges (sm90 FwdKernelTraits::kWarpgroupKeyRanges: d64, d192, d256): each
+# ---- Warpgroup key ranges (sm90 FwdKernelTraits::kWarpgroupKeyRanges: d64, d96, d192, d256): each
 # consumer warpgroup visits only the key blocks its own 64 rows see, passing its turns and
 # releasing the ring stages of the others; the scheduler deals the units holding a tile with a
 # warpgroup without rows after all the others. (seqlen_q, seqlen_k):
-#   (1024, 1024): d64's last 192-row tile has 64 rows (two warpgroups without rows, light units last);
+#   (1024, 1024): d64's / d96's last 192-row tile has 64 rows (two warpgroups without rows, light units last);
 #   (1088, 1088): its last tile has 128 rows (one without rows);
 #   (1000, 900): causal rows 0..99 see no key: a warpgroup with no key inside a tile with keys;
 #   (300, 2000): causal offset 1700 (not a multiple of 64): every warpgroup its own last block;
 #   (1000, 850): causal d64 with the partial tile at the top (FwdTileScheduler::m_shift = 128: the
 #   first tile's two warpgroups above row 0 store nothing) and rows 0..149 without keys.
-# Causal d64 at 1024 / 1088 / 1000 also starts its tiles above row 0 (m_shift 128 / 64 / 128).
+# Causal d64 / d96 at 1024 / 1088 / 1000 also start their tiles above row 0 (m_shift 128 / 64 / 128).
 WARPGROUP_RANGE_PAIRS = [(1024, 1024), (1088, 1088), (1000, 900), (300, 2000), (1000, 850)]
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", WARPGROUP_RANGE_PAIRS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("d", SM90_FWD_HDIMS)
 def test_sm90_forward_warpgroup_key_ranges(d, causal, seqlen_q, seqlen_k):
     """Tiles whose warpgroups see different key ranges, on the persistent grid (more tiles than
     twice the SMs): within the rule against the reference, and against the (forced) sm80 kernel."""
@@ -390,9 +396,10 @@ def _split_tail_units(bh, seqlen_q, block_m, causal, num_sms, skips_empty_warpgr
 
 
 # (d, batch, nheads, nheads_k, seqlen): on 132 SMs each splits a causal tail: d128 an even and an
-# odd number of Q tiles per sequence (8, 9), d64 with the partial tile at the top (6 and 9 tiles of
-# 192 rows, m_shift 128).
-SPLIT_TAIL_CASES = [(128, 2, 17, 17, 1024), (128, 3, 9, 3, 1152), (64, 2, 25, 5, 1000), (64, 3, 9, 1, 1600)]
+# odd number of Q tiles per sequence (8, 9), d64 / d96 with the partial tile at the top (6 and 9 tiles
+# of 192 rows, m_shift 128).
+SPLIT_TAIL_CASES = [(128, 2, 17, 17, 1024), (128, 3, 9, 3, 1152), (64, 2, 25, 5, 1000), (64, 3, 9, 1, 1600),
+                    (96, 2, 25, 5, 1000)]
 
 
 @pytest.mark.parametrize("d,batch,nheads,nheads_k,seqlen", SPLIT_TAIL_CASES)
@@ -401,7 +408,7 @@ def test_sm90_forward_persistent_split_tail(d, batch, nheads, nheads_k, seqlen):
     pairs dealt as single tiles) and, at d64, the light units after it. Every tile must be computed
     once: within the rule against the reference, and against the (forced) sm80 kernel."""
     require_hdim(d, exact=True)
-    block_m = 192 if d == 64 else 128
+    block_m = _block_m(d)
     split = _split_tail_units(batch * nheads, seqlen, block_m, True, _num_sms(), d != 128)
     if _num_sms() == 132 and _top_shift():
         assert split > 0, "the case no longer exercises the split tail on this GPU"

@@ -46,7 +46,7 @@ enum class ExactForm { kPrepass, kSecondLoop };
 //               tile's softmax is shorter by about one row's max (FlashAttention-4's sm90 softmax
 //               goes row by row as well). Each row index costs one more vote and two more uniform
 //               branches, so it pays only where the softmax's latency, not the SFU's throughput, bounds
-//               the loop. sm90 forward with two ping-pong warpgroups (d96, d128): +1-6 % per cell
+//               the loop. sm90 forward with two ping-pong warpgroups (d128; d96 then): +1-6 % per cell
 //               (tune harness, 6 rounds, H200); with three (d64, SFU-bound) -2..-5 %; d192 -1 %.
 // The same bits for a row whatever the order, given the same decisions (the decisions are per
 // warp and row index instead of per warp).

@@ -88,7 +88,7 @@ struct FwdTileScheduler {
     const int64_t units = bh * units_per_bh;
     const int rows_last = params.seqlen_q % kBlockM;
     // (Whole warpgroups: no O box crosses row 0. Only where the kernel skips a warpgroup's empty
-    // key range: d96 / d128 take the tile's range, so the shift would only double the masked
+    // key range: d128 takes the tile's range, so the shift would only double the masked
     // diagonal blocks there. Never with a window's left bound: mask.cuh's key_start assumes rows
     // >= 0 without one and the kLocal twin is not shifted.)
     s.m_shift = skips_empty_warpgroups && s.paired && rows_last > 0 && params.cu_seqlens_q == nullptr &&

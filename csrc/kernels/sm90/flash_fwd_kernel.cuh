@@ -24,12 +24,12 @@
 //        wait S_i, release K; mask (diagonal / window / seqlen_k edge tiles only); online softmax of S_i
 //        (primitives/softmax.cuh: the sm80 kernel's numerics, the same code) while O += P V runs
 //                                                                                    Alg. 1 lines 9-10
-//        wait O += P V, release V; O *= alpha; P_i = S_i as A fragments (d96 / d128: row by row
+//        wait O += P V, release V; O *= alpha; P_i = S_i as A fragments (d128: row by row
 //        inside the softmax, which goes row by row there, into the other of two P register buffers
 //        while O += P_{i-1} V still reads the first: FwdKernelTraits::kSoftmaxOrder, kDoubleBufferP).
 //        With 2-3 consumer warpgroups the warpgroups take turns issuing their GEMMs (named
 //        barriers, WarpgroupTurns), so one's softmax runs under another's products.
-//        d64 / d192 / d256 and d128's 144-key row (FwdKernelTraits::kWarpgroupKeyRanges): a
+//        d64 / d96 / d192 / d256 and d128's 144-key row (FwdKernelTraits::kWarpgroupKeyRanges): a
 //        warpgroup runs only the steps of the key blocks its own rows see (n_wg of the tile's
 //        steps: the causal diagonal, rows past seqlen_q, a window's left edge); for the tile's
 //        other steps (first n_block_max - n_top, last n_lo - n_block_min) it passes its turn and
@@ -150,7 +150,7 @@ struct FwdKernelTraits {
   // -DFLASH_ATTN_EXT_SM90_FWD_PINGPONG=0 turns it off (A/B measurements, debugging).
   static constexpr bool kPingPong = FLASH_ATTN_EXT_SM90_FWD_PINGPONG && kConsumerWGs >= 2;
   // The softmax's row order (primitives/softmax.cuh: RowOrder): pipelined where two ping-pong
-  // warpgroups leave the softmax's latency on the loop's critical path (d96, d128); d64's three
+  // warpgroups leave the softmax's latency on the loop's critical path (d128); d64's and d96's three
   // warpgroups are bound by the SFU's throughput instead, which the pipelined order's extra votes
   // and branches only add to, and d192 / d256 by their products (the pipelined order and the P
   // double buffer measured 0.98-1.02 there).
@@ -159,16 +159,17 @@ struct FwdKernelTraits {
   // P in two register buffers (the loop runs two key blocks per trip): P_i's conversion to A
   // fragments rides in the pipelined softmax, filling the next row's SFU gaps, while O += P_{i-1} V
   // still reads the other buffer. Tune harness (H200, 6 rounds, on top of the pipelined order):
-  // d96 / d128 +1.7 / +1.9 % more at N >= 4k; with three warpgroups (d64) -4 % on short causal loops.
+  // d96 (then on 128 x 128 tiles) / d128 +1.7 / +1.9 % more at N >= 4k; with three warpgroups (d64)
+  // -4 % on short causal loops.
   // Above 144 keys two P buffers no longer fit beside S and O (d128, 176 keys: 2 x 44 + 88 + 64
   // registers; ptxas serializes the wgmmas, C7512), so such a row keeps one.
   static constexpr bool kDoubleBufferP = kSoftmaxOrder == RowOrder::kPipelined && kBlockN <= 144;
   // Each consumer warpgroup visits only the key blocks its own 64 rows see (the kernel's n_wg):
   // where the tile's warpgroups cross the causal diagonal in different key blocks at every tile
-  // (d64: 192 rows over 128-key blocks; d192 / d256: 112 / 80 keys), and where the sequence's
-  // last tile leaves a warpgroup without rows (d64). Tune harness (H200, 10 rounds, with the
+  // (d64 / d96: 192 rows over 128 / 96-key blocks; d192 / d256: 112 / 80 keys), and where the
+  // sequence's last tile leaves a warpgroup without rows (d64, d96). Tune harness (H200, 10 rounds, with the
   // scheduler's light units last): causal N = 1k / 2k / 4k d64 +14 / +6 / +5 %, d192 +9 / +4 /
-  // +3 %, d256 +9 / +6 / +3 %; d64 non-causal 1k +4 %; N >= 8k within 1.5 %. At d96 / d128
+  // +3 %, d256 +9 / +6 / +3 %; d64 non-causal 1k +4 %; N >= 8k within 1.5 %. At d128
   // (128 x 128 tiles) the ranges differ only in such a last tile of <= 64 rows or under a causal
   // offset that is not a multiple of 64; there the per-tile code cost 1-2 % at N <= 2k, so both
   // warpgroups take the tile's range.

@@ -123,18 +123,26 @@ inline bool dkv_long_rows(bool dense, int seqlen_q, int seqlen_k, int64_t batch_
 // Forward (sm90/flash_fwd_kernel.cuh): one producer warpgroup (TMA) + kBlockM / 64 consumer
 // warpgroups of 64 query rows each (kNWarps = 4 (producer) + kBlockM / 16); FlashAttention-3's
 // shapes (../shared/HOPPER.md §1.1; S widths 80 and 112 from primitives/gen_wgmma.py): 3
-// consumer warpgroups (32/160 registers) at d64, 2 (24/240) above. Shared memory (227 KB): two Q
-// buffers where they fit beside two K/V stages, then as many K/V stages (2..4) as fit:
-// d64 2 x 24 + 4 x 32 KB, d96/d128 2 x 32 + 2 x 64 KB, d192 48 + 2 x 84 KB, d256 64 + 2 x 80 KB
-// (the kernel's traits compute it). d96 runs the d128 shape with 128-column shared tiles (FA3:
-// 192 x 144 with 96 columns; the 128-byte swizzle atom is 64 columns wide), S over its 6 k16
-// steps only, O += P V 96 columns wide (smem_layout.cuh: head_dim_mma). Swept with
-// benchmarks/tune_kernels.py (H200, bf16, N = 1k..16k, causal both;
+// consumer warpgroups (32/160 registers) at d64 and d96, 2 (24/240) above. Shared memory (227 KB):
+// two Q buffers where they fit beside two K/V stages, then as many K/V stages (2..4) as fit:
+// d64 2 x 24 + 4 x 32 KB, d96 2 x 48 + 2 x 48 KB, d128 2 x 32 + 2 x 64 KB, d192 48 + 2 x 84 KB,
+// d256 64 + 2 x 80 KB (the kernel's traits compute it). d96 keeps 128-column shared tiles (FA3: 192 x 144 with 96
+// columns; the 128-byte swizzle atom is 64 columns wide), S over its 6 k16 steps only, O += P V
+// 96 columns wide (smem_layout.cuh: head_dim_mma); its rows are d64's shape, three consumer
+// warpgroups of 64 rows, over 96-key tiles.
+// Swept with benchmarks/tune_kernels.py (H200, bf16, N = 1k..16k, causal both;
 // docs/PERF_NOTES.md): these rows are the fastest or within 3 % at N >= 2k; d128 non-causal runs
 // 128 x 128, not FA3's 128 x 176 (2-5 % slower at every N: one Q buffer instead of two).
+// d96 on 192 x 96 (2026-12-03, one binary, 3 rounds, median TFLOP/s at N = 1k / 4k / 8k / 16k):
+// 460 / 623 / 596 / 601 non-causal, 308 / 537 / 574 / 594 causal, against 128 x 128's 462 / 578 /
+// 539 / 562 and 293 / 478 / 511 / 514 (192 x 112 and 192 x 80 in between). Three warpgroups take
+// turns over 64-row products, so each hides its softmax under two others' instead of one. The
+// same shape at d128 (192 x 80; P and S beside O's 64 registers leave no wider tile within 160
+// registers: 192 x 96 serializes its wgmmas) lost 5-11 % to 128 x 128 at non-causal 4k / 16k and
+// causal 8k / 16k, won 5-6 % at non-causal 8k and causal 4k, even at 1k: not taken.
 //                                     BLOCK_M BLOCK_N warps Q-in-regs minCTAs
 template <> struct FwdTile<64>  : FwdTileShape<192,  128,   16,  false,    1> { static constexpr bool kSupported = true; };
-template <> struct FwdTile<96>  : FwdTileShape<128,  128,   12,  false,    1> { static constexpr bool kSupported = true; };
+template <> struct FwdTile<96>  : FwdTileShape<192,   96,   16,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdTile<128> : FwdTileShape<128,  128,   12,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdTile<192> : FwdTileShape<128,  112,   12,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdTile<256> : FwdTileShape<128,   80,   12,  false,    1> { static constexpr bool kSupported = true; };
