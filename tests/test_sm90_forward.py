@@ -315,8 +315,8 @@ def test_sm90_forward_persistent_batch_heads_70000():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", SM90_FWD_HDIMS)
 def test_sm90_forward_persistent_deterministic(d, causal):
-    """Many tiles per CTA (two Q buffers at d64 and d128; one at d192 and d256, whose O is staged in
-    the V ring): three calls, bit-identical outputs."""
+    """Many tiles per CTA (two Q buffers at d64, d96 and d128; one at d192 and d256, whose O is
+    staged in the V ring): three calls, bit-identical outputs."""
     require_hdim(d, exact=True)
     q, k, v = make_qkv(4, 1000, 1000, 16, 4, d, torch.bfloat16, seed=11)
     first = _forward(q, k, v, 0.1, causal)
@@ -349,11 +349,12 @@ def test_sm90_forward_one_key_block_tiles(d, causal, dtype):
 # consumer warpgroup visits only the key blocks its own 64 rows see, passing its turns and
 # releasing the ring stages of the others; the scheduler deals the units holding a tile with a
 # warpgroup without rows after all the others. (seqlen_q, seqlen_k):
-#   (1024, 1024): d64's / d96's last 192-row tile has 64 rows (two warpgroups without rows, light units last);
+#   (1024, 1024): d64's / d96's last 192-row tile has 64 rows (two warpgroups without rows, light
+#   units last);
 #   (1088, 1088): its last tile has 128 rows (one without rows);
 #   (1000, 900): causal rows 0..99 see no key: a warpgroup with no key inside a tile with keys;
 #   (300, 2000): causal offset 1700 (not a multiple of 64): every warpgroup its own last block;
-#   (1000, 850): causal d64 with the partial tile at the top (FwdTileScheduler::m_shift = 128: the
+#   (1000, 850): causal d64 / d96 with the partial tile at the top (FwdTileScheduler::m_shift = 128: the
 #   first tile's two warpgroups above row 0 store nothing) and rows 0..149 without keys.
 # Causal d64 / d96 at 1024 / 1088 / 1000 also start their tiles above row 0 (m_shift 128 / 64 / 128).
 WARPGROUP_RANGE_PAIRS = [(1024, 1024), (1088, 1088), (1000, 900), (300, 2000), (1000, 850)]
