@@ -40,7 +40,8 @@ paths it does not serve: vmap, double-backward recording, varlen):
   varlen_forward / varlen_backward: the same on packed sequences (see their __doc__); autograd
       and fake kernels here, no vmap rule.
   fwd_kvcache: inference forward over a KV cache (see its __doc__); fake kernel here; it has no
-      gradient (an input that requires grad raises).
+      gradient (an input that requires grad raises) and no vmap rule (torch.vmap raises, naming the
+      batch dimension to use instead).
 """
 
 from __future__ import annotations
@@ -656,6 +657,17 @@ def _fwd_kvcache_autograd(*args):
         raise RuntimeError(_KVCACHE_GRAD_MSG)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.flash_attn_ext.fwd_kvcache.default(*args)
+
+
+@torch.library.register_vmap("flash_attn_ext::fwd_kvcache")
+def _fwd_kvcache_vmap(info, in_dims, *args):
+    """No batching rule: the op appends k / v into the caches in place (a vmapped cache would be
+    per-sample views of one buffer) and already has a batch dimension; refused with the way out,
+    not the dispatcher's fallback error."""
+    raise NotImplementedError(
+        "flash_attn_ext: torch.vmap over flash_attn_with_kvcache (torch.ops.flash_attn_ext.fwd_kvcache) is not "
+        "supported: it writes k / v into the caches in place. Put the vmapped samples into the batch dimension "
+        "of q, k_cache / v_cache (and cache_seqlens, block_table) and call it once")
 
 
 _lib.impl("varlen_forward", _autograd_kernel("varlen_forward", FlashAttnVarlenFunction), "Autograd")

@@ -170,6 +170,20 @@ def test_kvcache_refuses_grad():
         flash_attn_ext.flash_attn_with_kvcache(**args)
 
 
+@pytest.mark.parametrize("vmapped", ["q", "k_cache"])
+def test_kvcache_refuses_vmap_clearly(vmapped):
+    """torch.vmap over the KV-cache op: an error naming it and the batch dimension to use instead,
+    not the dispatcher's "Batching rule not implemented ... fallback path" message."""
+    args = _args()
+    samples = torch.stack([args[vmapped]] * 3)
+
+    def call(x):
+        return flash_attn_ext.flash_attn_with_kvcache(**dict(args, **{vmapped: x}))
+
+    with pytest.raises(NotImplementedError, match="torch.vmap over flash_attn_with_kvcache.*batch dimension"):
+        torch.vmap(call)(samples)
+
+
 def test_kvcache_opcheck_and_compile():
     args = _args(paged=True)
     k_new, v_new = torch.randn(2, 2, 2, 16), torch.randn(2, 2, 2, 16)
