@@ -126,10 +126,10 @@ inline bool dkv_long_rows(bool dense, int seqlen_q, int seqlen_k, int64_t batch_
 // consumer warpgroups (32/160 registers) at d64 and d96, 2 (24/240) above. Shared memory (227 KB):
 // two Q buffers where they fit beside two K/V stages, then as many K/V stages (2..4) as fit:
 // d64 2 x 24 + 4 x 32 KB, d96 2 x 48 + 2 x 48 KB, d128 2 x 32 + 2 x 64 KB, d192 48 + 2 x 84 KB,
-// d256 64 + 2 x 80 KB (the kernel's traits compute it). d96 keeps 128-column shared tiles (FA3: 192 x 144 with 96
-// columns; the 128-byte swizzle atom is 64 columns wide), S over its 6 k16 steps only, O += P V
-// 96 columns wide (smem_layout.cuh: head_dim_mma); its rows are d64's shape, three consumer
-// warpgroups of 64 rows, over 96-key tiles.
+// d256 64 + 2 x 80 KB (the kernel's traits compute it). d96 keeps 128-column shared tiles (FA3:
+// 192 x 144 with 96 columns; the 128-byte swizzle atom is 64 columns wide), S over its 6 k16 steps
+// only, O += P V 96 columns wide (smem_layout.cuh: head_dim_mma); its rows are d64's shape, three
+// consumer warpgroups of 64 rows, over 96-key tiles.
 // Swept with benchmarks/tune_kernels.py (H200, bf16, N = 1k..16k, causal both;
 // docs/PERF_NOTES.md): these rows are the fastest or within 3 % at N >= 2k; d128 non-causal runs
 // 128 x 128, not FA3's 128 x 176 (2-5 % slower at every N: one Q buffer instead of two).
