@@ -185,6 +185,30 @@ def test_varlen_equals_dense_per_sequence(case, causal, nheads, nheads_k, dtype,
     check_varlen_call(lens_q, lens_k, nheads, nheads_k, 128, dtype, causal)
 
 
+def test_varlen_sequence_past_the_long_key_bound(poison_empty):
+    """The documented exception to bit-for-bit equality: a packed sequence with >= 8192 keys,
+    non-causal, d128. Alone, flash_attn_func takes the sm90 long-key row (144-key tiles,
+    csrc/kernels/sm90/tile_config.h: fwd_long_keys), the packed call 128-key tiles, so that
+    sequence's sums round differently: both within the accuracy rule. The other sequence of the
+    call is bit for bit, and the packed call deterministic."""
+    require_hdim(128, exact=True)
+    lens_q, lens_k = [200, 64], [8200, 300]
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 4, 2, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    ours = run_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), False, dout)
+    assert_bitwise(run_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), False, dout), ours,
+                   "an identical second call (determinism)")
+    check_reference(q, k, v, cu_q, cu_k, False, dout, ours)
+    dense = run_dense_per_sequence(q, k, v, cu_q, cu_k, False, dout)
+    # the short sequence (rows 200:264 of q, 8200:8500 of k / v): the same kernels, the same bits
+    rows_q, rows_k = slice(200, 264), slice(8200, 8500)
+    pick = (rows_q, (slice(None), rows_q), rows_q, rows_k, rows_k)
+    assert_bitwise([t[i] for t, i in zip(ours, pick)], [t[i] for t, i in zip(dense, pick)],
+                   "flash_attn_func on the short sequence alone")
+    # the long one alone: within the rule against the same reference (its own kernels' rounding)
+    check_reference(q, k, v, cu_q, cu_k, False, dout, dense)
+
+
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
