@@ -238,9 +238,18 @@ def _long_keys(seqlen_k, causal):
 
 
 def _tile_rows(names):
-    """The tile rows the sm90 forward kernels in ``names`` instantiate: "long" (FwdLongTile, in
-    their demangled or mangled names) or "short" (FwdTile)."""
-    return {"long" if "FwdLongTile" in n else "short" for n in names if "sm90" in n}
+    """The tile rows the sm90 forward kernels in ``names`` instantiate (their demangled or mangled
+    names): "long" (FwdLongTile), "short_causal" (FwdShortTile) or "default" (FwdTile)."""
+    return {"long" if "FwdLongTile" in n else "short_causal" if "FwdShortTile" in n else "default"
+            for n in names if "sm90" in n}
+
+
+def _short_causal(d, causal, seqlen_q):
+    """Whether a dense call takes the short causal row (sm90/tile_config.h: FwdShortTile, d128 only,
+    fwd_short_causal: causal, seqlen_q <= kFwdShortCausalMaxSeqlen = 2048) unless
+    FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL=0."""
+    return (d == 128 and causal and seqlen_q <= 2048
+            and os.environ.get("FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL") != "0")
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 8192), (777, 8200), (300, 16384), (500, 12288)])
@@ -251,7 +260,29 @@ def test_sm90_forward_long_key_tiles(seqlen_q, seqlen_k):
     q, k, v = make_qkv(1, seqlen_q, seqlen_k, 6, 2, 128, torch.bfloat16, seed=seqlen_k)
     for causal in (False, True):
         names = _forward_kernel_names(q, k, v, causal)
-        assert _tile_rows(names) == {"long" if _long_keys(seqlen_k, causal) else "short"}, (causal, names)
+        want = ("long" if _long_keys(seqlen_k, causal) else
+                "short_causal" if _short_causal(128, causal, seqlen_q) else "default")
+        assert _tile_rows(names) == {want}, (causal, names)
+        check_against_sm80(q, k, v, causal)
+
+
+# ---- The short causal row (sm90/tile_config.h: FwdShortTile, chosen by fwd_short_causal): dense
+# causal d128 calls with at most 2048 queries run 192 x 64 tiles (three consumer warpgroups, key
+# ranges per warpgroup, the partial tile at the top). (seqlen_q, seqlen_k): 1000 (a partial last
+# tile), 2048 (the bound, 10.67 tiles), 2049 (past it: FwdTile), (300, 2000) (a causal offset),
+# (1500, 700) (rows without keys).
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (2048, 2048), (2049, 2049), (300, 2000), (1500, 700)])
+def test_sm90_forward_short_causal_tiles(seqlen_q, seqlen_k):
+    """The dispatch picks the short causal row exactly where fwd_short_causal says (causal only),
+    and every row is within the rule and agrees with the (forced) sm80 kernel, GQA 3:1."""
+    require_hdim(128, exact=True)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 6, 2, 128, torch.bfloat16, seed=seqlen_q + seqlen_k)
+    for causal in (False, True):
+        names = _forward_kernel_names(q, k, v, causal)
+        want = "short_causal" if _short_causal(128, causal, seqlen_q) else "default"
+        assert _tile_rows(names) == {want}, (causal, names)
         check_against_sm80(q, k, v, causal)
 
 
@@ -260,10 +291,17 @@ def test_sm90_forward_long_key_tiles(seqlen_q, seqlen_k):
 # dealt in (heavy, light) pairs when there are more tiles than SMs.
 
 
-def _block_m(d):
-    """The sm90 forward's Q tile rows (csrc/kernels/sm90/tile_config.h, FwdTile): three consumer
-    warpgroups at d64 and d96, two above."""
-    return 192 if d in (64, 96) else 128
+def _block_m(d, causal=False, seqlen_q=0):
+    """The sm90 forward's Q tile rows of a dense call (csrc/kernels/sm90/tile_config.h): three
+    consumer warpgroups at d64 and d96 (FwdTile) and on d128's short causal row (FwdShortTile), two
+    otherwise."""
+    return 192 if d in (64, 96) or _short_causal(d, causal, seqlen_q) else 128
+
+
+def _key_ranges(d, causal=False, seqlen_q=0):
+    """Whether the kernel a dense call runs skips a warpgroup's empty key range
+    (FwdKernelTraits::kWarpgroupKeyRanges): every row but d128's FwdTile."""
+    return d != 128 or _short_causal(d, causal, seqlen_q)
 
 
 def _num_sms():
@@ -284,7 +322,7 @@ def test_sm90_forward_persistent_many_tiles(d, causal, seqlen_q, seqlen_k):
     several tiles and CTAs walk different numbers of them (and of key blocks), GQA."""
     require_hdim(d, exact=True)
     batch, nheads, nheads_k = 2, 48, 16
-    block_m = _block_m(d)
+    block_m = _block_m(d, causal, seqlen_q)
     tiles = batch * nheads * math.ceil(seqlen_q / block_m)
     assert tiles > 2 * _num_sms() or _num_sms() > 150, (tiles, _num_sms())
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, torch.bfloat16, seed=d + seqlen_q)
@@ -396,11 +434,11 @@ def _split_tail_units(bh, seqlen_q, block_m, causal, num_sms, skips_empty_warpgr
     return rest if k >= 2 and full > num_sms and 0 < rest <= bh and fits else 0
 
 
-# (d, batch, nheads, nheads_k, seqlen): on 132 SMs each splits a causal tail: d128 an even and an
-# odd number of Q tiles per sequence (8, 9), d64 / d96 with the partial tile at the top (6 and 9 tiles
-# of 192 rows, m_shift 128).
-SPLIT_TAIL_CASES = [(128, 2, 17, 17, 1024), (128, 3, 9, 3, 1152), (64, 2, 25, 5, 1000), (64, 3, 9, 1, 1600),
-                    (96, 2, 25, 5, 1000)]
+# (d, batch, nheads, nheads_k, seqlen): on 132 SMs each splits a causal tail: d128's FwdTile an even
+# and an odd number of Q tiles per sequence (18, 19: past the short causal row's 2048), d64 / d96 /
+# d128's short causal row with the partial tile at the top (6 and 9 tiles of 192 rows, m_shift 128).
+SPLIT_TAIL_CASES = [(128, 3, 5, 5, 2304), (128, 2, 7, 7, 2432), (64, 2, 25, 5, 1000), (64, 3, 9, 1, 1600),
+                    (96, 2, 25, 5, 1000), (128, 2, 25, 5, 1000)]
 
 
 @pytest.mark.parametrize("d,batch,nheads,nheads_k,seqlen", SPLIT_TAIL_CASES)
@@ -409,8 +447,8 @@ def test_sm90_forward_persistent_split_tail(d, batch, nheads, nheads_k, seqlen):
     pairs dealt as single tiles) and, at d64, the light units after it. Every tile must be computed
     once: within the rule against the reference, and against the (forced) sm80 kernel."""
     require_hdim(d, exact=True)
-    block_m = _block_m(d)
-    split = _split_tail_units(batch * nheads, seqlen, block_m, True, _num_sms(), d != 128)
+    block_m = _block_m(d, True, seqlen)
+    split = _split_tail_units(batch * nheads, seqlen, block_m, True, _num_sms(), _key_ranges(d, True, seqlen))
     if _num_sms() == 132 and _top_shift():
         assert split > 0, "the case no longer exercises the split tail on this GPU"
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads_k, d, torch.bfloat16, seed=seqlen + d)

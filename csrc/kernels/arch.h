@@ -46,6 +46,9 @@ FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_sm80_, Flash_fwd_params)
 // The sm90 forward with its long-key tile row (sm90/tile_config.h: FwdLongTile;
 // sm90/flash_fwd_long_launch.cuh).
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_long_, Flash_fwd_params)
+// The sm90 forward with its short causal tile row (sm90/tile_config.h: FwdShortTile;
+// sm90/flash_fwd_short_launch.cuh).
+FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_short_, Flash_fwd_params)
 // The sm90 dK/dV kernel with its long-query tile row (sm90/tile_config.h: DkvLongTile;
 // sm90/flash_bwd_dkv_long_launch.cuh).
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dkv_long_, Flash_bwd_params)

@@ -7,7 +7,7 @@
 // The manifest (csrc/kernels/generate_kernels.py) is the one list of (arch path, kernel, head dim,
 // dtype); setup.py writes the subset this build compiles into csrc/generated/build_config.h as
 // X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS,
-// FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS, FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS,
+// FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS, FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS, FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS,
 // FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS) and the flag FLASH_ATTN_EXT_WITH_SM90, read here only.
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches on `stream`:
@@ -47,6 +47,7 @@ constexpr int kSm90FwdHdims[] = {FLASH_ATTN_EXT_SM90_FWD_HDIMS(FLASH_ATTN_EXT_LI
 constexpr int kSm90BwdHdims[] = {FLASH_ATTN_EXT_SM90_BWD_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90FwdSm80Hdims[] = {FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90FwdLongHdims[] = {FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
+constexpr int kSm90FwdShortHdims[] = {FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90BwdDkvLongHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 #undef FLASH_ATTN_EXT_LIST_ITEM
 
@@ -68,6 +69,13 @@ bool env_set_to_zero(const char* name) {
 // long-key row (sm90/tile_config.h: FwdLongTile) unused.
 bool sm90_long_keys_enabled() {
   static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS");
+  return enabled;
+}
+
+// FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL=0 (read once) keeps every sm90 forward call on FwdTile, the
+// short causal row (sm90/tile_config.h: FwdShortTile) unused.
+bool sm90_short_causal_enabled() {
+  static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL");
   return enabled;
 }
 
@@ -191,6 +199,14 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
               sm90::fwd_long_keys(params.cu_seqlens_q == nullptr, params.is_causal, params.seqlen_k,
                                   sm90::FwdTile<kHeadDim>::kBlockN, sm90::FwdLongTile<kHeadDim>::kBlockN)) {
             run_mha_fwd_long_<Element, kHeadDim>(Sm90{}, params, stream);
+            return;
+          }
+        }
+        // Short dense causal calls: the short causal tile row where the head dim has one.
+        if constexpr (contains(kSm90FwdShortHdims, kHeadDim)) {
+          if (sm90_short_causal_enabled() &&
+              sm90::fwd_short_causal(params.cu_seqlens_q == nullptr, params.is_causal, params.seqlen_q)) {
+            run_mha_fwd_short_<Element, kHeadDim>(Sm90{}, params, stream);
             return;
           }
         }

@@ -172,6 +172,23 @@ inline bool fwd_long_keys(bool dense, bool causal, int seqlen_k, int short_block
   return padded_long * 1000 <= padded_short * 1005;
 }
 
+// Short causal calls at d128 (sm90/flash_fwd_short_launch.cuh; fwd_short_causal below says when):
+// three consumer warpgroups over 64-key tiles (d64's / d96's shape; 32 / 160 registers: S 32, P 16
+// and O 64 per thread), so each warpgroup's softmax runs under two others' products. Tune harness
+// (H200, bf16, one binary, 3 rounds, median TFLOP/s; docs/PERF_NOTES.md, 2026-12-03 second
+// session): causal N = 1k 381 against FwdTile's 353 (+8 %), 4k 582 / 588, 8k 543 / 641 (-15 %);
+// non-causal 1k 486 / 483, 4k 520 / 622. kFwdShortCausalMaxSeqlen is a first guess between the
+// measured points (1k won, 4k even): TO MEASURE before a merge (causal N = 512 .. 3072).
+template <int kHeadDim> struct FwdShortTile { static constexpr bool kSupported = false; };
+template <> struct FwdShortTile<128> : FwdTileShape<192,   64,   16,  false,    1> { static constexpr bool kSupported = true; };
+constexpr int kFwdShortCausalMaxSeqlen = 2048;
+
+// Whether a forward call takes FwdShortTile instead of FwdTile: dense (a varlen call's tiles are
+// its sequences'), causal, at most kFwdShortCausalMaxSeqlen queries.
+inline bool fwd_short_causal(bool dense, bool causal, int seqlen_q) {
+  return dense && causal && seqlen_q <= kFwdShortCausalMaxSeqlen;
+}
+
 // The sm80 forward kernel (sm80/flash_fwd_kernel.cuh) on an sm_90 GPU: the inputs the forward
 // above does not take (strides or bases TMA cannot describe, a KV cache) and the forced sm80
 // path. Its sm_90a code has more room than its sm_80 / sm_86 code: at d128, 128 x
