@@ -298,11 +298,13 @@ def flash_attn_varlen_func(
     sequence's rows and lengths from ``cu_seqlens`` (no padding, no per-sequence launches).
     Sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k and v; its output equals
-    ``flash_attn_func`` on that sequence alone (on the same GPU arch path, bit for bit; one
-    exception: on sm90 a dense non-causal hdim 128 call with at least 8192 keys (most such
-    lengths: the rule also bounds the last tile's padding) runs the long-key tile row (144-key
-    tiles, ``FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS``), which packed calls never take, so such a
-    sequence alone rounds its sums differently and agrees within the accuracy rule instead).
+    ``flash_attn_func`` on that sequence alone (on the same GPU arch path, bit for bit; two
+    exceptions, where the sequence alone runs another sm90 tile row at hdim 128: non-causal with
+    at least 8192 keys (most such lengths; 144-key tiles, ``FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS``;
+    packed calls never take them) and causal with at most 2048 queries in a call whose ``max_seqlen_q`` exceeds 2048
+    (64-key tiles, ``FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL``; packed calls take them when
+    ``max_seqlen_q`` <= 2048); such a sequence rounds its sums differently and agrees within the
+    accuracy rule instead).
     Differentiable w.r.t. q, k, v (reverse mode; deterministic, no atomics).
 
     Args:

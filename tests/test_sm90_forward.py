@@ -245,8 +245,8 @@ def _tile_rows(names):
 
 
 def _short_causal(d, causal, seqlen_q):
-    """Whether a dense call takes the short causal row (sm90/tile_config.h: FwdShortTile, d128 only,
-    fwd_short_causal: causal, seqlen_q <= kFwdShortCausalMaxSeqlen = 2048) unless
+    """Whether a call takes the short causal row (sm90/tile_config.h: FwdShortTile, d128 only,
+    fwd_short_causal: causal, seqlen_q (varlen: max_seqlen_q) <= kFwdShortCausalMaxSeqlen = 2048) unless
     FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL=0."""
     return (d == 128 and causal and seqlen_q <= 2048
             and os.environ.get("FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL") != "0")
@@ -266,8 +266,9 @@ def test_sm90_forward_long_key_tiles(seqlen_q, seqlen_k):
         check_against_sm80(q, k, v, causal)
 
 
-# ---- The short causal row (sm90/tile_config.h: FwdShortTile, chosen by fwd_short_causal): dense
-# causal d128 calls with at most 2048 queries run 192 x 64 tiles (three consumer warpgroups, key
+# ---- The short causal row (sm90/tile_config.h: FwdShortTile, chosen by fwd_short_causal): causal
+# d128 calls with at most 2048 queries (varlen: max_seqlen_q; tests/test_varlen_cuda.py has the
+# bound's bit-for-bit cases) run 192 x 64 tiles (three consumer warpgroups, key
 # ranges per warpgroup, the partial tile at the top). (seqlen_q, seqlen_k): 1000 (a partial last
 # tile), 2048 (the bound, 10.67 tiles), 2049 (past it: FwdTile), (300, 2000) (a causal offset),
 # (1500, 700) (rows without keys).

@@ -202,10 +202,10 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
             return;
           }
         }
-        // Short dense causal calls: the short causal tile row where the head dim has one.
+        // Short causal calls (dense or varlen, by max_seqlen_q): the short causal tile row where
+        // the head dim has one.
         if constexpr (contains(kSm90FwdShortHdims, kHeadDim)) {
-          if (sm90_short_causal_enabled() &&
-              sm90::fwd_short_causal(params.cu_seqlens_q == nullptr, params.is_causal, params.seqlen_q)) {
+          if (sm90_short_causal_enabled() && sm90::fwd_short_causal(params.is_causal, params.seqlen_q)) {
             run_mha_fwd_short_<Element, kHeadDim>(Sm90{}, params, stream);
             return;
           }

@@ -177,16 +177,21 @@ inline bool fwd_long_keys(bool dense, bool causal, int seqlen_k, int short_block
 // and O 64 per thread), so each warpgroup's softmax runs under two others' products. Tune harness
 // (H200, bf16, one binary, 3 rounds, median TFLOP/s; docs/PERF_NOTES.md, 2026-12-03 second
 // session): causal N = 1k 381 against FwdTile's 353 (+8 %), 4k 582 / 588, 8k 543 / 641 (-15 %);
-// non-causal 1k 486 / 483, 4k 520 / 622. kFwdShortCausalMaxSeqlen is a first guess between the
-// measured points (1k won, 4k even): TO MEASURE before a merge (causal N = 512 .. 3072).
+// non-causal 1k 486 / 483, 4k 520 / 622. Causal N = 512 / 1024 / 1536 / 2048 / 3072 (2026-12-03,
+// third session, 2 runs): 252 / 378 / 470 / 522 / 582 against 246 / 369 / 445 / 506 / 575 (+2.5 / +2.4
+// / +5.6 / +3.2 / +1.2 %); end to end with the knob (bf16 and fp16, 2 rounds) +2 to +5 % at N <= 2048.
+// Varlen on this row: NOT MEASURED yet (the gate, docs/PERF_NOTES.md).
 template <int kHeadDim> struct FwdShortTile { static constexpr bool kSupported = false; };
 template <> struct FwdShortTile<128> : FwdTileShape<192,   64,   16,  false,    1> { static constexpr bool kSupported = true; };
 constexpr int kFwdShortCausalMaxSeqlen = 2048;
 
-// Whether a forward call takes FwdShortTile instead of FwdTile: dense (a varlen call's tiles are
-// its sequences'), causal, at most kFwdShortCausalMaxSeqlen queries.
-inline bool fwd_short_causal(bool dense, bool causal, int seqlen_q) {
-  return dense && causal && seqlen_q <= kFwdShortCausalMaxSeqlen;
+// Whether a forward call takes FwdShortTile instead of FwdTile: causal, at most
+// kFwdShortCausalMaxSeqlen queries: a dense call's seqlen_q, a varlen call's max_seqlen_q. Varlen
+// calls take the rule too so that a packed call whose max_seqlen_q is within the bound and each of
+// its sequences alone run the same row, bit for bit (flash_attn_varlen_func's contract; 64-key
+// tiles round the row sums differently from 128-key ones).
+inline bool fwd_short_causal(bool causal, int seqlen_q) {
+  return causal && seqlen_q <= kFwdShortCausalMaxSeqlen;
 }
 
 // The sm80 forward kernel (sm80/flash_fwd_kernel.cuh) on an sm_90 GPU: the inputs the forward
