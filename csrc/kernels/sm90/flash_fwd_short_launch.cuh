@@ -1,5 +1,5 @@
 // Launch template of the Hopper forward kernel with the short causal tile row (tile_config.h:
-// FwdShortTile), for the short dense causal calls that fwd_short_causal picks (kernels/dispatch.cu).
+// FwdShortTile), for the short causal calls (varlen: by max_seqlen_q) that fwd_short_causal picks (kernels/dispatch.cu).
 // Explicitly instantiated per (dtype, head dim) by
 // csrc/kernels/sm90/instantiations/flash_fwd_short_hdim*_sm90.cu, which the build compiles for
 // sm_90a only.
