@@ -126,7 +126,7 @@ struct MaskArgs {
 // The checked and normalized mask for a call whose longest sequence has seqlen_q queries and
 // seqlen_k keys (dense: the tensors'; varlen: max_seqlen_q / max_seqlen_k; KV cache: the cache's
 // capacity): a bound that hides no key is none (left >= seqlen_k - 1, right >= seqlen_q - 1; a
-// non-causal window (-1, 0) is causal), so such a call runs as the unwindowed one. A window that
+// window (w, 0) is causal with left bound w), so such a call runs as the unwindowed one. A window that
 // remains needs seqlen_q + seqlen_k <= 2^31 - 512: the kernels' mask sums stay in int32 then
 // (kernels/common/mask.cuh).
 MaskArgs mask_args(bool causal, int64_t window_size_left, int64_t window_size_right, int64_t seqlen_q,
@@ -135,9 +135,12 @@ MaskArgs mask_args(bool causal, int64_t window_size_left, int64_t window_size_ri
               window_size_left);
   TORCH_CHECK(window_size_right >= -1, "flash_attn_ext: window_size_right must be -1 (no right bound) or >= 0, got ",
               window_size_right);
+  // A window (w, 0) is causal with a left bound w, whatever the lengths: normalized before them, so
+  // a packed call (bounded by its longest sequence) and each of its sequences alone run the same
+  // kernel row (the sm90 forward picks rows by causal: kernels/sm90/tile_config.h).
+  if (window_size_right == 0) causal = true;
   int64_t left = window_size_left >= seqlen_k - 1 ? -1 : window_size_left;
   int64_t right = causal || window_size_right >= seqlen_q - 1 ? -1 : window_size_right;
-  if (!causal && left < 0 && right == 0) causal = true, right = -1;
   TORCH_CHECK((left < 0 && right < 0) || seqlen_q + seqlen_k <= flash::kMaxWindowedSeqlens,
               "flash_attn_ext: a sliding window needs seqlen_q + seqlen_k <= 2^31 - 512 = ", flash::kMaxWindowedSeqlens,
               " (the kernels' mask arithmetic is int32), got seqlen_q ", seqlen_q, " and seqlen_k ", seqlen_k);

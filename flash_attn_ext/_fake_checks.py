@@ -101,9 +101,9 @@ def check_window(window_size_left: int, window_size_right: int, causal: bool, se
         _fail("window_size_left must be -1 (no left bound) or >= 0, got ", window_size_left)
     if window_size_right < -1:
         _fail("window_size_right must be -1 (no right bound) or >= 0, got ", window_size_right)
+    causal = causal or window_size_right == 0  # a window (w, 0) is causal with left bound w
     left = window_size_left >= 0 and window_size_left < seqlen_k - 1
     right = not causal and window_size_right >= 0 and window_size_right < seqlen_q - 1
-    right = right and not (not causal and not left and window_size_right == 0)
     if (left or right) and seqlen_q + seqlen_k > MAX_WINDOWED_SEQLENS:
         _fail("a sliding window needs seqlen_q + seqlen_k <= 2^31 - 512 = ", MAX_WINDOWED_SEQLENS,
               " (the kernels' mask arithmetic is int32), got seqlen_q ", seqlen_q, " and seqlen_k ", seqlen_k)

@@ -77,8 +77,8 @@ def test_window_rows_without_keys_cpu():
 
 def test_window_that_hides_nothing_is_the_unwindowed_call():
     """Bounds that hide no key are normalized away (flash_api.cpp: mask_args; left >= seqlen_k - 1,
-    right >= seqlen_q - 1): the same bits as window (-1, -1); a non-causal (-1, 0) is causal; and
-    causal=True ignores window_size[1] (flash-attn's rule)."""
+    right >= seqlen_q - 1): the same bits as window (-1, -1); a non-causal (w, 0) is causal with left
+    bound w; and causal=True ignores window_size[1] (flash-attn's rule)."""
     q, k, v = make_qkv(2, 70, 90, 4, 2, 32, torch.float32, requires_grad=False)
     base = _run(q, k, v, False, (-1, -1))
     for w in [(89, -1), (-1, 69), (5000, 5000)]:
@@ -88,6 +88,9 @@ def test_window_that_hides_nothing_is_the_unwindowed_call():
     for a, b in zip(_run(q, k, v, True, (-1, 7)), causal):
         assert torch.equal(a, b)
     for a, b in zip(_run(q, k, v, False, (-1, 0)), causal):
+        assert torch.equal(a, b)
+    # and a non-causal (w, 0) is causal with the left bound w
+    for a, b in zip(_run(q, k, v, False, (5, 0)), _run(q, k, v, True, (5, -1))):
         assert torch.equal(a, b)
     # One less than hiding nothing does hide keys: not the unwindowed result.
     assert not torch.equal(_run(q, k, v, False, (88, -1))[0], base[0])
@@ -304,9 +307,12 @@ def test_window_cuda_varlen_wg_ranges(arch_path, d):
 
 
 @cuda
-def test_window_cuda_varlen_equals_dense(arch_path):
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_cuda_varlen_equals_dense(arch_path, causal):
     """A packed batch with a window gives, per sequence, the dense windowed call's bits (the same
-    kernels, the same arch path), gradients included."""
+    kernels, the same arch path), gradients included. causal=False: the window (64, 0) is causal
+    with a left bound whatever the lengths (flash_api.cpp: mask_args), so the one-key sequence
+    alone (where the left bound hides nothing) and the packed call run the same causal row."""
     require_hdim(128, exact=True)
     lens = [300, 1, 0, 777, 129]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
@@ -314,14 +320,14 @@ def test_window_cuda_varlen_equals_dense(arch_path):
     k = torch.randn(sum(lens), 2, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     v = torch.randn(sum(lens), 2, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     w = (64, 0)
-    out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, 777, 777, causal=True, window_size=w)
+    out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, 777, 777, causal=causal, window_size=w)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         if a == e:
             continue
         qs, ks, vs = (t[a:e].detach().unsqueeze(0).requires_grad_() for t in (q, k, v))
-        o = flash_attn_ext.flash_attn_func(qs, ks, vs, causal=True, window_size=w)
+        o = flash_attn_ext.flash_attn_func(qs, ks, vs, causal=causal, window_size=w)
         g = torch.autograd.grad(o, (qs, ks, vs), dout[a:e].unsqueeze(0))
         assert torch.equal(o[0], out[a:e]), b
         for x, y in zip(g, grads):
