@@ -162,9 +162,9 @@ def _masked_attention_traced(q, k, v, m, scaling, sinks=None):
     without padding, since while tracing it cannot rule out packed sequences in position_ids.
     m: the (B, Lq, Lk) boolean mask. The same two problems as the eager path (the causal rows,
     the rows that see all their element's keys), each one varlen call over the flattened batch
-    without unpadding: per element its rows and keys as one sequence, the gaps between them as
-    filler sequences (computed and dropped), so every size is static (2B + 1 sequences, max_seqlen
-    2 L). Needs each element's rows of a call and its keys to be one run each (all padding and
+    without unpadding: per element its rows and keys as one sequence, the rows before and after
+    them in its block as two filler sequences (computed and dropped), so every size is static (3B
+    sequences, none longer than L, max_seqlen L: the dense call's own, hence its tile rows). Needs each element's rows of a call and its keys to be one run each (all padding and
     cache patterns are); the pattern check runs on the device (torch._assert_async: a
     RuntimeError on the CPU, a device-side assert on CUDA) instead of NotImplementedError. Rows
     that see no key stay 0. Sliding windows take the eager path (their number of calls depends
@@ -178,8 +178,8 @@ def _masked_attention_traced(q, k, v, m, scaling, sinks=None):
         qs, nq, q_run = _run_of(rows)
         ok = ok & q_run
         o = flash_attn_varlen_func(q.reshape(B * Lq, *q.shape[2:]), k.reshape(B * Lk, *k.shape[2:]),
-                                   v.reshape(B * Lk, *v.shape[2:]), _interleaved_cu_seqlens(qs, nq, Lq),
-                                   _interleaved_cu_seqlens(ks, nk, Lk), 2 * Lq, 2 * Lk, softmax_scale=scaling,
+                                   v.reshape(B * Lk, *v.shape[2:]), _blocked_cu_seqlens(qs, nq, Lq),
+                                   _blocked_cu_seqlens(ks, nk, Lk), Lq, Lk, softmax_scale=scaling,
                                    causal=causal, sinks=sinks)
         out = torch.where(rows[:, :, None, None], o.view(q.shape), out)
     torch._assert_async(ok.all(), "flash_attn_ext attention: an attention mask under torch.compile is neither "
@@ -199,13 +199,14 @@ def _run_of(sel):
     return start, count, (run == sel).all(1)
 
 
-def _interleaved_cu_seqlens(start, count, L):
-    """int32 (2B + 2,) cu_seqlens over B flattened blocks of L rows: for block b a filler sequence
-    up to its run, then the run [b L + start, b L + start + count), then a last filler to B L."""
+def _blocked_cu_seqlens(start, count, L):
+    """int32 (3B + 1,) cu_seqlens over B flattened blocks of L rows: for block b a filler sequence
+    [b L, b L + start), the run [b L + start, b L + start + count), a filler to (b + 1) L; each at
+    most L long (a filler may be empty)."""
     B = start.shape[0]
-    base = torch.arange(B, device=start.device) * L + start
-    bounds = torch.stack([base, base + count], 1).flatten()
-    return torch.cat([bounds.new_zeros(1), bounds, bounds.new_full((1,), B * L)]).int()
+    base = torch.arange(B, device=start.device) * L
+    bounds = torch.stack([base, base + start, base + start + count], 1).flatten()
+    return torch.cat([bounds, bounds.new_full((1,), B * L)]).int()
 
 
 def _split_mask(m, window_left=-1):

@@ -551,7 +551,7 @@ def _tiny_causal_lm(arch):
 @pytest.mark.parametrize("causal,past", [(False, 0), (True, 0), (True, 3)], ids=["full", "causal", "cache"])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
 def test_masked_attention_traced_equals_eager(left, causal, past, with_sinks):
-    """The compile path (static shapes, fillers between the elements' runs) gives the eager
+    """The compile path (static shapes, fillers around the elements' runs) gives the eager
     path's bits on the CPU and its gradients: padding both sides, causal, a cache's offset, rows
     that see no key, GQA, sinks."""
     B, Lq, Lk, H, Hk, D = 3, 11, 11 + past, 4, 2, 16
@@ -571,6 +571,23 @@ def test_masked_attention_traced_equals_eager(left, causal, past, with_sinks):
     w = torch.randn(eager.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((eager * w).sum(), inputs), torch.autograd.grad((traced * w).sum(), inputs)):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)  # filler rows add exact zeros
+
+
+@requires_cuda
+@pytest.mark.parametrize("Lq", [1500, 2100])
+def test_masked_attention_traced_equals_eager_cuda(Lq):
+    """On the GPU too the compile path gives the eager path's bits: its varlen call's max_seqlen is
+    L (not the fillers' 2 L), so with L on either side of the sm90 forward's short causal bound
+    (2048 queries) both paths run each element on the same tile row (d128 causal, padding)."""
+    B, H, D = 2, 4, 128
+    lengths = torch.tensor([Lq, Lq - 300], device="cuda")[:, None]
+    pos = torch.arange(Lq, device="cuda")
+    m = (pos[None] < lengths)[:, None, :] & (pos[None, None] <= pos[None, :, None])
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(B, Lq, H, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    eager = fx._masked_attention(q, k, v, m[:, None], D ** -0.5, -1, None)
+    traced = fx._masked_attention_traced(q, k, v, m, D ** -0.5)
+    assert torch.equal(traced, eager)
 
 
 def test_masked_attention_traced_refuses_other_patterns():
