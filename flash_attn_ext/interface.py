@@ -299,9 +299,10 @@ def flash_attn_varlen_func(
     Sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k and v; its output equals
     ``flash_attn_func`` on that sequence alone (on the same GPU arch path, bit for bit; two
-    exceptions, where the sequence alone runs another sm90 tile row at hdim 128: non-causal with
+    exceptions, where the sequence alone runs another sm90 tile row: hdim 128 non-causal with
     at least 8192 keys (most such lengths; 144-key tiles, ``FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS``;
-    packed calls never take them) and causal with at most 2048 queries in a call whose ``max_seqlen_q`` exceeds 2048
+    packed calls never take them) and hdim 128 / 256 causal with at most 2048 queries in a call
+    whose ``max_seqlen_q`` exceeds 2048
     (64-key tiles, ``FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL``; packed calls take them when
     ``max_seqlen_q`` <= 2048); such a sequence rounds its sums differently and agrees within the
     accuracy rule instead).

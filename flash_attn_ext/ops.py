@@ -497,8 +497,8 @@ varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
 forward on packed variable-length sequences (FlashAttention-2, Dao 2023, Alg. 1, one sequence per
 (batch) entry of the grid). q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim);
 cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) on q's device, sequence b = rows [cu[b], cu[b+1]).
-max_seqlen_q / max_seqlen_k: >= every sequence's length (sizes the grid and, on sm90 at d128
-causal, picks the tile row; on CUDA not checked, a longer sequence is cut to its first max_seqlen
+max_seqlen_q / max_seqlen_k: >= every sequence's length (sizes the grid and, on sm90 at d128 /
+d256 causal, picks the tile row; on CUDA not checked, a longer sequence is cut to its first max_seqlen
 rows / keys). Returns out (q's shape), softmax_lse (nheads,
 total_q) float32 natural log, softmax_stats (2, nheads, total_q) float32. Each sequence gives what
 forward gives on it alone (causal and the window bottom-right per sequence; a sequence without

@@ -245,10 +245,10 @@ def _tile_rows(names):
 
 
 def _short_causal(d, causal, seqlen_q):
-    """Whether a call takes the short causal row (sm90/tile_config.h: FwdShortTile, d128 only,
+    """Whether a call takes the short causal row (sm90/tile_config.h: FwdShortTile, d128 and d256,
     fwd_short_causal: causal, seqlen_q (varlen: max_seqlen_q) <= kFwdShortCausalMaxSeqlen = 2048) unless
     FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL=0."""
-    return (d == 128 and causal and seqlen_q <= 2048
+    return (d in (128, 256) and causal and seqlen_q <= 2048
             and os.environ.get("FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL") != "0")
 
 
@@ -275,14 +275,15 @@ def test_sm90_forward_long_key_tiles(seqlen_q, seqlen_k):
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 1000), (2048, 2048), (2049, 2049), (300, 2000), (1500, 700)])
-def test_sm90_forward_short_causal_tiles(seqlen_q, seqlen_k):
+@pytest.mark.parametrize("d", [128, 256])
+def test_sm90_forward_short_causal_tiles(d, seqlen_q, seqlen_k):
     """The dispatch picks the short causal row exactly where fwd_short_causal says (causal only),
     and every row is within the rule and agrees with the (forced) sm80 kernel, GQA 3:1."""
-    require_hdim(128, exact=True)
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 6, 2, 128, torch.bfloat16, seed=seqlen_q + seqlen_k)
+    require_hdim(d, exact=True)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 6, 2, d, torch.bfloat16, seed=seqlen_q + seqlen_k)
     for causal in (False, True):
         names = _forward_kernel_names(q, k, v, causal)
-        want = "short_causal" if _short_causal(128, causal, seqlen_q) else "default"
+        want = "short_causal" if _short_causal(d, causal, seqlen_q) else "default"
         assert _tile_rows(names) == {want}, (causal, names)
         check_against_sm80(q, k, v, causal)
 
@@ -295,8 +296,8 @@ def test_sm90_forward_short_causal_tiles(seqlen_q, seqlen_k):
 def _block_m(d, causal=False, seqlen_q=0):
     """The sm90 forward's Q tile rows of a dense call (csrc/kernels/sm90/tile_config.h): three
     consumer warpgroups at d64 and d96 (FwdTile) and on d128's short causal row (FwdShortTile), two
-    otherwise."""
-    return 192 if d in (64, 96) or _short_causal(d, causal, seqlen_q) else 128
+    otherwise (d256's short causal row too)."""
+    return 192 if d in (64, 96) or (d == 128 and _short_causal(d, causal, seqlen_q)) else 128
 
 
 def _key_ranges(d, causal=False, seqlen_q=0):

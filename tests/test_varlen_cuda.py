@@ -215,14 +215,15 @@ def test_varlen_sequence_past_the_long_key_bound(poison_empty):
 
 
 @pytest.mark.parametrize("max_q", [2048, 2049])
-def test_varlen_causal_at_the_short_row_bound(max_q, poison_empty):
-    """The short causal row's bound (sm90 d128, tile_config.h: fwd_short_causal, by max_seqlen_q):
-    with max_seqlen_q <= 2048 the packed call and each sequence alone run 64-key tiles, bit for bit;
-    one past it the packed call runs 128-key tiles and its sequences of <= 2048 queries alone still
-    64-key ones: the documented exception, within the accuracy rule."""
-    require_hdim(128, exact=True)
+@pytest.mark.parametrize("d", [128, 256])
+def test_varlen_causal_at_the_short_row_bound(d, max_q, poison_empty):
+    """The short causal row's bound (sm90 d128 / d256, tile_config.h: fwd_short_causal, by
+    max_seqlen_q): with max_seqlen_q <= 2048 the packed call and each sequence alone run 64-key
+    tiles, bit for bit; one past it the packed call runs FwdTile's (128 / 80 keys) and its sequences
+    of <= 2048 queries alone still 64-key ones: the documented exception, within the accuracy rule."""
+    require_hdim(d, exact=True)
     lens = [max_q, 300]
-    q, k, v, cu_q, cu_k = _inputs(lens, lens, 4, 2, 128, torch.bfloat16)
+    q, k, v, cu_q, cu_k = _inputs(lens, lens, 4, 2, d, torch.bfloat16)
     dout = torch.randn_like(q)
     ours = run_varlen(q, k, v, cu_q, cu_k, max_q, max_q, True, dout)
     check_reference(q, k, v, cu_q, cu_k, True, dout, ours)
@@ -428,7 +429,7 @@ def test_varlen_tight_grid(d, causal, arch_path, poison_empty, tmp_path):
     """On a tight grid every CTA finds its (sequence, tile) by a prefix sum over cu_seqlens: the
     result is the dense op's per sequence, bit for bit, and the kernels' grids do not grow with
     max_seqlen (a call with 2x the longest sequence launches the same grids and gives the same
-    bits; 2 x 900 queries stay within the sm90 d128 short causal row's bound, 2048, which
+    bits; 2 x 900 queries stay within the sm90 d128 / d256 short causal row's bound, 2048, which
     max_seqlen_q selects: tile_config.h, fwd_short_causal). The sm80 forward keeps the grid of max_seqlen (its registers): its grids are not
     compared."""
     require_hdim(d, exact=True)

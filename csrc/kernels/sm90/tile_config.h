@@ -172,8 +172,8 @@ inline bool fwd_long_keys(bool dense, bool causal, int seqlen_k, int short_block
   return padded_long * 1000 <= padded_short * 1005;
 }
 
-// Short causal calls at d128 (sm90/flash_fwd_short_launch.cuh; fwd_short_causal below says when):
-// three consumer warpgroups over 64-key tiles (d64's / d96's shape; 32 / 160 registers: S 32, P 16
+// Short causal calls at d128 and d256 (sm90/flash_fwd_short_launch.cuh; fwd_short_causal below says when).
+// d128: three consumer warpgroups over 64-key tiles (d64's / d96's shape; 32 / 160 registers: S 32, P 16
 // and O 64 per thread), so each warpgroup's softmax runs under two others' products. Tune harness
 // (H200, bf16, one binary, 3 rounds, median TFLOP/s; docs/PERF_NOTES.md, 2026-12-03 second
 // session): causal N = 1k 381 against FwdTile's 353 (+8 %), 4k 582 / 588, 8k 543 / 641 (-15 %);
@@ -181,8 +181,13 @@ inline bool fwd_long_keys(bool dense, bool causal, int seqlen_k, int short_block
 // third session, 2 runs): 252 / 378 / 470 / 522 / 582 against 246 / 369 / 445 / 506 / 575 (+2.5 / +2.4
 // / +5.6 / +3.2 / +1.2 %); end to end with the knob (bf16 and fp16, 2 rounds) +2 to +5 % at N <= 2048.
 // Varlen on this row: NOT MEASURED yet (the gate, docs/PERF_NOTES.md).
+// d256: FwdTile's 128 rows over 64-key tiles instead of 80 (fewer masked keys on the diagonal,
+// more key steps). Tune harness (2026-12-03, third session, 2 runs): causal N = 512 / 1024 / 1536 /
+// 2048 / 3072 292-295 / 435-437 / 495 / 591-594 / 610-612 against 287-290 / 418-421 / 472-488 /
+// 585-587 / 611-616 (+1 to +4 % at N <= 2048, even past it); non-causal even or lower.
 template <int kHeadDim> struct FwdShortTile { static constexpr bool kSupported = false; };
 template <> struct FwdShortTile<128> : FwdTileShape<192,   64,   16,  false,    1> { static constexpr bool kSupported = true; };
+template <> struct FwdShortTile<256> : FwdTileShape<128,   64,   12,  false,    1> { static constexpr bool kSupported = true; };
 constexpr int kFwdShortCausalMaxSeqlen = 2048;
 
 // Whether a forward call takes FwdShortTile instead of FwdTile: causal, at most
