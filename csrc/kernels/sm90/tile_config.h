@@ -180,11 +180,14 @@ inline bool fwd_long_keys(bool dense, bool causal, int seqlen_k, int short_block
 // non-causal 1k 486 / 483, 4k 520 / 622. Causal N = 512 / 1024 / 1536 / 2048 / 3072 (2026-12-03,
 // third session, 2 runs): 252 / 378 / 470 / 522 / 582 against 246 / 369 / 445 / 506 / 575 (+2.5 / +2.4
 // / +5.6 / +3.2 / +1.2 %); end to end with the knob (bf16 and fp16, 2 rounds) +2 to +5 % at N <= 2048.
-// Varlen on this row: NOT MEASURED yet (the gate, docs/PERF_NOTES.md).
+// Varlen (issue 14's 64 causal sequences of 128..1024, max_seqlen_q 1024; knob 0 -> on, two rounds,
+// 2026-12-03, fourth session): 147 / 146 -> 175 / 175 TFLOP/s (+19 %).
 // d256: FwdTile's 128 rows over 64-key tiles instead of 80 (fewer masked keys on the diagonal,
 // more key steps). Tune harness (2026-12-03, third session, 2 runs): causal N = 512 / 1024 / 1536 /
 // 2048 / 3072 292-295 / 435-437 / 495 / 591-594 / 610-612 against 287-290 / 418-421 / 472-488 /
-// 585-587 / 611-616 (+1 to +4 % at N <= 2048, even past it); non-causal even or lower.
+// 585-587 / 611-616 (+1 to +4 % at N <= 2048, even past it); non-causal even or lower. End to end
+// (knob 0 -> on, two rounds, bf16 / fp16): causal N = 512 +5 %, 1024 +3-5 %, 1536 / 2048 +1-2 %,
+// 3072 (past the bound) even; varlen causal 192 -> 200 (+4 %).
 template <int kHeadDim> struct FwdShortTile { static constexpr bool kSupported = false; };
 template <> struct FwdShortTile<128> : FwdTileShape<192,   64,   16,  false,    1> { static constexpr bool kSupported = true; };
 template <> struct FwdShortTile<256> : FwdTileShape<128,   64,   12,  false,    1> { static constexpr bool kSupported = true; };
