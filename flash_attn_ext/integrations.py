@@ -164,8 +164,9 @@ def _masked_attention_traced(q, k, v, m, scaling, sinks=None):
     the rows that see all their element's keys), each one varlen call over the flattened batch
     without unpadding: per element its rows and keys as one sequence, the rows before and after
     them in its block as two filler sequences (computed and dropped), so every size is static (3B
-    sequences, none longer than L, max_seqlen L: the dense call's own, hence its tile rows). Needs each element's rows of a call and its keys to be one run each (all padding and
-    cache patterns are); the pattern check runs on the device (torch._assert_async: a
+    sequences, none longer than L, max_seqlen L: the dense call's own, hence its tile rows).
+    Needs each element's rows of a call and its keys to be one run each (all padding and cache
+    patterns are); the pattern check runs on the device (torch._assert_async: a
     RuntimeError on the CPU, a device-side assert on CUDA) instead of NotImplementedError. Rows
     that see no key stay 0. Sliding windows take the eager path (their number of calls depends
     on the data)."""

@@ -302,10 +302,9 @@ def flash_attn_varlen_func(
     exceptions, where the sequence alone runs another sm90 tile row: hdim 128 non-causal with
     at least 8192 keys (most such lengths; 144-key tiles, ``FLASH_ATTN_EXT_SM90_FWD_LONG_KEYS``;
     packed calls never take them) and hdim 128 / 256 causal with at most 2048 queries in a call
-    whose ``max_seqlen_q`` exceeds 2048
-    (64-key tiles, ``FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL``; packed calls take them when
-    ``max_seqlen_q`` <= 2048); such a sequence rounds its sums differently and agrees within the
-    accuracy rule instead).
+    whose ``max_seqlen_q`` exceeds 2048 (64-key tiles, ``FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL``;
+    packed calls take them when ``max_seqlen_q`` <= 2048); such a sequence rounds its sums
+    differently and agrees within the accuracy rule instead).
     Differentiable w.r.t. q, k, v (reverse mode; deterministic, no atomics).
 
     Args:
