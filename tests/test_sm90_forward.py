@@ -267,9 +267,9 @@ def test_sm90_forward_long_key_tiles(seqlen_q, seqlen_k):
 
 
 # ---- The short causal row (sm90/tile_config.h: FwdShortTile, chosen by fwd_short_causal): causal
-# d128 calls with at most 2048 queries (varlen: max_seqlen_q; tests/test_varlen_cuda.py has the
-# bound's bit-for-bit cases) run 192 x 64 tiles (three consumer warpgroups, key
-# ranges per warpgroup, the partial tile at the top). (seqlen_q, seqlen_k): 1000 (a partial last
+# d128 / d256 calls with at most 2048 queries (varlen: max_seqlen_q; tests/test_varlen_cuda.py has
+# the bound's bit-for-bit cases) run 192 x 64 tiles at d128 (three consumer warpgroups, key ranges
+# per warpgroup, the partial tile at the top) and 128 x 64 at d256. (seqlen_q, seqlen_k): 1000 (a partial last
 # tile), 2048 (the bound, 10.67 tiles), 2049 (past it: FwdTile), (300, 2000) (a causal offset),
 # (1500, 700) (rows without keys).
 

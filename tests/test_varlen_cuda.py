@@ -430,8 +430,8 @@ def test_varlen_tight_grid(d, causal, arch_path, poison_empty, tmp_path):
     result is the dense op's per sequence, bit for bit, and the kernels' grids do not grow with
     max_seqlen (a call with 2x the longest sequence launches the same grids and gives the same
     bits; 2 x 900 queries stay within the sm90 d128 / d256 short causal row's bound, 2048, which
-    max_seqlen_q selects: tile_config.h, fwd_short_causal). The sm80 forward keeps the grid of max_seqlen (its registers): its grids are not
-    compared."""
+    max_seqlen_q selects: tile_config.h, fwd_short_causal). The sm80 forward keeps the grid of
+    max_seqlen (its registers): its grids are not compared."""
     require_hdim(d, exact=True)
     lens_q, lens_k = TIGHT_LENS
     check_varlen_call(lens_q, lens_k, 8, 2, d, torch.bfloat16, causal)
