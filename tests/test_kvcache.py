@@ -2,6 +2,10 @@
 against contiguous and paged caches with cache_seqlens, in-place append of new keys, causal
 bottom-right against the cached length, NaN in unused cache slots, bad input, the op surface."""
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -256,3 +260,48 @@ def test_kvcache_fake_kernel_checks_like_the_op(change):
     meta = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
     with pytest.raises(RuntimeError):
         flash_attn_ext.flash_attn_with_kvcache(**meta)
+
+
+# ---- The split count (csrc/kernels/common/splitkv_heuristic.h), host arithmetic: compiled here
+# with the host C++ compiler against the production row (sm80/tile_config.h: SplitKvTile<128>),
+# so CI checks the rule without a GPU.
+_SPLITS_DRIVER = r"""
+#include <cstdio>
+#include <cstdlib>
+#include "kernels/common/splitkv_heuristic.h"
+#include "kernels/sm80/tile_config.h"
+int main(int argc, char** argv) {  // arch num_sms b h h_k seqlen_q seqlen_k, per line of stdin
+  flash::Flash_fwd_params p{};
+  while (std::scanf("%d %d %d %d %d %d %d", &p.arch, &p.num_sms, &p.b, &p.h, &p.h_k, &p.seqlen_q,
+                    &p.seqlen_k) == 7) {
+    p.d = p.d_rounded = 128;
+    p.window_left = -1;
+    using Row = flash::sm80::SplitKvTile<128>;
+    std::printf("%d\n", flash::num_splits_for_row(p, Row::kBlockN, Row::smem_bytes(128), Row::kMinBlocks));
+  }
+}
+"""
+
+
+def test_num_splits_heuristic_h200_decode(tmp_path):
+    """The choices on an H200 (132 SMs), hd128 GQA 32:8, one query, a full cache: the best (or
+    within 1 % of the best) of 12 split counts measured with benchmarks/tune_kernels.py
+    (2026-12-03; docs/PERF_NOTES.md). Batches whose unsplit CTAs fit in one round stay unsplit
+    (B16 / B32 / B48: 1, where the rule before chose 3 and ran 1-3 % slower); smaller batches split
+    to whole CTAs per SM (B8: 2 -> 128 CTAs, not 3 -> 192); B64 (1.3 rounds unsplit) takes 3."""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    src, exe = tmp_path / "splits.cpp", tmp_path / "splits"
+    src.write_text(_SPLITS_DRIVER)
+    subprocess.run([cxx, "-std=c++17", f"-I{csrc}", str(src), "-o", str(exe)], check=True)
+    expected = {  # (batch, seqlen_k): num_splits
+        (1, 8192): 16, (1, 131072): 16, (2, 32768): 8, (4, 32768): 4, (8, 8192): 2, (8, 32768): 2,
+        (16, 8192): 1, (32, 8192): 1, (48, 8192): 1, (64, 8192): 3, (64, 32768): 3, (128, 8192): 1,
+    }
+    cases = list(expected)
+    stdin = "".join(f"90 132 {b} 32 8 1 {n}\n" for b, n in cases)
+    out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
+    got = {case: int(s) for case, s in zip(cases, out)}
+    assert got == expected

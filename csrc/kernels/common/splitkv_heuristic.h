@@ -24,16 +24,23 @@ inline int splitkv_smem_per_sm(int arch) {
 }
 
 // A "slot" is a CTA the GPU runs at once: num_sms x CTAs per SM (by shared memory, 1 KB per CTA
-// reserved by the runtime, at most the row's min_blocks). The kernel is memory-bound and its CTAs
-// of one call take equal time, so the grid runs in rounds of `slots` CTAs and a last, partial round
-// leaves most SMs idle (B64 x 8 kv heads = 512 CTAs on 396 H200 slots: 1.3 rounds). With rounds =
-// ctas * s / slots, a split count s runs at efficiency rounds / ceil(rounds); the choice is the
-// smallest s within 5 % of the best over [1, max_splits] (FA2's rule, tighter), 1 outright when the
-// unsplit grid is >= 4 rounds (its tail is small). max_splits: kMaxSplits, the key tiles of the
-// longest possible sequence (params.seqlen_k, or a sliding window's span: more splits get no
-// keys), and >= 8 key tiles per split (a split's prologue, merge and the combine must pay for
-// themselves: H200, hd128 32:8, B1
-// Nk 8k ran at 1.57 TB/s with 48 splits of 2-3 tiles, 1.67 with 16 of 8; docs/PERF_NOTES.md).
+// reserved by the runtime, at most the row's min_blocks). The kernel streams K and V, and an SM's
+// CTAs share what that SM can load, so with T = ctas * s CTAs (s splits) the efficiency of s is
+//   T <= num_sms:           T / num_sms                      (SMs without a CTA idle)
+//   num_sms < T <= slots:   T / (num_sms * ceil(T / num_sms)) (one round: an SM with one CTA more
+//                                                              than another finishes later)
+//   T > slots:              rounds / ceil(rounds), rounds = T / slots (a last, partial round)
+// and the choice is the smallest s within 5 % of the best over [1, max_splits] (FA2's rule,
+// tighter), 1 outright when the unsplit grid is >= 2 rounds (its tail is small). Splitting costs
+// on its own (a split's prologue and drain, the partials, the combine): H200, hd128 GQA 32:8, one
+// query (tune_kernels.py, 2026-12-03, 12 split counts): B32 x Nk 8k ran 4.20 TB/s unsplit (256 CTAs
+// on 132 SMs) against 4.09 at the 3 splits the slots-only rule chose, B16 8k 3.94 against 3.83,
+// B8 8k 3.36 at 2 splits (128 CTAs) against 3.27 at 3 (192: one CTA on some SMs, two on others),
+// B128 8k 4.45 unsplit against 4.36 at 3; B64 (512 CTAs, 1.3 rounds unsplit) 4.09 unsplit, 4.27-4.30
+// at 2-4 splits. max_splits: kMaxSplits, the key tiles of the longest possible sequence
+// (params.seqlen_k, or a sliding window's span: more splits get no keys), and >= 8 key tiles per
+// split (a split's prologue, merge and the combine must pay for themselves: B1 Nk 8k ran at 1.57
+// TB/s with 48 splits of 2-3 tiles, 1.67 with 16 of 8; docs/PERF_NOTES.md).
 // CTAs of the unsplit grid (sequence, kv head, 16-row packed tile), and the GPU's CTA slots.
 inline int64_t splitkv_unsplit_ctas(const Flash_fwd_params& params) {
   const int64_t ratio = std::max(params.h / std::max(params.h_k, 1), 1);
@@ -48,7 +55,7 @@ inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int s
   if (params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 || params.num_sms <= 0) return 1;
   const int64_t ctas = splitkv_unsplit_ctas(params);
   const int64_t slots = splitkv_slots(params, smem_bytes, min_blocks);
-  if (ctas >= 4 * slots) return 1;
+  if (ctas >= 2 * slots) return 1;
   // The key tiles one row tile visits: the cache's capacity, or a sliding window's (its left
   // bound plus the packed queries' span, and a tile of misalignment on each side).
   int64_t keys = params.seqlen_k;
@@ -58,8 +65,12 @@ inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int s
   const int64_t key_tiles = (keys + block_n - 1) / block_n;
   const int64_t max_splits =
       std::max<int64_t>(1, std::min<int64_t>({kMaxSplits, key_tiles / 8}));
+  const int64_t sms = params.num_sms;
   const auto efficiency = [&](int64_t s) {
-    const double rounds = double(ctas * s) / double(slots);
+    const int64_t t = ctas * s;
+    if (t <= sms) return double(t) / double(sms);
+    if (t <= slots) return double(t) / double(sms * ((t + sms - 1) / sms));
+    const double rounds = double(t) / double(slots);
     return rounds / std::ceil(rounds);
   };
   double best = 0.0;
