@@ -269,12 +269,14 @@ _SPLITS_DRIVER = r"""
 #include <cstdio>
 #include "kernels/common/splitkv_heuristic.h"
 #include "kernels/sm80/tile_config.h"
-int main() {  // per line of stdin: arch num_sms b h h_k seqlen_q seqlen_k
+int main() {  // per line of stdin: arch num_sms b h h_k seqlen_q seqlen_k page_size (0: contiguous)
+  static const int table = 0;  // a non-null block_table marks a paged cache
   flash::Flash_fwd_params p{};
-  while (std::scanf("%d %d %d %d %d %d %d", &p.arch, &p.num_sms, &p.b, &p.h, &p.h_k, &p.seqlen_q,
-                    &p.seqlen_k) == 7) {
+  while (std::scanf("%d %d %d %d %d %d %d %d", &p.arch, &p.num_sms, &p.b, &p.h, &p.h_k, &p.seqlen_q,
+                    &p.seqlen_k, &p.page_size) == 8) {
     p.d = p.d_rounded = 128;
     p.window_left = -1;
+    p.block_table = p.page_size > 0 ? &table : nullptr;
     using Row = flash::sm80::SplitKvTile<128>;
     std::printf("%d\n", flash::num_splits_for_row(p, Row::kBlockN, Row::smem_bytes(128), Row::kMinBlocks));
   }
@@ -287,7 +289,9 @@ def test_num_splits_heuristic_h200_decode(tmp_path):
     within 1.1 % of the best) of 12 split counts measured with benchmarks/tune_kernels.py
     (2026-12-03; docs/PERF_NOTES.md). Batches whose unsplit CTAs fit in one round stay unsplit
     (B16 / B32 / B48: 1, where the rule before chose 3 and ran 1-3 % slower); smaller batches split
-    to whole CTAs per SM (B8: 2 -> 128 CTAs, not 3 -> 192); B64 (1.3 rounds unsplit) takes 3."""
+    to whole CTAs per SM (B8: 2 -> 128 CTAs, not 3 -> 192); B64 (1.3 rounds unsplit) takes 3.
+    Paged with pages shorter than a key tile (16 < 64 keys): every slot filled (one CTA per SM ran
+    B1 128k / B8 32k / B16 8k at 0.65-0.69 of contiguous); pages of 64 / 256 as contiguous."""
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
@@ -295,12 +299,15 @@ def test_num_splits_heuristic_h200_decode(tmp_path):
     src, exe = tmp_path / "splits.cpp", tmp_path / "splits"
     src.write_text(_SPLITS_DRIVER)
     subprocess.run([cxx, "-std=c++17", f"-I{csrc}", str(src), "-o", str(exe)], check=True)
-    expected = {  # (batch, seqlen_k): num_splits
-        (1, 8192): 16, (1, 131072): 16, (2, 32768): 8, (4, 32768): 4, (8, 8192): 2, (8, 32768): 2,
-        (16, 8192): 1, (32, 8192): 1, (48, 8192): 1, (64, 8192): 3, (64, 32768): 3, (128, 8192): 1,
+    expected = {  # (batch, seqlen_k, page_size): num_splits
+        (1, 8192, 0): 16, (1, 131072, 0): 16, (2, 32768, 0): 8, (4, 32768, 0): 4, (8, 8192, 0): 2,
+        (8, 32768, 0): 2, (16, 8192, 0): 1, (32, 8192, 0): 1, (48, 8192, 0): 1, (64, 8192, 0): 3,
+        (64, 32768, 0): 3, (128, 8192, 0): 1,
+        (1, 8192, 16): 16, (1, 131072, 16): 48, (8, 32768, 16): 6, (16, 8192, 16): 3, (32, 8192, 16): 3,
+        (64, 32768, 16): 3, (1, 131072, 64): 16, (8, 32768, 256): 2, (16, 8192, 64): 1,
     }
     cases = list(expected)
-    stdin = "".join(f"90 132 {b} 32 8 1 {n}\n" for b, n in cases)
+    stdin = "".join(f"90 132 {b} 32 8 1 {n} {page}\n" for b, n, page in cases)
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
     got = {case: int(s) for case, s in zip(cases, out)}
     assert got == expected

@@ -31,7 +31,12 @@ inline int splitkv_smem_per_sm(int arch) {
 //                                                              than another finishes later)
 //   T > slots:              rounds / ceil(rounds), rounds = T / slots (a last, partial round)
 // and the choice is the smallest s within 5 % of the best over [1, max_splits] (FA2's rule,
-// tighter), 1 outright when the unsplit grid is >= 2 rounds (its tail is small). Splitting costs
+// tighter), 1 outright when the unsplit grid is >= 2 rounds (its tail is small). A paged cache whose
+// pages are shorter than a key tile is loaded in boxes of a page's rows, several per tile, and one
+// CTA per SM no longer draws that SM's share of the bandwidth (H200, page 16: B1 Nk 128k at 16
+// splits 2.67 TB/s against 3.86 contiguous; B8 32k at 2 splits and B16 8k unsplit 0.65-0.67 of
+// contiguous): there every round counts in slots (rounds / ceil(rounds) for every T, 1 outright
+// from 4 rounds), which fills every slot (48 / 6 / 3 splits there: 0.95-1.00 of contiguous). Splitting costs
 // on its own (a split's prologue and drain, the partials, the combine): H200, hd128 GQA 32:8, one
 // query (tune_kernels.py, 2026-12-03, 12 split counts): B32 x Nk 8k ran 4.20 TB/s unsplit (256 CTAs
 // on 132 SMs) against 4.09 at the 3 splits the slots-only rule chose, B16 8k 3.94 against 3.83,
@@ -55,7 +60,9 @@ inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int s
   if (params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 || params.num_sms <= 0) return 1;
   const int64_t ctas = splitkv_unsplit_ctas(params);
   const int64_t slots = splitkv_slots(params, smem_bytes, min_blocks);
-  if (ctas >= 2 * slots) return 1;
+  // Pages shorter than a key tile: several boxes per tile, so fill the slots (see above).
+  const bool small_pages = params.block_table != nullptr && params.page_size < block_n;
+  if (ctas >= (small_pages ? 4 : 2) * slots) return 1;
   // The key tiles one row tile visits: the cache's capacity, or a sliding window's (its left
   // bound plus the packed queries' span, and a tile of misalignment on each side).
   int64_t keys = params.seqlen_k;
@@ -68,8 +75,8 @@ inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int s
   const int64_t sms = params.num_sms;
   const auto efficiency = [&](int64_t s) {
     const int64_t t = ctas * s;
-    if (t <= sms) return double(t) / double(sms);
-    if (t <= slots) return double(t) / double(sms * ((t + sms - 1) / sms));
+    if (!small_pages && t <= sms) return double(t) / double(sms);
+    if (!small_pages && t <= slots) return double(t) / double(sms * ((t + sms - 1) / sms));
     const double rounds = double(t) / double(slots);
     return rounds / std::ceil(rounds);
   };
