@@ -31,21 +31,22 @@ inline int splitkv_smem_per_sm(int arch) {
 //                                                              than another finishes later)
 //   T > slots:              rounds / ceil(rounds), rounds = T / slots (a last, partial round)
 // and the choice is the smallest s within 5 % of the best over [1, max_splits] (FA2's rule,
-// tighter), 1 outright when the unsplit grid is >= 2 rounds (its tail is small). A paged cache whose
-// pages are shorter than a key tile is loaded in boxes of a page's rows, several per tile, and one
-// CTA per SM no longer draws that SM's share of the bandwidth (H200, page 16: B1 Nk 128k at 16
-// splits 2.67 TB/s against 3.86 contiguous; B8 32k at 2 splits and B16 8k unsplit 0.65-0.67 of
-// contiguous): there every round counts in slots (rounds / ceil(rounds) for every T, 1 outright
-// from 4 rounds), which fills every slot (48 / 6 / 3 splits there: 0.95-1.00 of contiguous). Splitting costs
+// tighter), 1 outright when the unsplit grid is >= 2 rounds (its tail is small). Splitting costs
 // on its own (a split's prologue and drain, the partials, the combine): H200, hd128 GQA 32:8, one
 // query (tune_kernels.py, 2026-12-03, 12 split counts): B32 x Nk 8k ran 4.20 TB/s unsplit (256 CTAs
 // on 132 SMs) against 4.09 at the 3 splits the slots-only rule chose, B16 8k 3.94 against 3.83,
 // B8 8k 3.36 at 2 splits (128 CTAs) against 3.27 at 3 (192: one CTA on some SMs, two on others),
 // B128 8k 4.45 unsplit against 4.36 at 3; B64 (512 CTAs, 1.3 rounds unsplit) 4.09 unsplit, 4.27-4.30
-// at 2-4 splits. max_splits: kMaxSplits, the key tiles of the longest possible sequence
-// (params.seqlen_k, or a sliding window's span: more splits get no keys), and >= 8 key tiles per
-// split (a split's prologue, merge and the combine must pay for themselves: B1 Nk 8k ran at 1.57
-// TB/s with 48 splits of 2-3 tiles, 1.67 with 16 of 8; docs/PERF_NOTES.md).
+// at 2-4 splits.
+// A paged cache whose pages are shorter than a key tile is loaded in boxes of a page's rows,
+// several per tile, and one CTA per SM no longer draws that SM's share of the bandwidth (page 16:
+// B1 Nk 128k at 16 splits 2.67 TB/s against 3.86 contiguous; B8 32k at 2 splits and B16 8k unsplit
+// 0.65-0.67 of contiguous): there every T counts in rounds of slots, 1 outright from 4 rounds,
+// which fills every slot (48 / 6 / 3 splits there: 0.93-0.96 of contiguous).
+// max_splits: kMaxSplits, the key tiles of the longest possible sequence (params.seqlen_k, or a
+// sliding window's span: more splits get no keys), and >= 8 key tiles per split (a split's
+// prologue, merge and the combine must pay for themselves: B1 Nk 8k ran at 1.57 TB/s with 48
+// splits of 2-3 tiles, 1.67 with 16 of 8). docs/PERF_NOTES.md has the sweeps.
 // CTAs of the unsplit grid (sequence, kv head, 16-row packed tile), and the GPU's CTA slots.
 inline int64_t splitkv_unsplit_ctas(const Flash_fwd_params& params) {
   const int64_t ratio = std::max(params.h / std::max(params.h_k, 1), 1);
