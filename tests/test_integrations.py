@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from accuracy import check_accuracy
+from conftest import require_hdim
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import flash_attn_ext  # noqa: E402
 import flash_attn_ext.integrations as fx  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -581,9 +581,7 @@ def test_masked_attention_traced_equals_eager_cuda(Lq, D):
     """On the GPU too the compile path gives the eager path's bits: its varlen call's max_seqlen is
     L (not the fillers' 2 L), so with L on either side of the sm90 forward's short causal bound
     (2048 queries) both paths run each element on the same tile row (d128 / d256 causal, padding)."""
-    compiled = [int(h) for h in str(flash_attn_ext.build_info().get("head_dims", "")).split(",") if h.strip()]
-    if D not in compiled:
-        pytest.skip(f"head dim {D} not in this build's head dims {compiled} (FLASH_ATTN_EXT_HDIMS)")
+    require_hdim(D, exact=True)
     B, H = 2, 4
     lengths = torch.tensor([Lq, Lq - 300], device="cuda")[:, None]
     pos = torch.arange(Lq, device="cuda")

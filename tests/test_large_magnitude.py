@@ -24,6 +24,7 @@ import torch
 
 import flash_attn_ext
 from accuracy import check_accuracy
+from conftest import require_hdim
 from flash_attn_ext.reference import attention_ref
 
 # Magnitudes per dtype: the raw scores a^2 * headdim (and their scaled values) stay below float32's max for headdim <= 256.
@@ -106,9 +107,8 @@ def _baseline(q, k, v, dout, scale, causal):
 def _check_magnitudes(device, dtype, headdim, causal, kind, seqlen_q=100, seqlen_k=130):
     """Every magnitude of MAGNITUDES[dtype]: out, LSE and the three gradients by the accuracy rule
     (the floors of _d_error_floors), no non-finite gradient."""
-    compiled = [int(h) for h in str(flash_attn_ext.build_info().get("head_dims", "")).split(",") if h.strip()]
-    if device != "cpu" and not any(h >= headdim for h in compiled):
-        pytest.skip(f"head dim {headdim} not covered by this build's head dims {compiled} (FLASH_ATTN_EXT_HDIMS)")
+    if device != "cpu":
+        require_hdim(headdim)
     scale = headdim ** -0.5
     for magnitude in MAGNITUDES[dtype]:
         (q, k, v), dout = _inputs(kind, magnitude, dtype, device, headdim, seqlen_q, seqlen_k)
