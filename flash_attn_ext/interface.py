@@ -291,6 +291,7 @@ def flash_attn_varlen_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
 ):
     """Exact attention over a batch of variable-length sequences packed along one dimension.
 
@@ -324,6 +325,8 @@ def flash_attn_varlen_func(
         sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (differentiable).
         dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs: as
             ``flash_attn_func``'s (flash-attn's keywords at their no-feature values).
+        block_table: flash-attn's keyword, accepted as None; a paged K / V here raises
+            NotImplementedError (paged caches: ``flash_attn_with_kvcache``).
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. softmax_lse (if return_lse): (nheads,
@@ -336,7 +339,8 @@ def flash_attn_varlen_func(
         TypeError: a tensor argument that is not a torch.Tensor, max_seqlen that is not an int,
         causal or return_lse that is not a bool, softmax_scale as flash_attn_func's, arguments
         after max_seqlen_k given positionally.
-        NotImplementedError: nested tensors; the flash-attn keywords as ``flash_attn_func``'s.
+        NotImplementedError: nested tensors; the flash-attn keywords as ``flash_attn_func``'s;
+        block_table other than None.
         On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
         <= max_seqlen).
         On CUDA they are not (that would need a device sync): a sequence longer than
@@ -347,6 +351,10 @@ def flash_attn_varlen_func(
     """
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    if block_table is not None:
+        raise NotImplementedError("flash_attn_ext: block_table: flash_attn_varlen_func takes contiguous packed k / v; "
+                                  "for a paged KV cache call flash_attn_with_kvcache(q, k_cache, v_cache, ..., "
+                                  "block_table=...) (decoding, chunked prefill), or pass block_table=None")
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
         _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),

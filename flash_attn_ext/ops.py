@@ -667,8 +667,9 @@ def _fwd_kvcache_vmap(info, in_dims, *args):
     not the dispatcher's fallback error."""
     raise NotImplementedError(
         "flash_attn_ext: torch.vmap over flash_attn_with_kvcache (torch.ops.flash_attn_ext.fwd_kvcache) is not "
-        "supported: it writes k / v into the caches in place. Put the vmapped samples into the batch dimension "
-        "of q, k_cache / v_cache (and cache_seqlens, block_table) and call it once")
+        "supported: the op has no batching rule (with k / v it writes them into the caches in place, which a "
+        "vmapped cache cannot hold). Put the vmapped samples into the batch dimension of q, k_cache / v_cache "
+        "(and cache_seqlens, block_table) and call it once")
 
 
 _lib.impl("varlen_forward", _autograd_kernel("varlen_forward", FlashAttnVarlenFunction), "Autograd")

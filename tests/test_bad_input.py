@@ -332,6 +332,15 @@ def test_flash_attn_keywords_that_ask_for_a_missing_feature(keyword, value, erro
             call(**{keyword: value})
 
 
+def test_varlen_block_table_keyword():
+    """flash-attn's flash_attn_varlen_func takes block_table=None: the same bits; a paged K / V
+    there is not supported here: NotImplementedError naming block_table and the entry that has it."""
+    call = dict(_flash_attn_calls())["flash_attn_varlen_func"]
+    assert torch.equal(call(block_table=None), call())
+    with pytest.raises(NotImplementedError, match="block_table: .*flash_attn_with_kvcache"):
+        call(block_table=torch.zeros(1, 2, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("scale", ["0.1", True, 1j, b"1", 10 ** 400])
 def test_softmax_scale_must_be_a_real_number(scale):
     q, k, v = qkv()
