@@ -431,6 +431,21 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_l
 
 # ---- vmap (batching rules) ---------------------------------------------------------------
 
+_BSHD = {"q": "(batch, seqlen_q, nheads, headdim)", "k": "(batch, seqlen_k, nheads_k, headdim)",
+         "v": "(batch, seqlen_k, nheads_k, headdim)", "dout": "(batch, seqlen_q, nheads, headdim)",
+         "out": "(batch, seqlen_q, nheads, headdim)"}
+
+
+def _check_sample_rank4(in_dims, **tensors):
+    """The op's rank check on one sample's shape: under torch.vmap the op sees the vmapped dim
+    folded into its batch dim, so its own message would name a shape the caller never made."""
+    for (name, t), d in zip(tensors.items(), in_dims):
+        shape = list(t.shape) if d is None else list(t.shape[:d]) + list(t.shape[d + 1:])
+        if len(shape) != 4:
+            raise RuntimeError(f"flash_attn_ext: {name} must be 4-D {_BSHD[name]} (BSHD), got {len(shape)}-D of "
+                               f"shape {shape} (one sample under torch.vmap)")
+
+
 def _fold(t, bdim, batch_size, at=0, contiguous_last=True):
     """Move the vmapped dim ``bdim`` of ``t`` (None: not vmapped, broadcast) to position ``at``
     and merge it with the dim after it (the op's batch dim)."""
@@ -462,6 +477,7 @@ def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_size_lef
                   sinks=None):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 7)
+    _check_sample_rank4(in_dims[:3], q=q, k=k, v=v)
     q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
     out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
                                                        window_size_right, sinks)
@@ -473,6 +489,7 @@ def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale
                    softmax_stats=None, window_size_left=-1, window_size_right=-1, sinks=None):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 11)
+    _check_sample_rank4(in_dims[:5], dout=dout, q=q, k=k, v=v, out=out)
     dout, q, k, v, out = (_fold(t, d, n) for t, d in zip((dout, q, k, v, out), in_dims[:5]))
     softmax_lse = _fold(softmax_lse, in_dims[5], n).contiguous()
     if softmax_stats is not None:

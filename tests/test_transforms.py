@@ -261,6 +261,17 @@ def test_vmap_forward_uses_batching_rule(device, dtype, no_vmap_fallback):
     assert out.shape == q.shape and lse.shape == (3, 2, 4, 17)
 
 
+def test_vmap_rank_error_names_the_sample_shape():
+    """A per-sample q of the wrong rank under vmap: the error names the sample's shape, not the
+    folded one the op would see (the vmapped dim merged into the batch)."""
+    q = _randn(2, 5, 4, 8, dtype=torch.float32, device="cpu", seed=70)  # samples (5, 4, 8): 3-D
+    with pytest.raises(RuntimeError, match=r"q must be 4-D .*got 3-D of shape \[5, 4, 8\] \(one sample"):
+        vmap(lambda x: flash_attn_func(x, x, x))(q)
+    k = _randn(1, 7, 4, 8, dtype=torch.float32, device="cpu", seed=71)  # not vmapped, 4-D
+    with pytest.raises(RuntimeError, match=r"k must be 4-D .*got 5-D of shape \[1, 1, 7, 4, 8\]"):
+        vmap(lambda x: flash_attn_func(x, k[None], k), in_dims=0)(q[:, None])
+
+
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_vmap_grad_per_sample_gradients(device, dtype, no_vmap_fallback):
     """Per-sample gradients through flash_attn_func: vmap(grad(loss)) == a loop of grads."""
