@@ -182,9 +182,9 @@ struct FwdKernelTraits {
   // this tile's last S products: kStageOInV below). K/V ring depth: as many stages as fit next to
   // them (2..4; one CTA per SM): d64 4, d96/d128 2, d192/d256 2 (FA3: 2 everywhere; TK: 4 at d64).
   // One Q buffer and three K/V stages at d96 / d128 (O then staged in the V ring) measured 1-4 %
-  // slower. Barriers (8 bytes each, at most 2 Q + 4 K/V stages + o_free), the varlen tile slot (8
-  // bytes) and 1024 bytes of alignment slack come first.
-  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4 + 1 + 1) + 1024;
+  // slower. Barriers (8 bytes each, at most 2 Q + 4 K/V stages + o_free), the varlen tile slots
+  // (8 bytes per Q stage) and 1024 bytes of alignment slack come first.
+  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4 + 1 + 2) + 1024;
   static constexpr int kQStages = 2 * TileQ::kBytes + 4 * TileKV::kBytes + kBarBytes <= kMaxSmem ? 2 : 1;
   static constexpr int kStagesFit = (kMaxSmem - kQStages * TileQ::kBytes - kBarBytes) / (2 * TileKV::kBytes);
   static constexpr int kStages = kStagesFit < 4 ? kStagesFit : 4;
@@ -201,9 +201,10 @@ struct FwdKernelTraits {
   static constexpr bool kStageOInV = kQStages == 1;
   // Barriers: per Q stage full, empty; then per K/V stage K full, K empty, V full, V empty; o_free.
   static constexpr int kNumBars = 2 * kQStages + 4 * kStages + 1;
-  // After them: a varlen tight grid's tile (int64), found by warp 0 for the whole CTA.
+  // After them, one int64 per Q stage: a varlen tight grid's tile, found by warp 0 for the whole
+  // CTA (slot 0), or the dynamic scheduler's tile of the Q stage (tile_scheduler.cuh: dynamic).
   static constexpr int kOffTileSlot = kOffBar + 8 * kNumBars;
-  static constexpr int kSmemBytes = kOffTileSlot + 8 + 1024;  // + alignment slack
+  static constexpr int kSmemBytes = kOffTileSlot + 8 * kQStages + 1024;  // + alignment slack
 
   static_assert(Tile::kNWarps == 4 * (kConsumerWGs + 1), "tile row: 4 producer warps + 4 per 64 query rows");
   static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "1-3 consumer warpgroups of 64 rows");
@@ -377,24 +378,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // wherever key_limit > 0): no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
   // sequence without keys): no K/V, no Q load, but one Q-ring phase all the same (the consumers
   // stage O = 0 through the buffer). A tile past its sequence's end: skipped by both sides.
+  // The dynamic walk's tile of Q stage s (tile_scheduler.cuh: dynamic; -1: the walk is over),
+  // written by the producer before its q_full arrival, read by the consumers after their wait.
+  // (int32: tile indices are < 2^31, tile_scheduler.cuh; the static walks' slot 0 is s_varlen_tile.)
+  auto tile_slot = [&](int s) { return reinterpret_cast<volatile int*>(smem + Traits::kOffTileSlot) + s; };
   if (wg == 0) {
-    // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread.
+    // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread (warp 0's
+    // lane 0; in the dynamic walk its warp finds the tiles).
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (tid == 0) {
-      tma_prefetch_map(&tma.q);
-      tma_prefetch_map(&tma.k);
-      tma_prefetch_map(&tma.v);
+    if (tid < 32) {
+      if (tid == 0) {
+        tma_prefetch_map(&tma.q);
+        tma_prefetch_map(&tma.k);
+        tma_prefetch_map(&tma.v);
+      }
       const uint64_t evict_first = l2_policy_evict_first(), evict_last = l2_policy_evict_last();
       PipelineState<kQStages> q_pipe;
       PipelineState<kStages> kv_pipe;
       PipelineState<1> o_pipe;  // Traits::kStageOInV: one o_free phase per tile
-      auto tiles = sched.begin();
-#pragma unroll 1
-      for (int64_t tile; tiles.next(sched, tile);) {
-        if (sched.varlen_tight) tile = s_varlen_tile;  // its one tile (the walk has one unit)
-        const int2 bm = QTileWork<kBlockM, kBlockN>::decode(int(tile), sched.m_div, sched.h_div);
+      // One tile's loads (lane 0).
+      auto produce = [&](int tile) {
+        const int2 bm = QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div);
         const QTileWork<kBlockM, kBlockN> w(params, bm, sched.m_shift);
-        if (w.past_end()) continue;  // varlen: no work, no ring position (the consumers skip it too)
+        // Varlen: no work, no ring position (the consumers skip it too). The dynamic walk finds real
+        // tiles only, and its tiles keep their ring position whatever they hold (its consumers learn
+        // the index from the ring).
+        if (!sched.dynamic && w.past_end()) return;
         // Key blocks [n_block_min, n_block_max): n_steps steps (a sliding window's left bound: the
         // tile's first row's first block; else 0).
         const int n_block_max = w.n_block_max, n_steps = max(n_block_max - (kLocal ? w.n_block_min() : 0), 0);
@@ -421,6 +430,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (!Traits::kStageOInV && n_steps > 0) load_v(0);
         const int qs = q_pipe.stage();
         mbarrier_wait(q_empty(qs), q_pipe.phase() ^ 1);
+        if (sched.dynamic) *tile_slot(qs) = tile;  // for the consumers, released by the arrival below
         if (n_steps > 0) {
           mbarrier_arrive_expect_tx(q_full(qs), TileQ::kBytes);
 #pragma unroll
@@ -449,6 +459,45 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           load_v(i);
         }
         kv_pipe.advance(n_steps);
+      };
+      if (!sched.dynamic) {
+        if (tid == 0) {
+          auto tiles = sched.begin();
+#pragma unroll 1
+          for (int64_t tile; tiles.next(sched, tile);) {
+            produce(int(sched.varlen_tight ? s_varlen_tile : tile));  // tight: its one tile (the walk has one unit)
+          }
+        }
+      } else {
+        // The dynamic walk: unit blockIdx.x, then gridDim.x + the counter's next value, until the
+        // units run out. Units are tile-major (unit = u * h + head: the heads of one tile
+        // together, a GQA group's K / V shared in L2), so the first unit past the real tiles ends
+        // the walk (every later one lies past them too).
+        // The next unit is claimed once this tile's loads are issued (the consumers still have
+        // the ring's stages of work, so the claim and the next tile's search stay off their path);
+        // nothing else stays live across a tile (the producer has 24 registers at d128).
+#pragma unroll 1
+        for (int unit = blockIdx.x; unit < int(sched.num_units);) {
+          const int u = sched.h_div.div(unit), head = unit - u * sched.h_div.d;
+          // The tile in the dense numbering, from its index head * per_head + u in a tight grid's.
+          const int64_t per_head = varlen_tight_per_head(params.total_q, params.b, kBlockM);
+          const int64_t tile = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q,
+                                                                 params.seqlen_q, params.h,
+                                                                 int64_t(head) * per_head + u);
+          if (tile < 0) break;  // uniform over the warp
+          int claim = 0;
+          if (tid == 0) {
+            produce(int(tile));
+            claim = atomicAdd(params.tile_counter, 1);
+          }
+          unit = int(gridDim.x) + __shfl_sync(0xffffffffu, claim, 0);
+        }
+        if (tid == 0) {  // the end of the walk for the consumers: slot -1, no Q
+          const int qs = q_pipe.stage();
+          mbarrier_wait(q_empty(qs), q_pipe.phase() ^ 1);
+          *tile_slot(qs) = -1;
+          mbarrier_arrive(q_full(qs));
+        }
       }
     }
     return;
@@ -473,14 +522,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   turns.prime();
   auto tiles = sched.begin();
 #pragma unroll 1
-  for (int64_t tile_index; tiles.next(sched, tile_index);) {
+  for (int64_t tile_index;;) {
     // The next tile (the producer's, in the same order): wait for its Q (a tile without keys: for
-    // the buffer). The index is opaque from here on: what derives from it is recomputed in the
-    // epilogue instead of held live across the main loop.
+    // the buffer). The dynamic walk hands the index over with Q (-1: the walk is over); the static
+    // walks compute it. The index is opaque from here on: what derives from it is recomputed in
+    // the epilogue instead of held live across the main loop.
+    if (sched.dynamic) {
+      mbarrier_wait(q_full(q_pipe.stage()), q_pipe.phase());  // (waited again below: already complete)
+      tile_index = *tile_slot(q_pipe.stage());
+      if (tile_index < 0) break;
+    } else if (!tiles.next(sched, tile_index)) {
+      break;
+    }
     int64_t tile = sched.varlen_tight ? s_varlen_tile : tile_index;  // varlen tight grid: its one tile
     asm volatile("" : "+l"(tile));
     const QTileWork<kBlockM, kBlockN> w(params, tile, sched.m_div, sched.h_div, sched.m_shift);
-    if (w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
+    if (!sched.dynamic && w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
     // The head's attention sink for the epilogue (flash.h: sinks_ptr), loaded here so its latency
     // hides under the main loop (at the epilogue it stalled every tile: +3-5 % at d128 N = 1k-4k).
     const float sink = head_sink(params.sinks_ptr, w.bidh);
