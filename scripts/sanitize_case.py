@@ -55,15 +55,17 @@ with torch.no_grad():
         k, v = (torch.randn(35, sk, 2, headdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         assert torch.isfinite(flash_attn_ext.flash_attn_func(q, k, v, causal=causal)).all()
     # The varlen forward's dynamic walk (sm90: a grid of one CTA per SM claiming tiles from the
-    # call's counter, common/tile_scheduler.cuh): 150 sequences of 0..199 rows, ~8 tiles per CTA;
-    # three consumer warpgroups (d64) and O staged in the V ring (d256).
-    lens = [(i * 37) % 200 for i in range(150)]
-    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).int()
-    for headdim, causal in ((64, True), (256, False)):
-        q = torch.randn(sum(lens), 4, headdim, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(sum(lens), 2, headdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
-        assert torch.isfinite(out).all()
+    # call's counter, common/tile_scheduler.cuh): 150 sequences of 0..199 rows (a tight grid's
+    # units) and 150 of 100 rows with two shorter ones (every tile of max_seqlen_q rows, the empty
+    # ones skipped), several tiles per CTA; three consumer warpgroups (d64) and O staged in the V
+    # ring (d256).
+    for lens in ([(i * 37) % 200 for i in range(150)], [100] * 150 + [1, 0]):
+        cu = torch.tensor([0] + lens, device="cuda").cumsum(0).int()
+        for headdim, causal in ((64, True), (256, False)):
+            q = torch.randn(sum(lens), 4, headdim, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(sum(lens), 2, headdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+            assert torch.isfinite(out).all()
 # KV cache (one kernel path on every GPU): decode and a 3-query chunk, contiguous and paged,
 # appending 2 keys, unsplit and split.
 with torch.no_grad():

@@ -483,16 +483,22 @@ def _mixed_lengths(seed, n):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_dynamic_walk(d, causal, arch_path, poison_empty, tmp_path):
-    """80 sequences of mixed lengths (empty ones, 1 row, tile edges, up to 1024; q and k drawn
-    apart), 16 query heads over 4 kv heads: far more tiles than SMs, so each CTA of the dynamic walk
-    claims many. Bit for bit the dense op per sequence (check_varlen_call: the accuracy rule too)
-    and the same bits as one CTA per tile (FLASH_ATTN_EXT_SM90_FWD_SCHEDULE=tile, a subprocess);
-    the forward's grid is the SM count."""
+@pytest.mark.parametrize("lengths", ["mixed", "near_equal"])
+def test_varlen_dynamic_walk(d, causal, lengths, arch_path, poison_empty, tmp_path):
+    """Far more tiles than SMs, so each CTA of the dynamic walk claims many, 16 query heads over 4
+    kv heads. mixed: 80 sequences (empty ones, 1 row, tile edges, up to 1024; q and k drawn apart),
+    a tight grid's units. near_equal: 40 sequences of 300 rows and three shorter ones (1, 0, 130):
+    no tight grid (it would not halve the dense one), so the walk claims every (sequence, head) tile
+    of max_seqlen_q rows and skips those past a sequence's end. Bit for bit the dense op per
+    sequence (check_varlen_call: the accuracy rule too) and the same bits as one CTA per tile
+    (FLASH_ATTN_EXT_SM90_FWD_SCHEDULE=tile, a subprocess); the forward's grid is the SM count."""
     if not _sm90_forward_runs(arch_path):
         pytest.skip("the dynamic walk is the sm90 forward's (compute capability 9.0, a build with sm_90a)")
     require_hdim(d, exact=True)
-    lens_q, lens_k = _mixed_lengths(d + causal, 80)
+    if lengths == "mixed":
+        lens_q, lens_k = _mixed_lengths(d + causal, 80)
+    else:
+        lens_q, lens_k = [300] * 40 + [1, 0, 130], [300] * 40 + [5, 200, 0]
     check_varlen_call(lens_q, lens_k, 16, 4, d, torch.bfloat16, causal)
     q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 16, 4, d, torch.bfloat16)
     args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal)

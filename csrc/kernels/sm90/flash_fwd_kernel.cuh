@@ -400,10 +400,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto produce = [&](int tile) {
         const int2 bm = QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div);
         const QTileWork<kBlockM, kBlockN> w(params, bm, sched.m_shift);
-        // Varlen: no work, no ring position (the consumers skip it too). The dynamic walk finds real
-        // tiles only, and its tiles keep their ring position whatever they hold (its consumers learn
-        // the index from the ring).
-        if (!sched.dynamic && w.past_end()) return;
+        // Varlen: no work, no ring position (the consumers skip it too; in the dynamic walk they
+        // never learn of it: they take the tiles handed over with Q).
+        if (w.past_end()) return;
         // Key blocks [n_block_min, n_block_max): n_steps steps (a sliding window's left bound: the
         // tile's first row's first block; else 0).
         const int n_block_max = w.n_block_max, n_steps = max(n_block_max - (kLocal ? w.n_block_min() : 0), 0);
@@ -470,24 +469,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       } else {
         // The dynamic walk: unit blockIdx.x, then gridDim.x + the counter's next value, until the
-        // units run out. Units are tile-major (unit = u * h + head: the heads of one tile
-        // together, a GQA group's K / V shared in L2), so the first unit past the real tiles ends
-        // the walk (every later one lies past them too).
+        // units run out. A unit is a tile in QTileWork's order (a tile past its sequence's end:
+        // skipped by produce), or a tight grid's unit, tile-major (unit = u * h + head: the heads
+        // of one tile together, a GQA group's K / V shared in L2), so the first unit past the
+        // real tiles ends the walk (every later one lies past them too).
         // The next unit is claimed once this tile's loads are issued (the consumers still have
         // the ring's stages of work, so the claim and the next tile's search stay off their path);
         // nothing else stays live across a tile (the producer has 24 registers at d128).
 #pragma unroll 1
         for (int unit = blockIdx.x; unit < int(sched.num_units);) {
-          const int u = sched.h_div.div(unit), head = unit - u * sched.h_div.d;
-          // The tile in the dense numbering, from its index head * per_head + u in a tight grid's.
-          const int64_t per_head = varlen_tight_per_head(params.total_q, params.b, kBlockM);
-          const int64_t tile = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q,
-                                                                 params.seqlen_q, params.h,
-                                                                 int64_t(head) * per_head + u);
-          if (tile < 0) break;  // uniform over the warp
+          int tile = unit;
+          if (sched.dynamic == FwdTileScheduler<kBlockM>::kDynamicTight) {
+            const int u = sched.h_div.div(unit), head = unit - u * sched.h_div.d;
+            // The tile in the dense numbering, from its index head * per_head + u in a tight grid's.
+            const int64_t per_head = varlen_tight_per_head(params.total_q, params.b, kBlockM);
+            const int64_t t = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q,
+                                                                params.seqlen_q, params.h, int64_t(head) * per_head + u);
+            if (t < 0) break;  // uniform over the warp
+            tile = int(t);
+          }
           int claim = 0;
           if (tid == 0) {
-            produce(int(tile));
+            produce(tile);
             claim = atomicAdd(params.tile_counter, 1);
           }
           unit = int(gridDim.x) + __shfl_sync(0xffffffffu, claim, 0);
