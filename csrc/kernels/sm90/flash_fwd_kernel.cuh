@@ -9,7 +9,10 @@
 // per CTA, and the mbarrier rings keep running across tiles, so the next tile's loads overlap this
 // tile's last steps and epilogue. Producer and consumers walk the same schedule (a pure function
 // of blockIdx.x and the call), so no tile index passes through shared memory (but a varlen tight
-// grid's, which warp 0 finds once per CTA: common/work.cuh, varlen_dense_index).
+// grid's, which warp 0 finds once per CTA: common/work.cuh, varlen_dense_index), except in the
+// varlen calls' dynamic walk (tile_scheduler.cuh: dynamic), where the producer warp claims each
+// tile from the call's counter and writes its index beside the Q stage it loads (tile_slot),
+// read by the consumers after their q_full wait; -1 there ends their walk.
 // Warpgroups (128 threads each):
 //   WG 0 (producer, setmaxnreg down): one thread issues the TMA loads of every tile: K_n and V_n
 //        for n = n_block_max - 1 down to n_block_min (0 but for a sliding window's left edge) into
@@ -55,7 +58,11 @@
 //     kStageOInV: one arrival per consumer warp before its last P V (its last S is complete), or,
 //     in a warpgroup without steps, once its skipped steps' stages have landed (right after the
 //     q_full wait in a tile without keys); O goes to the V ring instead. (A window's tail skips
-//     come after that arrival: they read no Q.)
+//     come after that arrival: they read no Q.) Dynamic walk: the producer writes the tile's index
+//     to tile_slot[s] between its q_empty wait and its arrival (the arrival's release, the
+//     consumers' acquiring wait), and after its last tile takes one more phase: q_empty wait, -1,
+//     a plain arrive; the consumers wait q_full before decoding the tile, and on -1 leave the
+//     loop without arriving anywhere.
 //   o_free (kStageOInV): one phase per tile, tiles without keys included. Producer, per tile: wait
 //     o_free (parity phase ^ 1: the previous tile's O store has read the V ring) after its Q and
 //     before V of the first key block, or before the q_full arrival of a tile without keys.

@@ -30,9 +30,10 @@ namespace sm90 {
 // (read once; a tuning knob): "tile" runs one CTA per tile, "persistent" the static persistent
 // grid; unset or "auto": the static persistent grid for dense calls (faster or equal at every
 // shape of the benchmark, docs/PERF_NOTES.md) and the dynamic one for varlen calls, whose tiles
-// differ in work by the sequence lengths (unknown on the host), so that a static round-robin
-// leaves CTAs idle (H200, 64 sequences of 128..1024, 16k tokens: hd64 93 against 168 TFLOP/s
-// non-causal for one CTA per tile, hd128 194 against 234) where claiming the next tile does not.
+// differ in work by the sequence lengths (unknown on the host): a static round-robin leaves CTAs
+// idle there (H200, 64 sequences of 128..1024, 16k tokens, non-causal: hd64 93 TFLOP/s against
+// 168 for one CTA per tile, hd128 194 against 234), claiming the next tile does not (hd64 192 ->
+// 248, hd128 244 -> 295 against one CTA per tile; causal +30-40 %; docs/PERF_NOTES.md).
 inline FwdTileScheduler<64>::Schedule fwd_schedule(const Flash_fwd_params& params) {
   using S = FwdTileScheduler<64>;
   static const int forced = [] {
@@ -49,7 +50,7 @@ inline FwdTileScheduler<64>::Schedule fwd_schedule(const Flash_fwd_params& param
 
 // Launches flash_fwd_kernel<Traits> on the persistent grid of common/tile_scheduler.cuh: one CTA
 // per SM (fewer when the call has fewer work units), each looping over its Q tiles (one CTA per
-// tile when fwd_persistent() is false). The head dim is dispatch.cu's guarantee (d_rounded ==
+// tile when fwd_schedule() says kTile, or a varlen call has no tile_counter). The head dim is dispatch.cu's guarantee (d_rounded ==
 // kHeadDim). False (nothing launched) when a tensor map cannot be encoded, or the call has more
 // than 2^30 work units (the scheduler's limit).
 template <typename Traits>
