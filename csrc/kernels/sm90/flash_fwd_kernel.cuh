@@ -11,8 +11,8 @@
 // of blockIdx.x and the call), so no tile index passes through shared memory (but a varlen tight
 // grid's, which warp 0 finds once per CTA: common/work.cuh, varlen_dense_index), except in the
 // varlen calls' dynamic walk (tile_scheduler.cuh: dynamic), where the producer warp claims each
-// tile from the call's counter and writes its index beside the Q stage it loads (tile_slot),
-// read by the consumers after their q_full wait; -1 there ends their walk.
+// tile from the call's counter and hands its index to the consumers through one shared slot and a
+// pair of named barriers (below: tile hand-over); -1 there ends their walk.
 // Warpgroups (128 threads each):
 //   WG 0 (producer, setmaxnreg down): one thread issues the TMA loads of every tile: K_n and V_n
 //        for n = n_block_max - 1 down to n_block_min (0 but for a sliding window's left edge) into
@@ -58,11 +58,13 @@
 //     kStageOInV: one arrival per consumer warp before its last P V (its last S is complete), or,
 //     in a warpgroup without steps, once its skipped steps' stages have landed (right after the
 //     q_full wait in a tile without keys); O goes to the V ring instead. (A window's tail skips
-//     come after that arrival: they read no Q.) Dynamic walk: the producer writes the tile's index
-//     to tile_slot[s] between its q_empty wait and its arrival (the arrival's release, the
-//     consumers' acquiring wait), and after its last tile takes one more phase: q_empty wait, -1,
-//     a plain arrive; the consumers wait q_full before decoding the tile, and on -1 leave the
-//     loop without arriving anywhere.
+//     come after that arrival: they read no Q.)
+//   Tile hand-over (the dynamic walk only; FA3's tile-count barriers): named barriers kTileFull /
+//     kTileEmpty of the producer warp and every consumer thread. The consumers arrive on kTileEmpty
+//     once before their first tile; per tile the producer warp syncs kTileEmpty (the consumers
+//     have read the last index), lane 0 writes the next index (-1 after the last tile) to the
+//     slot, the warp arrives on kTileFull, and lane 0 issues the tile's loads; the consumers sync
+//     kTileFull, read the slot, and arrive on kTileEmpty unless it read -1 (then they leave).
 //   o_free (kStageOInV): one phase per tile, tiles without keys included. Producer, per tile: wait
 //     o_free (parity phase ^ 1: the previous tile's O store has read the V ring) after its Q and
 //     before V of the first key block, or before the q_full arrival of a tile without keys.
@@ -189,9 +191,9 @@ struct FwdKernelTraits {
   // this tile's last S products: kStageOInV below). K/V ring depth: as many stages as fit next to
   // them (2..4; one CTA per SM): d64 4, d96/d128 2, d192/d256 2 (FA3: 2 everywhere; TK: 4 at d64).
   // One Q buffer and three K/V stages at d96 / d128 (O then staged in the V ring) measured 1-4 %
-  // slower. Barriers (8 bytes each, at most 2 Q + 4 K/V stages + o_free), the varlen tile slots
-  // (8 bytes per Q stage) and 1024 bytes of alignment slack come first.
-  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4 + 1 + 2) + 1024;
+  // slower. Barriers (8 bytes each, at most 2 Q + 4 K/V stages + o_free), the varlen tile slot (8
+  // bytes) and 1024 bytes of alignment slack come first.
+  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4 + 1 + 1) + 1024;
   static constexpr int kQStages = 2 * TileQ::kBytes + 4 * TileKV::kBytes + kBarBytes <= kMaxSmem ? 2 : 1;
   static constexpr int kStagesFit = (kMaxSmem - kQStages * TileQ::kBytes - kBarBytes) / (2 * TileKV::kBytes);
   static constexpr int kStages = kStagesFit < 4 ? kStagesFit : 4;
@@ -208,10 +210,10 @@ struct FwdKernelTraits {
   static constexpr bool kStageOInV = kQStages == 1;
   // Barriers: per Q stage full, empty; then per K/V stage K full, K empty, V full, V empty; o_free.
   static constexpr int kNumBars = 2 * kQStages + 4 * kStages + 1;
-  // After them, one int64 per Q stage: a varlen tight grid's tile, found by warp 0 for the whole
-  // CTA (slot 0), or the dynamic scheduler's tile of the Q stage (tile_scheduler.cuh: dynamic).
+  // After them: a varlen tight grid's tile (int64), found by warp 0 for the whole CTA, or the
+  // dynamic walk's next tile (int32; tile_scheduler.cuh: dynamic), handed from producer to consumers.
   static constexpr int kOffTileSlot = kOffBar + 8 * kNumBars;
-  static constexpr int kSmemBytes = kOffTileSlot + 8 * kQStages + 1024;  // + alignment slack
+  static constexpr int kSmemBytes = kOffTileSlot + 8 + 1024;  // + alignment slack
 
   static_assert(Tile::kNWarps == 4 * (kConsumerWGs + 1), "tile row: 4 producer warps + 4 per 64 query rows");
   static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "1-3 consumer warpgroups of 64 rows");
@@ -385,10 +387,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // wherever key_limit > 0): no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
   // sequence without keys): no K/V, no Q load, but one Q-ring phase all the same (the consumers
   // stage O = 0 through the buffer). A tile past its sequence's end: skipped by both sides.
-  // The dynamic walk's tile of Q stage s (tile_scheduler.cuh: dynamic; -1: the walk is over),
-  // written by the producer before its q_full arrival, read by the consumers after their wait.
-  // (int32: tile indices are < 2^31, tile_scheduler.cuh; the static walks' slot 0 is s_varlen_tile.)
-  auto tile_slot = [&](int s) { return reinterpret_cast<volatile int*>(smem + Traits::kOffTileSlot) + s; };
+  // The dynamic walk's next tile (tile_scheduler.cuh: dynamic; -1: the walk is over; int32: tile
+  // indices are < 2^31), in s_varlen_tile's place, handed over on named barriers kTileFull /
+  // kTileEmpty of the producer warp and the consumer threads (ids past the turns' and the V
+  // tail's, see the consumers).
+  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + Traits::kOffTileSlot);
+  constexpr int kTileFull = WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>::kBarrier + Traits::kConsumerWGs + 1;
+  constexpr int kTileEmpty = kTileFull + 1;
+  constexpr int kHandOverThreads = 32 + 128 * Traits::kConsumerWGs;
+  static_assert(kTileEmpty < 16, "16 named barriers per CTA");
   if (wg == 0) {
     // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread (warp 0's
     // lane 0; in the dynamic walk its warp finds the tiles).
@@ -436,7 +443,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (!Traits::kStageOInV && n_steps > 0) load_v(0);
         const int qs = q_pipe.stage();
         mbarrier_wait(q_empty(qs), q_pipe.phase() ^ 1);
-        if (sched.dynamic) *tile_slot(qs) = tile;  // for the consumers, released by the arrival below
         if (n_steps > 0) {
           mbarrier_arrive_expect_tx(q_full(qs), TileQ::kBytes);
 #pragma unroll
@@ -476,13 +482,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       } else {
         // The dynamic walk: unit blockIdx.x, then gridDim.x + the counter's next value, until the
-        // units run out. A unit is a tile in QTileWork's order (a tile past its sequence's end:
-        // skipped by produce), or a tight grid's unit, tile-major (unit = u * h + head: the heads
-        // of one tile together, a GQA group's K / V shared in L2), so the first unit past the
-        // real tiles ends the walk (every later one lies past them too).
-        // The next unit is claimed once this tile's loads are issued (the consumers still have
-        // the ring's stages of work, so the claim and the next tile's search stay off their path);
-        // nothing else stays live across a tile (the producer has 24 registers at d128).
+        // units run out. A unit is a tile in QTileWork's order (one past its sequence's end is
+        // neither handed over nor loaded), or a tight grid's unit, tile-major (unit = u * h + head:
+        // the heads of one tile together, a GQA group's K / V shared in L2), so the first unit
+        // past the real tiles ends the walk (every later one lies past them too). The next unit
+        // is claimed once this tile's loads are issued (the consumers still have the ring's
+        // stages of work, so the claim and the next tile's search stay off their path); nothing
+        // else stays live across a tile (the producer has 24 registers at d128).
+        // hand_over: tile t (-1: the end) to the consumers (the tile hand-over at the top).
+        auto hand_over = [&](int t) {
+          named_barrier_sync(kTileEmpty, kHandOverThreads);
+          if (tid == 0) *tile_slot = t;
+          __syncwarp();  // converged for the aligned barrier
+          named_barrier_arrive(kTileFull, kHandOverThreads);
+        };
 #pragma unroll 1
         for (int unit = blockIdx.x; unit < int(sched.num_units);) {
           int tile = unit;
@@ -494,20 +507,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                                 params.seqlen_q, params.h, int64_t(head) * per_head + u);
             if (t < 0) break;  // uniform over the warp
             tile = int(t);
+          } else {
+            const QTileWork<kBlockM, kBlockN> w(params, QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div));
+            if (w.past_end()) tile = -1;  // not handed over, nothing loaded (uniform over the warp)
           }
+          if (tile >= 0) hand_over(tile);
           int claim = 0;
           if (tid == 0) {
-            produce(tile);
+            if (tile >= 0) produce(tile);
             claim = atomicAdd(params.tile_counter, 1);
           }
+          __syncwarp();
           unit = int(gridDim.x) + __shfl_sync(0xffffffffu, claim, 0);
         }
-        if (tid == 0) {  // the end of the walk for the consumers: slot -1, no Q
-          const int qs = q_pipe.stage();
-          mbarrier_wait(q_empty(qs), q_pipe.phase() ^ 1);
-          *tile_slot(qs) = -1;
-          mbarrier_arrive(q_full(qs));
-        }
+        hand_over(-1);
       }
     }
     return;
@@ -530,6 +543,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int cw = warpgroup_index(threadIdx.x) - 1;
   const Turns turns(cw);
   turns.prime();
+  if (sched.dynamic) named_barrier_arrive(kTileEmpty, kHandOverThreads);  // the slot is free (tile hand-over)
   auto tiles = sched.begin();
 #pragma unroll 1
   for (int64_t tile_index;;) {
@@ -538,9 +552,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // walks compute it. The index is opaque from here on: what derives from it is recomputed in
     // the epilogue instead of held live across the main loop.
     if (sched.dynamic) {
-      mbarrier_wait(q_full(q_pipe.stage()), q_pipe.phase());  // (waited again below: already complete)
-      tile_index = *tile_slot(q_pipe.stage());
+      named_barrier_sync(kTileFull, kHandOverThreads);
+      tile_index = *tile_slot;
       if (tile_index < 0) break;
+      named_barrier_arrive(kTileEmpty, kHandOverThreads);
     } else if (!tiles.next(sched, tile_index)) {
       break;
     }
@@ -624,6 +639,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (params.cu_seqlens_k != nullptr) {
         const int keys_in_last = w.seq.seqlen_k - (n_block_max - 1) * kBlockN;  // uniform over the CTA
         if (keys_in_last < kBlockN) {
+          // With O staged in the V ring, a CTA's previous tile stored O from these rows: every
+          // consumer warp is past that store (the producer's o_free wait ordered this stage's V
+          // load after it; this barrier states it where compute-sanitizer racecheck sees it).
+          if (Traits::kStageOInV) named_barrier_sync(kVTailBarrier, kConsumerThreads);
           mbarrier_wait(v_full(kv_pipe.stage(0)), kv_pipe.phase(0));
           zero_rows<TileKV, kHeadDimPad, kConsumerThreads>(sV(kv_pipe.stage(0)), keys_in_last, kBlockN,
                                                            thread_index_opaque() - 128);
