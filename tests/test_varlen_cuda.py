@@ -459,8 +459,9 @@ def test_varlen_tight_grid(d, causal, arch_path, poison_empty, tmp_path):
 
 # ---- The sm90 forward's dynamic walk (kernels/common/tile_scheduler.cuh: dynamic): on compute
 # capability 9.0 a varlen forward runs a grid of at most one CTA per SM whose CTAs claim the tiles
-# of the tight grid from a counter the call zeroes (flash.h: tile_counter); the producer warp finds
-# each tile and hands its index to the consumers with the tile's Q.
+# (a tight grid's, or every tile of max_seqlen_q rows) from a counter the call zeroes (flash.h:
+# tile_counter); the producer warp finds each tile and hands its index to the consumers on a pair
+# of named barriers.
 
 def _sm90_forward_runs(arch_path) -> bool:
     return (arch_path == "auto" and torch.cuda.get_device_capability() == (9, 0)

@@ -47,8 +47,10 @@
 // counter's next value, so every unit is taken exactly once and an idle CTA takes the next one,
 // as the block scheduler would, while the barrier setup, register reallocation and the
 // pipelines' fill happen once per CTA and the next tile's loads overlap this tile's last steps.
-// The producer warp claims and finds the tile and hands its index to the consumers with the
-// tile's Q (sm90/flash_fwd_kernel.cuh). Tiles' results do not depend on the CTA that runs them.
+// The producer warp claims and finds the tile and hands its index to the consumers on a pair of
+// named barriers before its loads (sm90/flash_fwd_kernel.cuh: tile hand-over). Tiles' results do
+// not depend on the CTA that runs them. The counter must be zero at each launch (the API zeroes a
+// fresh one per call); a stale value would skip units (rows of out left unwritten), not hang.
 #pragma once
 
 #include <cstdint>

@@ -414,8 +414,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto produce = [&](int tile) {
         const int2 bm = QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div);
         const QTileWork<kBlockM, kBlockN> w(params, bm, sched.m_shift);
-        // Varlen: no work, no ring position (the consumers skip it too; in the dynamic walk they
-        // never learn of it: they take the tiles handed over with Q).
+        // Varlen: no work, no ring position (the consumers skip it too; the dynamic walk never hands
+        // such a tile over).
         if (w.past_end()) return;
         // Key blocks [n_block_min, n_block_max): n_steps steps (a sliding window's left bound: the
         // tile's first row's first block; else 0).
@@ -548,8 +548,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll 1
   for (int64_t tile_index;;) {
     // The next tile (the producer's, in the same order): wait for its Q (a tile without keys: for
-    // the buffer). The dynamic walk hands the index over with Q (-1: the walk is over); the static
-    // walks compute it. The index is opaque from here on: what derives from it is recomputed in
+    // the buffer). The dynamic walk hands the index over on kTileFull (-1: the walk is over); the
+    // static walks compute it. The index is opaque from here on: what derives from it is recomputed in
     // the epilogue instead of held live across the main loop.
     if (sched.dynamic) {
       named_barrier_sync(kTileFull, kHandOverThreads);
@@ -641,8 +641,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (keys_in_last < kBlockN) {
           // With O staged in the V ring, a CTA's previous tile stored O from these rows: every
           // consumer warp is past that store (the producer's o_free wait ordered this stage's V
-          // load after it; this barrier states it where compute-sanitizer racecheck sees it).
-          if (Traits::kStageOInV) named_barrier_sync(kVTailBarrier, kConsumerThreads);
+          // load after it). A barrier states it where compute-sanitizer racecheck sees it: the
+          // dynamic walk's kTileFull sync, or here, for a varlen call on the static persistent
+          // walk (FLASH_ATTN_EXT_SM90_FWD_SCHEDULE=persistent); one CTA per tile has no previous tile.
+          if (Traits::kStageOInV && sched.persistent) named_barrier_sync(kVTailBarrier, kConsumerThreads);
           mbarrier_wait(v_full(kv_pipe.stage(0)), kv_pipe.phase(0));
           zero_rows<TileKV, kHeadDimPad, kConsumerThreads>(sV(kv_pipe.stage(0)), keys_in_last, kBlockN,
                                                            thread_index_opaque() - 128);
