@@ -392,7 +392,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // kTileEmpty of the producer warp and the consumer threads (ids past the turns' and the V
   // tail's, see the consumers).
   volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + Traits::kOffTileSlot);
-  constexpr int kTileFull = WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>::kBarrier + Traits::kConsumerWGs + 1;
+  constexpr int kTileFull =
+      WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>::kBarrier + Traits::kConsumerWGs + 1;
   constexpr int kTileEmpty = kTileFull + 1;
   constexpr int kHandOverThreads = 32 + 128 * Traits::kConsumerWGs;
   static_assert(kTileEmpty < 16, "16 named barriers per CTA");
@@ -504,11 +505,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             // The tile in the dense numbering, from its index head * per_head + u in a tight grid's.
             const int64_t per_head = varlen_tight_per_head(params.total_q, params.b, kBlockM);
             const int64_t t = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q,
-                                                                params.seqlen_q, params.h, int64_t(head) * per_head + u);
+                                                                params.seqlen_q, params.h,
+                                                                int64_t(head) * per_head + u);
             if (t < 0) break;  // uniform over the warp
             tile = int(t);
           } else {
-            const QTileWork<kBlockM, kBlockN> w(params, QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div));
+            const int2 bm = QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div);
+            const QTileWork<kBlockM, kBlockN> w(params, bm);
             if (w.past_end()) tile = -1;  // not handed over, nothing loaded (uniform over the warp)
           }
           if (tile >= 0) hand_over(tile);
@@ -549,8 +552,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int64_t tile_index;;) {
     // The next tile (the producer's, in the same order): wait for its Q (a tile without keys: for
     // the buffer). The dynamic walk hands the index over on kTileFull (-1: the walk is over); the
-    // static walks compute it. The index is opaque from here on: what derives from it is recomputed in
-    // the epilogue instead of held live across the main loop.
+    // static walks compute it. The index is opaque from here on: what derives from it is
+    // recomputed in the epilogue instead of held live across the main loop.
     if (sched.dynamic) {
       named_barrier_sync(kTileFull, kHandOverThreads);
       tile_index = *tile_slot;
@@ -562,7 +565,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     int64_t tile = sched.varlen_tight ? s_varlen_tile : tile_index;  // varlen tight grid: its one tile
     asm volatile("" : "+l"(tile));
     const QTileWork<kBlockM, kBlockN> w(params, tile, sched.m_div, sched.h_div, sched.m_shift);
-    if (!sched.dynamic && w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
+    // Varlen: a tile past its sequence's end, skipped by the producer too (the dynamic walk hands
+    // over none).
+    if (!sched.dynamic && w.past_end()) continue;
     // The head's attention sink for the epilogue (flash.h: sinks_ptr), loaded here so its latency
     // hides under the main loop (at the epilogue it stalled every tile: +3-5 % at d128 N = 1k-4k).
     const float sink = head_sink(params.sinks_ptr, w.bidh);
