@@ -390,8 +390,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The dynamic walk's next tile (tile_scheduler.cuh: dynamic; -1: the walk is over; int32: tile
   // indices are < 2^31), in s_varlen_tile's place, handed over on named barriers kTileFull /
   // kTileEmpty of the producer warp and the consumer threads (ids past the turns' and the V
-  // tail's, see the consumers).
-  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + Traits::kOffTileSlot);
+  // tail's, see the consumers). The slot is written and read by shared-memory atomics: the
+  // barriers order them, and compute-sanitizer racecheck, which reports a plain store and load
+  // ordered by these barriers as a race, sees no race between atomics.
+  int* tile_slot = reinterpret_cast<int*>(smem + Traits::kOffTileSlot);
   constexpr int kTileFull =
       WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>::kBarrier + Traits::kConsumerWGs + 1;
   constexpr int kTileEmpty = kTileFull + 1;
@@ -493,7 +495,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // hand_over: tile t (-1: the end) to the consumers (the tile hand-over at the top).
         auto hand_over = [&](int t) {
           named_barrier_sync(kTileEmpty, kHandOverThreads);
-          if (tid == 0) *tile_slot = t;
+          if (tid == 0) atomicExch(tile_slot, t);
           __syncwarp();  // converged for the aligned barrier
           named_barrier_arrive(kTileFull, kHandOverThreads);
         };
@@ -556,7 +558,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // recomputed in the epilogue instead of held live across the main loop.
     if (sched.dynamic) {
       named_barrier_sync(kTileFull, kHandOverThreads);
-      tile_index = *tile_slot;
+      int slot = 0;
+      if (threadIdx.x % 32 == 0) slot = atomicAdd(tile_slot, 0);  // one read per warp
+      tile_index = __shfl_sync(0xffffffffu, slot, 0);
       if (tile_index < 0) break;
       named_barrier_arrive(kTileEmpty, kHandOverThreads);
     } else if (!tiles.next(sched, tile_index)) {
@@ -646,10 +650,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (keys_in_last < kBlockN) {
           // With O staged in the V ring, a CTA's previous tile stored O from these rows: every
           // consumer warp is past that store (the producer's o_free wait ordered this stage's V
-          // load after it). A barrier states it where compute-sanitizer racecheck sees it: the
-          // dynamic walk's kTileFull sync, or here, for a varlen call on the static persistent
-          // walk (FLASH_ATTN_EXT_SM90_FWD_SCHEDULE=persistent); one CTA per tile has no previous tile.
-          if (Traits::kStageOInV && sched.persistent) named_barrier_sync(kVTailBarrier, kConsumerThreads);
+          // load after it). A consumers' barrier states it where compute-sanitizer racecheck sees
+          // it (with only the dynamic walk's kTileFull between them, it reported these writes
+          // against that store); one CTA per tile has no previous tile.
+          if (Traits::kStageOInV && (sched.persistent || sched.dynamic)) {
+            named_barrier_sync(kVTailBarrier, kConsumerThreads);
+          }
           mbarrier_wait(v_full(kv_pipe.stage(0)), kv_pipe.phase(0));
           zero_rows<TileKV, kHeadDimPad, kConsumerThreads>(sV(kv_pipe.stage(0)), keys_in_last, kBlockN,
                                                            thread_index_opaque() - 128);
