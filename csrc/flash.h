@@ -107,6 +107,10 @@ struct Flash_fwd_params : public Qkv_params {
   const int* __restrict__ cu_seqlens_k = nullptr;  // (b + 1) int32; set together with cu_seqlens_q
   int total_q = 0;  // rows of the packed q (varlen only)
   int total_k = 0;  // rows of the packed k / v (varlen only)
+  // A zeroed int32 in device memory, one per call (the API allocates it for varlen forward calls on
+  // compute capability 9.x): the sm90 forward's persistent varlen grid claims its tiles from it
+  // (common/tile_scheduler.cuh: dynamic). null: the varlen forward runs one CTA per tile.
+  int* __restrict__ tile_counter = nullptr;
 
   // ---- KV cache (flash_attn_with_kvcache). Sequence b sees keys [0, min(cache_seqlens[b] +
   // seqlen_knew, seqlen_k)): the cached keys plus the seqlen_knew keys this call appends (knew /

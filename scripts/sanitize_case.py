@@ -2,7 +2,7 @@
 one with large-magnitude inputs (the exact P path), one with a negative softmax_scale and one with
 more query tiles than SMs (the persistent sm90 forward's CTAs run several tiles), through
 forward and backward on every arch path of the GPU; the forward alone at d192 / d256 with several
-tiles per CTA (O staged in the V ring); packed varlen batches with zero-length
+tiles per CTA (O staged in the V ring) and the varlen forward's dynamic walk; packed varlen batches with zero-length
 sequences (forward and backward); KV-cache decode steps (contiguous and paged, append, split-KV
 with the combine); every other dense case, one varlen and two KV-cache cases with attention sinks
 (float32 per head: the forward's sink load and share, the combine's extra partial, d sinks from
@@ -54,6 +54,18 @@ with torch.no_grad():
         q = torch.randn(35, sq, 4, headdim, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(35, sk, 2, headdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         assert torch.isfinite(flash_attn_ext.flash_attn_func(q, k, v, causal=causal)).all()
+    # The varlen forward's dynamic walk (sm90: a grid of one CTA per SM claiming tiles from the
+    # call's counter, common/tile_scheduler.cuh): 150 sequences of 0..199 rows (a tight grid's
+    # units) and 150 of 100 rows with two shorter ones (every tile of max_seqlen_q rows, the empty
+    # ones skipped), several tiles per CTA; three consumer warpgroups (d64) and O staged in the V
+    # ring (d256).
+    for lens in ([(i * 37) % 200 for i in range(150)], [100] * 150 + [1, 0]):
+        cu = torch.tensor([0] + lens, device="cuda").cumsum(0).int()
+        for headdim, causal in ((64, True), (256, False)):
+            q = torch.randn(sum(lens), 4, headdim, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(sum(lens), 2, headdim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+            assert torch.isfinite(out).all()
 # KV cache (one kernel path on every GPU): decode and a 3-query chunk, contiguous and paged,
 # appending 2 keys, unsplit and split.
 with torch.no_grad():

@@ -30,6 +30,8 @@ magnitudes (the exact softmax path), and the issue's 16k tokens in 64 sequences 
 import os
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -453,3 +455,103 @@ def test_varlen_tight_grid(d, causal, arch_path, poison_empty, tmp_path):
     assert names, list(grids[0])
     for n in names:
         assert grids[0][n] == grids[1].get(n), (n, grids[0][n], grids[1].get(n))
+
+
+# ---- The sm90 forward's dynamic walk (kernels/common/tile_scheduler.cuh: dynamic): on compute
+# capability 9.0 a varlen forward runs a grid of at most one CTA per SM whose CTAs claim the tiles
+# (a tight grid's, or every tile of max_seqlen_q rows) from a counter the call zeroes (flash.h:
+# tile_counter); the producer warp finds each tile and hands its index to the consumers on a pair
+# of named barriers.
+
+def _sm90_forward_runs(arch_path) -> bool:
+    return (arch_path == "auto" and torch.cuda.get_device_capability() == (9, 0)
+            and "90a" in flash_attn_ext.build_info().get("cuda_archs", ""))
+
+
+_SCHEDULE_SCRIPT = r"""
+import sys, torch, flash_attn_ext
+q, k, v, cu_q, cu_k, max_q, max_k, causal = torch.load(sys.argv[1])
+out, lse = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True)
+torch.save((out, lse), sys.argv[2])
+"""
+
+
+def _mixed_lengths(seed, n):
+    rng = random.Random(seed)
+    pick = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 300, 513, 1024]
+    return [rng.choice(pick) for _ in range(n)], [rng.choice(pick) for _ in range(n)]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", ["mixed", "near_equal"])
+def test_varlen_dynamic_walk(d, causal, lengths, arch_path, poison_empty, tmp_path):
+    """Far more tiles than SMs, so each CTA of the dynamic walk claims many, 16 query heads over 4
+    kv heads. mixed: 80 sequences (empty ones, 1 row, tile edges, up to 1024; q and k drawn apart),
+    a tight grid's units. near_equal: 40 sequences of 300 rows and three shorter ones (1, 0, 130):
+    no tight grid (it would not halve the dense one), so the walk claims every (sequence, head) tile
+    of max_seqlen_q rows and skips those past a sequence's end. Bit for bit the dense op per
+    sequence (check_varlen_call: the accuracy rule too) and the same bits as one CTA per tile
+    (FLASH_ATTN_EXT_SM90_FWD_SCHEDULE=tile, a subprocess); the forward's grid is the SM count."""
+    if not _sm90_forward_runs(arch_path):
+        pytest.skip("the dynamic walk is the sm90 forward's (compute capability 9.0, a build with sm_90a)")
+    require_hdim(d, exact=True)
+    if lengths == "mixed":
+        lens_q, lens_k = _mixed_lengths(d + causal, 80)
+    else:
+        lens_q, lens_k = [300] * 40 + [1, 0, 130], [300] * 40 + [5, 200, 0]
+    check_varlen_call(lens_q, lens_k, 16, 4, d, torch.bfloat16, causal)
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 16, 4, d, torch.bfloat16)
+    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal)
+    torch.save(args, tmp_path / "in.pt")
+    env = dict(os.environ, FLASH_ATTN_EXT_SM90_FWD_SCHEDULE="tile")
+    r = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out_tile, lse_tile = torch.load(tmp_path / "out.pt")
+    results = []
+    grids = _kernel_grids(lambda: results.append(flash_attn_ext.flash_attn_varlen_func(
+        *args[:7], causal=causal, return_lse=True)), tmp_path)
+    out, lse = results[0]
+    assert torch.equal(out, out_tile) and torch.equal(lse, lse_tile), "dynamic walk vs one CTA per tile"
+    if os.environ.get("FLASH_ATTN_EXT_SM90_FWD_SCHEDULE", "auto") == "auto":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        fwd = [g for n, g in grids.items() if "sm90::flash_fwd_kernel<" in n]
+        assert fwd == [[sms]], (fwd, sms)
+
+
+def test_varlen_dynamic_walk_streams_and_graph(arch_path):
+    """Each call zeroes its own counter: two calls on two streams at once, and a CUDA graph of the
+    call replayed on new inputs (the counter's zeroing is one of its nodes), give the eager bits."""
+    if not _sm90_forward_runs(arch_path):
+        pytest.skip("the dynamic walk is the sm90 forward's (compute capability 9.0, a build with sm_90a)")
+    d = 128
+    require_hdim(d, exact=True)
+    lens_q, lens_k = _mixed_lengths(7, 64)
+    calls = [_inputs(lens_q, lens_k, 16, 4, d, torch.bfloat16) for _ in range(3)]
+    run = lambda c: flash_attn_ext.flash_attn_varlen_func(*c, max(lens_q), max(lens_k), causal=True)  # noqa: E731
+    eager = [run(c) for c in calls]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    outs = []
+    for s, c in zip(streams, calls[:2]):
+        with torch.cuda.stream(s):
+            outs.append(run(c))
+    torch.cuda.synchronize()
+    for o, e in zip(outs, eager[:2]):
+        assert torch.equal(o, e), "a call on a second stream at once"
+    static = [t.clone() for t in calls[0]]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(static)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = run(static)
+    for c, e in zip(calls, eager):
+        for dst, src in zip(static, c):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_out, e), "a replay of the captured call"

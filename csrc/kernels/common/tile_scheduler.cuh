@@ -38,6 +38,19 @@
 //     tail is then half a unit. Cost model (warpgroup-steps per CTA, 132 SMs): hdim 64 causal
 //     N = 8192 / 16384 (L = 24) makespan 1.032 / 1.047x shorter; no shape of 3,000 random ones
 //     (hdim, N, batch, heads) longer. Measured (H200, tune harness, 10 rounds): 1.018 / 1.030.
+// Varlen calls (their tiles differ in work by sequence lengths the host cannot read) walk their
+// tiles (a tight grid's units where it is taken, work.cuh: varlen_tight_grid, one unit per real
+// tile; else every (sequence, head) tile of max_seqlen_q rows, those past a sequence's end
+// skipped) either one CTA per unit (the hardware's block scheduler balances them) or, `dynamic`
+// (FA3's dynamic persistent scheduler), on a persistent grid whose CTAs claim units in order from
+// a zeroed counter (Flash_fwd_params::tile_counter): unit blockIdx.x first, then gridDim.x + the
+// counter's next value, so every unit is taken exactly once and an idle CTA takes the next one,
+// as the block scheduler would, while the barrier setup, register reallocation and the
+// pipelines' fill happen once per CTA and the next tile's loads overlap this tile's last steps.
+// The producer warp claims and finds the tile and hands its index to the consumers on a pair of
+// named barriers before its loads (sm90/flash_fwd_kernel.cuh: tile hand-over). Tiles' results do
+// not depend on the CTA that runs them. The counter must be zero at each launch (the API zeroes a
+// fresh one per call); a stale value would skip units (rows of out left unwritten), not hang.
 #pragma once
 
 #include <cstdint>
@@ -59,6 +72,9 @@ struct FwdTileScheduler {
   int persistent;      // grid of <= num_sms CTAs looping over units; else one CTA per tile
   int varlen_tight;    // not persistent, varlen on a tight grid (work.cuh: varlen_tight_grid): unit u is
                        // CTA u, whose tile the kernel finds itself (varlen_dense_index)
+  int dynamic;         // varlen tiles claimed by a persistent grid (see the top): 0 no; 1 the tiles in
+                       // QTileWork's order (unit = tile); 2 a tight grid's units (kDynamicTight)
+  static constexpr int kDynamicTight = 2;
   // The unit ranges, in walk order: [0, tail_begin) full units, (batch, head) bh's K of them
   // (K = units_div.d) for bh < num_bh - split; [tail_begin, split_begin) the last `split`
   // (batch, head)s' first K - 1 units (tail_div.d = K - 1); [split_begin, split_begin + 2 split)
@@ -72,17 +88,27 @@ struct FwdTileScheduler {
   // warpgroup twice), not integer divisions (QTileWork(params, tile, m_div, h_div)).
   FastDivmod units_div, tail_div, m_div, h_div;
 
+  // How a call's tiles are dealt (sm90/flash_fwd_launch.cuh: fwd_schedule): one CTA per tile,
+  // the static persistent walk, or (varlen) the dynamic one.
+  enum Schedule { kTile = 0, kPersistent = 1, kDynamic = 2 };
+
   // The units of `params`, or num_units = 0 when they exceed 2^30 (the caller refuses the call).
-  // persistent = false: one CTA per tile in QTileWork's order, left to the hardware's block
-  // scheduler (heavy causal tiles first), as a non-persistent kernel.
+  // kTile: one CTA per tile in QTileWork's order, left to the hardware's block scheduler (heavy
+  // causal tiles first), as a non-persistent kernel. kDynamic: varlen calls with a tile_counter
+  // (else kTile); dense calls take kPersistent.
   // skips_empty_warpgroups: the kernel skips a warpgroup's key blocks its rows do not see
   // (sm90 FwdKernelTraits::kWarpgroupKeyRanges), so a tile with a warpgroup without rows is light.
-  __host__ static FwdTileScheduler make(const Flash_fwd_params& params, bool persistent,
+  __host__ static FwdTileScheduler make(const Flash_fwd_params& params, Schedule schedule,
                                         bool skips_empty_warpgroups) {
     FwdTileScheduler s;
     s.num_m = ceil_div(params.seqlen_q, kBlockM);
     const int64_t bh = int64_t(params.b) * params.h;
-    s.persistent = persistent && params.num_sms > 0;
+    const bool tight = QTileWork<kBlockM, 64>::tight(params);  // (kBlockN does not enter it)
+    const bool varlen = params.cu_seqlens_q != nullptr;
+    if (schedule == kDynamic && !varlen) schedule = kPersistent;
+    s.dynamic = schedule == kDynamic && params.tile_counter != nullptr && params.num_sms > 0
+                    ? (tight ? kDynamicTight : 1) : 0;
+    s.persistent = schedule == kPersistent && params.num_sms > 0;
     s.paired = s.persistent && params.is_causal && s.num_m >= 2 && bh * s.num_m > int64_t(params.num_sms);
     const int units_per_bh = s.paired ? (s.num_m + 1) / 2 : s.num_m;
     const int64_t units = bh * units_per_bh;
@@ -104,16 +130,17 @@ struct FwdTileScheduler {
     const int64_t rest = sms > 0 ? full % sms : 0;
     const bool split = s.paired && k >= 2 && full > sms && rest > 0 && rest <= bh && 2 * rest + light_units <= sms;
     s.split = split ? int(rest) : 0;
-    s.varlen_tight = !s.persistent && QTileWork<kBlockM, 64>::tight(params);  // (kBlockN does not enter it)
-    const int64_t total = s.varlen_tight ? varlen_tight_per_head(params.total_q, params.b, kBlockM) * params.h
-                                         : units + s.split;  // each split unit becomes two
+    s.varlen_tight = !s.persistent && !s.dynamic && tight;
+    const int64_t total = s.varlen_tight || s.dynamic == kDynamicTight
+                              ? varlen_tight_per_head(params.total_q, params.b, kBlockM) * params.h
+                              : units + s.split;  // each split unit becomes two
     s.num_units = total <= (int64_t(1) << 30) ? uint32_t(total) : 0;  // so tile indices < 2^31
     // (With num_units = 0 the walk ends at once and the fields below are never read.)
     s.num_bh = int(bh);
     s.p_first = light ? 1 : 0;
     s.tail_begin = uint32_t(full - int64_t(s.split) * k);
     s.split_begin = uint32_t(full - s.split);
-    s.light_begin = s.varlen_tight ? s.num_units : uint32_t(full + s.split);  // tight: one tile per unit
+    s.light_begin = s.varlen_tight || s.dynamic ? s.num_units : uint32_t(full + s.split);  // tight: one tile per unit
     s.units_div = FastDivmod(k > 0 ? k : 1);
     s.tail_div = FastDivmod(k > 1 ? k - 1 : 1);
     s.m_div = FastDivmod(s.num_m > 0 ? s.num_m : 1);
@@ -125,7 +152,7 @@ struct FwdTileScheduler {
   // The persistent grid: one CTA per SM, fewer when there are fewer units (not persistent, or
   // num_sms unknown (0): one CTA per unit).
   __host__ int grid_size(const Flash_fwd_params& params) const {
-    return persistent && num_units > uint32_t(params.num_sms) ? params.num_sms : int(num_units);
+    return (persistent || dynamic) && num_units > uint32_t(params.num_sms) ? params.num_sms : int(num_units);
   }
 
   // This CTA's walk over its tiles: auto it = sched.begin(); for (int64_t tile; it.next(sched, tile);).

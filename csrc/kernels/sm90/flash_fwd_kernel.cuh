@@ -9,7 +9,10 @@
 // per CTA, and the mbarrier rings keep running across tiles, so the next tile's loads overlap this
 // tile's last steps and epilogue. Producer and consumers walk the same schedule (a pure function
 // of blockIdx.x and the call), so no tile index passes through shared memory (but a varlen tight
-// grid's, which warp 0 finds once per CTA: common/work.cuh, varlen_dense_index).
+// grid's, which warp 0 finds once per CTA: common/work.cuh, varlen_dense_index), except in the
+// varlen calls' dynamic walk (tile_scheduler.cuh: dynamic), where the producer warp claims each
+// tile from the call's counter and hands its index to the consumers through one shared slot and a
+// pair of named barriers (below: tile hand-over); -1 there ends their walk.
 // Warpgroups (128 threads each):
 //   WG 0 (producer, setmaxnreg down): one thread issues the TMA loads of every tile: K_n and V_n
 //        for n = n_block_max - 1 down to n_block_min (0 but for a sliding window's left edge) into
@@ -56,6 +59,12 @@
 //     in a warpgroup without steps, once its skipped steps' stages have landed (right after the
 //     q_full wait in a tile without keys); O goes to the V ring instead. (A window's tail skips
 //     come after that arrival: they read no Q.)
+//   Tile hand-over (the dynamic walk only; FA3's tile-count barriers): named barriers kTileFull /
+//     kTileEmpty of the producer warp and every consumer thread. The consumers arrive on kTileEmpty
+//     once before their first tile; per tile the producer warp syncs kTileEmpty (the consumers
+//     have read the last index), lane 0 writes the next index (-1 after the last tile) to the
+//     slot, the warp arrives on kTileFull, and lane 0 issues the tile's loads; the consumers sync
+//     kTileFull, read the slot, and arrive on kTileEmpty unless it read -1 (then they leave).
 //   o_free (kStageOInV): one phase per tile, tiles without keys included. Producer, per tile: wait
 //     o_free (parity phase ^ 1: the previous tile's O store has read the V ring) after its Q and
 //     before V of the first key block, or before the q_full arrival of a tile without keys.
@@ -201,7 +210,8 @@ struct FwdKernelTraits {
   static constexpr bool kStageOInV = kQStages == 1;
   // Barriers: per Q stage full, empty; then per K/V stage K full, K empty, V full, V empty; o_free.
   static constexpr int kNumBars = 2 * kQStages + 4 * kStages + 1;
-  // After them: a varlen tight grid's tile (int64), found by warp 0 for the whole CTA.
+  // After them: a varlen tight grid's tile (int64), found by warp 0 for the whole CTA, or the
+  // dynamic walk's next tile (int32; tile_scheduler.cuh: dynamic), handed from producer to consumers.
   static constexpr int kOffTileSlot = kOffBar + 8 * kNumBars;
   static constexpr int kSmemBytes = kOffTileSlot + 8 + 1024;  // + alignment slack
 
@@ -377,24 +387,39 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // wherever key_limit > 0): no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
   // sequence without keys): no K/V, no Q load, but one Q-ring phase all the same (the consumers
   // stage O = 0 through the buffer). A tile past its sequence's end: skipped by both sides.
+  // The dynamic walk's next tile (tile_scheduler.cuh: dynamic; -1: the walk is over; int32: tile
+  // indices are < 2^31), in s_varlen_tile's place, handed over on named barriers kTileFull /
+  // kTileEmpty of the producer warp and the consumer threads (ids past the turns' and the V
+  // tail's, see the consumers). The slot is written and read by shared-memory atomics: the
+  // barriers order them, and compute-sanitizer racecheck, which reports a plain store and load
+  // ordered by these barriers as a race, sees no race between atomics.
+  int* tile_slot = reinterpret_cast<int*>(smem + Traits::kOffTileSlot);
+  constexpr int kTileFull =
+      WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>::kBarrier + Traits::kConsumerWGs + 1;
+  constexpr int kTileEmpty = kTileFull + 1;
+  constexpr int kHandOverThreads = 32 + 128 * Traits::kConsumerWGs;
+  static_assert(kTileEmpty < 16, "16 named barriers per CTA");
   if (wg == 0) {
-    // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread.
+    // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread (warp 0's
+    // lane 0; in the dynamic walk its warp finds the tiles).
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (tid == 0) {
-      tma_prefetch_map(&tma.q);
-      tma_prefetch_map(&tma.k);
-      tma_prefetch_map(&tma.v);
+    if (tid < 32) {
+      if (tid == 0) {
+        tma_prefetch_map(&tma.q);
+        tma_prefetch_map(&tma.k);
+        tma_prefetch_map(&tma.v);
+      }
       const uint64_t evict_first = l2_policy_evict_first(), evict_last = l2_policy_evict_last();
       PipelineState<kQStages> q_pipe;
       PipelineState<kStages> kv_pipe;
       PipelineState<1> o_pipe;  // Traits::kStageOInV: one o_free phase per tile
-      auto tiles = sched.begin();
-#pragma unroll 1
-      for (int64_t tile; tiles.next(sched, tile);) {
-        if (sched.varlen_tight) tile = s_varlen_tile;  // its one tile (the walk has one unit)
-        const int2 bm = QTileWork<kBlockM, kBlockN>::decode(int(tile), sched.m_div, sched.h_div);
+      // One tile's loads (lane 0).
+      auto produce = [&](int tile) {
+        const int2 bm = QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div);
         const QTileWork<kBlockM, kBlockN> w(params, bm, sched.m_shift);
-        if (w.past_end()) continue;  // varlen: no work, no ring position (the consumers skip it too)
+        // Varlen: no work, no ring position (the consumers skip it too; the dynamic walk never hands
+        // such a tile over).
+        if (w.past_end()) return;
         // Key blocks [n_block_min, n_block_max): n_steps steps (a sliding window's left bound: the
         // tile's first row's first block; else 0).
         const int n_block_max = w.n_block_max, n_steps = max(n_block_max - (kLocal ? w.n_block_min() : 0), 0);
@@ -449,6 +474,58 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           load_v(i);
         }
         kv_pipe.advance(n_steps);
+      };
+      if (!sched.dynamic) {
+        if (tid == 0) {
+          auto tiles = sched.begin();
+#pragma unroll 1
+          for (int64_t tile; tiles.next(sched, tile);) {
+            produce(int(sched.varlen_tight ? s_varlen_tile : tile));  // tight: its one tile (the walk has one unit)
+          }
+        }
+      } else {
+        // The dynamic walk: unit blockIdx.x, then gridDim.x + the counter's next value, until the
+        // units run out. A unit is a tile in QTileWork's order (one past its sequence's end is
+        // neither handed over nor loaded), or a tight grid's unit, tile-major (unit = u * h + head:
+        // the heads of one tile together, a GQA group's K / V shared in L2), so the first unit
+        // past the real tiles ends the walk (every later one lies past them too). The next unit
+        // is claimed once this tile's loads are issued (the consumers still have the ring's
+        // stages of work, so the claim and the next tile's search stay off their path); nothing
+        // else stays live across a tile (the producer has 24 registers at d128).
+        // hand_over: tile t (-1: the end) to the consumers (the tile hand-over at the top).
+        auto hand_over = [&](int t) {
+          named_barrier_sync(kTileEmpty, kHandOverThreads);
+          if (tid == 0) atomicExch(tile_slot, t);
+          __syncwarp();  // converged for the aligned barrier
+          named_barrier_arrive(kTileFull, kHandOverThreads);
+        };
+#pragma unroll 1
+        for (int unit = blockIdx.x; unit < int(sched.num_units);) {
+          int tile = unit;
+          if (sched.dynamic == FwdTileScheduler<kBlockM>::kDynamicTight) {
+            const int u = sched.h_div.div(unit), head = unit - u * sched.h_div.d;
+            // The tile in the dense numbering, from its index head * per_head + u in a tight grid's.
+            const int64_t per_head = varlen_tight_per_head(params.total_q, params.b, kBlockM);
+            const int64_t t = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q,
+                                                                params.seqlen_q, params.h,
+                                                                int64_t(head) * per_head + u);
+            if (t < 0) break;  // uniform over the warp
+            tile = int(t);
+          } else {
+            const int2 bm = QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div);
+            const QTileWork<kBlockM, kBlockN> w(params, bm);
+            if (w.past_end()) tile = -1;  // not handed over, nothing loaded (uniform over the warp)
+          }
+          if (tile >= 0) hand_over(tile);
+          int claim = 0;
+          if (tid == 0) {
+            if (tile >= 0) produce(tile);
+            claim = atomicAdd(params.tile_counter, 1);
+          }
+          __syncwarp();
+          unit = int(gridDim.x) + __shfl_sync(0xffffffffu, claim, 0);
+        }
+        hand_over(-1);
       }
     }
     return;
@@ -471,16 +548,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int cw = warpgroup_index(threadIdx.x) - 1;
   const Turns turns(cw);
   turns.prime();
+  if (sched.dynamic) named_barrier_arrive(kTileEmpty, kHandOverThreads);  // the slot is free (tile hand-over)
   auto tiles = sched.begin();
 #pragma unroll 1
-  for (int64_t tile_index; tiles.next(sched, tile_index);) {
+  for (int64_t tile_index;;) {
     // The next tile (the producer's, in the same order): wait for its Q (a tile without keys: for
-    // the buffer). The index is opaque from here on: what derives from it is recomputed in the
-    // epilogue instead of held live across the main loop.
+    // the buffer). The dynamic walk hands the index over on kTileFull (-1: the walk is over); the
+    // static walks compute it. The index is opaque from here on: what derives from it is
+    // recomputed in the epilogue instead of held live across the main loop.
+    if (sched.dynamic) {
+      named_barrier_sync(kTileFull, kHandOverThreads);
+      int slot = 0;
+      if (threadIdx.x % 32 == 0) slot = atomicAdd(tile_slot, 0);  // one read per warp
+      tile_index = __shfl_sync(0xffffffffu, slot, 0);
+      if (tile_index < 0) break;
+      named_barrier_arrive(kTileEmpty, kHandOverThreads);
+    } else if (!tiles.next(sched, tile_index)) {
+      break;
+    }
     int64_t tile = sched.varlen_tight ? s_varlen_tile : tile_index;  // varlen tight grid: its one tile
     asm volatile("" : "+l"(tile));
     const QTileWork<kBlockM, kBlockN> w(params, tile, sched.m_div, sched.h_div, sched.m_shift);
-    if (w.past_end()) continue;  // varlen: a tile past its sequence's end, skipped by the producer too
+    // Varlen: a tile past its sequence's end, skipped by the producer too (the dynamic walk hands
+    // over none).
+    if (!sched.dynamic && w.past_end()) continue;
     // The head's attention sink for the epilogue (flash.h: sinks_ptr), loaded here so its latency
     // hides under the main loop (at the epilogue it stalled every tile: +3-5 % at d128 N = 1k-4k).
     const float sink = head_sink(params.sinks_ptr, w.bidh);
@@ -557,6 +648,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (params.cu_seqlens_k != nullptr) {
         const int keys_in_last = w.seq.seqlen_k - (n_block_max - 1) * kBlockN;  // uniform over the CTA
         if (keys_in_last < kBlockN) {
+          // With O staged in the V ring, a CTA's previous tile stored O from these rows: every
+          // consumer warp is past that store (the producer's o_free wait ordered this stage's V
+          // load after it). A consumers' barrier states it where compute-sanitizer racecheck sees
+          // it (with only the dynamic walk's kTileFull between them, it reported these writes
+          // against that store); one CTA per tile has no previous tile.
+          if (Traits::kStageOInV && (sched.persistent || sched.dynamic)) {
+            named_barrier_sync(kVTailBarrier, kConsumerThreads);
+          }
           mbarrier_wait(v_full(kv_pipe.stage(0)), kv_pipe.phase(0));
           zero_rows<TileKV, kHeadDimPad, kConsumerThreads>(sV(kv_pipe.stage(0)), keys_in_last, kBlockN,
                                                            thread_index_opaque() - 128);

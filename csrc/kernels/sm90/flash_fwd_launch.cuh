@@ -26,29 +26,32 @@
 namespace flash {
 namespace sm90 {
 
-// Whether the forward runs its persistent grid (common/tile_scheduler.cuh) or one CTA per tile.
-// FLASH_ATTN_EXT_SM90_FWD_SCHEDULE (read once; a tuning knob): "tile" runs one CTA per tile,
-// "persistent" the persistent grid; unset or "auto": the persistent grid for dense calls (faster or
-// equal at every shape of the benchmark, docs/PERF_NOTES.md) and one CTA per tile for varlen ones,
-// whose tiles differ in work by the sequence lengths (unknown on the host) so that a static
-// round-robin leaves CTAs idle while the hardware's block scheduler balances them (H200, 64
-// sequences of 128..1024, 16k tokens: hd64 93 -> 168, hd128 194 -> 234 TFLOP/s non-causal).
-inline bool fwd_persistent(const Flash_fwd_params& params) {
+// How the forward deals its tiles (common/tile_scheduler.cuh). FLASH_ATTN_EXT_SM90_FWD_SCHEDULE
+// (read once; a tuning knob): "tile" runs one CTA per tile, "persistent" the static persistent
+// grid; unset or "auto": the static persistent grid for dense calls (faster or equal at every
+// shape of the benchmark, docs/PERF_NOTES.md) and the dynamic one for varlen calls, whose tiles
+// differ in work by the sequence lengths (unknown on the host): a static round-robin leaves CTAs
+// idle there (H200, 64 sequences of 128..1024, 16k tokens, non-causal: hd64 93 TFLOP/s against
+// 168 for one CTA per tile, hd128 194 against 234), claiming the next tile does not (hd64 192 ->
+// 248, hd128 244 -> 295 against one CTA per tile; causal +30-40 %; docs/PERF_NOTES.md).
+inline FwdTileScheduler<64>::Schedule fwd_schedule(const Flash_fwd_params& params) {
+  using S = FwdTileScheduler<64>;
   static const int forced = [] {
     const char* e = std::getenv("FLASH_ATTN_EXT_SM90_FWD_SCHEDULE");
     if (e == nullptr || std::string(e).empty() || std::string(e) == "auto") return -1;
-    if (std::string(e) == "persistent") return 1;
-    if (std::string(e) == "tile") return 0;
+    if (std::string(e) == "persistent") return int(S::kPersistent);
+    if (std::string(e) == "tile") return int(S::kTile);
     throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SM90_FWD_SCHEDULE must be auto, persistent "
                                          "or tile, got '") + e + "'");
   }();
-  return forced < 0 ? params.cu_seqlens_q == nullptr : forced != 0;
+  if (forced >= 0) return S::Schedule(forced);
+  return params.cu_seqlens_q == nullptr ? S::kPersistent : S::kDynamic;
 }
 
 // Launches flash_fwd_kernel<Traits> on the persistent grid of common/tile_scheduler.cuh: one CTA
 // per SM (fewer when the call has fewer work units), each looping over its Q tiles (one CTA per
-// tile when fwd_persistent() is false). The head dim is dispatch.cu's guarantee (d_rounded ==
-// kHeadDim). False (nothing launched) when a tensor map cannot be encoded, or the call has more
+// tile when fwd_schedule() says kTile, or a varlen call has no tile_counter). The head dim is
+// dispatch.cu's guarantee (d_rounded == kHeadDim). False (nothing launched) when a tensor map cannot be encoded, or the call has more
 // than 2^30 work units (the scheduler's limit).
 template <typename Traits>
 bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
@@ -70,8 +73,9 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
       (!varlen && !tma_encode_bshd(&maps.o, params.o, batch, rows_q, params.h, params.d, kBf16, 64))) {
     return false;
   }
+  using Sched = FwdTileScheduler<Traits::kBlockM>;
   const auto sched =
-      FwdTileScheduler<Traits::kBlockM>::make(params, fwd_persistent(params), Traits::kWarpgroupKeyRanges);
+      Sched::make(params, typename Sched::Schedule(fwd_schedule(params)), Traits::kWarpgroupKeyRanges);
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
   // A sliding window's left bound takes the kernel's kLocal twin (flash_fwd_kernel.cuh).
   launch_1d(params.window_left >= 0 ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>,
