@@ -39,10 +39,11 @@
 //        releases the stage.
 //   Epilogue: O / l staged through the warpgroup's own rows of the tile's Q buffer (two Q buffers:
 //   d64, d96, d128) or of the V ring (one Q buffer: d192, d256; FwdKernelTraits::kStageOInV), LSE
-//   and the two softmax_stats planes written by the row owners, as the sm80 kernel does. Dense
-//   calls: one thread of the warpgroup stores its 64 rows by TMA (FA3's epilogue; HOPPER.md §1.8)
-//   and releases the staging buffer once the store has read it; the other warps go on to the next
-//   tile. Varlen: 16-byte stores of the sequence's rows, then every warp releases the buffer.
+//   and the two softmax_stats planes written by the row owners, as the sm80 kernel does. One thread
+//   of the warpgroup stores its 64 rows by TMA (FA3's epilogue; HOPPER.md §1.8) and waits until
+//   the store has read them; the other warps go on to the next tile. Varlen, the warpgroup whose
+//   rows hold the sequence's end: 16-byte stores of its rows inside the sequence. Every warp
+//   then releases the staging buffer (warp 0 after that wait).
 //
 // Barrier protocol across tiles (the one to check when a run hangs; mbarrier_wait traps after
 // ~8 s instead): every ring position is a PipelineState (primitives/barrier.cuh) that producer and
@@ -53,8 +54,8 @@
 //     V, below) of its first key block, wait q_empty[s] (parity phase ^ 1), then arrive.expect_tx +
 //     TMA on q_full[s], or a plain arrive when the tile has no key block. Consumers: wait q_full[s]
 //     (phase), ..., O staged in that Q buffer, fence.proxy.async, epilogue barrier; then q_empty[s]
-//     gets kConsumerWGs * 4 arrivals (its count): dense, 4 at once from each warpgroup's storing
-//     thread after cp.async.bulk.wait_group.read; varlen, one per consumer warp after its stores.
+//     gets kConsumerWGs * 4 arrivals (its count), one per consumer warp after its reads of the
+//     buffer (a warpgroup's storing thread after cp.async.bulk.wait_group.read).
 //     kStageOInV: one arrival per consumer warp before its last P V (its last S is complete), or,
 //     in a warpgroup without steps, once its skipped steps' stages have landed (right after the
 //     q_full wait in a tile without keys); O goes to the V ring instead. (A window's tail skips
@@ -70,8 +71,8 @@
 //     before V of the first key block, or before the q_full arrival of a tile without keys.
 //     Consumers: wait for the tile's last V stage's empty barrier (every warp done with the tile's
 //     V; those V loads came after o_free), or in a tile without keys for q_full (after o_free),
-//     then O staged from the ring's start and stored as above; the storing thread's (dense) or
-//     each warp's (varlen) arrivals go to o_free.
+//     then O staged from the ring's start and stored as above; each warp's arrival goes to
+//     o_free.
 //   K and V rings (kStages): one position per key block of a tile with steps, kept by
 //     producer and consumers alike (the same tiles in the same order); the producer's K/V
 //     loads for tile t+1 wait only on k_empty / v_empty (its first V on o_free too: kStageOInV),
@@ -851,37 +852,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // or the producer's next Q load).
       fence_proxy_async();
       named_barrier_sync(1 + c, 128);
-      if (params.cu_seqlens_q == nullptr) {
-        // Dense (FA3's epilogue): one thread stores the warpgroup's 64 rows by TMA (rows past
-        // seqlen_q and columns past d are clipped by the tensor map) and, once the store has read
-        // them, releases the buffer for the warpgroup's four warps; the other warps go on at once.
+      if (params.cu_seqlens_q == nullptr || wo.rows_q - 64 * c >= 64) {
+        // Dense (FA3's epilogue), and a varlen warpgroup whose 64 rows all lie inside its sequence
+        // (their box stays there): one thread stores the warpgroup's 64 rows by TMA (rows past
+        // seqlen_q and columns past d are clipped by the tensor map) and waits until the store
+        // has read them; the other warps go on at once.
         if (tid_wg == 0) {
 #pragma unroll
           for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
             if (wo.m0 + 64 * c < 0) break;  // a warpgroup above row 0 (the shifted first tile): nothing to store
-            tma_store_4d(&tma.o, sO_addr + cb * TileQ::kColBlockBytes + 64 * c * 128, 64 * cb, wo.m0 + 64 * c, wo.bidh,
-                         wo.seq.tma_batch(params));
+            tma_store_4d(&tma.o, sO_addr + cb * TileQ::kColBlockBytes + 64 * c * 128, 64 * cb,
+                         wo.seq.q_tma_row(wo.m0 + 64 * c), wo.bidh, wo.seq.tma_batch(params));
           }
           tma_store_commit();
           tma_store_wait_read<0>();
-          mbarrier_arrive_count(Traits::kStageOInV ? o_free : q_empty(qs), 4);
         }
-        __syncwarp();  // warp 0 reconverged before its next .sync.aligned instructions
       } else {
-        // Varlen: a box would run into the next sequence's rows; 16-byte stores of the rows
-        // inside this one (primitives/tile_copy.cuh), then each warp releases the buffer.
+        // Varlen, the warpgroup that holds the sequence's end: a box would run into the next
+        // sequence's rows; 16-byte stores of the rows inside this one (primitives/tile_copy.cuh).
         store_tile<TileQ, 64, kHeadDimPad, 128>(wo.seq.template q_row<Element>(params.o, wo.bidh, wo.m0 + 64 * c),
                                                 params.o.row_stride, sO + 64 * c * 128, wo.rows_q - 64 * c, params.d,
                                                 tid_wg);
         fence_proxy_async();  // these generic reads before the producer's next TMA write
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(Traits::kStageOInV ? o_free : q_empty(qs));
       }
+      // Each warp releases the buffer once its reads of it are done (warp 0: once the TMA store
+      // has read the warpgroup's rows); the phase completes with the last warp's arrival.
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(Traits::kStageOInV ? o_free : q_empty(qs));
     }
     q_pipe.advance();
   }
   turns.drain();
-  if (params.cu_seqlens_q == nullptr && thread_index_opaque() % 128 == 0) tma_store_wait<0>();  // O written
+  if (thread_index_opaque() % 128 == 0) tma_store_wait<0>();  // O written
 #endif
 }
 

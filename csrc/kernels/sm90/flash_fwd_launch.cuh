@@ -64,13 +64,14 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const bool varlen = params.cu_seqlens_q != nullptr;
   const int batch = varlen ? 1 : params.b;
   const int rows_q = varlen ? params.total_q : params.seqlen_q, rows_k = varlen ? params.total_k : params.seqlen_k;
-  // O: stored by TMA in boxes of one consumer warpgroup's 64 rows, dense calls only (a varlen box
-  // would overrun into the next sequence: the kernel stores those rows itself; the map stays unused).
+  // O: stored by TMA in boxes of one consumer warpgroup's 64 rows (varlen: those whose rows all lie
+  // inside the sequence; a box over its end would overrun into the next one: the kernel stores
+  // that warpgroup's rows itself).
   FwdTmaMaps maps{};
   if (!tma_encode_bshd(&maps.q, params.q, batch, rows_q, params.h, params.d, kBf16, Traits::kBlockM) ||
       !tma_encode_bshd(&maps.k, params.k, batch, rows_k, params.h_k, params.d, kBf16, Traits::kBlockN) ||
       !tma_encode_bshd(&maps.v, params.v, batch, rows_k, params.h_k, params.d, kBf16, Traits::kBlockN) ||
-      (!varlen && !tma_encode_bshd(&maps.o, params.o, batch, rows_q, params.h, params.d, kBf16, 64))) {
+      !tma_encode_bshd(&maps.o, params.o, batch, rows_q, params.h, params.d, kBf16, 64)) {
     return false;
   }
   using Sched = FwdTileScheduler<Traits::kBlockM>;
