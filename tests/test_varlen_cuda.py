@@ -520,6 +520,32 @@ def test_varlen_dynamic_walk(d, causal, lengths, arch_path, poison_empty, tmp_pa
         assert fwd == [[sms]], (fwd, sms)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen_causal_partial_tiles_at_the_top(d, arch_path, poison_empty, tmp_path):
+    """Causal varlen calls put each sequence's partial Q tile at its top (common/work.cuh:
+    QTileWork::kShiftPerSequence; d64 / d128 / d256 take 192 / 192 / 128-row tiles here, so the
+    lengths below leave every size of partial tile, shifted by 0, 64 or 128 rows, the first
+    sequence's tiles starting above row 0 of the packed tensor). Bit for bit the dense op per
+    sequence and the same bits as with the shift off (FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT=0, a
+    subprocess): whole 64-row warpgroups move between tiles, each with its own key blocks."""
+    if not _sm90_forward_runs(arch_path):
+        pytest.skip("the shift is the sm90 forward's (compute capability 9.0, a build with sm_90a)")
+    require_hdim(d, exact=True)
+    lens_q = [30, 1, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 320, 383, 384, 385, 1000, 1024, 0]
+    lens_k = [n + (7 * i) % 3 for i, n in enumerate(lens_q)]  # seqlen_k >= seqlen_q, some longer
+    check_varlen_call(lens_q, lens_k, 8, 2, d, torch.bfloat16, True)
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
+    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), True)
+    torch.save(args, tmp_path / "in.pt")
+    env = dict(os.environ, FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT="0")
+    r = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out_off, lse_off = torch.load(tmp_path / "out.pt")
+    out, lse = flash_attn_ext.flash_attn_varlen_func(*args[:7], causal=True, return_lse=True)
+    assert torch.equal(out, out_off) and torch.equal(lse, lse_off), "partial tiles at the top vs at the bottom"
+
+
 def test_varlen_dynamic_walk_streams_and_graph(arch_path):
     """Each call zeroes its own counter: two calls on two streams at once, and a CUDA graph of the
     call replayed on new inputs (the counter's zeroing is one of its nodes), give the eager bits."""

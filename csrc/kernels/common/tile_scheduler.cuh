@@ -30,7 +30,10 @@
 //     of the last ones, which see the most (with the warpgroup key ranges, its warpgroups without
 //     rows skip every step). hdim 64 at N = 1024 (192-row tiles): key-block steps per (batch,
 //     head) 2 / 3 / 5 / 6 / 8 / 8 (the last tile one warpgroup of three) -> 1 / 2 / 4 / 5 / 7 / 8,
-//     and the pairs cost 9 each. No light units then.
+//     and the pairs cost 9 each. No light units then. Varlen causal calls (any walk): each
+//     sequence's own shift (QTileWork::kShiftPerSequence), so its partial tile is at its top; at
+//     16 x 1024 tokens, causal d64 / d128 (192-row tiles) gave the dynamic walk 0.88-0.90x of the
+//     dense op's persistent walk without it.
 //   - split tail: the full units fill R rounds of gridDim.x and L = (full units) mod gridDim.x
 //     more; those L CTAs would run a whole unit after everyone else. When 2 L + (light units)
 //     fits in one round, the last L (batch, head)s' most even pairs (their last unit: Q tiles
@@ -82,7 +85,8 @@ struct FwdTileScheduler {
   // (p = 0) of every (batch, head). Without light units p counts from 0, else from 1.
   uint32_t tail_begin, split_begin, light_begin;
   int num_bh, split, p_first;
-  int m_shift;  // rows the tiles start before row 0 (QTileWork's m_shift; see the top)
+  int m_shift;  // rows the tiles start before row 0 (QTileWork's m_shift; see the top), or
+                // QTileWork::kShiftPerSequence (varlen)
   // Divisions by K, K - 1, num_m and nheads, their magic numbers computed on the host: a
   // tile's decode is multiplies and shifts (the producer decodes every tile once, each consumer
   // warpgroup twice), not integer divisions (QTileWork(params, tile, m_div, h_div)).
@@ -117,9 +121,14 @@ struct FwdTileScheduler {
     // key range: d128 takes the tile's range, so the shift would only double the masked
     // diagonal blocks there. Never with a window's left bound: mask.cuh's key_start assumes rows
     // >= 0 without one and the kLocal twin is not shifted.)
-    s.m_shift = skips_empty_warpgroups && s.paired && rows_last > 0 && params.cu_seqlens_q == nullptr &&
-                        params.window_left < 0 && params.fwd_top_shift
+    s.m_shift = skips_empty_warpgroups && s.paired && rows_last > 0 && !varlen && params.window_left < 0 &&
+                        params.fwd_top_shift
                     ? (kBlockM - rows_last) / 64 * 64 : 0;
+    // Varlen, causal: every sequence's partial tile at its top (each sequence's own shift; any
+    // walk: a tile's cost no longer depends on where its sequence ends).
+    if (skips_empty_warpgroups && varlen && params.is_causal && params.window_left < 0 && params.fwd_top_shift) {
+      s.m_shift = QTileWork<kBlockM, 64>::kShiftPerSequence;
+    }
     const bool light = skips_empty_warpgroups && s.persistent && units_per_bh >= 2 && rows_last > 0 &&
                        rows_last <= kBlockM - 64 && s.m_shift == 0;
     const int k = light ? units_per_bh - 1 : units_per_bh;  // full units per (batch, head)

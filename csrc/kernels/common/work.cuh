@@ -99,10 +99,18 @@ struct QTileWork {
   // m_shift: the tiles start m_shift rows before row 0 (FwdTileScheduler::m_shift: the sm90
   // forward's causal calls put a partial tile at the top, where the causal rows are lightest),
   // so the first tile's rows below m_shift are not rows of the sequence (m0 + row < 0).
+  // kShiftPerSequence (varlen): each sequence's own shift, the partial tile's missing rows
+  // rounded down to whole 64-row warpgroups (0 when its length is a multiple of kBlockM); its
+  // tile count stays ceil(seqlen_q / kBlockM), so past_end() marks the same tiles.
+  static constexpr int kShiftPerSequence = -1;
   __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int2 bm, int m_shift = 0)
       : seq(params, bm.x), mask(seq, params) {
     bidh = bm.y % params.h;
     bidhk = bidh / params.h_h_k_ratio;  // GQA/MQA: shared K/V head, never copied
+    if (m_shift == kShiftPerSequence) {
+      const int rows_last = seq.seqlen_q % kBlockM;
+      m_shift = rows_last > 0 ? (kBlockM - rows_last) / 64 * 64 : 0;
+    }
     m0 = (bm.y / params.h) * kBlockM - m_shift;
     rows_q = min(kBlockM, seq.seqlen_q - m0);
     n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
