@@ -88,7 +88,8 @@ struct Flash_fwd_params : public Qkv_params {
   //     launch_bwd_stages); FLASH_ATTN_EXT_SM90_BWD_TMA=0 copies them by cp.async.
   // Either setting of those two gives the same bits.
   //   fwd_top_shift: the sm90 forward's causal partial Q tile at the top (common/tile_scheduler.cuh:
-  //     m_shift); FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT=0 keeps it at the bottom (the same bits: whole
+  //     m_shift; varlen: each sequence's, QTileWork::kShiftPerSequence);
+  //     FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT=0 keeps it at the bottom (the same bits: whole
   //     64-row warpgroup slabs move to another tile and warpgroup, each with its own key blocks in
   //     the same order; tests/test_sm90_forward.py: test_sm90_forward_top_shift_knob).
   bool varlen_tight = true;

@@ -521,18 +521,25 @@ def test_varlen_dynamic_walk(d, causal, lengths, arch_path, poison_empty, tmp_pa
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_varlen_causal_partial_tiles_at_the_top(d, arch_path, poison_empty, tmp_path):
+@pytest.mark.parametrize("lengths", ["edges", "near_equal"])
+def test_varlen_causal_partial_tiles_at_the_top(d, lengths, arch_path, poison_empty, tmp_path):
     """Causal varlen calls put each sequence's partial Q tile at its top (common/work.cuh:
-    QTileWork::kShiftPerSequence; d64 / d128 / d256 take 192 / 192 / 128-row tiles here, so the
-    lengths below leave every size of partial tile, shifted by 0, 64 or 128 rows, the first
-    sequence's tiles starting above row 0 of the packed tensor). Bit for bit the dense op per
+    QTileWork::kShiftPerSequence; d64 / d128 / d256 take 192 / 192 / 128-row tiles here). edges:
+    every size of partial tile, shifted by 0, 64 or 128 rows, the first sequence's tiles starting
+    above row 0 of the packed tensor, keys as many as queries, more, fewer or none (a tight grid's
+    walk). near_equal: 40 sequences of 321 rows and three short ones, no tight grid (the walk over
+    every tile of max_seqlen_q rows, the past-end ones skipped). Bit for bit the dense op per
     sequence and the same bits as with the shift off (FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT=0, a
     subprocess): whole 64-row warpgroups move between tiles, each with its own key blocks."""
     if not _sm90_forward_runs(arch_path):
         pytest.skip("the shift is the sm90 forward's (compute capability 9.0, a build with sm_90a)")
     require_hdim(d, exact=True)
-    lens_q = [30, 1, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 320, 383, 384, 385, 1000, 1024, 0]
-    lens_k = [n + (7 * i) % 3 for i, n in enumerate(lens_q)]  # seqlen_k >= seqlen_q, some longer
+    if lengths == "edges":
+        lens_q = [30, 1, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 320, 383, 384, 385, 1000, 1024, 0, 200]
+        lens_k = [n + (7 * i) % 3 - (i % 4 == 3) * (n // 2) for i, n in enumerate(lens_q)]
+        lens_k[-1] = 0  # a sequence of queries without keys
+    else:
+        lens_q, lens_k = [321] * 40 + [30, 1, 0], [321] * 40 + [100, 5, 7]
     check_varlen_call(lens_q, lens_k, 8, 2, d, torch.bfloat16, True)
     q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
     args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), True)

@@ -131,7 +131,8 @@ namespace flash {
 namespace sm90 {
 
 // The four tensor maps of a forward call (primitives/tma.cuh), one __grid_constant__ parameter.
-// o: boxes of 64 rows (one consumer warpgroup's rows of a tile), dense calls only.
+// o: boxes of 64 rows (one consumer warpgroup's rows of a tile; varlen: only those inside the
+// sequence, flash_fwd_kernel's epilogue).
 struct FwdTmaMaps {
   CUtensorMap q, k, v, o;
 };
@@ -514,7 +515,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             tile = int(t);
           } else {
             const int2 bm = QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div);
-            const QTileWork<kBlockM, kBlockN> w(params, bm);
+            const QTileWork<kBlockM, kBlockN> w(params, bm, sched.m_shift);  // the consumers' view
             if (w.past_end()) tile = -1;  // not handed over, nothing loaded (uniform over the warp)
           }
           if (tile >= 0) hand_over(tile);
