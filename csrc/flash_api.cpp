@@ -1008,13 +1008,13 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
                  mask);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.sinks_ptr = sinks_ptr(sinks);
+  params.d_rounded = d_rounded;
+  set_device_facts(params, q.get_device());
   // The sm90 forward's persistent varlen grid claims its tiles from a zeroed counter (flash.h:
   // tile_counter); allocated (one int32, zeroed on the stream) on compute capability 9.x only.
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-  const Tensor tile_counter = major == 9 ? torch::zeros({1}, q.options().dtype(at::kInt)) : Tensor();
+  const Tensor tile_counter = params.arch / 10 == 9 ? torch::zeros({1}, q.options().dtype(at::kInt)) : Tensor();
   params.tile_counter = tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr;
-  launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
+  run_on_stream(flash::run_mha_fwd, params);
   return outs;
 }
 

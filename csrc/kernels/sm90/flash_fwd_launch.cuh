@@ -51,8 +51,8 @@ inline FwdTileScheduler<64>::Schedule fwd_schedule(const Flash_fwd_params& param
 // Launches flash_fwd_kernel<Traits> on the persistent grid of common/tile_scheduler.cuh: one CTA
 // per SM (fewer when the call has fewer work units), each looping over its Q tiles (one CTA per
 // tile when fwd_schedule() says kTile, or a varlen call has no tile_counter). The head dim is
-// dispatch.cu's guarantee (d_rounded == kHeadDim). False (nothing launched) when a tensor map cannot be encoded, or the call has more
-// than 2^30 work units (the scheduler's limit).
+// dispatch.cu's guarantee (d_rounded == kHeadDim). False (nothing launched) when a tensor map
+// cannot be encoded, or the call has more than 2^30 work units (the scheduler's limit).
 template <typename Traits>
 bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   constexpr int kHeadDim = Traits::kHeadDim;
