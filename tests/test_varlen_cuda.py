@@ -476,6 +476,25 @@ torch.save((out, lse), sys.argv[2])
 """
 
 
+def _checked_call_args(lens_q, lens_k, nheads, nheads_k, d, causal):
+    """check_varlen_call on these lengths (bf16), then the arguments of one varlen forward call
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal) on fresh inputs."""
+    check_varlen_call(lens_q, lens_k, nheads, nheads_k, d, torch.bfloat16, causal)
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, nheads, nheads_k, d, torch.bfloat16)
+    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal
+
+
+def _varlen_in_subprocess(args, tmp_path, **env_vars):
+    """(out, lse) of flash_attn_varlen_func(*args) in a fresh process with env_vars set (the
+    knobs are read once per process)."""
+    torch.save(args, tmp_path / "in.pt")
+    env = dict(os.environ, **env_vars)
+    r = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return torch.load(tmp_path / "out.pt")
+
+
 def _mixed_lengths(seed, n):
     rng = random.Random(seed)
     pick = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 300, 513, 1024]
@@ -500,15 +519,8 @@ def test_varlen_dynamic_walk(d, causal, lengths, arch_path, poison_empty, tmp_pa
         lens_q, lens_k = _mixed_lengths(d + causal, 80)
     else:
         lens_q, lens_k = [300] * 40 + [1, 0, 130], [300] * 40 + [5, 200, 0]
-    check_varlen_call(lens_q, lens_k, 16, 4, d, torch.bfloat16, causal)
-    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 16, 4, d, torch.bfloat16)
-    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal)
-    torch.save(args, tmp_path / "in.pt")
-    env = dict(os.environ, FLASH_ATTN_EXT_SM90_FWD_SCHEDULE="tile")
-    r = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                       env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out_tile, lse_tile = torch.load(tmp_path / "out.pt")
+    args = _checked_call_args(lens_q, lens_k, 16, 4, d, causal)
+    out_tile, lse_tile = _varlen_in_subprocess(args, tmp_path, FLASH_ATTN_EXT_SM90_FWD_SCHEDULE="tile")
     results = []
     grids = _kernel_grids(lambda: results.append(flash_attn_ext.flash_attn_varlen_func(
         *args[:7], causal=causal, return_lse=True)), tmp_path)
@@ -540,15 +552,8 @@ def test_varlen_causal_partial_tiles_at_the_top(d, lengths, arch_path, poison_em
         lens_k[-1] = 0  # a sequence of queries without keys
     else:
         lens_q, lens_k = [321] * 40 + [30, 1, 0], [321] * 40 + [100, 5, 7]
-    check_varlen_call(lens_q, lens_k, 8, 2, d, torch.bfloat16, True)
-    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
-    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), True)
-    torch.save(args, tmp_path / "in.pt")
-    env = dict(os.environ, FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT="0")
-    r = subprocess.run([sys.executable, "-c", _SCHEDULE_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                       env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out_off, lse_off = torch.load(tmp_path / "out.pt")
+    args = _checked_call_args(lens_q, lens_k, 8, 2, d, True)
+    out_off, lse_off = _varlen_in_subprocess(args, tmp_path, FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT="0")
     out, lse = flash_attn_ext.flash_attn_varlen_func(*args[:7], causal=True, return_lse=True)
     assert torch.equal(out, out_off) and torch.equal(lse, lse_off), "partial tiles at the top vs at the bottom"
 
