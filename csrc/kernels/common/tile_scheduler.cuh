@@ -123,7 +123,7 @@ struct FwdTileScheduler {
     // >= 0 without one and the kLocal twin is not shifted.)
     s.m_shift = skips_empty_warpgroups && s.paired && rows_last > 0 && !varlen && params.window_left < 0 &&
                         params.fwd_top_shift
-                    ? (kBlockM - rows_last) / 64 * 64 : 0;
+                    ? QTileWork<kBlockM, 64>::top_shift(params.seqlen_q) : 0;
     // Varlen, causal: every sequence's partial tile at its top (each sequence's own shift; any
     // walk: a tile's cost no longer depends on where its sequence ends).
     if (skips_empty_warpgroups && varlen && params.is_causal && params.window_left < 0 && params.fwd_top_shift) {

@@ -103,14 +103,17 @@ struct QTileWork {
   // rounded down to whole 64-row warpgroups (0 when its length is a multiple of kBlockM); its
   // tile count stays ceil(seqlen_q / kBlockM), so past_end() marks the same tiles.
   static constexpr int kShiftPerSequence = -1;
+  // The top shift of a causal sequence of seqlen_q rows: its partial tile's missing rows, rounded
+  // down to whole 64-row warpgroups (a TMA box never crosses row 0); 0 without a partial tile.
+  __host__ __device__ __forceinline__ static int top_shift(int seqlen_q) {
+    const int rows_last = seqlen_q % kBlockM;
+    return rows_last > 0 ? (kBlockM - rows_last) / 64 * 64 : 0;
+  }
   __device__ __forceinline__ QTileWork(const Flash_fwd_params& params, int2 bm, int m_shift = 0)
       : seq(params, bm.x), mask(seq, params) {
     bidh = bm.y % params.h;
     bidhk = bidh / params.h_h_k_ratio;  // GQA/MQA: shared K/V head, never copied
-    if (m_shift == kShiftPerSequence) {
-      const int rows_last = seq.seqlen_q % kBlockM;
-      m_shift = rows_last > 0 ? (kBlockM - rows_last) / 64 * 64 : 0;
-    }
+    if (m_shift == kShiftPerSequence) m_shift = top_shift(seq.seqlen_q);
     m0 = (bm.y / params.h) * kBlockM - m_shift;
     rows_q = min(kBlockM, seq.seqlen_q - m0);
     n_block_max = mask.n_block_max(m0, kBlockM, kBlockN);
