@@ -108,9 +108,11 @@ struct Flash_fwd_params : public Qkv_params {
   const int* __restrict__ cu_seqlens_k = nullptr;  // (b + 1) int32; set together with cu_seqlens_q
   int total_q = 0;  // rows of the packed q (varlen only)
   int total_k = 0;  // rows of the packed k / v (varlen only)
-  // A zeroed int32 in device memory, one per call (the API allocates it for varlen forward calls on
-  // compute capability 9.x): the sm90 forward's persistent varlen grid claims its tiles from it
-  // (common/tile_scheduler.cuh: dynamic). null: the varlen forward runs one CTA per tile.
+  // Two int32 in device memory, zero at the launch (the API's, per stream, for varlen forward calls
+  // on compute capability 9.x): the sm90 forward's persistent varlen grid claims its tiles from
+  // [0] (common/tile_scheduler.cuh: dynamic) and counts its finished CTAs in [1]; the last one to
+  // finish sets both to zero again, so the stream's next call needs no memset. null: the varlen
+  // forward runs one CTA per tile.
   int* __restrict__ tile_counter = nullptr;
 
   // ---- KV cache (flash_attn_with_kvcache). Sequence b sees keys [0, min(cache_seqlens[b] +

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -984,6 +986,26 @@ void set_varlen_params(flash::Flash_fwd_params& p, const VarlenSizes& s, const T
   p.total_k = int(s.total_k);
 }
 
+// The sm90 varlen forward's tile counter (flash.h: tile_counter): two int32 per (device, stream),
+// zeroed once. Each launch leaves them zero again, and a stream runs its calls in order, so the
+// stream's calls share them without a memset launch each; calls on two streams get two. Under CUDA
+// graph capture: a fresh zeroed pair per call (its memset a node of the graph; a cached pair from
+// the graph's private memory pool could be freed with the graph).
+Tensor varlen_tile_counter(const Tensor& q) {
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(q.get_device());
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
+  const auto options = q.options().dtype(at::kInt);
+  if (capture != cudaStreamCaptureStatusNone) return torch::zeros({2}, options);
+  static std::mutex mutex;
+  // Never destroyed: the tensors would outlive the CUDA runtime's teardown at exit.
+  static auto* counters = new std::map<std::pair<int, c10::StreamId>, Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  Tensor& counter = (*counters)[{int(q.get_device()), stream.id()}];
+  if (!counter.defined()) counter = torch::zeros({2}, options);
+  return counter;
+}
+
 FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& cu_seqlens_q,
                            const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                            double softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
@@ -1010,9 +1032,9 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   params.sinks_ptr = sinks_ptr(sinks);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
-  // The sm90 forward's persistent varlen grid claims its tiles from a zeroed counter (flash.h:
-  // tile_counter); allocated (one int32, zeroed on the stream) on compute capability 9.x only.
-  const Tensor tile_counter = params.arch / 10 == 9 ? torch::zeros({1}, q.options().dtype(at::kInt)) : Tensor();
+  // The sm90 forward's persistent varlen grid claims its tiles from a counter that is zero at the
+  // launch (flash.h: tile_counter); compute capability 9.x only.
+  const Tensor tile_counter = params.arch / 10 == 9 ? varlen_tile_counter(q) : Tensor();
   params.tile_counter = tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr;
   run_on_stream(flash::run_mha_fwd, params);
   return outs;

@@ -558,9 +558,34 @@ def test_varlen_causal_partial_tiles_at_the_top(d, lengths, arch_path, poison_em
     assert torch.equal(out, out_off) and torch.equal(lse, lse_off), "partial tiles at the top vs at the bottom"
 
 
+def test_varlen_dynamic_walk_counter_reused(arch_path, poison_empty):
+    """The walk's counter is the stream's, reused by its calls (each launch leaves it zero): calls
+    of every walk (a tight grid's units; every tile of max_seqlen_q rows, past-end ones skipped;
+    fewer units than SMs) back to back on one stream, twice over, give the bits each gave first
+    on a stream of its own (another counter). A stale counter would skip units: rows left as the
+    poisoned allocation had them (NaN)."""
+    if not _sm90_forward_runs(arch_path):
+        pytest.skip("the dynamic walk is the sm90 forward's (compute capability 9.0, a build with sm_90a)")
+    d = 128
+    require_hdim(d, exact=True)
+    shapes = [_mixed_lengths(3, 64), ([321] * 40 + [30, 1, 0], [321] * 40 + [100, 5, 7]), ([200, 17], [90, 300])]
+    calls = [(_inputs(lq, lk, 8, 2, d, torch.bfloat16), max(lq), max(lk)) for lq, lk in shapes]
+    run = lambda c, causal: flash_attn_ext.flash_attn_varlen_func(*c[0], c[1], c[2], causal=causal)  # noqa: E731
+    first = {}
+    for i, c in enumerate(calls):
+        for causal in (False, True):
+            with torch.cuda.stream(torch.cuda.Stream()):
+                first[i, causal] = run(c, causal)
+            torch.cuda.synchronize()
+    for _ in range(2):
+        for i, c in enumerate(calls):
+            for causal in (False, True):
+                assert torch.equal(run(c, causal), first[i, causal]), f"call {i}, causal={causal}, on a used stream"
+
+
 def test_varlen_dynamic_walk_streams_and_graph(arch_path):
-    """Each call zeroes its own counter: two calls on two streams at once, and a CUDA graph of the
-    call replayed on new inputs (the counter's zeroing is one of its nodes), give the eager bits."""
+    """Two calls on two streams at once (a counter each), and a CUDA graph of the call replayed on
+    new inputs (a fresh counter, zeroed by a node of the graph), give the eager bits."""
     if not _sm90_forward_runs(arch_path):
         pytest.skip("the dynamic walk is the sm90 forward's (compute capability 9.0, a build with sm_90a)")
     d = 128

@@ -52,8 +52,9 @@
 // pipelines' fill happen once per CTA and the next tile's loads overlap this tile's last steps.
 // The producer warp claims and finds the tile and hands its index to the consumers on a pair of
 // named barriers before its loads (sm90/flash_fwd_kernel.cuh: tile hand-over). Tiles' results do
-// not depend on the CTA that runs them. The counter must be zero at each launch (the API zeroes a
-// fresh one per call); a stale value would skip units (rows of out left unwritten), not hang.
+// not depend on the CTA that runs them. The counter must be zero at each launch: the last CTA to
+// finish zeroes it again, so the API keeps one per stream (a fresh zeroed one per call under CUDA
+// graph capture); a stale value would skip units (rows of out left unwritten), not hang.
 #pragma once
 
 #include <cstdint>

@@ -528,6 +528,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           unit = int(gridDim.x) + __shfl_sync(0xffffffffu, claim, 0);
         }
         hand_over(-1);
+        // The counter back to zero for the stream's next call (flash.h: tile_counter): the CTA that
+        // counts itself done last resets it. Every claim came before its CTA's count (the fences:
+        // release before the count, acquire after it), so none can follow the reset.
+        if (tid == 0) {
+          __threadfence();
+          if (atomicAdd(params.tile_counter + 1, 1) == int(gridDim.x) - 1) {
+            __threadfence();
+            atomicExch(params.tile_counter, 0);
+            atomicExch(params.tile_counter + 1, 0);
+          }
+        }
       }
     }
     return;
