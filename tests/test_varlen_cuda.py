@@ -574,7 +574,9 @@ def test_varlen_dynamic_walk_counter_reused(arch_path, poison_empty):
     first = {}
     for i, c in enumerate(calls):
         for causal in (False, True):
-            with torch.cuda.stream(torch.cuda.Stream()):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())  # the inputs
+            with torch.cuda.stream(side):
                 first[i, causal] = run(c, causal)
             torch.cuda.synchronize()
     for _ in range(2):
