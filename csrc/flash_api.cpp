@@ -987,22 +987,50 @@ void set_varlen_params(flash::Flash_fwd_params& p, const VarlenSizes& s, const T
 }
 
 // The sm90 varlen forward's tile counter (flash.h: tile_counter): two int32 per (device, stream),
-// zeroed once. Each launch leaves them zero again, and a stream runs its calls in order, so the
-// stream's calls share them without a memset launch each; calls on two streams get two. Under CUDA
-// graph capture: a fresh zeroed pair per call (its memset a node of the graph; a cached pair from
-// the graph's private memory pool could be freed with the graph).
-Tensor varlen_tile_counter(const Tensor& q) {
-  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(q.get_device());
+// zeroed once on the stream. Each launch leaves them zero again, and a stream runs its calls in
+// order, so its calls share them without a memset launch each; calls on two streams get two. Their
+// memory is the runtime's (cudaMalloc'd slabs, never freed), not torch's caching allocator, whose
+// current pool can be a CUDA graph's private one outside a capture too (torch.compile's
+// "reduce-overhead" warms up eagerly into it) and be reset or freed under the cache. A fresh zeroed
+// pair per call (`fresh`, torch's, freed after the call) while the stream captures a graph (its
+// memset a node of the graph) and on cudaStreamPerThread (one handle, a stream per host thread).
+int* varlen_tile_counter(const Tensor& q, Tensor& fresh) {
+  const int device = q.get_device();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
-  const auto options = q.options().dtype(at::kInt);
-  if (capture != cudaStreamCaptureStatusNone) return torch::zeros({2}, options);
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone || stream == cudaStreamPerThread) {
+    fresh = torch::zeros({2}, q.options().dtype(at::kInt));
+    return fresh.data_ptr<int>();
+  }
+  constexpr int kPairsPerSlab = 256;
   static std::mutex mutex;
-  // Never destroyed: the tensors would outlive the CUDA runtime's teardown at exit.
-  static auto* counters = new std::map<std::pair<int, c10::StreamId>, Tensor>();
+  // Never destroyed (nor the slabs): the process's lifetime.
+  static auto* counters = new std::map<std::pair<int, cudaStream_t>, int*>();
+  static auto* slabs = new std::map<int, std::pair<int*, int>>();  // device: (slab, pairs handed out)
   const std::lock_guard<std::mutex> lock(mutex);
-  Tensor& counter = (*counters)[{int(q.get_device()), stream.id()}];
-  if (!counter.defined()) counter = torch::zeros({2}, options);
+  int*& counter = (*counters)[{device, stream}];
+  if (counter == nullptr) {
+    auto& [slab, used] = (*slabs)[device];
+    if (slab == nullptr || used == kPairsPerSlab) {
+      // Relaxed capture mode for the call, as torch's own cudaMalloc: another thread's capture in
+      // global mode would refuse it.
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+      const cudaError_t err = cudaMalloc(&slab, 2 * sizeof(int) * kPairsPerSlab);
+      C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();  // not left for a later launch check to find
+        slab = nullptr;
+      }
+      C10_CUDA_CHECK(err);
+      used = 0;
+    }
+    int* pair = slab + 2 * used;
+    C10_CUDA_CHECK(cudaMemsetAsync(pair, 0, 2 * sizeof(int), stream));
+    ++used;
+    counter = pair;
+  }
   return counter;
 }
 
@@ -1034,8 +1062,8 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   set_device_facts(params, q.get_device());
   // The sm90 forward's persistent varlen grid claims its tiles from a counter that is zero at the
   // launch (flash.h: tile_counter); compute capability 9.x only.
-  const Tensor tile_counter = params.arch / 10 == 9 ? varlen_tile_counter(q) : Tensor();
-  params.tile_counter = tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr;
+  Tensor fresh_counter;  // where varlen_tile_counter gives a fresh one: alive until the launch
+  params.tile_counter = params.arch / 10 == 9 ? varlen_tile_counter(q, fresh_counter) : nullptr;
   run_on_stream(flash::run_mha_fwd, params);
   return outs;
 }

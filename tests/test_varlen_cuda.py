@@ -585,6 +585,29 @@ def test_varlen_dynamic_walk_counter_reused(arch_path, poison_empty):
                 assert torch.equal(run(c, causal), first[i, causal]), f"call {i}, causal={causal}, on a used stream"
 
 
+def test_varlen_compile_reduce_overhead(arch_path):
+    """torch.compile(mode="reduce-overhead") of a varlen call: its warm-up runs eagerly on a stream
+    of its own with allocations going to the CUDA graph's private pool (the stream's counter must
+    not: torch's checks after the warm-up find a tensor left in the pool, and a reset of the pool
+    would free it under the cache), then captures and replays. Every result, on two inputs, is the
+    eager call's bits."""
+    if not _sm90_forward_runs(arch_path):
+        pytest.skip("the dynamic walk is the sm90 forward's (compute capability 9.0, a build with sm_90a)")
+    d = 128
+    require_hdim(d, exact=True)
+    torch._dynamo.reset()
+    lens_q, lens_k = _mixed_lengths(5, 48)
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
+    f = lambda q, k, v: flash_attn_ext.flash_attn_varlen_func(  # noqa: E731
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    compiled = torch.compile(f, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        for q_i in (q, torch.randn_like(q)):
+            eager = f(q_i, k, v)
+            for _ in range(4):  # warm-up, capture, replays
+                assert torch.equal(compiled(q_i, k, v).clone(), eager)
+
+
 def test_varlen_dynamic_walk_streams_and_graph(arch_path):
     """Two calls on two streams at once (a counter each), and a CUDA graph of the call replayed on
     new inputs (a fresh counter, zeroed by a node of the graph), give the eager bits."""
