@@ -35,6 +35,7 @@
 #ifdef FLASH_ATTN_EXT_WITH_CUDA
 // c10/cuda only (not ATen/cuda/CUDAContext.h, which pulls in cuBLAS/cuSPARSE headers that a
 // minimal CUDA toolkit lacks).
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -1003,7 +1004,9 @@ int* varlen_tile_counter(const Tensor& q, Tensor& fresh) {
     fresh = torch::zeros({2}, q.options().dtype(at::kInt));
     return fresh.data_ptr<int>();
   }
-  constexpr int kPairsPerSlab = 256;
+  // A pair per 128-byte line (no two streams' atomics on one line), 256 per slab.
+  constexpr int kPairStride = 32, kPairsPerSlab = 256;
+  constexpr size_t kSlabBytes = sizeof(int) * kPairStride * kPairsPerSlab;
   static std::mutex mutex;
   // Never destroyed (nor the slabs): the process's lifetime.
   static auto* counters = new std::map<std::pair<int, cudaStream_t>, int*>();
@@ -1013,20 +1016,23 @@ int* varlen_tile_counter(const Tensor& q, Tensor& fresh) {
   if (counter == nullptr) {
     auto& [slab, used] = (*slabs)[device];
     if (slab == nullptr || used == kPairsPerSlab) {
-      // Relaxed capture mode for the call, as torch's own cudaMalloc: another thread's capture in
-      // global mode would refuse it.
+      // Relaxed capture mode for the calls, as torch's own cudaMalloc: another thread's capture in
+      // global mode would refuse them. Out of memory: once more after torch frees its cached blocks.
+      int* new_slab = nullptr;
       cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
       C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-      const cudaError_t err = cudaMalloc(&slab, 2 * sizeof(int) * kPairsPerSlab);
-      C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();  // not left for a later launch check to find
-        slab = nullptr;
+      cudaError_t err = cudaMalloc(&new_slab, kSlabBytes);
+      if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        c10::cuda::CUDACachingAllocator::emptyCache();
+        err = cudaMalloc(&new_slab, kSlabBytes);
       }
+      C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
       C10_CUDA_CHECK(err);
+      slab = new_slab;
       used = 0;
     }
-    int* pair = slab + 2 * used;
+    int* pair = slab + kPairStride * used;
     C10_CUDA_CHECK(cudaMemsetAsync(pair, 0, 2 * sizeof(int), stream));
     ++used;
     counter = pair;
