@@ -495,6 +495,11 @@ def _varlen_in_subprocess(args, tmp_path, **env_vars):
     return torch.load(tmp_path / "out.pt")
 
 
+# 40 sequences of 321 rows and three short ones (q, k lengths): no tight grid, the walk over every
+# tile of max_seqlen_q rows with the past-end ones skipped.
+_NEAR_EQUAL_321 = ([321] * 40 + [30, 1, 0], [321] * 40 + [100, 5, 7])
+
+
 def _mixed_lengths(seed, n):
     rng = random.Random(seed)
     pick = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 300, 513, 1024]
@@ -551,7 +556,7 @@ def test_varlen_causal_partial_tiles_at_the_top(d, lengths, arch_path, poison_em
         lens_k = [n + (7 * i) % 3 - (i % 4 == 3) * (n // 2) for i, n in enumerate(lens_q)]
         lens_k[-1] = 0  # a sequence of queries without keys
     else:
-        lens_q, lens_k = [321] * 40 + [30, 1, 0], [321] * 40 + [100, 5, 7]
+        lens_q, lens_k = _NEAR_EQUAL_321
     args = _checked_call_args(lens_q, lens_k, 8, 2, d, True)
     out_off, lse_off = _varlen_in_subprocess(args, tmp_path, FLASH_ATTN_EXT_SM90_FWD_TOP_SHIFT="0")
     out, lse = flash_attn_ext.flash_attn_varlen_func(*args[:7], causal=True, return_lse=True)
@@ -568,7 +573,7 @@ def test_varlen_dynamic_walk_counter_reused(arch_path, poison_empty):
         pytest.skip("the dynamic walk is the sm90 forward's (compute capability 9.0, a build with sm_90a)")
     d = 128
     require_hdim(d, exact=True)
-    shapes = [_mixed_lengths(3, 64), ([321] * 40 + [30, 1, 0], [321] * 40 + [100, 5, 7]), ([200, 17], [90, 300])]
+    shapes = [_mixed_lengths(3, 64), _NEAR_EQUAL_321, ([200, 17], [90, 300])]
     calls = [(_inputs(lq, lk, 8, 2, d, torch.bfloat16), max(lq), max(lk)) for lq, lk in shapes]
     run = lambda c, causal: flash_attn_ext.flash_attn_varlen_func(*c[0], c[1], c[2], causal=causal)  # noqa: E731
     first = {}
