@@ -363,6 +363,43 @@ def test_varlen_nan_past_the_last_sequence(causal, d, poison_empty):
     assert_bitwise((out[:nq], lse[:, :nq], dq[:nq], dk[:n], dv[:n]), dense, "flash_attn_func on each sequence alone")
 
 
+# Full packs: total rows = batch x max_seqlen, q and k alike. The sm90 forward runs them on the
+# static persistent walk, the dense op's (csrc/kernels/sm90/flash_fwd_launch.cuh: fwd_schedule),
+# whose round-robin also deals the tiles past a shorter sequence's end (skipped).
+FULL_PACKS = {
+    "equal": ([256] * 12, [256] * 12),  # every sequence max_seqlen long
+    # 6 x 300 rows each side, the rows past cu_seqlens[-1] unused (NaN): sequences of every
+    # length below max_seqlen, one without keys, one without queries
+    "rows_unused": ([300, 120, 0, 77, 300, 5], [300, 41, 300, 0, 9, 290]),
+}
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", list(FULL_PACKS))
+def test_varlen_full_pack(d, causal, case, poison_empty):
+    """A full pack (the static walk on sm90; the sm80 path as any varlen call): forward and
+    backward equal the dense op on each sequence alone, bit for bit, and the accuracy rule; the
+    unused rows past cu_seqlens_q[-1] / cu_seqlens_k[-1] hold NaN (q, dout, k, v) and reach no
+    sequence's result. d64 / d128 / d256 take 192 / 128 / 128-row tiles (causal d128: 192), so the
+    equal case has partial last tiles (light units, paired causal tiles) on the static walk."""
+    require_hdim(d, exact=True)
+    lens_q, lens_k = FULL_PACKS[case]
+    max_q, max_k = max(lens_q), max(lens_k)
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
+    dout = torch.randn_like(q)
+    pad = lambda t, rows: torch.cat([t, torch.full((rows - t.shape[0],) + tuple(t.shape[1:]), float("nan"),  # noqa: E731
+                                                   device="cuda", dtype=t.dtype)])
+    total_q, total_k = len(lens_q) * max_q, len(lens_k) * max_k
+    ours = run_varlen(pad(q, total_q), pad(k, total_k), pad(v, total_k), cu_q, cu_k, max_q, max_k, causal,
+                      pad(dout, total_q))
+    ours = one_sequence(ours, slice(0, q.shape[0]), slice(0, k.shape[0]))
+    assert_bitwise(ours, run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout),
+                   "flash_attn_func on each sequence alone")
+    check_zero_length_contract(lens_q, lens_k, cu_q, cu_k, ours)
+    check_reference(q, k, v, cu_q, cu_k, causal, dout, ours)
+
+
 def _sm90_backward_kernel_names(fn):
     """Names of the sm90 dK/dV and dQ kernels fn() launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile

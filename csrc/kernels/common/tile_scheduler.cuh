@@ -54,7 +54,9 @@
 // named barriers before its loads (sm90/flash_fwd_kernel.cuh: tile hand-over). Tiles' results do
 // not depend on the CTA that runs them. The counter must be zero at each launch: the last CTA to
 // finish zeroes it again, so the API keeps one per stream (a fresh zeroed one per call under CUDA
-// graph capture); a stale value would skip units (rows of out left unwritten), not hang.
+// graph capture); a stale value would skip units (rows of out left unwritten), not hang. A varlen
+// call whose packed rows are batch x max_seqlen (a full pack: every sequence max_seqlen long, as
+// a dense call's) takes the static walk instead (sm90/flash_fwd_launch.cuh: fwd_schedule).
 #pragma once
 
 #include <cstdint>

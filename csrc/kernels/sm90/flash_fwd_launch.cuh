@@ -33,7 +33,12 @@ namespace sm90 {
 // differ in work by the sequence lengths (unknown on the host): a static round-robin leaves CTAs
 // idle there (H200, 64 sequences of 128..1024, 16k tokens, non-causal: hd64 93 TFLOP/s against
 // 168 for one CTA per tile, hd128 194 against 234), claiming the next tile does not (hd64 192 ->
-// 248, hd128 244 -> 295 against one CTA per tile; causal +30-40 %; docs/PERF_NOTES.md).
+// 248, hd128 244 -> 295 against one CTA per tile; causal +30-40 %; docs/PERF_NOTES.md). But a
+// varlen call whose packed rows are exactly batch x max_seqlen, q and k alike, has every sequence
+// max_seqlen long (unless rows go unused: past cu_seqlens[-1], or those of a sequence longer than
+// max_seqlen; the walk is exact there too, only less balanced): its tiles cost the same, as a
+// dense call's, and the static walk runs them 3-7 % faster than the dynamic one (H200, 16 x 1024,
+// hd128 / hd256, causal both; docs/PERF_NOTES.md, tenth session).
 inline FwdTileScheduler<64>::Schedule fwd_schedule(const Flash_fwd_params& params) {
   using S = FwdTileScheduler<64>;
   static const int forced = [] {
@@ -45,7 +50,9 @@ inline FwdTileScheduler<64>::Schedule fwd_schedule(const Flash_fwd_params& param
                                          "or tile, got '") + e + "'");
   }();
   if (forced >= 0) return S::Schedule(forced);
-  return params.cu_seqlens_q == nullptr ? S::kPersistent : S::kDynamic;
+  const bool full_pack = int64_t(params.b) * params.seqlen_q == params.total_q &&
+                         int64_t(params.b) * params.seqlen_k == params.total_k;
+  return params.cu_seqlens_q == nullptr || full_pack ? S::kPersistent : S::kDynamic;
 }
 
 // Launches flash_fwd_kernel<Traits> on the persistent grid of common/tile_scheduler.cuh: one CTA
