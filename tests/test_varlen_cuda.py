@@ -374,15 +374,16 @@ FULL_PACKS = {
 }
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", list(FULL_PACKS))
 def test_varlen_full_pack(d, causal, case, poison_empty):
     """A full pack (the static walk on sm90; the sm80 path as any varlen call): forward and
     backward equal the dense op on each sequence alone, bit for bit, and the accuracy rule; the
     unused rows past cu_seqlens_q[-1] / cu_seqlens_k[-1] hold NaN (q, dout, k, v) and reach no
-    sequence's result. d64 / d128 / d256 take 192 / 128 / 128-row tiles (causal d128: 192), so the
-    equal case has partial last tiles (light units, paired causal tiles) on the static walk."""
+    sequence's result. d64 / d96 / d128 / d192 / d256 take 192 / 192 / 128 / 128 / 128-row tiles
+    (causal d128: 192), so the equal case has partial last tiles (light units, paired causal tiles)
+    on the static walk."""
     require_hdim(d, exact=True)
     lens_q, lens_k = FULL_PACKS[case]
     max_q, max_k = max(lens_q), max(lens_k)
