@@ -112,7 +112,8 @@ struct Flash_fwd_params : public Qkv_params {
   // on compute capability 9.x): the sm90 forward's persistent varlen grid claims its tiles from
   // [0] (common/tile_scheduler.cuh: dynamic) and counts its finished CTAs in [1]; the last one to
   // finish sets both to zero again, so the stream's next call needs no memset. null: the varlen
-  // forward runs one CTA per tile.
+  // forward runs one CTA per tile. (A full pack, total rows = batch x max_seqlen, takes the static
+  // walk, which does not read it: sm90/flash_fwd_launch.cuh, fwd_schedule.)
   int* __restrict__ tile_counter = nullptr;
 
   // ---- KV cache (flash_attn_with_kvcache). Sequence b sees keys [0, min(cache_seqlens[b] +

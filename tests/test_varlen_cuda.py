@@ -363,44 +363,6 @@ def test_varlen_nan_past_the_last_sequence(causal, d, poison_empty):
     assert_bitwise((out[:nq], lse[:, :nq], dq[:nq], dk[:n], dv[:n]), dense, "flash_attn_func on each sequence alone")
 
 
-# Full packs: total rows = batch x max_seqlen, q and k alike. The sm90 forward runs them on the
-# static persistent walk, the dense op's (csrc/kernels/sm90/flash_fwd_launch.cuh: fwd_schedule),
-# whose round-robin also deals the tiles past a shorter sequence's end (skipped).
-FULL_PACKS = {
-    "equal": ([256] * 12, [256] * 12),  # every sequence max_seqlen long
-    # 6 x 300 rows each side, the rows past cu_seqlens[-1] unused (NaN): sequences of every
-    # length below max_seqlen, one without keys, one without queries
-    "rows_unused": ([300, 120, 0, 77, 300, 5], [300, 41, 300, 0, 9, 290]),
-}
-
-
-@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", list(FULL_PACKS))
-def test_varlen_full_pack(d, causal, case, poison_empty):
-    """A full pack (the static walk on sm90; the sm80 path as any varlen call): forward and
-    backward equal the dense op on each sequence alone, bit for bit, and the accuracy rule; the
-    unused rows past cu_seqlens_q[-1] / cu_seqlens_k[-1] hold NaN (q, dout, k, v) and reach no
-    sequence's result. d64 / d96 / d128 / d192 / d256 take 192 / 192 / 128 / 128 / 128-row tiles
-    (causal d128: 192), so the equal case has partial last tiles (light units, paired causal tiles)
-    on the static walk."""
-    require_hdim(d, exact=True)
-    lens_q, lens_k = FULL_PACKS[case]
-    max_q, max_k = max(lens_q), max(lens_k)
-    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
-    dout = torch.randn_like(q)
-    pad = lambda t, rows: torch.cat([t, torch.full((rows - t.shape[0],) + tuple(t.shape[1:]), float("nan"),  # noqa: E731
-                                                   device="cuda", dtype=t.dtype)])
-    total_q, total_k = len(lens_q) * max_q, len(lens_k) * max_k
-    ours = run_varlen(pad(q, total_q), pad(k, total_k), pad(v, total_k), cu_q, cu_k, max_q, max_k, causal,
-                      pad(dout, total_q))
-    ours = one_sequence(ours, slice(0, q.shape[0]), slice(0, k.shape[0]))
-    assert_bitwise(ours, run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout),
-                   "flash_attn_func on each sequence alone")
-    check_zero_length_contract(lens_q, lens_k, cu_q, cu_k, ours)
-    check_reference(q, k, v, cu_q, cu_k, causal, dout, ours)
-
-
 def _sm90_backward_kernel_names(fn):
     """Names of the sm90 dK/dV and dQ kernels fn() launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -542,6 +504,58 @@ def _mixed_lengths(seed, n):
     rng = random.Random(seed)
     pick = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 300, 513, 1024]
     return [rng.choice(pick) for _ in range(n)], [rng.choice(pick) for _ in range(n)]
+
+
+# Full packs: total rows = batch x max_seqlen, q and k alike. The sm90 forward runs them on the
+# static persistent walk, the dense op's (csrc/kernels/sm90/flash_fwd_launch.cuh: fwd_schedule),
+# whose round-robin also deals the tiles past a shorter sequence's end (skipped by the producer
+# and the consumers alike). The rows past cu_seqlens[-1] are unused (NaN in the test).
+FULL_PACKS = {
+    "equal": ([256] * 12, [256] * 12),  # every sequence max_seqlen long
+    # 6 x 300 rows each side: sequences of every length below max_seqlen, one without keys, one
+    # without queries
+    "rows_unused": ([300, 120, 0, 77, 300, 5], [300, 41, 300, 0, 9, 290]),
+    # 43 x 321 rows: many units per CTA, real tiles and past-end ones (the three short sequences'
+    # tiles of max_seqlen_q rows) interleaved in the round-robin
+    "near_equal_321": _NEAR_EQUAL_321,
+    # 6 x 1024: causal d64 (192-row tiles, 48 (sequence, head)s, 144 paired units on 132 SMs)
+    # takes the split tail; one sequence 24 queries short, its rows unused
+    "split_tail": ([1024, 1024, 1000, 1024, 1024, 1024], [1024] * 6),
+}
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", list(FULL_PACKS))
+def test_varlen_full_pack(d, causal, case, arch_path, poison_empty, tmp_path):
+    """A full pack (the static walk on sm90; the sm80 path as any varlen call): forward and
+    backward equal the dense op on each sequence alone, bit for bit, and the accuracy rule; the
+    unused rows past cu_seqlens_q[-1] / cu_seqlens_k[-1] hold NaN (q, dout, k, v) and reach no
+    sequence's result. On sm90 the forward also equals the dynamic walk's bits
+    (FLASH_ATTN_EXT_SM90_FWD_SCHEDULE=dynamic, a subprocess): both walks run every tile alike. The
+    cases reach the static walk's light units (non-causal d64 / d96 at 256 rows: a partial last
+    tile of one 64-row warpgroup), paired causal tiles, the split tail (causal d64 split_tail) and
+    past-end tiles between real ones on one CTA."""
+    require_hdim(d, exact=True)
+    lens_q, lens_k = FULL_PACKS[case]
+    max_q, max_k = max(lens_q), max(lens_k)
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
+    dout = torch.randn_like(q)
+    pad = lambda t, rows: torch.cat([t, torch.full((rows - t.shape[0],) + tuple(t.shape[1:]), float("nan"),  # noqa: E731
+                                                   device="cuda", dtype=t.dtype)])
+    total_q, total_k = len(lens_q) * max_q, len(lens_k) * max_k
+    q_pad, k_pad, v_pad = pad(q, total_q), pad(k, total_k), pad(v, total_k)
+    ours = run_varlen(q_pad, k_pad, v_pad, cu_q, cu_k, max_q, max_k, causal, pad(dout, total_q))
+    ours = one_sequence(ours, slice(0, q.shape[0]), slice(0, k.shape[0]))
+    assert_bitwise(ours, run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout),
+                   "flash_attn_func on each sequence alone")
+    check_zero_length_contract(lens_q, lens_k, cu_q, cu_k, ours)
+    check_reference(q, k, v, cu_q, cu_k, causal, dout, ours)
+    if _sm90_forward_runs(arch_path):
+        out_dyn, lse_dyn = _varlen_in_subprocess((q_pad, k_pad, v_pad, cu_q, cu_k, max_q, max_k, causal), tmp_path,
+                                                 FLASH_ATTN_EXT_SM90_FWD_SCHEDULE="dynamic")
+        nq = q.shape[0]
+        assert torch.equal(ours[0], out_dyn[:nq]) and torch.equal(ours[1], lse_dyn[:, :nq]), "static vs dynamic walk"
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -28,17 +28,20 @@ namespace sm90 {
 
 // How the forward deals its tiles (common/tile_scheduler.cuh). FLASH_ATTN_EXT_SM90_FWD_SCHEDULE
 // (read once; a tuning knob): "tile" runs one CTA per tile, "persistent" the static persistent
-// grid; unset or "auto": the static persistent grid for dense calls (faster or equal at every
-// shape of the benchmark, docs/PERF_NOTES.md) and the dynamic one for varlen calls, whose tiles
-// differ in work by the sequence lengths (unknown on the host): a static round-robin leaves CTAs
-// idle there (H200, 64 sequences of 128..1024, 16k tokens, non-causal: hd64 93 TFLOP/s against
-// 168 for one CTA per tile, hd128 194 against 234), claiming the next tile does not (hd64 192 ->
-// 248, hd128 244 -> 295 against one CTA per tile; causal +30-40 %; docs/PERF_NOTES.md). But a
-// varlen call whose packed rows are exactly batch x max_seqlen, q and k alike, has every sequence
-// max_seqlen long (unless rows go unused: past cu_seqlens[-1], or those of a sequence longer than
-// max_seqlen; the walk is exact there too, only less balanced): its tiles cost the same, as a
-// dense call's, and the static walk runs them 3-7 % faster than the dynamic one (H200, 16 x 1024,
-// hd128 / hd256, causal both; docs/PERF_NOTES.md, tenth session).
+// grid, "dynamic" the dynamic one for every varlen call (dense calls: the static one); unset or
+// "auto": the static persistent grid for dense calls (faster or equal at every shape of the
+// benchmark, docs/PERF_NOTES.md) and the dynamic one for varlen calls, whose tiles differ in work
+// by the sequence lengths (unknown on the host): a static round-robin leaves CTAs idle there (H200,
+// 64 sequences of 128..1024, 16k tokens, non-causal: hd64 93 TFLOP/s against 168 for one CTA per
+// tile, hd128 194 against 234), claiming the next tile does not (hd64 192 -> 248, hd128 244 -> 295
+// against one CTA per tile; causal +30-40 %; docs/PERF_NOTES.md). But a varlen call whose packed
+// rows are exactly batch x max_seqlen, q and k alike, has every sequence max_seqlen long (unless
+// rows go unused: past cu_seqlens[-1], or those of a sequence longer than max_seqlen; the walk is
+// exact there too, only less balanced): its tiles cost the same, as a dense call's, and the static
+// walk runs them 3-7 % faster than the dynamic one (H200, 16 x 1024, hd128 / hd256, causal both;
+// docs/PERF_NOTES.md, tenth session). A caller whose buffers are batch x max_seqlen rows with
+// skewed lengths in them would lose up to half (the numbers above): "dynamic" keeps such calls on
+// the dynamic walk.
 inline FwdTileScheduler<64>::Schedule fwd_schedule(const Flash_fwd_params& params) {
   using S = FwdTileScheduler<64>;
   static const int forced = [] {
@@ -46,8 +49,9 @@ inline FwdTileScheduler<64>::Schedule fwd_schedule(const Flash_fwd_params& param
     if (e == nullptr || std::string(e).empty() || std::string(e) == "auto") return -1;
     if (std::string(e) == "persistent") return int(S::kPersistent);
     if (std::string(e) == "tile") return int(S::kTile);
-    throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SM90_FWD_SCHEDULE must be auto, persistent "
-                                         "or tile, got '") + e + "'");
+    if (std::string(e) == "dynamic") return int(S::kDynamic);
+    throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SM90_FWD_SCHEDULE must be auto, persistent, "
+                                         "dynamic or tile, got '") + e + "'");
   }();
   if (forced >= 0) return S::Schedule(forced);
   const bool full_pack = int64_t(params.b) * params.seqlen_q == params.total_q &&
