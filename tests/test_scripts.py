@@ -212,3 +212,15 @@ def test_sinks_bench_smoke(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d16 ") or "decode" in line]
     assert len(rows) == 5, rows
     assert all(float(r.split("|")[2]) > 0 and float(r.split("|")[3]) > 0 for r in rows), rows
+
+
+def test_varlen_walk_model_rows():
+    """scripts/varlen_walk_model.py: one row per (hdim, causal) tile row, each order's makespan at
+    least the ideal (the total cost spread evenly over the CTAs), on a small batch."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "varlen_walk_model.py"), "--seqs", "12",
+                        "--tokens", "3000", "--lens", "64,512", "--seeds", "2", "--ctas", "16"],
+                       capture_output=True, text=True, check=True, cwd=REPO)
+    rows = [line.split() for line in r.stdout.splitlines()[1:]]
+    assert [(row[0], row[1]) for row in rows] == [(h, c) for h in ("64", "128", "256") for c in ("False", "True")]
+    for row in rows:
+        assert all(float(x) >= 1.0 - 1e-9 for x in row[2:]), row
