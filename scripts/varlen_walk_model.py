@@ -6,9 +6,13 @@ ideal (total cost / CTAs) for three orders: claim order as the tight grid number
 (sequence order), sequences in four key-length buckets longest first (branch
 exp/varlen-lpt-buckets: common/work.cuh, varlen_lpt_index), and longest-processing-time first.
 Lengths: the benchmark's (flash_attn_ext.bench.problems.mixed_lengths), averaged over --seeds.
-Tile rows mirror csrc/kernels/sm90/tile_config.h as dispatched at these lengths.
+Tile rows mirror csrc/kernels/sm90/tile_config.h as dispatched at these lengths. --pass dkv / dq:
+the backward's tight grids instead (one CTA per tile, which the hardware dispatches in index
+order: the same list model over --ctas slots, e.g. 264 for two CTAs per SM; a dK/dV tile costs its
+Q blocks, a dQ tile its key blocks).
 
     python scripts/varlen_walk_model.py [--seqs 64 --tokens 16384 --lens 128,1024 --seeds 6]
+    python scripts/varlen_walk_model.py --pass dkv --ctas 264
 """
 import argparse
 import heapq
@@ -20,6 +24,9 @@ from flash_attn_ext.bench.problems import mixed_lengths
 # max_seqlen_q <= 2048 (kFwdShortCausalMaxSeqlen).
 TILES = {(64, False): (192, 128), (64, True): (192, 128), (128, False): (128, 128), (128, True): (192, 64),
          (256, False): (128, 80), (256, True): (128, 64)}
+# Backward (kBlockN, kBlockM) of DkvTile and (kBlockM, kBlockN) of DqTile per hdim.
+DKV_TILES = {64: (64, 128), 128: (128, 64), 256: (64, 64)}
+DQ_TILES = {64: (64, 64), 128: (128, 128), 256: (64, 64)}
 BUCKETS = 4
 
 
@@ -42,6 +49,28 @@ def units(lens, heads, block_m, block_n, causal, overhead):
     return out
 
 
+def dkv_units(lens, heads, block_n, block_m, causal, overhead):
+    """(cost, sequence) of the dK/dV kernel's tiles in grid order: each sequence's key tiles in
+    order, a tile costing the Q blocks that see it."""
+    out = []
+    for s, n in enumerate(lens):
+        for j in range(_ceil(n, block_n)):
+            blocks = _ceil(n, block_m) - (j * block_n // block_m if causal else 0)
+            out += [(blocks + overhead, s)] * heads
+    return out
+
+
+def dq_units(lens, heads, block_m, block_n, causal, overhead):
+    """(cost, sequence) of the dQ kernel's tiles in grid order (last tile first)."""
+    out = []
+    for s, n in enumerate(lens):
+        for j in range(_ceil(n, block_m) - 1, -1, -1):
+            m0 = j * block_m
+            blocks = _ceil(min(m0 + block_m, n), block_n) if causal else _ceil(n, block_n)
+            out += [(blocks + overhead, s)] * heads
+    return out
+
+
 def makespan(costs, ctas):
     free = [(0.0, c) for c in range(ctas)]
     for cost in costs:
@@ -58,6 +87,7 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--ctas", type=int, default=132, help="the persistent grid (the H200's SMs)")
     ap.add_argument("--overhead", type=float, default=0.7, help="a tile's fixed cost, in key blocks")
+    ap.add_argument("--pass", dest="kernel", default="fwd", choices=["fwd", "dkv", "dq"])
     args = ap.parse_args(argv)
     lo, hi = (int(x) for x in args.lens.split(","))
     print("hdim causal  claim  buckets  lpt   (makespan / ideal, mean over seeds)")
@@ -65,7 +95,12 @@ def main(argv=None):
         rows = []
         for seed in range(args.seeds):
             lens = mixed_lengths(args.seqs, args.tokens, lo, hi, seed=seed)
-            us = units(lens, 2048 // hdim, block_m, block_n, causal, args.overhead)
+            if args.kernel == "fwd":
+                us = units(lens, 2048 // hdim, block_m, block_n, causal, args.overhead)
+            elif args.kernel == "dkv":
+                us = dkv_units(lens, 2048 // hdim, *DKV_TILES[hdim], causal, args.overhead)
+            else:
+                us = dq_units(lens, 2048 // hdim, *DQ_TILES[hdim], causal, args.overhead)
             ideal = sum(c for c, _ in us) / args.ctas
             longest = max(lens)
             bucket = [0 if n == 0 else min(BUCKETS - 1, (n - 1) // _ceil(longest, BUCKETS)) for n in lens]
