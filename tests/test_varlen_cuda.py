@@ -72,6 +72,12 @@ def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
+def _nan_padded(t, rows):
+    """t with NaN rows appended up to `rows` rows (packed buffers larger than their sequences)."""
+    pad = torch.full((rows - t.shape[0],) + tuple(t.shape[1:]), float("nan"), device=t.device, dtype=t.dtype)
+    return torch.cat([t, pad])
+
+
 def run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, dout):
     """flash_attn_varlen_func forward + autograd backward: (out, lse, dq, dk, dv)."""
     q_, k_, v_ = _leaf(q), _leaf(k), _leaf(v)
@@ -354,9 +360,8 @@ def test_varlen_nan_past_the_last_sequence(causal, d, poison_empty):
     q_nan, dout_nan, k_nan, v_nan = q.clone(), dout.clone(), k.clone(), v.clone()
     q_nan[cq[1]:cq[2]], dout_nan[cq[1]:cq[2]] = nan, nan
     k_nan[ck[3]:ck[4]], v_nan[ck[3]:ck[4]] = nan, nan
-    nan_rows = lambda t: torch.full((100,) + tuple(t.shape[1:]), nan, device="cuda", dtype=dtype)  # noqa: E731
-    q_pad, dout_pad = torch.cat([q_nan, nan_rows(q)]), torch.cat([dout_nan, nan_rows(dout)])
-    k_pad, v_pad = torch.cat([k_nan, nan_rows(k)]), torch.cat([v_nan, nan_rows(v)])
+    q_pad, dout_pad = _nan_padded(q_nan, q.shape[0] + 100), _nan_padded(dout_nan, q.shape[0] + 100)
+    k_pad, v_pad = _nan_padded(k_nan, k.shape[0] + 100), _nan_padded(v_nan, k.shape[0] + 100)
     out, lse, dq, dk, dv = run_varlen(q_pad, k_pad, v_pad, cu_q, cu_k, max(lens_q), max(lens_k), causal, dout_pad)
     n, nq = k.shape[0], q.shape[0]
     dense = run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout)
@@ -541,11 +546,9 @@ def test_varlen_full_pack(d, causal, case, arch_path, poison_empty, tmp_path):
     max_q, max_k = max(lens_q), max(lens_k)
     q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16)
     dout = torch.randn_like(q)
-    pad = lambda t, rows: torch.cat([t, torch.full((rows - t.shape[0],) + tuple(t.shape[1:]), float("nan"),  # noqa: E731
-                                                   device="cuda", dtype=t.dtype)])
     total_q, total_k = len(lens_q) * max_q, len(lens_k) * max_k
-    q_pad, k_pad, v_pad = pad(q, total_q), pad(k, total_k), pad(v, total_k)
-    ours = run_varlen(q_pad, k_pad, v_pad, cu_q, cu_k, max_q, max_k, causal, pad(dout, total_q))
+    q_pad, k_pad, v_pad = _nan_padded(q, total_q), _nan_padded(k, total_k), _nan_padded(v, total_k)
+    ours = run_varlen(q_pad, k_pad, v_pad, cu_q, cu_k, max_q, max_k, causal, _nan_padded(dout, total_q))
     ours = one_sequence(ours, slice(0, q.shape[0]), slice(0, k.shape[0]))
     assert_bitwise(ours, run_dense_per_sequence(q, k, v, cu_q, cu_k, causal, dout),
                    "flash_attn_func on each sequence alone")
