@@ -563,11 +563,14 @@ def test_varlen_full_pack(d, causal, case, arch_path, poison_empty, tmp_path):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lengths", ["mixed", "near_equal"])
+@pytest.mark.parametrize("lengths", ["mixed", "ascending", "near_equal"])
 def test_varlen_dynamic_walk(d, causal, lengths, arch_path, poison_empty, tmp_path):
     """Far more tiles than SMs, so each CTA of the dynamic walk claims many, 16 query heads over 4
     kv heads. mixed: 80 sequences (empty ones, 1 row, tile edges, up to 1024; q and k drawn apart),
-    a tight grid's units. near_equal: 40 sequences of 300 rows and three shorter ones (1, 0, 130):
+    a tight grid's units, which the walk deals longest sequences first (by keys, in four buckets:
+    common/work.cuh, varlen_lpt_index). ascending: 70 sequences, shortest first, every third
+    one's keys half its queries (the buckets reorder nearly all of them; keys and queries bucket
+    apart). near_equal: 40 sequences of 300 rows and three shorter ones (1, 0, 130):
     no tight grid (it would not halve the dense one), so the walk claims every (sequence, head) tile
     of max_seqlen_q rows and skips those past a sequence's end. Bit for bit the dense op per
     sequence (check_varlen_call: the accuracy rule too) and the same bits as one CTA per tile
@@ -577,6 +580,9 @@ def test_varlen_dynamic_walk(d, causal, lengths, arch_path, poison_empty, tmp_pa
     require_hdim(d, exact=True)
     if lengths == "mixed":
         lens_q, lens_k = _mixed_lengths(d + causal, 80)
+    elif lengths == "ascending":
+        lens_q = sorted(_mixed_lengths(d + causal, 70)[0])
+        lens_k = [n // 2 if i % 3 == 0 else n for i, n in enumerate(lens_q)]
     else:
         lens_q, lens_k = [300] * 40 + [1, 0, 130], [300] * 40 + [5, 200, 0]
     args = _checked_call_args(lens_q, lens_k, 16, 4, d, causal)

@@ -45,7 +45,9 @@
 // tiles (a tight grid's units where it is taken, work.cuh: varlen_tight_grid, one unit per real
 // tile; else every (sequence, head) tile of max_seqlen_q rows, those past a sequence's end
 // skipped) either one CTA per unit (the hardware's block scheduler balances them) or, `dynamic`
-// (FA3's dynamic persistent scheduler), on a persistent grid whose CTAs claim units in order from
+// (FA3's dynamic persistent scheduler; a tight grid's units longest sequences first, as FA3's
+// hopper/flash_prepare_scheduler.cu sorts its varlen batches, here by four length buckets found
+// in the kernel: work.cuh, varlen_lpt_index), on a persistent grid whose CTAs claim units in order from
 // a zeroed counter (Flash_fwd_params::tile_counter): unit blockIdx.x first, then gridDim.x + the
 // counter's next value, so every unit is taken exactly once and an idle CTA takes the next one,
 // as the block scheduler would, while the barrier setup, register reallocation and the

@@ -44,24 +44,22 @@ __host__ __device__ __forceinline__ bool varlen_tight_grid(bool enabled, const i
 }
 
 // The index, in the dense numbering (b * heads + head) * num + p with num = ceil(max_len / kBlock)
-// tiles per (sequence, head), of CTA `cta` of a tight grid (cta = head * per_head + u, u counting
-// the real tiles of sequences 0, 1, ... in order), or -1 where u lies past them. Tile j of
-// sequence b, which has n_b = ceil(min(len_b, max_len) / kBlock) tiles (SeqInfo clamps len_b to
-// max_len), is p = num - n_b + j with kReverse (Q tiles: the sequence's last tile first, heavy
-// first under causal, as the dense order), else p = j (key blocks in order). Warp-collective:
-// every lane of a converged warp calls it and gets the same value.
-template <int kBlock, bool kReverse>
-__device__ __forceinline__ int64_t varlen_dense_index(const int* cu_seqlens, int batch, int total, int max_len,
-                                                      int heads, int64_t cta) {
-  const int64_t per_head = varlen_tight_per_head(total, batch, kBlock);
-  const int head = int(cta / per_head);
-  const int u = int(cta - int64_t(head) * per_head);
+// tiles per (sequence, head), of the u-th real tile of head `head` among the sequences `take`
+// accepts (take(b): a warp-uniform call per lane's sequence b < batch), counting them in sequence
+// order, or -1 where u lies past them. Tile j of sequence b, which has n_b = ceil(min(len_b,
+// max_len) / kBlock) tiles (SeqInfo clamps len_b to max_len), is p = num - n_b + j with kReverse
+// (Q tiles: the sequence's last tile first, heavy first under causal, as the dense order), else
+// p = j (key blocks in order). Warp-collective: every lane of a converged warp calls it and gets
+// the same value.
+template <int kBlock, bool kReverse, typename Take>
+__device__ __forceinline__ int64_t varlen_scan_index(const int* cu_seqlens, int batch, int max_len, int heads,
+                                                     int head, int u, Take take) {
   const int lane = threadIdx.x % 32, num = ceil_div(max_len, kBlock);
   int base = 0;  // the real tiles of the sequences before this step's 32
   for (int b0 = 0; b0 < batch; b0 += 32) {
     const int b = b0 + lane;
     const int len = b < batch ? min(max(cu_seqlens[b + 1] - cu_seqlens[b], 0), max_len) : 0;
-    const int n = ceil_div(len, kBlock);
+    const int n = b < batch && take(b) ? ceil_div(len, kBlock) : 0;
     int incl = n;  // inclusive prefix sum over the lanes
 #pragma unroll
     for (int o = 1; o < 32; o *= 2) {
@@ -78,6 +76,65 @@ __device__ __forceinline__ int64_t varlen_dense_index(const int* cu_seqlens, int
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
   return -1;
+}
+
+// The index (varlen_scan_index's numbering) of CTA `cta` of a tight grid (cta = head * per_head +
+// u, u counting the real tiles of sequences 0, 1, ... in order), or -1 where u lies past them.
+template <int kBlock, bool kReverse>
+__device__ __forceinline__ int64_t varlen_dense_index(const int* cu_seqlens, int batch, int total, int max_len,
+                                                      int heads, int64_t cta) {
+  const int64_t per_head = varlen_tight_per_head(total, batch, kBlock);
+  const int head = int(cta / per_head);
+  return varlen_scan_index<kBlock, kReverse>(cu_seqlens, batch, max_len, heads, head,
+                                             int(cta - int64_t(head) * per_head), [](int) { return true; });
+}
+
+// Longest sequences first (the sm90 forward's dynamic walk on a tight grid; common/
+// tile_scheduler.cuh): the sequences fall into kLptBuckets buckets by their keys (SeqInfo's
+// clamped seqlen_k; bucket min(k - 1, (len_k k - 1) / max_len_k), the longest last), and the walk
+// deals the buckets from the longest down, each in sequence order, so the heavy tiles go first and
+// the light ones fill the tail, as longest-processing-time-first scheduling would (modelled on the
+// benchmark's 64 sequences of 128..1024: makespan / ideal 1.07 -> 1.03 at d128 causal, 1.06 ->
+// 1.03 at d256, 1.13 -> 1.04 at d256 causal; docs/PERF_NOTES.md, tenth session).
+constexpr int kLptBuckets = 4;
+__device__ __forceinline__ int varlen_lpt_bucket(const int* cu_seqlens_k, int b, int max_len_k) {
+  const int len = min(max(cu_seqlens_k[b + 1] - cu_seqlens_k[b], 0), max_len_k);
+  return len == 0 ? 0 : min(kLptBuckets - 1, (len - 1) / ceil_div(max_len_k, kLptBuckets));
+}
+
+// A tight grid's sequences' buckets into buckets[b] (b < batch <= kVarlenTightMaxBatch) and each
+// bucket's real Q tiles per head into bucket_tiles[kLptBuckets], both in shared memory (integer
+// sums: the same in every CTA whatever the atomics' order). Warp-collective: every lane of a
+// converged warp calls it; the warp reads both after it.
+template <int kBlock>
+__device__ __forceinline__ void varlen_lpt_prepare(const int* cu_seqlens_q, const int* cu_seqlens_k, int batch,
+                                                   int max_len_q, int max_len_k, uint8_t* buckets,
+                                                   int* bucket_tiles) {
+  const int lane = threadIdx.x % 32;
+  if (lane < kLptBuckets) bucket_tiles[lane] = 0;
+  __syncwarp();
+  for (int b = lane; b < batch; b += 32) {
+    const int len = min(max(cu_seqlens_q[b + 1] - cu_seqlens_q[b], 0), max_len_q);
+    const int bucket = varlen_lpt_bucket(cu_seqlens_k, b, max_len_k);
+    buckets[b] = uint8_t(bucket);
+    atomicAdd(&bucket_tiles[bucket], ceil_div(len, kBlock));
+  }
+  __syncwarp();
+}
+
+// The index (varlen_scan_index's numbering) of the u-th real tile of head `head` in the
+// longest-first order (above): u counts the tiles of bucket kLptBuckets - 1 first, in sequence
+// order, then the next bucket's, and so on; -1 past them. buckets, bucket_tiles:
+// varlen_lpt_prepare's. Warp-collective.
+template <int kBlock>
+__device__ __forceinline__ int64_t varlen_lpt_index(const int* cu_seqlens_q, int batch, int max_len_q, int heads,
+                                                    int head, int u, const uint8_t* buckets,
+                                                    const int* bucket_tiles) {
+  int bucket = kLptBuckets - 1;
+  for (; bucket >= 0 && u >= bucket_tiles[bucket]; --bucket) u -= bucket_tiles[bucket];
+  if (bucket < 0) return -1;
+  return varlen_scan_index<kBlock, true>(cu_seqlens_q, batch, max_len_q, heads, head, u,
+                                         [&](int b) { return buckets[b] == bucket; });
 }
 
 // Forward / dQ CTA: Q tile of kBlockM rows from m0 of (batch, head bidh; kv head bidhk).

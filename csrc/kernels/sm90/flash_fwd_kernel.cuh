@@ -194,8 +194,9 @@ struct FwdKernelTraits {
   // them (2..4; one CTA per SM): d64 4, d96/d128 2, d192/d256 2 (FA3: 2 everywhere; TK: 4 at d64).
   // One Q buffer and three K/V stages at d96 / d128 (O then staged in the V ring) measured 1-4 %
   // slower. Barriers (8 bytes each, at most 2 Q + 4 K/V stages + o_free), the varlen tile slot (8
-  // bytes) and 1024 bytes of alignment slack come first.
-  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4 + 1 + 1) + 1024;
+  // bytes), the dynamic walk's buckets (kLptBytes) and 1024 bytes of alignment slack come first.
+  static constexpr int kLptBytes = 4 * kLptBuckets + kVarlenTightMaxBatch;
+  static constexpr int kBarBytes = 8 * (2 * 2 + 4 * 4 + 1 + 1) + kLptBytes + 1024;
   static constexpr int kQStages = 2 * TileQ::kBytes + 4 * TileKV::kBytes + kBarBytes <= kMaxSmem ? 2 : 1;
   static constexpr int kStagesFit = (kMaxSmem - kQStages * TileQ::kBytes - kBarBytes) / (2 * TileKV::kBytes);
   static constexpr int kStages = kStagesFit < 4 ? kStagesFit : 4;
@@ -215,7 +216,10 @@ struct FwdKernelTraits {
   // After them: a varlen tight grid's tile (int64), found by warp 0 for the whole CTA, or the
   // dynamic walk's next tile (int32; tile_scheduler.cuh: dynamic), handed from producer to consumers.
   static constexpr int kOffTileSlot = kOffBar + 8 * kNumBars;
-  static constexpr int kSmemBytes = kOffTileSlot + 8 + 1024;  // + alignment slack
+  // Then the dynamic walk's bucket tile counts and per-sequence buckets (a tight grid's, longest
+  // sequences first: common/work.cuh, varlen_lpt_prepare), the producer warp's only.
+  static constexpr int kOffLptBuckets = kOffTileSlot + 8;
+  static constexpr int kSmemBytes = kOffLptBuckets + kLptBytes + 1024;  // + alignment slack
 
   static_assert(Tile::kNWarps == 4 * (kConsumerWGs + 1), "tile row: 4 producer warps + 4 per 64 query rows");
   static_assert(kBlockM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3, "1-3 consumer warpgroups of 64 rows");
@@ -489,11 +493,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // The dynamic walk: unit blockIdx.x, then gridDim.x + the counter's next value, until the
         // units run out. A unit is a tile in QTileWork's order (one past its sequence's end is
         // neither handed over nor loaded), or a tight grid's unit, tile-major (unit = u * h + head:
-        // the heads of one tile together, a GQA group's K / V shared in L2), so the first unit
-        // past the real tiles ends the walk (every later one lies past them too). The next unit
+        // the heads of one tile together, a GQA group's K / V shared in L2; u counts the real
+        // tiles longest sequences first, so the light ones fill the walk's tail: common/work.cuh,
+        // varlen_lpt_index), so the first unit past the real tiles ends the walk (every later one
+        // lies past them too). The next unit
         // is claimed once this tile's loads are issued (the consumers still have the ring's
         // stages of work, so the claim and the next tile's search stay off their path); nothing
         // else stays live across a tile (the producer has 24 registers at d128).
+        // A tight grid's units go longest sequences first (common/work.cuh: varlen_lpt_index): the
+        // buckets' tile counts and each sequence's bucket, found once by this warp, sit in shared
+        // memory after the tile slot.
+        int* lpt_bucket_tiles = reinterpret_cast<int*>(smem + Traits::kOffLptBuckets);
+        uint8_t* lpt_buckets = smem + Traits::kOffLptBuckets + 4 * kLptBuckets;
+        if (sched.dynamic == FwdTileScheduler<kBlockM>::kDynamicTight) {
+          varlen_lpt_prepare<kBlockM>(params.cu_seqlens_q, params.cu_seqlens_k, params.b, params.seqlen_q,
+                                      params.seqlen_k, lpt_buckets, lpt_bucket_tiles);
+        }
         // hand_over: tile t (-1: the end) to the consumers (the tile hand-over at the top).
         auto hand_over = [&](int t) {
           named_barrier_sync(kTileEmpty, kHandOverThreads);
@@ -506,11 +521,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           int tile = unit;
           if (sched.dynamic == FwdTileScheduler<kBlockM>::kDynamicTight) {
             const int u = sched.h_div.div(unit), head = unit - u * sched.h_div.d;
-            // The tile in the dense numbering, from its index head * per_head + u in a tight grid's.
-            const int64_t per_head = varlen_tight_per_head(params.total_q, params.b, kBlockM);
-            const int64_t t = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q,
-                                                                params.seqlen_q, params.h,
-                                                                int64_t(head) * per_head + u);
+            // The tile in the dense numbering, from its place u among the head's real tiles, longest
+            // sequences first.
+            const int64_t t = varlen_lpt_index<kBlockM>(params.cu_seqlens_q, params.b, params.seqlen_q, params.h,
+                                                        head, u, lpt_buckets, lpt_bucket_tiles);
             if (t < 0) break;  // uniform over the warp
             tile = int(t);
           } else {
