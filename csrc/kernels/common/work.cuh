@@ -90,12 +90,13 @@ __device__ __forceinline__ int64_t varlen_dense_index(const int* cu_seqlens, int
 }
 
 // Longest sequences first (the sm90 forward's dynamic walk on a tight grid; common/
-// tile_scheduler.cuh): the sequences fall into kLptBuckets buckets by their keys (SeqInfo's
-// clamped seqlen_k; bucket min(k - 1, (len_k k - 1) / max_len_k), the longest last), and the walk
-// deals the buckets from the longest down, each in sequence order, so the heavy tiles go first and
-// the light ones fill the tail, as longest-processing-time-first scheduling would (modelled on the
-// benchmark's 64 sequences of 128..1024: makespan / ideal 1.07 -> 1.03 at d128 causal, 1.06 ->
-// 1.03 at d256, 1.13 -> 1.04 at d256 causal; docs/PERF_NOTES.md, tenth session).
+// tile_scheduler.cuh): the sequences fall into k = kLptBuckets buckets by their keys (SeqInfo's
+// clamped seqlen_k: bucket min(k - 1, (len_k - 1) / ceil(max_len_k / k)), 0 without keys; the
+// longest in k - 1), and the walk deals the buckets from the longest down, each in sequence
+// order, so the heavy tiles go first and the light ones fill the tail, as
+// longest-processing-time-first scheduling would (scripts/varlen_walk_model.py on the benchmark's
+// 64 sequences of 128..1024: makespan / ideal 1.07 -> 1.03 at d128 causal, 1.06 -> 1.03 at d256,
+// 1.13 -> 1.04 at d256 causal; docs/PERF_NOTES.md, tenth session).
 constexpr int kLptBuckets = 4;
 __device__ __forceinline__ int varlen_lpt_bucket(const int* cu_seqlens_k, int b, int max_len_k) {
   const int len = min(max(cu_seqlens_k[b + 1] - cu_seqlens_k[b], 0), max_len_k);
