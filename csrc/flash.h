@@ -113,7 +113,7 @@ struct Flash_fwd_params : public Qkv_params {
   // [0] (common/tile_scheduler.cuh: dynamic) and counts its finished CTAs in [1]; the last one to
   // finish sets both to zero again, so the stream's next call needs no memset. null: the varlen
   // forward runs one CTA per tile. (A full pack, total rows = batch x max_seqlen, takes the static
-  // walk, which does not read it: sm90/flash_fwd_launch.cuh, fwd_schedule.)
+  // walk, which does not read it, and the API passes none: sm90_fwd_schedule below.)
   int* __restrict__ tile_counter = nullptr;
 
   // ---- KV cache (flash_attn_with_kvcache). Sequence b sees keys [0, min(cache_seqlens[b] +
@@ -198,6 +198,15 @@ constexpr int64_t kMaxWindowedSeqlens = 2147483647 - 511;
 // params.num_splits splits (>= 1; > 1 needs oaccum_ptr / softmax_lseaccum_ptr) and, when split,
 // the combine kernel. Defined in csrc/kernels/dispatch.cu.
 void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream);
+
+// How the sm90 forward deals a call's tiles (kernels/common/tile_scheduler.cuh: FwdTileScheduler,
+// whose Schedule has these values): one CTA per tile, the static persistent walk, or the dynamic
+// walk, which claims tiles from params.tile_counter (varlen calls only; so the API fetches a
+// counter only for those). Host arithmetic on params' sizes (b, seqlen_q / _k, total_q / _k,
+// cu_seqlens_q) and the knob FLASH_ATTN_EXT_SM90_FWD_SCHEDULE, read once (throws on a value it
+// does not know). Defined in csrc/kernels/dispatch.cu, which gives the rule's reasons.
+enum Sm90FwdSchedule { kSm90FwdTile = 0, kSm90FwdPersistent = 1, kSm90FwdDynamic = 2 };
+Sm90FwdSchedule sm90_fwd_schedule(const Flash_fwd_params& params);
 
 // num_splits for a KV-cache call from its shapes and params.num_sms alone (host arithmetic, no
 // device sync, so a decode step stays CUDA-graph capturable): 1 when the (sequence, kv head, query

@@ -1066,10 +1066,12 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   params.sinks_ptr = sinks_ptr(sinks);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
-  // The sm90 forward's persistent varlen grid claims its tiles from a counter that is zero at the
-  // launch (flash.h: tile_counter); compute capability 9.x only.
+  // The sm90 forward's dynamic walk claims its tiles from a counter that is zero at the launch
+  // (flash.h: tile_counter); compute capability 9.x only, and not for a full pack (the static walk).
   Tensor fresh_counter;  // where varlen_tile_counter gives a fresh one: alive until the launch
-  params.tile_counter = params.arch / 10 == 9 ? varlen_tile_counter(q, fresh_counter) : nullptr;
+  params.tile_counter = params.arch / 10 == 9 && flash::sm90_fwd_schedule(params) == flash::kSm90FwdDynamic
+                            ? varlen_tile_counter(q, fresh_counter)
+                            : nullptr;
   run_on_stream(flash::run_mha_fwd, params);
   return outs;
 }

@@ -512,7 +512,7 @@ def _mixed_lengths(seed, n):
 
 
 # Full packs: total rows = batch x max_seqlen, q and k alike. The sm90 forward runs them on the
-# static persistent walk, the dense op's (csrc/kernels/sm90/flash_fwd_launch.cuh: fwd_schedule),
+# static persistent walk, the dense op's (csrc/kernels/dispatch.cu: sm90_fwd_schedule),
 # whose round-robin also deals the tiles past a shorter sequence's end (skipped by the producer
 # and the consumers alike). The rows past cu_seqlens[-1] are unused (NaN in the test).
 FULL_PACKS = {

@@ -309,6 +309,40 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
   });
 }
 
+// FLASH_ATTN_EXT_SM90_FWD_SCHEDULE (read once; a tuning knob): "tile" runs one CTA per tile,
+// "persistent" the static persistent grid, "dynamic" the dynamic one for every varlen call (dense
+// calls: the static one); unset or "auto": the static persistent grid for dense calls (faster or
+// equal at every shape of the benchmark, docs/PERF_NOTES.md) and the dynamic one for varlen calls,
+// whose tiles differ in work by the sequence lengths (unknown on the host): a static round-robin
+// leaves CTAs idle there (H200, 64 sequences of 128..1024, 16k tokens, non-causal: hd64 93 TFLOP/s
+// against 168 for one CTA per tile, hd128 194 against 234), claiming the next tile does not (hd64
+// 192 -> 248, hd128 244 -> 295 against one CTA per tile; causal +30-40 %; docs/PERF_NOTES.md). But
+// a varlen call whose packed rows are exactly batch x max_seqlen, q and k alike, has every
+// sequence max_seqlen long (unless rows go unused: past cu_seqlens[-1], or those of a sequence
+// longer than max_seqlen; the walk is exact there too, only less balanced): its tiles cost the
+// same, as a dense call's, and the static walk runs them 3-7 % faster than the dynamic one (H200,
+// 16 x 1024, hd128 / hd256, causal both; docs/PERF_NOTES.md, tenth session). A caller whose
+// buffers are batch x max_seqlen rows with skewed lengths in them would lose up to half (the
+// numbers above): "dynamic" keeps such calls on the dynamic walk.
+Sm90FwdSchedule sm90_fwd_schedule(const Flash_fwd_params& params) {
+  static const int forced = [] {
+    const char* e = std::getenv("FLASH_ATTN_EXT_SM90_FWD_SCHEDULE");
+    if (e == nullptr || std::string(e).empty() || std::string(e) == "auto") return -1;
+    if (std::string(e) == "persistent") return int(kSm90FwdPersistent);
+    if (std::string(e) == "tile") return int(kSm90FwdTile);
+    if (std::string(e) == "dynamic") return int(kSm90FwdDynamic);
+    throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SM90_FWD_SCHEDULE must be auto, persistent, "
+                                         "dynamic or tile, got '") + e + "'");
+  }();
+  const bool varlen = params.cu_seqlens_q != nullptr;
+  if (forced == kSm90FwdTile) return kSm90FwdTile;
+  if (forced == kSm90FwdPersistent || !varlen) return kSm90FwdPersistent;
+  if (forced == kSm90FwdDynamic) return kSm90FwdDynamic;
+  const bool full_pack = int64_t(params.b) * params.seqlen_q == params.total_q &&
+                         int64_t(params.b) * params.seqlen_k == params.total_k;
+  return full_pack ? kSm90FwdPersistent : kSm90FwdDynamic;
+}
+
 // FlashDecoding's split choice from shapes alone (common/splitkv_heuristic.h: the rule), with the
 // production split-KV row of the head dim (sm80/tile_config.h: SplitKvTile).
 int num_splits_heuristic(const Flash_fwd_params& params) {

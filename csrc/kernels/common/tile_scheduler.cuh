@@ -59,7 +59,7 @@
 // graph capture); a stale value would skip units (rows of out left unwritten), not hang. A varlen
 // call whose packed rows are batch x max_seqlen, q and k (a full pack: most often every sequence
 // max_seqlen long, as in a dense call), takes the static walk instead (sm90/flash_fwd_launch.cuh:
-// fwd_schedule); it deals the tiles past a shorter sequence's end as any others, and producer and
+// dispatch.cu: sm90_fwd_schedule); it deals the tiles past a shorter sequence's end as any others, and producer and
 // consumers skip them alike.
 #pragma once
 
@@ -99,9 +99,9 @@ struct FwdTileScheduler {
   // warpgroup twice), not integer divisions (QTileWork(params, tile, m_div, h_div)).
   FastDivmod units_div, tail_div, m_div, h_div;
 
-  // How a call's tiles are dealt (sm90/flash_fwd_launch.cuh: fwd_schedule): one CTA per tile,
-  // the static persistent walk, or (varlen) the dynamic one.
-  enum Schedule { kTile = 0, kPersistent = 1, kDynamic = 2 };
+  // How a call's tiles are dealt (flash.h / kernels/dispatch.cu: sm90_fwd_schedule): one CTA per
+  // tile, the static persistent walk, or (varlen) the dynamic one.
+  enum Schedule { kTile = kSm90FwdTile, kPersistent = kSm90FwdPersistent, kDynamic = kSm90FwdDynamic };
 
   // The units of `params`, or num_units = 0 when they exceed 2^30 (the caller refuses the call).
   // kTile: one CTA per tile in QTileWork's order, left to the hardware's block scheduler (heavy

@@ -26,42 +26,9 @@
 namespace flash {
 namespace sm90 {
 
-// How the forward deals its tiles (common/tile_scheduler.cuh). FLASH_ATTN_EXT_SM90_FWD_SCHEDULE
-// (read once; a tuning knob): "tile" runs one CTA per tile, "persistent" the static persistent
-// grid, "dynamic" the dynamic one for every varlen call (dense calls: the static one); unset or
-// "auto": the static persistent grid for dense calls (faster or equal at every shape of the
-// benchmark, docs/PERF_NOTES.md) and the dynamic one for varlen calls, whose tiles differ in work
-// by the sequence lengths (unknown on the host): a static round-robin leaves CTAs idle there (H200,
-// 64 sequences of 128..1024, 16k tokens, non-causal: hd64 93 TFLOP/s against 168 for one CTA per
-// tile, hd128 194 against 234), claiming the next tile does not (hd64 192 -> 248, hd128 244 -> 295
-// against one CTA per tile; causal +30-40 %; docs/PERF_NOTES.md). But a varlen call whose packed
-// rows are exactly batch x max_seqlen, q and k alike, has every sequence max_seqlen long (unless
-// rows go unused: past cu_seqlens[-1], or those of a sequence longer than max_seqlen; the walk is
-// exact there too, only less balanced): its tiles cost the same, as a dense call's, and the static
-// walk runs them 3-7 % faster than the dynamic one (H200, 16 x 1024, hd128 / hd256, causal both;
-// docs/PERF_NOTES.md, tenth session). A caller whose buffers are batch x max_seqlen rows with
-// skewed lengths in them would lose up to half (the numbers above): "dynamic" keeps such calls on
-// the dynamic walk.
-inline FwdTileScheduler<64>::Schedule fwd_schedule(const Flash_fwd_params& params) {
-  using S = FwdTileScheduler<64>;
-  static const int forced = [] {
-    const char* e = std::getenv("FLASH_ATTN_EXT_SM90_FWD_SCHEDULE");
-    if (e == nullptr || std::string(e).empty() || std::string(e) == "auto") return -1;
-    if (std::string(e) == "persistent") return int(S::kPersistent);
-    if (std::string(e) == "tile") return int(S::kTile);
-    if (std::string(e) == "dynamic") return int(S::kDynamic);
-    throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SM90_FWD_SCHEDULE must be auto, persistent, "
-                                         "dynamic or tile, got '") + e + "'");
-  }();
-  if (forced >= 0) return S::Schedule(forced);
-  const bool full_pack = int64_t(params.b) * params.seqlen_q == params.total_q &&
-                         int64_t(params.b) * params.seqlen_k == params.total_k;
-  return params.cu_seqlens_q == nullptr || full_pack ? S::kPersistent : S::kDynamic;
-}
-
 // Launches flash_fwd_kernel<Traits> on the persistent grid of common/tile_scheduler.cuh: one CTA
 // per SM (fewer when the call has fewer work units), each looping over its Q tiles (one CTA per
-// tile when fwd_schedule() says kTile, or a varlen call has no tile_counter). The head dim is
+// tile when sm90_fwd_schedule() says kSm90FwdTile (flash.h), or a varlen call has no tile_counter). The head dim is
 // dispatch.cu's guarantee (d_rounded == kHeadDim). False (nothing launched) when a tensor map
 // cannot be encoded, or the call has more than 2^30 work units (the scheduler's limit).
 template <typename Traits>
@@ -87,7 +54,7 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   }
   using Sched = FwdTileScheduler<Traits::kBlockM>;
   const auto sched =
-      Sched::make(params, typename Sched::Schedule(fwd_schedule(params)), Traits::kWarpgroupKeyRanges);
+      Sched::make(params, typename Sched::Schedule(sm90_fwd_schedule(params)), Traits::kWarpgroupKeyRanges);
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
   // A sliding window's left bound takes the kernel's kLocal twin (flash_fwd_kernel.cuh).
   launch_1d(params.window_left >= 0 ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>,
