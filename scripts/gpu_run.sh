@@ -49,6 +49,9 @@ if [[ " $STEPS " == *" build "* ]]; then
     | sed -E 's/ptxas info *: //' >"$OUT/ptxas.txt" || true
   spills=$(grep -cE "[1-9][0-9]* bytes spill" "$OUT/ptxas.txt" || true)
   summary+=("ptxas: $(grep -c 'Used' "$OUT/ptxas.txt") kernels, $spills with spills (ptxas.txt)")
+  # C7515: ptxas serialized a kernel's wgmma (e.g. branches joining while a product is in flight):
+  # every product then waits for the one before, a silent slowdown. Should be 0.
+  summary+=("ptxas: $(grep -c 'C7515' "$OUT/build.log" || true) wgmma-serialization warnings (C7515; expected 0)")
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [[ " $STEPS " == *" build "* ]]; then
