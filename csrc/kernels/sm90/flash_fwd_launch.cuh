@@ -28,9 +28,10 @@ namespace sm90 {
 
 // Launches flash_fwd_kernel<Traits> on the persistent grid of common/tile_scheduler.cuh: one CTA
 // per SM (fewer when the call has fewer work units), each looping over its Q tiles (one CTA per
-// tile when sm90_fwd_schedule() says kSm90FwdTile (flash.h), or a varlen call has no tile_counter). The head dim is
-// dispatch.cu's guarantee (d_rounded == kHeadDim). False (nothing launched) when a tensor map
-// cannot be encoded, or the call has more than 2^30 work units (the scheduler's limit).
+// tile when sm90_fwd_schedule (flash.h, dispatch.cu) says kSm90FwdTile, or a varlen call on the
+// dynamic walk has no tile_counter). The head dim is dispatch.cu's guarantee (d_rounded ==
+// kHeadDim). False (nothing launched) when a tensor map cannot be encoded, or the call has more
+// than 2^30 work units (the scheduler's limit).
 template <typename Traits>
 bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   constexpr int kHeadDim = Traits::kHeadDim;
