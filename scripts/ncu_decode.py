@@ -4,8 +4,9 @@ driver, not a benchmark): GQA 32:8, hd128, bf16, seqlen_q 1, full contiguous cac
     ncu --cache-control all --clock-control none --metrics ... python scripts/ncu_decode.py B64xN8192 B1xN8192
 
 --flush-zero: before each step, zero a 256 MB buffer, as the benchmark's timer flushes the L2
-(triton.testing.do_bench): the L2 is left full of dirty lines, which the step's reads evict and
-the HBM writes back. Profile with `ncu --cache-control none` to see that state (dram__bytes_write).
+(triton.testing.do_bench), and profile with `ncu --cache-control none` to see the step in that L2
+state (H200, B1 8k: the split kernel wrote back 1.4 MB of it while reading 33.6 MB; 14.5 us
+against 13.9 us after ncu's own flush; docs/PERF_NOTES.md, 2026-12-04).
 """
 import sys
 

@@ -58,9 +58,9 @@
 // finish zeroes it again, so the API keeps one per stream (a fresh zeroed one per call under CUDA
 // graph capture); a stale value would skip units (rows of out left unwritten), not hang. A varlen
 // call whose packed rows are batch x max_seqlen, q and k (a full pack: most often every sequence
-// max_seqlen long, as in a dense call), takes the static walk instead (sm90/flash_fwd_launch.cuh:
-// dispatch.cu: sm90_fwd_schedule); it deals the tiles past a shorter sequence's end as any others, and producer and
-// consumers skip them alike.
+// max_seqlen long, as in a dense call), takes the static walk instead (kernels/dispatch.cu:
+// sm90_fwd_schedule); it deals the tiles past a shorter sequence's end as any others, and
+// producer and consumers skip them alike.
 #pragma once
 
 #include <cstdint>

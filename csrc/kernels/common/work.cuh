@@ -43,6 +43,11 @@ __host__ __device__ __forceinline__ bool varlen_tight_grid(bool enabled, const i
          dense_per_head * heads < (int64_t(1) << 31);
 }
 
+// Sequence b's length from cu_seqlens, clamped to [0, max_len] as SeqInfo clamps it.
+__device__ __forceinline__ int varlen_clamped_len(const int* cu_seqlens, int b, int max_len) {
+  return min(max(cu_seqlens[b + 1] - cu_seqlens[b], 0), max_len);
+}
+
 // The index, in the dense numbering (b * heads + head) * num + p with num = ceil(max_len / kBlock)
 // tiles per (sequence, head), of the u-th real tile of head `head` among the sequences `take`
 // accepts (take(b): a warp-uniform call per lane's sequence b < batch), counting them in sequence
@@ -58,7 +63,7 @@ __device__ __forceinline__ int64_t varlen_scan_index(const int* cu_seqlens, int 
   int base = 0;  // the real tiles of the sequences before this step's 32
   for (int b0 = 0; b0 < batch; b0 += 32) {
     const int b = b0 + lane;
-    const int len = b < batch ? min(max(cu_seqlens[b + 1] - cu_seqlens[b], 0), max_len) : 0;
+    const int len = b < batch ? varlen_clamped_len(cu_seqlens, b, max_len) : 0;
     const int n = b < batch && take(b) ? ceil_div(len, kBlock) : 0;
     int incl = n;  // inclusive prefix sum over the lanes
 #pragma unroll
@@ -99,7 +104,7 @@ __device__ __forceinline__ int64_t varlen_dense_index(const int* cu_seqlens, int
 // 1.13 -> 1.04 at d256 causal; docs/PERF_NOTES.md, tenth session).
 constexpr int kLptBuckets = 4;
 __device__ __forceinline__ int varlen_lpt_bucket(const int* cu_seqlens_k, int b, int max_len_k) {
-  const int len = min(max(cu_seqlens_k[b + 1] - cu_seqlens_k[b], 0), max_len_k);
+  const int len = varlen_clamped_len(cu_seqlens_k, b, max_len_k);
   return len == 0 ? 0 : min(kLptBuckets - 1, (len - 1) / ceil_div(max_len_k, kLptBuckets));
 }
 
@@ -115,7 +120,7 @@ __device__ __forceinline__ void varlen_lpt_prepare(const int* cu_seqlens_q, cons
   if (lane < kLptBuckets) bucket_tiles[lane] = 0;
   __syncwarp();
   for (int b = lane; b < batch; b += 32) {
-    const int len = min(max(cu_seqlens_q[b + 1] - cu_seqlens_q[b], 0), max_len_q);
+    const int len = varlen_clamped_len(cu_seqlens_q, b, max_len_q);
     const int bucket = varlen_lpt_bucket(cu_seqlens_k, b, max_len_k);
     buckets[b] = uint8_t(bucket);
     atomicAdd(&bucket_tiles[bucket], ceil_div(len, kBlock));
