@@ -363,6 +363,56 @@ def test_kvcache_tma_path(page_size, dtype, causal, seqlen_q, d, poison_empty):
         assert torch.equal(out, out_d) and torch.equal(lse, lse_d)
 
 
+# ---- The small split-KV row (sm90/tile_config.h: SplitKvSmallTile, d128): a contiguous decode
+# grid of more (sequence, kv head) CTAs than the production row's slots (3 per SM) but at most the
+# small row's (4 per SM) runs there, unsplit and without a combine; smaller and larger grids, paged
+# caches, explicit splits and the sm80 path keep the production row (SplitKvTile).
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_small_row(dtype, causal, poison_empty):
+    require_hdim(128, exact=True)
+    nheads_k, ratio, d, capacity = 8, 4, 128, 320
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator().manual_seed(7)
+
+    def case(batch, page_size=None, num_splits=0):
+        lens = torch.randint(0, capacity + 1, (batch,), generator=gen).tolist()
+        lens[:3] = [0, 1, capacity]
+        q = torch.randn(batch, 1, nheads_k * ratio, d, device="cuda", dtype=dtype)
+        kc, vc, table = _make_cache(lens, capacity, nheads_k, d, dtype, page_size=page_size)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+        def run():
+            return flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                          causal=causal, num_splits=num_splits, return_lse=True)
+
+        out, lse = run()
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        _check(q, kc, vc, table, lens, causal, out, lse)
+        return _kernel_names(run)
+
+    def small(names):
+        assert any("flash_fwd_splitkv_kernel" in n for n in names), names
+        return any("SplitKvSmallTile<128>" in n for n in names)
+
+    in_band = -(-7 * sms // (2 * nheads_k))  # 3.5 CTAs per SM
+    names = case(in_band)
+    assert small(names) == _sm90_path(), names
+    assert not any("splitkv_combine" in n for n in names), names
+    assert not small(case(3 * sms // nheads_k))       # one round of the production row
+    assert not small(case(4 * sms // nheads_k + 1))   # more than one round of the small row
+    assert not small(case(in_band, page_size=64))     # paged
+    names = case(in_band, num_splits=2)               # explicit splits
+    assert not small(names) and any("splitkv_combine" in n for n in names), names
+    if _sm90_path():
+        previous = flash_attn_ext.force_sm80_path(True)
+        try:
+            assert not small(case(in_band))
+        finally:
+            flash_attn_ext.force_sm80_path(previous)
+
+
 # ---- Caches larger than twice the L2 (the launch's estimate from the capacity): the TMA row's
 # quarter-evict-first reads (Flash_fwd_params::kv_stream_exceeds_l2), NaN past the keys.
 

@@ -57,6 +57,22 @@ inline int64_t splitkv_slots(const Flash_fwd_params& params, int smem_bytes, int
   return int64_t(params.num_sms) * per_sm;
 }
 
+// Whether a call runs unsplit on a smaller split-KV row (small_*: sm90/tile_config.h,
+// SplitKvSmallTile) instead of the production row: its unsplit grid is more than the production
+// row's slots (which would split it or run a second round) but fits the small row's slots (one
+// round, every SM streaming; H200 numbers in sm90/tile_config.h). Contiguous caches only: a paged
+// cache's short pages ran slower on the small row.
+inline bool splitkv_small_row_pays(const Flash_fwd_params& params, int smem_bytes, int min_blocks,
+                                   int small_smem_bytes, int small_min_blocks) {
+  if (params.block_table != nullptr || params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 ||
+      params.num_sms <= 0) {
+    return false;
+  }
+  const int64_t ctas = splitkv_unsplit_ctas(params);
+  return ctas > splitkv_slots(params, smem_bytes, min_blocks) &&
+         ctas <= splitkv_slots(params, small_smem_bytes, small_min_blocks);
+}
+
 inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks) {
   if (params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 || params.num_sms <= 0) return 1;
   const int64_t ctas = splitkv_unsplit_ctas(params);
