@@ -3,8 +3,9 @@
 
     python scripts/compare_runs.py --old A1,A2 --new B1,B2 [--peer sdpa-flash]
 
-Each side may list several runs (interleaved old/new runs show the noise): a side's TFLOP/s is the
-median over its runs. Prints new/old of ours per (dtype, hdim, causal, seqlen, mode), the spread of
+Each side may list several runs (interleaved old/new runs show the noise): a side's speed (TFLOP/s;
+decode rows TB/s) is the median over its runs. Prints new/old of ours per (dtype, hdim, causal,
+case, mode), the spread of
 each side (max/min over its runs) and, with --peer, the same ratio for the peer (the same code in
 both runs: it shows how much the machine itself drifted).
 """
@@ -14,20 +15,33 @@ import os
 
 import pandas as pd
 
-KEYS = ["dtype", "hdim", "causal", "seqlen", "mode"]
+KEYS = ["dtype", "hdim", "causal", "case", "mode"]
 
 
 def load(dirs, impl):
+    """Median and spread (max / min) over `dirs` of impl's speed per case: TFLOP/s of dense and
+    varlen rows (a varlen case named by its longest sequence, a dense one by its seqlen), TB/s of
+    decode rows (a case named by batch, cache length and page size; causal "-")."""
     frames = []
     for i, d in enumerate(dirs):
         df = pd.read_csv(os.path.join(d, "results.csv"))
-        if "max_len" in df:  # varlen rows (ours and the dense comparison row): keyed by the longest sequence
-            varlen = df["mode"].astype(str).str.startswith("varlen")
-            df.loc[varlen, "seqlen"] = df.loc[varlen, "max_len"]
-        df = df[(df["impl"] == impl) & (df["status"] == "ok")][KEYS + ["tflops"]]
-        frames.append(df.assign(run=i))
+        df = df[(df["impl"] == impl) & (df["status"] == "ok")].copy()
+        mode = df["mode"].astype(str)
+        decode, varlen = mode == "decode", mode.str.startswith("varlen")
+        case = df["seqlen"].astype("Int64").astype(str) if "seqlen" in df else pd.Series("", index=df.index)
+        if varlen.any():  # varlen rows (ours and the dense comparison row): keyed by the longest sequence
+            case[varlen] = df.loc[varlen, "max_len"].astype("Int64").astype(str)
+        speed = df["tflops"].copy() if "tflops" in df else pd.Series(float("nan"), index=df.index)
+        if decode.any():
+            dec = df[decode]
+            case[decode] = ("B" + dec["batch"].astype("Int64").astype(str) + " Nk" + dec["seqlen_k"].astype("Int64").astype(str)
+                            + " page" + dec["page_size"].fillna(0).astype("Int64").astype(str))
+            speed[decode] = dec["tbps"]
+        causal = df["causal"].astype(object).where(~decode, "-") if "causal" in df else "-"
+        frames.append(pd.DataFrame({"dtype": df["dtype"], "hdim": df["hdim"], "causal": causal, "case": case,
+                                    "mode": df["mode"], "speed": speed, "run": i}))
     runs = pd.concat(frames)
-    grouped = runs.groupby(KEYS)["tflops"]
+    grouped = runs.groupby(KEYS)["speed"]
     return pd.DataFrame({"median": grouped.median(), "spread": grouped.max() / grouped.min()})
 
 
@@ -39,7 +53,7 @@ def main():
     args = ap.parse_args()
     old_dirs, new_dirs = args.old.split(","), args.new.split(",")
     old, new = load(old_dirs, "flash_attn_ext"), load(new_dirs, "flash_attn_ext")
-    table = pd.DataFrame({"old TFLOP/s": old["median"], "new TFLOP/s": new["median"],
+    table = pd.DataFrame({"old": old["median"], "new": new["median"],
                           "new/old": new["median"] / old["median"],
                           "old spread": old["spread"], "new spread": new["spread"]})
     if args.peer:

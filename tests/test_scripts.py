@@ -106,6 +106,25 @@ def test_compare_runs_keys_varlen_rows_by_their_longest_sequence(tmp_path):
     assert "over 2 cases" in r.stdout
 
 
+def test_compare_runs_keys_decode_rows_by_batch_cache_and_page(tmp_path):
+    """Decode rows (TB/s, no seqlen or TFLOP/s) are compared per (batch, cache length, page size)."""
+    header = "dtype,hdim,causal,mode,impl,status,tflops,tbps,seqlen,batch,seqlen_k,page_size\n"
+
+    def results(path, rows):  # rows = [(batch, page_size, TB/s)] of ours, plus one dense row
+        path.mkdir()
+        lines = [header, "bf16,128,False,fwd,flash_attn_ext,ok,600.0,,4096,,,\n"]
+        lines += [f"bf16,128,,decode,flash_attn_ext,ok,,{tb},,{b},8192,{p}\n" for b, p, tb in rows]
+        (path / "results.csv").write_text("".join(lines))
+        return str(path)
+
+    old = results(tmp_path / "old", [(64, 0, 4.0), (64, 16, 3.0), (1, 0, 2.0)])
+    new = results(tmp_path / "new", [(64, 0, 4.4), (64, 16, 3.0), (1, 0, 1.0)])
+    r = _compare_runs(old, new)
+    assert r.returncode == 0, r.stderr
+    assert "B64 Nk8192 page0" in r.stdout and "B64 Nk8192 page16" in r.stdout and "B1 Nk8192 page0" in r.stdout
+    assert "over 4 cases: min 0.500, median 1.000, max 1.100" in r.stdout
+
+
 def test_compare_runs_without_common_cases_fails(tmp_path):
     old = _bench_results(tmp_path / "old", [(64, "fwd", "flash_attn_ext", 400.0, 4096)])
     new = _bench_results(tmp_path / "new", [(128, "fwd", "flash_attn_ext", 440.0, 4096)])
