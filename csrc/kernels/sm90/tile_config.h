@@ -224,8 +224,11 @@ template <> struct Sm80FwdTile<128> : FwdTileShape<128,   64,    4,  false,    2
 // B64 Nk 8k (512 CTAs) 4.36 at the production row's 3 splits -> 4.43 unsplit here, B64 32k 4.56
 // -> 4.57; outside the band the production row wins: B128 8k 4.55 / 4.49, B32 8k 4.29 / 4.26,
 // B8 32k 4.21 / 2.98, B1 8k 1.66 / 1.51, paged 16-row pages B64 8k 4.30 / 4.26 (so paged caches
-// keep the production row). Compiled for sm_90a only (the manifest's fwd_splitkv_small kind,
-// sm90/flash_fwd_splitkv_small_launch.cuh); calls TMA cannot describe run its cp.async twin.
+// keep the production row). End to end (python -m flash_attn_ext.benchmark --mode decode, one build,
+// FLASH_ATTN_EXT_SM90_SPLITKV_SMALL=0 and unset alternated three times): B64 8k 4.27 -> 4.34
+// (cuDNN 4.34 in the same runs), the other cells 0.998-1.003. Compiled for sm_90a only (the
+// manifest's fwd_splitkv_small kind, sm90/flash_fwd_splitkv_small_launch.cuh); calls TMA cannot
+// describe run its cp.async twin.
 //                                                BLOCK_N warps stages Q-in-regs minCTAs evict-first TMA
 template <int kHeadDim> struct SplitKvSmallTile { static constexpr bool kSupported = false; };
 template <> struct SplitKvSmallTile<128> : SplitKvTileShape< 32,   2,    3,    false,    4,     true,    true> {
