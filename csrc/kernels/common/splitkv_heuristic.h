@@ -59,9 +59,11 @@ inline int64_t splitkv_slots(const Flash_fwd_params& params, int smem_bytes, int
 
 // Whether a call runs unsplit on a smaller split-KV row (small_*: sm90/tile_config.h,
 // SplitKvSmallTile) instead of the production row: its unsplit grid is more than the production
-// row's slots (which would split it or run a second round) but fits the small row's slots (one
-// round, every SM streaming; H200 numbers in sm90/tile_config.h). Contiguous caches only: a paged
-// cache's short pages ran slower on the small row.
+// row's slots (which would split it or run a second round) and fills at least 95 % of the small
+// row's slots in one round (every SM streaming; measured at B64 x GQA 8 kv heads, 512 of 528 slots:
+// H200 numbers in sm90/tile_config.h; a lower fill leaves SMs with a CTA less than others, where
+// the production row's splits balance better by the model above: not measured). Contiguous caches
+// only: a paged cache's short pages ran slower on the small row.
 inline bool splitkv_small_row_pays(const Flash_fwd_params& params, int smem_bytes, int min_blocks,
                                    int small_smem_bytes, int small_min_blocks) {
   if (params.block_table != nullptr || params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 ||
@@ -69,8 +71,8 @@ inline bool splitkv_small_row_pays(const Flash_fwd_params& params, int smem_byte
     return false;
   }
   const int64_t ctas = splitkv_unsplit_ctas(params);
-  return ctas > splitkv_slots(params, smem_bytes, min_blocks) &&
-         ctas <= splitkv_slots(params, small_smem_bytes, small_min_blocks);
+  const int64_t small_slots = splitkv_slots(params, small_smem_bytes, small_min_blocks);
+  return ctas > splitkv_slots(params, smem_bytes, min_blocks) && ctas <= small_slots && 20 * ctas >= 19 * small_slots;
 }
 
 inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks) {

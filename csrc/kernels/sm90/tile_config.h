@@ -217,8 +217,8 @@ template <> struct Sm80FwdTile<128> : FwdTileShape<128,   64,    4,  false,    2
 // The split-KV kernel (sm80/flash_fwd_splitkv_kernel.cuh) on a smaller row for decode grids the
 // production row (sm80/tile_config.h: SplitKvTile) cannot run in one round: 32-key TMA tiles, two
 // warps, three stages (55 KB of shared memory), four CTAs per SM where SplitKvTile<128> fits three.
-// A grid of more (sequence, kv head, row tile) CTAs than the production row's slots but at most
-// this row's runs here unsplit, in one round (common/splitkv_heuristic.h: splitkv_small_row_pays),
+// A grid of more (sequence, kv head, row tile) CTAs than the production row's slots that fills
+// 95-100 % of this row's runs here unsplit, in one round (common/splitkv_heuristic.h: splitkv_small_row_pays),
 // as cuDNN runs its decode kernel unsplit there; elsewhere the production row is faster. Tune
 // harness (H200, GQA 32:8, one query, L2 zero-flushed, split kernel + combine, TB/s; 2026-12-04):
 // B64 Nk 8k (512 CTAs) 4.36 at the production row's 3 splits -> 4.43 unsplit here, B64 32k 4.56
