@@ -66,10 +66,8 @@ inline int64_t splitkv_slots(const Flash_fwd_params& params, int smem_bytes, int
 // only: a paged cache's short pages ran slower on the small row.
 inline bool splitkv_small_row_pays(const Flash_fwd_params& params, int smem_bytes, int min_blocks,
                                    int small_smem_bytes, int small_min_blocks) {
-  if (params.block_table != nullptr || params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 ||
-      params.num_sms <= 0) {
-    return false;
-  }
+  if (params.block_table != nullptr) return false;
+  // An empty grid (b, h_k or seqlen_q <= 0: ctas <= 0) or no SMs known (slots 0) fails the bounds.
   const int64_t ctas = splitkv_unsplit_ctas(params);
   const int64_t small_slots = splitkv_slots(params, small_smem_bytes, small_min_blocks);
   return ctas > splitkv_slots(params, smem_bytes, min_blocks) && ctas <= small_slots && 20 * ctas >= 19 * small_slots;
