@@ -24,9 +24,11 @@ from flash_attn_ext.bench.problems import mixed_lengths
 # max_seqlen_q <= 2048 (kFwdShortCausalMaxSeqlen).
 TILES = {(64, False): (192, 128), (64, True): (192, 128), (128, False): (128, 128), (128, True): (192, 64),
          (256, False): (128, 80), (256, True): (128, 64)}
-# Backward (kBlockN, kBlockM) of DkvTile and (kBlockM, kBlockN) of DqTile per hdim.
-DKV_TILES = {64: (64, 128), 128: (128, 64), 256: (64, 64)}
-DQ_TILES = {64: (64, 64), 128: (128, 128), 256: (64, 64)}
+# Backward (kBlockN, kBlockM) of DkvTile and (kBlockM, kBlockN) of DqTile per hdim (d128's dQ:
+# DqShortTile's 64 x 64 for packs of at most 512 (causal) / 256 queries per sequence on average,
+# e.g. the default 64 sequences of 128..1024 in 16k tokens; DqTile's 128 x 128 otherwise).
+DKV_TILES = {64: (64, 128), 128: (64, 64), 256: (64, 64)}
+DQ_TILES = {64: (64, 64), 128: (64, 64), 256: (64, 64)}
 BUCKETS = 4
 
 

@@ -14,6 +14,7 @@ fill of torch.empty) so an unwritten element fails.
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -267,31 +268,52 @@ def test_backward_many_heads(causal, poison_empty):
     assert grads[2][-1].abs().amax() > 0 and grads[0][-1, -1].abs().amax() > 0
 
 
-# ---- The long-query dK/dV row (sm90/tile_config.h: DkvLongTile, chosen by dkv_long_rows): dense
-# calls with >= 8192 queries and >= 8192 keys at d64 run the sm90 dK/dV kernel on 128-key tiles
-# (two warpgroups per CTA sharing each Q / dO tile) instead of DkvTile<64>'s 64-key tiles. Every K
-# row's sum over the Q tiles keeps its order, so both rows give the same bits. A varlen call is not
-# dense and keeps DkvTile<64>: one packed sequence is the long row's bitwise twin (the varlen
+# ---- The long-query dK/dV rows (sm90/tile_config.h: DkvLongTile, chosen by dkv_long_rows): dense
+# calls with >= 8192 queries and >= 8192 keys at d64, d96 and d128 run the sm90 dK/dV kernel on
+# 128-key tiles (two warpgroups per CTA: at d64 sharing each Q / dO tile) instead of DkvTile's 64-key
+# tiles. Every K row's sum over the Q tiles keeps its order, so both rows give the same bits. A varlen
+# call is not dense and keeps DkvTile: one packed sequence is the long row's bitwise twin (the varlen
 # kernels equal the dense ones bit for bit: tests/test_varlen_cuda.py).
 
 
-def _sm90_dkv_rows(fn):
-    """The tile rows of the sm90 dK/dV kernels fn() launches (torch.profiler kernel names, which
-    carry the row's type): "long" (DkvLongTile) or "short" (DkvTile); empty on the sm80 path."""
+def _sm90_rows(fn, kernel):
+    """The tile rows (their struct names: DkvTile, DkvLongTile, DqTile, DqShortTile) of the sm90
+    `kernel` ("flash_bwd_dkv" or "flash_bwd_dq") launches of fn(), from the torch.profiler kernel
+    names, which carry the row's type; empty on the sm80 path."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if "flash_bwd_dkv" in e.name and "sm90" in e.name]
-    return {"long" if "DkvLongTile" in n else "short" for n in names}
+    names = [e.name for e in prof.events() if f"{kernel}_" in e.name and "sm90" in e.name]
+    return {re.search(r"flash::sm90::(\w+Tile)<", n).group(1) for n in names}
 
 
 def _sm90_backward_runs(path):
     """Whether the dispatch runs the sm90 backward kernels on this GPU and arch path."""
     return (path == "auto" and torch.cuda.get_device_capability() == (9, 0)
             and "90a" in str(flash_attn_ext.build_info().get("cuda_archs", "")))
+
+
+def _packed(t):
+    """(batch, seqlen, heads, d) -> (batch * seqlen, heads, d)"""
+    return t.reshape(-1, *t.shape[2:])
+
+
+def _varlen_backward_of_dense(groups, scale, causal):
+    """One varlen backward over every sequence of `groups`, each (q, k, v, dout, out, lse, stats)
+    of a dense batch (the dense forward's outputs, so the backward's inputs are the dense calls'),
+    packed in order; returns the packed (dq, dk, dv)."""
+    cat = lambda i: torch.cat([_packed(g[i]) for g in groups])
+    lens_q = [g[0].shape[1] for g in groups for _ in range(g[0].shape[0])]
+    lens_k = [g[1].shape[1] for g in groups for _ in range(g[0].shape[0])]
+    cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    lse = torch.cat([g[5].transpose(0, 1).reshape(g[5].shape[1], -1) for g in groups], dim=1)
+    stats = torch.cat([g[6].transpose(1, 2).reshape(2, g[5].shape[1], -1) for g in groups], dim=2)
+    return torch.ops.flash_attn_ext.varlen_backward(
+        cat(3), cat(0), cat(1), cat(2), cat(4), lse, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), scale,
+        causal, stats)
 
 
 # (batch, nheads, nheads_k, seqlen_q, seqlen_k): the long row where both lengths are >= 8192 and its
@@ -304,42 +326,98 @@ LONG_ROW_CASES = [(2, 8, 4, 8192, 8192), (2, 8, 4, 8192, 8200), (2, 8, 4, 8400, 
 
 @pytest.mark.parametrize("case", LONG_ROW_CASES, ids=lambda c: "b{}h{}hk{}_{}x{}".format(*c))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [64, 96, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_backward_long_query_rows(dtype, causal, case, bwd_path, poison_empty):
-    """d64, GQA 2:1: the dispatch takes the long-query dK/dV row exactly where dkv_long_rows says,
-    and its gradients are the short row's bits (the same backward through the varlen op, on the
-    dense forward's out and statistics) and within the rule."""
-    require_hdim(64, exact=True)
+def test_backward_long_query_rows(dtype, headdim, causal, case, bwd_path, poison_empty):
+    """GQA 2:1: the dispatch takes the long-query dK/dV row exactly where dkv_long_rows says, and
+    its gradients are the short row's bits (the same backward through the varlen op, on the dense
+    forward's out and statistics) and within the rule (d96 / d128: the first case; their long rows
+    were the production rows until 2026-12-04)."""
+    require_hdim(headdim, exact=True)
     if bwd_path == "sm80":
         pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
     batch, nheads, nheads_k, seqlen_q, seqlen_k = case
-    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, 64, dtype)
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
     dout = _rand(*q.shape, dtype=dtype)
-    scale = 0.125
+    scale = 1.0 / math.sqrt(headdim)  # _check_grads' scale
     ops = torch.ops.flash_attn_ext
     out, lse, stats = ops.forward(q, k, v, scale, causal)
     dense = []
-    rows = _sm90_dkv_rows(lambda: dense.extend(ops.backward(dout, q, k, v, out, lse, scale, causal, stats)))
+    rows = _sm90_rows(lambda: dense.extend(ops.backward(dout, q, k, v, out, lse, scale, causal, stats)),
+                      "flash_bwd_dkv")
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     long_ctas = -(-seqlen_k // 128) * batch * nheads_k
     long_rows = (min(seqlen_q, seqlen_k) >= 8192 and long_ctas >= 2 * num_sms
                  and os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") != "0")
-    expected = ({"long" if long_rows else "short"} if _sm90_backward_runs(bwd_path) else set())
-    assert rows == expected, (rows, expected)
+    sm90 = _sm90_backward_runs(bwd_path)
+    assert rows == ({"DkvLongTile" if long_rows else "DkvTile"} if sm90 else set()), rows
 
     # The same backward as one packed call (varlen: never the long row), on the dense forward's
     # out, softmax_lse and softmax_stats, so that only the dK/dV tile row differs.
-    def packed(t):  # (batch, seqlen, heads, d) -> (batch * seqlen, heads, d)
-        return t.reshape(-1, *t.shape[2:])
-    cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * seqlen_q
-    cu_k = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * seqlen_k
-    lse_p = lse.transpose(0, 1).reshape(nheads, -1)
-    stats_p = stats.transpose(1, 2).reshape(2, nheads, -1)
     varlen = []
-    varlen_rows = _sm90_dkv_rows(lambda: varlen.extend(ops.varlen_backward(
-        packed(dout), packed(q), packed(k), packed(v), packed(out), lse_p, cu_q, cu_k, seqlen_q, seqlen_k, scale,
-        causal, stats_p)))
-    assert varlen_rows == ({"short"} if _sm90_backward_runs(bwd_path) else set()), varlen_rows
+    varlen_rows = _sm90_rows(lambda: varlen.extend(
+        _varlen_backward_of_dense([(q, k, v, dout, out, lse, stats)], scale, causal)), "flash_bwd_dkv")
+    assert varlen_rows == ({"DkvTile"} if sm90 else set()), varlen_rows
     for name, a, b in zip(("dq", "dk", "dv"), dense, varlen):
-        assert torch.equal(packed(a), b), f"{name}: the long-query row and the varlen (short) row disagree"
-    _check_grads(q, k, v, dout, causal, dense)
+        assert torch.equal(_packed(a), b), f"{name}: the long-query row and the varlen (short) row disagree"
+    if headdim == 64 or case == LONG_ROW_CASES[0]:
+        _check_grads(q, k, v, dout, causal, dense)
+
+
+# ---- The short-sequence dQ rows (sm90/tile_config.h: DqShortTile, chosen by dq_short_rows): at d96
+# and d128, calls whose sequences hold at most 512 queries on average when causal (256 when not) run
+# the sm90 dQ kernel on 64 x 64 tiles, two CTAs per SM, instead of DqTile's 128 x 128. Each dQ row's
+# k16 steps over the keys keep their order, so both rows give the same bits; a varlen call decides
+# by total_q / batch, so a packed batch can take the other row than its sequences alone.
+
+# (batch, seqlen_q, seqlen_k, causal): the short row up to the bound (dense seqlen_q), the wide one past it.
+DQ_SHORT_CASES = [(3, 256, 256, False), (3, 257, 300, False), (2, 512, 512, True), (2, 512, 700, True),
+                  (2, 513, 513, True), (4, 136, 136, True), (4, 136, 136, False), (1, 100, 2048, False)]
+
+
+@pytest.mark.parametrize("case", DQ_SHORT_CASES, ids=lambda c: "b{}_{}x{}_{}".format(*c[:3], "causal" if c[3] else "full"))
+@pytest.mark.parametrize("headdim", [96, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_backward_short_dq_rows(dtype, headdim, case, bwd_path, poison_empty):
+    """GQA 2:1: the dispatch takes the short dQ row exactly where dq_short_rows says (dense:
+    seqlen_q), its gradients are within the rule, and they are the bits of the same sequences in a
+    varlen call that takes the other dQ row (a 2048-query sequence packed with them moves the mean
+    past the bound; a batch past it packed with 136-query sequences brings it under)."""
+    require_hdim(headdim, exact=True)
+    if bwd_path == "sm80":
+        pytest.skip("the short dQ row is a row of the sm90 dQ kernel")
+    batch, seqlen_q, seqlen_k, causal = case
+    nheads, nheads_k, scale = 4, 2, 1.0 / math.sqrt(headdim)
+    ops = torch.ops.flash_attn_ext
+
+    def dense_call(b, sq, sk):
+        q, k, v = _qkv(b, sq, sk, nheads, nheads_k, headdim, dtype)
+        dout = _rand(*q.shape, dtype=dtype)
+        out, lse, stats = ops.forward(q, k, v, scale, causal)
+        grads = []
+        rows = _sm90_rows(lambda: grads.extend(ops.backward(dout, q, k, v, out, lse, scale, causal, stats)),
+                          "flash_bwd_dq")
+        return (q, k, v, dout, out, lse, stats), grads, rows
+
+    knob = os.environ.get("FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT") != "0"
+    short = lambda mean: knob and mean <= (512 if causal else 256)
+    sm90 = _sm90_backward_runs(bwd_path)
+    expect = lambda mean: ({"DqShortTile" if short(mean) else "DqTile"} if sm90 else set())
+    group, grads, rows = dense_call(batch, seqlen_q, seqlen_k)
+    assert rows == expect(seqlen_q), rows
+    _check_grads(*group[:4], causal, grads)
+
+    # Packed with a filler group that moves the mean across the bound, so the varlen call takes the
+    # other dQ row than the dense call did.
+    filler = (1, 2048, 2048) if short(seqlen_q) else (16, 136, 136)
+    other, _, _ = dense_call(*filler)
+    n_q = batch * seqlen_q + filler[0] * filler[1]
+    varlen = []
+    varlen_rows = _sm90_rows(lambda: varlen.extend(_varlen_backward_of_dense([group, other], scale, causal)),
+                             "flash_bwd_dq")
+    assert varlen_rows == expect(n_q // (batch + filler[0])), varlen_rows
+    if knob and sm90:
+        assert varlen_rows != rows
+    rows_q, rows_k = batch * seqlen_q, batch * seqlen_k
+    for name, a, b, n in zip(("dq", "dk", "dv"), grads, varlen, (rows_q, rows_k, rows_k)):
+        assert torch.equal(_packed(a), b[:n]), f"{name}: the short and the wide dQ rows disagree"

@@ -8,7 +8,8 @@
 // dtype); setup.py writes the subset this build compiles into csrc/generated/build_config.h as
 // X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS,
 // FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS, FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS, FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS,
-// FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS, FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS) and the flag
+// FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS, FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS,
+// FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS) and the flag
 // FLASH_ATTN_EXT_WITH_SM90, read here only.
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches on `stream`:
@@ -50,6 +51,7 @@ constexpr int kSm90FwdSm80Hdims[] = {FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS(FLASH_AT
 constexpr int kSm90FwdLongHdims[] = {FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90FwdShortHdims[] = {FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90BwdDkvLongHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
+constexpr int kSm90BwdDqShortHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90SplitKvSmallHdims[] = {FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 #undef FLASH_ATTN_EXT_LIST_ITEM
 
@@ -85,6 +87,13 @@ bool sm90_short_causal_enabled() {
 // long-query row (sm90/tile_config.h: DkvLongTile) unused. Either row gives the same bits.
 bool sm90_bwd_long_rows_enabled() {
   static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS");
+  return enabled;
+}
+
+// FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT=0 (read once) keeps every sm90 dQ call on DqTile, the
+// short-sequence row (sm90/tile_config.h: DqShortTile) unused. Either row gives the same bits.
+bool sm90_bwd_dq_short_enabled() {
+  static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT");
   return enabled;
 }
 
@@ -264,7 +273,14 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
           if (dkv_long) run_mha_bwd_dkv_long_<Element, kHeadDim>(Sm90{}, params, stream);
         }
         if (!dkv_long) run_mha_bwd_dkv_<Element, kHeadDim>(Sm90{}, params, stream);
-        run_mha_bwd_dq_<Element, kHeadDim>(Sm90{}, params, stream);
+        bool dq_short = false;  // short sequences: the short dQ row where the head dim has one
+        if constexpr (contains(kSm90BwdDqShortHdims, kHeadDim)) {
+          const bool varlen = params.cu_seqlens_q != nullptr;
+          const int64_t mean_seqlen_q = varlen ? int64_t(params.total_q) / std::max(params.b, 1) : params.seqlen_q;
+          dq_short = sm90_bwd_dq_short_enabled() && sm90::dq_short_rows(params.is_causal, mean_seqlen_q);
+          if (dq_short) run_mha_bwd_dq_short_<Element, kHeadDim>(Sm90{}, params, stream);
+        }
+        if (!dq_short) run_mha_bwd_dq_<Element, kHeadDim>(Sm90{}, params, stream);
         return;
       }
     }

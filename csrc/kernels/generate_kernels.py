@@ -29,6 +29,8 @@ KINDS = {
     "fwd_short": ("flash_fwd_short_launch.cuh", "run_mha_fwd_short_", "Flash_fwd_params"),
     # the sm90 dK/dV kernel with the long-query tile row (DkvLongTile), for long dense calls
     "bwd_dkv_long": ("flash_bwd_dkv_long_launch.cuh", "run_mha_bwd_dkv_long_", "Flash_bwd_params"),
+    # the sm90 dQ kernel with the short-sequence tile row (DqShortTile), for short calls
+    "bwd_dq_short": ("flash_bwd_dq_short_launch.cuh", "run_mha_bwd_dq_short_", "Flash_bwd_params"),
     # the split-KV kernel with the small tile row (SplitKvSmallTile), for decode grids that fit one
     # round of its CTAs unsplit
     "fwd_splitkv_small": ("flash_fwd_splitkv_small_launch.cuh", "run_mha_fwd_splitkv_small_", "Flash_fwd_params"),
@@ -39,7 +41,7 @@ MANIFEST = {
     "sm80": ("Sm80", None, {"fwd": HDIMS, "bwd_dkv": HDIMS, "bwd_dq": HDIMS, "fwd_splitkv": HDIMS}),
     "sm90": ("Sm90", "90a", {"fwd": [64, 96, 128, 192, 256], "bwd_dkv": [64, 96, 128, 192, 256],
                           "bwd_dq": [64, 96, 128, 192, 256], "fwd_sm80": [128], "fwd_long": [128],
-                          "fwd_short": [128, 256], "bwd_dkv_long": [64],
+                          "fwd_short": [128, 256], "bwd_dkv_long": [64, 96, 128], "bwd_dq_short": [96, 128],
                           "fwd_splitkv_small": [128]}),
 }
 
@@ -76,8 +78,9 @@ def config_macros(cuda_archs, hdims):
     X-macros of the compiled head dims, of the head dims the sm90 path has kernels for (the
     backward: both of its kernels), of those whose sm80 forward has an sm_90 row (fwd_sm80), of
     those whose sm90 forward has a long-key row (fwd_long) or a short causal row (fwd_short), of
-    those whose sm90 dK/dV kernel has a long-query row (bwd_dkv_long) and of those whose split-KV
-    kernel has an sm_90 small row (fwd_splitkv_small)."""
+    those whose sm90 dK/dV kernel has a long-query row (bwd_dkv_long), of those whose sm90 dQ
+    kernel has a short-sequence row (bwd_dq_short) and of those whose split-KV kernel has an sm_90
+    small row (fwd_splitkv_small)."""
     def xmacro(name, values):
         return f"#define {name}(X) " + " ".join(f"X({v})" for v in values) + "\n"
     built = _built("sm90", cuda_archs)
@@ -96,6 +99,8 @@ def config_macros(cuda_archs, hdims):
                      [d for d in (kinds["fwd_short"] if built else []) if d in hdims and d in fwd])
             + xmacro("FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS",
                      [d for d in (kinds["bwd_dkv_long"] if built else []) if d in hdims and d in bwd])
+            + xmacro("FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS",
+                     [d for d in (kinds["bwd_dq_short"] if built else []) if d in hdims and d in bwd])
             + xmacro("FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS",
                      [d for d in (kinds["fwd_splitkv_small"] if built else []) if d in hdims]))
 

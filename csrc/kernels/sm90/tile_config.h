@@ -51,9 +51,18 @@ template <int kHeadDim> struct DqTile { static constexpr bool kSupported = false
 // dK/dV rows 64x64 and 64x128 with 3-4 stages 25-35 % slower); d96 dK/dV 3 stages 373 / 410 / 424 /
 // 427 (2 stages 372 / 414 / 411 / 423). One CTA per SM at d96/d128 (registers), so the dK/dV stages
 // cost nothing; d64's two CTAs per SM leave room for two.
+// 2026-12-04: d96 / d128 dK/dV on d64's shape of CTA, one warpgroup over 64 keys, two CTAs per SM
+// (238 registers, 99 KB of shared memory with two stages), so one CTA's prologue (K_j, V_j and the
+// first Q / dO tiles) and epilogue (the dK / dV stores) run under the other's products; the
+// 128-key rows measured above are DkvLongTile's now (long dense calls). Tune harness (H200, bf16, one
+// binary, per-kernel matmul TFLOP/s, 64 x 64 against 64 x 128 / 4 stages; docs/PERF_NOTES.md):
+// d128 N = 136 / 512 / 2048 / 8192 / 16384 142 / 428 / 566 / 577 / 617 against 109 / 391 / 552 /
+// 575 / 602, causal 87 / 305 / 509 / 568 / 593 against 63 / 268 / 470 / 566 / 614; d96 (against
+// 64 x 128 / 3 stages) causal 71 / 253 / 434 / 515 / 509 against 53 / 224 / 417 / 506 / 515,
+// non-causal 16384 460 against 527. The same bits (maxdiff 0).
 //                                     BLOCK_N BLOCK_M split (sm80: warp rows, fast copy) stages
 template <> struct DkvTile<64>  : DkvTileShape< 64,  128,    1> { static constexpr bool kSupported = true; };
-template <> struct DkvTile<128> : DkvTileShape<128,   64,    1,   16,   true,    4> { static constexpr bool kSupported = true; };
+template <> struct DkvTile<128> : DkvTileShape< 64,   64,    1,   16,   true,    2> { static constexpr bool kSupported = true; };
 // dQ d64: three one-warpgroup CTAs per SM (168 registers per thread at most, no spills). dQ d96 /
 // d128: 128-key blocks (2026-12-01, fifteenth session; tune_kernels.py, 4 rounds in one binary,
 // per-kernel matmul TFLOP/s at N = 1k / 4k / 8k / 16k): d128 128x128 572 / 652 / 645 / 665, causal
@@ -83,7 +92,7 @@ template <> struct DqTile<128> : DqTileShape<128, 128> { static constexpr bool k
 // their cp.async twins, which strides TMA cannot describe run (varlen calls did until
 // smem_layout.cuh's zero_stage_tail), 8-19 % slower). 2026-12-01, the dK/dV refill under
 // the S^T / dP^T products: 447 / 486 / 521, causal 368 / 463 / 502.
-template <> struct DkvTile<96>  : DkvTileShape<128,   64,    1,   16,   true,    3> { static constexpr bool kSupported = true; };
+template <> struct DkvTile<96>  : DkvTileShape< 64,   64,    1,   16,   true,    2> { static constexpr bool kSupported = true; };
 template <> struct DqTile<96>   : DqTileShape<128, 128> { static constexpr bool kSupported = true; };
 template <> struct DkvTile<192> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
 template <> struct DkvTile<256> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
@@ -106,18 +115,47 @@ template <> struct DqTile<256>  : Roles<DqTileShape<64, 64>> { static constexpr 
 // smaller (+2.1-3.4 %, another machine). Both timed in one session (twenty-first, scripts/gpu_ab.sh,
 // 3 rounds, bf16 hd64 backward 8k / 16k, causal both): three stages over two 0.993-1.007, median
 // 1.000: two stages kept.
+// d96 / d128: the 128-key rows that were DkvTile's until 2026-12-04 (two warpgroups of 64 K rows,
+// one CTA per SM; d128 four stages, d96 three), within +-3 % of the 64-key row at 8192 and 16384
+// queries and 13 % ahead at d96 non-causal 16384.
 template <int kHeadDim> struct DkvLongTile { static constexpr bool kSupported = false; };
-template <> struct DkvLongTile<64> : DkvTileShape<128, 128, 1> { static constexpr bool kSupported = true; };
+template <> struct DkvLongTile<64>  : DkvTileShape<128, 128, 1> { static constexpr bool kSupported = true; };
+template <> struct DkvLongTile<96>  : DkvTileShape<128,  64, 1, 16, true, 3> { static constexpr bool kSupported = true; };
+template <> struct DkvLongTile<128> : DkvTileShape<128,  64, 1, 16, true, 4> { static constexpr bool kSupported = true; };
 
 // Whether a backward call takes DkvLongTile for its dK/dV kernel: dense (a varlen call's sequences
-// are shorter than its max_seqlen_q), at least 8192 queries and keys (at N = 4k the long row read
-// +4 % non-causal but -4 % causal, below that -4 to -6 %), and at least two CTAs of it per SM (its
-// CTAs are one per SM, DkvTile<64>'s two: the measured grids had >= 1,000 long CTAs; MQA at batch
-// 1 and 8192 keys would leave half of an H200's SMs without one).
+// are shorter than its max_seqlen_q), at least 8192 queries and keys (d64: at N = 4k the long row
+// read +4 % non-causal but -4 % causal, below that -4 to -6 %; d96 / d128: the 64-key row ahead
+// by 1-38 % below 8192, within +-3 % at 8192 / 16384 but for d96 non-causal 16384), and at least
+// two CTAs of it per SM (its CTAs are one per SM, DkvTile's two: the measured grids had >= 1,000
+// long CTAs; MQA at batch 1 and 8192 keys would leave half of an H200's SMs without one).
 inline bool dkv_long_rows(bool dense, int seqlen_q, int seqlen_k, int64_t batch_kv_heads, int num_sms,
                           int long_block_n) {
   const int64_t long_ctas = (int64_t(seqlen_k) + long_block_n - 1) / long_block_n * batch_kv_heads;
   return dense && seqlen_q >= 8192 && seqlen_k >= 8192 && long_ctas >= 2 * int64_t(num_sms);
+}
+
+// Short sequences at d96 / d128 (sm90/flash_bwd_dq_short_launch.cuh; dq_short_rows below says when):
+// dQ on 64 x 64 tiles, one warpgroup, two CTAs per SM (181-203 registers, 97 KB of shared memory),
+// instead of DqTile's 128 x 128 at one CTA per SM: a short sequence's Q tile has few key blocks, so
+// each CTA's prologue and dQ store are a large part of it, and a second CTA's products hide them;
+// its last Q tile pads fewer rows (a 136-row sequence: 2 x 128 against 3 x 64). Past a few hundred
+// queries the wider tile's products win. Tune harness (H200, bf16, one binary, per-kernel matmul
+// TFLOP/s, 64 x 64 against 128 x 128; 2026-12-04, docs/PERF_NOTES.md): d128 causal N = 136 / 256 /
+// 512 / 1024 / 2048 90 / 209 / 317 / 424 / 493 against 61 / 194 / 305 / 430 / 539, non-causal 141 /
+// 320 / 424 / 527 against 105 / 339 / 459 / 571; d96 causal 136 / 512 72 / 260 against 49 / 257.
+// The same bits (maxdiff 0: each dQ row's k16 steps over the keys keep their order).
+//                                                   BLOCK_M BLOCK_N (warp rows, fast copy) min CTAs/SM
+template <int kHeadDim> struct DqShortTile { static constexpr bool kSupported = false; };
+template <> struct DqShortTile<96>  : DqTileShape< 64,  64,   16, true,                       2> { static constexpr bool kSupported = true; };
+template <> struct DqShortTile<128> : DqTileShape< 64,  64,   16, true,                       2> { static constexpr bool kSupported = true; };
+
+// Whether a backward call takes DqShortTile for its dQ kernel: sequences of at most 512 queries on
+// average when causal, 256 when not (a dense call's seqlen_q; a varlen call's total_q / batch, its
+// max_seqlen_q says little about a packed batch of mostly short sequences). Shapes only: no device
+// sync. Either row gives the same bits, so a packed call and its sequences alone may differ here.
+inline bool dq_short_rows(bool causal, int64_t mean_seqlen_q) {
+  return mean_seqlen_q <= (causal ? 512 : 256);
 }
 
 // Forward (sm90/flash_fwd_kernel.cuh): one producer warpgroup (TMA) + kBlockM / 64 consumer
