@@ -287,7 +287,8 @@ def _sm90_rows(fn, kernel):
         fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if f"{kernel}_" in e.name and "sm90" in e.name]
-    return {re.search(r"flash::sm90::(\w+Tile)<", n).group(1) for n in names}
+    # The row's template argument, demangled ("DkvTile<128>") or not ("7DkvTileILi128E").
+    return {re.search(r"(DkvLongTile|DkvTile|DqShortTile|DqTile)(?=<|I)", n).group(1) for n in names}
 
 
 def _sm90_backward_runs(path):
