@@ -25,8 +25,9 @@ from flash_attn_ext.bench.problems import mixed_lengths
 TILES = {(64, False): (192, 128), (64, True): (192, 128), (128, False): (128, 128), (128, True): (192, 64),
          (256, False): (128, 80), (256, True): (128, 64)}
 # Backward (kBlockN, kBlockM) of DkvTile and (kBlockM, kBlockN) of DqTile per hdim (d128's dQ:
-# DqShortTile's 64 x 64 for packs of at most 512 (causal) / 256 queries per sequence on average,
-# e.g. the default 64 sequences of 128..1024 in 16k tokens; DqTile's 128 x 128 otherwise).
+# DqShortTile's 64 x 64 for packs of at most 512 (causal) / 256 queries and keys per sequence on
+# average, e.g. the default 64 sequences of 128..1024 in 16k tokens; DqTile's 128 x 128 otherwise,
+# which this table does not follow: a pack with a larger mean runs 128 x 128 there).
 DKV_TILES = {64: (64, 128), 128: (64, 64), 256: (64, 64)}
 DQ_TILES = {64: (64, 64), 128: (64, 64), 256: (64, 64)}
 BUCKETS = 4

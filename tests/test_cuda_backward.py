@@ -270,7 +270,7 @@ def test_backward_many_heads(causal, poison_empty):
 
 # ---- The long-query dK/dV rows (sm90/tile_config.h: DkvLongTile, chosen by dkv_long_rows): dense
 # calls with >= 8192 queries and >= 8192 keys at d64, d96 and d128 run the sm90 dK/dV kernel on
-# 128-key tiles (two warpgroups per CTA: at d64 sharing each Q / dO tile) instead of DkvTile's 64-key
+# 128-key tiles (two warpgroups per CTA sharing each Q / dO tile) instead of DkvTile's 64-key
 # tiles. Every K row's sum over the Q tiles keeps its order, so both rows give the same bits. A varlen
 # call is not dense and keeps DkvTile: one packed sequence is the long row's bitwise twin (the varlen
 # kernels equal the dense ones bit for bit: tests/test_varlen_cuda.py).
@@ -366,12 +366,14 @@ def test_backward_long_query_rows(dtype, headdim, causal, case, bwd_path, poison
 
 
 # ---- The short-sequence dQ rows (sm90/tile_config.h: DqShortTile, chosen by dq_short_rows): at d96
-# and d128, calls whose sequences hold at most 512 queries on average when causal (256 when not) run
-# the sm90 dQ kernel on 64 x 64 tiles, two CTAs per SM, instead of DqTile's 128 x 128. Each dQ row's
-# k16 steps over the keys keep their order, so both rows give the same bits; a varlen call decides
-# by total_q / batch, so a packed batch can take the other row than its sequences alone.
+# and d128, calls whose sequences hold at most 512 queries and 512 keys on average when causal (256
+# when not) run the sm90 dQ kernel on 64 x 64 tiles, two CTAs per SM, instead of DqTile's 128 x 128.
+# Each dQ row's k16 steps over the keys keep their order, so both rows give the same bits; a varlen
+# call decides by total_q / batch and total_k / batch, so a packed batch can take the other row
+# than its sequences alone.
 
-# (batch, seqlen_q, seqlen_k, causal): the short row up to the bound (dense seqlen_q), the wide one past it.
+# (batch, seqlen_q, seqlen_k, causal): the short row up to the bound (dense seqlen_q and seqlen_k),
+# the wide one past it (queries past it, or keys: 512 x 700 causal, 100 x 2048).
 DQ_SHORT_CASES = [(3, 256, 256, False), (3, 257, 300, False), (2, 512, 512, True), (2, 512, 700, True),
                   (2, 513, 513, True), (4, 136, 136, True), (4, 136, 136, False), (1, 100, 2048, False)]
 
@@ -381,9 +383,9 @@ DQ_SHORT_CASES = [(3, 256, 256, False), (3, 257, 300, False), (2, 512, 512, True
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_short_dq_rows(dtype, headdim, case, bwd_path, poison_empty):
     """GQA 2:1: the dispatch takes the short dQ row exactly where dq_short_rows says (dense:
-    seqlen_q), its gradients are within the rule, and they are the bits of the same sequences in a
-    varlen call that takes the other dQ row (a 2048-query sequence packed with them moves the mean
-    past the bound; a batch past it packed with 136-query sequences brings it under)."""
+    seqlen_q and seqlen_k), its gradients are within the rule, and they are the bits of the same
+    sequences in a varlen call that takes the other dQ row (a 2048-row sequence packed with them
+    moves the means past the bound; a batch past it packed with 136-row sequences brings them under)."""
     require_hdim(headdim, exact=True)
     if bwd_path == "sm80":
         pytest.skip("the short dQ row is a row of the sm90 dQ kernel")
@@ -401,22 +403,23 @@ def test_backward_short_dq_rows(dtype, headdim, case, bwd_path, poison_empty):
         return (q, k, v, dout, out, lse, stats), grads, rows
 
     knob = os.environ.get("FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT") != "0"
-    short = lambda mean: knob and mean <= (512 if causal else 256)
+    short = lambda mean_q, mean_k: knob and max(mean_q, mean_k) <= (512 if causal else 256)
     sm90 = _sm90_backward_runs(bwd_path)
-    expect = lambda mean: ({"DqShortTile" if short(mean) else "DqTile"} if sm90 else set())
+    expect = lambda mean_q, mean_k: ({"DqShortTile" if short(mean_q, mean_k) else "DqTile"} if sm90 else set())
     group, grads, rows = dense_call(batch, seqlen_q, seqlen_k)
-    assert rows == expect(seqlen_q), rows
+    assert rows == expect(seqlen_q, seqlen_k), rows
     _check_grads(*group[:4], causal, grads)
 
-    # Packed with a filler group that moves the mean across the bound, so the varlen call takes the
-    # other dQ row than the dense call did.
-    filler = (1, 2048, 2048) if short(seqlen_q) else (16, 136, 136)
+    # Packed with a filler group that moves the means across the bound, so the varlen call takes
+    # the other dQ row than the dense call did.
+    filler = (1, 2048, 2048) if short(seqlen_q, seqlen_k) else (16, 136, 136)
     other, _, _ = dense_call(*filler)
-    n_q = batch * seqlen_q + filler[0] * filler[1]
+    seqs = batch + filler[0]
+    n_q, n_k = batch * seqlen_q + filler[0] * filler[1], batch * seqlen_k + filler[0] * filler[2]
     varlen = []
     varlen_rows = _sm90_rows(lambda: varlen.extend(_varlen_backward_of_dense([group, other], scale, causal)),
                              "flash_bwd_dq")
-    assert varlen_rows == expect(n_q // (batch + filler[0])), varlen_rows
+    assert varlen_rows == expect(n_q // seqs, n_k // seqs), varlen_rows
     if knob and sm90:
         assert varlen_rows != rows
     rows_q, rows_k = batch * seqlen_q, batch * seqlen_k

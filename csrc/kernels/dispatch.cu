@@ -276,8 +276,10 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
         bool dq_short = false;  // short sequences: the short dQ row where the head dim has one
         if constexpr (contains(kSm90BwdDqShortHdims, kHeadDim)) {
           const bool varlen = params.cu_seqlens_q != nullptr;
-          const int64_t mean_seqlen_q = varlen ? int64_t(params.total_q) / std::max(params.b, 1) : params.seqlen_q;
-          dq_short = sm90_bwd_dq_short_enabled() && sm90::dq_short_rows(params.is_causal, mean_seqlen_q);
+          const int64_t batch = std::max(params.b, 1);
+          const int64_t mean_seqlen_q = varlen ? params.total_q / batch : params.seqlen_q;
+          const int64_t mean_seqlen_k = varlen ? params.total_k / batch : params.seqlen_k;
+          dq_short = sm90_bwd_dq_short_enabled() && sm90::dq_short_rows(params.is_causal, mean_seqlen_q, mean_seqlen_k);
           if (dq_short) run_mha_bwd_dq_short_<Element, kHeadDim>(Sm90{}, params, stream);
         }
         if (!dq_short) run_mha_bwd_dq_<Element, kHeadDim>(Sm90{}, params, stream);

@@ -50,9 +50,9 @@ template <int kHeadDim> struct DqTile { static constexpr bool kSupported = false
 // 487; 3 and 4 stages up to 5 % slower); d64 dK/dV 450 / 497 / 480 / 486, dQ 488 / 558 / 542 / 512 (the
 // dK/dV rows 64x64 and 64x128 with 3-4 stages 25-35 % slower); d96 dK/dV 3 stages 373 / 410 / 424 /
 // 427 (2 stages 372 / 414 / 411 / 423). One CTA per SM at d96/d128 (registers), so the dK/dV stages
-// cost nothing; d64's two CTAs per SM leave room for two.
+// cost nothing; d64's two CTAs per SM leave room for two (those were the 128-key rows, DkvLongTile now).
 // 2026-12-04: d96 / d128 dK/dV on d64's shape of CTA, one warpgroup over 64 keys, two CTAs per SM
-// (238 registers, 99 KB of shared memory with two stages), so one CTA's prologue (K_j, V_j and the
+// (238 registers, 255 in the cp.async twin; 97 KiB of shared memory with two stages), so one CTA's prologue (K_j, V_j and the
 // first Q / dO tiles) and epilogue (the dK / dV stores) run under the other's products; the
 // 128-key rows measured above are DkvLongTile's now (long dense calls). Tune harness (H200, bf16, one
 // binary, per-kernel matmul TFLOP/s, 64 x 64 against 64 x 128 / 4 stages; docs/PERF_NOTES.md):
@@ -136,7 +136,7 @@ inline bool dkv_long_rows(bool dense, int seqlen_q, int seqlen_k, int64_t batch_
 }
 
 // Short sequences at d96 / d128 (sm90/flash_bwd_dq_short_launch.cuh; dq_short_rows below says when):
-// dQ on 64 x 64 tiles, one warpgroup, two CTAs per SM (181-203 registers, 97 KB of shared memory),
+// dQ on 64 x 64 tiles, one warpgroup, two CTAs per SM (181-203 registers, 97 KiB of shared memory),
 // instead of DqTile's 128 x 128 at one CTA per SM: a short sequence's Q tile has few key blocks, so
 // each CTA's prologue and dQ store are a large part of it, and a second CTA's products hide them;
 // its last Q tile pads fewer rows (a 136-row sequence: 2 x 128 against 3 x 64). Past a few hundred
@@ -150,12 +150,16 @@ template <int kHeadDim> struct DqShortTile { static constexpr bool kSupported = 
 template <> struct DqShortTile<96>  : DqTileShape< 64,  64,   16, true,                       2> { static constexpr bool kSupported = true; };
 template <> struct DqShortTile<128> : DqTileShape< 64,  64,   16, true,                       2> { static constexpr bool kSupported = true; };
 
-// Whether a backward call takes DqShortTile for its dQ kernel: sequences of at most 512 queries on
-// average when causal, 256 when not (a dense call's seqlen_q; a varlen call's total_q / batch, its
-// max_seqlen_q says little about a packed batch of mostly short sequences). Shapes only: no device
-// sync. Either row gives the same bits, so a packed call and its sequences alone may differ here.
-inline bool dq_short_rows(bool causal, int64_t mean_seqlen_q) {
-  return mean_seqlen_q <= (causal ? 512 : 256);
+// Whether a backward call takes DqShortTile for its dQ kernel: sequences of at most 512 queries and
+// 512 keys on average when causal, 256 when not (a dense call's seqlen_q / seqlen_k; a varlen call's
+// total_q / batch and total_k / batch, rounded down: its max_seqlen says little about a packed
+// batch of mostly short sequences). The keys too: a dQ CTA visits every key block of its sequence,
+// so a few queries against many keys (cross-attention) make long CTAs, where the wide row's products
+// win; every measured case had as many keys as queries. Shapes only: no device sync. Either row
+// gives the same bits, so a packed call and its sequences alone may differ here.
+inline bool dq_short_rows(bool causal, int64_t mean_seqlen_q, int64_t mean_seqlen_k) {
+  const int64_t bound = causal ? 512 : 256;
+  return mean_seqlen_q <= bound && mean_seqlen_k <= bound;
 }
 
 // Forward (sm90/flash_fwd_kernel.cuh): one producer warpgroup (TMA) + kBlockM / 64 consumer
