@@ -317,12 +317,22 @@ def _varlen_backward_of_dense(groups, scale, causal):
         causal, stats)
 
 
-# (batch, nheads, nheads_k, seqlen_q, seqlen_k): the long row where both lengths are >= 8192 and its
-# grid has >= 2 CTAs per SM (ceil(seqlen_k / 128) * batch * nheads_k); 8192 x 8200 (causal offset 8)
-# and 8400 x 8192 (offset -208) make the CTA's upper 64 key rows visit one fully masked Q tile more
-# than its lower ones; 8000 x 9000 is too short; batch 1 MQA at 8192 keys has 64 long CTAs.
+# (batch, nheads, nheads_k, seqlen_q, seqlen_k): the long row where both lengths are at least the head
+# dim's minimum (dkv_long_min_seqlen: d64 4096, d96 2048, d128 8192) and its grid has >= 2 CTAs per
+# SM (ceil(seqlen_k / 128) * batch * nheads_k); 8192 x 8200 (causal offset 8) and 8400 x 8192
+# (offset -208) make the CTA's upper 64 key rows visit one fully masked Q tile more than its lower
+# ones; 8000 x 9000 is too short at d128, 4000 x 4100 at d64 (4100 x 4096 is not); batch 1 MQA at
+# 8192 keys has 64 long CTAs.
 LONG_ROW_CASES = [(2, 8, 4, 8192, 8192), (2, 8, 4, 8192, 8200), (2, 8, 4, 8400, 8192), (2, 8, 4, 8000, 9000),
-                  (1, 2, 1, 8192, 8192)]
+                  (1, 2, 1, 8192, 8192), (4, 8, 4, 4100, 4096), (4, 8, 4, 4000, 4100)]
+
+
+def _dkv_long_rows(headdim, mean_seqlen_q, mean_seqlen_k, batch_kv_heads, num_sms):
+    """sm90/tile_config.h's dkv_long_rows (with dkv_long_min_seqlen), restated, and the knob."""
+    min_seqlen = {64: 4096, 96: 2048}.get(headdim, 8192)
+    long_ctas = -(-mean_seqlen_k // 128) * batch_kv_heads
+    return (min(mean_seqlen_q, mean_seqlen_k) >= min_seqlen and long_ctas >= 2 * num_sms
+            and os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") != "0")
 
 
 @pytest.mark.parametrize("case", LONG_ROW_CASES, ids=lambda c: "b{}h{}hk{}_{}x{}".format(*c))
@@ -330,39 +340,72 @@ LONG_ROW_CASES = [(2, 8, 4, 8192, 8192), (2, 8, 4, 8192, 8200), (2, 8, 4, 8400, 
 @pytest.mark.parametrize("headdim", [64, 96, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_long_query_rows(dtype, headdim, causal, case, bwd_path, poison_empty):
-    """GQA 2:1: the dispatch takes the long-query dK/dV row exactly where dkv_long_rows says, and
-    its gradients are the short row's bits (the same backward through the varlen op, on the dense
-    forward's out and statistics) and within the rule (d96 / d128: the first case; their long rows
-    were the production rows until 2026-12-04)."""
+    """GQA 2:1: the dispatch takes the long-query dK/dV row exactly where dkv_long_rows says (dense:
+    seqlen_q and seqlen_k), its gradients are within the rule (d96 / d128: the first case), and
+    where it took the long row they are the bits of the same sequences in a varlen call packed with
+    short ones (the means below the minimum: the short row)."""
     require_hdim(headdim, exact=True)
     if bwd_path == "sm80":
         pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
     batch, nheads, nheads_k, seqlen_q, seqlen_k = case
-    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype)
-    dout = _rand(*q.shape, dtype=dtype)
     scale = 1.0 / math.sqrt(headdim)  # _check_grads' scale
     ops = torch.ops.flash_attn_ext
-    out, lse, stats = ops.forward(q, k, v, scale, causal)
-    dense = []
-    rows = _sm90_rows(lambda: dense.extend(ops.backward(dout, q, k, v, out, lse, scale, causal, stats)),
-                      "flash_bwd_dkv")
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    long_ctas = -(-seqlen_k // 128) * batch * nheads_k
-    long_rows = (min(seqlen_q, seqlen_k) >= 8192 and long_ctas >= 2 * num_sms
-                 and os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") != "0")
-    sm90 = _sm90_backward_runs(bwd_path)
-    assert rows == ({"DkvLongTile" if long_rows else "DkvTile"} if sm90 else set()), rows
 
-    # The same backward as one packed call (varlen: never the long row), on the dense forward's
-    # out, softmax_lse and softmax_stats, so that only the dK/dV tile row differs.
-    varlen = []
-    varlen_rows = _sm90_rows(lambda: varlen.extend(
-        _varlen_backward_of_dense([(q, k, v, dout, out, lse, stats)], scale, causal)), "flash_bwd_dkv")
-    assert varlen_rows == ({"DkvTile"} if sm90 else set()), varlen_rows
-    for name, a, b in zip(("dq", "dk", "dv"), dense, varlen):
-        assert torch.equal(_packed(a), b), f"{name}: the long-query row and the varlen (short) row disagree"
+    def dense_call(b, sq, sk):
+        q, k, v = _qkv(b, sq, sk, nheads, nheads_k, headdim, dtype)
+        dout = _rand(*q.shape, dtype=dtype)
+        out, lse, stats = ops.forward(q, k, v, scale, causal)
+        grads = []
+        rows = _sm90_rows(lambda: grads.extend(ops.backward(dout, q, k, v, out, lse, scale, causal, stats)),
+                          "flash_bwd_dkv")
+        return (q, k, v, dout, out, lse, stats), grads, rows
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sm90 = _sm90_backward_runs(bwd_path)
+    expect = lambda *means: ({"DkvLongTile" if _dkv_long_rows(headdim, *means, num_sms) else "DkvTile"}
+                             if sm90 else set())
+    group, dense, rows = dense_call(batch, seqlen_q, seqlen_k)
+    assert rows == expect(seqlen_q, seqlen_k, batch * nheads_k), rows
     if headdim == 64 or case == LONG_ROW_CASES[0]:
-        _check_grads(q, k, v, dout, causal, dense)
+        _check_grads(*group[:4], causal, dense)
+    if rows != {"DkvLongTile"}:
+        return
+
+    # The same sequences packed with 16 short ones (a varlen call decides by total / batch), on the
+    # dense forward's out, softmax_lse and softmax_stats: the short row, the same bits.
+    other, _, _ = dense_call(16, 136, 136)
+    seqs = batch + 16
+    varlen = []
+    varlen_rows = _sm90_rows(lambda: varlen.extend(_varlen_backward_of_dense([group, other], scale, causal)),
+                             "flash_bwd_dkv")
+    assert varlen_rows == expect((batch * seqlen_q + 16 * 136) // seqs, (batch * seqlen_k + 16 * 136) // seqs,
+                                 seqs * nheads_k) == {"DkvTile"}, varlen_rows
+    rows_q, rows_k = batch * seqlen_q, batch * seqlen_k
+    for name, a, b, n in zip(("dq", "dk", "dv"), dense, varlen, (rows_q, rows_k, rows_k)):
+        assert torch.equal(_packed(a), b[:n]), f"{name}: the long-query row and the short row disagree"
+
+
+def test_backward_long_rows_varlen(bwd_path, poison_empty):
+    """A varlen call of long sequences takes the long-query dK/dV row by its means (d128, two
+    sequences of 8192 and 8300 queries / keys), with the bits of the same sequences alone."""
+    require_hdim(128, exact=True)
+    if bwd_path == "sm80":
+        pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
+    ops, scale, causal = torch.ops.flash_attn_ext, 1.0 / math.sqrt(128), True
+    groups, dense = [], []
+    for n in (8192, 8300):
+        q, k, v = _qkv(1, n, n, 16, 8, 128, torch.bfloat16)
+        dout = _rand(*q.shape, dtype=torch.bfloat16)
+        out, lse, stats = ops.forward(q, k, v, scale, causal)
+        groups.append((q, k, v, dout, out, lse, stats))
+        dense.append(ops.backward(dout, q, k, v, out, lse, scale, causal, stats))
+    varlen = []
+    rows = _sm90_rows(lambda: varlen.extend(_varlen_backward_of_dense(groups, scale, causal)), "flash_bwd_dkv")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    long_rows = _dkv_long_rows(128, (8192 + 8300) // 2, (8192 + 8300) // 2, 2 * 8, num_sms)
+    assert rows == ({"DkvLongTile" if long_rows else "DkvTile"} if _sm90_backward_runs(bwd_path) else set()), rows
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert torch.equal(torch.cat([_packed(g[i]) for g in dense]), varlen[i]), f"{name}: packed and alone disagree"
 
 
 # ---- The short-sequence dQ rows (sm90/tile_config.h: DqShortTile, chosen by dq_short_rows): at d96

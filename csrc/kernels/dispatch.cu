@@ -264,21 +264,22 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     run_bwd_preprocess<Element>(params, stream);
     if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
       if (path == ArchPath::kSm90) {
-        bool dkv_long = false;  // long dense calls: the long-query dK/dV row where the head dim has one
+        // Sequence lengths per call for the rows' rules: a dense call's, a varlen call's means
+        // (total / batch; shapes only, no device sync).
+        const bool varlen = params.cu_seqlens_q != nullptr;
+        const int64_t batch = std::max(params.b, 1);
+        const int64_t mean_seqlen_q = varlen ? params.total_q / batch : params.seqlen_q;
+        const int64_t mean_seqlen_k = varlen ? params.total_k / batch : params.seqlen_k;
+        bool dkv_long = false;  // long sequences: the long-query dK/dV row where the head dim has one
         if constexpr (contains(kSm90BwdDkvLongHdims, kHeadDim)) {
           dkv_long = sm90_bwd_long_rows_enabled() &&
-                     sm90::dkv_long_rows(params.cu_seqlens_q == nullptr, params.seqlen_q, params.seqlen_k,
-                                         int64_t(params.b) * params.h_k, params.num_sms,
-                                         sm90::DkvLongTile<kHeadDim>::kBlockN);
+                     sm90::dkv_long_rows(mean_seqlen_q, mean_seqlen_k, batch * params.h_k, params.num_sms,
+                                         sm90::DkvLongTile<kHeadDim>::kBlockN, sm90::dkv_long_min_seqlen(kHeadDim));
           if (dkv_long) run_mha_bwd_dkv_long_<Element, kHeadDim>(Sm90{}, params, stream);
         }
         if (!dkv_long) run_mha_bwd_dkv_<Element, kHeadDim>(Sm90{}, params, stream);
         bool dq_short = false;  // short sequences: the short dQ row where the head dim has one
         if constexpr (contains(kSm90BwdDqShortHdims, kHeadDim)) {
-          const bool varlen = params.cu_seqlens_q != nullptr;
-          const int64_t batch = std::max(params.b, 1);
-          const int64_t mean_seqlen_q = varlen ? params.total_q / batch : params.seqlen_q;
-          const int64_t mean_seqlen_k = varlen ? params.total_k / batch : params.seqlen_k;
           dq_short = sm90_bwd_dq_short_enabled() && sm90::dq_short_rows(params.is_causal, mean_seqlen_q, mean_seqlen_k);
           if (dq_short) run_mha_bwd_dq_short_<Element, kHeadDim>(Sm90{}, params, stream);
         }

@@ -1,5 +1,5 @@
 // Launch template of the Hopper dK/dV kernel with the long-query tile row (tile_config.h:
-// DkvLongTile), for the dense calls that dkv_long_rows picks (kernels/dispatch.cu). Explicitly
+// DkvLongTile), for the calls that dkv_long_rows picks (kernels/dispatch.cu). Explicitly
 // instantiated per (dtype, head dim) by
 // csrc/kernels/sm90/instantiations/flash_bwd_dkv_long_hdim*_sm90.cu, which the build compiles for
 // sm_90a only.

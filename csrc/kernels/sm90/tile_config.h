@@ -123,16 +123,23 @@ template <> struct DkvLongTile<64>  : DkvTileShape<128, 128, 1> { static constex
 template <> struct DkvLongTile<96>  : DkvTileShape<128,  64, 1, 16, true, 3> { static constexpr bool kSupported = true; };
 template <> struct DkvLongTile<128> : DkvTileShape<128,  64, 1, 16, true, 4> { static constexpr bool kSupported = true; };
 
-// Whether a backward call takes DkvLongTile for its dK/dV kernel: dense (a varlen call's sequences
-// are shorter than its max_seqlen_q), at least 8192 queries and keys (d64: at N = 4k the long row
-// read +4 % non-causal but -4 % causal, below that -4 to -6 %; d96 / d128: the 64-key row ahead
-// by 1-38 % below 8192, within +-3 % at 8192 / 16384 but for d96 non-causal 16384), and at least
-// two CTAs of it per SM (its CTAs are one per SM, DkvTile's two: the measured grids had >= 1,000
-// long CTAs; MQA at batch 1 and 8192 keys would leave half of an H200's SMs without one).
-inline bool dkv_long_rows(bool dense, int seqlen_q, int seqlen_k, int64_t batch_kv_heads, int num_sms,
-                          int long_block_n) {
-  const int64_t long_ctas = (int64_t(seqlen_k) + long_block_n - 1) / long_block_n * batch_kv_heads;
-  return dense && seqlen_q >= 8192 && seqlen_k >= 8192 && long_ctas >= 2 * int64_t(num_sms);
+// Whether a backward call takes DkvLongTile for its dK/dV kernel: at least min_seqlen queries and
+// keys per sequence (dkv_long_min_seqlen; a dense call's seqlen_q / seqlen_k, a varlen call's
+// total_q / batch and total_k / batch: its max_seqlen says little about a packed batch) and at
+// least two CTAs of it per SM (its CTAs are one per SM, DkvTile's two: the measured grids had
+// >= 1,000 long CTAs; MQA at batch 1 and 8192 keys would leave half of an H200's SMs without one).
+// The minimum per head dim, end to end (2026-12-04, fourteenth session: a build whose rule starts
+// at 1024, the benchmark with FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS=0 and unset, 2 rounds each, bf16,
+// long / short row at N = 1k / 2k / 4k, non-causal and causal): d64 0.987 / 1.004 / 1.022 and
+// 0.986 / 1.018 / 1.023 (4096); d96 1.003 / 1.013 / 1.018 and 0.973 / 0.999 / 1.016, in a second
+// run at 2k / 4k / 8k 1.025 / 1.023 / 1.019 and 1.017 / 1.009 / 1.034 (2048); d128 0.994 / 0.986 /
+// 1.000 and 0.976 / 0.992 / 1.010 (8192, where the tune harness had it within 3 %). Varlen packs of
+// two 16384-token sequences: d96 +2.8 / +3.5 %, d128 +0.6 / +3.1 %. Either row gives the same bits.
+constexpr int dkv_long_min_seqlen(int head_dim) { return head_dim == 64 ? 4096 : head_dim == 96 ? 2048 : 8192; }
+inline bool dkv_long_rows(int64_t mean_seqlen_q, int64_t mean_seqlen_k, int64_t batch_kv_heads, int num_sms,
+                          int long_block_n, int min_seqlen) {
+  const int64_t long_ctas = (mean_seqlen_k + long_block_n - 1) / long_block_n * batch_kv_heads;
+  return mean_seqlen_q >= min_seqlen && mean_seqlen_k >= min_seqlen && long_ctas >= 2 * int64_t(num_sms);
 }
 
 // Short sequences at d96 / d128 (sm90/flash_bwd_dq_short_launch.cuh; dq_short_rows below says when):
