@@ -13,8 +13,8 @@ if [ -d .fa4/whl ]; then
     && cp -a /tmp/site/nvidia_cutlass_dsl/. /tmp/site2/nvidia_cutlass_dsl/ \
     && export PYTHONPATH=/tmp/site2:/tmp/site2/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 fi
-STEPS="sanitize memory ncu bench" SAN_S=${SAN_S:-90} BENCH_S=${BENCH_S:-330} BENCH3_S=${BENCH3_S:-150} \
+STEPS="sanitize memory ncu bench" SAN_S=${SAN_S:-90} BENCH_S=${BENCH_S:-330} BENCH3_S=${BENCH3_S:-180} \
   BENCH_ARGS="--no-progress --peers sdpa-flash,sdpa-cudnn,flash-attn4 --seqlen 1024,2048,4096,8192,16384 --ref-max-seqlen 2048" \
-  BENCH3_ARGS="${BENCH3_ARGS-"--no-progress --no-plots --mode decode,varlen_fwd,varlen_bwd --peers sdpa-flash,sdpa-cudnn,flash-attn4 --rep-ms 50 --warmup-ms 10"}" \
+  BENCH3_ARGS="${BENCH3_ARGS-"--no-progress --no-plots --mode decode,varlen_fwd,varlen_bwd --peers sdpa-flash,sdpa-cudnn,flash-attn4 --rep-ms 50 --warmup-ms 10 --rounds 2"}" \
   BENCH2_ARGS="${BENCH2_ARGS-"--no-progress --hdim 64,96,128,192,256 --dtype bf16,fp16 --mode fwd --seqlen 1024,4096,8192 --peers sdpa-cudnn --ref-max-seqlen 0 --no-plots"}" \
   bash scripts/gpu_run.sh
