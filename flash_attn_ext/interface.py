@@ -154,6 +154,10 @@ def _window(window_size) -> tuple[int, int]:
     RuntimeError naming the side below -1 (the op's message, with the value given: one past int64
     would not reach the op). One past any sequence length (>= 2^62) is the same bound as 2^62,
     which the op's int64 argument holds."""
+    if type(window_size) is tuple and len(window_size) == 2:  # the common case, checked cheaply (eager
+        left, right = window_size                              # calls pay this per attention layer)
+        if type(left) is int and type(right) is int and -1 <= left <= 2**62 and -1 <= right <= 2**62:
+            return window_size
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
         raise TypeError(f"flash_attn_ext: window_size must be a pair (left, right) of ints, got {window_size!r}")
     sides = []
@@ -250,6 +254,9 @@ def _as_bool(name: str, value) -> bool:
 def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs) -> None:
     """NotImplementedError naming the first flash-attn feature a call asks for that this library
     does not have; TypeError naming an argument of the wrong type."""
+    if (type(dropout_p) is float and type(softcap) is float and dropout_p == 0.0 and softcap == 0.0
+            and alibi_slopes is None and deterministic is False and return_attn_probs is False):
+        return  # the defaults, checked cheaply (eager calls pay this per attention layer)
     for name, value in (("dropout_p", dropout_p), ("softcap", softcap)):
         def error():  # formatted only when raised (a symbolic float under torch.compile must not be)
             return TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
