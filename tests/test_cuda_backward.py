@@ -317,6 +317,18 @@ def _varlen_backward_of_dense(groups, scale, causal):
         causal, stats)
 
 
+def _dense_backward_rows(b, sq, sk, nheads, nheads_k, headdim, dtype, scale, causal, kernel):
+    """A dense forward + backward through the ops on fresh inputs: ((q, k, v, dout, out, lse,
+    stats), (dq, dk, dv), the tile rows of the backward's `kernel` launches: _sm90_rows)."""
+    ops = torch.ops.flash_attn_ext
+    q, k, v = _qkv(b, sq, sk, nheads, nheads_k, headdim, dtype)
+    dout = _rand(*q.shape, dtype=dtype)
+    out, lse, stats = ops.forward(q, k, v, scale, causal)
+    grads = []
+    rows = _sm90_rows(lambda: grads.extend(ops.backward(dout, q, k, v, out, lse, scale, causal, stats)), kernel)
+    return (q, k, v, dout, out, lse, stats), grads, rows
+
+
 # (batch, nheads, nheads_k, seqlen_q, seqlen_k): the long row where both lengths are at least the head
 # dim's minimum (dkv_long_min_seqlen: d64 4096, d96 2048, d128 8192) and its grid has >= 2 CTAs per
 # SM (ceil(seqlen_k / 128) * batch * nheads_k); 8192 x 8200 (causal offset 8) and 8400 x 8192
@@ -349,16 +361,8 @@ def test_backward_long_query_rows(dtype, headdim, causal, case, bwd_path, poison
         pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
     batch, nheads, nheads_k, seqlen_q, seqlen_k = case
     scale = 1.0 / math.sqrt(headdim)  # _check_grads' scale
-    ops = torch.ops.flash_attn_ext
-
-    def dense_call(b, sq, sk):
-        q, k, v = _qkv(b, sq, sk, nheads, nheads_k, headdim, dtype)
-        dout = _rand(*q.shape, dtype=dtype)
-        out, lse, stats = ops.forward(q, k, v, scale, causal)
-        grads = []
-        rows = _sm90_rows(lambda: grads.extend(ops.backward(dout, q, k, v, out, lse, scale, causal, stats)),
-                          "flash_bwd_dkv")
-        return (q, k, v, dout, out, lse, stats), grads, rows
+    dense_call = lambda b, sq, sk: _dense_backward_rows(b, sq, sk, nheads, nheads_k, headdim, dtype, scale, causal,
+                                                        "flash_bwd_dkv")
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sm90 = _sm90_backward_runs(bwd_path)
@@ -434,16 +438,8 @@ def test_backward_short_dq_rows(dtype, headdim, case, bwd_path, poison_empty):
         pytest.skip("the short dQ row is a row of the sm90 dQ kernel")
     batch, seqlen_q, seqlen_k, causal = case
     nheads, nheads_k, scale = 4, 2, 1.0 / math.sqrt(headdim)
-    ops = torch.ops.flash_attn_ext
-
-    def dense_call(b, sq, sk):
-        q, k, v = _qkv(b, sq, sk, nheads, nheads_k, headdim, dtype)
-        dout = _rand(*q.shape, dtype=dtype)
-        out, lse, stats = ops.forward(q, k, v, scale, causal)
-        grads = []
-        rows = _sm90_rows(lambda: grads.extend(ops.backward(dout, q, k, v, out, lse, scale, causal, stats)),
-                          "flash_bwd_dq")
-        return (q, k, v, dout, out, lse, stats), grads, rows
+    dense_call = lambda b, sq, sk: _dense_backward_rows(b, sq, sk, nheads, nheads_k, headdim, dtype, scale, causal,
+                                                        "flash_bwd_dq")
 
     knob = os.environ.get("FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT") != "0"
     short = lambda mean_q, mean_k: knob and max(mean_q, mean_k) <= (512 if causal else 256)
