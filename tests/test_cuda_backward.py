@@ -268,12 +268,13 @@ def test_backward_many_heads(causal, poison_empty):
     assert grads[2][-1].abs().amax() > 0 and grads[0][-1, -1].abs().amax() > 0
 
 
-# ---- The long-query dK/dV rows (sm90/tile_config.h: DkvLongTile, chosen by dkv_long_rows): dense
-# calls with >= 8192 queries and >= 8192 keys at d64, d96 and d128 run the sm90 dK/dV kernel on
-# 128-key tiles (two warpgroups per CTA sharing each Q / dO tile) instead of DkvTile's 64-key
-# tiles. Every K row's sum over the Q tiles keeps its order, so both rows give the same bits. A varlen
-# call is not dense and keeps DkvTile: one packed sequence is the long row's bitwise twin (the varlen
-# kernels equal the dense ones bit for bit: tests/test_varlen_cuda.py).
+# ---- The long-query dK/dV rows (sm90/tile_config.h: DkvLongTile, chosen by dkv_long_rows): calls
+# whose sequences hold at least 4096 (d64), 2048 (d96) or 8192 (d128) queries and keys on average
+# (dense: seqlen_q / seqlen_k; varlen: total / batch) run the sm90 dK/dV kernel on 128-key tiles
+# (two warpgroups per CTA sharing each Q / dO tile) instead of DkvTile's 64-key tiles. Every K row's
+# sum over the Q tiles keeps its order, so both rows give the same bits: a packed call whose means
+# fall on the other side of the minimum is the dense call's bitwise twin (the varlen kernels equal
+# the dense ones bit for bit: tests/test_varlen_cuda.py).
 
 
 def _sm90_rows(fn, kernel):
@@ -389,16 +390,20 @@ def test_backward_long_query_rows(dtype, headdim, causal, case, bwd_path, poison
         assert torch.equal(_packed(a), b[:n]), f"{name}: the long-query row and the short row disagree"
 
 
-def test_backward_long_rows_varlen(bwd_path, poison_empty):
-    """A varlen call of long sequences takes the long-query dK/dV row by its means (d128, two
-    sequences of 8192 and 8300 queries / keys), with the bits of the same sequences alone."""
-    require_hdim(128, exact=True)
+@pytest.mark.parametrize("headdim, lens", [(64, (4096, 4200)), (96, (2048, 2100)), (128, (8192, 8300))],
+                         ids=["d64", "d96", "d128"])
+def test_backward_long_rows_varlen(headdim, lens, bwd_path, poison_empty):
+    """A varlen call of long sequences takes the long-query dK/dV row by its means (two sequences
+    at and past the head dim's minimum, 16 / 8 heads: 272-1040 long CTAs), with the bits of the same
+    sequences alone (at d64 / d96 each alone has fewer than 2 long CTAs per SM on 132 SMs and runs
+    the short row)."""
+    require_hdim(headdim, exact=True)
     if bwd_path == "sm80":
         pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
-    ops, scale, causal = torch.ops.flash_attn_ext, 1.0 / math.sqrt(128), True
+    ops, scale, causal = torch.ops.flash_attn_ext, 1.0 / math.sqrt(headdim), True
     groups, dense = [], []
-    for n in (8192, 8300):
-        q, k, v = _qkv(1, n, n, 16, 8, 128, torch.bfloat16)
+    for n in lens:
+        q, k, v = _qkv(1, n, n, 16, 8, headdim, torch.bfloat16)
         dout = _rand(*q.shape, dtype=torch.bfloat16)
         out, lse, stats = ops.forward(q, k, v, scale, causal)
         groups.append((q, k, v, dout, out, lse, stats))
@@ -406,7 +411,7 @@ def test_backward_long_rows_varlen(bwd_path, poison_empty):
     varlen = []
     rows = _sm90_rows(lambda: varlen.extend(_varlen_backward_of_dense(groups, scale, causal)), "flash_bwd_dkv")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    long_rows = _dkv_long_rows(128, (8192 + 8300) // 2, (8192 + 8300) // 2, 2 * 8, num_sms)
+    long_rows = _dkv_long_rows(headdim, sum(lens) // 2, sum(lens) // 2, 2 * 8, num_sms)
     assert rows == ({"DkvLongTile" if long_rows else "DkvTile"} if _sm90_backward_runs(bwd_path) else set()), rows
     for i, name in enumerate(("dq", "dk", "dv")):
         assert torch.equal(torch.cat([_packed(g[i]) for g in dense]), varlen[i]), f"{name}: packed and alone disagree"

@@ -54,7 +54,7 @@ template <int kHeadDim> struct DqTile { static constexpr bool kSupported = false
 // 2026-12-04: d96 / d128 dK/dV on d64's shape of CTA, one warpgroup over 64 keys, two CTAs per SM
 // (238 registers, 255 in the cp.async twin; 97 KiB of shared memory with two stages), so one CTA's prologue (K_j, V_j and the
 // first Q / dO tiles) and epilogue (the dK / dV stores) run under the other's products; the
-// 128-key rows measured above are DkvLongTile's now (long dense calls). Tune harness (H200, bf16, one
+// 128-key rows measured above are DkvLongTile's now (long sequences: dkv_long_rows). Tune harness (H200, bf16, one
 // binary, per-kernel matmul TFLOP/s, 64 x 64 against 64 x 128 / 4 stages; docs/PERF_NOTES.md):
 // d128 N = 136 / 512 / 2048 / 8192 / 16384 142 / 428 / 566 / 577 / 617 against 109 / 391 / 552 /
 // 575 / 602, causal 87 / 305 / 509 / 568 / 593 against 63 / 268 / 470 / 566 / 614; d96 (against
