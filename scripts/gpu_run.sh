@@ -147,6 +147,12 @@ rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) == 4]
 cols = [sorted(float(r[i]) for r in rows) for i in (1, 2, 3)]
 print(', '.join('%.0f / %.0f / %.0f %s' % (c[0], st.median(c), c[-1], u) for c, u in zip(cols, ('MHz', 'W', 'C'))) if rows else 'none')
 " "$OUT/clocks.csv")")
+  # The clocks while each implementation was timed (its rows' windows joined with clocks.csv):
+  # whether a few-percent ratio came with a clock or power difference.
+  peer=$(echo "${BENCH_ARGS:-}" | grep -o 'flash-attn4' | head -n 1)
+  if $PY scripts/clocks_by_impl.py "$OUT/bench" "$OUT/clocks.csv" ${peer:+--peer $peer} >"$OUT/clocks_by_impl.txt" 2>&1; then
+    summary+=("clocks by implementation (clocks_by_impl.txt): $(sed -n '/^mode/,/^$/p' "$OUT/clocks_by_impl.txt" | tail -n +2 | awk 'NF==4 {printf "%s%s %s %s MHz %s W", sep, $1, $2, $3, $4; sep="; "} NF==3 {printf "%s%s %s MHz %s W", sep, $1, $2, $3; sep="; "}')")
+  fi
   sed -n '/^| dtype/,$p' "$OUT/bench.log" | head -n 60
   [ -n "${BENCH2_ARGS:-}" ] && sed -n '/^| dtype/,$p' "$OUT/bench2.log" | head -n 70
   if [ -n "$BENCH3_ARGS" ]; then  # the decode / varlen tables (with the notes above them) last

@@ -243,3 +243,45 @@ def test_varlen_walk_model_rows():
     assert [(row[0], row[1]) for row in rows] == [(h, c) for h in ("64", "128", "256") for c in ("False", "True")]
     for row in rows:
         assert all(float(x) >= 1.0 - 1e-9 for x in row[2:]), row
+
+
+def test_clocks_by_impl_joins_each_timing_window(tmp_path):
+    """scripts/clocks_by_impl.py: each result row takes the clock samples inside its timing window
+    (or the nearest within 0.5 s), per implementation and per case against a peer."""
+    import pandas as pd
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    # ours timed 10:00:00-10:00:01 (samples 1800 MHz / 690 W), the peer 10:00:02-10:00:03 (1980 / 600),
+    # a second case whose peer window holds no sample (the nearest, 10:00:05.000, is 0.05 s from its middle)
+    rows = [("flash_attn_ext", 4096, "10:00:00.000000", "10:00:01.000000", 1.0),
+            ("flash-attn4", 4096, "10:00:02.000000", "10:00:03.000000", 1.1),
+            ("flash_attn_ext", 8192, "10:00:04.000000", "10:00:04.900000", 1.0),
+            ("flash-attn4", 8192, "10:00:04.910000", "10:00:04.990000", 1.0),
+            ("sdpa-cudnn", 8192, "", "", 1.0)]  # a row that was not measured
+    pd.DataFrame([{"dtype": "bf16", "hdim": 128, "causal": False, "seqlen": n, "mode": "fwd", "impl": impl,
+                   "ms": ms, "timed_from": f"2026/12/04 {a}" if a else "", "timed_to": f"2026/12/04 {b}" if b else ""}
+                  for impl, n, a, b, ms in rows]).to_csv(bench / "results.csv", index=False)
+    samples = [("09:59:59.800", 345, 80), ("10:00:00.200", 1800, 690), ("10:00:00.400", 1800, 690),
+               ("10:00:00.600", 1790, 700), ("10:00:02.200", 1980, 600), ("10:00:02.400", 1980, 600),
+               ("10:00:04.200", 1700, 650), ("10:00:05.000", 1950, 610)]
+    (tmp_path / "clocks.csv").write_text("".join(f"2026/12/04 {t}, {m}, {w}.00, 40\n" for t, m, w in samples))
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "clocks_by_impl.py"), str(bench),
+                          str(tmp_path / "clocks.csv"), "--peer", "flash-attn4"],
+                         capture_output=True, text=True, check=True).stdout
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import clocks_by_impl as c
+    finally:
+        sys.path.pop(0)
+    joined = c.join(pd.read_csv(bench / "results.csv", keep_default_na=False, na_values=[""]),
+                    c.read_clocks(tmp_path / "clocks.csv"))
+    got = {(r.impl, r.seqlen): (r.mhz, r.watts) for r in joined.itertuples()}
+    assert got[("flash_attn_ext", 4096)] == (1800, pytest.approx(2080 / 3))
+    assert got[("flash-attn4", 4096)] == (1980, 600)
+    assert got[("flash_attn_ext", 8192)] == (1700, 650)
+    assert got[("flash-attn4", 8192)] == (1950, 610)  # nearest sample to the window's middle
+    assert ("sdpa-cudnn", 8192) not in got
+    assert "median SM MHz" in out and "ours against flash-attn4" in out
+    ratio = c.versus(joined, "flash-attn4")["mhz ratio"].tolist()
+    assert ratio == pytest.approx([1800 / 1980, 1700 / 1950], abs=1e-3)

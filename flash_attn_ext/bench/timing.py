@@ -9,6 +9,10 @@ over the median time.
 Rounds (measure_interleaved, ``--rounds R``): every implementation of a case measured R times,
 round r in the order rotated by r; each row is the implementation's median-time round, with
 ms_spread = max / min ms over its rounds.
+timed_from / timed_to: the local wall-clock time around the timing of the row's round (format
+``YYYY/MM/DD HH:MM:SS.ffffff``, nvidia-smi's timestamp), so that a log of SM clock and power
+(``scripts/gpu_run.sh``'s clocks.csv) can be joined to each implementation's timing
+(``scripts/clocks_by_impl.py``).
 peak_mem_mib: memory allocated at the peak minus what was allocated before, around one forward
 (modes fwd, decode, varlen_fwd) or forward + backward (modes bwd, fwd_bwd, varlen_bwd) call: CUDA
 from torch.cuda.max_memory_allocated, CPU from the torch profiler's allocation events.
@@ -17,6 +21,7 @@ from torch.cuda.max_memory_allocated, CPU from the torch profiler's allocation e
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import os
 import statistics
@@ -168,6 +173,11 @@ def peak_extra_memory_mib(impl: Impl, p: Problem, mode: str) -> float:
     return (torch.cuda.max_memory_allocated(p.device) - base) / 2**20
 
 
+def _now() -> str:
+    """Local wall-clock time in nvidia-smi's timestamp format (module docstring: timed_from)."""
+    return datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")
+
+
 def time_impl(impl: Impl, p: Problem, mode: str, timer: Timer) -> float:
     """Median ms of one call of ``mode``, rotating over the problem's input sets."""
     n = len(p.sets)
@@ -219,7 +229,9 @@ def measure(impl: Impl, p: Problem, mode: str, timer: Timer) -> dict:
 
     def body():
         row["peak_mem_mib"] = peak_extra_memory_mib(impl, p, mode)
+        row["timed_from"] = _now()
         row["ms"] = time_impl(impl, p, mode, timer)
+        row["timed_to"] = _now()
 
     failure = run_guarded(impl, p.device, body)
     if failure is not None:
