@@ -400,14 +400,12 @@ def test_backward_long_rows_varlen(headdim, lens, bwd_path, poison_empty):
     require_hdim(headdim, exact=True)
     if bwd_path == "sm80":
         pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
-    ops, scale, causal = torch.ops.flash_attn_ext, 1.0 / math.sqrt(headdim), True
+    scale, causal = 1.0 / math.sqrt(headdim), True
     groups, dense = [], []
     for n in lens:
-        q, k, v = _qkv(1, n, n, 16, 8, headdim, torch.bfloat16)
-        dout = _rand(*q.shape, dtype=torch.bfloat16)
-        out, lse, stats = ops.forward(q, k, v, scale, causal)
-        groups.append((q, k, v, dout, out, lse, stats))
-        dense.append(ops.backward(dout, q, k, v, out, lse, scale, causal, stats))
+        group, grads, _ = _dense_backward_rows(1, n, n, 16, 8, headdim, torch.bfloat16, scale, causal, "flash_bwd_dkv")
+        groups.append(group)
+        dense.append(grads)
     varlen = []
     rows = _sm90_rows(lambda: varlen.extend(_varlen_backward_of_dense(groups, scale, causal)), "flash_bwd_dkv")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count

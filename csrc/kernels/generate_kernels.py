@@ -27,7 +27,7 @@ KINDS = {
     "fwd_long": ("flash_fwd_long_launch.cuh", "run_mha_fwd_long_", "Flash_fwd_params"),
     # the sm90 forward kernel with the short causal tile row (FwdShortTile), for short causal calls
     "fwd_short": ("flash_fwd_short_launch.cuh", "run_mha_fwd_short_", "Flash_fwd_params"),
-    # the sm90 dK/dV kernel with the long-query tile row (DkvLongTile), for long dense calls
+    # the sm90 dK/dV kernel with the long-query tile row (DkvLongTile), for long sequences
     "bwd_dkv_long": ("flash_bwd_dkv_long_launch.cuh", "run_mha_bwd_dkv_long_", "Flash_bwd_params"),
     # the sm90 dQ kernel with the short-sequence tile row (DqShortTile), for short calls
     "bwd_dq_short": ("flash_bwd_dq_short_launch.cuh", "run_mha_bwd_dq_short_", "Flash_bwd_params"),
