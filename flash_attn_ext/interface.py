@@ -66,9 +66,10 @@ def flash_attn_func(
             Magnitude: outputs and gradients stay finite for any finite inputs whose scores q . k
             and scaled scores softmax_scale * log2(e) * q . k fit in float32 (the softmax keeps
             its max and sum apart, softmax_stats, so ties stay exact at any magnitude). Past that
-            (|q . k| > 3.4e38 in float32 accumulation) scores overflow to inf and outputs are NaN;
-            float64 CPU inputs compute in float64 but return the LSE in float32 (+inf past its
-            range). Gradients of near-tied scores at magnitudes where float32 score rounding is
+            (|q . k| > 3.4e38 in float32 accumulation) CUDA scores overflow to inf and outputs
+            are NaN; the CPU twin accumulates float32 inputs in float64 (finite outputs there)
+            and float64 inputs in float64, but returns the LSE in float32: +inf past its range,
+            the value that otherwise marks a row without visible keys. Gradients of near-tied scores at magnitudes where float32 score rounding is
             coarse (|scaled score| >> 1e4) carry that rounding (on CUDA the backward recomputes the
             scores in another summation order and treats scores within 2-4 float32 ulps of the row
             max as tied), as any recomputing attention backward does.

@@ -116,7 +116,9 @@ class MultiheadFlashAttention(nn.Module):
         window_size: (left, right) sliding window, as ``flash_attn_func``'s (keyword-only;
             default (-1, -1): none; a causal model's window of w keys is (w - 1, 0)); checked
             here (TypeError / RuntimeError naming it).
-        rotary: apply rotary position embedding to q and k, positions 0..seqlen-1 of each.
+        rotary: apply rotary position embedding to q and k: keys at positions 0..Lk-1, queries
+            at the last Lq of them (Lk-Lq..Lk-1, the causal mask's bottom-right alignment; a
+            query chunk against the whole sequence gives those rows of the full self-attention).
         rotary_base: the base of the rotary frequencies (theta_i = base^(-2i/headdim)).
         device, dtype: of the parameters.
         backend: "flash_attn_ext" (default) or "torch_sdpa": the same module computing the
@@ -278,12 +280,18 @@ class MultiheadFlashAttention(nn.Module):
             k = self._project(key, slice(H * D, (H + Hk) * D), Hk)
             v = self._project(value, slice((H + Hk) * D, (H + 2 * Hk) * D), Hk)
         if self.rotary:
+            # Keys at positions 0..Lk-1, queries at the last Lq of them (Lk-Lq..Lk-1: the causal
+            # mask's bottom-right alignment), so a chunk of queries against the whole sequence
+            # gets the rows of the full self-attention.
             table = torch.float64 if q.dtype == torch.float64 else torch.float32
-            cos_q, sin_q = rotary_cos_sin(q.shape[1], D, self.rotary_base, device=q.device, dtype=table)
+            lq, lk = q.shape[1], k.shape[1]
+            cos_k, sin_k = rotary_cos_sin(lk, D, self.rotary_base, device=k.device, dtype=table)
+            if lq == lk:
+                cos_q, sin_q = cos_k, sin_k
+            else:
+                cos_q, sin_q = rotary_cos_sin(lq, D, self.rotary_base, device=q.device, offset=lk - lq, dtype=table)
             q = apply_rotary(q, cos_q, sin_q)
-            if k.shape[1] != q.shape[1]:
-                cos_q, sin_q = rotary_cos_sin(k.shape[1], D, self.rotary_base, device=k.device, dtype=table)
-            k = apply_rotary(k, cos_q, sin_q)
+            k = apply_rotary(k, cos_k, sin_k)
         out = self._attention(q, k, v, causal)                  # (B, Lq, H, D)
         out = out.reshape(out.shape[0], out.shape[1], H * D)
         return self.out_proj(out), None
