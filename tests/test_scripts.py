@@ -285,3 +285,26 @@ def test_clocks_by_impl_joins_each_timing_window(tmp_path):
     assert "median SM MHz" in out and "ours against flash-attn4" in out
     ratio = c.versus(joined, "flash-attn4")["mhz ratio"].tolist()
     assert ratio == pytest.approx([1800 / 1980, 1700 / 1950], abs=1e-3)
+
+
+def test_sass_stats_turns_and_loops():
+    """scripts/sass_stats.py on a synthetic instruction list: the turn section between BAR.SYNC and
+    BAR.ARV (not a BAR.SYNC ... BAR.SYNC stretch), and a backward branch's body with its HGMMA."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import sass_stats
+    finally:
+        sys.path.pop(0)
+    text = ["BAR.SYNC.DEFER_BLOCKING R7, 0x100", "UIADD3 UR4, UR5, 0x1, URZ", "BAR.SYNC R8, 0x100",
+            "WARPGROUP.ARRIVE", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT",
+            "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], R24", "BAR.ARV R9, 0x100", "FMNMX R1, R2, R3, !PT",
+            "HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR8].tnspB, R88",
+            "HGMMA.64x64x16.F32.BF16 R88, R124, gdesc[UR8].tnspB, R88, gsb0", "@!P0 BRA 0x30", "EXIT"]
+    ins = [(16 * k, s) for k, s in enumerate(text)]
+    assert sass_stats.opcode("@!P0 BRA 0x30") == "BRA" and sass_stats.opcode("HGMMA.64x64x16.F32 R1") == "HGMMA"
+    (i, body), = sass_stats.turns(ins)
+    assert i == 2 and [sass_stats.opcode(x) for x in body] == ["WARPGROUP", "HGMMA", "HGMMA"]
+    assert sass_stats.mix(body) == "HGMMA:2 WARPGROUP:1"
+    (first, last, body), = sass_stats.loops(ins)
+    assert (first, last) == (3, 10) and len(body) == 8
+    assert sass_stats.loops(ins, min_hgmma=5) == []
