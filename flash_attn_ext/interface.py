@@ -69,7 +69,8 @@ def flash_attn_func(
             (|q . k| > 3.4e38 in float32 accumulation) CUDA scores overflow to inf and outputs
             are NaN; the CPU twin accumulates float32 inputs in float64 (finite outputs there)
             and float64 inputs in float64, but returns the LSE in float32: +inf past its range,
-            the value that otherwise marks a row without visible keys. Gradients of near-tied scores at magnitudes where float32 score rounding is
+            the value that otherwise marks a row without visible keys. Gradients of near-tied
+            scores at magnitudes where float32 score rounding is
             coarse (|scaled score| >> 1e4) carry that rounding (on CUDA the backward recomputes the
             scores in another summation order and treats scores within 2-4 float32 ulps of the row
             max as tied), as any recomputing attention backward does.
