@@ -132,9 +132,14 @@ CASES = [
     ("forward", "q 3-D", _set(q=lambda a: a["q"][0])),
     ("forward", "int32 inputs", _set(q=lambda a: a["q"].int(), k=lambda a: a["k"].int(), v=lambda a: a["v"].int())),
     ("forward", "scale inf", _set(softmax_scale=lambda a: float("inf"))),
+    ("forward", "v heads", _set(v=lambda a: a["v"][:, :, :1])),
+    ("forward", "k headdim", _set(k=lambda a: a["k"][..., :16])),
+    ("forward", "no kv heads", _set(k=lambda a: a["k"][:, :, :0], v=lambda a: a["v"][:, :, :0])),
+    ("forward", "window right -2", _set(window_size_left=lambda a: -1, window_size_right=lambda a: -2)),
     ("backward", "dout float64", _set(dout=lambda a: a["dout"].double())),
     ("backward", "dout 3-D", _set(dout=lambda a: a["dout"][0])),
     ("backward", "out shape", _set(out=lambda a: a["out"][:, :8])),
+    ("backward", "dout shape", _set(dout=lambda a: a["dout"][:, :8])),
     ("backward", "out last dim strided", _set(out=lambda a: _strided(a["out"]))),
     ("backward", "lse float64", _set(softmax_lse=lambda a: a["softmax_lse"].double())),
     ("backward", "lse shape", _set(softmax_lse=lambda a: a["softmax_lse"][:, :, :8])),
@@ -181,7 +186,32 @@ CASES = [
 
 @pytest.mark.parametrize("op_name,what,change", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_bad_input_refused_by_op_and_fake(op_name, what, change):
+    """The op (CPU) and its fake kernel (meta) refuse the input by the same check: their messages
+    open with the same four words ("flash_attn_ext: <argument> has <what>"), so a check missing from
+    one side shows even where a later check would refuse the input too."""
+    heads = []
     for dev in ("cpu", "meta"):
         args = change(OPS[op_name][1](dev))
-        with pytest.raises(RuntimeError, match="flash_attn_ext"):
+        with pytest.raises(RuntimeError, match="^flash_attn_ext: ") as err:
             _call(op_name, args)
+        heads.append(str(err.value).split()[:4])
+    assert heads[0] == heads[1], heads
+
+
+MAX_SEQLEN = 2**31 - 256
+
+
+@pytest.mark.parametrize("op_name,args,match", [
+    ("forward", dict(q=(1, MAX_SEQLEN + 1, 1, 8), k=(1, 16, 1, 8), v=(1, 16, 1, 8)), "seqlen_k be at most 2"),
+    ("varlen_forward", dict(q=(MAX_SEQLEN + 1, 1, 8), k=(16, 1, 8), v=(16, 1, 8)), "total_q and total_k must be at most"),
+    ("fwd_kvcache", dict(q=(1, 2**30, 4, 8), k_cache=(1, 16, 1, 8), v_cache=(1, 16, 1, 8)), "packed rows of a kv head"),
+    ("fwd_kvcache_paged", dict(block_table=(2, 2**27)), r"block_table.size\(1\) \* page_size"),
+], ids=["forward seqlen", "varlen total_q", "kvcache packed rows", "paged cache length"])
+def test_size_limits_refused_on_meta(op_name, args, match):
+    """The int32 size limits, on meta tensors (free at any size; test_bad_input.py has the CPU
+    op's side with expanded tensors)."""
+    a = OPS[op_name][1]("meta")
+    for name, shape in args.items():
+        a[name] = torch.empty(shape, dtype=a[name].dtype, device="meta")
+    with pytest.raises(RuntimeError, match=match):
+        _call(op_name, a)

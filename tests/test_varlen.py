@@ -169,8 +169,10 @@ def test_varlen_causal_must_be_a_bool(causal):
     """causal='no' used to run causal (bool('no') is True): only bools (numpy's too) and 0 / 1 are
     taken."""
     args = _args()
-    if causal in (True, 1):  # np.True_ == True
-        flash_attn_ext.flash_attn_varlen_func(**args, causal=causal)
+    if causal in (True, 1):  # np.True_ == True: taken, and run as causal=True
+        out = flash_attn_ext.flash_attn_varlen_func(**args, causal=causal)
+        assert torch.equal(out, flash_attn_ext.flash_attn_varlen_func(**args, causal=True))
+        assert not torch.equal(out, flash_attn_ext.flash_attn_varlen_func(**args, causal=False))
         return
     with pytest.raises(TypeError, match="causal must be a bool"):
         flash_attn_ext.flash_attn_varlen_func(**args, causal=causal)
