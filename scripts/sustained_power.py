@@ -68,7 +68,10 @@ def implementations(peers):
     impls = {"ours": lambda q, k, v, causal: flash_attn_ext.flash_attn_func(q, k, v, causal=causal)}
     for peer in peers:
         if peer == "flash-attn4":
-            from flash_attn.cute import flash_attn_func as fa4
+            try:
+                from flash_attn.cute import flash_attn_func as fa4
+            except ImportError as e:
+                raise SystemExit(f"--peers flash-attn4: flash_attn.cute is not importable ({e})") from e
             impls[peer] = lambda q, k, v, causal, f=fa4: f(q, k, v, causal=causal)
         elif peer in ("sdpa-cudnn", "sdpa-flash"):
             from torch.nn.attention import SDPBackend, sdpa_kernel
