@@ -117,8 +117,9 @@ class MultiheadFlashAttention(nn.Module):
             default (-1, -1): none; a causal model's window of w keys is (w - 1, 0)); checked
             here (TypeError / RuntimeError naming it).
         rotary: apply rotary position embedding to q and k: keys at positions 0..Lk-1, queries
-            at the last Lq of them (Lk-Lq..Lk-1, the causal mask's bottom-right alignment; a
-            query chunk against the whole sequence gives those rows of the full self-attention).
+            at Lk-Lq..Lk-1 (the causal mask's bottom-right alignment; negative positions when
+            Lq > Lk; a query chunk against the whole sequence gives those rows of the full
+            self-attention).
         rotary_base: the base of the rotary frequencies (theta_i = base^(-2i/headdim)).
         device, dtype: of the parameters.
         backend: "flash_attn_ext" (default) or "torch_sdpa": the same module computing the

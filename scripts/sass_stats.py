@@ -38,9 +38,14 @@ def functions(obj: str, cuobjdump: str) -> list[tuple[str, list[tuple[int, str]]
     return out
 
 
+def full_opcode(instruction: str) -> str:
+    """The opcode with its modifiers, without the predicate: '@P0 BAR.ARV R9, 0x100' -> 'BAR.ARV'."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+
+
 def opcode(instruction: str) -> str:
     """The opcode without predicate and modifiers: '@!P0 BRA 0x10' -> 'BRA'."""
-    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+    return full_opcode(instruction).split(".")[0]
 
 
 def mix(body: list[str]) -> str:
@@ -52,11 +57,11 @@ def turns(ins: list[tuple[int, str]]) -> list[tuple[int, list[str]]]:
     """(index, body) of each BAR.SYNC ... BAR.ARV section (no other BAR.SYNC in between)."""
     out, i = [], 0
     while i < len(ins):
-        if opcode(ins[i][1]) == "BAR" and ins[i][1].split()[0].startswith("BAR.SYNC"):
+        if full_opcode(ins[i][1]).startswith("BAR.SYNC"):
             j = i + 1
-            while j < len(ins) and not ins[j][1].startswith(("BAR.ARV", "BAR.SYNC")):
+            while j < len(ins) and not full_opcode(ins[j][1]).startswith(("BAR.ARV", "BAR.SYNC")):
                 j += 1
-            if j < len(ins) and ins[j][1].startswith("BAR.ARV"):
+            if j < len(ins) and full_opcode(ins[j][1]).startswith("BAR.ARV"):
                 out.append((i, [x for _, x in ins[i + 1:j]]))
             i = j
         else:
@@ -69,9 +74,10 @@ def loops(ins: list[tuple[int, str]], min_hgmma: int = 4) -> list[tuple[int, int
     index = {a: k for k, (a, _) in enumerate(ins)}
     out = []
     for k, (a, s) in enumerate(ins):
-        m = re.search(r"\bBRA\b(?:\.\S+)?\s+(?:`?\()?0x([0-9a-f]+)", s)
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in index:
-            first = index[int(m.group(1), 16)]
+        # A branch's target: its last address operand ('BRA 0x10', '@!P0 BRA.U !UP0, 0x10').
+        targets = re.findall(r"0x([0-9a-f]+)", s) if opcode(s) == "BRA" else []
+        if targets and int(targets[-1], 16) < a and int(targets[-1], 16) in index:
+            first = index[int(targets[-1], 16)]
             body = [x for _, x in ins[first:k + 1]]
             if sum(opcode(x) == "HGMMA" for x in body) >= min_hgmma:
                 out.append((first, k, body))

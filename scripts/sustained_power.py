@@ -26,15 +26,20 @@ import flash_attn_ext
 
 
 class Nvml:
-    """The board's energy counter (mJ) and SM clock (MHz) of GPU 0 (nvmlDeviceGetHandleByIndex)."""
+    """The board's energy counter (mJ) and SM clock (MHz) of torch's current GPU, found by its PCI
+    bus id (NVML's indices ignore CUDA_VISIBLE_DEVICES)."""
 
     def __init__(self):
         self.lib = ctypes.CDLL("libnvidia-ml.so.1")
         if self.lib.nvmlInit_v2() != 0:
             raise SystemExit("NVML: nvmlInit_v2 failed")
         self.handle = ctypes.c_void_p()
-        if self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle)) != 0:
-            raise SystemExit("NVML: no GPU 0")
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        bus_id = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0".encode()
+        if self.lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus_id), ctypes.byref(self.handle)) != 0:
+            print(f"NVML: no GPU at PCI bus id {bus_id.decode()}; reading NVML's GPU 0")
+            if self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle)) != 0:
+                raise SystemExit("NVML: no GPU 0")
 
     def energy_mj(self) -> int:
         e = ctypes.c_ulonglong()
