@@ -12,11 +12,13 @@
 // FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS) and the flag
 // FLASH_ATTN_EXT_WITH_SM90, read here only.
 //
-// The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches on `stream`:
+// The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches:
 //   1. preprocess: D = rowsum(dO o O), LSE_log2 = hi + lo   (common/bwd_preprocess.cuh)
 //   2. dK, dV per K/V block                                  (<arch>/flash_bwd_dkv_kernel.cuh)
 //   3. dQ per Q tile                                         (<arch>/flash_bwd_dq_kernel.cuh)
-// No atomics: every output element is written once by one thread, in a fixed order.
+// 1 and 2 on `stream`, 3 on a side stream forked after 1 and joined back (BwdFork), so 2 and 3
+// run side by side. No atomics: every output element is written once by one thread, in a fixed
+// order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -104,6 +106,73 @@ bool sm90_splitkv_small_enabled() {
   static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SM90_SPLITKV_SMALL");
   return enabled;
 }
+
+// FLASH_ATTN_EXT_BWD_CONCURRENT=0 (read once) runs the backward's dK/dV and dQ kernels one after
+// the other on the caller's stream instead of side by side (BwdFork below).
+bool bwd_concurrent_enabled() {
+  static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_BWD_CONCURRENT");
+  return enabled;
+}
+
+// The backward's dK/dV and dQ kernels read the same inputs and the preprocess's workspaces and
+// write disjoint outputs, so they may run side by side: dK/dV on the caller's stream, dQ on a side
+// stream forked after the preprocess and joined back before the call returns (events; the pattern
+// CUDA graph capture follows across streams). Each kernel's last, partial wave of CTAs then shares
+// the GPU with the other kernel's CTAs instead of leaving SMs idle. The outputs' bits do not
+// depend on it (each element is written once, in a fixed order, by one kernel). One side stream
+// and two events per (host thread, device): another thread's fork never re-records them between
+// this thread's record and wait. Created on first use outside a graph capture; a call that
+// captures before that runs the two kernels in sequence.
+class BwdFork {
+ public:
+  // Forks `stream` (nullptr: the kernels go in sequence on `stream`, as without the fork).
+  static BwdFork* begin(cudaStream_t stream) {
+    if (!bwd_concurrent_enabled()) return nullptr;
+    int device = 0;
+    FLASH_CHECK_CUDA(cudaGetDevice(&device));
+    if (device < 0 || device >= kMaxDevices) return nullptr;
+    thread_local BwdFork forks[kMaxDevices];
+    BwdFork& f = forks[device];
+    if (f.side_ == nullptr && !f.create(stream)) return nullptr;
+    FLASH_CHECK_CUDA(cudaEventRecord(f.forked_, stream));
+    FLASH_CHECK_CUDA(cudaStreamWaitEvent(f.side_, f.forked_, 0));
+    return &f;
+  }
+  cudaStream_t side() const { return side_; }
+  // `stream` waits for everything issued on the side stream since begin().
+  void end(cudaStream_t stream) {
+    FLASH_CHECK_CUDA(cudaEventRecord(joined_, side_));
+    FLASH_CHECK_CUDA(cudaStreamWaitEvent(stream, joined_, 0));
+  }
+  ~BwdFork() { release(); }  // at thread exit; work still queued on the stream completes first
+
+ private:
+  // The side stream and events, unless `stream` is capturing or the runtime refuses (e.g. another
+  // thread's capture in the global mode): then none, and the error state is cleared.
+  bool create(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone ||
+        cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&joined_, cudaEventDisableTiming) != cudaSuccess) {
+      release();
+      (void)cudaGetLastError();
+      return false;
+    }
+    return true;
+  }
+  void release() {
+    if (forked_ != nullptr) cudaEventDestroy(forked_);
+    if (joined_ != nullptr) cudaEventDestroy(joined_);
+    if (side_ != nullptr) cudaStreamDestroy(side_);
+    side_ = nullptr;
+    forked_ = joined_ = nullptr;
+  }
+
+  static constexpr int kMaxDevices = 64;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t forked_ = nullptr, joined_ = nullptr;
+};
 
 // The run-time tuning knobs of params (flash.h: varlen_tight, sm90_bwd_tma, fwd_top_shift), read once.
 void set_tuning_knobs(Flash_fwd_params& params) {
@@ -262,6 +331,13 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
     run_bwd_preprocess<Element>(params, stream);
+    // dK/dV on `stream`, dQ on the fork's side stream (BwdFork), joined back below.
+    // (A launch that throws leaves nothing queued on the side stream after the fork.)
+    BwdFork* fork = BwdFork::begin(stream);
+    const cudaStream_t dq_stream = fork != nullptr ? fork->side() : stream;
+    auto join = [&] {
+      if (fork != nullptr) fork->end(stream);
+    };
     if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
       if (path == ArchPath::kSm90) {
         // Sequence lengths per call for the rows' rules: a dense call's, a varlen call's means
@@ -281,14 +357,16 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
         bool dq_short = false;  // short sequences: the short dQ row where the head dim has one
         if constexpr (contains(kSm90BwdDqShortHdims, kHeadDim)) {
           dq_short = sm90_bwd_dq_short_enabled() && sm90::dq_short_rows(params.is_causal, mean_seqlen_q, mean_seqlen_k);
-          if (dq_short) run_mha_bwd_dq_short_<Element, kHeadDim>(Sm90{}, params, stream);
+          if (dq_short) run_mha_bwd_dq_short_<Element, kHeadDim>(Sm90{}, params, dq_stream);
         }
-        if (!dq_short) run_mha_bwd_dq_<Element, kHeadDim>(Sm90{}, params, stream);
+        if (!dq_short) run_mha_bwd_dq_<Element, kHeadDim>(Sm90{}, params, dq_stream);
+        join();
         return;
       }
     }
     run_mha_bwd_dkv_<Element, kHeadDim>(Sm80{}, params, stream);
-    run_mha_bwd_dq_<Element, kHeadDim>(Sm80{}, params, stream);
+    run_mha_bwd_dq_<Element, kHeadDim>(Sm80{}, params, dq_stream);
+    join();
   });
 }
 
