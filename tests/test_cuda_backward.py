@@ -12,6 +12,7 @@ softmax_lse) and through autograd of torch.ops.flash_attn_ext.forward. Outputs a
 fill of torch.empty) so an unwritten element fails.
 """
 
+import json
 import math
 import os
 import re
@@ -158,7 +159,8 @@ def test_backward_deterministic(dtype, headdim):
 
 _SEQUENTIAL_BWD_SCRIPT = """
 import sys, torch, flash_attn_ext
-flash_attn_ext.force_sm80_path(sys.argv[3] == "sm80")
+if sys.argv[3] == "sm80":
+    flash_attn_ext.force_sm80_path(True)
 dout, q, k, v, out, lse, stats = torch.load(sys.argv[1])
 torch.save(torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, float(sys.argv[4]), True, stats), sys.argv[2])
 """
@@ -178,12 +180,18 @@ def _backward(args, scale):
     return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, True, stats)
 
 
+def _require_concurrent():
+    if os.environ.get("FLASH_ATTN_EXT_BWD_CONCURRENT") == "0":
+        pytest.skip("FLASH_ATTN_EXT_BWD_CONCURRENT=0 runs the backward's kernels in sequence")
+
+
 @pytest.mark.parametrize("headdim", [64, 128])
 def test_backward_concurrent_kernels_match_sequential(headdim, arch_path, tmp_path):
     """The dK/dV and dQ kernels run side by side (dQ on a side stream forked after the preprocess,
     kernels/dispatch.cu: BwdFork); in a subprocess with FLASH_ATTN_EXT_BWD_CONCURRENT=0 they run
     one after the other: the same bits."""
     require_hdim(headdim)
+    _require_concurrent()
     args, scale = _concurrent_case(headdim)
     torch.save(args, tmp_path / "in.pt")
     env = dict(os.environ, FLASH_ATTN_EXT_BWD_CONCURRENT="0")
@@ -195,12 +203,40 @@ def test_backward_concurrent_kernels_match_sequential(headdim, arch_path, tmp_pa
         assert torch.equal(a, b), f"{name}: concurrent and sequential kernels differ"
 
 
+def test_backward_concurrent_kernels_run_on_side_streams(tmp_path):
+    """In a profiler trace (kernel events carry their stream): each backward call's dQ kernel runs
+    on another stream than its dK/dV kernel, and calls from one thread on two caller streams get
+    two side streams (one per caller stream: a call's dQ never waits for another stream's work)."""
+    require_hdim(128)
+    _require_concurrent()
+    args, scale = _concurrent_case(128)
+    callers = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in callers:  # first use of each caller stream: its side stream is made
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            _backward(args, scale)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for stream in callers:
+            with torch.cuda.stream(stream):
+                _backward(args, scale)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    with open(tmp_path / "trace.json") as f:
+        kernels = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    dkv = [e["args"]["stream"] for e in kernels if "flash_bwd_dkv" in e["name"]]
+    dq = [e["args"]["stream"] for e in kernels if "flash_bwd_dq" in e["name"]]
+    assert len(dkv) == 2 and len(dq) == 2, [e["name"] for e in kernels]
+    assert len(set(dkv)) == 2 and len(set(dq)) == 2 and not set(dq) & set(dkv), (dkv, dq)
+
+
 def test_backward_concurrent_kernels_streams_graphs_threads():
     """The fork and join of the dQ side stream (kernels/dispatch.cu: BwdFork) on a caller's
-    non-default stream, inside a CUDA graph capture (replayed twice), in a fresh host thread whose
-    first backward is inside a capture (no side stream yet: the kernels run in sequence), and from
-    four host threads at once on their own streams (each thread has its own side stream and
-    events): every result bit for bit the eager one's."""
+    non-default stream, inside a CUDA graph captured on that stream after an eager warm-up there
+    (replayed twice), in a fresh host thread whose first backward is inside a capture (no side
+    stream for that stream yet: the kernels run in sequence), and from four host threads at once
+    on their own streams (each has its own side streams and events): every result bit for bit
+    the eager one's."""
     require_hdim(128)
     args, scale = _concurrent_case(128)
     ref = _backward(args, scale)
@@ -215,7 +251,7 @@ def test_backward_concurrent_kernels_streams_graphs_threads():
     torch.cuda.current_stream().wait_stream(side)
     assert same(warm)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):  # the warmed-up stream: its side stream exists
         captured = _backward(args, scale)
     for _ in range(2):
         for t in captured:

@@ -17,7 +17,7 @@
 //   2. dK, dV per K/V block                                  (<arch>/flash_bwd_dkv_kernel.cuh)
 //   3. dQ per Q tile                                         (<arch>/flash_bwd_dq_kernel.cuh)
 // 1 and 2 on `stream`, 3 on a side stream forked after 1 and joined back (BwdFork), so 2 and 3
-// run side by side. No atomics: every output element is written once by one thread, in a fixed
+// run side by side (in sequence on `stream` where BwdFork has no side stream: see there). No atomics: every output element is written once by one thread, in a fixed
 // order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -30,6 +30,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "flash.h"
 #include "generated/build_config.h"
@@ -119,59 +120,105 @@ bool bwd_concurrent_enabled() {
 // stream forked after the preprocess and joined back before the call returns (events; the pattern
 // CUDA graph capture follows across streams). Each kernel's last, partial wave of CTAs then shares
 // the GPU with the other kernel's CTAs instead of leaving SMs idle. The outputs' bits do not
-// depend on it (each element is written once, in a fixed order, by one kernel). One side stream
-// and two events per (host thread, device): another thread's fork never re-records them between
-// this thread's record and wait. Created on first use outside a graph capture; a call that
-// captures before that runs the two kernels in sequence.
+// depend on it (each element is written once, in a fixed order, by one kernel).
+// A side stream and its two events belong to one (host thread, device, caller's stream): a call's
+// dQ then waits only for its own stream's earlier work (never another stream's), and no other
+// thread re-records the events between this thread's record and wait. Up to kSlots of them per
+// host thread, created on first use of a caller's stream outside a graph capture (in the relaxed
+// capture mode, so another thread's capture is not disturbed); past that, or for a stream whose
+// first backward is being captured, the two kernels run in sequence on the caller's stream.
 class BwdFork {
  public:
-  // Forks `stream` (nullptr: the kernels go in sequence on `stream`, as without the fork).
-  static BwdFork* begin(cudaStream_t stream) {
-    if (!bwd_concurrent_enabled()) return nullptr;
-    int device = 0;
-    FLASH_CHECK_CUDA(cudaGetDevice(&device));
-    if (device < 0 || device >= kMaxDevices) return nullptr;
-    thread_local BwdFork forks[kMaxDevices];
-    BwdFork& f = forks[device];
-    if (f.side_ == nullptr && !f.create(stream)) return nullptr;
-    FLASH_CHECK_CUDA(cudaEventRecord(f.forked_, stream));
-    FLASH_CHECK_CUDA(cudaStreamWaitEvent(f.side_, f.forked_, 0));
-    return &f;
+  // Forks `stream` after the work queued on it so far (the preprocess).
+  explicit BwdFork(cudaStream_t stream) : stream_(stream) {
+    if (!bwd_concurrent_enabled()) return;
+    Slot* slot = find_or_create(stream);
+    if (slot == nullptr) return;
+    FLASH_CHECK_CUDA(cudaEventRecord(slot->forked, stream));
+    FLASH_CHECK_CUDA(cudaStreamWaitEvent(slot->side, slot->forked, 0));
+    slot_ = slot;
   }
-  cudaStream_t side() const { return side_; }
-  // `stream` waits for everything issued on the side stream since begin().
-  void end(cudaStream_t stream) {
-    FLASH_CHECK_CUDA(cudaEventRecord(joined_, side_));
-    FLASH_CHECK_CUDA(cudaStreamWaitEvent(stream, joined_, 0));
+  BwdFork(const BwdFork&) = delete;
+  BwdFork& operator=(const BwdFork&) = delete;
+  // Where the dQ kernel goes: the side stream, or the caller's when there is none.
+  cudaStream_t dq_stream() const { return slot_ != nullptr ? slot_->side : stream_; }
+  // The caller's stream waits for the side stream's work (checked calls; after the last launch).
+  void join() {
+    if (slot_ == nullptr) return;
+    FLASH_CHECK_CUDA(cudaEventRecord(slot_->joined, slot_->side));
+    FLASH_CHECK_CUDA(cudaStreamWaitEvent(stream_, slot_->joined, 0));
+    slot_ = nullptr;  // (if a call above threw, the destructor tries once more)
   }
-  ~BwdFork() { release(); }  // at thread exit; work still queued on the stream completes first
+  // A launch threw before join(): join all the same (a capture must not end with the side stream
+  // forked into it), unchecked, the error state cleared; the launch's exception goes on.
+  ~BwdFork() {
+    if (slot_ == nullptr) return;
+    if (cudaEventRecord(slot_->joined, slot_->side) == cudaSuccess) {
+      (void)cudaStreamWaitEvent(stream_, slot_->joined, 0);
+    }
+    (void)cudaGetLastError();
+  }
 
  private:
-  // The side stream and events, unless `stream` is capturing or the runtime refuses (e.g. another
-  // thread's capture in the global mode): then none, and the error state is cleared.
-  bool create(cudaStream_t stream) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone ||
-        cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking) != cudaSuccess ||
-        cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventCreateWithFlags(&joined_, cudaEventDisableTiming) != cudaSuccess) {
-      release();
+  struct Slot {
+    int device = -1;
+    cudaStream_t stream = nullptr;  // the caller's stream this slot serves (with device)
+    cudaStream_t side = nullptr;
+    cudaEvent_t forked = nullptr, joined = nullptr;
+    // At thread exit (work still queued on the side stream completes first), or a creation that
+    // failed half way; the runtime's error state is left clear (a later launch check reads it).
+    ~Slot() {
+      if (side == nullptr && forked == nullptr && joined == nullptr) return;
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+      if (forked != nullptr) (void)cudaEventDestroy(forked);
+      if (joined != nullptr) (void)cudaEventDestroy(joined);
+      if (side != nullptr) (void)cudaStreamDestroy(side);
+      if (exchanged) (void)cudaThreadExchangeStreamCaptureMode(&mode);
       (void)cudaGetLastError();
-      return false;
     }
-    return true;
-  }
-  void release() {
-    if (forked_ != nullptr) cudaEventDestroy(forked_);
-    if (joined_ != nullptr) cudaEventDestroy(joined_);
-    if (side_ != nullptr) cudaStreamDestroy(side_);
-    side_ = nullptr;
-    forked_ = joined_ = nullptr;
+  };
+  static constexpr int kSlots = 48;  // torch's streams come from pools of 32 per device and priority
+
+  // This thread's slot of (current device, stream), made on first use; nullptr: none (the slots
+  // are taken, the stream is capturing, or the runtime refused: its error state then cleared).
+  static Slot* find_or_create(cudaStream_t stream) {
+    thread_local Slot slots[kSlots];
+    int device = 0;
+    FLASH_CHECK_CUDA(cudaGetDevice(&device));
+    Slot* free_slot = nullptr;
+    for (Slot& slot : slots) {
+      if (slot.side != nullptr && slot.device == device && slot.stream == stream) return &slot;
+      if (slot.side == nullptr && free_slot == nullptr) free_slot = &slot;
+    }
+    if (free_slot == nullptr) return nullptr;
+    // (The legacy default stream's query fails while a blocking stream of the device captures.)
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone ||
+        cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    Slot made;
+    const bool ok = cudaStreamCreateWithFlags(&made.side, cudaStreamNonBlocking) == cudaSuccess &&
+                    cudaEventCreateWithFlags(&made.forked, cudaEventDisableTiming) == cudaSuccess &&
+                    cudaEventCreateWithFlags(&made.joined, cudaEventDisableTiming) == cudaSuccess;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    if (!ok) {
+      (void)cudaGetLastError();  // (`made` releases what was created)
+      return nullptr;
+    }
+    std::swap(free_slot->side, made.side);
+    std::swap(free_slot->forked, made.forked);
+    std::swap(free_slot->joined, made.joined);
+    free_slot->device = device;
+    free_slot->stream = stream;
+    return free_slot;
   }
 
-  static constexpr int kMaxDevices = 64;
-  cudaStream_t side_ = nullptr;
-  cudaEvent_t forked_ = nullptr, joined_ = nullptr;
+  cudaStream_t stream_;
+  Slot* slot_ = nullptr;
 };
 
 // The run-time tuning knobs of params (flash.h: varlen_tight, sm90_bwd_tma, fwd_top_shift), read once.
@@ -331,13 +378,10 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
     run_bwd_preprocess<Element>(params, stream);
-    // dK/dV on `stream`, dQ on the fork's side stream (BwdFork), joined back below.
-    // (A launch that throws leaves nothing queued on the side stream after the fork.)
-    BwdFork* fork = BwdFork::begin(stream);
-    const cudaStream_t dq_stream = fork != nullptr ? fork->side() : stream;
-    auto join = [&] {
-      if (fork != nullptr) fork->end(stream);
-    };
+    // dK/dV on `stream`, dQ on the fork's side stream (BwdFork), joined back after both launches
+    // (or, if a launch throws, by the fork's destructor).
+    BwdFork fork(stream);
+    const cudaStream_t dq_stream = fork.dq_stream();
     if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
       if (path == ArchPath::kSm90) {
         // Sequence lengths per call for the rows' rules: a dense call's, a varlen call's means
@@ -360,13 +404,13 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
           if (dq_short) run_mha_bwd_dq_short_<Element, kHeadDim>(Sm90{}, params, dq_stream);
         }
         if (!dq_short) run_mha_bwd_dq_<Element, kHeadDim>(Sm90{}, params, dq_stream);
-        join();
+        fork.join();
         return;
       }
     }
     run_mha_bwd_dkv_<Element, kHeadDim>(Sm80{}, params, stream);
     run_mha_bwd_dq_<Element, kHeadDim>(Sm80{}, params, dq_stream);
-    join();
+    fork.join();
   });
 }
 
