@@ -230,10 +230,38 @@ def test_backward_concurrent_kernels_run_on_side_streams(tmp_path):
     assert len(set(dkv)) == 2 and len(set(dq)) == 2 and not set(dq) & set(dkv), (dkv, dq)
 
 
-def test_backward_concurrent_kernels_streams_graphs_threads():
+def _graph_dkv_dq_parallel(dot_path):
+    """From a CUDA graph's DOT dump (cudaGraphDebugDotPrint: one node per kernel, named in its
+    label; edges "a" -> "b"): whether the graph's dK/dV and dQ kernel nodes exist and neither is
+    reachable from the other (side by side, not in sequence)."""
+    with open(dot_path) as f:
+        text = f.read()
+    nodes = {m.group(1): m.group(2) for m in re.finditer(r'^\s*"([^"]+)"\s*\[(.*?)\];', text, re.S | re.M)}
+    edges = {}
+    for a, b in re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', text):
+        edges.setdefault(a, set()).add(b)
+
+    def reachable(src, dst):
+        seen, todo = set(), [src]
+        while todo:
+            n = todo.pop()
+            if n == dst:
+                return True
+            if n not in seen:
+                seen.add(n)
+                todo.extend(edges.get(n, ()))
+        return False
+
+    dkv = [n for n, label in nodes.items() if "flash_bwd_dkv" in label]
+    dq = [n for n, label in nodes.items() if "flash_bwd_dq" in label]
+    assert len(dkv) == 1 and len(dq) == 1, (dkv, dq, text[:2000])
+    return not reachable(dkv[0], dq[0]) and not reachable(dq[0], dkv[0])
+
+
+def test_backward_concurrent_kernels_streams_graphs_threads(tmp_path):
     """The fork and join of the dQ side stream (kernels/dispatch.cu: BwdFork) on a caller's
     non-default stream, inside a CUDA graph captured on that stream after an eager warm-up there
-    (replayed twice), in a fresh host thread whose first backward is inside a capture (no side
+    (its dK/dV and dQ kernel nodes on parallel branches; replayed twice), in a fresh host thread whose first backward is inside a capture (no side
     stream for that stream yet: the kernels run in sequence), and from four host threads at once
     on their own streams (each has its own side streams and events): every result bit for bit
     the eager one's."""
@@ -251,8 +279,12 @@ def test_backward_concurrent_kernels_streams_graphs_threads():
     torch.cuda.current_stream().wait_stream(side)
     assert same(warm)
     graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()  # keeps the graph for debug_dump
     with torch.cuda.graph(graph, stream=side):  # the warmed-up stream: its side stream exists
         captured = _backward(args, scale)
+    graph.debug_dump(str(tmp_path / "graph.dot"))
+    if os.environ.get("FLASH_ATTN_EXT_BWD_CONCURRENT") != "0":
+        assert _graph_dkv_dq_parallel(tmp_path / "graph.dot"), "the captured dK/dV and dQ kernels are in sequence"
     for _ in range(2):
         for t in captured:
             t.fill_(float("nan"))
