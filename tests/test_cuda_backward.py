@@ -261,10 +261,10 @@ def _graph_dkv_dq_parallel(dot_path):
 def test_backward_concurrent_kernels_streams_graphs_threads(tmp_path):
     """The fork and join of the dQ side stream (kernels/dispatch.cu: BwdFork) on a caller's
     non-default stream, inside a CUDA graph captured on that stream after an eager warm-up there
-    (its dK/dV and dQ kernel nodes on parallel branches; replayed twice), in a fresh host thread whose first backward is inside a capture (no side
-    stream for that stream yet: the kernels run in sequence), and from four host threads at once
-    on their own streams (each has its own side streams and events): every result bit for bit
-    the eager one's."""
+    (its dK/dV and dQ kernel nodes on parallel branches; replayed twice), in a fresh host thread
+    whose first backward is inside a capture (no side stream for that stream yet: the kernels run
+    in sequence), and from four host threads at once on their own streams (each has its own side
+    streams and events): every result bit for bit the eager one's."""
     require_hdim(128)
     args, scale = _concurrent_case(128)
     ref = _backward(args, scale)
