@@ -188,7 +188,7 @@ def _require_concurrent():
 @pytest.mark.parametrize("headdim", [64, 128])
 def test_backward_concurrent_kernels_match_sequential(headdim, arch_path, tmp_path):
     """The dK/dV and dQ kernels run side by side (dQ on a side stream forked after the preprocess,
-    kernels/dispatch.cu: BwdFork); in a subprocess with FLASH_ATTN_EXT_BWD_CONCURRENT=0 they run
+    kernels/bwd_fork.h: BwdFork); in a subprocess with FLASH_ATTN_EXT_BWD_CONCURRENT=0 they run
     one after the other: the same bits."""
     require_hdim(headdim)
     _require_concurrent()
@@ -259,7 +259,7 @@ def _graph_dkv_dq_parallel(dot_path):
 
 
 def test_backward_concurrent_kernels_streams_graphs_threads(tmp_path):
-    """The fork and join of the dQ side stream (kernels/dispatch.cu: BwdFork) on a caller's
+    """The fork and join of the dQ side stream (kernels/bwd_fork.h: BwdFork) on a caller's
     non-default stream, inside a CUDA graph captured on that stream after an eager warm-up there
     (its dK/dV and dQ kernel nodes on parallel branches; replayed twice), in a fresh host thread
     whose first backward is inside a capture (no side stream for that stream yet: the kernels run

@@ -16,9 +16,9 @@
 //   1. preprocess: D = rowsum(dO o O), LSE_log2 = hi + lo   (common/bwd_preprocess.cuh)
 //   2. dK, dV per K/V block                                  (<arch>/flash_bwd_dkv_kernel.cuh)
 //   3. dQ per Q tile                                         (<arch>/flash_bwd_dq_kernel.cuh)
-// 1 and 2 on `stream`, 3 on a side stream forked after 1 and joined back (BwdFork), so 2 and 3
-// run side by side (in sequence on `stream` where BwdFork has no side stream: see there). No atomics: every output element is written once by one thread, in a fixed
-// order.
+// 1 and 2 on `stream`, 3 on a side stream forked after 1 and joined back (kernels/bwd_fork.h), so 2
+// and 3 run side by side (in sequence on `stream` where the fork has no side stream: see there).
+// No atomics: every output element is written once by one thread, in a fixed order.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -30,11 +30,11 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <utility>
 
 #include "flash.h"
 #include "generated/build_config.h"
 #include "kernels/arch.h"
+#include "kernels/bwd_fork.h"
 #include "kernels/common/append_kv.cuh"
 #include "kernels/common/bwd_preprocess.cuh"
 #include "kernels/common/combine_kernel.cuh"
@@ -109,117 +109,11 @@ bool sm90_splitkv_small_enabled() {
 }
 
 // FLASH_ATTN_EXT_BWD_CONCURRENT=0 (read once) runs the backward's dK/dV and dQ kernels one after
-// the other on the caller's stream instead of side by side (BwdFork below).
+// the other on the caller's stream instead of side by side (kernels/bwd_fork.h).
 bool bwd_concurrent_enabled() {
   static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_BWD_CONCURRENT");
   return enabled;
 }
-
-// The backward's dK/dV and dQ kernels read the same inputs and the preprocess's workspaces and
-// write disjoint outputs, so they may run side by side: dK/dV on the caller's stream, dQ on a side
-// stream forked after the preprocess and joined back before the call returns (events; the pattern
-// CUDA graph capture follows across streams). Each kernel's last, partial wave of CTAs then shares
-// the GPU with the other kernel's CTAs instead of leaving SMs idle. The outputs' bits do not
-// depend on it (each element is written once, in a fixed order, by one kernel).
-// A side stream and its two events belong to one (host thread, device, caller's stream): a call's
-// dQ then waits only for its own stream's earlier work (never another stream's), and no other
-// thread re-records the events between this thread's record and wait. Up to kSlots of them per
-// host thread, created on first use of a caller's stream outside a graph capture (in the relaxed
-// capture mode, so another thread's capture is not disturbed); past that, or for a stream whose
-// first backward is being captured, the two kernels run in sequence on the caller's stream.
-class BwdFork {
- public:
-  // Forks `stream` after the work queued on it so far (the preprocess).
-  explicit BwdFork(cudaStream_t stream) : stream_(stream) {
-    if (!bwd_concurrent_enabled()) return;
-    Slot* slot = find_or_create(stream);
-    if (slot == nullptr) return;
-    FLASH_CHECK_CUDA(cudaEventRecord(slot->forked, stream));
-    FLASH_CHECK_CUDA(cudaStreamWaitEvent(slot->side, slot->forked, 0));
-    slot_ = slot;
-  }
-  BwdFork(const BwdFork&) = delete;
-  BwdFork& operator=(const BwdFork&) = delete;
-  // Where the dQ kernel goes: the side stream, or the caller's when there is none.
-  cudaStream_t dq_stream() const { return slot_ != nullptr ? slot_->side : stream_; }
-  // The caller's stream waits for the side stream's work (checked calls; after the last launch).
-  void join() {
-    if (slot_ == nullptr) return;
-    FLASH_CHECK_CUDA(cudaEventRecord(slot_->joined, slot_->side));
-    FLASH_CHECK_CUDA(cudaStreamWaitEvent(stream_, slot_->joined, 0));
-    slot_ = nullptr;  // (if a call above threw, the destructor tries once more)
-  }
-  // A launch threw before join(): join all the same (a capture must not end with the side stream
-  // forked into it), unchecked, the error state cleared; the launch's exception goes on.
-  ~BwdFork() {
-    if (slot_ == nullptr) return;
-    if (cudaEventRecord(slot_->joined, slot_->side) == cudaSuccess) {
-      (void)cudaStreamWaitEvent(stream_, slot_->joined, 0);
-    }
-    (void)cudaGetLastError();
-  }
-
- private:
-  struct Slot {
-    int device = -1;
-    cudaStream_t stream = nullptr;  // the caller's stream this slot serves (with device)
-    cudaStream_t side = nullptr;
-    cudaEvent_t forked = nullptr, joined = nullptr;
-    // At thread exit (work still queued on the side stream completes first), or a creation that
-    // failed half way; the runtime's error state is left clear (a later launch check reads it).
-    ~Slot() {
-      if (side == nullptr && forked == nullptr && joined == nullptr) return;
-      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-      const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
-      if (forked != nullptr) (void)cudaEventDestroy(forked);
-      if (joined != nullptr) (void)cudaEventDestroy(joined);
-      if (side != nullptr) (void)cudaStreamDestroy(side);
-      if (exchanged) (void)cudaThreadExchangeStreamCaptureMode(&mode);
-      (void)cudaGetLastError();
-    }
-  };
-  static constexpr int kSlots = 48;  // torch's streams come from pools of 32 per device and priority
-
-  // This thread's slot of (current device, stream), made on first use; nullptr: none (the slots
-  // are taken, the stream is capturing, or the runtime refused: its error state then cleared).
-  static Slot* find_or_create(cudaStream_t stream) {
-    thread_local Slot slots[kSlots];
-    int device = 0;
-    FLASH_CHECK_CUDA(cudaGetDevice(&device));
-    Slot* free_slot = nullptr;
-    for (Slot& slot : slots) {
-      if (slot.side != nullptr && slot.device == device && slot.stream == stream) return &slot;
-      if (slot.side == nullptr && free_slot == nullptr) free_slot = &slot;
-    }
-    if (free_slot == nullptr) return nullptr;
-    // (The legacy default stream's query fails while a blocking stream of the device captures.)
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone ||
-        cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    Slot made;
-    const bool ok = cudaStreamCreateWithFlags(&made.side, cudaStreamNonBlocking) == cudaSuccess &&
-                    cudaEventCreateWithFlags(&made.forked, cudaEventDisableTiming) == cudaSuccess &&
-                    cudaEventCreateWithFlags(&made.joined, cudaEventDisableTiming) == cudaSuccess;
-    (void)cudaThreadExchangeStreamCaptureMode(&mode);
-    if (!ok) {
-      (void)cudaGetLastError();  // (`made` releases what was created)
-      return nullptr;
-    }
-    std::swap(free_slot->side, made.side);
-    std::swap(free_slot->forked, made.forked);
-    std::swap(free_slot->joined, made.joined);
-    free_slot->device = device;
-    free_slot->stream = stream;
-    return free_slot;
-  }
-
-  cudaStream_t stream_;
-  Slot* slot_ = nullptr;
-};
 
 // The run-time tuning knobs of params (flash.h: varlen_tight, sm90_bwd_tma, fwd_top_shift), read once.
 void set_tuning_knobs(Flash_fwd_params& params) {
@@ -378,9 +272,9 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
     run_bwd_preprocess<Element>(params, stream);
-    // dK/dV on `stream`, dQ on the fork's side stream (BwdFork), joined back after both launches
+    // dK/dV on `stream`, dQ on the fork's side stream (kernels/bwd_fork.h), joined back after both launches
     // (or, if a launch throws, by the fork's destructor).
-    BwdFork fork(stream);
+    BwdFork fork(stream, bwd_concurrent_enabled());
     const cudaStream_t dq_stream = fork.dq_stream();
     if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
       if (path == ArchPath::kSm90) {
