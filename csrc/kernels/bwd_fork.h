@@ -6,8 +6,6 @@
 
 #include <cuda_runtime.h>
 
-#include <utility>
-
 #include "kernels/cuda_check.h"
 
 namespace flash {
@@ -62,9 +60,10 @@ class BwdFork {
     cudaStream_t stream = nullptr;  // the caller's stream this slot serves (with device)
     cudaStream_t side = nullptr;
     cudaEvent_t forked = nullptr, joined = nullptr;
-    // At thread exit (work still queued on the side stream completes first), or a creation that
-    // failed half way; the runtime's error state is left clear (a later launch check reads it).
-    ~Slot() {
+    // Back to a free slot: at thread exit (work still queued on the side stream completes first),
+    // or after a creation that failed half way; the runtime's error state is left clear (a later
+    // launch check reads it).
+    void release() {
       if (side == nullptr && forked == nullptr && joined == nullptr) return;
       cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
       const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
@@ -73,7 +72,10 @@ class BwdFork {
       if (side != nullptr) (void)cudaStreamDestroy(side);
       if (exchanged) (void)cudaThreadExchangeStreamCaptureMode(&mode);
       (void)cudaGetLastError();
+      side = nullptr;
+      forked = joined = nullptr;
     }
+    ~Slot() { release(); }
   };
   static constexpr int kSlots = 48;  // torch's streams come from pools of 32 per device and priority
 
@@ -97,21 +99,19 @@ class BwdFork {
       (void)cudaGetLastError();
       return nullptr;
     }
-    Slot made;
-    const bool ok = cudaStreamCreateWithFlags(&made.side, cudaStreamNonBlocking) == cudaSuccess &&
-                    cudaEventCreateWithFlags(&made.forked, cudaEventDisableTiming) == cudaSuccess &&
-                    cudaEventCreateWithFlags(&made.joined, cudaEventDisableTiming) == cudaSuccess;
+    Slot& slot = *free_slot;
+    const bool ok = cudaStreamCreateWithFlags(&slot.side, cudaStreamNonBlocking) == cudaSuccess &&
+                    cudaEventCreateWithFlags(&slot.forked, cudaEventDisableTiming) == cudaSuccess &&
+                    cudaEventCreateWithFlags(&slot.joined, cudaEventDisableTiming) == cudaSuccess;
     if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) (void)cudaGetLastError();
     if (!ok) {
-      (void)cudaGetLastError();  // (`made` releases what was created)
+      slot.release();  // what was made
+      (void)cudaGetLastError();
       return nullptr;
     }
-    std::swap(free_slot->side, made.side);
-    std::swap(free_slot->forked, made.forked);
-    std::swap(free_slot->joined, made.joined);
-    free_slot->device = device;
-    free_slot->stream = stream;
-    return free_slot;
+    slot.device = device;
+    slot.stream = stream;
+    return &slot;
   }
 
   cudaStream_t stream_;

@@ -272,38 +272,41 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
     run_bwd_preprocess<Element>(params, stream);
-    // dK/dV on `stream`, dQ on the fork's side stream (kernels/bwd_fork.h), joined back after both launches
-    // (or, if a launch throws, by the fork's destructor).
+    // dK/dV on `stream`, dQ on the fork's side stream (kernels/bwd_fork.h), joined back after both
+    // launches (or, if a launch throws, by the fork's destructor).
     BwdFork fork(stream, bwd_concurrent_enabled());
     const cudaStream_t dq_stream = fork.dq_stream();
-    if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
-      if (path == ArchPath::kSm90) {
-        // Sequence lengths per call for the rows' rules: a dense call's, a varlen call's means
-        // (total / batch; shapes only, no device sync).
-        const bool varlen = params.cu_seqlens_q != nullptr;
-        const int64_t batch = std::max(params.b, 1);
-        const int64_t mean_seqlen_q = varlen ? params.total_q / batch : params.seqlen_q;
-        const int64_t mean_seqlen_k = varlen ? params.total_k / batch : params.seqlen_k;
-        bool dkv_long = false;  // long sequences: the long-query dK/dV row where the head dim has one
-        if constexpr (contains(kSm90BwdDkvLongHdims, kHeadDim)) {
-          dkv_long = sm90_bwd_long_rows_enabled() &&
-                     sm90::dkv_long_rows(mean_seqlen_q, mean_seqlen_k, batch * params.h_k, params.num_sms,
-                                         sm90::DkvLongTile<kHeadDim>::kBlockN, sm90::dkv_long_min_seqlen(kHeadDim));
-          if (dkv_long) run_mha_bwd_dkv_long_<Element, kHeadDim>(Sm90{}, params, stream);
+    auto launch_dkv_and_dq = [&] {
+      if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
+        if (path == ArchPath::kSm90) {
+          // Sequence lengths per call for the rows' rules: a dense call's, a varlen call's means
+          // (total / batch; shapes only, no device sync).
+          const bool varlen = params.cu_seqlens_q != nullptr;
+          const int64_t batch = std::max(params.b, 1);
+          const int64_t mean_seqlen_q = varlen ? params.total_q / batch : params.seqlen_q;
+          const int64_t mean_seqlen_k = varlen ? params.total_k / batch : params.seqlen_k;
+          bool dkv_long = false;  // long sequences: the long-query dK/dV row where the head dim has one
+          if constexpr (contains(kSm90BwdDkvLongHdims, kHeadDim)) {
+            dkv_long = sm90_bwd_long_rows_enabled() &&
+                       sm90::dkv_long_rows(mean_seqlen_q, mean_seqlen_k, batch * params.h_k, params.num_sms,
+                                           sm90::DkvLongTile<kHeadDim>::kBlockN, sm90::dkv_long_min_seqlen(kHeadDim));
+            if (dkv_long) run_mha_bwd_dkv_long_<Element, kHeadDim>(Sm90{}, params, stream);
+          }
+          if (!dkv_long) run_mha_bwd_dkv_<Element, kHeadDim>(Sm90{}, params, stream);
+          bool dq_short = false;  // short sequences: the short dQ row where the head dim has one
+          if constexpr (contains(kSm90BwdDqShortHdims, kHeadDim)) {
+            dq_short = sm90_bwd_dq_short_enabled() &&
+                       sm90::dq_short_rows(params.is_causal, mean_seqlen_q, mean_seqlen_k);
+            if (dq_short) run_mha_bwd_dq_short_<Element, kHeadDim>(Sm90{}, params, dq_stream);
+          }
+          if (!dq_short) run_mha_bwd_dq_<Element, kHeadDim>(Sm90{}, params, dq_stream);
+          return;
         }
-        if (!dkv_long) run_mha_bwd_dkv_<Element, kHeadDim>(Sm90{}, params, stream);
-        bool dq_short = false;  // short sequences: the short dQ row where the head dim has one
-        if constexpr (contains(kSm90BwdDqShortHdims, kHeadDim)) {
-          dq_short = sm90_bwd_dq_short_enabled() && sm90::dq_short_rows(params.is_causal, mean_seqlen_q, mean_seqlen_k);
-          if (dq_short) run_mha_bwd_dq_short_<Element, kHeadDim>(Sm90{}, params, dq_stream);
-        }
-        if (!dq_short) run_mha_bwd_dq_<Element, kHeadDim>(Sm90{}, params, dq_stream);
-        fork.join();
-        return;
       }
-    }
-    run_mha_bwd_dkv_<Element, kHeadDim>(Sm80{}, params, stream);
-    run_mha_bwd_dq_<Element, kHeadDim>(Sm80{}, params, dq_stream);
+      run_mha_bwd_dkv_<Element, kHeadDim>(Sm80{}, params, stream);
+      run_mha_bwd_dq_<Element, kHeadDim>(Sm80{}, params, dq_stream);
+    };
+    launch_dkv_and_dq();
     fork.join();
   });
 }

@@ -4,6 +4,7 @@
 // capture mode restored, the join when a launch throws, and every stream and event released at
 // thread exit. Built and run by tests/test_bwd_fork.py; prints "ok" and exits 0, or names each
 // failed check and exits 1.
+#include <cstdint>
 #include <cstdio>
 #include <stdexcept>
 #include <thread>
