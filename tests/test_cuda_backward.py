@@ -258,6 +258,25 @@ def _graph_dkv_dq_parallel(dot_path):
     return not reachable(dkv[0], dq[0]) and not reachable(dq[0], dkv[0])
 
 
+def _dumpable_graph():
+    """A CUDAGraph whose captured graph stays alive for debug_dump: newer torch (2.11 here) frees it at
+    capture end unless made with keep_graph=True (then instantiated on its first replay; debug
+    mode alone writes no file there); older torch keeps it in debug mode."""
+    try:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    return graph
+
+
+def _dump_graph(graph, path):
+    """graph's DOT dump at path (asserting it was written: debug_dump only warns when it is not)."""
+    graph.debug_dump(str(path))
+    assert path.exists(), f"CUDAGraph.debug_dump wrote no {path}"
+    return path
+
+
 def test_backward_concurrent_kernels_streams_graphs_threads(tmp_path):
     """The fork and join of the dQ side stream (kernels/bwd_fork.h: BwdFork) on a caller's
     non-default stream, inside a CUDA graph captured on that stream after an eager warm-up there
@@ -278,13 +297,12 @@ def test_backward_concurrent_kernels_streams_graphs_threads(tmp_path):
         warm = _backward(args, scale)  # graph capture's warm-up, on a non-default stream
     torch.cuda.current_stream().wait_stream(side)
     assert same(warm)
-    graph = torch.cuda.CUDAGraph()
-    graph.enable_debug_mode()  # keeps the graph for debug_dump
+    graph = _dumpable_graph()
     with torch.cuda.graph(graph, stream=side):  # the warmed-up stream: its side stream exists
         captured = _backward(args, scale)
-    graph.debug_dump(str(tmp_path / "graph.dot"))
+    dot = _dump_graph(graph, tmp_path / "graph.dot")
     if os.environ.get("FLASH_ATTN_EXT_BWD_CONCURRENT") != "0":
-        assert _graph_dkv_dq_parallel(tmp_path / "graph.dot"), "the captured dK/dV and dQ kernels are in sequence"
+        assert _graph_dkv_dq_parallel(dot), "the captured dK/dV and dQ kernels are in sequence"
     for _ in range(2):
         for t in captured:
             t.fill_(float("nan"))
