@@ -1,8 +1,8 @@
 """The backward's side stream for its dQ kernel (csrc/kernels/bwd_fork.h: flash::BwdFork), host
 logic only, on any machine: tests/cpp/bwd_fork_test.cpp compiled against the mock CUDA runtime of
 tests/cpp/mock_cuda drives the fork and join, one side stream per (host thread, device, caller's
-stream), the fallbacks to running the kernels in sequence (disabled, a capturing stream's first
-use, every creation call failing, the 48 slots of a thread taken), the join when a launch throws,
+stream; made while that stream captures too), the fallbacks to running the kernels in sequence
+(disabled, every creation call failing, the 48 slots of a thread taken), the join when a launch throws,
 and the release of every stream and event at thread exit. The GPU side (the kernels really running
 side by side, graph capture, threads) is in tests/test_cuda_backward.py."""
 

@@ -19,9 +19,9 @@ namespace flash {
 // A side stream and its two events belong to one (host thread, device, caller's stream): a call's
 // dQ then waits only for its own stream's earlier work (never another stream's), and no other
 // thread re-records the events between this thread's record and wait. Up to kSlots of them per
-// host thread, created on first use of a caller's stream outside a graph capture (in the relaxed
-// capture mode, so another thread's capture is not disturbed); past that, or for a stream whose
-// first backward is being captured, the two kernels run in sequence on the caller's stream.
+// host thread, created on first use of a caller's stream, in a graph capture too (in the relaxed
+// capture mode, so no capture of this thread or another is disturbed); past that, the two kernels
+// run in sequence on the caller's stream.
 class BwdFork {
  public:
   // Forks `stream` after the work queued on it so far (the preprocess); enabled = false: no fork.
@@ -80,7 +80,7 @@ class BwdFork {
   static constexpr int kSlots = 48;  // torch's streams come from pools of 32 per device and priority
 
   // This thread's slot of (current device, stream), made on first use; nullptr: none (the slots
-  // are taken, the stream is capturing, or the runtime refused: its error state then cleared).
+  // are taken, or the runtime refused: its error state then cleared).
   static Slot* find_or_create(cudaStream_t stream) {
     thread_local Slot slots[kSlots];
     int device = 0;
@@ -91,11 +91,10 @@ class BwdFork {
       if (slot.side == nullptr && free_slot == nullptr) free_slot = &slot;
     }
     if (free_slot == nullptr) return nullptr;
-    // (The legacy default stream's query fails while a blocking stream of the device captures.)
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    // Made in the relaxed capture mode, also while `stream` captures (a stream and two events are
+    // no stream work: the capture then records the fork and join like any other's).
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone ||
-        cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
+    if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
       (void)cudaGetLastError();
       return nullptr;
     }

@@ -1,8 +1,8 @@
 // flash::BwdFork (csrc/kernels/bwd_fork.h) against the mock runtime of tests/cpp/mock_cuda: the fork
-// and join's calls, one side stream per (host thread, device, caller's stream), the fallbacks
-// (disabled, capturing, slots taken, any creation call failing) leaving no error state and the
-// capture mode restored, the join when a launch throws, and every stream and event released at
-// thread exit. Built and run by tests/test_bwd_fork.py; prints "ok" and exits 0, or names each
+// and join's calls, one side stream per (host thread, device, caller's stream), made while the
+// caller's stream captures too, the fallbacks (disabled, slots taken, any creation call failing)
+// leaving no error state and the capture mode restored, the join when a launch throws, and every
+// stream and event released at thread exit. Built and run by tests/test_bwd_fork.py; prints "ok" and exits 0, or names each
 // failed check and exits 1.
 #include <cstdint>
 #include <cstdio>
@@ -117,12 +117,13 @@ void run_all() {
   CHECK(threw);
   CHECK(mock::count("cudaEventRecord") == 3 && mock::log.back().name == "cudaStreamWaitEvent");
 
-  kase = "a capturing stream's first use: in sequence, nothing created";
+  kase = "a capturing stream's first use: its side stream made in the relaxed mode, the fork captured";
   mock::reset();
   mock::capturing.insert(caller(2));
-  CHECK(backward(caller(2)) == caller(2));
-  CHECK(mock::count("cudaStreamCreateWithFlags") == 0 && mock::count("cudaEventRecord") == 0);
-  CHECK(mock::last_error == cudaSuccess);
+  const cudaStream_t side2 = backward(caller(2));
+  CHECK(side2 != caller(2) && mock::count("cudaStreamCreateWithFlags") == 1);
+  CHECK(mock::log[find("cudaStreamCreateWithFlags")].mode == cudaStreamCaptureModeRelaxed);
+  CHECK(mock::count("cudaEventRecord") == 2 && mock::last_error == cudaSuccess);
   kase = "a capturing stream with a side stream made before: the fork is captured";
   CHECK(backward(caller(0)) == side0);  // (caller(0) not capturing here; its slot exists)
   mock::capturing.insert(caller(0));
