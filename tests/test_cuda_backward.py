@@ -314,15 +314,14 @@ def test_backward_concurrent_kernels_streams_graphs_threads(tmp_path):
 
     def capture_first():
         try:
-            g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-            g.enable_debug_mode()
+            g, stream = _dumpable_graph(), torch.cuda.Stream()
             with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
                 got = _backward(args, scale)
-            g.debug_dump(str(tmp_path / "graph_first.dot"))
+            dot = _dump_graph(g, tmp_path / "graph_first.dot")
             g.replay()
             torch.cuda.synchronize()
             results["capture_first"] = same(got) and (os.environ.get("FLASH_ATTN_EXT_BWD_CONCURRENT") == "0" or
-                                                      _graph_dkv_dq_parallel(tmp_path / "graph_first.dot"))
+                                                      _graph_dkv_dq_parallel(dot))
         except Exception as e:  # noqa: BLE001  (reported by the assert below)
             errors.append(repr(e))
 
