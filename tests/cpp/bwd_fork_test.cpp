@@ -2,8 +2,8 @@
 // and join's calls, one side stream per (host thread, device, caller's stream), made while the
 // caller's stream captures too, the fallbacks (disabled, slots taken, any creation call failing)
 // leaving no error state and the capture mode restored, the join when a launch throws, and every
-// stream and event released at thread exit. Built and run by tests/test_bwd_fork.py; prints "ok" and exits 0, or names each
-// failed check and exits 1.
+// stream and event released at thread exit. Built and run by tests/test_bwd_fork.py; prints "ok"
+// and exits 0, or names each failed check and exits 1.
 #include <cstdint>
 #include <cstdio>
 #include <stdexcept>
