@@ -22,7 +22,7 @@ import time
 
 import torch
 
-import flash_attn_ext
+from flash_attn_ext.bench.peers import ALL_PEERS, build_impls
 
 
 class Nvml:
@@ -70,26 +70,19 @@ def sustained(fn, nvml: Nvml, seconds: float):
 
 
 def implementations(peers):
-    impls = {"ours": lambda q, k, v, causal: flash_attn_ext.flash_attn_func(q, k, v, causal=causal)}
-    for peer in peers:
-        if peer == "flash-attn4":
-            try:
-                from flash_attn.cute import flash_attn_func as fa4
-            except ImportError as e:
-                raise SystemExit(f"--peers flash-attn4: flash_attn.cute is not importable ({e})") from e
-            impls[peer] = lambda q, k, v, causal, f=fa4: f(q, k, v, causal=causal)
-        elif peer in ("sdpa-cudnn", "sdpa-flash"):
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            backend = SDPBackend.CUDNN_ATTENTION if peer == "sdpa-cudnn" else SDPBackend.FLASH_ATTENTION
+    """name -> fn(q, k, v, causal): ours first, then the peers, through the benchmark's own
+    wrappers (flash_attn_ext.bench.peers: build_impls), each inside its context (SDPA's backend)."""
+    impls, notes = build_impls(peers, torch.device("cuda"), None)
+    for note in notes:
+        print(note)
 
-            def sdpa(q, k, v, causal, backend=backend):
-                with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-            impls[peer] = sdpa
-        else:
-            raise SystemExit(f"unknown peer {peer!r} (flash-attn4, sdpa-cudnn, sdpa-flash)")
-    return impls
+    def call(impl):
+        def fn(q, k, v, causal):
+            with impl.context():
+                return impl.fn(q, k, v, q.shape[-1] ** -0.5, causal)
+        return fn
+
+    return {impl.name: call(impl) for impl in impls}
 
 
 def main():
@@ -97,16 +90,20 @@ def main():
     ap.add_argument("--hdim", default="64,128")
     ap.add_argument("--seqlen", default="8192")
     ap.add_argument("--causal", default="both", choices=("true", "false", "both"))
-    ap.add_argument("--peers", default="flash-attn4", help="comma-separated: flash-attn4, sdpa-cudnn, sdpa-flash")
+    ap.add_argument("--peers", default="flash-attn4", help=f"comma-separated, of {', '.join(ALL_PEERS)}")
     ap.add_argument("--seconds", type=float, default=2.0, help="timed seconds per run (after as many of warm-up)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sustained_power.py needs a CUDA GPU")
     nvml = Nvml()
-    impls = implementations([p for p in args.peers.split(",") if p])
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = [p for p in peers if p not in ALL_PEERS]
+    if unknown:
+        raise SystemExit(f"unknown peers {unknown} (known: {', '.join(ALL_PEERS)})")
+    impls = implementations(peers)
     causals = {"true": [True], "false": [False], "both": [False, True]}[args.causal]
     torch.manual_seed(0)
-    print(f"{'case':28s} {'impl':12s} {'TFLOP/s':>8s} {'W':>5s} {'MHz':>5s} {'TFLOP/J':>8s} {'per GHz':>8s}")
+    print(f"{'case':28s} {'impl':14s} {'TFLOP/s':>8s} {'W':>5s} {'MHz':>5s} {'TFLOP/J':>8s} {'per GHz':>8s}")
     for d in (int(x) for x in args.hdim.split(",")):
         for n in (int(x) for x in args.seqlen.split(",")):
             b, h = max(16384 // n, 1), 2048 // d
@@ -118,7 +115,7 @@ def main():
                     sustained(fn, nvml, args.seconds)
                     calls, secs, joules, mhz = sustained(fn, nvml, args.seconds)
                     tflops = flop * calls / secs / 1e12
-                    print(f"{f'd{d} N{n} B{b} H{h} causal={causal}':28s} {name:12s} {tflops:8.1f} "
+                    print(f"{f'd{d} N{n} B{b} H{h} causal={causal}':28s} {name:14s} {tflops:8.1f} "
                           f"{joules / secs:5.0f} {mhz:5.0f} {flop * calls / joules / 1e12:8.3f} "
                           f"{tflops / mhz * 1000:8.1f}", flush=True)
 

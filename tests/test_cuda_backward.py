@@ -180,8 +180,13 @@ def _backward(args, scale):
     return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, True, stats)
 
 
+def _concurrent():
+    """Whether the backward's kernels run side by side here (FLASH_ATTN_EXT_BWD_CONCURRENT)."""
+    return os.environ.get("FLASH_ATTN_EXT_BWD_CONCURRENT") != "0"
+
+
 def _require_concurrent():
-    if os.environ.get("FLASH_ATTN_EXT_BWD_CONCURRENT") == "0":
+    if not _concurrent():
         pytest.skip("FLASH_ATTN_EXT_BWD_CONCURRENT=0 runs the backward's kernels in sequence")
 
 
@@ -259,9 +264,9 @@ def _graph_dkv_dq_parallel(dot_path):
 
 
 def _dumpable_graph():
-    """A CUDAGraph whose captured graph stays alive for debug_dump: newer torch (2.11 here) frees it at
-    capture end unless made with keep_graph=True (then instantiated on its first replay; debug
-    mode alone writes no file there); older torch keeps it in debug mode."""
+    """A CUDAGraph whose captured graph stays alive for debug_dump: newer torch (2.11 here) frees
+    it at capture end unless made with keep_graph=True (then instantiated on its first replay;
+    debug mode alone writes no file there); older torch keeps it in debug mode."""
     try:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
     except TypeError:
@@ -301,7 +306,7 @@ def test_backward_concurrent_kernels_streams_graphs_threads(tmp_path):
     with torch.cuda.graph(graph, stream=side):  # the warmed-up stream: its side stream exists
         captured = _backward(args, scale)
     dot = _dump_graph(graph, tmp_path / "graph.dot")
-    if os.environ.get("FLASH_ATTN_EXT_BWD_CONCURRENT") != "0":
+    if _concurrent():
         assert _graph_dkv_dq_parallel(dot), "the captured dK/dV and dQ kernels are in sequence"
     for _ in range(2):
         for t in captured:
@@ -320,8 +325,7 @@ def test_backward_concurrent_kernels_streams_graphs_threads(tmp_path):
             dot = _dump_graph(g, tmp_path / "graph_first.dot")
             g.replay()
             torch.cuda.synchronize()
-            results["capture_first"] = same(got) and (os.environ.get("FLASH_ATTN_EXT_BWD_CONCURRENT") == "0" or
-                                                      _graph_dkv_dq_parallel(dot))
+            results["capture_first"] = same(got) and (not _concurrent() or _graph_dkv_dq_parallel(dot))
         except Exception as e:  # noqa: BLE001  (reported by the assert below)
             errors.append(repr(e))
 
