@@ -9,13 +9,18 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -207,6 +212,106 @@ static float time_ms(const std::function<void()>& fn) {
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// ---- Sustained load (--sustain=MS): the power-capped regime of long runs ----
+// The harness's default timing (time_ms: 18 calls, tens of ms) runs at the boost clock; a training
+// run or the benchmark's sweep holds the board at its power limit, where the SM clock follows the
+// power each tile config draws (docs/PERF_NOTES.md, 2026-12-04 fifteenth session). With --sustain
+// each point first runs the kernel back to back for MS ms, then times ~200 ms of calls while a host
+// thread samples the SM clock and board power through NVML (the driver's libnvidia-ml, opened at
+// run time: no link dependency; without it the clock columns read 0). NVML's power reading is a
+// 1 s average on Hopper, so give MS >= 1000 for it to describe the variant timed.
+
+// The NVML calls used, declared here (nvml.h is not part of every toolkit install).
+struct Nvml {
+  using Init = int (*)();
+  using ByBus = int (*)(const char*, void**);
+  using Clock = int (*)(void*, int, unsigned*);
+  using Power = int (*)(void*, unsigned*);
+  void* dev = nullptr;
+  Clock clock = nullptr;
+  Power power = nullptr;
+  Nvml() {
+    void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (!lib) return;
+    auto init = reinterpret_cast<Init>(dlsym(lib, "nvmlInit_v2"));
+    auto by_bus = reinterpret_cast<ByBus>(dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+    clock = reinterpret_cast<Clock>(dlsym(lib, "nvmlDeviceGetClockInfo"));
+    power = reinterpret_cast<Power>(dlsym(lib, "nvmlDeviceGetPowerUsage"));
+    char bus[32];
+    int cuda_dev = 0;
+    if (!init || !by_bus || !clock || !power || init() != 0 || cudaGetDevice(&cuda_dev) != cudaSuccess ||
+        cudaDeviceGetPCIBusId(bus, sizeof bus, cuda_dev) != cudaSuccess || by_bus(bus, &dev) != 0) {
+      dev = nullptr;
+    }
+  }
+  // SM clock (MHz) and board power (W) now; zeros without NVML.
+  void sample(double& mhz, double& watts) const {
+    unsigned c = 0, mw = 0;
+    if (dev && clock(dev, /*NVML_CLOCK_SM*/ 1, &c) == 0 && power(dev, &mw) == 0) mhz = c, watts = mw * 1e-3;
+  }
+};
+
+struct Sustained {
+  float ms;            // median ms per call in the timed window
+  double mhz, watts;   // means of the samples taken while the timed calls ran
+};
+
+static Sustained time_sustained_ms(const std::function<void()>& fn, float sustain_ms, const Nvml& nvml) {
+  cudaEvent_t a, b;
+  FLASH_CHECK_CUDA(cudaEventCreate(&a));
+  FLASH_CHECK_CUDA(cudaEventCreate(&b));
+  FLASH_CHECK_CUDA(cudaEventRecord(a));
+  for (int i = 0; i < 3; ++i) fn();
+  FLASH_CHECK_CUDA(cudaEventRecord(b));
+  FLASH_CHECK_CUDA(cudaEventSynchronize(b));
+  float est = 0.f;
+  FLASH_CHECK_CUDA(cudaEventElapsedTime(&est, a, b));
+  est = std::max(est / 3, 1e-3f);
+  const int heat = std::max(1, int(sustain_ms / est)), reps = std::max(15, int(200.f / est));
+  std::vector<cudaEvent_t> ev(2 * reps);
+  for (auto& e : ev) FLASH_CHECK_CUDA(cudaEventCreate(&e));
+  // The sampler counts once the first timed call's start event is recorded and passed (an event
+  // never recorded queries as complete).
+  std::atomic<bool> armed{false}, done{false};
+  double mhz_sum = 0, watts_sum = 0;
+  int samples = 0;
+  std::thread sampler([&] {
+    while (!done.load()) {
+      if (armed.load() && cudaEventQuery(ev[0]) == cudaSuccess) {
+        double mhz = 0, watts = 0;
+        nvml.sample(mhz, watts);
+        mhz_sum += mhz, watts_sum += watts, ++samples;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  for (int i = 0; i < heat; ++i) fn();
+  for (int i = 0; i < reps; ++i) {
+    FLASH_CHECK_CUDA(cudaEventRecord(ev[2 * i]));
+    if (i == 0) armed.store(true);
+    fn();
+    FLASH_CHECK_CUDA(cudaEventRecord(ev[2 * i + 1]));
+  }
+  FLASH_CHECK_CUDA(cudaEventSynchronize(ev.back()));
+  done.store(true);
+  sampler.join();
+  std::vector<float> t(reps);
+  for (int i = 0; i < reps; ++i) FLASH_CHECK_CUDA(cudaEventElapsedTime(&t[i], ev[2 * i], ev[2 * i + 1]));
+  for (auto& e : ev) FLASH_CHECK_CUDA(cudaEventDestroy(e));
+  FLASH_CHECK_CUDA(cudaEventDestroy(a));
+  FLASH_CHECK_CUDA(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return {t[reps / 2], samples ? mhz_sum / samples : 0.0, samples ? watts_sum / samples : 0.0};
+}
+
+static const char* kind_name(const TuneVariant& v) { return v.kind == 0 ? "fwd" : v.kind == 1 ? "dkv" : "dq"; }
+
+static double median(std::vector<double> x) {
+  if (x.empty()) return 0.0;
+  std::sort(x.begin(), x.end());
+  return x[x.size() / 2];
 }
 
 // ---- Split-KV forward on decode steps (kind 3) ----
@@ -463,12 +568,16 @@ static int run_decode(const DecodeOptions& opt, const cudaDeviceProp& prop, floa
 
 int main(int argc, char** argv) {
   // Usage: tune_kernels [seqlen ...] [--splits=0,16,48] [--cases=B1xN8192,B64xN32768xP16]
-  //                     [--heads=32:8] [--reps=N] [--csv=PATH]
-  // Dense kinds: seqlens (default 1024 4096 16384); hdims and causal from the registry. splitkv:
+  //                     [--heads=32:8] [--reps=N] [--csv=PATH] [--sustain=MS [--rounds=R]]
+  // Dense kinds: seqlens (default 1024 4096 16384); hdims and causal from the registry; --sustain:
+  // each point timed after MS ms of back-to-back calls, with the SM clock and power, in R rounds
+  // of rotated order (time_sustained_ms). splitkv:
   // the decode cases (default: issue 14's five, plus page 16 at B1xN131072 and B64xN32768), each
   // at every split count of --splits (0: the variant's heuristic; default 0).
   std::vector<int> seqlens;
   DecodeOptions dec;
+  float sustain_ms = 0.f;  // dense kinds: 0 = the short timing (time_ms); else time_sustained_ms
+  int rounds = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.rfind("--splits=", 0) == 0) dec.splits = parse_ints(argv[i] + 9);
@@ -476,6 +585,8 @@ int main(int argc, char** argv) {
     else if (a.rfind("--heads=", 0) == 0) sscanf(argv[i] + 8, "%d:%d", &dec.h, &dec.h_k);
     else if (a.rfind("--reps=", 0) == 0) dec.reps = atoi(argv[i] + 7);
     else if (a.rfind("--csv=", 0) == 0) dec.csv = a.substr(6);
+    else if (a.rfind("--sustain=", 0) == 0) sustain_ms = float(atof(argv[i] + 10));
+    else if (a.rfind("--rounds=", 0) == 0) rounds = std::max(1, atoi(argv[i] + 9));
     else seqlens.push_back(atoi(argv[i]));
   }
   if (seqlens.empty()) seqlens = {1024, 4096, 16384};
@@ -490,6 +601,8 @@ int main(int argc, char** argv) {
   std::sort(hdims.begin(), hdims.end());
   float* d_scratch;
   FLASH_CHECK_CUDA(cudaMalloc(&d_scratch, sizeof(float)));
+  const Nvml nvml;
+  if (sustain_ms > 0 && !nvml.dev) printf("note: NVML not available: no clock or power columns\n");
   if (!hdims.empty()) {
     printf("%-4s %-6s %-6s %-5s %-62s %9s %9s %10s\n", "hdim", "causal", "N", "kind", "variant", "ms", "TFLOP/s",
            "maxdiff");
@@ -543,6 +656,12 @@ int main(int argc, char** argv) {
         p.is_causal = causal; p.is_bf16 = true;
         p.arch = prop.major * 10 + prop.minor; p.num_sms = prop.multiProcessorCount;
         const double fwd_flops = 4.0 * b * h * double(n) * n * d * (causal ? 0.5 : 1.0);
+        // Share of the 2.5x-forward backward FLOPs: dkv does 4 of 7 matmuls, dq 3 of 7 (so TFLOP/s
+        // of dkv and dq are comparable with each other and with fwd).
+        auto flops_of = [&](const TuneVariant& var) {
+          return var.kind == 0 ? fwd_flops : fwd_flops * (var.kind == 1 ? 2.0 : 1.5);
+        };
+        std::vector<std::pair<const TuneVariant*, float>> checked;  // (variant, maxdiff) in run order
         bool first[3] = {true, true, true};
         bool bwd_ready = false;
         const TuneVariant* fwd_ref = nullptr;
@@ -570,15 +689,39 @@ int main(int argc, char** argv) {
           } else {
             md = diff(out, ref, numel, d_scratch);  // NaN (unwritten) shows as a huge value
           }
+          checked.push_back({&var, md});
+          if (sustain_ms > 0) continue;  // timed below, in rounds
           const float ms = time_ms([&] { var.run(p, nullptr); });
-          // Share of the 2.5x-forward backward FLOPs: dkv does 4 of 7 matmuls, dq 3 of 7
-          // (so TFLOP/s of dkv and dq are comparable with each other and with fwd).
-          const double flops = var.kind == 0 ? fwd_flops : fwd_flops * (var.kind == 1 ? 2.0 : 1.5);
-          printf("%-4d %-6s %-6d %-5s %-62s %9.3f %9.1f %10.3g\n", d, causal ? "yes" : "no", n,
-                 var.kind == 0 ? "fwd" : var.kind == 1 ? "dkv" : "dq", var.name.c_str(), ms,
-                 flops / ms * 1e-9, md);
+          printf("%-4d %-6s %-6d %-5s %-62s %9.3f %9.1f %10.3g\n", d, causal ? "yes" : "no", n, kind_name(var),
+                 var.name.c_str(), ms, flops_of(var) / ms * 1e-9, md);
           fflush(stdout);
         }
+        // Sustained: round r times every variant of the problem, in the order rotated by r (A B,
+        // B A, ...), each after sustain_ms of back-to-back calls. Per round a line starting "round";
+        // then per variant its median in the short timing's format (scripts/compare_tune.py reads
+        // those) and a "clock" line: the medians of the rounds' SM clock, power and TFLOP/s per GHz.
+        std::vector<std::vector<double>> tf(checked.size()), mhz(checked.size()), watts(checked.size());
+        for (int r = 0; sustain_ms > 0 && r < rounds; ++r) {
+          for (size_t j = 0; j < checked.size(); ++j) {
+            const size_t vi = (j + r) % checked.size();
+            const TuneVariant& var = *checked[vi].first;
+            const Sustained t = time_sustained_ms([&] { var.run(p, nullptr); }, sustain_ms, nvml);
+            tf[vi].push_back(flops_of(var) / t.ms * 1e-9);
+            mhz[vi].push_back(t.mhz), watts[vi].push_back(t.watts);
+            printf("round %d: %d %s %d %s %s  %.3f ms %.1f TFLOP/s %.0f MHz %.0f W\n", r, d, causal ? "yes" : "no", n,
+                   kind_name(var), var.name.c_str(), t.ms, tf[vi].back(), t.mhz, t.watts);
+            fflush(stdout);
+          }
+        }
+        for (size_t vi = 0; sustain_ms > 0 && vi < checked.size(); ++vi) {
+          const TuneVariant& var = *checked[vi].first;
+          const double tflops = median(tf[vi]), clock = median(mhz[vi]);
+          printf("%-4d %-6s %-6d %-5s %-62s %9.3f %9.1f %10.3g\n", d, causal ? "yes" : "no", n, kind_name(var),
+                 var.name.c_str(), flops_of(var) / tflops * 1e-9, tflops, checked[vi].second);
+          printf("  clock (median of %d rounds): %.0f MHz, %.0f W, %.1f TFLOP/s per GHz\n", rounds, clock,
+                 median(watts[vi]), clock > 0 ? tflops / (clock * 1e-3) : 0.0);
+        }
+        fflush(stdout);
         for (auto* ptr : bufs) FLASH_CHECK_CUDA(cudaFree(ptr));
         for (void* ptr : {static_cast<void*>(lse), static_cast<void*>(stats), static_cast<void*>(ws),
                           static_cast<void*>(precise)}) {

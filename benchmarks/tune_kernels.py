@@ -30,6 +30,10 @@ The first variant of each (output, hdim) is the reference the others' outputs ar
 (fwd and fwd90 both write O, dkv and dkv90 dK, dq and dq90 dQ; put the production row of tile_config.h first, and
 a fwd variant of each hdim: it makes the backward inputs). One translation unit per variant is compiled
 in parallel (benchmarks/tune_kernels.cu), then the binary prints one line per (problem, variant).
+Dense timings are short (~18 calls) and so run at the boost clock; --sustain MS [--rounds R] times
+each point after MS ms of back-to-back calls instead, as the benchmark's sweeps and training runs
+load the board (at its power limit, where the clock follows each config's power), printing the SM
+clock, board power and TFLOP/s per GHz of every round and each variant's medians.
 """
 
 import argparse
@@ -89,6 +93,12 @@ def main():
     ap.add_argument("--reps", type=int, default=None,
                     help="splitkv: timed calls per point [as many as ~100 ms allow, 10..100]")
     ap.add_argument("--csv", default=None, help="splitkv: also write every point to this CSV file")
+    ap.add_argument("--sustain", type=float, default=None,
+                    help="dense kinds: time each point after SUSTAIN ms of back-to-back calls (the power-capped "
+                    "regime of long runs), with the SM clock (MHz), board power (W) and TFLOP/s per GHz "
+                    "from NVML [off: ~18 calls at the boost clock]")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="with --sustain: rounds of every variant per point, the order rotated each round [1]")
     ap.add_argument("variants", nargs="*")
     args = ap.parse_args()
     variants = args.variants or DEFAULT
@@ -109,11 +119,13 @@ def main():
                 print(err[-4000:])
                 sys.exit(f"compile failed: {obj}")
     exe = os.path.join(work, "tune_kernels")
-    subprocess.run([nvcc(), "-o", exe] + [j[0] for j in jobs], check=True)
+    subprocess.run([nvcc(), "-o", exe] + [j[0] for j in jobs] + ["-ldl", "-lpthread"], check=True)
     print(f"built {len(variants)} variants in {work}", flush=True)
     if args.compile_only:
         return
-    extra = [f"--{k}={getattr(args, k)}" for k in ("splits", "cases", "heads", "reps", "csv")
+    if args.rounds is not None and args.sustain is None:
+        sys.exit("--rounds needs --sustain")
+    extra = [f"--{k}={getattr(args, k)}" for k in ("splits", "cases", "heads", "reps", "csv", "sustain", "rounds")
              if getattr(args, k) is not None]
     sys.exit(subprocess.run([exe] + args.seqlen.split(",") + extra).returncode)
 

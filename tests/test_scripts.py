@@ -37,6 +37,25 @@ def test_compare_tune_ratios_summary_and_maxdiff_flag(tmp_path):
     assert f"min {540 / 600:.3f}" in out and f"max {443 / 401.5:.3f}" in out
 
 
+def test_compare_tune_reads_the_sustained_medians(tmp_path):
+    # tune_kernels --sustain prints per-round lines and a clock line per variant beside its median
+    # line in the short timing's format: only the medians are cells.
+    def sustained(path, median, rounds):
+        lines = [HEADER]
+        lines += [f"round {r}: 64 no 8192 fwd fwd90 BM=192 BN=128  0.100 ms {x:.1f} TFLOP/s 1750 MHz 690 W\n"
+                  for r, x in enumerate(rounds)]
+        lines.append(f"64   no     8192   fwd   fwd90 BM=192 BN=128   0.100   {median:7.1f}   0\n")
+        lines.append(f"  clock (median of {len(rounds)} rounds): 1750 MHz, 690 W, {median / 1.75:.1f} TFLOP/s per GHz\n")
+        path.write_text("".join(lines))
+        return str(path)
+
+    old = sustained(tmp_path / "old.txt", 500.0, [480.0, 500.0, 990.0])
+    new = sustained(tmp_path / "new.txt", 525.0, [1.0, 525.0, 530.0])
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "compare_tune.py"), "--old", old, "--new", new],
+                       capture_output=True, text=True, check=True)
+    assert "over 1 cells" in r.stdout and f"median {525 / 500:.3f}" in r.stdout
+
+
 def _decode_output(path, cells):
     """A tune_kernels.py split-KV output: cells = [(case, splits, tbps, maxdiff)] of one variant."""
     lines = ["case             variant                       splits        ms    TB/s  split_ms   comb_ms   maxdiff\n"]
