@@ -42,10 +42,19 @@ Masks (never ignored):
     while tracing even without padding. A layer's ``sliding_window`` (Mistral, Qwen2,
     Gemma's local layers) adds the window to the causal problems (``window_size``) and to the
     rows that see all their keys (right padding's pad rows, decode steps: one call per distinct
-    count of them and kind; under torch.compile this eager path runs, a graph break). Any
-    other pattern (a window the layer does not pass, packed sequences, per-head masks, additive
-    biases) raises NotImplementedError naming the cause: use attn_implementation="sdpa" for
-    those models.
+    count of them and kind; under torch.compile this eager path runs, a graph break).
+  * Packed sequences (padding-free training, DataCollatorWithFlattening: one row, position_ids
+    restarting at each sequence): the block-diagonal mask transformers builds from position_ids
+    without a cache (each block causal, with the layer's window, or full) → one varlen call
+    over the flattened batch (``_packed_attention``). With a cache on, transformers builds no
+    mask (or a window's without the packing) and sdpa attends across the sequences; here the
+    packing is read as transformers' flash-attention path reads it: the collator's
+    ``cu_seq_lens_*`` / ``max_length_*`` keywords, else restarting ``position_ids`` of a
+    batch of one (``_packed_from_kwargs``). Under torch.compile only the keywords (fullgraph
+    works with them): restarting position_ids without them fail a device-side assert.
+  * Any other pattern (a window the layer does not pass, per-head masks, additive biases)
+    raises NotImplementedError naming the cause: use attn_implementation="sdpa" for those
+    models.
 
 Attention sinks (gpt-oss): the model passes ``s_aux=self.sinks``, one logit per query head of an
 extra key that every query sees and whose value is zero (``sinks`` is accepted as an alias); it
@@ -55,6 +64,8 @@ parameter gets its gradient.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -114,11 +125,14 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=No
     stats = torch.stack([bad.any().long(), m.all().long(), nk.max(), nq[0].sum(), nq[0].max(),
                          nq[1].sum(), nq[1].max()]).tolist()     # one host sync for the sizes
     if stats[0]:
+        packed = _packed_attention(q, k, v, m, scaling, window_left, sinks) if Lq == Lk else None
+        if packed is not None:
+            return packed
         raise NotImplementedError(
             f"flash_attn_ext attention: the attention mask of batch element "
-            f"{int(bad.nonzero()[0])} is neither padding nor causal+padding"
+            f"{int(bad.nonzero()[0])} is neither padding, causal+padding nor packed sequences"
             + (" with the layer's sliding window" if window_left >= 0
-               else " (e.g. a sliding window the layer does not pass, or packed sequences)")
+               else " (e.g. a sliding window the layer does not pass)")
             + '; those patterns are not supported, use attn_implementation="sdpa"')
     all_visible, max_k, total_q, max_q = stats[1], stats[2], stats[3::2], stats[4::2]
     # Every query sees every key: nothing masked. (Not "every row a full row and every key seen",
@@ -154,6 +168,92 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=No
                                    sinks=sinks)
         out = out.index_put((qb, qi), o)                         # pad
     return out
+
+
+def _packed_attention(q, k, v, m, scaling, window_left=-1, sinks=None):
+    """Packed sequences: several sequences in one batch row, as transformers lays them out for
+    padding-free training (``DataCollatorWithFlattening``: position_ids restarting at 0 at each
+    sequence, no attention_mask; ``sdpa_mask`` then builds a block-diagonal mask). m: the (B, L, L)
+    boolean mask (queries and keys the same L positions). Row i opens a sequence where the first
+    key it sees is key i; every row must belong to one (see some key), and each element's mask
+    must be, over its sequences [a, e), causal (key j seen iff a <= j <= i, and j >= i -
+    window_left with the layer's sliding window) or, without a window, full (a <= j < e) for
+    every element alike. Then one flash_attn_varlen_func call over the flattened batch (each
+    sequence's rows in place: no unpadding) gives each sequence's attention alone. Returns the
+    (B, L, H, D) output, or None where the mask is not such a pattern (two host syncs: the
+    sequence starts, then the check with the longest sequence)."""
+    B, L = m.shape[0], m.shape[1]
+    pos = torch.arange(L, device=m.device)
+    start = m.byte().argmax(2) == pos                            # (B, L): row i opens a sequence
+    a = torch.cummax(torch.where(start, pos, -1), 1).values      # its sequence's first row (-1: none)
+    nxt = torch.where(start, pos, L).flip(1).cummin(1).values.flip(1)   # next start at or after i
+    e = torch.cat([nxt[:, 1:], nxt.new_full((B, 1), L)], 1)      # its sequence's end
+    i, j = pos[None, :, None], pos[None, None, :]
+    inside = j >= a[:, :, None]
+    causal = inside & (j <= i)
+    if window_left >= 0:
+        causal &= j >= i - window_left
+    is_causal = (m == causal).all()
+    is_full = (m == (inside & (j < e[:, :, None]))).all() & (window_left < 0)
+    flat_starts = start.flatten()
+    lengths = torch.diff(torch.cat([flat_starts.nonzero().flatten(), pos.new_full((1,), B * L)]))
+    ok, causal_kind, max_len = torch.stack([(is_causal | is_full).long(), is_causal.long(),
+                                            lengths.max() if lengths.numel() else pos.new_zeros(())]).tolist()
+    if not ok:  # (ok implies that row 0 of each element opens a sequence: none spans two elements)
+        return None
+    cu = _cu_seqlens(lengths)
+    o = flash_attn_varlen_func(q.reshape(B * L, *q.shape[2:]), k.reshape(B * L, *k.shape[2:]),
+                               v.reshape(B * L, *v.shape[2:]), cu, cu, max_len, max_len, softmax_scale=scaling,
+                               causal=bool(causal_kind), window_size=(window_left, -1) if causal_kind else (-1, -1),
+                               sinks=sinks)
+    return o.view(q.shape)
+
+
+_POSITION_IDS_SEEN = [None, None, None]  # [weakref to a position_ids tensor, its _version, the result]
+
+
+def _packed_from_kwargs(q_len, kv_len, batch, kwargs):
+    """Sequences packed in one batch row without an attention mask (the model built none: e.g.
+    DataCollatorWithFlattening's batches while a cache is on, which keeps transformers' mask
+    builder from reading position_ids), as transformers' flash-attention path reads them:
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` when all four are
+    given (DataCollatorWithFlattening(return_flash_attn_kwargs=True); taken as given), else
+    ``position_ids`` of shape (1, L) with L = q_len = kv_len > 1 that restart (not one increasing
+    run from their minimum): a sequence starts at each position equal to the minimum. Only for
+    batch 1 (the flattened layout). Returns (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) or None (not packed: the dense call). The position_ids check reads them on the
+    host once per tensor (transformers passes one tensor to every layer); under torch.compile
+    (no host reads) restarting position_ids fail a device-side assert instead."""
+    if batch != 1:
+        return None
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    if all(kwargs.get(n) is not None for n in names):
+        cu_q, cu_k, max_q, max_k = (kwargs[n] for n in names)
+        return cu_q.int(), cu_k.int(), int(max_q), int(max_k)
+    pos = kwargs.get("position_ids")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or tuple(pos.shape) != (1, q_len) or \
+            q_len != kv_len or q_len < 2:
+        return None
+    if torch.compiler.is_compiling():
+        # No host reads in a graph, so no unpacking here: refuse restarting position_ids on the
+        # device rather than attend across the sequences.
+        flat = pos.reshape(-1)
+        torch._assert_async((flat.diff() >= 0).all(), "flash_attn_ext attention: packed sequences "
+                            "(restarting position_ids) under torch.compile need the collator keywords "
+                            "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+        return None
+    ref, version, result = _POSITION_IDS_SEEN
+    if ref is not None and ref() is pos and version == pos._version:
+        return result
+    flat = pos.reshape(-1)
+    starts = (flat == flat.min()).nonzero().flatten()            # one host sync
+    result = None
+    if starts.numel() > 1:
+        cu = torch.cat([starts, starts.new_full((1,), q_len)]).int()
+        max_len = int(cu.diff().max())
+        result = (cu, cu, max_len, max_len)
+    _POSITION_IDS_SEEN[:] = [weakref.ref(pos), pos._version, result]
+    return result
 
 
 def _masked_attention_traced(q, k, v, m, scaling, sinks=None):
@@ -282,6 +382,8 @@ def flash_attn_ext_attention_forward(
             extra key every query sees, with value zero (gpt-oss's ``eager_attention_forward``:
             softmax over the scores and the sink, the sink's column dropped), passed as
             ``sinks=`` to every kernel call (differentiable: the parameter gets its gradient);
+            ``position_ids`` and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` /
+            ``max_length_k`` are read for packed sequences at batch 1 (the module docstring);
             others are ignored as by the sdpa path.
     Returns:
         (attn_output (batch, q_len, nheads, headdim) contiguous, None).
@@ -289,7 +391,8 @@ def flash_attn_ext_attention_forward(
         NotImplementedError: dropout > 0, unsupported kwargs or mask patterns.
         TypeError: float32 on CUDA outside autocast; both ``s_aux`` and ``sinks`` given.
         RuntimeError: sinks not of shape (nheads,), not floating or on another device
-            (flash_attn_func's checks).
+            (flash_attn_func's checks); under torch.compile, a mask that is not the pattern
+            assumed (a device-side assert).
     """
     for name in ("softcap", "position_bias"):
         if kwargs.get(name) is not None:
@@ -321,8 +424,33 @@ def flash_attn_ext_attention_forward(
     q_len, kv_len = query.shape[2], key.shape[2]
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # BSHD views
-    if attention_mask is not None:
+    packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs)
+    if attention_mask is not None and packed is not None and q_len == kv_len:
+        # A mask built without the packing (a sliding-window layer's while a cache is on): the
+        # packing's block-diagonal pattern too, as transformers builds it without a cache.
+        cu = packed[0]
+        seq = torch.searchsorted(cu[1:], torch.arange(q_len, device=cu.device, dtype=cu.dtype), right=True)
+        same = seq[:, None] == seq[None, :]
+        allowed = _allowed_from_mask(attention_mask) & same
+        if not torch.compiler.is_compiling():
+            return _masked_attention(q, k, v, allowed, scaling, window_left, sinks), None
+        # Under torch.compile (no host reads): the packing as given, the mask checked against its
+        # pattern on the device (as _masked_attention_traced does).
+        pos = torch.arange(q_len, device=cu.device)
+        i, j = pos[:, None], pos[None, :]
+        expected = same & (j <= i) & (j >= i - window_left) if window_left >= 0 else \
+            same & (j <= i) if is_causal else same
+        torch._assert_async((allowed == expected).all(), "flash_attn_ext attention: under torch.compile the "
+                            "attention mask of packed sequences must be the layer's pattern in each sequence")
+    elif attention_mask is not None:
         return _masked_attention(q, k, v, attention_mask, scaling, window_left, sinks), None
+    if packed is not None:
+        cu_q, cu_k, max_q, max_k = packed
+        causal = bool(is_causal)
+        o = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                   v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, softmax_scale=scaling,
+                                   causal=causal, window_size=(window_left, -1) if causal else (-1, -1), sinks=sinks)
+        return o.view(q.shape), None
     # No mask: transformers' sdpa_mask returned None, so the pattern is plain causal or plain
     # bidirectional. As the sdpa path: one query token sees everything; with kv_len > q_len
     # (prefill into an empty static cache) the keys beyond q_len are empty slots: drop them.

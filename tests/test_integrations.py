@@ -240,9 +240,14 @@ def test_unsupported_patterns_are_refused():
     sliding = ((j <= i) & (j > i - 4))[None, None]
     with pytest.raises(NotImplementedError, match="sliding window"):
         fx.flash_attn_ext_attention_forward(m, q, q, q, sliding)
-    packed = ((j <= i) & ((i < 8) == (j < 8)))[None, None]               # two packed sequences
-    with pytest.raises(NotImplementedError, match="packed"):
-        fx.flash_attn_ext_attention_forward(m, q, q, q, packed)
+    # Packed sequences whose second block is neither causal nor full (a window the layer does
+    # not pass inside it), and a full block under a causal window.
+    packed_window = ((j <= i) & ((i < 8) == (j < 8)) & ((i < 8) | (j > i - 3)))[None, None]
+    with pytest.raises(NotImplementedError, match="neither padding, causal.padding nor packed"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, packed_window)
+    packed_full = ((i < 8) == (j < 8))[None, None]
+    with pytest.raises(NotImplementedError, match="with the layer's sliding window"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, packed_full, sliding_window=4)
     with pytest.raises(NotImplementedError, match="bias"):
         fx.flash_attn_ext_attention_forward(m, q, q, q, torch.randn(1, 1, 16, 16))
     with pytest.raises(NotImplementedError, match="shape"):
@@ -255,6 +260,83 @@ def test_unsupported_patterns_are_refused():
     mixed = torch.cat([((j <= i) & (j >= 3))[None, None], sliding])
     with pytest.raises(NotImplementedError, match="batch element 1 "):
         fx.flash_attn_ext_attention_forward(m, q2, q2, q2, mixed)
+
+
+def _packed_mask(lengths, causal=True, window=None):
+    """(L, L) boolean mask of sequences of the given lengths packed in one row, as transformers'
+    sdpa_mask builds it from restarting position_ids: block diagonal, each block causal (with a
+    sliding window of `window` keys) or full."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    L = len(seq)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    m = seq[:, None] == seq[None, :]
+    if causal:
+        m &= j <= i
+    if window is not None:
+        m &= j > i - window
+    return m
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 3)])
+@pytest.mark.parametrize("nheads_k", [4, 2])
+def test_packed_sequences(causal, window, nheads_k, count_calls):
+    """Sequences packed in a batch row (transformers' padding-free training: a block-diagonal mask
+    from restarting position_ids): one varlen call over the flattened batch, each sequence's rows
+    equal to sdpa on the same mask and to the sequence run alone; length-1 sequences and an
+    element holding one sequence included."""
+    m = _Module(causal)
+    layouts = ([5, 1, 7, 3], [16])
+    mask = torch.stack([_packed_mask(ls, causal, window) for ls in layouts])[:, None]
+    q, k, v = _bhsd(2, 4, 16, 32, 40), _bhsd(2, nheads_k, 16, 32, 41), _bhsd(2, nheads_k, 16, 32, 42)
+    kw = {} if window is None else {"sliding_window": window}
+    out, _ = fx.flash_attn_ext_attention_forward(m, q, k, v, mask, scaling=0.25, **kw)
+    assert count_calls == ["varlen causal" if causal else "varlen"]
+    gqa = nheads_k != 4
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.25,
+                                         enable_gqa=gqa)
+    base = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=gqa)
+    check_accuracy("packed", out, ref.transpose(1, 2), base.transpose(1, 2))
+    # Each sequence alone (no mask: plain causal / bidirectional, the window as the layer's).
+    start = 0
+    for L in layouts[0]:
+        sl = slice(start, start + L)
+        alone, _ = fx.flash_attn_ext_attention_forward(m, q[:1, :, sl], k[:1, :, sl], v[:1, :, sl], None,
+                                                       scaling=0.25, **kw)
+        torch.testing.assert_close(out[:1, sl], alone, rtol=1e-5, atol=1e-6)
+        start += L
+
+
+def test_packed_sequences_gradients(count_calls):
+    q, k, v = (_bhsd(2, 4, 12, 16, s).requires_grad_() for s in (43, 44, 45))
+    mask = torch.stack([_packed_mask([4, 8]), _packed_mask([2, 2, 2, 6])])[:, None]
+    dout = _bhsd(2, 12, 4, 16, 46)
+    out, _ = fx.flash_attn_ext_attention_forward(_Module(True), q, k, v, mask, scaling=0.25)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, scale=0.25).transpose(1, 2)
+    refs = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
+    base = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=0.25).transpose(1, 2)
+    bases = torch.autograd.grad(base, (qb, kb, vb), dout)
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
+        check_accuracy(f"packed {name}", g, r, b)
+    assert count_calls == ["varlen causal"]
+
+
+def test_packed_sequences_refusals():
+    """Masks that look packed but are not one pattern per batch: refused, never approximated."""
+    q = _bhsd(2, 2, 12, 16, 47)
+    mixed = torch.stack([_packed_mask([4, 8]), _packed_mask([4, 8], causal=False)])[:, None]
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        fx.flash_attn_ext_attention_forward(_Module(True), q, q, q, mixed)
+    gap = _packed_mask([4, 8]).clone()
+    gap[5, 4] = False                                  # a key missing inside a causal block
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        fx.flash_attn_ext_attention_forward(_Module(True), q[:1], q[:1], q[:1], gap[None, None])
+    cross = _packed_mask([4, 8]).clone()
+    cross[6, 2] = True                                 # a row that also sees the previous sequence
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        fx.flash_attn_ext_attention_forward(_Module(True), q[:1], q[:1], q[:1], cross[None, None])
 
 
 def test_sliding_window_layer_masks(count_calls):
@@ -708,6 +790,117 @@ def test_causal_lm_right_padding_forward_and_training_step(arch, device, dtype, 
     assert set(ours[2]) == set(ref[2])
     for n in ours[2]:
         check_accuracy(f"{arch} grad {n}", ours[2][n], ref[2][n], base[2][n])
+
+
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
+                                          pytest.param("cuda", torch.bfloat16, id="cuda-bf16",
+                                                       marks=requires_cuda)])
+@pytest.mark.parametrize("arch", ["llama", "mistral-sliding"])
+@pytest.mark.parametrize("use_cache,fa_kwargs", [(False, False), (True, False), (True, True)],
+                         ids=["mask", "position_ids", "cu_seq_lens"])
+def test_causal_lm_packed_training_step(arch, use_cache, fa_kwargs, device, dtype, name, count_calls):
+    """Padding-free training (transformers' DataCollatorWithFlattening: the sequences in one row,
+    position_ids restarting at each): logits, loss and every parameter gradient match sdpa's on
+    the same batch (accuracy rule vs a float64 sdpa run), through one varlen call per layer, and
+    the logits of each sequence are those of the sequence run alone. Three routes in: the
+    block-diagonal mask transformers builds from position_ids (use_cache=False; it used to raise
+    NotImplementedError), position_ids alone (use_cache=True: transformers then builds no mask,
+    and sdpa attends across the sequences; flash-attention's reading, as transformers' own
+    flash-attention path), and the collator's cu_seq_lens / max_length keywords."""
+    from transformers import DataCollatorWithFlattening
+
+    cfg, cls = _tiny_causal_lm(arch)
+    torch.manual_seed(0)
+    base_model = cls(cfg)
+    g = torch.Generator().manual_seed(2)
+    lengths = [7, 1, 12, 4]
+    feats = [{"input_ids": torch.randint(3, 96, (n,), generator=g).tolist()} for n in lengths]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=fa_kwargs)(feats)
+    batch = {key: t.to(device) if isinstance(t, torch.Tensor) else t for key, t in batch.items()}
+
+    def run(impl, dtype, use_cache):
+        m = cls(cfg)
+        m.load_state_dict(base_model.state_dict())
+        m = m.to(device=device, dtype=dtype).train()   # training mode; all dropouts are 0
+        m.set_attn_implementation(impl)
+        out = m(**batch, use_cache=use_cache)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        with torch.no_grad():                          # each sequence alone
+            alone, start = [], 0
+            for n in lengths:
+                alone.append(m(input_ids=batch["input_ids"][:, start:start + n]).logits)
+                start += n
+        return out.logits.detach(), out.loss.detach(), grads, torch.cat(alone, 1)
+
+    ref = run("sdpa", torch.float64, False)            # sdpa sees the packing through its mask only
+    base = run("sdpa", dtype, False)
+    count_calls.clear()
+    ours = run(name, dtype, use_cache)
+    assert count_calls[:cfg.num_hidden_layers] == ["varlen causal"] * cfg.num_hidden_layers
+    check_accuracy(f"{arch} packed logits", ours[0], ref[0], base[0])
+    check_accuracy(f"{arch} packed loss", ours[1], ref[1], base[1])
+    assert set(ours[2]) == set(ref[2])
+    for n in ours[2]:
+        check_accuracy(f"{arch} packed grad {n}", ours[2][n], ref[2][n], base[2][n])
+    check_accuracy(f"{arch} packed logits against each sequence alone", ours[0], ref[3], base[3])
+
+
+@pytest.mark.parametrize("arch,use_cache", [("llama", False), ("mistral-sliding", True)])
+def test_packed_batch_under_compile(arch, use_cache, name, count_calls):
+    """torch.compile(fullgraph=True) of a packed batch with the collator's keywords: the logits of
+    each sequence alone, through varlen calls (the mask, where transformers builds one, checked on
+    the device); restarting position_ids without the keywords fail the device-side assert that
+    names the way out, never attending across the sequences."""
+    from transformers import DataCollatorWithFlattening
+
+    cfg, cls = _tiny_causal_lm(arch)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.set_attn_implementation(name)
+    lengths = [7, 1, 12, 4]
+    feats = [{"input_ids": list(range(3 + n, 3 + 2 * n))} for n in lengths]
+    with torch.no_grad():
+        alone, start = [], 0
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(feats)
+        for n in lengths:
+            alone.append(model(input_ids=batch["input_ids"][:, start:start + n]).logits)
+            start += n
+        logits = lambda **kw: model(**kw, use_cache=use_cache).logits  # noqa: E731
+        torch._dynamo.reset()
+        count_calls.clear()
+        out = torch.compile(logits, fullgraph=True)(**batch)
+        torch.testing.assert_close(out, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
+        assert count_calls and all(c == "varlen causal" for c in count_calls)
+        torch._dynamo.reset()
+        # (a windowed layer's mask stops fullgraph first: the graph break that names its cause)
+        with pytest.raises(Exception, match="return_flash_attn_kwargs|sliding-window layer with an attention mask"):
+            torch.compile(logits, fullgraph=True)(**DataCollatorWithFlattening()(feats))
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError, match="return_flash_attn_kwargs"):
+            torch.compile(logits)(**DataCollatorWithFlattening()(feats))
+
+
+def test_position_ids_that_do_not_pack_run_dense(count_calls):
+    """Without a mask, position_ids that are one increasing run (a prompt, a shifted run, a gap)
+    or a batch of several rows leave the call dense; restarting ones pack (read once per tensor)."""
+    m = _Module(True)
+    q = _bhsd(1, 4, 8, 16, 48)
+    for pos in (torch.arange(8)[None], torch.arange(3, 11)[None], torch.tensor([[0, 1, 2, 5, 6, 7, 8, 9]])):
+        count_calls.clear()
+        out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
+        assert count_calls == ["dense causal"]
+    q2 = _bhsd(2, 4, 8, 16, 49)
+    count_calls.clear()
+    fx.flash_attn_ext_attention_forward(m, q2, q2, q2, None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2))
+    assert count_calls == ["dense causal"]
+    pos = torch.tensor([[2, 3, 4, 2, 3, 4, 5, 6]])               # restarts at its minimum (RoBERTa-like)
+    count_calls.clear()
+    out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
+    out2, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
+    assert count_calls == ["varlen causal"] * 2 and torch.equal(out, out2)
+    mask = _packed_mask([3, 5])[None, None]
+    torch.testing.assert_close(out, fx.flash_attn_ext_attention_forward(m, q, q, q, mask)[0], rtol=0, atol=0)
 
 
 # ------------------------------------------------------------ attention sinks (gpt-oss's s_aux)
