@@ -65,6 +65,7 @@ parameter gets its gradient.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -102,13 +103,14 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=No
     to every call (a row that sees no key stays 0, which is also its value with a sink). Returns
     (B, Lq, H, D)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
+    allowed = _allowed_from_mask(attention_mask)  # first: a bias (ALiBi's is per head) is named as one
     if attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, B) or \
             attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (Lq, Lk):
         raise NotImplementedError(
             f"flash_attn_ext attention: attention_mask of shape {tuple(attention_mask.shape)} is "
             f"not supported; expected (batch={B} or 1, 1, q_len={Lq}, kv_len={Lk}) (one mask "
             "for all heads)")
-    m = _allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
+    m = allowed[:, 0].expand(B, Lq, Lk)
     if m.numel() == 0:
         return q.new_zeros(q.shape)
     if torch.compiler.is_compiling():
@@ -424,6 +426,22 @@ def flash_attn_ext_attention_forward(
     q_len, kv_len = query.shape[2], key.shape[2]
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # BSHD views
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    d = -(-max(d_qk, d_v) // 8) * 8
+    if d_qk != d or d_v != d:
+        # Values of another head dim than the queries' and keys' (multi-head latent attention:
+        # DeepSeek-V2 / V3, ...), or a head dim the kernels do not take (not a multiple of 8):
+        # zero columns change neither the scores q.k nor the output's other columns, so each side
+        # is padded to d and the output cut back to d_v.
+        scaling = d_qk ** -0.5 if scaling is None else scaling
+        q, k, v = (torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
+    out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_len, kv_len, kwargs)
+    return (out[..., :d_v].contiguous() if d_v != d else out), None
+
+
+def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_len, kv_len, kwargs):
+    """flash_attn_ext_attention_forward's calls on the BSHD q, k, v of one head dim; returns the
+    (batch, q_len, nheads, headdim) output."""
     packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs)
     if attention_mask is not None and packed is not None and q_len == kv_len:
         # A mask built without the packing (a sliding-window layer's while a cache is on): the
@@ -433,7 +451,7 @@ def flash_attn_ext_attention_forward(
         same = seq[:, None] == seq[None, :]
         allowed = _allowed_from_mask(attention_mask) & same
         if not torch.compiler.is_compiling():
-            return _masked_attention(q, k, v, allowed, scaling, window_left, sinks), None
+            return _masked_attention(q, k, v, allowed, scaling, window_left, sinks)
         # Under torch.compile (no host reads): the packing as given, the mask checked against its
         # pattern on the device (as _masked_attention_traced does).
         pos = torch.arange(q_len, device=cu.device)
@@ -443,14 +461,14 @@ def flash_attn_ext_attention_forward(
         torch._assert_async((allowed == expected).all(), "flash_attn_ext attention: under torch.compile the "
                             "attention mask of packed sequences must be the layer's pattern in each sequence")
     elif attention_mask is not None:
-        return _masked_attention(q, k, v, attention_mask, scaling, window_left, sinks), None
+        return _masked_attention(q, k, v, attention_mask, scaling, window_left, sinks)
     if packed is not None:
         cu_q, cu_k, max_q, max_k = packed
         causal = bool(is_causal)
         o = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
                                    v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, softmax_scale=scaling,
                                    causal=causal, window_size=(window_left, -1) if causal else (-1, -1), sinks=sinks)
-        return o.view(q.shape), None
+        return o.view(q.shape)
     # No mask: transformers' sdpa_mask returned None, so the pattern is plain causal or plain
     # bidirectional. As the sdpa path: one query token sees everything; with kv_len > q_len
     # (prefill into an empty static cache) the keys beyond q_len are empty slots: drop them.
@@ -458,7 +476,7 @@ def flash_attn_ext_attention_forward(
     if causal and kv_len > q_len:
         k, v = k[:, :q_len], v[:, :q_len]
     window = (window_left, 0) if window_left >= 0 else (-1, -1)  # right bound 0: decode's one query too
-    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks), None
+    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks)
 
 
 def register_transformers(name: str = DEFAULT_NAME) -> str:
@@ -466,6 +484,13 @@ def register_transformers(name: str = DEFAULT_NAME) -> str:
 
     After this, ``from_pretrained(..., attn_implementation=name)`` and
     ``model.set_attn_implementation(name)`` use flash_attn_ext. Idempotent.
+
+    Models whose attention code does not call transformers' AttentionInterface (BLOOM, XGLM,
+    MPT, DeBERTa-v2, GPT-Neo, ...: their modeling module never imports ALL_ATTENTION_FUNCTIONS)
+    then refuse ``name`` with a ValueError when built with it: transformers would accept it,
+    never call flash_attn_ext, and hand their own attention code sdpa's masks (None where nothing
+    is padded: no causal mask there, silently wrong logits). (set_attn_implementation on such a
+    model is a no-op with a warning in transformers.)
 
     Raises:
         ImportError: transformers is not installed.
@@ -487,4 +512,49 @@ def register_transformers(name: str = DEFAULT_NAME) -> str:
         raise ValueError(f"register_transformers: {name!r} is a built-in implementation name")
     AttentionInterface.register(name, flash_attn_ext_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
+    _REGISTERED.add(name)
+    _guard_models_outside_the_interface()
     return name
+
+
+_REGISTERED: set[str] = set()
+
+
+def _uses_attention_interface(model) -> bool:
+    """Whether ``model``'s attention goes through transformers' AttentionInterface: its modeling
+    module imports ALL_ATTENTION_FUNCTIONS (every model that calls the interface does), or it is
+    a composite model (a sub-config of a model: AutoConfig or one with a model_type, e.g. Llava's
+    text and vision configs; transformers checks each sub-model on its own), unlike MPT's or
+    DBRX's sub-configs of one layer's options (no model_type)."""
+    sub_configs = getattr(getattr(model, "config", None), "sub_configs", None) or {}
+    if any(c.__name__ == "AutoConfig" or getattr(c, "model_type", "") for c in sub_configs.values()):
+        return True
+    module = sys.modules.get(type(model).__module__)
+    return module is None or "ALL_ATTENTION_FUNCTIONS" in vars(module)
+
+
+def _guard_models_outside_the_interface():
+    """Make transformers refuse our names for models whose attention code never calls the
+    AttentionInterface (BLOOM, XGLM, MPT, DeBERTa-v2, GPT-Neo, ...). transformers 5 accepts any
+    registered name for them; such a model would then never run flash_attn_ext, and the masks
+    it builds for the name (sdpa's: None where nothing is padded) would reach its own attention
+    code, which reads None as "no causal mask" (silently wrong logits). Wraps
+    PreTrainedModel.get_correct_attn_implementation (where transformers validates a name) once;
+    other names pass through unchanged."""
+    from transformers import PreTrainedModel
+
+    current = PreTrainedModel.get_correct_attn_implementation
+    if getattr(current, "_flash_attn_ext_guard", False):
+        return
+
+    def get_correct_attn_implementation(self, requested_attention, *args, **kwargs):
+        if requested_attention in _REGISTERED and not _uses_attention_interface(self):
+            raise ValueError(
+                f"{type(self).__name__} computes attention in its own code, outside transformers' "
+                f"AttentionInterface, so attn_implementation={requested_attention!r} would never run "
+                "flash_attn_ext (and would change the masks that code receives): use "
+                'attn_implementation="sdpa" or "eager" for this model')
+        return current(self, requested_attention, *args, **kwargs)
+
+    get_correct_attn_implementation._flash_attn_ext_guard = True
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation

@@ -462,6 +462,89 @@ def test_sliding_window_mistral_matches_sdpa(name, count_calls):
             torch.testing.assert_close(a, b, msg=f"decode step {step}")
 
 
+def test_value_head_dim_other_than_query_and_odd_head_dims(count_calls):
+    """Values of another head dim than the queries' and keys' (multi-head latent attention) and
+    head dims the kernels do not take (not a multiple of 8) are zero-padded to one width and the
+    output cut back: the same attention as sdpa's (default scale from the query head dim)."""
+    for d_qk, d_v in ((24, 16), (16, 24), (20, 20), (12, 36)):
+        q, k, v = _bhsd(2, 4, 9, d_qk, 50), _bhsd(2, 2, 9, d_qk, 51), _bhsd(2, 2, 9, d_v, 52)
+        pad = _padding_mask([9, 5], 9, left=True)[:, None, None, :].expand(2, 1, 9, 9)
+        for mask in (None, pad & torch.ones(9, 9, dtype=torch.bool).tril()):
+            out, _ = fx.flash_attn_ext_attention_forward(_Module(True), q, k, v, mask)
+            assert out.shape == (2, 9, 4, d_v) and out.is_contiguous()
+            kw = dict(is_causal=mask is None, attn_mask=mask, enable_gqa=True)
+            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw).transpose(1, 2)
+            base = F.scaled_dot_product_attention(q, k, v, **kw).transpose(1, 2)
+            rows = slice(None) if mask is None else mask[:, 0].any(-1)
+            check_accuracy(f"head dims {d_qk} / {d_v}", out[rows], ref[rows], base[rows])
+
+
+def test_deepseek_v3_mla_matches_sdpa(name):
+    """DeepSeek-V3 (multi-head latent attention: query / key head dim 24, value 16; used to fail
+    on the head-dim check), padded batch: logits of the real tokens against sdpa."""
+    import transformers as tf
+
+    cfg = tf.AutoConfig.for_model(
+        "deepseek_v3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=2, n_group=1, topk_group=1)   # dense layers (no float64 grouped_mm for the MoE)
+    torch.manual_seed(0)
+    base_model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(3))
+    attn = _padding_mask([10, 6], 10, left=True).long()
+
+    def logits(impl, dtype):
+        m = tf.AutoModelForCausalLM.from_config(cfg).eval()
+        m.load_state_dict(base_model.state_dict())
+        m.set_attn_implementation(impl)
+        with torch.no_grad():
+            return m.to(dtype)(input_ids=ids, attention_mask=attn).logits
+
+    valid = attn.bool()
+    ours, ref, base = logits(name, torch.float32), logits("sdpa", torch.float64), logits("sdpa", torch.float32)
+    check_accuracy("deepseek_v3 logits", ours[valid], ref[valid], base[valid])
+
+
+def test_models_outside_the_attention_interface_are_refused(name):
+    """Models whose attention code never calls transformers' AttentionInterface (BLOOM, MPT:
+    a layer-options sub-config, not a composite) refuse the name at construction: transformers
+    would accept it and hand their own code sdpa's masks (None without padding: no causal mask,
+    silently wrong logits; set_attn_implementation on them is a no-op with a warning there).
+    Composite models (Llava) and models of the interface keep it."""
+    import transformers as tf
+
+    bloom = tf.BloomConfig(vocab_size=96, hidden_size=64, n_layer=2, n_head=4)
+    with pytest.raises(ValueError, match="BloomForCausalLM computes attention in its own code"):
+        tf.BloomForCausalLM._from_config(bloom, attn_implementation=name)
+    model = tf.BloomForCausalLM._from_config(bloom, attn_implementation="eager")
+    model.set_attn_implementation(name)      # transformers skips the switch for such models (a warning)
+    assert model.config._attn_implementation == "eager"
+    mpt = tf.MptConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4)
+    with pytest.raises(ValueError, match="MptForCausalLM computes attention in its own code"):
+        tf.MptForCausalLM._from_config(mpt, attn_implementation=name)
+    text = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2)
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=28, patch_size=14)
+    llava = tf.LlavaForConditionalGeneration._from_config(
+        tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=127), attn_implementation=name)
+    assert llava.config.text_config._attn_implementation == name
+    assert llava.config.vision_config._attn_implementation == name
+    model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")   # other names pass through
+
+
+def test_alibi_bias_is_named(name):
+    """Falcon with alibi=True passes its ALiBi bias as a per-head additive mask: the refusal names
+    the bias (it used to name the mask's shape)."""
+    import transformers as tf
+
+    cfg = tf.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, alibi=True)
+    model = tf.FalconForCausalLM._from_config(cfg, attn_implementation=name).eval()
+    with pytest.raises(NotImplementedError, match="attention bias, e.g. ALiBi"):
+        model(torch.randint(3, 96, (2, 8)))
+
+
 # ------------------------------------------------------------ a causal GQA model (random weights)
 
 
