@@ -42,7 +42,11 @@ Masks (never ignored):
     while tracing even without padding. A layer's ``sliding_window`` (Mistral, Qwen2,
     Gemma's local layers) adds the window to the causal problems (``window_size``) and to the
     rows that see all their keys (right padding's pad rows, decode steps: one call per distinct
-    count of them and kind; under torch.compile this eager path runs, a graph break).
+    count of them and kind; under torch.compile this eager path runs, a graph break). A
+    bidirectional layer's window (ModernBERT's local layers: keys within sliding_window - 1 of
+    the query on either side) runs as window_size (w, w): no mask, one dense call; padding, three
+    varlen calls (the real rows, then the pad rows after and before the real keys that the window
+    reaches: ``_bidirectional_window_attention``).
   * Packed sequences (padding-free training, DataCollatorWithFlattening: one row, position_ids
     restarting at each sequence): the block-diagonal mask transformers builds from position_ids
     without a cache (each block causal, with the layer's window, or full) → one varlen call
@@ -96,12 +100,12 @@ def _allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None):
+def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False):
     """Unpad, at most two varlen calls, pad (see the module docstring). q: (B, Lq, H, D) BSHD,
     k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk); window_left: a causal sliding
-    window's left bound (window_size[0]), -1 for none; sinks: None or (H,) attention sinks, given
-    to every call (a row that sees no key stays 0, which is also its value with a sink). Returns
-    (B, Lq, H, D)."""
+    window's left bound (window_size[0]), -1 for none (bidirectional: a bidirectional window,
+    _bidirectional_window_attention); sinks: None or (H,) attention sinks, given to every call (a
+    row that sees no key stays 0, which is also its value with a sink). Returns (B, Lq, H, D)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
     allowed = _allowed_from_mask(attention_mask)  # first: a bias (ALiBi's is per head) is named as one
     if attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, B) or \
@@ -122,6 +126,8 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=No
             msg="flash_attn_ext attention: a sliding-window layer with an attention mask reads the "
                 "sequence sizes on the host, which torch.compile(fullgraph=True) cannot trace; compile "
                 "without fullgraph (a graph break per such layer) or use attn_implementation='sdpa'")
+    if bidirectional and window_left >= 0:
+        return _bidirectional_window_attention(q, k, v, m, scaling, window_left, sinks)
     bad, k_in, q_parts, all_full = _split_mask(m, window_left)
     nk, nq = k_in.sum(1), [sel.sum(1) for sel in q_parts]        # (B,) each
     stats = torch.stack([bad.any().long(), m.all().long(), nk.max(), nq[0].sum(), nq[0].max(),
@@ -169,6 +175,59 @@ def _masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=No
                                    max_rows, max_k, softmax_scale=scaling, causal=causal, window_size=window,
                                    sinks=sinks)
         out = out.index_put((qb, qi), o)                         # pad
+    return out
+
+
+def _bidirectional_window_attention(q, k, v, m, scaling, w, sinks=None):
+    """A bidirectional sliding window (ModernBERT's local layers: query i sees key j iff |i - j|
+    <= w) over padded batches, as transformers builds the mask: the padding on the keys only, so
+    per batch element the real keys are one run [s, s + n) and every row, pad rows included,
+    sees the real keys within w of it. Three varlen calls, whatever the padding: the real rows
+    against the real keys (window (w, w)); the P = min(w, L) rows after each element's keys
+    (right padding's pad rows, row r seeing keys n + r - w .. n - 1 of its element: bottom-right
+    window (w - P, -1) of P rows against n keys); the P rows before them likewise, rows and keys
+    taken in reverse order. Rows of those two problems past the tensor's ends (or of an element
+    without keys) are computed from a stand-in row and dropped. m: the (B, L, L) boolean mask
+    (queries and keys the same L positions); anything else raises NotImplementedError."""
+    B, Lq, Lk = m.shape
+    pos = torch.arange(Lk, device=m.device)
+    k_in = m.any(1)                                              # (B, L): the real keys
+    s, n, one_run = _run_of(k_in)
+    expected = k_in[:, None, :] & ((pos[:, None] - pos[None, :]).abs() <= w)[None]
+    bad = ~one_run | (m != expected).flatten(1).any(1) if Lq == Lk else torch.ones_like(one_run)
+    nb, max_n = torch.stack([bad.any().long(), n.max()]).tolist()  # one host sync
+    if nb:
+        raise NotImplementedError(
+            f"flash_attn_ext attention: the attention mask of batch element {int(bad.nonzero()[0])} is not "
+            "padding with the layer's bidirectional sliding window; use attn_implementation=\"sdpa\"")
+    out = q.new_zeros(q.shape)
+    if max_n == 0:
+        return out
+    # The real rows: rows and keys of each element's run, packed.
+    kb, kj = k_in.nonzero().unbind(1)
+    cu = _cu_seqlens(n)
+    k_real, v_real = k[kb, kj], v[kb, kj]
+    o = flash_attn_varlen_func(q[kb, kj], k_real, v_real, cu, cu, max_n, max_n, softmax_scale=scaling,
+                               causal=False, window_size=(w, w), sinks=sinks)
+    out = out.index_put((kb, kj), o)
+    # The pad rows: P rows after each run (r = 0..P-1 at s + n + r) and P before it (at s - 1 - r),
+    # the latter against the run's keys reversed; rows past the tensor are stand-ins.
+    P = min(w, Lq)
+    r = torch.arange(P, device=m.device)[None, :]                # (1, P); none for w = 0
+    b = torch.arange(B, device=m.device)[:, None].expand(B, P)
+    for rows, keys_reversed in ((s[:, None] + n[:, None] + r, False), (s[:, None] - 1 - r, True)) if P else ():
+        real = (rows >= 0) & (rows < Lq) & (n[:, None] > 0)
+        rows_c = rows.clamp(0, Lq - 1)
+        qs = q[b, rows_c].flatten(0, 1)                          # (B w, H, D)
+        if keys_reversed:
+            order = torch.argsort(kb * Lk - kj, stable=True)     # each element's keys, last first
+            kr, vr = k_real[order], v_real[order]
+        else:
+            kr, vr = k_real, v_real
+        cu_q = torch.arange(B + 1, device=m.device, dtype=torch.int32) * P
+        o = flash_attn_varlen_func(qs, kr, vr, cu_q, cu, P, max_n, softmax_scale=scaling,
+                                   causal=False, window_size=(w - P, -1), sinks=sinks).view(B, P, *q.shape[2:])
+        out = out.index_put((b[real], rows[real]), o[real])
     return out
 
 
@@ -378,7 +437,9 @@ def flash_attn_ext_attention_forward(
         is_causal: overrides ``module.is_causal``.
         kwargs: ``softcap`` and ``position_bias`` must be None;
             ``sliding_window`` (a causal layer's window of that many keys, transformers' ``kv_idx >
-            q_idx - sliding_window``) runs as ``window_size=(sliding_window - 1, 0)``;
+            q_idx - sliding_window``) runs as ``window_size=(sliding_window - 1, 0)``, a
+            bidirectional layer's (ModernBERT: ``|q_idx - kv_idx| <= sliding_window - 1``) as
+            ``window_size=(sliding_window - 1, sliding_window - 1)``;
             ``s_aux`` (gpt-oss passes its learnable attention sinks so: a (nheads,) parameter in
             the model dtype) or its alias ``sinks``, not both: one logit per query head of an
             extra key every query sees, with value zero (gpt-oss's ``eager_attention_forward``:
@@ -418,10 +479,8 @@ def flash_attn_ext_attention_forward(
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window_left = -1
     if kwargs.get("sliding_window") is not None:
-        if not is_causal:
-            raise NotImplementedError(
-                "flash_attn_ext attention: a bidirectional sliding window is not supported; use "
-                'attn_implementation="sdpa" for this model')
+        # Causal: keys i - window_left .. i; bidirectional (ModernBERT's local layers, which pass
+        # half their window + 1): keys i - window_left .. i + window_left.
         window_left = int(kwargs["sliding_window"]) - 1
     q_len, kv_len = query.shape[2], key.shape[2]
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
@@ -451,23 +510,23 @@ def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_l
         same = seq[:, None] == seq[None, :]
         allowed = _allowed_from_mask(attention_mask) & same
         if not torch.compiler.is_compiling():
-            return _masked_attention(q, k, v, allowed, scaling, window_left, sinks)
+            return _masked_attention(q, k, v, allowed, scaling, window_left, sinks, not is_causal)
         # Under torch.compile (no host reads): the packing as given, the mask checked against its
         # pattern on the device (as _masked_attention_traced does).
         pos = torch.arange(q_len, device=cu.device)
         i, j = pos[:, None], pos[None, :]
-        expected = same & (j <= i) & (j >= i - window_left) if window_left >= 0 else \
-            same & (j <= i) if is_causal else same
+        band = (i - j).abs() <= window_left if window_left >= 0 else torch.ones_like(same)
+        expected = same & band & (j <= i) if is_causal else same & band
         torch._assert_async((allowed == expected).all(), "flash_attn_ext attention: under torch.compile the "
                             "attention mask of packed sequences must be the layer's pattern in each sequence")
     elif attention_mask is not None:
-        return _masked_attention(q, k, v, attention_mask, scaling, window_left, sinks)
+        return _masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal)
     if packed is not None:
         cu_q, cu_k, max_q, max_k = packed
         causal = bool(is_causal)
         o = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
                                    v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, softmax_scale=scaling,
-                                   causal=causal, window_size=(window_left, -1) if causal else (-1, -1), sinks=sinks)
+                                   causal=causal, window_size=(window_left, -1 if causal else window_left), sinks=sinks)
         return o.view(q.shape)
     # No mask: transformers' sdpa_mask returned None, so the pattern is plain causal or plain
     # bidirectional. As the sdpa path: one query token sees everything; with kv_len > q_len
@@ -475,7 +534,8 @@ def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_l
     causal = bool(is_causal) and q_len > 1
     if causal and kv_len > q_len:
         k, v = k[:, :q_len], v[:, :q_len]
-    window = (window_left, 0) if window_left >= 0 else (-1, -1)  # right bound 0: decode's one query too
+    # right bound 0 for causal layers (decode's one query too), window_left for bidirectional ones
+    window = (window_left, 0 if is_causal else window_left) if window_left >= 0 else (-1, -1)
     return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks)
 
 

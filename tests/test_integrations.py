@@ -375,8 +375,39 @@ def test_sliding_window_layer_masks(count_calls):
     assert (out[~rows] == 0).all()
     check_accuracy("sliding window right padding", out[rows], ref.transpose(1, 2)[rows], base.transpose(1, 2)[rows])
     assert count_calls == ["varlen causal"] + ["varlen"] * 3, count_calls  # pad-row counts 1, 2, 3
+
+
+@pytest.mark.parametrize("w", [0, 1, 3, 20])
+def test_bidirectional_sliding_window_masks(w, count_calls):
+    """A bidirectional sliding window (ModernBERT's local layers pass sliding_window = w + 1: key j
+    seen iff |i - j| <= w) with the masks transformers builds for it: none, right and left padding
+    of mixed lengths (an element of one token, an element without tokens), a window wider than the
+    sequence; every row that sees a key (pad rows within w of the real keys included) equals sdpa
+    on the same mask, the others are 0; at most three varlen calls."""
+    m = _Module(False)
+    L = 12
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    band = (i - j).abs() <= w
+    q, k, v = _bhsd(5, 4, L, 16, 60), _bhsd(5, 2, L, 16, 61), _bhsd(5, 2, L, 16, 62)
+    out, _ = fx.flash_attn_ext_attention_forward(m, q, k, v, None, scaling=0.25, sliding_window=w + 1)
+    masks = [band[None, None].expand(5, 1, L, L)]
+    for left in (False, True):
+        keys = _padding_mask([12, 9, 5, 1, 0], L, left=left)           # (5, L): the real keys
+        masks.append((keys[:, None, :] & band)[:, None])
+    for mask in masks:
+        count_calls.clear()
+        out, _ = fx.flash_attn_ext_attention_forward(m, q, k, v, None if mask is masks[0] else mask, scaling=0.25,
+                                                     sliding_window=w + 1)
+        assert len(count_calls) <= 3 and all(c in ("varlen", "dense") for c in count_calls), count_calls
+        kw = dict(attn_mask=mask, scale=0.25, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw).transpose(1, 2)
+        base = F.scaled_dot_product_attention(q, k, v, **kw).transpose(1, 2)
+        rows = mask[:, 0].any(-1)
+        assert (out[~rows] == 0).all()
+        check_accuracy(f"bidirectional window {w}", out[rows], ref[rows], base[rows])
+    other = (band & (j != 2))[None, None]                          # a hole in the band: not the pattern
     with pytest.raises(NotImplementedError, match="bidirectional sliding window"):
-        fx.flash_attn_ext_attention_forward(_Module(False), q, q, q, None, sliding_window=4)
+        fx.flash_attn_ext_attention_forward(m, q[:1], k[:1], v[:1], other, sliding_window=w + 1)
 
 
 def test_sliding_window_masked_decode_steps():
@@ -460,6 +491,38 @@ def test_sliding_window_mistral_matches_sdpa(name, count_calls):
         assert torch.equal(ours.sequences, ref.sequences)
         for step, (a, b) in enumerate(zip(ours.logits, ref.logits)):
             torch.testing.assert_close(a, b, msg=f"decode step {step}")
+
+
+def test_modernbert_local_layers_match_sdpa(name, count_calls):
+    """ModernBERT (global layers and local ones with a bidirectional sliding window; used to
+    raise NotImplementedError), padded batch: hidden states of the real tokens and the gradient
+    of a loss on them against sdpa (accuracy rule vs a float64 sdpa run)."""
+    import transformers as tf
+
+    cfg = tf.ModernBertConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=4, local_attention=4, global_attn_every_n_layers=3,
+                              max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              cls_token_id=1, sep_token_id=2)
+    torch.manual_seed(0)
+    base_model = tf.ModernBertModel(cfg).eval()
+    ids = torch.randint(3, 96, (3, 14), generator=torch.Generator().manual_seed(4))
+    attn = _padding_mask([14, 9, 3], 14).long()
+    valid = attn.bool()
+
+    def run(impl, dtype):
+        m = tf.ModernBertModel(cfg).eval()
+        m.load_state_dict(base_model.state_dict())
+        m.set_attn_implementation(impl)
+        m = m.to(dtype)
+        h = m(input_ids=ids, attention_mask=attn).last_hidden_state
+        (h[valid].square().sum()).backward()
+        return h.detach(), m.embeddings.tok_embeddings.weight.grad
+
+    ours = run(name, torch.float32)
+    assert count_calls == ["varlen"] * 7   # the global layer's unpadded call, three per local layer
+    ref, base = run("sdpa", torch.float64), run("sdpa", torch.float32)
+    check_accuracy("modernbert hidden states", ours[0][valid], ref[0][valid], base[0][valid])
+    check_accuracy("modernbert embedding grad", ours[1], ref[1], base[1])
 
 
 def test_value_head_dim_other_than_query_and_odd_head_dims(count_calls):
