@@ -51,11 +51,12 @@ Masks (never ignored):
     restarting at each sequence): the block-diagonal mask transformers builds from position_ids
     without a cache (each block causal, with the layer's window, or full) → one varlen call
     over the flattened batch (``_packed_attention``). With a cache on, transformers builds no
-    mask (or a window's without the packing) and sdpa attends across the sequences; here the
-    packing is read as transformers' flash-attention path reads it: the collator's
-    ``cu_seq_lens_*`` / ``max_length_*`` keywords, else restarting ``position_ids`` of a
-    batch of one (``_packed_from_kwargs``). Under torch.compile only the keywords (fullgraph
-    works with them): restarting position_ids without them fail a device-side assert.
+    mask (or a window's without the packing) and sdpa attends across the sequences; here, where
+    the mask is None or has no padding, the packing is read as transformers' flash-attention
+    path reads it: the collator's ``cu_seq_lens_*`` / ``max_length_*`` keywords, else
+    ``position_ids`` of a batch of one that do not run on by one (``_packed_from_kwargs``); a
+    padding mask is taken as is (that path unpads by it). Under torch.compile only the keywords
+    (fullgraph works with them): restarting position_ids without them fail a device-side assert.
   * Any other pattern (a window the layer does not pass, per-head masks, additive biases)
     raises NotImplementedError naming the cause: use attn_implementation="sdpa" for those
     models.
@@ -273,18 +274,24 @@ def _packed_attention(q, k, v, m, scaling, window_left=-1, sinks=None):
 _POSITION_IDS_SEEN = [None, None, None]  # [weakref to a position_ids tensor, its _version, the result]
 
 
-def _packed_from_kwargs(q_len, kv_len, batch, kwargs):
-    """Sequences packed in one batch row without an attention mask (the model built none: e.g.
-    DataCollatorWithFlattening's batches while a cache is on, which keeps transformers' mask
-    builder from reading position_ids), as transformers' flash-attention path reads them:
-    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` when all four are
-    given (DataCollatorWithFlattening(return_flash_attn_kwargs=True); taken as given), else
-    ``position_ids`` of shape (1, L) with L = q_len = kv_len > 1 that restart (not one increasing
-    run from their minimum): a sequence starts at each position equal to the minimum. Only for
-    batch 1 (the flattened layout). Returns (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k) or None (not packed: the dense call). The position_ids check reads them on the
-    host once per tensor (transformers passes one tensor to every layer); under torch.compile
-    (no host reads) restarting position_ids fail a device-side assert instead."""
+def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
+    """Sequences packed in one batch row that transformers' mask does not describe, read as
+    transformers' flash-attention path reads them (it unpads by a padding mask and otherwise takes
+    the packing from these): the collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` /
+    ``max_length_q`` / ``max_length_k`` when all four are given
+    (DataCollatorWithFlattening(return_flash_attn_kwargs=True); taken as given), else
+    ``position_ids`` of shape (1, L), L = q_len = kv_len > 1: a sequence starts at position 0
+    and wherever a position is not the previous one + 1 (transformers' mask builder's rule,
+    find_packed_sequence_indices). Only for batch 1 (the flattened layout). The caller applies
+    the packing where the mask (if any) has no padding. Returns (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k), or None for one sequence.
+
+    The position_ids are read on the host once per tensor and version (transformers passes one
+    tensor to every layer; writes through ``.data`` or numpy, which keep the version, are not
+    seen; inference-mode tensors, which have none, are read at every call). Under
+    torch.compile (no host reads) they are not unpacked: restarting position_ids with no mask or
+    a mask without padding (``mask``: the layer's attention_mask or None) fail a device-side
+    assert that names the way out (the collator's keywords)."""
     if batch != 1:
         return None
     names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -295,25 +302,27 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs):
     if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or tuple(pos.shape) != (1, q_len) or \
             q_len != kv_len or q_len < 2:
         return None
-    if torch.compiler.is_compiling():
-        # No host reads in a graph, so no unpacking here: refuse restarting position_ids on the
-        # device rather than attend across the sequences.
-        flat = pos.reshape(-1)
-        torch._assert_async((flat.diff() >= 0).all(), "flash_attn_ext attention: packed sequences "
-                            "(restarting position_ids) under torch.compile need the collator keywords "
-                            "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
-        return None
-    ref, version, result = _POSITION_IDS_SEEN
-    if ref is not None and ref() is pos and version == pos._version:
-        return result
     flat = pos.reshape(-1)
-    starts = (flat == flat.min()).nonzero().flatten()            # one host sync
+    if torch.compiler.is_compiling():
+        packing = (flat.diff() != 1).any()
+        if mask is not None:
+            packing &= _allowed_from_mask(mask).diagonal(dim1=-2, dim2=-1).all()  # and no padding
+        torch._assert_async(~packing, "flash_attn_ext attention: packed sequences (restarting position_ids) under "
+                            "torch.compile need the collator keywords (DataCollatorWithFlattening("
+                            "return_flash_attn_kwargs=True))")
+        return None
+    cached = not pos.is_inference()
+    ref, version, result = _POSITION_IDS_SEEN
+    if cached and ref is not None and ref() is pos and version == pos._version:
+        return result
+    starts = torch.cat([flat.new_ones(1, dtype=torch.bool), flat.diff() != 1]).nonzero().flatten()  # a host sync
     result = None
     if starts.numel() > 1:
         cu = torch.cat([starts, starts.new_full((1,), q_len)]).int()
         max_len = int(cu.diff().max())
         result = (cu, cu, max_len, max_len)
-    _POSITION_IDS_SEEN[:] = [weakref.ref(pos), pos._version, result]
+    if cached:
+        _POSITION_IDS_SEEN[:] = [weakref.ref(pos), pos._version, result]
     return result
 
 
@@ -346,7 +355,8 @@ def _masked_attention_traced(q, k, v, m, scaling, sinks=None):
         out = torch.where(rows[:, :, None, None], o.view(q.shape), out)
     torch._assert_async(ok.all(), "flash_attn_ext attention: an attention mask under torch.compile is neither "
                                   "padding nor causal+padding with one run of rows and keys per batch element; "
-                                  "those patterns are not supported, use attn_implementation='sdpa'")
+                                  "packed sequences there need the collator keywords (DataCollatorWithFlattening("
+                                  "return_flash_attn_kwargs=True)), other patterns attn_implementation='sdpa'")
     # (no double quote in the message: inductor pastes it into C++ unescaped)
     return out
 
@@ -487,6 +497,10 @@ def flash_attn_ext_attention_forward(
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # BSHD views
     d_qk, d_v = q.shape[-1], v.shape[-1]
     d = -(-max(d_qk, d_v) // 8) * 8
+    if d > 256:
+        raise NotImplementedError(
+            f"flash_attn_ext attention: head dim {d_qk} (queries, keys) / {d_v} (values) is not supported (at "
+            'most 256); use attn_implementation="sdpa" for this model')
     if d_qk != d or d_v != d:
         # Values of another head dim than the queries' and keys' (multi-head latent attention:
         # DeepSeek-V2 / V3, ...), or a head dim the kernels do not take (not a multiple of 8):
@@ -501,16 +515,21 @@ def flash_attn_ext_attention_forward(
 def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_len, kv_len, kwargs):
     """flash_attn_ext_attention_forward's calls on the BSHD q, k, v of one head dim; returns the
     (batch, q_len, nheads, headdim) output."""
-    packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs)
+    packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs, attention_mask)
     if attention_mask is not None and packed is not None and q_len == kv_len:
-        # A mask built without the packing (a sliding-window layer's while a cache is on): the
-        # packing's block-diagonal pattern too, as transformers builds it without a cache.
+        # A mask built without the packing (a sliding-window layer's, the user's all-ones one, any
+        # while a cache is on): where it has no padding (every row sees itself), the packing's
+        # block-diagonal pattern too, as transformers' flash-attention path reads it; a padding
+        # mask is taken as is (that path unpads by it and ignores position_ids).
         cu = packed[0]
         seq = torch.searchsorted(cu[1:], torch.arange(q_len, device=cu.device, dtype=cu.dtype), right=True)
         same = seq[:, None] == seq[None, :]
-        allowed = _allowed_from_mask(attention_mask) & same
+        allowed = _allowed_from_mask(attention_mask)
         if not torch.compiler.is_compiling():
-            return _masked_attention(q, k, v, allowed, scaling, window_left, sinks, not is_causal)
+            if not bool(allowed.diagonal(dim1=-2, dim2=-1).all()):  # padding (a host sync)
+                return _masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal)
+            return _masked_attention(q, k, v, allowed & same, scaling, window_left, sinks, not is_causal)
+        allowed = allowed & same
         # Under torch.compile (no host reads): the packing as given, the mask checked against its
         # pattern on the device (as _masked_attention_traced does).
         pos = torch.arange(q_len, device=cu.device)
@@ -581,16 +600,25 @@ _REGISTERED: set[str] = set()
 
 
 def _uses_attention_interface(model) -> bool:
-    """Whether ``model``'s attention goes through transformers' AttentionInterface: its modeling
-    module imports ALL_ATTENTION_FUNCTIONS (every model that calls the interface does), or it is
-    a composite model (a sub-config of a model: AutoConfig or one with a model_type, e.g. Llava's
-    text and vision configs; transformers checks each sub-model on its own), unlike MPT's or
-    DBRX's sub-configs of one layer's options (no model_type)."""
+    """Whether ``model``'s attention goes through transformers' AttentionInterface: the modeling
+    module of its class or of a base class below PreTrainedModel (a user's subclass of
+    LlamaForCausalLM lives elsewhere) imports ALL_ATTENTION_FUNCTIONS (every model that calls the
+    interface does), or it is a composite model (a sub-config of a model: AutoConfig or one with
+    a model_type, e.g. Llava's text and vision configs; transformers checks each sub-model on its
+    own), unlike MPT's or DBRX's sub-configs of one layer's options (no model_type)."""
+    from transformers import PreTrainedModel
+
     sub_configs = getattr(getattr(model, "config", None), "sub_configs", None) or {}
     if any(c.__name__ == "AutoConfig" or getattr(c, "model_type", "") for c in sub_configs.values()):
         return True
-    module = sys.modules.get(type(model).__module__)
-    return module is None or "ALL_ATTENTION_FUNCTIONS" in vars(module)
+    for cls in type(model).__mro__:
+        if cls is PreTrainedModel:
+            break
+        module = sys.modules.get(cls.__module__)
+        if module is not None and "ALL_ATTENTION_FUNCTIONS" in vars(module) and \
+                cls.__module__ != PreTrainedModel.__module__:
+            return True
+    return False
 
 
 def _guard_models_outside_the_interface():

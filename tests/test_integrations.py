@@ -540,6 +540,9 @@ def test_value_head_dim_other_than_query_and_odd_head_dims(count_calls):
             base = F.scaled_dot_product_attention(q, k, v, **kw).transpose(1, 2)
             rows = slice(None) if mask is None else mask[:, 0].any(-1)
             check_accuracy(f"head dims {d_qk} / {d_v}", out[rows], ref[rows], base[rows])
+    q = _bhsd(1, 2, 4, 257, 53)
+    with pytest.raises(NotImplementedError, match="head dim 257 .queries, keys. / 257 .values.*at most 256"):
+        fx.flash_attn_ext_attention_forward(_Module(True), q, q, q, None)
 
 
 def test_deepseek_v3_mla_matches_sdpa(name):
@@ -595,6 +598,11 @@ def test_models_outside_the_attention_interface_are_refused(name):
     assert llava.config.text_config._attn_implementation == name
     assert llava.config.vision_config._attn_implementation == name
     model.set_attn_implementation("sdpa" if model._supports_sdpa else "eager")   # other names pass through
+
+    class MyLlama(tf.LlamaForCausalLM):        # a user's subclass, in a module without the interface
+        pass
+
+    assert MyLlama._from_config(text, attn_implementation=name).config._attn_implementation == name
 
 
 def test_alibi_bias_is_named(name):
@@ -1019,7 +1027,8 @@ def test_packed_batch_under_compile(arch, use_cache, name, count_calls):
         torch.testing.assert_close(out, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
         assert count_calls and all(c == "varlen causal" for c in count_calls)
         torch._dynamo.reset()
-        # (a windowed layer's mask stops fullgraph first: the graph break that names its cause)
+        # (a windowed layer's mask stops fullgraph first: the graph break that names its cause;
+        # without a cache transformers' mask holds the packing, refused by the traced mask path)
         with pytest.raises(Exception, match="return_flash_attn_kwargs|sliding-window layer with an attention mask"):
             torch.compile(logits, fullgraph=True)(**DataCollatorWithFlattening()(feats))
         torch._dynamo.reset()
@@ -1032,7 +1041,7 @@ def test_position_ids_that_do_not_pack_run_dense(count_calls):
     or a batch of several rows leave the call dense; restarting ones pack (read once per tensor)."""
     m = _Module(True)
     q = _bhsd(1, 4, 8, 16, 48)
-    for pos in (torch.arange(8)[None], torch.arange(3, 11)[None], torch.tensor([[0, 1, 2, 5, 6, 7, 8, 9]])):
+    for pos in (torch.arange(8)[None], torch.arange(3, 11)[None]):
         count_calls.clear()
         out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
         assert count_calls == ["dense causal"]
@@ -1040,12 +1049,36 @@ def test_position_ids_that_do_not_pack_run_dense(count_calls):
     count_calls.clear()
     fx.flash_attn_ext_attention_forward(m, q2, q2, q2, None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2))
     assert count_calls == ["dense causal"]
-    pos = torch.tensor([[2, 3, 4, 2, 3, 4, 5, 6]])               # restarts at its minimum (RoBERTa-like)
-    count_calls.clear()
-    out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
-    out2, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
-    assert count_calls == ["varlen causal"] * 2 and torch.equal(out, out2)
+    # A sequence starts wherever a position is not the previous + 1 (transformers' mask builder's
+    # rule): a restart at the minimum (RoBERTa-like), a first chunk continuing a document, a gap.
     mask = _packed_mask([3, 5])[None, None]
+    for pos in ([[2, 3, 4, 2, 3, 4, 5, 6]], [[7, 8, 9, 0, 1, 2, 3, 4]], [[0, 1, 2, 5, 6, 7, 8, 9]]):
+        pos = torch.tensor(pos)
+        count_calls.clear()
+        out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
+        out2, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
+        assert count_calls == ["varlen causal"] * 2 and torch.equal(out, out2)
+        torch.testing.assert_close(out, fx.flash_attn_ext_attention_forward(m, q, q, q, mask)[0], rtol=0, atol=0)
+    # Read again after an in-place write (the cache keys on the tensor's version), and at every
+    # call in inference mode (no version there).
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
+    pos.copy_(torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]))
+    out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
+    torch.testing.assert_close(out, fx.flash_attn_ext_attention_forward(m, q, q, q, _packed_mask([5, 3])[None, None])[0])
+    with torch.inference_mode():
+        pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+        out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
+    torch.testing.assert_close(out, fx.flash_attn_ext_attention_forward(m, q, q, q, mask)[0], rtol=0, atol=0)
+    # A padding mask is taken as is (transformers' flash-attention path unpads by it and ignores
+    # position_ids), e.g. generate's position_ids of a padded prompt: [0, 1, 2, 3, 0, 0].
+    pad = _padding_mask([4], 8)[:, None, None, :] & torch.ones(8, 8, dtype=torch.bool).tril()
+    count_calls.clear()
+    out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, pad, position_ids=torch.tensor([[0, 1, 2, 3, 0, 0, 0, 0]]))
+    torch.testing.assert_close(out, fx.flash_attn_ext_attention_forward(m, q, q, q, pad)[0], rtol=0, atol=0)
+    # A mask without padding (the user's all-ones one, a window's) takes the packing as well.
+    ones = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, ones, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))
     torch.testing.assert_close(out, fx.flash_attn_ext_attention_forward(m, q, q, q, mask)[0], rtol=0, atol=0)
 
 
