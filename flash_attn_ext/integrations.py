@@ -288,7 +288,7 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
 
     The position_ids are read on the host once per tensor and version (transformers passes one
     tensor to every layer; writes through ``.data`` or numpy, which keep the version, are not
-    seen; inference-mode tensors, which have none, are read at every call). Under
+    seen, nor in-place writes to an inference-mode tensor, which has none). Under
     torch.compile (no host reads) they are not unpacked: restarting position_ids with no mask or
     a mask without padding (``mask``: the layer's attention_mask or None) fail a device-side
     assert that names the way out (the collator's keywords)."""
@@ -311,9 +311,9 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
                             "torch.compile need the collator keywords (DataCollatorWithFlattening("
                             "return_flash_attn_kwargs=True))")
         return None
-    cached = not pos.is_inference()
-    ref, version, result = _POSITION_IDS_SEEN
-    if cached and ref is not None and ref() is pos and version == pos._version:
+    version = None if pos.is_inference() else pos._version   # (inference tensors have no version)
+    ref, seen_version, result = _POSITION_IDS_SEEN
+    if ref is not None and ref() is pos and seen_version == version:
         return result
     starts = torch.cat([flat.new_ones(1, dtype=torch.bool), flat.diff() != 1]).nonzero().flatten()  # a host sync
     result = None
@@ -321,8 +321,7 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
         cu = torch.cat([starts, starts.new_full((1,), q_len)]).int()
         max_len = int(cu.diff().max())
         result = (cu, cu, max_len, max_len)
-    if cached:
-        _POSITION_IDS_SEEN[:] = [weakref.ref(pos), pos._version, result]
+    _POSITION_IDS_SEEN[:] = [weakref.ref(pos), version, result]
     return result
 
 

@@ -1059,8 +1059,8 @@ def test_position_ids_that_do_not_pack_run_dense(count_calls):
         out2, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
         assert count_calls == ["varlen causal"] * 2 and torch.equal(out, out2)
         torch.testing.assert_close(out, fx.flash_attn_ext_attention_forward(m, q, q, q, mask)[0], rtol=0, atol=0)
-    # Read again after an in-place write (the cache keys on the tensor's version), and at every
-    # call in inference mode (no version there).
+    # Read again after an in-place write (the cache keys on the tensor's version), and in
+    # inference mode (no version there: the tensor itself is the key).
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
     pos.copy_(torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]))
