@@ -8,9 +8,15 @@ matrix is never materialised.
 What matches torch: argument names and defaults, BHSD shapes, ``is_causal`` semantics (top-left
 aligned, also when L != S), ``enable_gqa`` rules, autocast behaviour (under an enabled autocast
 region the inputs are cast to the autocast dtype, as torch does for this op).
-What is refused (clear error, never ignored): ``attn_mask`` other than None, ``dropout_p`` != 0,
-inputs that are not 4-D, and float32/float64 inputs on CUDA outside autocast (the CUDA kernels
-are float16/bfloat16 only). Every check runs here, before the kernels, and names the arguments
+``attn_mask`` (boolean, True = take part, or additive 0 / -inf) is taken when it is the same for
+every head and a pattern the kernels compute: key and/or query padding, causal (any diagonal
+offset, top-left included) with padding, sequences packed block-diagonally; it runs as at most
+two varlen calls (the Hugging Face integration's unpadding, flash_attn_ext.integrations), and a
+row that sees no key gets 0 (torch's math backend: NaN).
+What is refused (clear error, never ignored): other masks (per head, additive biases, other
+patterns), ``attn_mask`` with ``is_causal=True`` (as torch), ``dropout_p`` != 0, inputs that are
+not 4-D, and float32/float64 inputs on CUDA outside autocast (the CUDA kernels are
+float16/bfloat16 only). Every check runs here, before the kernels, and names the arguments
 as torch does (query, key, value; BHSD shapes), never the kernels' internal BSHD q/k/v views.
 """
 
@@ -95,7 +101,14 @@ def scaled_dot_product_attention(
             cost no copy; a last dim with a stride other than 1 is made contiguous first (a
             copy), as torch does.
             query, key, value: one device (cpu or cuda).
-        attn_mask: must be None (masks are not supported; use ``is_causal``).
+        attn_mask: None, or a mask broadcastable to (batch, nheads, L, S) with size 1 on the
+            heads: bool (True = take part) or floating (0 = take part, -inf or the dtype's
+            minimum = masked), on query's device. Taken where the allowed positions of each batch
+            element form padding (of keys and/or queries), causal attention with a diagonal
+            offset plus padding (top-left ``tril``, bottom-right, left / right padding), or
+            block-diagonal packed sequences (each block causal or full); a row that sees no key
+            gets 0. (Reads sizes on the host: a few syncs per call; under torch.compile a
+            static-shape form with the pattern checked on the device.)
         dropout_p: must be 0.0 (no attention dropout).
         is_causal: causal mask aligned to the top-left corner, exactly as torch: query i sees
             key j <= i. (flash_attn_ext's own ``causal`` is bottom-right aligned; this function
@@ -104,7 +117,9 @@ def scaled_dot_product_attention(
         enable_gqa: allow nheads_k < nheads (see above).
 
     Differentiable in reverse mode and forward mode, and usable under torch.func transforms
-    (grad, vjp, jvp, jacrev, jacfwd, vmap): see ``flash_attn_ext.flash_attn_func``.
+    (grad, vjp, jvp, jacrev, jacfwd, vmap): see ``flash_attn_ext.flash_attn_func``. With an
+    ``attn_mask``: reverse mode (autograd) and vmap; forward mode and the other torch.func
+    transforms raise NotImplementedError (flash_attn_varlen_func's).
 
     Dtypes: CPU float32/float64/float16/bfloat16; CUDA float16/bfloat16. Under an enabled
     ``torch.autocast`` region the inputs are first cast to the autocast dtype (as torch does).
@@ -114,8 +129,10 @@ def scaled_dot_product_attention(
         (possibly autocast) input dtype. Differentiable w.r.t. query, key, value.
 
     Raises (before any kernel runs; messages name query/key/value and their BHSD shapes):
-        NotImplementedError: ``attn_mask`` is not None, ``dropout_p`` != 0, or a nested (jagged)
-            tensor.
+        NotImplementedError: an ``attn_mask`` of another pattern, per head or with bias values,
+            ``dropout_p`` != 0, or a nested (jagged) tensor.
+        ValueError: ``attn_mask`` with ``is_causal=True``, or not broadcastable to (batch,
+            nheads, L, S).
         ValueError: not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
             also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0), key/value
             without heads for a query with some (nheads = 0: an empty output, as torch),
@@ -124,13 +141,18 @@ def scaled_dot_product_attention(
         RuntimeError: query, key, value on different devices, or on a device other than
             cpu/cuda.
         TypeError: mixed dtypes, a dtype other than float16/bfloat16/float32/float64, or
-            float32/float64 on CUDA outside autocast.
+            float32/float64 on CUDA outside autocast; an attn_mask that is not a bool or
+            floating tensor.
     """
     if attn_mask is not None:
-        raise NotImplementedError(
-            "flash_attn_ext.scaled_dot_product_attention: attn_mask is not supported (got a "
-            f"{type(attn_mask).__name__}); pass attn_mask=None, with is_causal=True for a causal "
-            "mask, or use torch.nn.functional.scaled_dot_product_attention for arbitrary masks")
+        if not isinstance(attn_mask, torch.Tensor) or not (attn_mask.dtype == torch.bool or
+                                                           attn_mask.is_floating_point()):
+            raise TypeError(
+                "flash_attn_ext.scaled_dot_product_attention: attn_mask must be a bool or floating "
+                f"tensor, got {attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__}")
+        if is_causal:
+            raise ValueError("flash_attn_ext.scaled_dot_product_attention: attn_mask and is_causal=True were both "
+                             "given (as torch refuses it); put the causal pattern into attn_mask, or pass one of them")
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"flash_attn_ext.scaled_dot_product_attention: dropout_p must be 0.0 (got {dropout_p}); "
@@ -197,6 +219,8 @@ def scaled_dot_product_attention(
 
     # BHSD -> BSHD: views, no copy (the op takes any strides with a contiguous last dim).
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if attn_mask is not None:
+        return _masked(q, k, v, attn_mask, scale, (B, H, L, S)).transpose(1, 2)
     if not is_causal or L == S:
         # L == S: top-left and bottom-right alignment are the same mask.
         out = flash_attn_func(q, k, v, softmax_scale=scale, causal=is_causal)
@@ -211,3 +235,38 @@ def scaled_dot_product_attention(
         tail = flash_attn_func(q[:, S:], k, v, softmax_scale=scale, causal=False)
         out = torch.cat([head, tail], dim=1)
     return out.transpose(1, 2)
+
+
+def _masked(q, k, v, attn_mask, scale, shape):
+    """scaled_dot_product_attention with an attn_mask: the mask brought to (batch or 1, 1, L, S),
+    then the Hugging Face integration's unpadding (its refusals reworded for this function)."""
+    import re
+
+    from .integrations import _masked_attention
+
+    B, H, L, S = shape
+    try:
+        if torch.broadcast_shapes(attn_mask.shape, shape) != torch.Size(shape):
+            raise RuntimeError
+    except RuntimeError:
+        raise ValueError(f"flash_attn_ext.scaled_dot_product_attention: attn_mask of shape {tuple(attn_mask.shape)} "
+                         f"does not broadcast to (batch, nheads, L, S) = {shape}") from None
+    if attn_mask.device != q.device:
+        raise RuntimeError(f"flash_attn_ext.scaled_dot_product_attention: attn_mask is on {attn_mask.device} but "
+                           f"query is on {q.device}")
+    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if mask.shape[1] != 1:
+        raise NotImplementedError(
+            "flash_attn_ext.scaled_dot_product_attention: attn_mask differs per head (size "
+            f"{mask.shape[1]} on the heads dim); masks the same for every head (size 1 there) are "
+            "supported, use torch.nn.functional.scaled_dot_product_attention for this one")
+    try:
+        return _masked_attention(q, k, v, mask.expand(mask.shape[0], 1, L, S), scale)
+    except NotImplementedError as e:
+        if not str(e).startswith("flash_attn_ext attention: "):   # not a mask refusal: as raised
+            raise
+        reason = re.sub(r"^flash_attn_ext attention: ", "", str(e))
+        reason = re.sub(r"[;,]?\s*use attn_implementation=[\"']sdpa[\"'].*$", "", reason)
+        raise NotImplementedError(
+            f"flash_attn_ext.scaled_dot_product_attention: {reason}; use "
+            "torch.nn.functional.scaled_dot_product_attention for this mask") from None

@@ -232,11 +232,76 @@ def test_sdpa_matches_torch_semantics(is_causal, seqlens, nheads_k):
         check_accuracy(f"sdpa d{name}", t.grad, t64.grad, tb.grad)
 
 
+def _sdpa_masks(B, L, S):
+    """attn_mask values the drop-in takes, as models pass them to torch's SDPA: key padding
+    (B, 1, 1, S) bool; its additive float twin (0 / -inf) and the dtype-min fill; top-left
+    causal (L, S) (``tril``); causal + key padding (B, 1, L, S); bottom-right causal with left
+    padding; query and key padding (encoder-decoder); packed sequences (L == S)."""
+    keys = torch.arange(S)[None, :] < torch.tensor([S, S - 3, 1])[:B, None]            # right padding
+    left = torch.arange(S)[None, :] >= torch.tensor([0, 4, S - 2])[:B, None]            # left padding
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    masks = {
+        "key padding": keys[:, None, None, :],
+        "key padding, additive -inf": torch.zeros(B, 1, 1, S).masked_fill(~keys[:, None, None, :], float("-inf")),
+        "key padding, additive dtype-min": torch.zeros(B, 1, 1, S).masked_fill(~keys[:, None, None, :],
+                                                                               torch.finfo(torch.float32).min),
+        "top-left causal": j <= i,
+        "causal + key padding": ((j <= i)[None] & keys[:, None, :])[:, None],
+        "bottom-right causal + left padding": ((j <= i + S - L)[None] & left[:, None, :])[:, None],
+        "query and key padding": ((torch.arange(L)[None, :] < torch.tensor([L, L - 2, 2])[:B, None])[:, :, None]
+                                  & keys[:, None, :])[:, None],
+    }
+    if L == S:
+        seq = torch.tensor([0] * 3 + [1] * (L - 5) + [2] * 2)
+        masks["packed, causal"] = (seq[:, None] == seq[None, :]) & (j <= i)
+    return masks
+
+
+@pytest.mark.parametrize("seqlens", [(12, 12), (7, 12), (12, 7)])
+@pytest.mark.parametrize("nheads_k", [4, 2])
+def test_sdpa_attn_mask_matches_torch(seqlens, nheads_k):
+    """attn_mask of the patterns the drop-in takes: out and gradients against torch's SDPA on
+    the same mask (accuracy rule vs float64); rows that see no key are 0 with zero gradients."""
+    L, S = seqlens
+    for name, mask in _sdpa_masks(3, L, S).items():
+        q = _randn(3, 4, L, 32, seed=30).requires_grad_()
+        k = _randn(3, nheads_k, S, 32, seed=31).requires_grad_()
+        v = _randn(3, nheads_k, S, 32, seed=32).requires_grad_()
+        gqa = nheads_k != 4
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=gqa)
+        args64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        argsb = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        m64 = mask if mask.dtype == torch.bool else mask.double()
+        ref = F.scaled_dot_product_attention(*args64, attn_mask=m64, scale=0.3, enable_gqa=gqa)
+        base = F.scaled_dot_product_attention(*argsb, attn_mask=mask, scale=0.3, enable_gqa=gqa)
+        allowed = (mask if mask.dtype == torch.bool else mask == 0).expand(3, 1, L, S)
+        rows = allowed.any(-1).expand(3, 4, L)                   # rows that see a key
+        assert (out[~rows] == 0).all(), name
+        check_accuracy(f"sdpa attn_mask {name}", out[rows], ref[rows], base[rows])
+        dout = _randn(3, 4, L, 32, seed=33) * rows[..., None]     # torch's empty rows are NaN
+        out.backward(dout)
+        ref.backward(torch.nan_to_num(dout.double()))
+        base.backward(dout)
+        for g, t, t64, tb in zip("qkv", (q, k, v), args64, argsb):
+            check_accuracy(f"sdpa attn_mask {name} d{g}", t.grad, torch.nan_to_num(t64.grad), torch.nan_to_num(tb.grad))
+
+
 def test_sdpa_refuses_what_it_does_not_do():
     q = _randn(1, 4, 8, 32)
     k = _randn(1, 2, 8, 32)
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    with pytest.raises(NotImplementedError, match="differs per head"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(1, 4, 8, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="bias.*torch.nn.functional.scaled_dot_product_attention"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.randn(8, 8))
+    with pytest.raises(NotImplementedError, match="neither padding.*torch.nn.functional"):
+        scaled_dot_product_attention(q, q, q, attn_mask=(i - j).abs() <= 2)       # a band
+    with pytest.raises(ValueError, match="is_causal"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 7, dtype=torch.bool))
+    with pytest.raises(TypeError, match="bool or floating"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         scaled_dot_product_attention(q, q, q, dropout_p=0.1)
     with pytest.raises(ValueError, match="enable_gqa"):
