@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .integrations import _allowed_from_mask, _masked_attention
 from .interface import _window, flash_attn_func
 from .reference import visible_mask
 from .sdpa import _autocast_and_check_dtype
@@ -136,9 +137,10 @@ class MultiheadFlashAttention(nn.Module):
     Differences from torch.nn.MultiheadAttention: always batch-first; no dropout, add_bias_kv,
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
     matmul); ``need_weights`` must be False (attention weights are never materialised);
-    ``key_padding_mask`` is not supported and ``attn_mask`` only as the causal hint
-    (``is_causal=True`` with a causal mask, which is checked, also under torch.compile: see
-    ``forward``) — otherwise a clear error.
+    ``key_padding_mask`` runs as unpadded varlen calls (``forward``; not with a sliding window
+    in a non-causal call) and ``attn_mask`` only as the causal hint (``is_causal=True`` with a
+    causal mask, which is checked, also under torch.compile: see ``forward``) — otherwise a
+    clear error.
 
     Differentiable in reverse and forward mode, and usable under torch.func transforms
     (``torch.func.functional_call`` with grad, vjp, jvp, jacrev, jacfwd, and
@@ -191,17 +193,25 @@ class MultiheadFlashAttention(nn.Module):
         y = F.linear(x, self.in_proj_weight[part], b)
         return y.view(x.shape[0], x.shape[1], nheads, self.head_dim)
 
-    def _attention(self, q, k, v, causal: bool) -> torch.Tensor:
+    def _attention(self, q, k, v, causal: bool, keys: torch.Tensor | None = None) -> torch.Tensor:
+        # keys: None, or (batch, seqlen_k) bool, True for the keys that take part (key_padding_mask).
+        Lq, Lk = q.shape[1], k.shape[1]
         if self.backend == "flash_attn_ext":
             q, k, v = _autocast_and_check_dtype({"query": q, "key": k, "value": v})
-            return flash_attn_func(q, k, v, causal=causal, window_size=self.window_size)
+            if keys is None:
+                return flash_attn_func(q, k, v, causal=causal, window_size=self.window_size)
+            # Padding: the unpadded varlen calls of the masked path (flash_attn_ext.integrations),
+            # over the padding mask with the module's causal mask (and a causal window's left bound).
+            mask = keys[:, None, None, :] & visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
+            return _masked_attention(q, k, v, mask, None, self.window_size[0] if causal else -1)
         # Reference path: torch SDPA on BHSD views; an explicit bottom-right mask when the
-        # alignments differ (seqlen_q != seqlen_k) or a window is set, so both backends compute
-        # the same function.
-        Lq, Lk = q.shape[1], k.shape[1]
+        # alignments differ (seqlen_q != seqlen_k), a window is set or keys are padded, so both
+        # backends compute the same function.
         mask = None
-        if (causal and Lq != Lk) or self.window_size != (-1, -1):
+        if (causal and Lq != Lk) or self.window_size != (-1, -1) or keys is not None:
             mask = visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
+            if keys is not None:
+                mask = keys[:, None, None, :] & mask
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             is_causal=causal and mask is None, enable_gqa=self.num_kv_heads != self.num_heads)
@@ -217,7 +227,12 @@ class MultiheadFlashAttention(nn.Module):
             query: (batch, seqlen_q, embed_dim).
             key, value: (batch, seqlen_k, embed_dim), both or neither; omitted means
                 self-attention (key = value = query, one fused QKV matmul).
-            key_padding_mask: must be None.
+            key_padding_mask: None, or (batch, seqlen_k) as torch.nn.MultiheadAttention's: bool
+                with True = padding (the key is ignored), or float with 0 = attend and -inf =
+                ignored. The call then runs as the masked path's unpadded varlen calls (at most
+                two; a few host syncs; under torch.compile a static-shape form) with the
+                module's causal mask and a causal window; a query that sees no key gets 0
+                (torch: NaN).
             need_weights: must be False.
             attn_mask: None, or (with is_causal=True) the causal mask itself, as torch's hint
                 and in torch.nn.MultiheadAttention's conventions: bool (seqlen_q, seqlen_k) with
@@ -233,19 +248,17 @@ class MultiheadFlashAttention(nn.Module):
         Returns:
             (out, None): out (batch, seqlen_q, embed_dim) in the activations' dtype.
         Raises:
-            NotImplementedError: need_weights=True, key_padding_mask given, or attn_mask other
-                than the causal hint (compiled: see attn_mask).
+            NotImplementedError: need_weights=True, attn_mask other than the causal hint
+                (compiled: see attn_mask), key_padding_mask with a window in a non-causal call.
+            TypeError: key_padding_mask neither bool nor floating.
             RuntimeError: under torch.compile on CPU, an attn_mask whose values are not causal.
-            ValueError: wrong ranks or widths, key without value.
+            ValueError: wrong ranks or widths, key without value, key_padding_mask not (batch,
+                seqlen_k).
         """
         if need_weights:
             raise NotImplementedError(
                 "MultiheadFlashAttention: need_weights=True is not supported (attention weights "
                 "are never materialised); pass need_weights=False")
-        if key_padding_mask is not None:
-            raise NotImplementedError(
-                "MultiheadFlashAttention: key_padding_mask is not supported; run sequences of "
-                "equal length (or unpad them) and pass key_padding_mask=None")
         if (key is None) != (value is None):
             raise ValueError("MultiheadFlashAttention: pass both key and value, or neither")
         self_attn = key is None or (key is query and value is query)
@@ -263,6 +276,7 @@ class MultiheadFlashAttention(nn.Module):
                                  f"got {key.shape[1]} and {value.shape[1]}")
         seqlen_k = query.shape[1] if self_attn else key.shape[1]
         causal = self.causal or is_causal
+        keys = None if key_padding_mask is None else self._keys(key_padding_mask, query.shape[0], seqlen_k, causal)
         if attn_mask is not None:
             if not is_causal:
                 raise NotImplementedError(
@@ -293,9 +307,27 @@ class MultiheadFlashAttention(nn.Module):
                 cos_q, sin_q = rotary_cos_sin(lq, D, self.rotary_base, device=q.device, offset=lk - lq, dtype=table)
             q = apply_rotary(q, cos_q, sin_q)
             k = apply_rotary(k, cos_k, sin_k)
-        out = self._attention(q, k, v, causal)                  # (B, Lq, H, D)
+        out = self._attention(q, k, v, causal, keys)            # (B, Lq, H, D)
         out = out.reshape(out.shape[0], out.shape[1], H * D)
         return self.out_proj(out), None
+
+    def _keys(self, key_padding_mask: torch.Tensor, batch: int, seqlen_k: int, causal: bool) -> torch.Tensor:
+        """(batch, seqlen_k) bool, True for the keys that take part, from torch.nn.MultiheadAttention's
+        key_padding_mask: bool with True = padding (ignored), or float with 0 = attend and -inf
+        (or the dtype's minimum) = ignored."""
+        if not isinstance(key_padding_mask, torch.Tensor) or tuple(key_padding_mask.shape) != (batch, seqlen_k):
+            raise ValueError(f"MultiheadFlashAttention: key_padding_mask must be (batch={batch}, seqlen_k={seqlen_k}), "
+                             f"got {tuple(getattr(key_padding_mask, 'shape', ()))}")
+        if self.window_size != (-1, -1) and not causal:
+            raise NotImplementedError(
+                "MultiheadFlashAttention: key_padding_mask with a sliding window in a non-causal call is not "
+                "supported; pass key_padding_mask=None (equal lengths) or use backend='torch_sdpa'")
+        if key_padding_mask.dtype == torch.bool:
+            return ~key_padding_mask
+        if not key_padding_mask.is_floating_point():
+            raise TypeError("MultiheadFlashAttention: key_padding_mask must be bool (True = padding) or "
+                            f"floating (0 / -inf), got {key_padding_mask.dtype}")
+        return _allowed_from_mask(key_padding_mask)
 
     @staticmethod
     def _check_causal_hint(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> None:

@@ -83,6 +83,42 @@ def test_mha_drop_in_for_torch_multihead_attention(bias, mode):
     check_accuracy(f"MultiheadFlashAttention {mode}", out, ref, base)
 
 
+@pytest.mark.parametrize("mode", ["self", "cross", "causal_hint", "float"])
+def test_mha_key_padding_mask_matches_torch(mode):
+    """key_padding_mask as torch.nn.MultiheadAttention takes it (bool True = padding, or float
+    0 / -inf), right and left padding, self- and cross-attention, with the causal hint: out (and,
+    self-attention, the input's gradient) against torch's module, rows that see no key (a causal
+    left-padded row: attention 0 here) included where torch gives a number."""
+    mha, mfa = _mha_pair()
+    mha64 = copy.deepcopy(mha).double()
+    x, y = _randn(3, 12, 64, seed=8), _randn(3, 9, 64, seed=9)
+    keys_len = 12 if mode != "cross" else 9
+    pos = torch.arange(keys_len)[None, :]
+    pad = torch.stack([pos[0] >= keys_len, pos[0] >= keys_len - 4, pos[0] < 3])      # none, right 4, left 3
+    kpm = pad if mode != "float" else torch.zeros(3, keys_len).masked_fill(pad, float("-inf"))
+    kw = dict(key_padding_mask=kpm, need_weights=False)
+    if mode == "causal_hint":
+        kw.update(attn_mask=torch.ones(12, 12, dtype=torch.bool).triu(1), is_causal=True)
+    kv = (y, y) if mode == "cross" else (x, x)
+    xg = x.clone().requires_grad_()
+    out = mfa(xg, *(kv if mode == "cross" else (xg, xg)), **kw)[0]
+    kw64 = {**kw, "key_padding_mask": kpm if kpm.dtype == torch.bool else kpm.double()}
+    x64 = x.double().requires_grad_()
+    ref = mha64(x64, *(tuple(t.double() for t in kv) if mode == "cross" else (x64, x64)), **kw64)[0]
+    base = mha(x, *kv, **kw)[0]
+    rows = torch.isfinite(ref).all(-1)     # (torch versions differ on rows that see no key: NaN or 0)
+    check_accuracy(f"MultiheadFlashAttention key_padding_mask {mode}", out[rows], ref[rows], base[rows])
+    if mode != "cross":
+        dout = _randn(3, 12, 64, seed=10) * rows[..., None]
+        out.backward(dout)
+        ref.backward(torch.nan_to_num(dout.double()))
+        assert torch.isfinite(xg.grad).all()
+        xb = x.clone().requires_grad_()
+        mha(xb, xb, xb, **kw)[0].backward(dout)
+        check_accuracy(f"MultiheadFlashAttention key_padding_mask {mode} dx", xg.grad, torch.nan_to_num(x64.grad),
+                       torch.nan_to_num(xb.grad))
+
+
 def _module_pair(rotary, num_kv_heads, causal, dtype=torch.float32, device="cpu", seed=0):
     torch.manual_seed(seed)
     ours = MultiheadFlashAttention(128, 4, num_kv_heads=num_kv_heads, causal=causal, rotary=rotary,
@@ -183,8 +219,12 @@ def test_mha_errors_are_clear():
     x = _randn(2, 8, 64)
     with pytest.raises(NotImplementedError, match="need_weights"):
         m(x, x, x, need_weights=True)
-    with pytest.raises(NotImplementedError, match="key_padding_mask"):
-        m(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask must be .batch=2, seqlen_k=8"):
+        m(x, key_padding_mask=torch.zeros(8, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask must be bool"):
+        m(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.int64))
+    with pytest.raises(NotImplementedError, match="key_padding_mask with a sliding window in a non-causal"):
+        MultiheadFlashAttention(64, 2, window_size=(2, 2))(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="attn_mask"):
         m(x, attn_mask=torch.zeros(8, 8))
     with pytest.raises(NotImplementedError, match="causal mask"):
