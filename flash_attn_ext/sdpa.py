@@ -242,7 +242,7 @@ def _masked(q, k, v, attn_mask, scale, shape):
     then the Hugging Face integration's unpadding (its refusals reworded for this function)."""
     import re
 
-    from .integrations import _masked_attention
+    from .masked import masked_attention
 
     B, H, L, S = shape
     try:
@@ -261,7 +261,7 @@ def _masked(q, k, v, attn_mask, scale, shape):
             f"{mask.shape[1]} on the heads dim); masks the same for every head (size 1 there) are "
             "supported, use torch.nn.functional.scaled_dot_product_attention for this one")
     try:
-        return _masked_attention(q, k, v, mask.expand(mask.shape[0], 1, L, S), scale)
+        return masked_attention(q, k, v, mask.expand(mask.shape[0], 1, L, S), scale)
     except NotImplementedError as e:
         if not str(e).startswith("flash_attn_ext attention: "):   # not a mask refusal: as raised
             raise

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import flash_attn_ext.integrations as fx  # noqa: E402
+import flash_attn_ext.masked as masked  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -51,9 +52,10 @@ def count_calls(monkeypatch):
             return real(*a, **kw)
         return f
 
-    monkeypatch.setattr(fx, "flash_attn_func", counting("dense", fx.flash_attn_func))
-    monkeypatch.setattr(fx, "flash_attn_varlen_func",
-                        counting("varlen", fx.flash_attn_varlen_func))
+    dense, varlen = counting("dense", fx.flash_attn_func), counting("varlen", fx.flash_attn_varlen_func)
+    for module in (fx, masked):   # the integration's own calls, and the masked path's
+        monkeypatch.setattr(module, "flash_attn_func", dense)
+        monkeypatch.setattr(module, "flash_attn_varlen_func", varlen)
     return calls
 
 
@@ -763,7 +765,7 @@ def test_right_padding_mask_is_what_transformers_builds():
     with torch.no_grad():
         m(input_ids=torch.randint(3, 64, (2, 9)), attention_mask=attn)
     expected = attn.bool()[:, None, None, :] & torch.ones(9, 9, dtype=torch.bool).tril()
-    assert seen and torch.equal(fx._allowed_from_mask(seen[0]), expected)
+    assert seen and torch.equal(masked.allowed_from_mask(seen[0]), expected)
 
 
 def _tiny_causal_lm(arch):
@@ -802,8 +804,8 @@ def test_masked_attention_traced_equals_eager(left, causal, past, with_sinks):
     k, v = (torch.randn(B, Lk, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
     sinks = torch.randn(H, generator=g, dtype=torch.float64) if with_sinks else None
     inputs = [t.requires_grad_() for t in (q, k, v) + ((sinks,) if with_sinks else ())]
-    eager = fx._masked_attention(q, k, v, m[:, None], 0.3, -1, sinks)
-    traced = fx._masked_attention_traced(q, k, v, m, 0.3, sinks)
+    eager = masked.masked_attention(q, k, v, m[:, None], 0.3, -1, sinks)
+    traced = masked.masked_attention_traced(q, k, v, m, 0.3, sinks)
     assert torch.equal(traced, eager)
     w = torch.randn(eager.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((eager * w).sum(), inputs), torch.autograd.grad((traced * w).sum(), inputs)):
@@ -824,8 +826,8 @@ def test_masked_attention_traced_equals_eager_cuda(Lq, D):
     m = (pos[None] < lengths)[:, None, :] & (pos[None, None] <= pos[None, :, None])
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(B, Lq, H, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    eager = fx._masked_attention(q, k, v, m[:, None], D ** -0.5, -1, None)
-    traced = fx._masked_attention_traced(q, k, v, m, D ** -0.5)
+    eager = masked.masked_attention(q, k, v, m[:, None], D ** -0.5, -1, None)
+    traced = masked.masked_attention_traced(q, k, v, m, D ** -0.5)
     assert torch.equal(traced, eager)
 
 
@@ -840,7 +842,7 @@ def test_masked_attention_traced_refuses_other_patterns():
     gaps[:, 3] = False
     for m in (packed, gaps):
         with pytest.raises(RuntimeError, match="neither padding nor causal"):
-            fx._masked_attention_traced(q, k, v, m[None], 0.25)
+            masked.masked_attention_traced(q, k, v, m[None], 0.25)
 
 
 def _tiny_lm_batch(arch, padding, device, dtype, name):
@@ -1097,8 +1099,10 @@ def sink_calls(monkeypatch):
             return real(*a, **kw)
         return f
 
-    monkeypatch.setattr(fx, "flash_attn_func", spy("dense", fx.flash_attn_func))
-    monkeypatch.setattr(fx, "flash_attn_varlen_func", spy("varlen", fx.flash_attn_varlen_func))
+    dense, varlen = spy("dense", fx.flash_attn_func), spy("varlen", fx.flash_attn_varlen_func)
+    for module in (fx, masked):
+        monkeypatch.setattr(module, "flash_attn_func", dense)
+        monkeypatch.setattr(module, "flash_attn_varlen_func", varlen)
     return calls
 
 

@@ -1,0 +1,306 @@
+"""Attention under a boolean mask, as varlen calls: the masks models build for padding, causal
+attention with a diagonal offset, sliding windows and packed sequences, recognised and run as at
+most a few ``flash_attn_varlen_func`` calls (unpad, varlen, pad), never approximated. Shared by
+the Hugging Face integration (``flash_attn_ext.integrations``: its module docstring lists the
+patterns and the transformers side), the SDPA drop-in's ``attn_mask`` and
+``MultiheadFlashAttention``'s ``key_padding_mask``.
+
+``masked_attention(q, k, v, attention_mask, scale, window_left=-1, sinks=None, bidirectional=False)``
+takes BSHD q (B, Lq, H, D), k / v (B, Lk, Hk, D) and a mask (B or 1, 1, Lq, Lk), boolean (True =
+attend) or additive (0 / -inf or the dtype's minimum); it raises NotImplementedError (messages
+prefixed "flash_attn_ext attention:") for a pattern it does not take. Rows that see no key get 0.
+Eager calls read sizes on the host (a few syncs per call); under torch.compile
+``masked_attention_traced`` runs the same calls in a static-shape form with the pattern checked on
+the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .interface import flash_attn_func, flash_attn_varlen_func
+
+
+def allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean 'may attend' tensor from a boolean or additive float mask."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise NotImplementedError(
+            f"flash_attn_ext attention: attention_mask of dtype {mask.dtype} is not supported "
+            "(expected bool, or an additive float mask of 0 / -inf)")
+    allowed = mask == 0
+    blocked = mask <= torch.finfo(mask.dtype).min / 2  # -inf or transformers' dtype-min fill
+    if not bool((allowed | blocked).all()):
+        raise NotImplementedError(
+            "flash_attn_ext attention: the additive attention_mask holds values other than 0 and "
+            "-inf (an attention bias, e.g. ALiBi or relative positions); biases are not supported, "
+            'use attn_implementation="sdpa"')
+    return allowed
+
+
+def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False):
+    """Unpad, at most two varlen calls, pad (see the module docstring). q: (B, Lq, H, D) BSHD,
+    k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk); window_left: a causal sliding
+    window's left bound (window_size[0]), -1 for none (bidirectional: a bidirectional window,
+    bidirectional_window_attention); sinks: None or (H,) attention sinks, given to every call (a
+    row that sees no key stays 0, which is also its value with a sink). Returns (B, Lq, H, D)."""
+    B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
+    allowed = allowed_from_mask(attention_mask)  # first: a bias (ALiBi's is per head) is named as one
+    if attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, B) or \
+            attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (Lq, Lk):
+        raise NotImplementedError(
+            f"flash_attn_ext attention: attention_mask of shape {tuple(attention_mask.shape)} is "
+            f"not supported; expected (batch={B} or 1, 1, q_len={Lq}, kv_len={Lk}) (one mask "
+            "for all heads)")
+    m = allowed[:, 0].expand(B, Lq, Lk)
+    if m.numel() == 0:
+        return q.new_zeros(q.shape)
+    if torch.compiler.is_compiling():
+        if window_left < 0:
+            return masked_attention_traced(q, k, v, m, scaling, sinks)
+        # The windowed split below reads sizes on the host (its number of calls depends on the
+        # data): an explicit graph break, so fullgraph=True names the cause (not a guard error).
+        torch._dynamo.graph_break(
+            msg="flash_attn_ext attention: a sliding-window layer with an attention mask reads the "
+                "sequence sizes on the host, which torch.compile(fullgraph=True) cannot trace; compile "
+                "without fullgraph (a graph break per such layer) or use attn_implementation='sdpa'")
+    if bidirectional and window_left >= 0:
+        return bidirectional_window_attention(q, k, v, m, scaling, window_left, sinks)
+    bad, k_in, q_parts, all_full = split_mask(m, window_left)
+    nk, nq = k_in.sum(1), [sel.sum(1) for sel in q_parts]        # (B,) each
+    stats = torch.stack([bad.any().long(), m.all().long(), nk.max(), nq[0].sum(), nq[0].max(),
+                         nq[1].sum(), nq[1].max()]).tolist()     # one host sync for the sizes
+    if stats[0]:
+        packed = packed_attention(q, k, v, m, scaling, window_left, sinks) if Lq == Lk else None
+        if packed is not None:
+            return packed
+        raise NotImplementedError(
+            f"flash_attn_ext attention: the attention mask of batch element "
+            f"{int(bad.nonzero()[0])} is neither padding, causal+padding nor packed sequences"
+            + (" with the layer's sliding window" if window_left >= 0
+               else " (e.g. a sliding window the layer does not pass)")
+            + '; those patterns are not supported, use attn_implementation="sdpa"')
+    all_visible, max_k, total_q, max_q = stats[1], stats[2], stats[3::2], stats[4::2]
+    # Every query sees every key: nothing masked. (Not "every row a full row and every key seen",
+    # the test before windows: the full rows of an element whose first row sees all keys are
+    # still cut on the window's left, e.g. a one-element band of two queries past two keys.)
+    if all_visible:
+        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False, sinks=sinks)
+    # Unpad: nonzero() lists (batch element, position) pairs in packed order. Both calls share
+    # the packed keys; an element without rows in a call is a zero-length query sequence there.
+    kb, kj = k_in.nonzero().unbind(1)
+    k_packed, v_packed, cu_k = k[kb, kj], v[kb, kj], cu_seqlens(nk)
+    out = q.new_zeros(q.shape)                                   # rows that see no key stay 0
+    calls = []  # (query rows, per-element counts, max count, causal, window_size)
+    if total_q[0]:
+        calls.append((q_parts[0], nq[0], max_q[0], True, (window_left, -1)))
+    if total_q[1] and window_left < 0:
+        calls.append((q_parts[1], nq[1], max_q[1], False, (-1, -1)))
+    elif total_q[1]:
+        # With a window the rows that see all keys are a bottom-right problem of their P rows
+        # (offset nk - P): right padding's pad rows (row r of P, after the nk real rows, sees
+        # keys j >= nk + r - window_left) with left bound window_left - P; an element whose
+        # every row sees all keys (all_full: a decode step, row r sees j >= nk - 1 + r -
+        # window_left) with window_left + 1 - P. Both are >= 0: a row past the window would see
+        # no key, and so is no full row. One call per distinct (P, all_full) (a host sync for
+        # them), the other elements zero-length sequences there.
+        for count, shift in sorted(set(zip(nq[1].tolist(), all_full.int().tolist())) - {(0, 0), (0, 1)}):
+            sel = q_parts[1] & ((nq[1] == count) & (all_full.int() == shift))[:, None]
+            calls.append((sel, sel.sum(1), count, False, (window_left - count + shift, -1)))
+    for rows, counts, max_rows, causal, window in calls:
+        qb, qi = rows.nonzero().unbind(1)
+        o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, cu_seqlens(counts), cu_k,
+                                   max_rows, max_k, softmax_scale=scaling, causal=causal, window_size=window,
+                                   sinks=sinks)
+        out = out.index_put((qb, qi), o)                         # pad
+    return out
+
+
+def bidirectional_window_attention(q, k, v, m, scaling, w, sinks=None):
+    """A bidirectional sliding window (ModernBERT's local layers: query i sees key j iff |i - j|
+    <= w) over padded batches, as transformers builds the mask: the padding on the keys only, so
+    per batch element the real keys are one run [s, s + n) and every row, pad rows included,
+    sees the real keys within w of it. Three varlen calls, whatever the padding: the real rows
+    against the real keys (window (w, w)); the P = min(w, L) rows after each element's keys
+    (right padding's pad rows, row r seeing keys n + r - w .. n - 1 of its element: bottom-right
+    window (w - P, -1) of P rows against n keys); the P rows before them likewise, rows and keys
+    taken in reverse order. Rows of those two problems past the tensor's ends (or of an element
+    without keys) are computed from a stand-in row and dropped. m: the (B, L, L) boolean mask
+    (queries and keys the same L positions); anything else raises NotImplementedError."""
+    B, Lq, Lk = m.shape
+    pos = torch.arange(Lk, device=m.device)
+    k_in = m.any(1)                                              # (B, L): the real keys
+    s, n, one_run = run_of(k_in)
+    expected = k_in[:, None, :] & ((pos[:, None] - pos[None, :]).abs() <= w)[None]
+    bad = ~one_run | (m != expected).flatten(1).any(1) if Lq == Lk else torch.ones_like(one_run)
+    nb, max_n = torch.stack([bad.any().long(), n.max()]).tolist()  # one host sync
+    if nb:
+        raise NotImplementedError(
+            f"flash_attn_ext attention: the attention mask of batch element {int(bad.nonzero()[0])} is not "
+            "padding with the layer's bidirectional sliding window; use attn_implementation=\"sdpa\"")
+    out = q.new_zeros(q.shape)
+    if max_n == 0:
+        return out
+    # The real rows: rows and keys of each element's run, packed.
+    kb, kj = k_in.nonzero().unbind(1)
+    cu = cu_seqlens(n)
+    k_real, v_real = k[kb, kj], v[kb, kj]
+    o = flash_attn_varlen_func(q[kb, kj], k_real, v_real, cu, cu, max_n, max_n, softmax_scale=scaling,
+                               causal=False, window_size=(w, w), sinks=sinks)
+    out = out.index_put((kb, kj), o)
+    # The pad rows: P rows after each run (r = 0..P-1 at s + n + r) and P before it (at s - 1 - r),
+    # the latter against the run's keys reversed; rows past the tensor are stand-ins.
+    P = min(w, Lq)
+    r = torch.arange(P, device=m.device)[None, :]                # (1, P); none for w = 0
+    b = torch.arange(B, device=m.device)[:, None].expand(B, P)
+    for rows, keys_reversed in ((s[:, None] + n[:, None] + r, False), (s[:, None] - 1 - r, True)) if P else ():
+        real = (rows >= 0) & (rows < Lq) & (n[:, None] > 0)
+        rows_c = rows.clamp(0, Lq - 1)
+        qs = q[b, rows_c].flatten(0, 1)                          # (B w, H, D)
+        if keys_reversed:
+            order = torch.argsort(kb * Lk - kj, stable=True)     # each element's keys, last first
+            kr, vr = k_real[order], v_real[order]
+        else:
+            kr, vr = k_real, v_real
+        cu_q = torch.arange(B + 1, device=m.device, dtype=torch.int32) * P
+        o = flash_attn_varlen_func(qs, kr, vr, cu_q, cu, P, max_n, softmax_scale=scaling,
+                                   causal=False, window_size=(w - P, -1), sinks=sinks).view(B, P, *q.shape[2:])
+        out = out.index_put((b[real], rows[real]), o[real])
+    return out
+
+
+def packed_attention(q, k, v, m, scaling, window_left=-1, sinks=None):
+    """Packed sequences: several sequences in one batch row, as transformers lays them out for
+    padding-free training (``DataCollatorWithFlattening``: position_ids restarting at 0 at each
+    sequence, no attention_mask; ``sdpa_mask`` then builds a block-diagonal mask). m: the (B, L, L)
+    boolean mask (queries and keys the same L positions). Row i opens a sequence where the first
+    key it sees is key i; every row must belong to one (see some key), and each element's mask
+    must be, over its sequences [a, e), causal (key j seen iff a <= j <= i, and j >= i -
+    window_left with the layer's sliding window) or, without a window, full (a <= j < e) for
+    every element alike. Then one flash_attn_varlen_func call over the flattened batch (each
+    sequence's rows in place: no unpadding) gives each sequence's attention alone. Returns the
+    (B, L, H, D) output, or None where the mask is not such a pattern (two host syncs: the
+    sequence starts, then the check with the longest sequence)."""
+    B, L = m.shape[0], m.shape[1]
+    pos = torch.arange(L, device=m.device)
+    start = m.byte().argmax(2) == pos                            # (B, L): row i opens a sequence
+    a = torch.cummax(torch.where(start, pos, -1), 1).values      # its sequence's first row (-1: none)
+    nxt = torch.where(start, pos, L).flip(1).cummin(1).values.flip(1)   # next start at or after i
+    e = torch.cat([nxt[:, 1:], nxt.new_full((B, 1), L)], 1)      # its sequence's end
+    i, j = pos[None, :, None], pos[None, None, :]
+    inside = j >= a[:, :, None]
+    causal = inside & (j <= i)
+    if window_left >= 0:
+        causal &= j >= i - window_left
+    is_causal = (m == causal).all()
+    is_full = (m == (inside & (j < e[:, :, None]))).all() & (window_left < 0)
+    flat_starts = start.flatten()
+    lengths = torch.diff(torch.cat([flat_starts.nonzero().flatten(), pos.new_full((1,), B * L)]))
+    ok, causal_kind, max_len = torch.stack([(is_causal | is_full).long(), is_causal.long(),
+                                            lengths.max() if lengths.numel() else pos.new_zeros(())]).tolist()
+    if not ok:  # (ok implies that row 0 of each element opens a sequence: none spans two elements)
+        return None
+    cu = cu_seqlens(lengths)
+    o = flash_attn_varlen_func(q.reshape(B * L, *q.shape[2:]), k.reshape(B * L, *k.shape[2:]),
+                               v.reshape(B * L, *v.shape[2:]), cu, cu, max_len, max_len, softmax_scale=scaling,
+                               causal=bool(causal_kind), window_size=(window_left, -1) if causal_kind else (-1, -1),
+                               sinks=sinks)
+    return o.view(q.shape)
+
+
+def masked_attention_traced(q, k, v, m, scaling, sinks=None):
+    """masked_attention without host syncs or data-dependent shapes, for ``torch.compile``
+    (fullgraph, CUDA graphs): transformers (before torch 2.14) builds a 4-D mask there even
+    without padding, since while tracing it cannot rule out packed sequences in position_ids.
+    m: the (B, Lq, Lk) boolean mask. The same two problems as the eager path (the causal rows,
+    the rows that see all their element's keys), each one varlen call over the flattened batch
+    without unpadding: per element its rows and keys as one sequence, the rows before and after
+    them in its block as two filler sequences (computed and dropped), so every size is static (3B
+    sequences, none longer than L, max_seqlen L: the dense call's own, hence its tile rows).
+    Needs each element's rows of a call and its keys to be one run each (all padding and cache
+    patterns are); the pattern check runs on the device (torch._assert_async: a
+    RuntimeError on the CPU, a device-side assert on CUDA) instead of NotImplementedError. Rows
+    that see no key stay 0. Sliding windows take the eager path (their number of calls depends
+    on the data)."""
+    B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
+    bad, k_in, q_parts, _ = split_mask(m)
+    ks, nk, k_run = run_of(k_in)
+    out = q.new_zeros(q.shape)
+    ok = ~bad & k_run
+    for rows, causal in zip(q_parts, (True, False)):
+        qs, nq, q_run = run_of(rows)
+        ok = ok & q_run
+        o = flash_attn_varlen_func(q.reshape(B * Lq, *q.shape[2:]), k.reshape(B * Lk, *k.shape[2:]),
+                                   v.reshape(B * Lk, *v.shape[2:]), blocked_cu_seqlens(qs, nq, Lq),
+                                   blocked_cu_seqlens(ks, nk, Lk), Lq, Lk, softmax_scale=scaling,
+                                   causal=causal, sinks=sinks)
+        out = torch.where(rows[:, :, None, None], o.view(q.shape), out)
+    torch._assert_async(ok.all(), "flash_attn_ext attention: an attention mask under torch.compile is neither "
+                                  "padding nor causal+padding with one run of rows and keys per batch element; "
+                                  "packed sequences there need the collator keywords (DataCollatorWithFlattening("
+                                  "return_flash_attn_kwargs=True)), other patterns attn_implementation='sdpa'")
+    # (no double quote in the message: inductor pastes it into C++ unescaped)
+    return out
+
+
+def run_of(sel):
+    """(start, count, one_run) of each row of the boolean (B, L) ``sel``: its first True (0 if
+    none), its number of Trues, and whether they form one contiguous run."""
+    count = sel.sum(1)
+    start = torch.where(count > 0, sel.int().argmax(1), 0)
+    pos = torch.arange(sel.shape[1], device=sel.device)[None, :]
+    run = (pos >= start[:, None]) & (pos < (start + count)[:, None])
+    return start, count, (run == sel).all(1)
+
+
+def blocked_cu_seqlens(start, count, L):
+    """int32 (3B + 1,) cu_seqlens over B flattened blocks of L rows: for block b a filler sequence
+    [b L, b L + start), the run [b L + start, b L + start + count), a filler to (b + 1) L; each at
+    most L long (a filler may be empty)."""
+    B = start.shape[0]
+    base = torch.arange(B, device=start.device) * L
+    bounds = torch.stack([base, base + start, base + start + count], 1).flatten()
+    return torch.cat([bounds, bounds.new_full((1,), B * L)]).int()
+
+
+def split_mask(m, window_left=-1):
+    """Analysis of a boolean (B, Lq, Lk) mask, vectorized over the batch.
+
+    For batch element b: the queries that see some key (nq of them, ranked i = 0..nq-1 in
+    order) and the keys seen by some query (nk, ranked j); the mask restricted to them must be
+    causal with a diagonal offset: query i sees key j iff j <= i + off, where off + 1 is the
+    number of keys its first query sees. Then 0 <= off and nk - nq <= off (every key is seen).
+    off >= nk - 1 is all-True (padding only, decoding). Otherwise the first h = nk - off <= nq
+    rows with all nk keys are a bottom-right causal problem (h = nq: left padding, a cache) and
+    the other nq - h rows see all nk keys (off = 0, nq > nk: the pad query rows of right
+    padding under a causal mask).
+
+    With a sliding window (window_left >= 0) each query also sees only keys j >= i + off -
+    window_left (the rows that see all keys of their element: those within the window).
+
+    Returns (bad, k_in, (causal_q, full_q), all_full): bad (B,) bool, the elements whose mask
+    is not such a pattern; k_in (B, Lk) bool, the keys seen by some query; causal_q / full_q
+    (B, Lq) bool, the query rows of the causal problems and the rows that see all keys of their
+    element; all_full (B,) bool, the elements whose first query already sees all keys (h = 0:
+    every row is a full row, e.g. a decode step; under a window its full rows start one key
+    later than right padding's, whose first full row comes after the diagonal).
+    """
+    q_in, k_in = m.any(2), m.any(1)                              # (B, Lq), (B, Lk)
+    i, j = q_in.cumsum(1) - 1, k_in.cumsum(1) - 1                # ranks among them
+    nk = k_in.sum(1)                                             # (B,)
+    first = q_in.int().argmax(1)                                 # first query seeing a key
+    off = m.sum(2).gather(1, first[:, None]).squeeze(1) - 1      # -1 where none does
+    expected = (q_in[:, :, None] & k_in[:, None, :]
+                & (j[:, None, :] <= i[:, :, None] + off[:, None, None]))
+    if window_left >= 0:
+        expected &= j[:, None, :] >= i[:, :, None] + off[:, None, None] - window_left
+    bad = (m != expected).flatten(1).any(1)
+    all_full = off + 1 >= nk
+    h = torch.where(all_full, 0, nk - off)[:, None]              # rows of the causal problem
+    return bad, k_in, (q_in & (i < h), q_in & (i >= h)), all_full
+
+
+def cu_seqlens(seqlens):
+    """int32 (B + 1,) cumulative offsets of the per-sequence lengths ``seqlens`` (B,)."""
+    return torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
