@@ -326,6 +326,17 @@ def test_sdpa_attn_mask_matches_torch(seqlens, nheads_k):
             check_accuracy(f"sdpa attn_mask {name} d{g}", t.grad, torch.nan_to_num(t64.grad), torch.nan_to_num(tb.grad))
 
 
+def test_sdpa_attn_mask_under_compile():
+    """torch.compile(fullgraph=True) of the drop-in with a key-padding attn_mask: the static-shape
+    masked path (no host sync, no graph break), equal to the eager call."""
+    q = _randn(3, 4, 10, 16, seed=34)
+    mask = (torch.arange(10)[None, :] < torch.tensor([10, 7, 3])[:, None])[:, None, None, :]
+    eager = scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, m: scaled_dot_product_attention(q, q, q, attn_mask=m), fullgraph=True)(q, mask)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 def test_sdpa_refuses_what_it_does_not_do():
     q = _randn(1, 4, 8, 32)
     k = _randn(1, 2, 8, 32)
