@@ -297,28 +297,32 @@ def _sdpa_masks(B, L, S):
     return masks
 
 
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
+                                          pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=requires_cuda)])
 @pytest.mark.parametrize("seqlens", [(12, 12), (7, 12), (12, 7)])
 @pytest.mark.parametrize("nheads_k", [4, 2])
-def test_sdpa_attn_mask_matches_torch(seqlens, nheads_k):
+def test_sdpa_attn_mask_matches_torch(seqlens, nheads_k, device, dtype):
     """attn_mask of the patterns the drop-in takes: out and gradients against torch's SDPA on
     the same mask (accuracy rule vs float64); rows that see no key are 0 with zero gradients."""
     L, S = seqlens
     for name, mask in _sdpa_masks(3, L, S).items():
-        q = _randn(3, 4, L, 32, seed=30).requires_grad_()
-        k = _randn(3, nheads_k, S, 32, seed=31).requires_grad_()
-        v = _randn(3, nheads_k, S, 32, seed=32).requires_grad_()
+        mask = mask.to(device)
+        q = _randn(3, 4, L, 32, seed=30, dtype=dtype, device=device).requires_grad_()
+        k = _randn(3, nheads_k, S, 32, seed=31, dtype=dtype, device=device).requires_grad_()
+        v = _randn(3, nheads_k, S, 32, seed=32, dtype=dtype, device=device).requires_grad_()
         gqa = nheads_k != 4
         out = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=gqa)
         args64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
         argsb = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         m64 = mask if mask.dtype == torch.bool else mask.double()
         ref = F.scaled_dot_product_attention(*args64, attn_mask=m64, scale=0.3, enable_gqa=gqa)
-        base = F.scaled_dot_product_attention(*argsb, attn_mask=mask, scale=0.3, enable_gqa=gqa)
+        base = F.scaled_dot_product_attention(*argsb, attn_mask=mask if mask.dtype == torch.bool else mask.to(dtype),
+                                              scale=0.3, enable_gqa=gqa)
         allowed = (mask if mask.dtype == torch.bool else mask == 0).expand(3, 1, L, S)
         rows = allowed.any(-1).expand(3, 4, L)                   # rows that see a key
         assert (out[~rows] == 0).all(), name
         check_accuracy(f"sdpa attn_mask {name}", out[rows], ref[rows], base[rows])
-        dout = _randn(3, 4, L, 32, seed=33) * rows[..., None]     # torch's empty rows are NaN
+        dout = _randn(3, 4, L, 32, seed=33, dtype=dtype, device=device) * rows[..., None]  # torch's empty rows: NaN
         out.backward(dout)
         ref.backward(torch.nan_to_num(dout.double()))
         base.backward(dout)
