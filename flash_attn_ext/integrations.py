@@ -76,7 +76,7 @@ import weakref
 import torch
 
 from .interface import flash_attn_func, flash_attn_varlen_func
-from .masked import allowed_from_mask, masked_attention
+from .masked import MaskNotSupported, allowed_from_mask, masked_attention
 from .sdpa import _autocast_and_check_dtype
 
 __all__ = ["register_transformers", "flash_attn_ext_attention_forward", "DEFAULT_NAME"]
@@ -223,7 +223,11 @@ def flash_attn_ext_attention_forward(
         # is padded to d and the output cut back to d_v.
         scaling = d_qk ** -0.5 if scaling is None else scaling
         q, k, v = (torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
-    out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_len, kv_len, kwargs)
+    try:
+        out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_len, kv_len, kwargs)
+    except MaskNotSupported as e:
+        raise NotImplementedError(f'flash_attn_ext attention: {e}; those are not supported, use '
+                                  'attn_implementation="sdpa" for this model') from None
     return (out[..., :d_v].contiguous() if d_v != d else out), None
 
 

@@ -7,11 +7,14 @@ patterns and the transformers side), the SDPA drop-in's ``attn_mask`` and
 
 ``masked_attention(q, k, v, attention_mask, scale, window_left=-1, sinks=None, bidirectional=False)``
 takes BSHD q (B, Lq, H, D), k / v (B, Lk, Hk, D) and a mask (B or 1, 1, Lq, Lk), boolean (True =
-attend) or additive (0 / -inf or the dtype's minimum); it raises NotImplementedError (messages
-prefixed "flash_attn_ext attention:") for a pattern it does not take. Rows that see no key get 0.
-Eager calls read sizes on the host (a few syncs per call); under torch.compile
-``masked_attention_traced`` runs the same calls in a static-shape form with the pattern checked on
-the device.
+attend) or additive (0 = attend; values <= -32752, half of float16's minimum: -inf, any dtype's
+minimum, -1e9 = masked); it raises MaskNotSupported (a NotImplementedError whose message is the
+reason; each entry point words its own refusal around it) for a pattern it does not take. Rows
+that see no key get 0; the output stays connected to q, k, v (zero gradients) when no row sees a
+key. Eager calls read sizes on the host (a few syncs per call); under torch.compile
+``masked_attention_traced`` runs padding and causal + padding (one run of real rows and keys per
+batch element) in a static-shape form, the pattern and the mask's values checked on the device.
+Meta tensors give an output of the right shape.
 """
 
 from __future__ import annotations
@@ -21,22 +24,43 @@ import torch
 from .interface import flash_attn_func, flash_attn_varlen_func
 
 
+class MaskNotSupported(NotImplementedError):
+    """A mask this module does not compute; the message is the reason (no advice: each entry point
+    adds its own)."""
+
+
+# Additive mask values at or below this count as masked: -inf, every float dtype's minimum (a
+# float16 mask's -65504 too, also after a cast to float32), -1e9. exp(-32752) is 0 in float64.
+BLOCKED = -32752.0
+
+
 def allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Boolean 'may attend' tensor from a boolean or additive float mask."""
+    """Boolean 'may attend' tensor from a boolean or additive float mask (0 = attend, <= BLOCKED =
+    masked; anything else is a bias: MaskNotSupported, eagerly, or a device-side assert under
+    torch.compile)."""
     if mask.dtype == torch.bool:
         return mask
     if not mask.is_floating_point():
-        raise NotImplementedError(
-            f"flash_attn_ext attention: attention_mask of dtype {mask.dtype} is not supported "
-            "(expected bool, or an additive float mask of 0 / -inf)")
+        raise MaskNotSupported(f"an attention mask of dtype {mask.dtype} (expected bool, or an additive float "
+                               "mask of 0 / -inf)")
     allowed = mask == 0
-    blocked = mask <= torch.finfo(mask.dtype).min / 2  # -inf or transformers' dtype-min fill
-    if not bool((allowed | blocked).all()):
-        raise NotImplementedError(
-            "flash_attn_ext attention: the additive attention_mask holds values other than 0 and "
-            "-inf (an attention bias, e.g. ALiBi or relative positions); biases are not supported, "
-            'use attn_implementation="sdpa"')
+    bias = "the additive attention mask holds values other than 0 and -inf (an attention bias, e.g. ALiBi or "\
+           "relative positions), and biases are not supported"
+    ok = (allowed | (mask <= BLOCKED)).all()
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, "flash_attn_ext: " + bias)   # no host read in a graph
+    elif not bool(ok):
+        raise MaskNotSupported(bias)
     return allowed
+
+
+def _connected_zeros(q, k, v, sinks):
+    """Zeros shaped like the output, with q, k, v (and sinks) in their autograd graph (zero
+    gradients), for calls where no row sees a key and no kernel runs."""
+    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        out = out + 0 * sum(t.sum() for t in (q, k, v, sinks) if t is not None)
+    return out
 
 
 def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False):
@@ -46,25 +70,27 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
     bidirectional_window_attention); sinks: None or (H,) attention sinks, given to every call (a
     row that sees no key stays 0, which is also its value with a sink). Returns (B, Lq, H, D)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
-    allowed = allowed_from_mask(attention_mask)  # first: a bias (ALiBi's is per head) is named as one
+    if attention_mask.is_meta or q.is_meta:
+        return q.new_empty(q.shape[:-1] + (v.shape[-1],))        # the shape alone
     if attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, B) or \
             attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (Lq, Lk):
-        raise NotImplementedError(
-            f"flash_attn_ext attention: attention_mask of shape {tuple(attention_mask.shape)} is "
-            f"not supported; expected (batch={B} or 1, 1, q_len={Lq}, kv_len={Lk}) (one mask "
-            "for all heads)")
-    m = allowed[:, 0].expand(B, Lq, Lk)
+        if attention_mask.is_floating_point() and not torch.compiler.is_compiling():
+            allowed_from_mask(attention_mask)                    # a bias (ALiBi's is per head) is named as one
+        raise MaskNotSupported(
+            f"an attention mask of shape {tuple(attention_mask.shape)} (expected (batch={B} or 1, 1, q_len={Lq}, "
+            f"kv_len={Lk}): one mask for all heads)")
+    m = allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
     if m.numel() == 0:
-        return q.new_zeros(q.shape)
+        return _connected_zeros(q, k, v, sinks)
     if torch.compiler.is_compiling():
         if window_left < 0:
             return masked_attention_traced(q, k, v, m, scaling, sinks)
         # The windowed split below reads sizes on the host (its number of calls depends on the
         # data): an explicit graph break, so fullgraph=True names the cause (not a guard error).
         torch._dynamo.graph_break(
-            msg="flash_attn_ext attention: a sliding-window layer with an attention mask reads the "
-                "sequence sizes on the host, which torch.compile(fullgraph=True) cannot trace; compile "
-                "without fullgraph (a graph break per such layer) or use attn_implementation='sdpa'")
+            msg="flash_attn_ext: a sliding-window layer with an attention mask reads the sequence sizes on the "
+                "host, which torch.compile(fullgraph=True) cannot trace; compile without fullgraph (a graph "
+                "break per such call)")
     if bidirectional and window_left >= 0:
         return bidirectional_window_attention(q, k, v, m, scaling, window_left, sinks)
     bad, k_in, q_parts, all_full = split_mask(m, window_left)
@@ -75,12 +101,10 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
         packed = packed_attention(q, k, v, m, scaling, window_left, sinks) if Lq == Lk else None
         if packed is not None:
             return packed
-        raise NotImplementedError(
-            f"flash_attn_ext attention: the attention mask of batch element "
-            f"{int(bad.nonzero()[0])} is neither padding, causal+padding nor packed sequences"
-            + (" with the layer's sliding window" if window_left >= 0
-               else " (e.g. a sliding window the layer does not pass)")
-            + '; those patterns are not supported, use attn_implementation="sdpa"')
+        raise MaskNotSupported(
+            f"the attention mask of batch element {int(bad.nonzero()[0])} is neither padding, causal+padding nor "
+            "packed sequences" + (" with the layer's sliding window" if window_left >= 0
+                                  else " (e.g. a sliding window the call does not pass)"))
     all_visible, max_k, total_q, max_q = stats[1], stats[2], stats[3::2], stats[4::2]
     # Every query sees every key: nothing masked. (Not "every row a full row and every key seen",
     # the test before windows: the full rows of an element whose first row sees all keys are
@@ -114,7 +138,7 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
                                    max_rows, max_k, softmax_scale=scaling, causal=causal, window_size=window,
                                    sinks=sinks)
         out = out.index_put((qb, qi), o)                         # pad
-    return out
+    return out if calls else _connected_zeros(q, k, v, sinks)
 
 
 def bidirectional_window_attention(q, k, v, m, scaling, w, sinks=None):
@@ -136,12 +160,11 @@ def bidirectional_window_attention(q, k, v, m, scaling, w, sinks=None):
     bad = ~one_run | (m != expected).flatten(1).any(1) if Lq == Lk else torch.ones_like(one_run)
     nb, max_n = torch.stack([bad.any().long(), n.max()]).tolist()  # one host sync
     if nb:
-        raise NotImplementedError(
-            f"flash_attn_ext attention: the attention mask of batch element {int(bad.nonzero()[0])} is not "
-            "padding with the layer's bidirectional sliding window; use attn_implementation=\"sdpa\"")
-    out = q.new_zeros(q.shape)
+        raise MaskNotSupported(f"the attention mask of batch element {int(bad.nonzero()[0])} is not padding with "
+                               "the layer's bidirectional sliding window")
     if max_n == 0:
-        return out
+        return _connected_zeros(q, k, v, sinks)
+    out = q.new_zeros(q.shape)
     # The real rows: rows and keys of each element's run, packed.
     kb, kj = k_in.nonzero().unbind(1)
     cu = cu_seqlens(n)
@@ -236,10 +259,11 @@ def masked_attention_traced(q, k, v, m, scaling, sinks=None):
                                    blocked_cu_seqlens(ks, nk, Lk), Lq, Lk, softmax_scale=scaling,
                                    causal=causal, sinks=sinks)
         out = torch.where(rows[:, :, None, None], o.view(q.shape), out)
-    torch._assert_async(ok.all(), "flash_attn_ext attention: an attention mask under torch.compile is neither "
-                                  "padding nor causal+padding with one run of rows and keys per batch element; "
-                                  "packed sequences there need the collator keywords (DataCollatorWithFlattening("
-                                  "return_flash_attn_kwargs=True)), other patterns attn_implementation='sdpa'")
+    torch._assert_async(ok.all(), "flash_attn_ext: under torch.compile an attention mask must be padding or "
+                                  "causal+padding with one run of real rows and keys per batch element; other "
+                                  "patterns (padding with holes, packed sequences) run eagerly only (Hugging Face "
+                                  "packing: the collator keywords, DataCollatorWithFlattening("
+                                  "return_flash_attn_kwargs=True))")
     # (no double quote in the message: inductor pastes it into C++ unescaped)
     return out
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .masked import allowed_from_mask, masked_attention
+from .masked import MaskNotSupported, allowed_from_mask, masked_attention
 from .interface import _window, flash_attn_func
 from .reference import visible_mask
 from .sdpa import _autocast_and_check_dtype
@@ -203,7 +203,13 @@ class MultiheadFlashAttention(nn.Module):
             # Padding: the unpadded varlen calls of the masked path (flash_attn_ext.integrations),
             # over the padding mask with the module's causal mask (and a causal window's left bound).
             mask = keys[:, None, None, :] & visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
-            return masked_attention(q, k, v, mask, None, self.window_size[0] if causal else -1)
+            try:
+                return masked_attention(q, k, v, mask, None, self.window_size[0] if causal else -1)
+            except MaskNotSupported as e:
+                raise NotImplementedError(
+                    f"MultiheadFlashAttention: with this key_padding_mask and the module's causal mask or window, {e}; "
+                    "padding of one run of real keys per batch element is supported (use backend='torch_sdpa' "
+                    "for this one)") from None
         # Reference path: torch SDPA on BHSD views; an explicit bottom-right mask when the
         # alignments differ (seqlen_q != seqlen_k), a window is set or keys are padded, so both
         # backends compute the same function.
@@ -327,7 +333,13 @@ class MultiheadFlashAttention(nn.Module):
         if not key_padding_mask.is_floating_point():
             raise TypeError("MultiheadFlashAttention: key_padding_mask must be bool (True = padding) or "
                             f"floating (0 / -inf), got {key_padding_mask.dtype}")
-        return allowed_from_mask(key_padding_mask)
+        if key_padding_mask.requires_grad:
+            raise NotImplementedError("MultiheadFlashAttention: key_padding_mask requires grad; gradients with "
+                                      "respect to it are not computed (detach it)")
+        try:
+            return allowed_from_mask(key_padding_mask)
+        except MaskNotSupported as e:
+            raise NotImplementedError(f"MultiheadFlashAttention: key_padding_mask: {e}") from None
 
     @staticmethod
     def _check_causal_hint(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> None:

@@ -101,14 +101,17 @@ def scaled_dot_product_attention(
             cost no copy; a last dim with a stride other than 1 is made contiguous first (a
             copy), as torch does.
             query, key, value: one device (cpu or cuda).
-        attn_mask: None, or a mask broadcastable to (batch, nheads, L, S) with size 1 on the
-            heads: bool (True = take part) or floating (0 = take part, -inf or the dtype's
-            minimum = masked), on query's device. Taken where the allowed positions of each batch
-            element form padding (of keys and/or queries), causal attention with a diagonal
-            offset plus padding (top-left ``tril``, bottom-right, left / right padding), or
-            block-diagonal packed sequences (each block causal or full); a row that sees no key
-            gets 0. (Reads sizes on the host: a few syncs per call; under torch.compile a
-            static-shape form with the pattern checked on the device.)
+        attn_mask: None, or a mask broadcastable to (batch, nheads, L, S), the same for every
+            head (size 1 there, or expanded / equal over the heads): bool (True = take part) or
+            floating (0 = take part, values <= -32752 such as -inf or a float dtype's minimum =
+            masked), on query's device, not requiring grad. Taken where the allowed positions of
+            each batch element form padding (of keys and/or queries), causal attention with a
+            diagonal offset plus padding (top-left ``tril``, bottom-right, left / right
+            padding), or block-diagonal packed sequences (each block causal or full); a row that
+            sees no key gets 0. Reads sizes on the host (a few syncs per call); under
+            torch.compile padding and causal + padding (one run of real rows and keys per batch
+            element) run in a static-shape form, the pattern checked on the device (a
+            RuntimeError / device-side assert otherwise).
         dropout_p: must be 0.0 (no attention dropout).
         is_causal: causal mask aligned to the top-left corner, exactly as torch: query i sees
             key j <= i. (flash_attn_ext's own ``causal`` is bottom-right aligned; this function
@@ -118,8 +121,8 @@ def scaled_dot_product_attention(
 
     Differentiable in reverse mode and forward mode, and usable under torch.func transforms
     (grad, vjp, jvp, jacrev, jacfwd, vmap): see ``flash_attn_ext.flash_attn_func``. With an
-    ``attn_mask``: reverse mode (autograd) and vmap; forward mode and the other torch.func
-    transforms raise NotImplementedError (flash_attn_varlen_func's).
+    ``attn_mask``: reverse mode (autograd) and vmap over query / key / value; forward mode and
+    the other torch.func transforms raise NotImplementedError (flash_attn_varlen_func's).
 
     Dtypes: CPU float32/float64/float16/bfloat16; CUDA float16/bfloat16. Under an enabled
     ``torch.autocast`` region the inputs are first cast to the autocast dtype (as torch does).
@@ -129,8 +132,8 @@ def scaled_dot_product_attention(
         (possibly autocast) input dtype. Differentiable w.r.t. query, key, value.
 
     Raises (before any kernel runs; messages name query/key/value and their BHSD shapes):
-        NotImplementedError: an ``attn_mask`` of another pattern, per head or with bias values,
-            ``dropout_p`` != 0, or a nested (jagged) tensor.
+        NotImplementedError: an ``attn_mask`` of another pattern, per head, with bias values,
+            requiring grad or batched by vmap, ``dropout_p`` != 0, or a nested (jagged) tensor.
         ValueError: ``attn_mask`` with ``is_causal=True``, or not broadcastable to (batch,
             nheads, L, S).
         ValueError: not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
@@ -150,6 +153,12 @@ def scaled_dot_product_attention(
             raise TypeError(
                 "flash_attn_ext.scaled_dot_product_attention: attn_mask must be a bool or floating "
                 f"tensor, got {attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__}")
+        if attn_mask.requires_grad:
+            raise NotImplementedError("flash_attn_ext.scaled_dot_product_attention: attn_mask requires grad; gradients "
+                                      "with respect to the mask are not computed (detach it, or use torch's SDPA)")
+        if not torch.compiler.is_compiling() and torch._C._functorch.is_batchedtensor(attn_mask):
+            raise NotImplementedError("flash_attn_ext.scaled_dot_product_attention: vmap over attn_mask is not "
+                                      "supported (vmap over query / key / value with one mask is)")
         if is_causal:
             raise ValueError("flash_attn_ext.scaled_dot_product_attention: attn_mask and is_causal=True were both "
                              "given (as torch refuses it); put the causal pattern into attn_mask, or pass one of them")
@@ -239,10 +248,8 @@ def scaled_dot_product_attention(
 
 def _masked(q, k, v, attn_mask, scale, shape):
     """scaled_dot_product_attention with an attn_mask: the mask brought to (batch or 1, 1, L, S),
-    then the Hugging Face integration's unpadding (its refusals reworded for this function)."""
-    import re
-
-    from .masked import masked_attention
+    then flash_attn_ext.masked's varlen calls (its refusals worded for this function)."""
+    from .masked import MaskNotSupported, masked_attention
 
     B, H, L, S = shape
     try:
@@ -251,22 +258,23 @@ def _masked(q, k, v, attn_mask, scale, shape):
     except RuntimeError:
         raise ValueError(f"flash_attn_ext.scaled_dot_product_attention: attn_mask of shape {tuple(attn_mask.shape)} "
                          f"does not broadcast to (batch, nheads, L, S) = {shape}") from None
-    if attn_mask.device != q.device:
+    if attn_mask.device != q.device and not attn_mask.is_meta:
         raise RuntimeError(f"flash_attn_ext.scaled_dot_product_attention: attn_mask is on {attn_mask.device} but "
                            f"query is on {q.device}")
     mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if mask.shape[1] != 1 and mask.stride(1) == 0:
+        mask = mask[:, :1]                                       # expanded over the heads: one head's
+    elif mask.shape[1] != 1 and not torch.compiler.is_compiling() and not mask.is_meta and \
+            bool((mask == mask[:, :1]).all()):                   # the same on every head (a host read)
+        mask = mask[:, :1]
     if mask.shape[1] != 1:
         raise NotImplementedError(
             "flash_attn_ext.scaled_dot_product_attention: attn_mask differs per head (size "
-            f"{mask.shape[1]} on the heads dim); masks the same for every head (size 1 there) are "
-            "supported, use torch.nn.functional.scaled_dot_product_attention for this one")
+            f"{mask.shape[1]} on the heads dim); masks the same for every head are supported, use "
+            "torch.nn.functional.scaled_dot_product_attention for this one")
     try:
         return masked_attention(q, k, v, mask.expand(mask.shape[0], 1, L, S), scale)
-    except NotImplementedError as e:
-        if not str(e).startswith("flash_attn_ext attention: "):   # not a mask refusal: as raised
-            raise
-        reason = re.sub(r"^flash_attn_ext attention: ", "", str(e))
-        reason = re.sub(r"[;,]?\s*use attn_implementation=[\"']sdpa[\"'].*$", "", reason)
+    except MaskNotSupported as e:
         raise NotImplementedError(
-            f"flash_attn_ext.scaled_dot_product_attention: {reason}; use "
+            f"flash_attn_ext.scaled_dot_product_attention: {e}; use "
             "torch.nn.functional.scaled_dot_product_attention for this mask") from None

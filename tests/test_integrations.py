@@ -841,7 +841,7 @@ def test_masked_attention_traced_refuses_other_patterns():
     gaps = torch.ones(8, 8, dtype=torch.bool)
     gaps[:, 3] = False
     for m in (packed, gaps):
-        with pytest.raises(RuntimeError, match="neither padding nor causal"):
+        with pytest.raises(RuntimeError, match="must be padding or causal.padding with one run"):
             masked.masked_attention_traced(q, k, v, m[None], 0.25)
 
 

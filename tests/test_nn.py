@@ -341,12 +341,63 @@ def test_sdpa_attn_mask_under_compile():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
+def test_sdpa_attn_mask_edges():
+    """A second engineer's cases: float masks under torch.compile(fullgraph=True) (the values
+    checked on the device, not read on the host); a mask expanded over the heads, or equal on
+    every head; float16's minimum in a float32 mask counts as masked; no row that sees a key:
+    zeros still in the autograd graph (zero gradients); meta tensors: the output's shape; a mask
+    that requires grad and vmap over the mask: refused, not silently dropped."""
+    q = _randn(2, 4, 6, 16, seed=40)
+    keys = torch.arange(6)[None, :] < torch.tensor([6, 3])[:, None]
+    additive = torch.zeros(2, 1, 1, 6).masked_fill(~keys[:, None, None, :], float("-inf"))
+    ref = F.scaled_dot_product_attention(q, q, q, attn_mask=keys[:, None, None, :])
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, m: scaled_dot_product_attention(q, q, q, attn_mask=m), fullgraph=True)
+    torch.testing.assert_close(compiled(q, additive), ref, rtol=1e-5, atol=1e-6)
+    for mask in (keys[:, None, None, :].expand(2, 4, 6, 6), keys[:, None, None, :].expand(2, 4, 6, 6).clone(),
+                 torch.zeros(2, 1, 1, 6).masked_fill(~keys[:, None, None, :], torch.finfo(torch.float16).min)):
+        torch.testing.assert_close(scaled_dot_product_attention(q, q, q, attn_mask=mask), ref, rtol=1e-5, atol=1e-6)
+    qg = q.clone().requires_grad_()
+    out = scaled_dot_product_attention(qg, qg, qg, attn_mask=torch.zeros(6, 6, dtype=torch.bool))
+    out.sum().backward()
+    assert (out == 0).all() and (qg.grad == 0).all()
+    meta = torch.empty(2, 4, 6, 16, device="meta")
+    assert scaled_dot_product_attention(meta, meta, meta, attn_mask=keys[:, None, None, :].to("meta")).shape == meta.shape
+    with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
+        scaled_dot_product_attention(q, q, q, attn_mask=additive.clone().requires_grad_())
+    with pytest.raises(NotImplementedError, match="vmap over attn_mask"):
+        torch.func.vmap(lambda m: scaled_dot_product_attention(q, q, q, attn_mask=m))(keys[:, None, None, None, :])
+
+
+def test_mha_key_padding_mask_edges():
+    """Float key_padding_mask under torch.compile(fullgraph=True); every key of an element padded
+    (its attention rows 0, gradients still flow to the inputs); a causal call whose padding is not
+    one run of keys is refused in the module's words."""
+    _, mfa = _mha_pair()
+    x = _randn(2, 6, 64, seed=41)
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    additive = torch.zeros(2, 6).masked_fill(pad, float("-inf"))
+    eager = mfa(x, key_padding_mask=pad)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, m: mfa(x, key_padding_mask=m)[0], fullgraph=True)(x, additive)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    xg = x[:1].clone().requires_grad_()
+    out = mfa(xg, key_padding_mask=torch.ones(1, 6, dtype=torch.bool))[0]
+    out.sum().backward()
+    assert torch.allclose(out, mfa.out_proj.bias.expand_as(out)) and xg.grad is not None
+    hole = torch.tensor([[False, True, False, False, False, False]])
+    with pytest.raises(NotImplementedError, match="MultiheadFlashAttention: with this key_padding_mask.*torch_sdpa"):
+        MultiheadFlashAttention(64, 2, causal=True)(x[:1], key_padding_mask=hole)
+
+
 def test_sdpa_refuses_what_it_does_not_do():
     q = _randn(1, 4, 8, 32)
     k = _randn(1, 2, 8, 32)
     i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    per_head = torch.ones(1, 4, 8, 8, dtype=torch.bool)
+    per_head[:, 1, :, 5] = False                                   # head 1 does not see key 5
     with pytest.raises(NotImplementedError, match="differs per head"):
-        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(1, 4, 8, 8, dtype=torch.bool))
+        scaled_dot_product_attention(q, q, q, attn_mask=per_head)
     with pytest.raises(NotImplementedError, match="bias.*torch.nn.functional.scaled_dot_product_attention"):
         scaled_dot_product_attention(q, q, q, attn_mask=torch.randn(8, 8))
     with pytest.raises(NotImplementedError, match="neither padding.*torch.nn.functional"):
