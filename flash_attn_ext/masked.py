@@ -151,7 +151,7 @@ def bidirectional_window_attention(q, k, v, m, scaling, w, sinks=None):
     window (w - P, -1) of P rows against n keys); the P rows before them likewise, rows and keys
     taken in reverse order. Rows of those two problems past the tensor's ends (or of an element
     without keys) are computed from a stand-in row and dropped. m: the (B, L, L) boolean mask
-    (queries and keys the same L positions); anything else raises NotImplementedError."""
+    (queries and keys the same L positions); anything else raises MaskNotSupported."""
     B, Lq, Lk = m.shape
     pos = torch.arange(Lk, device=m.device)
     k_in = m.any(1)                                              # (B, L): the real keys
@@ -243,7 +243,7 @@ def masked_attention_traced(q, k, v, m, scaling, sinks=None):
     sequences, none longer than L, max_seqlen L: the dense call's own, hence its tile rows).
     Needs each element's rows of a call and its keys to be one run each (all padding and cache
     patterns are); the pattern check runs on the device (torch._assert_async: a
-    RuntimeError on the CPU, a device-side assert on CUDA) instead of NotImplementedError. Rows
+    RuntimeError on the CPU, a device-side assert on CUDA) instead of MaskNotSupported. Rows
     that see no key stay 0. Sliding windows take the eager path (their number of calls depends
     on the data)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .masked import MaskNotSupported, allowed_from_mask, masked_attention
 from .interface import _window, flash_attn_func
+from .masked import MaskNotSupported, allowed_from_mask, masked_attention
 from .reference import visible_mask
 from .sdpa import _autocast_and_check_dtype
 
@@ -200,7 +200,7 @@ class MultiheadFlashAttention(nn.Module):
             q, k, v = _autocast_and_check_dtype({"query": q, "key": k, "value": v})
             if keys is None:
                 return flash_attn_func(q, k, v, causal=causal, window_size=self.window_size)
-            # Padding: the unpadded varlen calls of the masked path (flash_attn_ext.integrations),
+            # Padding: the unpadded varlen calls of the masked path (flash_attn_ext.masked),
             # over the padding mask with the module's causal mask (and a causal window's left bound).
             mask = keys[:, None, None, :] & visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
             try:
@@ -237,8 +237,8 @@ class MultiheadFlashAttention(nn.Module):
                 with True = padding (the key is ignored), or float with 0 = attend and -inf =
                 ignored. The call then runs as the masked path's unpadded varlen calls (at most
                 two; a few host syncs; under torch.compile a static-shape form) with the
-                module's causal mask and a causal window; a query that sees no key gets 0
-                (torch: NaN).
+                module's causal mask and a causal window; a query that sees no key gets
+                attention 0 (its output: out_proj's bias).
             need_weights: must be False.
             attn_mask: None, or (with is_causal=True) the causal mask itself, as torch's hint
                 and in torch.nn.MultiheadAttention's conventions: bool (seqlen_q, seqlen_k) with
@@ -255,7 +255,9 @@ class MultiheadFlashAttention(nn.Module):
             (out, None): out (batch, seqlen_q, embed_dim) in the activations' dtype.
         Raises:
             NotImplementedError: need_weights=True, attn_mask other than the causal hint
-                (compiled: see attn_mask), key_padding_mask with a window in a non-causal call.
+                (compiled: see attn_mask); a key_padding_mask with a window in a non-causal call,
+                whose real keys are not one run per batch element in a causal call, with values
+                other than 0 / -inf, or requiring grad.
             TypeError: key_padding_mask neither bool nor floating.
             RuntimeError: under torch.compile on CPU, an attn_mask whose values are not causal.
             ValueError: wrong ranks or widths, key without value, key_padding_mask not (batch,

@@ -11,8 +11,8 @@ region the inputs are cast to the autocast dtype, as torch does for this op).
 ``attn_mask`` (boolean, True = take part, or additive 0 / -inf) is taken when it is the same for
 every head and a pattern the kernels compute: key and/or query padding, causal (any diagonal
 offset, top-left included) with padding, sequences packed block-diagonally; it runs as at most
-two varlen calls (the Hugging Face integration's unpadding, flash_attn_ext.integrations), and a
-row that sees no key gets 0 (torch's math backend: NaN).
+two varlen calls (flash_attn_ext.masked, the Hugging Face integration's unpadding), and a row
+that sees no key gets 0 (torch's math backend: NaN).
 What is refused (clear error, never ignored): other masks (per head, additive biases, other
 patterns), ``attn_mask`` with ``is_causal=True`` (as torch), ``dropout_p`` != 0, inputs that are
 not 4-D, and float32/float64 inputs on CUDA outside autocast (the CUDA kernels are
@@ -135,14 +135,14 @@ def scaled_dot_product_attention(
         NotImplementedError: an ``attn_mask`` of another pattern, per head, with bias values,
             requiring grad or batched by vmap, ``dropout_p`` != 0, or a nested (jagged) tensor.
         ValueError: ``attn_mask`` with ``is_causal=True``, or not broadcastable to (batch,
-            nheads, L, S).
-        ValueError: not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
+            nheads, L, S); inputs not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
             also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0), key/value
             without heads for a query with some (nheads = 0: an empty output, as torch),
             headdim not a multiple of 8 or > 256 (or without a compiled CUDA kernel), a
             non-finite scale.
-        RuntimeError: query, key, value on different devices, or on a device other than
-            cpu/cuda.
+        RuntimeError: query, key, value (or attn_mask) on different devices, or on a device
+            other than cpu/cuda; under torch.compile, a mask that is not the static form's
+            pattern (a device-side assert).
         TypeError: mixed dtypes, a dtype other than float16/bfloat16/float32/float64, or
             float32/float64 on CUDA outside autocast; an attn_mask that is not a bool or
             floating tensor.
