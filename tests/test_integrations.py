@@ -1038,9 +1038,11 @@ def test_packed_batch_under_compile(arch, use_cache, name, count_calls):
             torch.compile(logits)(**DataCollatorWithFlattening()(feats))
 
 
-def test_position_ids_that_do_not_pack_run_dense(count_calls):
-    """Without a mask, position_ids that are one increasing run (a prompt, a shifted run, a gap)
-    or a batch of several rows leave the call dense; restarting ones pack (read once per tensor)."""
+def test_position_ids_packing_rules(count_calls):
+    """Without a mask, position_ids that are one run on by one (a prompt, a shifted run) or a
+    batch of several rows leave the call dense; others pack, a sequence starting wherever a
+    position is not the previous + 1 (read once per tensor and version); a padding mask is taken
+    as is, a mask without padding takes the packing."""
     m = _Module(True)
     q = _bhsd(1, 4, 8, 16, 48)
     for pos in (torch.arange(8)[None], torch.arange(3, 11)[None]):
