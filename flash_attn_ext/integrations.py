@@ -34,8 +34,10 @@ Masks (never ignored):
     elements, right-padding pad rows) into one non-causal call; the outputs are scattered back
     into a zero tensor, so every row equals sdpa's and rows that see no key are 0. So at most
     two kernel launches per layer whatever the batch (one dense call when nothing is masked),
-    differentiable; the analysis costs a few host syncs per layer (sizes and max_seqlen, a
-    constant number, not one per sequence). Under ``torch.compile`` (no host syncs there) the
+    differentiable; the analysis (an O(q_len kv_len) pass and a few host syncs: sizes and
+    max_seqlen, a constant number, not one per sequence) runs once per mask tensor, so once per
+    forward for the layers that share it (``masked.plan_for``). Under ``torch.compile`` (no host
+    syncs there) the
     same two calls run in a static-shape form (``masked.masked_attention_traced``: no unpadding, the
     gaps between the sequences as filler sequences, the pattern checked on the device), so
     ``fullgraph=True`` and CUDA graphs work; transformers (torch < 2.14) builds a 4-D mask
@@ -46,11 +48,11 @@ Masks (never ignored):
     bidirectional layer's window (ModernBERT's local layers: keys within sliding_window - 1 of
     the query on either side) runs as window_size (w, w): no mask, one dense call; padding, three
     varlen calls (the real rows, then the pad rows after and before the real keys that the window
-    reaches: ``masked.bidirectional_window_attention``).
+    reaches: ``masked.bidirectional_window_plan``).
   * Packed sequences (padding-free training, DataCollatorWithFlattening: one row, position_ids
     restarting at each sequence): the block-diagonal mask transformers builds from position_ids
     without a cache (each block causal, with the layer's window, or full) → one varlen call
-    over the flattened batch (``masked.packed_attention``). With a cache on, transformers builds no
+    over the flattened batch (``masked.packed_plan``). With a cache on, transformers builds no
     mask (or a window's without the packing) and sdpa attends across the sequences; here, where
     the mask is None or has no padding, the packing is read as transformers' flash-attention
     path reads it: the collator's ``cu_seq_lens_*`` / ``max_length_*`` keywords, else

@@ -19,6 +19,8 @@ Meta tensors give an output of the right shape.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .interface import flash_attn_func, flash_attn_varlen_func
@@ -67,8 +69,12 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
     """Unpad, at most two varlen calls, pad (see the module docstring). q: (B, Lq, H, D) BSHD,
     k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk); window_left: a causal sliding
     window's left bound (window_size[0]), -1 for none (bidirectional: a bidirectional window,
-    bidirectional_window_attention); sinks: None or (H,) attention sinks, given to every call (a
-    row that sees no key stays 0, which is also its value with a sink). Returns (B, Lq, H, D)."""
+    bidirectional_window_plan); sinks: None or (H,) attention sinks, given to every call (a row
+    that sees no key stays 0, which is also its value with a sink). Returns (B, Lq, H, D).
+
+    Eagerly the mask's analysis (its pattern, the index tensors and sizes of the calls: an O(Lq
+    Lk) pass and a few host syncs) is kept per mask tensor and version, so a model's layers,
+    which transformers hands one mask object, pay for it once per forward (plan_for)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
     if attention_mask.is_meta or q.is_meta:
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))        # the shape alone
@@ -79,10 +85,10 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
         raise MaskNotSupported(
             f"an attention mask of shape {tuple(attention_mask.shape)} (expected (batch={B} or 1, 1, q_len={Lq}, "
             f"kv_len={Lk}): one mask for all heads)")
-    m = allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
-    if m.numel() == 0:
-        return _connected_zeros(q, k, v, sinks)
     if torch.compiler.is_compiling():
+        m = allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
+        if m.numel() == 0:
+            return _connected_zeros(q, k, v, sinks)
         if window_left < 0:
             return masked_attention_traced(q, k, v, m, scaling, sinks)
         # The windowed split below reads sizes on the host (its number of calls depends on the
@@ -91,14 +97,52 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
             msg="flash_attn_ext: a sliding-window layer with an attention mask reads the sequence sizes on the "
                 "host, which torch.compile(fullgraph=True) cannot trace; compile without fullgraph (a graph "
                 "break per such call)")
-    if bidirectional and window_left >= 0:
-        return bidirectional_window_attention(q, k, v, m, scaling, window_left, sinks)
+    return plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional)(q, k, v, scaling, sinks)
+
+
+_PLANS: list = []  # the last few plans, most recent first: (weakref to the mask, its version, key, plan)
+
+
+def plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional):
+    """The calls for ``attention_mask`` as a function plan(q, k, v, scaling, sinks), from the cache
+    when this mask tensor (same object, same version: in-place writes through ``.data`` or to an
+    inference tensor, which keep it, are not seen) was analysed for the same sizes and window;
+    a refused pattern is a plan that raises its MaskNotSupported."""
+    version = None if attention_mask.is_inference() else attention_mask._version
+    key = (B, Lq, Lk, window_left, bidirectional)
+    for ref, seen_version, seen_key, plan in _PLANS:
+        if ref() is attention_mask and seen_version == version and seen_key == key:
+            return plan
+    m = allowed_from_mask(attention_mask)[:, 0].expand(B, Lq, Lk)
+    try:
+        if m.numel() == 0:
+            plan = _connected_zeros_plan
+        elif bidirectional and window_left >= 0:
+            plan = bidirectional_window_plan(m, window_left)
+        else:
+            plan = padding_plan(m, window_left)
+    except MaskNotSupported as e:
+        def plan(*args, _e=e):
+            raise MaskNotSupported(str(_e))
+    _PLANS.insert(0, (weakref.ref(attention_mask), version, key, plan))
+    del _PLANS[4:]  # a model's few masks (full and sliding layers, encoder and decoder)
+    return plan
+
+
+def _connected_zeros_plan(q, k, v, scaling, sinks):
+    return _connected_zeros(q, k, v, sinks)
+
+
+def padding_plan(m, window_left=-1):
+    """The plan for padding, causal + padding (split_mask) or, failing those, packed sequences
+    (packed_plan) of the boolean (B, Lq, Lk) mask m; MaskNotSupported otherwise."""
+    B, Lq, Lk = m.shape
     bad, k_in, q_parts, all_full = split_mask(m, window_left)
     nk, nq = k_in.sum(1), [sel.sum(1) for sel in q_parts]        # (B,) each
     stats = torch.stack([bad.any().long(), m.all().long(), nk.max(), nq[0].sum(), nq[0].max(),
                          nq[1].sum(), nq[1].max()]).tolist()     # one host sync for the sizes
     if stats[0]:
-        packed = packed_attention(q, k, v, m, scaling, window_left, sinks) if Lq == Lk else None
+        packed = packed_plan(m, window_left) if Lq == Lk else None
         if packed is not None:
             return packed
         raise MaskNotSupported(
@@ -110,12 +154,12 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
     # the test before windows: the full rows of an element whose first row sees all keys are
     # still cut on the window's left, e.g. a one-element band of two queries past two keys.)
     if all_visible:
-        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=False, sinks=sinks)
-    # Unpad: nonzero() lists (batch element, position) pairs in packed order. Both calls share
+        return lambda q, k, v, scaling, sinks: flash_attn_func(q, k, v, softmax_scale=scaling, causal=False,
+                                                               sinks=sinks)
+    # Unpad: nonzero() lists (batch element, position) pairs in packed order. The calls share
     # the packed keys; an element without rows in a call is a zero-length query sequence there.
     kb, kj = k_in.nonzero().unbind(1)
-    k_packed, v_packed, cu_k = k[kb, kj], v[kb, kj], cu_seqlens(nk)
-    out = q.new_zeros(q.shape)                                   # rows that see no key stay 0
+    cu_k = cu_seqlens(nk)
     calls = []  # (query rows, per-element counts, max count, causal, window_size)
     if total_q[0]:
         calls.append((q_parts[0], nq[0], max_q[0], True, (window_left, -1)))
@@ -132,26 +176,34 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
         for count, shift in sorted(set(zip(nq[1].tolist(), all_full.int().tolist())) - {(0, 0), (0, 1)}):
             sel = q_parts[1] & ((nq[1] == count) & (all_full.int() == shift))[:, None]
             calls.append((sel, sel.sum(1), count, False, (window_left - count + shift, -1)))
-    for rows, counts, max_rows, causal, window in calls:
-        qb, qi = rows.nonzero().unbind(1)
-        o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, cu_seqlens(counts), cu_k,
-                                   max_rows, max_k, softmax_scale=scaling, causal=causal, window_size=window,
-                                   sinks=sinks)
-        out = out.index_put((qb, qi), o)                         # pad
-    return out if calls else _connected_zeros(q, k, v, sinks)
+    calls = [(*rows.nonzero().unbind(1), cu_seqlens(counts), max_rows, causal, window)
+             for rows, counts, max_rows, causal, window in calls]
+
+    def plan(q, k, v, scaling, sinks):
+        if not calls:
+            return _connected_zeros(q, k, v, sinks)
+        k_packed, v_packed = k[kb, kj], v[kb, kj]
+        out = q.new_zeros(q.shape)                               # rows that see no key stay 0
+        for qb, qi, cu_q, max_rows, causal, window in calls:
+            o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, cu_q, cu_k, max_rows, max_k,
+                                       softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks)
+            out = out.index_put((qb, qi), o)                     # pad
+        return out
+    return plan
 
 
-def bidirectional_window_attention(q, k, v, m, scaling, w, sinks=None):
-    """A bidirectional sliding window (ModernBERT's local layers: query i sees key j iff |i - j|
-    <= w) over padded batches, as transformers builds the mask: the padding on the keys only, so
-    per batch element the real keys are one run [s, s + n) and every row, pad rows included,
-    sees the real keys within w of it. Three varlen calls, whatever the padding: the real rows
-    against the real keys (window (w, w)); the P = min(w, L) rows after each element's keys
-    (right padding's pad rows, row r seeing keys n + r - w .. n - 1 of its element: bottom-right
-    window (w - P, -1) of P rows against n keys); the P rows before them likewise, rows and keys
-    taken in reverse order. Rows of those two problems past the tensor's ends (or of an element
-    without keys) are computed from a stand-in row and dropped. m: the (B, L, L) boolean mask
-    (queries and keys the same L positions); anything else raises MaskNotSupported."""
+def bidirectional_window_plan(m, w):
+    """The plan for a bidirectional sliding window (ModernBERT's local layers: query i sees key j
+    iff |i - j| <= w) over padded batches, as transformers builds the mask: the padding on the
+    keys only, so per batch element the real keys are one run [s, s + n) and every row, pad rows
+    included, sees the real keys within w of it. Three varlen calls, whatever the padding: the
+    real rows against the real keys (window (w, w)); the P = min(w, L) rows after each element's
+    keys (right padding's pad rows, row r seeing keys n + r - w .. n - 1 of its element:
+    bottom-right window (w - P, -1) of P rows against n keys); the P rows before them likewise,
+    rows and keys taken in reverse order. Rows of those two problems past the tensor's ends (or
+    of an element without keys) are computed from a stand-in row and dropped. m: the (B, L, L)
+    boolean mask (queries and keys the same L positions); anything else raises
+    MaskNotSupported."""
     B, Lq, Lk = m.shape
     pos = torch.arange(Lk, device=m.device)
     k_in = m.any(1)                                              # (B, L): the real keys
@@ -163,48 +215,47 @@ def bidirectional_window_attention(q, k, v, m, scaling, w, sinks=None):
         raise MaskNotSupported(f"the attention mask of batch element {int(bad.nonzero()[0])} is not padding with "
                                "the layer's bidirectional sliding window")
     if max_n == 0:
-        return _connected_zeros(q, k, v, sinks)
-    out = q.new_zeros(q.shape)
-    # The real rows: rows and keys of each element's run, packed.
-    kb, kj = k_in.nonzero().unbind(1)
+        return _connected_zeros_plan
+    kb, kj = k_in.nonzero().unbind(1)                            # the real rows and keys, packed
     cu = cu_seqlens(n)
-    k_real, v_real = k[kb, kj], v[kb, kj]
-    o = flash_attn_varlen_func(q[kb, kj], k_real, v_real, cu, cu, max_n, max_n, softmax_scale=scaling,
-                               causal=False, window_size=(w, w), sinks=sinks)
-    out = out.index_put((kb, kj), o)
     # The pad rows: P rows after each run (r = 0..P-1 at s + n + r) and P before it (at s - 1 - r),
     # the latter against the run's keys reversed; rows past the tensor are stand-ins.
     P = min(w, Lq)
     r = torch.arange(P, device=m.device)[None, :]                # (1, P); none for w = 0
     b = torch.arange(B, device=m.device)[:, None].expand(B, P)
+    pads = []  # (rows (B, P), in the tensor (B, P), clamped rows, key order or None)
     for rows, keys_reversed in ((s[:, None] + n[:, None] + r, False), (s[:, None] - 1 - r, True)) if P else ():
         real = (rows >= 0) & (rows < Lq) & (n[:, None] > 0)
-        rows_c = rows.clamp(0, Lq - 1)
-        qs = q[b, rows_c].flatten(0, 1)                          # (B w, H, D)
-        if keys_reversed:
-            order = torch.argsort(kb * Lk - kj, stable=True)     # each element's keys, last first
-            kr, vr = k_real[order], v_real[order]
-        else:
-            kr, vr = k_real, v_real
-        cu_q = torch.arange(B + 1, device=m.device, dtype=torch.int32) * P
-        o = flash_attn_varlen_func(qs, kr, vr, cu_q, cu, P, max_n, softmax_scale=scaling,
-                                   causal=False, window_size=(w - P, -1), sinks=sinks).view(B, P, *q.shape[2:])
-        out = out.index_put((b[real], rows[real]), o[real])
-    return out
+        order = torch.argsort(kb * Lk - kj, stable=True) if keys_reversed else None  # each element's keys, last first
+        pads.append((rows, real, rows.clamp(0, Lq - 1), order))
+    cu_q = torch.arange(B + 1, device=m.device, dtype=torch.int32) * P
+
+    def plan(q, k, v, scaling, sinks):
+        k_real, v_real = k[kb, kj], v[kb, kj]
+        o = flash_attn_varlen_func(q[kb, kj], k_real, v_real, cu, cu, max_n, max_n, softmax_scale=scaling,
+                                   causal=False, window_size=(w, w), sinks=sinks)
+        out = q.new_zeros(q.shape).index_put((kb, kj), o)
+        for rows, real, rows_c, order in pads:
+            kr, vr = (k_real, v_real) if order is None else (k_real[order], v_real[order])
+            o = flash_attn_varlen_func(q[b, rows_c].flatten(0, 1), kr, vr, cu_q, cu, P, max_n, softmax_scale=scaling,
+                                       causal=False, window_size=(w - P, -1), sinks=sinks).view(B, P, *q.shape[2:])
+            out = out.index_put((b[real], rows[real]), o[real])
+        return out
+    return plan
 
 
-def packed_attention(q, k, v, m, scaling, window_left=-1, sinks=None):
-    """Packed sequences: several sequences in one batch row, as transformers lays them out for
-    padding-free training (``DataCollatorWithFlattening``: position_ids restarting at 0 at each
-    sequence, no attention_mask; ``sdpa_mask`` then builds a block-diagonal mask). m: the (B, L, L)
-    boolean mask (queries and keys the same L positions). Row i opens a sequence where the first
-    key it sees is key i; every row must belong to one (see some key), and each element's mask
-    must be, over its sequences [a, e), causal (key j seen iff a <= j <= i, and j >= i -
-    window_left with the layer's sliding window) or, without a window, full (a <= j < e) for
-    every element alike. Then one flash_attn_varlen_func call over the flattened batch (each
+def packed_plan(m, window_left=-1):
+    """The plan for packed sequences: several sequences in one batch row, as transformers lays
+    them out for padding-free training (``DataCollatorWithFlattening``: position_ids restarting
+    at 0 at each sequence, no attention_mask; ``sdpa_mask`` then builds a block-diagonal mask).
+    m: the (B, L, L) boolean mask (queries and keys the same L positions). Row i opens a sequence
+    where the first key it sees is key i; every row must belong to one (see some key), and each
+    element's mask must be, over its sequences [a, e), causal (key j seen iff a <= j <= i, and j
+    >= i - window_left with the layer's sliding window) or, without a window, full (a <= j < e)
+    for every element alike. Then one flash_attn_varlen_func call over the flattened batch (each
     sequence's rows in place: no unpadding) gives each sequence's attention alone. Returns the
-    (B, L, H, D) output, or None where the mask is not such a pattern (two host syncs: the
-    sequence starts, then the check with the longest sequence)."""
+    plan, or None where the mask is not such a pattern (two host syncs: the sequence starts,
+    then the check with the longest sequence)."""
     B, L = m.shape[0], m.shape[1]
     pos = torch.arange(L, device=m.device)
     start = m.byte().argmax(2) == pos                            # (B, L): row i opens a sequence
@@ -225,11 +276,14 @@ def packed_attention(q, k, v, m, scaling, window_left=-1, sinks=None):
     if not ok:  # (ok implies that row 0 of each element opens a sequence: none spans two elements)
         return None
     cu = cu_seqlens(lengths)
-    o = flash_attn_varlen_func(q.reshape(B * L, *q.shape[2:]), k.reshape(B * L, *k.shape[2:]),
-                               v.reshape(B * L, *v.shape[2:]), cu, cu, max_len, max_len, softmax_scale=scaling,
-                               causal=bool(causal_kind), window_size=(window_left, -1) if causal_kind else (-1, -1),
-                               sinks=sinks)
-    return o.view(q.shape)
+    window = (window_left, -1) if causal_kind else (-1, -1)
+
+    def plan(q, k, v, scaling, sinks):
+        o = flash_attn_varlen_func(q.reshape(B * L, *q.shape[2:]), k.reshape(B * L, *k.shape[2:]),
+                                   v.reshape(B * L, *v.shape[2:]), cu, cu, max_len, max_len, softmax_scale=scaling,
+                                   causal=bool(causal_kind), window_size=window, sinks=sinks)
+        return o.view(q.shape)
+    return plan
 
 
 def masked_attention_traced(q, k, v, m, scaling, sinks=None):

@@ -831,6 +831,34 @@ def test_masked_attention_traced_equals_eager_cuda(Lq, D):
     assert torch.equal(traced, eager)
 
 
+def test_mask_analysis_once_per_mask(name, monkeypatch):
+    """The mask's analysis (an O(Lq Lk) pass and host syncs) runs once per mask tensor and version:
+    a model's layers share transformers' one mask object, so a padded forward of a two-layer Llama
+    analyses it once; an in-place write or another mask object is analysed again; the cached
+    plan gives the same bits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seen = []
+    real = masked.split_mask
+    monkeypatch.setattr(masked, "split_mask", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    masked._PLANS.clear()
+    q = _bhsd(2, 4, 10, 16, 70).transpose(1, 2)
+    mask = (_padding_mask([10, 6], 10)[:, None, None, :] & torch.ones(10, 10, dtype=torch.bool).tril())
+    first = masked.masked_attention(q, q, q, mask, 0.25)
+    assert torch.equal(masked.masked_attention(q, q, q, mask, 0.25), first) and len(seen) == 1
+    mask.copy_(mask.clone())                                   # in place: its version moves
+    assert torch.equal(masked.masked_attention(q, q, q, mask, 0.25), first) and len(seen) == 2
+    masked.masked_attention(q, q, q, mask.clone(), 0.25)      # another object
+    assert len(seen) == 3
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM._from_config(cfg, attn_implementation=name).eval()
+    seen.clear()
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 96, (2, 10)), attention_mask=_padding_mask([10, 6], 10).long())
+    assert len(seen) == 1
+
+
 def test_masked_attention_traced_refuses_other_patterns():
     """Packed sequences (block-diagonal causal) and keys in two runs: the device-side check
     raises (a RuntimeError on the CPU)."""
