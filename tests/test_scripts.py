@@ -236,6 +236,23 @@ def test_window_bench_smoke(capsys):
     assert len(rows) == 4 and all(float(r.split("|")[6]) > 0 for r in rows), rows
 
 
+def test_hf_bench_smoke(capsys):
+    """scripts/hf_bench.py runs end to end on the CPU: a train-step and a forward row per (layout,
+    implementation), ours with its speed over sdpa's."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_bench", os.path.join(REPO, "scripts", "hf_bench.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.lengths(4, 32) == [8, 16, 24, 32] and script.lengths(1, 32) == [32]
+    script.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                 "--batch", "2", "--seqlen", "16", "--rep-ms", "1"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    ours = [r for r in rows if r[2].strip() == "fa_ext"]
+    assert len(rows) == 16 and len(ours) == 8 and all(float(r[6]) > 0 for r in ours), rows
+
+
 def test_sinks_bench_smoke(capsys):
     """scripts/sinks_bench.py runs end to end on the CPU: one row per (hdim, seqlen, causal, pass)
     and per decode case, positive times both ways."""
