@@ -11,7 +11,8 @@ attend) or additive (0 = attend; values <= -32752, half of float16's minimum: -i
 minimum, -1e9 = masked); it raises MaskNotSupported (a NotImplementedError whose message is the
 reason; each entry point words its own refusal around it) for a pattern it does not take. Rows
 that see no key get 0; the output stays connected to q, k, v (zero gradients) when no row sees a
-key. Eager calls read sizes on the host (a few syncs per call); under torch.compile
+key. Eager calls read sizes on the host (a few syncs per mask tensor: its analysis is kept,
+plan_for); under torch.compile
 ``masked_attention_traced`` runs padding and causal + padding (one run of real rows and keys per
 batch element) in a static-shape form, the pattern and the mask's values checked on the device.
 Meta tensors give an output of the right shape.
@@ -61,7 +62,8 @@ def _connected_zeros(q, k, v, sinks):
     gradients), for calls where no row sees a key and no kernel runs."""
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        out = out + 0 * sum(t.sum() for t in (q, k, v, sinks) if t is not None)
+        # (t * 0).sum(), not 0 * t.sum(): a float16 sum of large finite inputs overflows to inf.
+        out = out + sum((t * 0).sum() for t in (q, k, v, sinks) if t is not None)
     return out
 
 
