@@ -361,6 +361,10 @@ def test_sdpa_attn_mask_edges():
     out = scaled_dot_product_attention(qg, qg, qg, attn_mask=torch.zeros(6, 6, dtype=torch.bool))
     out.sum().backward()
     assert (out == 0).all() and (qg.grad == 0).all()
+    big = torch.full((1, 2, 64, 16), 60000.0, dtype=torch.float16, requires_grad=True)   # its sum overflows
+    out = scaled_dot_product_attention(big, big, big, attn_mask=torch.zeros(64, 64, dtype=torch.bool))
+    out.sum().backward()
+    assert (out == 0).all() and (big.grad == 0).all()
     meta = torch.empty(2, 4, 6, 16, device="meta")
     assert scaled_dot_product_attention(meta, meta, meta, attn_mask=keys[:, None, None, :].to("meta")).shape == meta.shape
     with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
