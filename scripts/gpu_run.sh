@@ -5,6 +5,7 @@
 #   STEPS="build test" HDIMS=64,128 bash scripts/gpu_run.sh
 #   TESTS="tests/test_cuda_forward.py" BENCH_ARGS="--hdim 128 --mode fwd" bash scripts/gpu_run.sh
 #   STEPS="build test sanitize" TESTS="tests/test_sm90_forward.py tests/test_cuda_forward.py" bash scripts/gpu_run.sh
+#   STEPS="build hf" HDIMS=128 bash scripts/gpu_run.sh   # scripts/hf_bench.py (HF_ARGS), not in the default STEPS
 # Bounds (seconds, 0 = none): TEST_TIMEOUT_S, SAN_S (each sanitizer), BENCH_S (each sweep),
 # BENCH3_S (the decode / varlen sweep; default BENCH_S).
 # The bench step runs the dense sweep (BENCH_ARGS), then issue 14's decode (KV cache) and varlen
@@ -95,6 +96,13 @@ fi
 if [[ " $STEPS " == *" memory "* ]]; then
   $PY scripts/peak_memory.py >"$OUT/memory.txt" 2>&1
   summary+=("$(tail -n 1 "$OUT/memory.txt")")
+fi
+if [[ " $STEPS " == *" hf "* ]]; then
+  # A Hugging Face model end to end (scripts/hf_bench.py; HF_ARGS), then with the mask analysed in
+  # every layer (what flash_attn_ext.masked's kept plans save).
+  $PY scripts/hf_bench.py ${HF_ARGS:-} >"$OUT/hf.txt" 2>&1
+  $PY scripts/hf_bench.py ${HF_ARGS:-} --no-plan-cache --layouts right,packed >"$OUT/hf_no_plan_cache.txt" 2>&1
+  summary+=("hf_bench: rc=$? (hf.txt, hf_no_plan_cache.txt)")
 fi
 
 if [[ " $STEPS " == *" ncu "* ]]; then
