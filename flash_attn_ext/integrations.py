@@ -33,7 +33,8 @@ Masks (never ignored):
     ``flash_attn_varlen_func`` call, the rows that see every key of their element (all-True
     elements, right-padding pad rows) into one non-causal call; the outputs are scattered back
     into a zero tensor, so every row equals sdpa's and rows that see no key are 0. So at most
-    two kernel launches per layer whatever the batch (one dense call when nothing is masked),
+    two kernel launches per layer whatever the batch without a window (one dense call when
+    nothing is masked; windows below),
     differentiable; the analysis (an O(q_len kv_len) pass and a few host syncs: sizes and
     max_seqlen, a constant number, not one per sequence) runs once per mask tensor, so once per
     forward for the layers that share it (``masked.plan_for``). Under ``torch.compile`` (no host
@@ -77,7 +78,8 @@ import weakref
 
 import torch
 
-from .interface import flash_attn_func, flash_attn_varlen_func
+from .interface import flash_attn_func
+from . import masked
 from .masked import MaskNotSupported, allowed_from_mask, masked_attention
 from .sdpa import _autocast_and_check_dtype
 
@@ -178,7 +180,7 @@ def flash_attn_ext_attention_forward(
     Returns:
         (attn_output (batch, q_len, nheads, headdim) contiguous, None).
     Raises:
-        NotImplementedError: dropout > 0, unsupported kwargs or mask patterns.
+        NotImplementedError: dropout > 0, unsupported kwargs or mask patterns, a head dim over 256.
         TypeError: float32 on CUDA outside autocast; both ``s_aux`` and ``sinks`` given.
         RuntimeError: sinks not of shape (nheads,), not floating or on another device
             (flash_attn_func's checks); under torch.compile, a mask that is not the pattern
@@ -233,41 +235,50 @@ def flash_attn_ext_attention_forward(
     return (out[..., :d_v].contiguous() if d_v != d else out), None
 
 
+_PACKED_MASK_SEEN = [None, None, None, None]  # [weakref to a mask, its version, weakref to cu_seqlens, the answer]
+
+
+def _mask_is_the_packing(attention_mask, cu, is_causal, window_left):
+    """Whether a layer's mask, given packed sequences read from position_ids or the collator's
+    keywords (cu: their cu_seqlens), is to be run as that packing: it has no padding (every row
+    sees itself: a sliding window's mask, the user's all-ones one, transformers' block-diagonal
+    one; a padding mask is taken as is, as transformers' flash-attention path unpads by it and
+    ignores position_ids) and, within each sequence, it is the layer's pattern (causal and / or
+    the window; across sequences anything, the packing cuts it). Then the packed call runs
+    without the mask's analysis. One host read per mask and cu_seqlens (transformers hands every
+    layer the same ones); under torch.compile a device-side assert instead (and True)."""
+    L = attention_mask.shape[-1]
+    pos = torch.arange(L, device=attention_mask.device)
+    seq = torch.searchsorted(cu[1:], pos.to(cu.dtype), right=True)
+    same = seq[:, None] == seq[None, :]
+    i, j = pos[:, None], pos[None, :]
+    expected = same & ((i - j).abs() <= window_left) if window_left >= 0 else same
+    if is_causal:
+        expected &= j <= i
+    allowed = allowed_from_mask(attention_mask)
+    if torch.compiler.is_compiling():
+        torch._assert_async(((allowed & same) == expected).all(), "flash_attn_ext attention: under torch.compile the "
+                            "attention mask of packed sequences must be the layer's pattern in each sequence")
+        return True
+    version = None if attention_mask.is_inference() else attention_mask._version
+    ref, seen_version, cu_ref, answer = _PACKED_MASK_SEEN
+    if ref is not None and ref() is attention_mask and seen_version == version and cu_ref() is cu:
+        return answer
+    answer = bool(allowed.diagonal(dim1=-2, dim2=-1).all() & ((allowed & same) == expected).all())  # a host read
+    _PACKED_MASK_SEEN[:] = [weakref.ref(attention_mask), version, weakref.ref(cu), answer]
+    return answer
+
+
 def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_len, kv_len, kwargs):
     """flash_attn_ext_attention_forward's calls on the BSHD q, k, v of one head dim; returns the
     (batch, q_len, nheads, headdim) output."""
     packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs, attention_mask)
-    if attention_mask is not None and packed is not None and q_len == kv_len:
-        # A mask built without the packing (a sliding-window layer's, the user's all-ones one, any
-        # while a cache is on): where it has no padding (every row sees itself), the packing's
-        # block-diagonal pattern too, as transformers' flash-attention path reads it; a padding
-        # mask is taken as is (that path unpads by it and ignores position_ids).
-        cu = packed[0]
-        seq = torch.searchsorted(cu[1:], torch.arange(q_len, device=cu.device, dtype=cu.dtype), right=True)
-        same = seq[:, None] == seq[None, :]
-        allowed = allowed_from_mask(attention_mask)
-        if not torch.compiler.is_compiling():
-            if not bool(allowed.diagonal(dim1=-2, dim2=-1).all()):  # padding (a host sync)
-                return masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal)
-            return masked_attention(q, k, v, allowed & same, scaling, window_left, sinks, not is_causal)
-        allowed = allowed & same
-        # Under torch.compile (no host reads): the packing as given, the mask checked against its
-        # pattern on the device (as masked.masked_attention_traced does).
-        pos = torch.arange(q_len, device=cu.device)
-        i, j = pos[:, None], pos[None, :]
-        band = (i - j).abs() <= window_left if window_left >= 0 else torch.ones_like(same)
-        expected = same & band & (j <= i) if is_causal else same & band
-        torch._assert_async((allowed == expected).all(), "flash_attn_ext attention: under torch.compile the "
-                            "attention mask of packed sequences must be the layer's pattern in each sequence")
-    elif attention_mask is not None:
+    if attention_mask is not None and (packed is None or q_len != kv_len or
+                                       not _mask_is_the_packing(attention_mask, packed[0], is_causal, window_left)):
         return masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal)
     if packed is not None:
         cu_q, cu_k, max_q, max_k = packed
-        causal = bool(is_causal)
-        o = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
-                                   v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, softmax_scale=scaling,
-                                   causal=causal, window_size=(window_left, -1 if causal else window_left), sinks=sinks)
-        return o.view(q.shape)
+        return masked.varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, bool(is_causal), window_left, sinks)
     # No mask: transformers' sdpa_mask returned None, so the pattern is plain causal or plain
     # bidirectional. As the sdpa path: one query token sees everything; with kv_len > q_len
     # (prefill into an empty static cache) the keys beyond q_len are empty slots: drop them.

@@ -5,7 +5,7 @@ the Hugging Face integration (``flash_attn_ext.integrations``: its module docstr
 patterns and the transformers side), the SDPA drop-in's ``attn_mask`` and
 ``MultiheadFlashAttention``'s ``key_padding_mask``.
 
-``masked_attention(q, k, v, attention_mask, scale, window_left=-1, sinks=None, bidirectional=False)``
+``masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False)``
 takes BSHD q (B, Lq, H, D), k / v (B, Lk, Hk, D) and a mask (B or 1, 1, Lq, Lk), boolean (True =
 attend) or additive (0 = attend; values <= -32752, half of float16's minimum: -inf, any dtype's
 minimum, -1e9 = masked); it raises MaskNotSupported (a NotImplementedError whose message is the
@@ -67,8 +67,21 @@ def _connected_zeros(q, k, v, sinks):
     return out
 
 
+def varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, window_left=-1, sinks=None):
+    """One varlen call over the flattened batch (sequences laid in its rows as cu_seqlens say,
+    no unpadding), causal or not, with a causal window (window_left, 0) or a bidirectional one
+    (window_left, window_left); returns the output in q's (B, L, H, D) shape."""
+    window = (window_left, -1 if causal else window_left) if window_left >= 0 else (-1, -1)
+    o = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+                               cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=causal, window_size=window,
+                               sinks=sinks)
+    return o.view(q.shape)
+
+
 def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False):
-    """Unpad, at most two varlen calls, pad (see the module docstring). q: (B, Lq, H, D) BSHD,
+    """Unpad, a few varlen calls (two without a window: the causal rows, the rows that see all
+    their keys; one more per distinct count of windowed pad rows; three for a bidirectional
+    window; one for packed sequences), pad (see the module docstring). q: (B, Lq, H, D) BSHD,
     k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk); window_left: a causal sliding
     window's left bound (window_size[0]), -1 for none (bidirectional: a bidirectional window,
     bidirectional_window_plan); sinks: None or (H,) attention sinks, given to every call (a row
@@ -278,14 +291,8 @@ def packed_plan(m, window_left=-1):
     if not ok:  # (ok implies that row 0 of each element opens a sequence: none spans two elements)
         return None
     cu = cu_seqlens(lengths)
-    window = (window_left, -1) if causal_kind else (-1, -1)
-
-    def plan(q, k, v, scaling, sinks):
-        o = flash_attn_varlen_func(q.reshape(B * L, *q.shape[2:]), k.reshape(B * L, *k.shape[2:]),
-                                   v.reshape(B * L, *v.shape[2:]), cu, cu, max_len, max_len, softmax_scale=scaling,
-                                   causal=bool(causal_kind), window_size=window, sinks=sinks)
-        return o.view(q.shape)
-    return plan
+    return lambda q, k, v, scaling, sinks: varlen_flat(q, k, v, cu, cu, max_len, max_len, scaling, bool(causal_kind),
+                                                       window_left if causal_kind else -1, sinks)
 
 
 def masked_attention_traced(q, k, v, m, scaling, sinks=None):

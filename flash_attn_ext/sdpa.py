@@ -12,7 +12,7 @@ region the inputs are cast to the autocast dtype, as torch does for this op).
 every head and a pattern the kernels compute: key and/or query padding, causal (any diagonal
 offset, top-left included) with padding, sequences packed block-diagonally; it runs as at most
 two varlen calls (flash_attn_ext.masked, the Hugging Face integration's unpadding), and a row
-that sees no key gets 0 (torch's math backend: NaN).
+that sees no key gets 0 (torch: NaN or 0, by version and backend).
 What is refused (clear error, never ignored): other masks (per head, additive biases, other
 patterns), ``attn_mask`` with ``is_causal=True`` (as torch), ``dropout_p`` != 0, inputs that are
 not 4-D, and float32/float64 inputs on CUDA outside autocast (the CUDA kernels are
@@ -122,7 +122,8 @@ def scaled_dot_product_attention(
     Differentiable in reverse mode and forward mode, and usable under torch.func transforms
     (grad, vjp, jvp, jacrev, jacfwd, vmap): see ``flash_attn_ext.flash_attn_func``. With an
     ``attn_mask``: reverse mode (autograd) and vmap over query / key / value; forward mode and
-    the other torch.func transforms raise NotImplementedError (flash_attn_varlen_func's).
+    the other torch.func transforms raise NotImplementedError (flash_attn_varlen_func's) where
+    the mask needs a varlen call (every mask but an all-True one).
 
     Dtypes: CPU float32/float64/float16/bfloat16; CUDA float16/bfloat16. Under an enabled
     ``torch.autocast`` region the inputs are first cast to the autocast dtype (as torch does).

@@ -52,10 +52,10 @@ def count_calls(monkeypatch):
             return real(*a, **kw)
         return f
 
-    dense, varlen = counting("dense", fx.flash_attn_func), counting("varlen", fx.flash_attn_varlen_func)
-    for module in (fx, masked):   # the integration's own calls, and the masked path's
-        monkeypatch.setattr(module, "flash_attn_func", dense)
-        monkeypatch.setattr(module, "flash_attn_varlen_func", varlen)
+    dense, varlen = counting("dense", fx.flash_attn_func), counting("varlen", masked.flash_attn_varlen_func)
+    monkeypatch.setattr(fx, "flash_attn_func", dense)       # the integration's own call
+    monkeypatch.setattr(masked, "flash_attn_func", dense)   # the masked path's
+    monkeypatch.setattr(masked, "flash_attn_varlen_func", varlen)
     return calls
 
 
@@ -859,6 +859,35 @@ def test_mask_analysis_once_per_mask(name, monkeypatch):
     assert len(seen) == 1
 
 
+def test_packing_with_a_mask_skips_the_analysis(name, monkeypatch, count_calls):
+    """Packed sequences whose mask has no padding run as the packing's one varlen call without the
+    mask's analysis: transformers' block-diagonal mask (use_cache=False) in a two-layer Llama (no
+    split_mask at all), and a bidirectional window's mask with position_ids (ModernBERT packed: it
+    used to be refused), equal to sdpa on the mask cut to each sequence."""
+    from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
+
+    seen = []
+    real = masked.split_mask
+    monkeypatch.setattr(masked, "split_mask", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM._from_config(cfg, attn_implementation=name).eval()
+    batch = DataCollatorWithFlattening()([{"input_ids": list(range(3, 3 + n))} for n in (5, 1, 7)])
+    with torch.no_grad():
+        model(**batch, use_cache=False)
+    assert not seen and count_calls == ["varlen causal"] * 2
+    q = _bhsd(1, 4, 12, 16, 71)
+    i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    band = ((i - j).abs() <= 2)[None, None]
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    out, _ = fx.flash_attn_ext_attention_forward(_Module(False), q, q, q, band, scaling=0.25, sliding_window=3,
+                                                 position_ids=pos)
+    cut = band & (((i < 5) == (j < 5))[None, None])
+    ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), attn_mask=cut, scale=0.25)
+    base = F.scaled_dot_product_attention(q, q, q, attn_mask=cut, scale=0.25)
+    check_accuracy("packed bidirectional window", out, ref.transpose(1, 2), base.transpose(1, 2))
+
+
 def test_masked_attention_traced_refuses_other_patterns():
     """Packed sequences (block-diagonal causal) and keys in two runs: the device-side check
     raises (a RuntimeError on the CPU)."""
@@ -1129,10 +1158,10 @@ def sink_calls(monkeypatch):
             return real(*a, **kw)
         return f
 
-    dense, varlen = spy("dense", fx.flash_attn_func), spy("varlen", fx.flash_attn_varlen_func)
-    for module in (fx, masked):
-        monkeypatch.setattr(module, "flash_attn_func", dense)
-        monkeypatch.setattr(module, "flash_attn_varlen_func", varlen)
+    dense, varlen = spy("dense", fx.flash_attn_func), spy("varlen", masked.flash_attn_varlen_func)
+    monkeypatch.setattr(fx, "flash_attn_func", dense)
+    monkeypatch.setattr(masked, "flash_attn_func", dense)
+    monkeypatch.setattr(masked, "flash_attn_varlen_func", varlen)
     return calls
 
 
