@@ -61,8 +61,8 @@ def main(argv=None):
     ap.add_argument("--layouts", default="none,right,left,packed")
     ap.add_argument("--rep-ms", type=float, default=200.0, help="timed repetitions per measurement (the benchmark's Timer)")
     ap.add_argument("--no-plan-cache", action="store_true",
-                    help="analyse the mask in every layer (flash_attn_ext.masked's plans not kept): what the "
-                    "kept analysis saves")
+                    help="analyse a padding mask in every layer (flash_attn_ext.masked's plans not kept): what "
+                    "the kept analysis saves on the padded layouts")
     args = ap.parse_args(argv)
     if args.no_plan_cache:
         import flash_attn_ext.masked as masked
