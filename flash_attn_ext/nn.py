@@ -137,10 +137,10 @@ class MultiheadFlashAttention(nn.Module):
     Differences from torch.nn.MultiheadAttention: always batch-first; no dropout, add_bias_kv,
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
     matmul); ``need_weights`` must be False (attention weights are never materialised);
-    ``key_padding_mask`` runs as unpadded varlen calls (``forward``; not with a sliding window
-    in a non-causal call) and ``attn_mask`` only as the causal hint (``is_causal=True`` with a
-    causal mask, which is checked, also under torch.compile: see ``forward``) — otherwise a
-    clear error.
+    ``key_padding_mask`` and ``attn_mask`` (the same for every head) run as unpadded varlen calls
+    where they form padding, causal + padding or packed patterns (``forward``; not with a sliding
+    window in a non-causal call); with ``is_causal=True``, ``attn_mask`` is torch's causal hint
+    (checked, also under torch.compile) — otherwise a clear error.
 
     Differentiable in reverse and forward mode, and usable under torch.func transforms
     (``torch.func.functional_call`` with grad, vjp, jvp, jacrev, jacfwd, and
@@ -193,31 +193,32 @@ class MultiheadFlashAttention(nn.Module):
         y = F.linear(x, self.in_proj_weight[part], b)
         return y.view(x.shape[0], x.shape[1], nheads, self.head_dim)
 
-    def _attention(self, q, k, v, causal: bool, keys: torch.Tensor | None = None) -> torch.Tensor:
-        # keys: None, or (batch, seqlen_k) bool, True for the keys that take part (key_padding_mask).
+    def _attention(self, q, k, v, causal: bool, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        # allowed: None, or (batch or 1, 1, seqlen_q, seqlen_k) bool, True where a query may see a
+        # key by the key_padding_mask / attn_mask given (the module's causal mask and window added here).
         Lq, Lk = q.shape[1], k.shape[1]
         if self.backend == "flash_attn_ext":
             q, k, v = _autocast_and_check_dtype({"query": q, "key": k, "value": v})
-            if keys is None:
+            if allowed is None:
                 return flash_attn_func(q, k, v, causal=causal, window_size=self.window_size)
-            # Padding: the unpadded varlen calls of the masked path (flash_attn_ext.masked),
-            # over the padding mask with the module's causal mask (and a causal window's left bound).
-            mask = keys[:, None, None, :] & visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
+            # A mask: the unpadded varlen calls of the masked path (flash_attn_ext.masked), with the
+            # module's causal mask (and a causal window's left bound).
+            mask = allowed & visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
             try:
                 return masked_attention(q, k, v, mask, None, self.window_size[0] if causal else -1)
             except MaskNotSupported as e:
                 raise NotImplementedError(
-                    f"MultiheadFlashAttention: with this key_padding_mask and the module's causal mask or window, {e}; "
-                    "padding of one run of real keys per batch element is supported (use backend='torch_sdpa' "
+                    f"MultiheadFlashAttention: with this key_padding_mask / attn_mask and the module's causal mask or "
+                    f"window, {e}; padding and causal + padding patterns are supported (use backend='torch_sdpa' "
                     "for this one)") from None
         # Reference path: torch SDPA on BHSD views; an explicit bottom-right mask when the
-        # alignments differ (seqlen_q != seqlen_k), a window is set or keys are padded, so both
+        # alignments differ (seqlen_q != seqlen_k), a window is set or a mask is given, so both
         # backends compute the same function.
         mask = None
-        if (causal and Lq != Lk) or self.window_size != (-1, -1) or keys is not None:
+        if (causal and Lq != Lk) or self.window_size != (-1, -1) or allowed is not None:
             mask = visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
-            if keys is not None:
-                mask = keys[:, None, None, :] & mask
+            if allowed is not None:
+                mask = allowed & mask
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             is_causal=causal and mask is None, enable_gqa=self.num_kv_heads != self.num_heads)
@@ -240,27 +241,34 @@ class MultiheadFlashAttention(nn.Module):
                 module's causal mask and a causal window; a query that sees no key gets
                 attention 0 (its output: out_proj's bias).
             need_weights: must be False.
-            attn_mask: None, or (with is_causal=True) the causal mask itself, as torch's hint
-                and in torch.nn.MultiheadAttention's conventions: bool (seqlen_q, seqlen_k) with
-                True = not allowed to attend (``torch.ones(L, L, dtype=torch.bool).triu(1)``),
-                or float with 0 / -inf (``nn.Transformer.generate_square_subsequent_mask(L)``).
-                It is verified: eagerly (NotImplementedError), and under torch.compile too:
-                its shape while tracing (NotImplementedError; with fullgraph=True wrapped in
-                torch._dynamo's Unsupported error, a RuntimeError), its values inside the
-                graph with torch._assert_async when the compiled code runs (RuntimeError on
-                CPU, a device-side assertion on CUDA).
+            attn_mask: None, or in torch.nn.MultiheadAttention's conventions: bool with True =
+                not allowed to attend, or float with 0 / -inf. With is_causal=True, the causal
+                mask itself (seqlen_q, seqlen_k) (torch's hint:
+                ``torch.ones(L, L, dtype=torch.bool).triu(1)``,
+                ``nn.Transformer.generate_square_subsequent_mask(L)``), verified: eagerly
+                (NotImplementedError), and under torch.compile too: its shape while tracing
+                (NotImplementedError; with fullgraph=True wrapped in torch._dynamo's Unsupported
+                error, a RuntimeError), its values inside the graph with torch._assert_async when
+                the compiled code runs (RuntimeError on CPU, a device-side assertion on CUDA).
+                Without is_causal, (seqlen_q, seqlen_k) or (batch * num_heads, seqlen_q,
+                seqlen_k) the same on every head: taken with key_padding_mask and the module's
+                causal mask as the masked path's varlen calls where they form padding, causal +
+                padding (any diagonal offset) or packed sequences.
             average_attn_weights: ignored (no weights are returned).
             is_causal: causal attention for this call (also when the module has causal=False).
         Returns:
             (out, None): out (batch, seqlen_q, embed_dim) in the activations' dtype.
         Raises:
-            NotImplementedError: need_weights=True, attn_mask other than the causal hint
-                (compiled: see attn_mask); a key_padding_mask with a window in a non-causal call,
-                whose real keys are not one run per batch element in a causal call, with values
-                other than 0 / -inf, or requiring grad.
-            TypeError: key_padding_mask neither bool nor floating.
-            RuntimeError: under torch.compile on CPU, an attn_mask whose values are not causal.
+            NotImplementedError: need_weights=True; with is_causal=True an attn_mask other than
+                the causal hint (compiled: see attn_mask); a key_padding_mask / attn_mask with a
+                window in a non-causal call, of another pattern (e.g. real keys not one run per
+                batch element in a causal call), differing per head, with values other than 0 /
+                -inf, or requiring grad.
+            TypeError: key_padding_mask / attn_mask neither bool nor floating.
+            RuntimeError: under torch.compile on CPU, an attn_mask whose values are not causal
+                (with is_causal) or differ per head, or a mask not of the static form's pattern.
             ValueError: wrong ranks or widths, key without value, key_padding_mask not (batch,
+                seqlen_k), attn_mask not (seqlen_q, seqlen_k) or (batch * num_heads, seqlen_q,
                 seqlen_k).
         """
         if need_weights:
@@ -284,13 +292,14 @@ class MultiheadFlashAttention(nn.Module):
                                  f"got {key.shape[1]} and {value.shape[1]}")
         seqlen_k = query.shape[1] if self_attn else key.shape[1]
         causal = self.causal or is_causal
-        keys = None if key_padding_mask is None else self._keys(key_padding_mask, query.shape[0], seqlen_k, causal)
-        if attn_mask is not None:
-            if not is_causal:
-                raise NotImplementedError(
-                    "MultiheadFlashAttention: attn_mask is only accepted as the causal hint "
-                    "(is_causal=True with the causal mask); arbitrary masks are not supported")
+        allowed = None
+        if key_padding_mask is not None:
+            allowed = self._keys(key_padding_mask, query.shape[0], seqlen_k, causal)[:, None, None, :]
+        if attn_mask is not None and is_causal:
             self._check_causal_hint(attn_mask, query.shape[1], seqlen_k)
+        elif attn_mask is not None:
+            am = self._attn_mask(attn_mask, query.shape[0], query.shape[1], seqlen_k, causal)
+            allowed = am if allowed is None else allowed & am
 
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self_attn:
@@ -315,7 +324,7 @@ class MultiheadFlashAttention(nn.Module):
                 cos_q, sin_q = rotary_cos_sin(lq, D, self.rotary_base, device=q.device, offset=lk - lq, dtype=table)
             q = apply_rotary(q, cos_q, sin_q)
             k = apply_rotary(k, cos_k, sin_k)
-        out = self._attention(q, k, v, causal, keys)            # (B, Lq, H, D)
+        out = self._attention(q, k, v, causal, allowed)         # (B, Lq, H, D)
         out = out.reshape(out.shape[0], out.shape[1], H * D)
         return self.out_proj(out), None
 
@@ -342,6 +351,42 @@ class MultiheadFlashAttention(nn.Module):
             return allowed_from_mask(key_padding_mask)
         except MaskNotSupported as e:
             raise NotImplementedError(f"MultiheadFlashAttention: key_padding_mask: {e}") from None
+
+    def _attn_mask(self, attn_mask: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int,
+                   causal: bool) -> torch.Tensor:
+        """(batch or 1, 1, seqlen_q, seqlen_k) bool, True where a query may see a key, from
+        torch.nn.MultiheadAttention's attn_mask (without is_causal): (seqlen_q, seqlen_k) or
+        (batch * num_heads, seqlen_q, seqlen_k), bool with True = not allowed, or float additive
+        (0 / -inf); the same for every head."""
+        if not isinstance(attn_mask, torch.Tensor) or not (attn_mask.dtype == torch.bool or
+                                                           attn_mask.is_floating_point()):
+            raise TypeError("MultiheadFlashAttention: attn_mask must be a bool (True = not allowed) or floating "
+                            "(0 / -inf) tensor")
+        shapes = ((seqlen_q, seqlen_k), (batch * self.num_heads, seqlen_q, seqlen_k))
+        if tuple(attn_mask.shape) not in shapes:
+            raise ValueError(f"MultiheadFlashAttention: attn_mask must be {shapes[0]} or {shapes[1]} (as "
+                             f"torch.nn.MultiheadAttention's), got {tuple(attn_mask.shape)}")
+        if self.window_size != (-1, -1) and not causal:
+            raise NotImplementedError(
+                "MultiheadFlashAttention: attn_mask with a sliding window in a non-causal call is not supported; "
+                "use backend='torch_sdpa'")
+        if attn_mask.requires_grad:
+            raise NotImplementedError("MultiheadFlashAttention: attn_mask requires grad; gradients with respect to "
+                                      "it are not computed (detach it)")
+        try:
+            allowed = ~attn_mask if attn_mask.dtype == torch.bool else allowed_from_mask(attn_mask)
+        except MaskNotSupported as e:
+            raise NotImplementedError(f"MultiheadFlashAttention: attn_mask: {e}") from None
+        if allowed.dim() == 2:
+            return allowed[None, None]
+        allowed = allowed.view(batch, self.num_heads, seqlen_q, seqlen_k)
+        msg = "MultiheadFlashAttention: an attn_mask that differs per head is not supported; use backend='torch_sdpa'"
+        same = (allowed == allowed[:, :1]).all()
+        if torch.compiler.is_compiling():
+            torch._assert_async(same, msg)                       # no host read in a graph
+        elif not bool(same):
+            raise NotImplementedError(msg)
+        return allowed[:, :1]
 
     @staticmethod
     def _check_causal_hint(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> None:

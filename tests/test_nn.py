@@ -83,6 +83,47 @@ def test_mha_drop_in_for_torch_multihead_attention(bias, mode):
     check_accuracy(f"MultiheadFlashAttention {mode}", out, ref, base)
 
 
+@pytest.mark.parametrize("kind", ["causal (L, S) bool", "causal (B H, L, S) float", "offset causal, cross",
+                                  "packed, self", "with key padding"])
+def test_mha_attn_mask_matches_torch(kind):
+    """attn_mask as torch.nn.MultiheadAttention takes it without is_causal (bool True = not allowed,
+    or additive; (L, S) or (batch * heads, L, S) the same on every head): out and the input's
+    gradient against torch's module."""
+    mha, mfa = _mha_pair()
+    mha64 = copy.deepcopy(mha).double()
+    x, y = _randn(3, 10, 64, seed=11), _randn(3, 14, 64, seed=12)
+    Lk = 14 if kind.endswith("cross") else 10
+    i, j = torch.arange(10)[:, None], torch.arange(Lk)[None, :]
+    kw = {}
+    if kind == "causal (L, S) bool":
+        mask = j > i
+    elif kind == "causal (B H, L, S) float":
+        mask = torch.zeros(10, 10).masked_fill(j > i, float("-inf")).expand(3 * 2, 10, 10).clone()
+    elif kind == "offset causal, cross":
+        mask = j > i + Lk - 10                                   # bottom-right causal over 14 keys
+    elif kind == "packed, self":
+        seq = (torch.arange(10) >= 4).long()
+        mask = (j > i) | (seq[:, None] != seq[None, :])
+    else:
+        mask = j > i
+        kw["key_padding_mask"] = torch.arange(10)[None, :] >= torch.tensor([10, 7, 3])[:, None]
+    kv = (y, y) if kind.endswith("cross") else None
+    xg = x.clone().requires_grad_()
+    out = mfa(xg, *(kv or (xg, xg)), attn_mask=mask, need_weights=False, **kw)[0]
+    x64 = x.double().requires_grad_()
+    m64 = mask if mask.dtype == torch.bool else mask.double()
+    ref = mha64(x64, *(tuple(t.double() for t in kv) if kv else (x64, x64)), attn_mask=m64, need_weights=False, **kw)[0]
+    base = mha(x, *(kv or (x, x)), attn_mask=mask, need_weights=False, **kw)[0]
+    check_accuracy(f"MultiheadFlashAttention attn_mask {kind}", out, ref, base)
+    if kv is None:
+        dout = _randn(3, 10, 64, seed=13)
+        out.backward(dout)
+        ref.backward(dout.double())
+        xb = x.clone().requires_grad_()
+        mha(xb, xb, xb, attn_mask=mask, need_weights=False, **kw)[0].backward(dout)
+        check_accuracy(f"MultiheadFlashAttention attn_mask {kind} dx", xg.grad, x64.grad, xb.grad)
+
+
 @pytest.mark.parametrize("mode", ["self", "cross", "causal_hint", "float"])
 def test_mha_key_padding_mask_matches_torch(mode):
     """key_padding_mask as torch.nn.MultiheadAttention takes it (bool True = padding, or float
@@ -225,8 +266,15 @@ def test_mha_errors_are_clear():
         m(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.int64))
     with pytest.raises(NotImplementedError, match="key_padding_mask with a sliding window in a non-causal"):
         MultiheadFlashAttention(64, 2, window_size=(2, 2))(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        m(x, attn_mask=torch.zeros(8, 8))
+    per_head = torch.zeros(2 * 2, 8, 8, dtype=torch.bool)
+    per_head[1, :, 3] = True                                    # head 1 of element 0 does not see key 3
+    with pytest.raises(NotImplementedError, match="attn_mask that differs per head"):
+        m(x, attn_mask=per_head)
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    with pytest.raises(NotImplementedError, match="MultiheadFlashAttention: with this key_padding_mask / attn_mask"):
+        m(x, attn_mask=(i - j).abs() > 2)                      # a band: not padding nor causal
+    with pytest.raises(ValueError, match="attn_mask must be"):
+        m(x, attn_mask=torch.zeros(7, 8, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="causal mask"):
         m(x, attn_mask=torch.zeros(8, 8), is_causal=True)  # not causal, though hinted
     with pytest.raises(ValueError, match="both key and value"):
