@@ -328,29 +328,34 @@ class MultiheadFlashAttention(nn.Module):
         out = out.reshape(out.shape[0], out.shape[1], H * D)
         return self.out_proj(out), None
 
+    def _allowed(self, mask: torch.Tensor, name: str, causal: bool) -> torch.Tensor:
+        """Bool "may attend" from one of torch.nn.MultiheadAttention's masks (``name``): bool with
+        True = not allowed, or float with 0 = attend and -inf (or a dtype's minimum) = not."""
+        if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+            raise TypeError(f"MultiheadFlashAttention: {name} must be a bool (True = not allowed) or floating "
+                            f"(0 / -inf) tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+        if self.window_size != (-1, -1) and not causal:
+            raise NotImplementedError(
+                f"MultiheadFlashAttention: {name} with a sliding window in a non-causal call is not supported; "
+                f"pass {name}=None or use backend='torch_sdpa'")
+        if mask.requires_grad:
+            raise NotImplementedError(f"MultiheadFlashAttention: {name} requires grad; gradients with respect to "
+                                      "it are not computed (detach it)")
+        if mask.dtype == torch.bool:
+            return ~mask
+        try:
+            return allowed_from_mask(mask)
+        except MaskNotSupported as e:
+            raise NotImplementedError(f"MultiheadFlashAttention: {name}: {e}") from None
+
     def _keys(self, key_padding_mask: torch.Tensor, batch: int, seqlen_k: int, causal: bool) -> torch.Tensor:
         """(batch, seqlen_k) bool, True for the keys that take part, from torch.nn.MultiheadAttention's
         key_padding_mask: bool with True = padding (ignored), or float with 0 = attend and -inf
         (or the dtype's minimum) = ignored."""
-        if not isinstance(key_padding_mask, torch.Tensor) or tuple(key_padding_mask.shape) != (batch, seqlen_k):
+        if tuple(getattr(key_padding_mask, "shape", ())) != (batch, seqlen_k):
             raise ValueError(f"MultiheadFlashAttention: key_padding_mask must be (batch={batch}, seqlen_k={seqlen_k}), "
                              f"got {tuple(getattr(key_padding_mask, 'shape', ()))}")
-        if self.window_size != (-1, -1) and not causal:
-            raise NotImplementedError(
-                "MultiheadFlashAttention: key_padding_mask with a sliding window in a non-causal call is not "
-                "supported; pass key_padding_mask=None (equal lengths) or use backend='torch_sdpa'")
-        if key_padding_mask.dtype == torch.bool:
-            return ~key_padding_mask
-        if not key_padding_mask.is_floating_point():
-            raise TypeError("MultiheadFlashAttention: key_padding_mask must be bool (True = padding) or "
-                            f"floating (0 / -inf), got {key_padding_mask.dtype}")
-        if key_padding_mask.requires_grad:
-            raise NotImplementedError("MultiheadFlashAttention: key_padding_mask requires grad; gradients with "
-                                      "respect to it are not computed (detach it)")
-        try:
-            return allowed_from_mask(key_padding_mask)
-        except MaskNotSupported as e:
-            raise NotImplementedError(f"MultiheadFlashAttention: key_padding_mask: {e}") from None
+        return self._allowed(key_padding_mask, "key_padding_mask", causal)
 
     def _attn_mask(self, attn_mask: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int,
                    causal: bool) -> torch.Tensor:
@@ -358,25 +363,11 @@ class MultiheadFlashAttention(nn.Module):
         torch.nn.MultiheadAttention's attn_mask (without is_causal): (seqlen_q, seqlen_k) or
         (batch * num_heads, seqlen_q, seqlen_k), bool with True = not allowed, or float additive
         (0 / -inf); the same for every head."""
-        if not isinstance(attn_mask, torch.Tensor) or not (attn_mask.dtype == torch.bool or
-                                                           attn_mask.is_floating_point()):
-            raise TypeError("MultiheadFlashAttention: attn_mask must be a bool (True = not allowed) or floating "
-                            "(0 / -inf) tensor")
         shapes = ((seqlen_q, seqlen_k), (batch * self.num_heads, seqlen_q, seqlen_k))
-        if tuple(attn_mask.shape) not in shapes:
+        if tuple(getattr(attn_mask, "shape", ())) not in shapes:
             raise ValueError(f"MultiheadFlashAttention: attn_mask must be {shapes[0]} or {shapes[1]} (as "
-                             f"torch.nn.MultiheadAttention's), got {tuple(attn_mask.shape)}")
-        if self.window_size != (-1, -1) and not causal:
-            raise NotImplementedError(
-                "MultiheadFlashAttention: attn_mask with a sliding window in a non-causal call is not supported; "
-                "use backend='torch_sdpa'")
-        if attn_mask.requires_grad:
-            raise NotImplementedError("MultiheadFlashAttention: attn_mask requires grad; gradients with respect to "
-                                      "it are not computed (detach it)")
-        try:
-            allowed = ~attn_mask if attn_mask.dtype == torch.bool else allowed_from_mask(attn_mask)
-        except MaskNotSupported as e:
-            raise NotImplementedError(f"MultiheadFlashAttention: attn_mask: {e}") from None
+                             f"torch.nn.MultiheadAttention's), got {tuple(getattr(attn_mask, 'shape', ()))}")
+        allowed = self._allowed(attn_mask, "attn_mask", causal)
         if allowed.dim() == 2:
             return allowed[None, None]
         allowed = allowed.view(batch, self.num_heads, seqlen_q, seqlen_k)

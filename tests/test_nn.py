@@ -262,7 +262,7 @@ def test_mha_errors_are_clear():
         m(x, x, x, need_weights=True)
     with pytest.raises(ValueError, match="key_padding_mask must be .batch=2, seqlen_k=8"):
         m(x, key_padding_mask=torch.zeros(8, dtype=torch.bool))
-    with pytest.raises(TypeError, match="key_padding_mask must be bool"):
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
         m(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.int64))
     with pytest.raises(NotImplementedError, match="key_padding_mask with a sliding window in a non-causal"):
         MultiheadFlashAttention(64, 2, window_size=(2, 2))(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool))
