@@ -128,7 +128,7 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
                             "torch.compile need the collator keywords (DataCollatorWithFlattening("
                             "return_flash_attn_kwargs=True))")
         return None
-    version = None if pos.is_inference() else pos._version   # (inference tensors have no version)
+    version = masked.tensor_version(pos)
     ref, seen_version, result = _POSITION_IDS_SEEN
     if ref is not None and ref() is pos and seen_version == version:
         return result
@@ -247,6 +247,12 @@ def _mask_is_the_packing(attention_mask, cu, is_causal, window_left):
     the window; across sequences anything, the packing cuts it). Then the packed call runs
     without the mask's analysis. One host read per mask and cu_seqlens (transformers hands every
     layer the same ones); under torch.compile a device-side assert instead (and True)."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        version = masked.tensor_version(attention_mask)
+        ref, seen_version, cu_ref, answer = _PACKED_MASK_SEEN
+        if ref is not None and ref() is attention_mask and seen_version == version and cu_ref() is cu:
+            return answer
     L = attention_mask.shape[-1]
     pos = torch.arange(L, device=attention_mask.device)
     seq = torch.searchsorted(cu[1:], pos.to(cu.dtype), right=True)
@@ -256,14 +262,10 @@ def _mask_is_the_packing(attention_mask, cu, is_causal, window_left):
     if is_causal:
         expected &= j <= i
     allowed = allowed_from_mask(attention_mask)
-    if torch.compiler.is_compiling():
+    if compiling:
         torch._assert_async(((allowed & same) == expected).all(), "flash_attn_ext attention: under torch.compile the "
                             "attention mask of packed sequences must be the layer's pattern in each sequence")
         return True
-    version = None if attention_mask.is_inference() else attention_mask._version
-    ref, seen_version, cu_ref, answer = _PACKED_MASK_SEEN
-    if ref is not None and ref() is attention_mask and seen_version == version and cu_ref() is cu:
-        return answer
     answer = bool(allowed.diagonal(dim1=-2, dim2=-1).all() & ((allowed & same) == expected).all())  # a host read
     _PACKED_MASK_SEEN[:] = [weakref.ref(attention_mask), version, weakref.ref(cu), answer]
     return answer

@@ -118,12 +118,19 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
 _PLANS: list = []  # the last few plans, most recent first: (weakref to the mask, its version, key, plan)
 
 
+def tensor_version(t: torch.Tensor):
+    """t's count of in-place writes (None for an inference tensor, which keeps none): with t's
+    identity (a weakref), the key of an analysis kept per tensor (here and in the Hugging Face
+    integration's position_ids and packing checks)."""
+    return None if t.is_inference() else t._version
+
+
 def plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional):
     """The calls for ``attention_mask`` as a function plan(q, k, v, scaling, sinks), from the cache
     when this mask tensor (same object, same version: in-place writes through ``.data`` or to an
     inference tensor, which keep it, are not seen) was analysed for the same sizes and window;
     a refused pattern is a plan that raises its MaskNotSupported."""
-    version = None if attention_mask.is_inference() else attention_mask._version
+    version = tensor_version(attention_mask)
     key = (B, Lq, Lk, window_left, bidirectional)
     for ref, seen_version, seen_key, plan in _PLANS:
         if ref() is attention_mask and seen_version == version and seen_key == key:
@@ -317,11 +324,9 @@ def masked_attention_traced(q, k, v, m, scaling, sinks=None):
     for rows, causal in zip(q_parts, (True, False)):
         qs, nq, q_run = run_of(rows)
         ok = ok & q_run
-        o = flash_attn_varlen_func(q.reshape(B * Lq, *q.shape[2:]), k.reshape(B * Lk, *k.shape[2:]),
-                                   v.reshape(B * Lk, *v.shape[2:]), blocked_cu_seqlens(qs, nq, Lq),
-                                   blocked_cu_seqlens(ks, nk, Lk), Lq, Lk, softmax_scale=scaling,
-                                   causal=causal, sinks=sinks)
-        out = torch.where(rows[:, :, None, None], o.view(q.shape), out)
+        o = varlen_flat(q, k, v, blocked_cu_seqlens(qs, nq, Lq), blocked_cu_seqlens(ks, nk, Lk), Lq, Lk, scaling,
+                        causal, sinks=sinks)
+        out = torch.where(rows[:, :, None, None], o, out)
     torch._assert_async(ok.all(), "flash_attn_ext: under torch.compile an attention mask must be padding or "
                                   "causal+padding with one run of real rows and keys per batch element; other "
                                   "patterns (padding with holes, packed sequences) run eagerly only (Hugging Face "
