@@ -34,3 +34,28 @@ def check_accuracy(name, ours, ref, baseline, factor=2.0, atol=None):
         f"{name}: max|ours-ref|={err:.3e} > {factor}*max|baseline-ref|={factor * base_err:.3e} + {atol:.1e}"
     )
     return err, base_err
+
+
+def sdpa_math(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention's math (BHSD, the same arguments; causal
+    top-left; rows that see no key are 0, as torch's math backend's safe softmax gives) computed
+    in the inputs' own dtype: the baseline of the rule above where a test compares against SDPA
+    (and, in float64, its reference).
+
+    F.scaled_dot_product_attention itself is no baseline on CUDA: for float16 / bfloat16 it runs
+    a fused kernel (flash, memory-efficient, cuDNN) or the math backend upcast to float32, whose
+    errors are far below same-dtype math; a bound of 2x theirs failed our bf16 dQ on tiny masked
+    problems (2.8x of a fused kernel's error, within the rule against same-dtype math; H100,
+    2026-12-05)."""
+    L, S = q.shape[-2], k.shape[-2]
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.to(s.dtype)
+    empty = torch.isneginf(s).all(-1, keepdim=True)           # no visible key: 0, and no NaN in backward
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return p @ v

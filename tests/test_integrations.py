@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accuracy import check_accuracy
+from accuracy import check_accuracy, sdpa_math
 from conftest import require_hdim
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -93,7 +93,7 @@ def _check_vs_sdpa(name, q, k, v, mask, is_causal, valid_rows=None):
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                          **{**kw, "attn_mask": None if mask is None else
                                             (mask if mask.dtype == torch.bool else mask.double())})
-    base = F.scaled_dot_product_attention(q, k, v, **kw)
+    base = sdpa_math(q, k, v, **kw)
     ref, base = ref.transpose(1, 2), base.transpose(1, 2)
     if valid_rows is not None:  # rows that see no key: ours 0, torch's undefined
         assert (out[~valid_rows] == 0).all()
@@ -217,8 +217,8 @@ def test_mixed_padding_gradients(past, count_calls):
         return [out.detach()[valid], q.grad, k.grad, v.grad]
 
     def sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=ref_mask, scale=0.25,
-                                              enable_gqa=True).transpose(1, 2)
+        return sdpa_math(q, k, v, attn_mask=ref_mask, scale=0.25,
+                         enable_gqa=True).transpose(1, 2)
 
     def ours(q, k, v):
         return fx.flash_attn_ext_attention_forward(_Module(True), q, k, v, mask, scaling=0.25)[0]
@@ -296,7 +296,7 @@ def test_packed_sequences(causal, window, nheads_k, count_calls):
     gqa = nheads_k != 4
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.25,
                                          enable_gqa=gqa)
-    base = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=gqa)
+    base = sdpa_math(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=gqa)
     check_accuracy("packed", out, ref.transpose(1, 2), base.transpose(1, 2))
     # Each sequence alone (no mask: plain causal / bidirectional, the window as the layer's).
     start = 0
@@ -318,7 +318,7 @@ def test_packed_sequences_gradients(count_calls):
     ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, scale=0.25).transpose(1, 2)
     refs = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
     qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
-    base = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=0.25).transpose(1, 2)
+    base = sdpa_math(qb, kb, vb, attn_mask=mask, scale=0.25).transpose(1, 2)
     bases = torch.autograd.grad(base, (qb, kb, vb), dout)
     for name, g, r, b in zip(("dq", "dk", "dv"), grads, refs, bases):
         check_accuracy(f"packed {name}", g, r, b)
@@ -354,7 +354,7 @@ def test_sliding_window_layer_masks(count_calls):
     for mask in (window[None, None].expand(2, 1, 12, 12), left):
         out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, mask, scaling=0.25, sliding_window=4)
         ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), attn_mask=mask, scale=0.25)
-        base = F.scaled_dot_product_attention(q, q, q, attn_mask=mask, scale=0.25)
+        base = sdpa_math(q, q, q, attn_mask=mask, scale=0.25)
         rows = mask[:, 0].any(-1)                                     # rows that see a key
         check_accuracy("sliding window", out[rows], ref.transpose(1, 2)[rows], base.transpose(1, 2)[rows])
     assert count_calls and all(c == "varlen causal" for c in count_calls)
@@ -363,7 +363,7 @@ def test_sliding_window_layer_masks(count_calls):
     dec = (torch.arange(12) > 11 - 4)[None, None, None].expand(2, 1, 1, 12)
     out, _ = fx.flash_attn_ext_attention_forward(m, q1, q, q, None, scaling=0.25, sliding_window=4)
     ref = F.scaled_dot_product_attention(q1.double(), q.double(), q.double(), attn_mask=dec, scale=0.25)
-    base = F.scaled_dot_product_attention(q1, q, q, attn_mask=dec, scale=0.25)
+    base = sdpa_math(q1, q, q, attn_mask=dec, scale=0.25)
     check_accuracy("sliding window decode", out, ref.transpose(1, 2), base.transpose(1, 2))
     # Right padding (real lengths 11, 10, 9, 6 and 12): the pad rows see windows of their real keys
     # (the last few see none: out 0), a call per distinct count of pad rows that see a key.
@@ -372,7 +372,7 @@ def test_sliding_window_layer_masks(count_calls):
     count_calls.clear()
     out, _ = fx.flash_attn_ext_attention_forward(m, q4, q4, q4, right, scaling=0.25, sliding_window=4)
     ref = F.scaled_dot_product_attention(q4.double(), q4.double(), q4.double(), attn_mask=right, scale=0.25)
-    base = F.scaled_dot_product_attention(q4, q4, q4, attn_mask=right, scale=0.25)
+    base = sdpa_math(q4, q4, q4, attn_mask=right, scale=0.25)
     rows = right[:, 0].any(-1)
     assert (out[~rows] == 0).all()
     check_accuracy("sliding window right padding", out[rows], ref.transpose(1, 2)[rows], base.transpose(1, 2)[rows])
@@ -403,7 +403,7 @@ def test_bidirectional_sliding_window_masks(w, count_calls):
         assert len(count_calls) <= 3 and all(c in ("varlen", "dense") for c in count_calls), count_calls
         kw = dict(attn_mask=mask, scale=0.25, enable_gqa=True)
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw).transpose(1, 2)
-        base = F.scaled_dot_product_attention(q, k, v, **kw).transpose(1, 2)
+        base = sdpa_math(q, k, v, **kw).transpose(1, 2)
         rows = mask[:, 0].any(-1)
         assert (out[~rows] == 0).all()
         check_accuracy(f"bidirectional window {w}", out[rows], ref[rows], base[rows])
@@ -539,7 +539,7 @@ def test_value_head_dim_other_than_query_and_odd_head_dims(count_calls):
             assert out.shape == (2, 9, 4, d_v) and out.is_contiguous()
             kw = dict(is_causal=mask is None, attn_mask=mask, enable_gqa=True)
             ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw).transpose(1, 2)
-            base = F.scaled_dot_product_attention(q, k, v, **kw).transpose(1, 2)
+            base = sdpa_math(q, k, v, **kw).transpose(1, 2)
             rows = slice(None) if mask is None else mask[:, 0].any(-1)
             check_accuracy(f"head dims {d_qk} / {d_v}", out[rows], ref[rows], base[rows])
     q = _bhsd(1, 2, 4, 257, 53)
@@ -884,7 +884,7 @@ def test_packing_with_a_mask_skips_the_analysis(name, monkeypatch, count_calls):
                                                  position_ids=pos)
     cut = band & (((i < 5) == (j < 5))[None, None])
     ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), attn_mask=cut, scale=0.25)
-    base = F.scaled_dot_product_attention(q, q, q, attn_mask=cut, scale=0.25)
+    base = sdpa_math(q, q, q, attn_mask=cut, scale=0.25)
     check_accuracy("packed bidirectional window", out, ref.transpose(1, 2), base.transpose(1, 2))
 
 
