@@ -9,7 +9,8 @@
 # Bounds (seconds, 0 = none): TEST_TIMEOUT_S, SAN_S (each sanitizer), BENCH_S (each sweep),
 # BENCH3_S (the decode / varlen sweep; default BENCH_S).
 # The bench step runs the dense sweep (BENCH_ARGS), then issue 14's decode (KV cache) and varlen
-# tables (BENCH3_ARGS; BENCH3_ARGS= skips it), then BENCH2_ARGS if set.
+# tables (BENCH3_ARGS; BENCH3_ARGS= skips it), the decode cases as CUDA graph replays
+# (DECODE_GRAPH_ARGS; empty skips), then BENCH2_ARGS if set.
 #
 # Logs go to ./gpu_out; when $OUT is set (the device tool brings that folder back), they are
 # also packed into $OUT/gpu_out.tgz at the end (the tool returns at most 8 files).
@@ -141,6 +142,14 @@ if [[ " $STEPS " == *" bench "* ]]; then
     timeout "${BENCH3_S:-${BENCH_S:-0}}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench3" $BENCH3_ARGS >"$OUT/bench3.log" 2>&1
     rc3=$?
     summary+=("benchmark decode/varlen: rc=$rc3 (bench3.log, bench3/)")
+    pack
+  fi
+  # The decode cases again as CUDA graph replays (--decode-graph): the GPU's time of a step, as
+  # serving engines issue it, without the host's launch cost; DECODE_GRAPH_ARGS= skips it.
+  DECODE_GRAPH_ARGS=${DECODE_GRAPH_ARGS-"--no-progress --no-plots --mode decode --decode-graph --peers sdpa-flash,sdpa-cudnn,flash-attn4 --rep-ms 50 --warmup-ms 10 --rounds 2"}
+  if [ -n "$DECODE_GRAPH_ARGS" ]; then
+    timeout "${BENCH3_S:-${BENCH_S:-0}}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench_graph" $DECODE_GRAPH_ARGS >"$OUT/bench_graph.log" 2>&1
+    summary+=("benchmark decode as CUDA graphs: rc=$? (bench_graph.log, bench_graph/)")
     pack
   fi
   if [ -n "${BENCH2_ARGS:-}" ]; then  # a second sweep (e.g. fp16), kept apart

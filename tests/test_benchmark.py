@@ -136,6 +136,7 @@ def test_cli_cuda_tiny(tmp_path):
     (["--device", "cpu", "--decode-heads", "32:5"], "--decode-heads"),
     (["--device", "cpu", "--decode-heads", "32"], "--decode-heads"),
     (["--device", "cpu", "--decode-hdim", "60"], "--decode-hdim"),
+    (["--device", "cpu", "--decode-graph"], "--decode-graph"),
     (["--device", "cpu", "--varlen-lens", "1024,128"], "--varlen-lens"),
     (["--device", "cpu", "--varlen-lens", "128"], "--varlen-lens"),
     (["--device", "cpu", "--varlen-seqs", "64", "--varlen-lens", "128,1024",
@@ -424,6 +425,7 @@ def _check_decode_varlen_outputs(out, stdout, impls_decode, impls_varlen):
     dec, var = df[df["mode"] == "decode"], df[df["mode"].str.startswith("varlen")]
     n_decode = 2 * 2  # cases x page sizes
     assert len(dec) == n_decode * len(impls_decode)
+    assert (dec["timing"] == "eager").all()
     assert len(var) == 2 * 2 * (len(impls_varlen) + 1)  # causal x modes x (impls + ours-dense)
     for part in (dec, var):
         ours = part[part["impl"] == OURS]
@@ -458,7 +460,7 @@ def _check_decode_varlen_outputs(out, stdout, impls_decode, impls_varlen):
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     heads = [i for i, ln in enumerate(lines) if ln.startswith("| dtype")]
     assert len(heads) == 3
-    assert "page" in lines[heads[0]] and "ours/contig" in lines[heads[0]]
+    assert "page" in lines[heads[0]] and "ours/contig" in lines[heads[0]] and "timing" in lines[heads[0]]
     assert "ours-dense" in lines[heads[1]] and "ours/ours-dense" in lines[heads[1]]
     assert "|    N |" in lines[heads[2]] or " N " in lines[heads[2]]
     assert lines[heads[0] - 1].startswith("Decode (KV cache)") and lines[heads[1] - 1].startswith("Varlen")
@@ -481,6 +483,24 @@ def test_decode_and_varlen_pipeline_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(flash_attn_ext, "flash_attn_varlen_func", _fake_varlen, raising=False)
     assert benchmark.main([*MIXED_RUN, "--out", str(tmp_path)]) == 0
     _check_decode_varlen_outputs(tmp_path, capsys.readouterr().out, [OURS, "sdpa-math", "standard"], [OURS])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.skipif(not _has_entries(), reason=NO_ENTRIES)
+def test_decode_graph_cuda(tmp_path):
+    """--decode-graph: every implementation's decode step timed as CUDA graph replays (rows say
+    timing graph); ours and SDPA flash are captured and measured, with the errors of the eager
+    comparison as in the eager run."""
+    proc = run_cli(["--device", "cuda", "--dtype", "bf16", "--mode", "decode", "--decode-graph",
+                    "--peers", "sdpa-flash", "--rep-ms", "5", "--warmup-ms", "2", "--no-progress",
+                    "--no-plots", "--decode-cases", "B1xN1024,B3xN700", "--page-size", "0,16",
+                    "--decode-heads", "8:2", "--decode-hdim", "128"], tmp_path)
+    df = pd.read_csv(tmp_path / "results.csv", keep_default_na=False, na_values=[""])
+    assert (df["timing"] == "graph").all() and len(df) == 2 * 2 * 2
+    ok = df[(df["impl"] == OURS) | (df["page_size"] == 0)]
+    assert (ok["status"] == "ok").all(), ok[["impl", "status", "note"]]
+    assert (ok["tbps"] > 0).all() and (ok["err"] < 1e-2).all()
+    assert "graph" in proc.stdout
 
 
 @pytest.mark.skipif(not _has_entries(), reason=NO_ENTRIES)

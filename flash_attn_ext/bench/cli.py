@@ -138,6 +138,11 @@ def make_parser() -> argparse.ArgumentParser:
                           "[cuda: 0,16,64,256; --quick: 0,64; cpu: 0,16]")
     dec.add_argument("--decode-heads", default=None, help="NHEADS:NHEADS_K [cuda: 32:8; cpu: 8:2]")
     dec.add_argument("--decode-hdim", default=None, help="comma list of head dims [cuda: 128; cpu: 64]")
+    dec.add_argument("--decode-graph", action="store_true",
+                     help="time every implementation's decode step as the replay of a CUDA graph "
+                          "(captured per input set, L2 flushed before each replay), as serving "
+                          "engines run it: the GPU's time without the host's cost of issuing the "
+                          "call (a ~20 us step is host-bound on a slow host); cuda only")
     var = ap.add_argument_group("varlen (--mode varlen_fwd,varlen_bwd): packed sequences of seeded "
                                 "mixed lengths; dtype, hdim, causal, heads and gqa as the dense sweep")
     var.add_argument("--varlen-seqs", type=int, default=None, help="sequences [cuda: 64; cpu: 4]")
@@ -247,6 +252,9 @@ def _resolve_decode(args, sweep: Sweep, cuda: bool) -> None:
     bad = [h for h in sweep.decode_hdims if h % 8 or h > 256]
     if bad:
         raise BenchmarkError(f"--decode-hdim: expected multiples of 8 up to 256, got {bad}")
+    if args.decode_graph and not cuda:
+        raise BenchmarkError("--decode-graph: CUDA graphs need a CUDA device (this run is on the CPU)")
+    sweep.decode_graph = args.decode_graph
 
 
 def _resolve_varlen(args, sweep: Sweep, cuda: bool) -> None:

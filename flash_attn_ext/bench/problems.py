@@ -141,7 +141,9 @@ class DecodeProblem(_Heads):
     the cache contiguous (batch, seqlen_k, nheads_k, headdim) (page_size 0) or paged
     (batch * blocks, page_size, nheads_k, headdim) with ``block_table`` (batch, blocks) int32, a
     seeded random permutation of the blocks (as a serving cache scatters them). Every sequence
-    uses the whole cache: ``cache_seqlens`` = seqlen_k (int32, (batch,))."""
+    uses the whole cache: ``cache_seqlens`` = seqlen_k (int32, (batch,)). ``cuda_graph``: time
+    each step as the replay of a CUDA graph captured per input set (``--decode-graph``), as
+    serving engines run decode steps, instead of an eager call."""
 
     METRIC = "tbps"
     causal = False  # seqlen_q = 1 against the whole cache: bottom-right causal masks nothing
@@ -152,10 +154,11 @@ class DecodeProblem(_Heads):
     cache_seqlens: torch.Tensor
     block_table: torch.Tensor | None
     sets: list
+    cuda_graph: bool = False
 
     @classmethod
     def make(cls, batch, seqlen_k, nheads, nheads_k, headdim, page_size, dtype, device, n_sets=1,
-             seed=0):
+             seed=0, cuda_graph=False):
         g = torch.Generator(device=device).manual_seed(seed)
         blocks = -(-seqlen_k // page_size) if page_size else 0
         cache_shape = (batch * blocks, page_size) if page_size else (batch, seqlen_k)
@@ -172,7 +175,8 @@ class DecodeProblem(_Heads):
         cache_seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
         return cls(nheads=nheads, nheads_k=nheads_k, headdim=headdim, dtype=dtype, device=device,
                    softmax_scale=1.0 / math.sqrt(headdim), batch=batch, seqlen_k=seqlen_k,
-                   page_size=page_size, cache_seqlens=cache_seqlens, block_table=block_table, sets=sets)
+                   page_size=page_size, cache_seqlens=cache_seqlens, block_table=block_table, sets=sets,
+                   cuda_graph=cuda_graph)
 
     @property
     def seqlen(self) -> int:

@@ -186,8 +186,8 @@ def _shown_and_ratio_peers(df, impl_names, num):
 
 
 def decode_table(df, impl_names: list[str]):
-    """The decode table: case, TB/s of each implementation, ours' ms, ours/peer for every peer,
-    ours/contig, and ours' max error."""
+    """The decode table: case, timing (eager or graph), TB/s of each implementation, ours' ms,
+    ours/peer for every peer, ours/contig, and ours' max error."""
     import pandas as pd
 
     _, wide = summarize(df, impl_names, "decode")
@@ -199,6 +199,8 @@ def decode_table(df, impl_names: list[str]):
                       "heads": [f"{a}:{b}" for a, b in zip(wide["nheads"], wide["nheads_k"])],
                       "batch": wide["batch"], "Nk": wide["seqlen_k"],
                       "page": wide["page_size"].map(lambda x: "contig" if x == 0 else str(x))})
+    if "timing" in df:  # eager calls or CUDA graph replays (--decode-graph)
+        t["timing"] = df.drop_duplicates(DECODE_KEYS).set_index(DECODE_KEYS)["timing"].reindex(index).to_numpy()
     for n in shown:
         t[LABEL.get(n, n)] = wide[n].fillna("").to_numpy() if n in wide else ""
     if OURS in ms:

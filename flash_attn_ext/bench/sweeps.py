@@ -49,6 +49,7 @@ class Sweep:
     page_sizes: list = dataclasses.field(default_factory=list)
     decode_heads: tuple = (32, 8)
     decode_hdims: list = dataclasses.field(default_factory=list)
+    decode_graph: bool = False
     varlen_seqs: int = 64
     varlen_tokens: int = 16384
     varlen_lens: tuple = (128, 1024)
@@ -151,7 +152,8 @@ def _make_or_status(make):
 def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
                rows: list | None = None) -> list[dict]:
     """Every (dtype, decode hdim, decode case, page size) x implementation: one row each, mode
-    decode, with tbps (K+V bytes read / median time) and kv_gb; appended to ``rows``."""
+    decode, with tbps (K+V bytes read / median time), kv_gb and timing (eager calls, or graph:
+    replays of CUDA graphs, --decode-graph); appended to ``rows``."""
     rows = [] if rows is None else rows
     if not sweep.modes_of("decode") or not impls:
         return rows
@@ -166,7 +168,7 @@ def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
                 for page in sweep.page_sizes:
                     case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, gqa=gqa, nheads=nheads,
                                 nheads_k=nheads_k, batch=batch, seqlen_k=seqlen_k, page_size=page,
-                                mode="decode")
+                                mode="decode", timing="graph" if sweep.decode_graph else "eager")
                     where = f"decode {case['dtype']} d={hdim} B={batch} Nk={seqlen_k} page={page}"
                     progress.set_postfix_str(f"{where}: errors")
                     small = DecodeProblem.make(min(batch, 2), seqlen_k, err_kv * gqa, err_kv, hdim,
@@ -178,7 +180,7 @@ def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
                     n_sets = sets_for_bytes(kv_bytes, l2) if cuda else 1
                     p, p_status = _make_or_status(lambda: DecodeProblem.make(
                         batch, seqlen_k, nheads, nheads_k, hdim, page, dtype, sweep.device,
-                        n_sets=n_sets, seed=args.seed))
+                        n_sets=n_sets, seed=args.seed, cuda_graph=sweep.decode_graph))
                     if p is None:
                         free_memory(sweep.device, collect=True)
                     ms = _measured(impls, p, "decode", timer, args, progress, where, p_status, "tbps")

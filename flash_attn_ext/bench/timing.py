@@ -3,7 +3,9 @@
 ms: median wall time of one call. CUDA: ``triton.testing.do_bench(return_mode="median")``, which
 flushes L2 before each timed call, or (without triton) CUDA events around each call after a
 warm-up with the same L2 flush. CPU: ``time.perf_counter`` median. Each call takes the next of
-the problem's rotated input sets.
+the problem's rotated input sets; a decode problem with ``cuda_graph`` (``--decode-graph``) replays
+a CUDA graph of the call per input set instead (_graph_replays), so the host's cost of issuing
+a microseconds-long call is not timed.
 tflops / tbps: the problem's count of work (problems: TFLOP/s, or TB/s of K+V read for decode)
 over the median time.
 Rounds (measure_interleaved, ``--rounds R``): every implementation of a case measured R times,
@@ -178,6 +180,26 @@ def _now() -> str:
     return datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")
 
 
+def _graph_replays(f: Callable, sets: list, next_index: Callable[[], int]) -> Callable:
+    """``f(q, k, v)`` of every input set captured as a CUDA graph (after one eager call of each
+    on a side stream, as torch.cuda.graph asks), and a call that replays the next set's graph:
+    the GPU's time of the step without the host's cost of issuing it. A call that cannot be
+    captured raises (the row then reads status error with the reason)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for q, k, v, _ in sets:
+            f(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for q, k, v, _ in sets:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f(q, k, v)
+        graphs.append(g)
+    return lambda: graphs[next_index()].replay()
+
+
 def time_impl(impl: Impl, p: Problem, mode: str, timer: Timer) -> float:
     """Median ms of one call of ``mode``, rotating over the problem's input sets."""
     n = len(p.sets)
@@ -190,7 +212,9 @@ def time_impl(impl: Impl, p: Problem, mode: str, timer: Timer) -> float:
 
     f = p.bind(impl)
     mode = base_mode(mode)
-    if mode == "fwd":
+    if mode == "fwd" and getattr(p, "cuda_graph", False):
+        call = _graph_replays(f, p.sets, next_index)
+    elif mode == "fwd":
         def call():
             q, k, v, _ = p.sets[next_index()]
             return f(q, k, v)
