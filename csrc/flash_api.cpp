@@ -734,15 +734,34 @@ Tensor cache_rows(const Tensor& cache, const KvcacheSizes& ks, const std::vector
   return pages.empty() ? cache.narrow(0, 0, 0).flatten(0, 1) : at::cat(pages, 0).narrow(0, 0, rows);
 }
 
-std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                                           const c10::optional<Tensor>& k, const c10::optional<Tensor>& v,
+// The append's sources and the query where they share memory with a cache the append writes
+// (e.g. a view of the very rows written): copied first, so that the call reads them as they were
+// before it (the append writes rows in parallel and would read some already overwritten). Checked
+// in the op, not its Python wrapper, so compiled calls (whose tracer does not see a view's
+// aliasing, and whose compiler drops a copy made there) get it too. A storage compare per tensor.
+struct KvcacheInputs {
+  Tensor q;
+  c10::optional<Tensor> k, v;
+};
+KvcacheInputs unaliased_kvcache_inputs(const Tensor& q, const c10::optional<Tensor>& k, const c10::optional<Tensor>& v,
+                                       const Tensor& k_cache, const Tensor& v_cache) {
+  if (!k.has_value() || !k->defined() || !v.has_value() || !v->defined()) return {q, k, v};
+  const auto own = [&](const Tensor& t) {
+    return t.is_alias_of(k_cache) || t.is_alias_of(v_cache) ? t.clone() : t;
+  };
+  return {own(q), own(*k), own(*v)};
+}
+
+std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache,
+                                           const c10::optional<Tensor>& k_in, const c10::optional<Tensor>& v_in,
                                            const c10::optional<Tensor>& cache_seqlens,
                                            const c10::optional<Tensor>& block_table, double softmax_scale, bool causal,
                                            int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
                                            const c10::optional<Tensor>& sinks_in) {
-  check_sinks_device(sinks_in, q);
-  const KvcacheSizes ks =
-      check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits, /*cuda=*/false);
+  check_sinks_device(sinks_in, q_in);
+  const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens, block_table, softmax_scale,
+                                        num_splits, /*cuda=*/false);
+  const auto [q, k, v] = unaliased_kvcache_inputs(q_in, k_in, v_in, k_cache, v_cache);
   mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);  // before the append
   const Tensor sinks = check_sinks(sinks_in, ks.s.nheads);
   const Sizes& s = ks.s;
@@ -1125,13 +1144,13 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
 }
 
 std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache,
-                                            const c10::optional<Tensor>& k_new, const c10::optional<Tensor>& v_new,
+                                            const c10::optional<Tensor>& k_in, const c10::optional<Tensor>& v_in,
                                             const c10::optional<Tensor>& cache_seqlens,
                                             const c10::optional<Tensor>& block_table, double softmax_scale,
                                             bool causal, int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
                                             const c10::optional<Tensor>& sinks_in) {
   check_sinks_device(sinks_in, q_in);
-  const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, softmax_scale,
+  const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens, block_table, softmax_scale,
                                         num_splits, /*cuda=*/true);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);
   const Sizes& s = ks.s;
@@ -1153,7 +1172,8 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
   Tensor out = torch::empty(q_in.sizes(), q_in.options());
   Tensor lse = torch::empty({s.batch, s.nheads, s.seqlen_q}, q_in.options().dtype(at::kFloat));
   if (s.batch == 0) return {out, lse};
-  const auto [q_pos, scale] = positive_scale(q_in, softmax_scale);
+  const auto [q_own, k_new, v_new] = unaliased_kvcache_inputs(q_in, k_in, v_in, k_cache, v_cache);
+  const auto [q_pos, scale] = positive_scale(q_own, softmax_scale);
   const Tensor q = aligned_for_cuda(q_pos);
 
   flash::Flash_fwd_params params;

@@ -234,6 +234,34 @@ def test_kvcache_failed_call_leaves_cache_untouched():
         assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
 
 
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.float32),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("backend", [None, "inductor"])
+def test_kvcache_append_from_the_cache_itself(device, dtype, backend):
+    """New k / v (and q) that are views of the cache rows the append overwrites are read as they
+    were before the call (a second engineer's case: rows 2..4 appended at row 3 gave 0 1 2 2 2 2,
+    each row copied after it was overwritten), eagerly and compiled (inductor drops a copy made in
+    the Python wrapper, so the op makes it)."""
+    if backend == "inductor" and device == "cpu" and shutil.which("g++") is None:
+        pytest.skip("inductor on CPU needs a C++ compiler")
+    rows = torch.arange(8.0, device=device).view(1, 8, 1, 1).expand(1, 8, 2, 16).to(dtype).contiguous()
+
+    def step(kc, vc):
+        q = kc[:, 5:6]                                             # a cache row the append overwrites
+        return flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, kc[:, 2:5], vc[:, 2:5], cache_seqlens=3)
+
+    torch._dynamo.reset()
+    run = step if backend is None else torch.compile(step, fullgraph=True, backend=backend)
+    kc, vc = rows.clone(), rows.clone()
+    out = run(kc, vc)
+    expected = rows.clone()
+    expected[:, 3:6] = rows[:, 2:5]                                # as if the new rows were copied first
+    assert torch.equal(kc, expected) and torch.equal(vc, expected)
+    q, k, v = rows[:, 5:6], expected[:, :6], expected[:, :6]
+    torch.testing.assert_close(out, flash_attn_ext.flash_attn_func(q, k, v), rtol=0, atol=0)
+
+
 def test_kvcache_scalar_cache_seqlens():
     args = _args()
     args["cache_seqlens"] = 2**40
