@@ -277,7 +277,8 @@ def packed_plan(m, window_left=-1):
     for every element alike. Then one flash_attn_varlen_func call over the flattened batch (each
     sequence's rows in place: no unpadding) gives each sequence's attention alone. Returns the
     plan, or None where the mask is not such a pattern (two host syncs: the sequence starts,
-    then the check with the longest sequence)."""
+    then the check with the longest sequence); MaskNotSupported where every element is packed
+    but causal in some and full in others."""
     B, L = m.shape[0], m.shape[1]
     pos = torch.arange(L, device=m.device)
     start = m.byte().argmax(2) == pos                            # (B, L): row i opens a sequence
@@ -289,12 +290,19 @@ def packed_plan(m, window_left=-1):
     causal = inside & (j <= i)
     if window_left >= 0:
         causal &= j >= i - window_left
-    is_causal = (m == causal).all()
-    is_full = (m == (inside & (j < e[:, :, None]))).all() & (window_left < 0)
+    each_causal = (m == causal).flatten(1).all(1)               # (B,): per element
+    each_full = (m == (inside & (j < e[:, :, None]))).flatten(1).all(1) & (window_left < 0)
+    is_causal, is_full = each_causal.all(), each_full.all()
+    mixed = (each_causal | each_full).all() & ~is_causal & ~is_full   # packed, but not alike
     flat_starts = start.flatten()
     lengths = torch.diff(torch.cat([flat_starts.nonzero().flatten(), pos.new_full((1,), B * L)]))
-    ok, causal_kind, max_len = torch.stack([(is_causal | is_full).long(), is_causal.long(),
-                                            lengths.max() if lengths.numel() else pos.new_zeros(())]).tolist()
+    ok, causal_kind, mixed, max_len = torch.stack([(is_causal | is_full).long(), is_causal.long(), mixed.long(),
+                                                   lengths.max() if lengths.numel() else pos.new_zeros(())]).tolist()
+    if mixed:
+        raise MaskNotSupported(
+            f"the attention mask packs causal sequences in batch element {int((~each_full).nonzero()[0])} and "
+            f"bidirectional ones in batch element {int((~each_causal).nonzero()[0])}: one call takes one kind for "
+            "every element")
     if not ok:  # (ok implies that row 0 of each element opens a sequence: none spans two elements)
         return None
     cu = cu_seqlens(lengths)

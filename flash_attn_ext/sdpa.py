@@ -28,7 +28,7 @@ import torch
 
 from . import _C
 from ._fake_checks import MAX_HEADDIM as _MAX_HEADDIM
-from .interface import _check_tensors, flash_attn_func
+from .interface import _check_tensors, _scale, flash_attn_func
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -215,6 +215,8 @@ def scaled_dot_product_attention(
             f"(query.size(-1)) {D} in this build (compiled head dims: "
             f"{','.join(map(str, _CUDA_HEAD_DIMS)) or 'none'}); rebuild with "
             f"FLASH_ATTN_EXT_HDIMS including a head dim >= {D}")
+    if scale is not None:
+        scale = _scale("scale", scale, query)  # a real number (TypeError naming scale otherwise)
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"flash_attn_ext.scaled_dot_product_attention: scale must be finite, got "
                          f"{scale}")

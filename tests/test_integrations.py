@@ -329,7 +329,8 @@ def test_packed_sequences_refusals():
     """Masks that look packed but are not one pattern per batch: refused, never approximated."""
     q = _bhsd(2, 2, 12, 16, 47)
     mixed = torch.stack([_packed_mask([4, 8]), _packed_mask([4, 8], causal=False)])[:, None]
-    with pytest.raises(NotImplementedError, match="packed sequences"):
+    with pytest.raises(NotImplementedError, match="packs causal sequences in batch element 0 and "
+                                                  "bidirectional ones in batch element 1"):
         fx.flash_attn_ext_attention_forward(_Module(True), q, q, q, mixed)
     gap = _packed_mask([4, 8]).clone()
     gap[5, 4] = False                                  # a key missing inside a causal block
