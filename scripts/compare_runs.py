@@ -21,7 +21,8 @@ KEYS = ["dtype", "hdim", "causal", "case", "mode"]
 def load(dirs, impl):
     """Median and spread (max / min) over `dirs` of impl's speed per case: TFLOP/s of dense and
     varlen rows (a varlen case named by its longest sequence, a dense one by its seqlen), TB/s of
-    decode rows (a case named by batch, cache length and page size; causal "-")."""
+    decode rows (a case named by batch, cache length, page size and, for CUDA graph replays,
+    "graph"; causal "-")."""
     frames = []
     for i, d in enumerate(dirs):
         df = pd.read_csv(os.path.join(d, "results.csv"))
@@ -36,6 +37,8 @@ def load(dirs, impl):
             dec = df[decode]
             case[decode] = ("B" + dec["batch"].astype("Int64").astype(str) + " Nk" + dec["seqlen_k"].astype("Int64").astype(str)
                             + " page" + dec["page_size"].fillna(0).astype("Int64").astype(str))
+            if "timing" in dec:  # CUDA graph replays (--decode-graph) are another case than eager calls
+                case[decode] += dec["timing"].map(lambda t: " graph" if t == "graph" else "")
             speed[decode] = dec["tbps"]
         causal = df["causal"].astype(object).where(~decode, "-") if "causal" in df else "-"
         frames.append(pd.DataFrame({"dtype": df["dtype"], "hdim": df["hdim"], "causal": causal, "case": case,

@@ -5,6 +5,7 @@ failing peers into statuses. No assertion here is about speed."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -500,7 +501,31 @@ def test_decode_graph_cuda(tmp_path):
     ok = df[(df["impl"] == OURS) | (df["page_size"] == 0)]
     assert (ok["status"] == "ok").all(), ok[["impl", "status", "note"]]
     assert (ok["tbps"] > 0).all() and (ok["err"] < 1e-2).all()
-    assert "graph" in proc.stdout
+    assert re.search(r"\|\s+graph\s+\|", proc.stdout), proc.stdout   # the decode table's timing column
+
+
+def test_decode_graph_problem_times_replays(monkeypatch):
+    """A decode problem with cuda_graph times the calls _graph_replays returns (its eager call is
+    never timed); without it, the eager call."""
+    from flash_attn_ext.bench import timing
+    seen = []
+
+    def fake_replays(f, sets, next_index):
+        seen.append(len(sets))
+        return lambda: seen.append("replay")
+
+    monkeypatch.setattr(timing, "_graph_replays", fake_replays)
+    eager_calls = []
+    impl = benchmark.Impl("x", lambda *a: eager_calls.append(1))
+    timer = benchmark.Timer(torch.device("cpu"), warmup_ms=1, rep_ms=1)
+    for graph in (True, False):
+        p = benchmark.DecodeProblem.make(1, 32, 2, 1, 8, 0, torch.float32, torch.device("cpu"), n_sets=2,
+                                         cuda_graph=graph)
+        timing.time_impl(impl, p, "decode", timer)
+        if graph:
+            assert seen[0] == 2 and seen.count("replay") >= 3 and not eager_calls
+        else:
+            assert eager_calls and seen.count("replay") >= 3
 
 
 @pytest.mark.skipif(not _has_entries(), reason=NO_ENTRIES)

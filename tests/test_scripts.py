@@ -144,6 +144,22 @@ def test_compare_runs_keys_decode_rows_by_batch_cache_and_page(tmp_path):
     assert "over 4 cases: min 0.500, median 1.000, max 1.100" in r.stdout
 
 
+def test_compare_runs_keeps_graph_and_eager_decode_apart(tmp_path):
+    """Decode rows timed as CUDA graph replays (timing graph) are other cases than eager ones."""
+    header = "dtype,hdim,causal,mode,impl,status,tflops,tbps,seqlen,batch,seqlen_k,page_size,timing\n"
+
+    def results(path, rows):  # rows = [(timing, TB/s)] of ours at B1 Nk8192 contiguous
+        path.mkdir()
+        lines = [header] + [f"bf16,128,,decode,flash_attn_ext,ok,,{tb},,1,8192,0,{t}\n" for t, tb in rows]
+        (path / "results.csv").write_text("".join(lines))
+        return str(path)
+
+    r = _compare_runs(results(tmp_path / "old", [("eager", 1.0), ("graph", 2.0)]),
+                      results(tmp_path / "new", [("eager", 1.5), ("graph", 2.0)]))
+    assert r.returncode == 0, r.stderr
+    assert "B1 Nk8192 page0 graph" in r.stdout and "over 2 cases: min 1.000, median 1.250, max 1.500" in r.stdout
+
+
 def test_compare_runs_without_common_cases_fails(tmp_path):
     old = _bench_results(tmp_path / "old", [(64, "fwd", "flash_attn_ext", 400.0, 4096)])
     new = _bench_results(tmp_path / "new", [(128, "fwd", "flash_attn_ext", 440.0, 4096)])

@@ -183,19 +183,24 @@ def _now() -> str:
 def _graph_replays(f: Callable, sets: list, next_index: Callable[[], int]) -> Callable:
     """``f(q, k, v)`` of every input set captured as a CUDA graph (after one eager call of each
     on a side stream, as torch.cuda.graph asks), and a call that replays the next set's graph:
-    the GPU's time of the step without the host's cost of issuing it. A call that cannot be
-    captured raises (the row then reads status error with the reason)."""
+    the GPU's time of the step without the host's cost of issuing it. Each graph is replayed once
+    and its output compared with the eager call's (the dtype's default tolerance), so a call
+    whose capture froze something the eager call computes afresh is an error, not a fast row. A
+    call that cannot be captured, or whose replay differs, raises (the row then reads status
+    error with the reason)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for q, k, v, _ in sets:
-            f(q, k, v)
+        eager = [f(q, k, v) for q, k, v, _ in sets]
     torch.cuda.current_stream().wait_stream(side)
     graphs = []
-    for q, k, v, _ in sets:
+    for (q, k, v, _), expected in zip(sets, eager):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            f(q, k, v)
+            captured = f(q, k, v)
+        g.replay()
+        torch.testing.assert_close(captured, expected,
+                                   msg=lambda m: f"CUDA graph replay differs from the eager call: {m}")
         graphs.append(g)
     return lambda: graphs[next_index()].replay()
 
