@@ -584,8 +584,8 @@ def flash_attn_with_kvcache(
             float32 / float64); headdim a multiple of 8, <= 256.
         k, v: None, or new keys / values (batch, seqlen_new, nheads_k, headdim) written at cache
             rows ``cache_seqlens[b] + i`` (needs cache_seqlens); read as they are before the call
-            even where they are views of a cache (its storage; e.g. the very rows written): q, k
-            and v that share a cache's storage are copied first.
+            even where their memory overlaps a cache's (e.g. views of the very rows written):
+            such q, k and v are copied first.
         cache_seqlens and everything after it: keyword-only (flash-attn's sixth positional
             argument is rotary_cos).
         cache_seqlens: int32 (batch,) tensor or an int: the rows of each sequence's cache in

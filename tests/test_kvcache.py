@@ -261,6 +261,16 @@ def test_kvcache_append_from_the_cache_itself(device, dtype, backend):
     assert torch.equal(kc, expected) and torch.equal(vc, expected)
     q, k, v = rows[:, 5:6], expected[:, :6], expected[:, :6]
     torch.testing.assert_close(out, flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=0.01))
+    # One storage carved into the cache and the new rows, apart (no overlap, nothing copied):
+    # the same cache as from separate tensors.
+    pool = torch.randn(2, 8, 2, 16, device=device).to(dtype)
+    kc, fresh = pool[0:1].clone(), pool[0:1].clone()
+    pooled = torch.cat([kc, pool[1:2]])                        # rows 0: the cache, 1: new rows
+    flash_attn_ext.flash_attn_with_kvcache(fresh[:, :1], pooled[0:1], pooled[0:1], pooled[1:2, :3], pooled[1:2, :3],
+                                           cache_seqlens=3)
+    expected = kc.clone()
+    expected[:, 3:6] = pool[1:2, :3]
+    assert torch.equal(pooled[0:1], expected)
 
 
 def test_kvcache_scalar_cache_seqlens():
