@@ -8,6 +8,7 @@
 // Autograd and the fake (meta) kernels are registered in Python: flash_attn_ext/ops.py.
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <cmath>
 #include <initializer_list>
@@ -736,22 +737,12 @@ Tensor cache_rows(const Tensor& cache, const KvcacheSizes& ks, const std::vector
 
 // The append's sources and the query where their memory overlaps a cache the append writes (e.g.
 // a view of the very rows written): copied first, so that the call reads them as they were
-// before it (the append writes rows in parallel and would read some already overwritten). Checked
-// in the op, not its Python wrapper, so compiled calls (whose tracer does not see a view's
-// aliasing, and whose compiler drops a copy made there) get it too. Host arithmetic on each
-// tensor's byte span [first element, last element]: a tensor of the same storage that lies
-// elsewhere (a pool carved into cache and activations) is not copied.
-bool bytes_overlap(const Tensor& a, const Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) return false;
-  const auto span = [](const Tensor& t) {
-    int64_t last = 0;  // offset of the last element, in elements (strides >= 0 for these inputs)
-    for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
-    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-    return std::pair<uintptr_t, uintptr_t>{lo, lo + uintptr_t(last + 1) * t.element_size()};
-  };
-  const auto [a_lo, a_hi] = span(a);
-  const auto [b_lo, b_hi] = span(b);
-  return a_lo < b_hi && b_lo < a_hi;
+// before it (the append writes rows in parallel and would read some already overwritten). In the
+// op, not its Python wrapper, so compiled calls get it too (their tracer does not see a view's
+// aliasing, and inductor drops a copy made there). ATen's overlap test on tensors of one storage
+// (views it cannot decide, not dense, count as overlapping); other inputs are never copied.
+bool overlaps(const Tensor& t, const Tensor& cache) {
+  return t.is_alias_of(cache) && at::get_overlap_status(t, cache) != at::MemOverlapStatus::No;
 }
 struct KvcacheInputs {
   Tensor q;
@@ -761,7 +752,7 @@ KvcacheInputs unaliased_kvcache_inputs(const Tensor& q, const c10::optional<Tens
                                        const Tensor& k_cache, const Tensor& v_cache) {
   if (!k.has_value() || !k->defined() || !v.has_value() || !v->defined()) return {q, k, v};
   const auto own = [&](const Tensor& t) {
-    return bytes_overlap(t, k_cache) || bytes_overlap(t, v_cache) ? t.clone() : t;
+    return overlaps(t, k_cache) || overlaps(t, v_cache) ? t.clone() : t;
   };
   return {own(q), own(*k), own(*v)};
 }

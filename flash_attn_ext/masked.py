@@ -293,10 +293,10 @@ def packed_plan(m, window_left=-1):
     each_causal = (m == causal).flatten(1).all(1)               # (B,): per element
     each_full = (m == (inside & (j < e[:, :, None]))).flatten(1).all(1) & (window_left < 0)
     is_causal, is_full = each_causal.all(), each_full.all()
-    mixed = (each_causal | each_full).all() & ~is_causal & ~is_full   # packed, but not alike
+    not_alike = (each_causal | each_full).all() & ~is_causal & ~is_full   # all packed, kinds mixed
     flat_starts = start.flatten()
     lengths = torch.diff(torch.cat([flat_starts.nonzero().flatten(), pos.new_full((1,), B * L)]))
-    ok, causal_kind, mixed, max_len = torch.stack([(is_causal | is_full).long(), is_causal.long(), mixed.long(),
+    ok, causal_kind, mixed, max_len = torch.stack([(is_causal | is_full).long(), is_causal.long(), not_alike.long(),
                                                    lengths.max() if lengths.numel() else pos.new_zeros(())]).tolist()
     if mixed:
         raise MaskNotSupported(

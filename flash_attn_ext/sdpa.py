@@ -217,9 +217,9 @@ def scaled_dot_product_attention(
             f"FLASH_ATTN_EXT_HDIMS including a head dim >= {D}")
     if scale is not None:
         scale = _scale("scale", scale, query)  # a real number (TypeError naming scale otherwise)
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"flash_attn_ext.scaled_dot_product_attention: scale must be finite, got "
-                         f"{scale}")
+        if not math.isfinite(scale):
+            raise ValueError(f"flash_attn_ext.scaled_dot_product_attention: scale must be finite, got "
+                             f"{scale}")
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
     if H == 0:
         # No heads (as torch: an empty output); the sum ties it to the inputs for autograd (their
