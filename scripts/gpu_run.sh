@@ -170,6 +170,11 @@ print(', '.join('%.0f / %.0f / %.0f %s' % (c[0], st.median(c), c[-1], u) for c, 
   if $PY scripts/clocks_by_impl.py "$OUT/bench" "$OUT/clocks.csv" ${peer:+--peer $peer} >"$OUT/clocks_by_impl.txt" 2>&1; then
     summary+=("clocks by implementation (clocks_by_impl.txt): $(sed -n '/^mode/,/^$/p' "$OUT/clocks_by_impl.txt" | tail -n +2 | awk 'NF==4 {printf "%s%s %s %s MHz %s W", sep, $1, $2, $3, $4; sep="; "} NF==3 {printf "%s%s %s MHz %s W", sep, $1, $2, $3; sep="; "}')")
   fi
+  # Every cell the open issues' "must show" names, from the sweeps of this call (issue_bars.txt).
+  bench_dirs=(); for d in bench bench3 bench_graph bench2; do [ -f "$OUT/$d/results.csv" ] && bench_dirs+=("$OUT/$d"); done
+  if [ ${#bench_dirs[@]} -gt 0 ] && $PY scripts/issue_bars.py "${bench_dirs[@]}" >"$OUT/issue_bars.txt" 2>&1; then
+    while read -r l; do summary+=("$l"); done < <(grep '^issue ' "$OUT/issue_bars.txt")
+  fi
   sed -n '/^| dtype/,$p' "$OUT/bench.log" | head -n 60
   [ -n "${BENCH2_ARGS:-}" ] && sed -n '/^| dtype/,$p' "$OUT/bench2.log" | head -n 70
   if [ -n "$BENCH3_ARGS" ]; then  # the decode / varlen tables (with the notes above them) last

@@ -177,6 +177,55 @@ def _tune_kernels():
     return module
 
 
+def test_issue_bars_verdicts(tmp_path):
+    """scripts/issue_bars.py: each issue's cells against its peer or bar, decode per timing, paged
+    against contiguous, a run's median over repeated rows, and the cells no run measured."""
+    header = "dtype,hdim,causal,mode,impl,status,tflops,tbps,seqlen,batch,seqlen_k,page_size,timing\n"
+    rows = [
+        "bf16,64,False,fwd,flash_attn_ext,ok,510,,4096,,,,",       # / FA4 500: PASS
+        "bf16,64,False,fwd,flash-attn4,ok,500,,4096,,,,",
+        "bf16,64,False,fwd,sdpa-cudnn,ok,520,,4096,,,,",            # / cuDNN 520: FAIL (0.981)
+        "bf16,128,True,fwd,flash_attn_ext,ok,600,,8192,,,,",        # median of 600 and 640 = 620
+        "bf16,128,True,fwd,flash_attn_ext,ok,640,,8192,,,,",
+        "bf16,128,True,fwd,flash-attn4,ok,630,,8192,,,,",           # 620 / 630: FAIL
+        "bf16,128,True,fwd,flash-attn4,OOM,10,,8192,,,,",           # not ok: ignored
+        "bf16,128,,decode,flash_attn_ext,ok,,2.05,,1,8192,0,graph",  # >= 2.0: PASS
+        "bf16,128,,decode,flash_attn_ext,ok,,1.70,,1,8192,,eager",   # empty page size = contiguous: FAIL
+        "bf16,128,,decode,flash_attn_ext,ok,,4.00,,1,131072,0,eager",   # >= 3.9: PASS
+        "bf16,128,,decode,flash_attn_ext,ok,,3.50,,1,131072,16,eager",  # 0.875 of contiguous: FAIL
+        "bf16,128,,decode,flash_attn_ext,ok,,3.80,,1,131072,64,eager",  # 0.95: PASS
+        "bf16,64,False,bwd,flash_attn_ext,ok,421,,8192,,,,",        # >= 420: PASS
+        "bf16,96,True,bwd,flash_attn_ext,ok,380,,8192,,,,",
+        "bf16,96,True,bwd,sdpa-cudnn,ok,400,,8192,,,,",             # 0.95: FAIL
+    ]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.csv").write_text(header + "\n".join(rows) + "\n")
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import issue_bars
+    finally:
+        sys.path.pop(0)
+    df, _ = issue_bars.load([str(tmp_path / "run")])
+    table = issue_bars.bars(df).set_index("cell")
+    verdict = table["verdict"].to_dict()
+    assert verdict["fwd bf16 hd64 N=4096 / flash-attn4"] == "PASS"
+    assert verdict["fwd bf16 hd64 N=4096 / sdpa-cudnn"] == "FAIL"
+    assert verdict["fwd bf16 hd128 causal N=8192 / flash-attn4"] == "FAIL"
+    assert table.loc["fwd bf16 hd128 causal N=8192 / flash-attn4", "ours"] == "620.00"
+    assert verdict["fwd bf16 hd128 N=16384 / flash-attn4"] == "not measured"
+    assert verdict["decode graph B1 Nk=8192"] == "PASS" and verdict["decode eager B1 Nk=8192"] == "FAIL"
+    assert verdict["decode eager B1 Nk=131072 page 16 / contiguous"] == "FAIL"
+    assert verdict["decode eager B1 Nk=131072 page 64 / contiguous"] == "PASS"
+    assert verdict["decode eager B1 Nk=131072 page 256 / contiguous"] == "not measured"
+    assert verdict["decode eager B1 Nk=131072"] == "PASS" and verdict["decode eager B8 Nk=32768"] == "not measured"
+    assert verdict["bwd bf16 hd64 N=8192"] == "PASS" and verdict["bwd bf16 hd128 N=8192"] == "not measured"
+    assert verdict["bwd bf16 hd96 causal N=8192 / sdpa-cudnn"] == "FAIL"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "issue_bars.py"), str(tmp_path / "run")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "issue 14: 3 of 5 measured cells pass" in r.stdout and "issue 13: 1 of 3" in r.stdout, r.stdout
+
+
 def test_tune_variant_defines_fill_sm90_backward_defaults():
     """dkv90 / dq90 variants get every optional template argument (split 1, roles 0, tma 1, stages 2,
     dq90's min CTAs / SM 1) as a -D flag, the given ones kept; sm80 kinds keep their own defaults in
