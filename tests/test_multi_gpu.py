@@ -9,6 +9,7 @@ Criterion: bit-for-bit the same call on cuda:0 (the kernels are deterministic an
 grids from the GPU's SM count, so two GPUs of one model give the same bits), and the current
 device still cuda:0 after it. Needs two GPUs of one model; skips otherwise (CI has none)."""
 
+import copy
 import threading
 
 import pytest
@@ -212,3 +213,33 @@ def test_cuda_graph_on_the_second_gpu():
             out_e, lse_e = step()
             torch.cuda.synchronize(dev)
             assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e)
+
+
+def test_hugging_face_model_split_over_two_gpus():
+    """transformers' device_map case: a causal LM whose first layers sit on cuda:0 and last on
+    cuda:1 (accelerate's dispatch moves the hidden states and the padding mask between them), with
+    left padding (the masked path's varlen calls on each GPU), gives the logits of the whole model
+    on cuda:0."""
+    accelerate = pytest.importorskip("accelerate")
+    tf = pytest.importorskip("transformers")
+    require_hdim(64)
+    name = flash_attn_ext.integrations.register_transformers()
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).to(DTYPE).eval()
+    model.set_attn_implementation(name)
+    ids = torch.randint(0, cfg.vocab_size, (2, 100))
+    mask = torch.ones(2, 100, dtype=torch.long)
+    mask[1, :30] = 0  # left padding
+    with torch.no_grad():
+        whole = copy.deepcopy(model).to("cuda:0")
+        ref = whole(input_ids=ids.to("cuda:0"), attention_mask=mask.to("cuda:0")).logits.cpu()
+        del whole
+        device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+                      "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 1}
+        split = accelerate.dispatch_model(model, device_map=device_map)
+        assert split.model.layers[3].self_attn.q_proj.weight.device == torch.device("cuda:1")
+        out = split(input_ids=ids.to("cuda:0"), attention_mask=mask.to("cuda:0")).logits.cpu()
+    assert torch.cuda.current_device() == 0
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1, 30:], ref[1, 30:])
