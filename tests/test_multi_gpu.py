@@ -145,8 +145,8 @@ def test_module_on_the_second_gpu():
 
 
 def test_interleaved_devices_and_threads():
-    """The backward's side streams and the varlen counters are per device: calls alternating
-    between the GPUs in one thread, then one thread per GPU at once, give the serial bits."""
+    """The backward's side streams are per (thread, device, stream): backwards alternating between
+    the GPUs in one thread, then one thread per GPU at once, give the serial bits."""
     require_hdim(64)
     q, k, v = (torch.randn(2, 1024, 4, 64, dtype=DTYPE) for _ in range(3))
 
