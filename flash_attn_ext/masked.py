@@ -37,6 +37,17 @@ class MaskNotSupported(NotImplementedError):
 BLOCKED = -32752.0
 
 
+def assert_in_graph(ok: torch.Tensor, msg: str) -> None:
+    """``torch._assert_async(ok, msg)``: a data-dependent check inside a compiled graph (no host
+    read). Its message reaches the device: CUDA takes fewer than 255 characters (longer raises
+    "Message length must be smaller than 255" on every call, the check passing or not), and
+    inductor pastes it into C++ unquoted, so no double quote; both checked here, on every device."""
+    if len(msg) >= 255 or '"' in msg:
+        raise ValueError(f"flash_attn_ext internal: an in-graph assert message must be < 255 characters "
+                         f"without double quotes, got {len(msg)}: {msg[:60]}...")
+    torch._assert_async(ok, msg)
+
+
 def allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Boolean 'may attend' tensor from a boolean or additive float mask (0 = attend, <= BLOCKED =
     masked; anything else is a bias: MaskNotSupported, eagerly, or a device-side assert under
@@ -51,7 +62,7 @@ def allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
            "relative positions), and biases are not supported"
     ok = (allowed | (mask <= BLOCKED)).all()
     if torch.compiler.is_compiling():
-        torch._assert_async(ok, "flash_attn_ext: " + bias)   # no host read in a graph
+        assert_in_graph(ok, "flash_attn_ext: " + bias)
     elif not bool(ok):
         raise MaskNotSupported(bias)
     return allowed
@@ -335,12 +346,9 @@ def masked_attention_traced(q, k, v, m, scaling, sinks=None):
         o = varlen_flat(q, k, v, blocked_cu_seqlens(qs, nq, Lq), blocked_cu_seqlens(ks, nk, Lk), Lq, Lk, scaling,
                         causal, sinks=sinks)
         out = torch.where(rows[:, :, None, None], o, out)
-    torch._assert_async(ok.all(), "flash_attn_ext: under torch.compile an attention mask must be padding or "
-                                  "causal+padding with one run of real rows and keys per batch element; other "
-                                  "patterns (padding with holes, packed sequences) run eagerly only (Hugging Face "
-                                  "packing: the collator keywords, DataCollatorWithFlattening("
-                                  "return_flash_attn_kwargs=True))")
-    # (no double quote in the message: inductor pastes it into C++ unescaped)
+    assert_in_graph(ok.all(), "flash_attn_ext: under torch.compile a mask must be padding or causal+padding, one "
+                              "run of real rows and keys per batch element (packed sequences: the collator "
+                              "keywords, DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
     return out
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .interface import _window, flash_attn_func
-from .masked import MaskNotSupported, allowed_from_mask, masked_attention
+from .masked import MaskNotSupported, allowed_from_mask, assert_in_graph, masked_attention
 from .reference import visible_mask
 from .sdpa import _autocast_and_check_dtype
 
@@ -374,7 +374,7 @@ class MultiheadFlashAttention(nn.Module):
         msg = "MultiheadFlashAttention: an attn_mask that differs per head is not supported; use backend='torch_sdpa'"
         same = (allowed == allowed[:, :1]).all()
         if torch.compiler.is_compiling():
-            torch._assert_async(same, msg)                       # no host read in a graph
+            assert_in_graph(same, msg)                           # no host read in a graph
         elif not bool(same):
             raise NotImplementedError(msg)
         return allowed[:, :1]
@@ -409,7 +409,7 @@ class MultiheadFlashAttention(nn.Module):
         else:  # additive float mask: 0 = attend, -inf = blocked, nothing else
             ok = torch.where(expected, attn_mask == 0, torch.isneginf(attn_mask)).all()
         if torch.compiler.is_compiling():
-            torch._assert_async(ok, msg)  # in-graph, data-dependent: no graph break
+            assert_in_graph(ok, msg)  # in-graph, data-dependent: no graph break
             return
         if not bool(ok):
             raise NotImplementedError(msg)
