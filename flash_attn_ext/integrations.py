@@ -124,9 +124,9 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
         packing = (flat.diff() != 1).any()
         if mask is not None:
             packing &= allowed_from_mask(mask).diagonal(dim1=-2, dim2=-1).all()  # and no padding
-        masked.assert_in_graph(~packing, "flash_attn_ext attention: packed sequences (restarting position_ids) under "
-                            "torch.compile need the collator keywords (DataCollatorWithFlattening("
-                            "return_flash_attn_kwargs=True))")
+        masked.assert_in_graph(~packing, "flash_attn_ext attention: packed sequences (restarting position_ids) "
+                               "under torch.compile need the collator keywords (DataCollatorWithFlattening("
+                               "return_flash_attn_kwargs=True))")
         return None
     version = masked.tensor_version(pos)
     ref, seen_version, result = _POSITION_IDS_SEEN
@@ -263,8 +263,8 @@ def _mask_is_the_packing(attention_mask, cu, is_causal, window_left):
         expected &= j <= i
     allowed = allowed_from_mask(attention_mask)
     if compiling:
-        masked.assert_in_graph(((allowed & same) == expected).all(), "flash_attn_ext attention: under torch.compile the "
-                            "attention mask of packed sequences must be the layer's pattern in each sequence")
+        masked.assert_in_graph(((allowed & same) == expected).all(), "flash_attn_ext attention: under torch.compile "
+                               "the attention mask of packed sequences must be the layer's pattern in each sequence")
         return True
     answer = bool(allowed.diagonal(dim1=-2, dim2=-1).all() & ((allowed & same) == expected).all())  # a host read
     _PACKED_MASK_SEEN[:] = [weakref.ref(attention_mask), version, weakref.ref(cu), answer]
