@@ -78,8 +78,10 @@ $PY -c "import flash_attn_ext as f; print(f.build_info())" | tee -a "$OUT/gpu.tx
 
 if [[ " $STEPS " == *" test "* ]]; then
   TESTS=${TESTS:-tests}
-  # PYTEST_X= (empty) runs past the first failure; TEST_TIMEOUT_S bounds the step (0: none).
-  timeout "${TEST_TIMEOUT_S:-0}" $PY -m pytest ${PYTEST_X--x} -rs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 \
+  # PYTEST_X= (empty) runs past the first failure; TEST_TIMEOUT_S bounds the step (0: none) by an
+  # interrupt (SIGINT), on which pytest stops and still lists the failures so far (a plain kill
+  # leaves only the progress dots), then a kill 20 s later.
+  timeout -s INT -k 20 "${TEST_TIMEOUT_S:-0}" $PY -m pytest ${PYTEST_X--x} -rfs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest.log" | tail -n 40
   summary+=("pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)")
   pack
