@@ -46,20 +46,20 @@ def _on(device, *tensors, grad=True):
     return out
 
 
-def _run(device, fn, tensors, grad=True):
+def _run(device, fn, tensors, grad=True, current=0):
     """fn(*copies of tensors on device) -> its outputs and the copies' gradients (through a random
-    dout of a fixed seed), all on the CPU; checks the current device is still cuda:0 after it."""
+    dout of a fixed seed), all on the CPU; checks the current device is still `current` after it."""
     args = _on(device, *tensors, grad=grad)
     outs = fn(*args)
     outs = outs if isinstance(outs, tuple) else (outs,)
-    assert torch.cuda.current_device() == 0, f"a call on {device} changed the current device"
+    assert torch.cuda.current_device() == current, f"a call on {device} changed the current device"
     result = [o.detach().cpu() for o in outs]
     if grad:
         gen = torch.Generator().manual_seed(1)
         dout = torch.randn(outs[0].shape, generator=gen, dtype=outs[0].dtype).to(device)
         leaves = [a for a in args if a.is_floating_point()]
         result += [g.cpu() for g in torch.autograd.grad(outs[0], leaves, dout)]
-        assert torch.cuda.current_device() == 0, f"a backward on {device} changed the current device"
+        assert torch.cuda.current_device() == current, f"a backward on {device} changed the current device"
     torch.cuda.synchronize(device)
     return result
 
@@ -162,7 +162,7 @@ def test_interleaved_devices_and_threads():
     def worker(i):
         try:
             with torch.cuda.device(i):  # each thread's own current device, as a data-parallel worker's
-                results[i] = [_run_here(f"cuda:{i}", fn, (q, k, v)) for _ in range(3)]
+                results[i] = [_run(f"cuda:{i}", fn, (q, k, v), current=i) for _ in range(3)]
         except Exception as e:  # noqa: BLE001 - reported below with the thread's device
             errors.append((i, e))
 
@@ -175,16 +175,6 @@ def test_interleaved_devices_and_threads():
     for i in range(2):
         for r in results[i]:
             _assert_same(r, ref)
-
-
-def _run_here(device, fn, tensors):
-    """_run without its current-device check (a worker thread's current device is its own)."""
-    args = _on(device, *tensors)
-    out = fn(*args)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype).to(device)
-    grads = torch.autograd.grad(out, args, dout)
-    torch.cuda.synchronize(device)
-    return [out.detach().cpu()] + [g.cpu() for g in grads]
 
 
 def test_cuda_graph_on_the_second_gpu():
