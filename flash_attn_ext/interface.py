@@ -7,6 +7,7 @@ import operator
 
 import torch
 
+from . import _fake_checks
 from . import ops  # registers fake kernels, autograd and vmap rules
 
 
@@ -601,12 +602,26 @@ def flash_attn_with_kvcache(
         return_lse: also return softmax_lse.
         sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (the split-KV combine merges
             the sink as one more partial with O = 0; not differentiable here).
-        rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, softcap, rotary_interleaved,
-            alibi_slopes, return_softmax_lse: flash-attn's keywords, so that its calls port
-            unchanged: accepted at their defaults (None, 0.0, any bool for rotary_interleaved);
+        rotary_cos, rotary_sin: None, or flash-attn's rotary embedding (RoFormer, Su et al.
+            2021, eq. 34) of q and the new k before the append: (seqlen_ro, rotary_dim / 2)
+            tables in q's dtype, seqlen_ro >= the cache's rows, rotary_dim a multiple of 16 and
+            <= headdim (the first rotary_dim channels rotate, the rest pass). New key j sits at
+            position cache_seqlens[b] + j; query i at cache_seqlens[b] + i when causal or with
+            a window, else every query at cache_seqlens[b]. Needs k and v. Computed in float32
+            by torch ops ahead of the kernel (not fused into it: a decode step gains a few small
+            launches; q and k are not modified).
+        rotary_interleaved: pairs (2c, 2c + 1) rotate together (GPT-J; flash-attn's default
+            True), else (c, c + rotary_dim / 2) (GPT-NeoX / Llama).
+        cache_batch_idx: None, or int32 (batch,): sequence b reads and appends to cache row
+            cache_batch_idx[b] of a contiguous cache (batch_cache >= batch allowed); run as the
+            paged form of the same tensor (blocks of seqlen_cache rows), so seqlen_cache must
+            be a multiple of 16; not with block_table. Indices are checked on CPU; on CUDA they
+            are trusted as block_table's are; repeated indices that append race (flash-attn's
+            rule: the cache keeps either).
+        cache_leftpad, softcap, alibi_slopes, return_softmax_lse: flash-attn's keywords, so that
+            its calls port unchanged: accepted at their defaults (None, 0.0, None);
             return_softmax_lse=True is return_lse=True. Anything else raises
-            NotImplementedError naming the feature (rotary embedding in the kernel: apply it to
-            q and k first; cache_batch_idx / cache_leftpad: index or shift the cache first).
+            NotImplementedError naming the feature (cache_leftpad: shift the cache first).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
@@ -623,20 +638,17 @@ def flash_attn_with_kvcache(
         and block numbers are trusted. TypeError: q / k_cache / v_cache not a torch.Tensor (k,
         v, block_table: a tensor or None), num_splits not an int, cache_seqlens not a tensor, an
         int or None, causal or return_lse that is not a bool, softmax_scale as flash_attn_func's,
-        arguments after v given positionally. NotImplementedError: nested tensors; the
+        arguments after v given positionally. RuntimeError naming rotary_cos / rotary_sin /
+        cache_batch_idx for the requirements above. NotImplementedError: nested tensors; the
         flash-attn features above.
     """
-    _check_tensors(("k", "v", "block_table"), q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
-                      block_table=block_table)
-    for name, value, what in (("rotary_cos", rotary_cos, "rotary embedding inside the kernel"),
-                              ("rotary_sin", rotary_sin, "rotary embedding inside the kernel"),
-                              ("cache_batch_idx", cache_batch_idx, "a cache batch index"),
-                              ("cache_leftpad", cache_leftpad, "left-padded caches")):
-        if value is not None:
-            fix = ("apply it to q and k before the call" if name.startswith("rotary")
-                   else "index or shift the cache before the call")
-            raise NotImplementedError(f"flash_attn_ext: {name}: {what} is not supported; {fix} and pass None")
-    _as_bool("rotary_interleaved", rotary_interleaved)  # only meaningful with rotary_cos
+    _check_tensors(("k", "v", "block_table", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"),
+                   q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table, rotary_cos=rotary_cos,
+                   rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+    if cache_leftpad is not None:
+        raise NotImplementedError("flash_attn_ext: cache_leftpad: left-padded caches are not supported; shift each "
+                                  "sequence's rows to the start of its cache before the call and pass None")
+    interleaved = _as_bool("rotary_interleaved", rotary_interleaved)  # only meaningful with rotary_cos
     _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
     want_lse = _as_bool("return_lse", return_lse) | _as_bool("return_softmax_lse", return_softmax_lse)
     scale = _scale("softmax_scale", softmax_scale, q)
@@ -649,7 +661,93 @@ def flash_attn_with_kvcache(
         if not 0 <= n < 2**31:
             raise RuntimeError(f"flash_attn_ext: cache_seqlens = {n} must be in [0, 2^31) (int32)")
         cache_seqlens = torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
+    causal = _as_bool("causal", causal)
+    window = _window(window_size)
+    if cache_batch_idx is not None:
+        block_table = _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache)
+    if rotary_cos is not None or rotary_sin is not None:
+        _fake_checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 0)
+        q, k = _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved, cache_seqlens, block_table, k_cache,
+                                   causal or window != (-1, -1))
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, _as_bool("causal", causal),
-        _as_int("num_splits", num_splits), *_window(window_size), _sinks(sinks))
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,
+        _as_int("num_splits", num_splits), *window, _sinks(sinks))
     return (out, softmax_lse) if want_lse else out
+
+
+def _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache) -> torch.Tensor:
+    """flash-attn's cache_batch_idx (sequence b reads and appends to k_cache[cache_batch_idx[b]]) as
+    the paged form of the same tensor: k_cache (batch_cache, seqlen_cache, ...) is a paged cache of
+    batch_cache blocks of seqlen_cache rows, and block_table = cache_batch_idx[:, None]. No copy,
+    the same kernels. Needs seqlen_cache a multiple of 16 (the paged loads' page sizes). The
+    indices are checked here on CPU in eager calls (traced, the CPU op's block_table check names
+    them as block_table)."""
+    if block_table is not None:
+        raise RuntimeError("flash_attn_ext: cache_batch_idx and block_table were both given; a paged cache is "
+                           "indexed by block_table alone (as flash-attn's): pass one of them")
+    if cache_batch_idx.dtype != torch.int32 or tuple(cache_batch_idx.shape) != (q.shape[0],) \
+            or cache_batch_idx.device != q.device:
+        raise RuntimeError(f"flash_attn_ext: cache_batch_idx has dtype {cache_batch_idx.dtype}, shape "
+                           f"{list(cache_batch_idx.shape)} on {cache_batch_idx.device}; expected int32 (batch,) = "
+                           f"({q.shape[0]},) on q's device {q.device}")
+    if k_cache.dim() == 4 and k_cache.shape[1] % 16 != 0:
+        raise RuntimeError(f"flash_attn_ext: cache_batch_idx needs seqlen_cache (k_cache.size(1) = {k_cache.shape[1]}) "
+                           "a multiple of 16 (the cache is read as blocks of seqlen_cache rows); allocate the cache "
+                           "with a multiple of 16 rows")
+    if cache_batch_idx.device.type == "cpu" and not torch.compiler.is_compiling() and k_cache.dim() == 4 and (
+            cache_batch_idx.numel() and (
+            int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= k_cache.shape[0])):
+        raise RuntimeError(f"flash_attn_ext: cache_batch_idx holds {cache_batch_idx.tolist()}; expected indices in "
+                           f"[0, batch_cache = {k_cache.shape[0]})")
+    return cache_batch_idx.unsqueeze(1)
+
+
+def _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved: bool, cache_seqlens, block_table, k_cache,
+                        q_per_token: bool):
+    """flash-attn's rotary embedding of flash_attn_with_kvcache (RoFormer, Su et al. 2021, eq. 34):
+    the new keys at positions cache_seqlens[b] + j and the queries at cache_seqlens[b] + i
+    (``q_per_token``: causal or a window), else all at cache_seqlens[b]; the first rotary_dim =
+    2 * rotary_cos.size(1) channels rotated in pairs (2c, 2c + 1) when ``interleaved`` (GPT-J), or
+    (c, c + rotary_dim / 2) (GPT-NeoX), in float32 from the tables' values, rounded to q's dtype.
+    Torch ops ahead of the kernel (not fused into it): new tensors, the caller's q and k unchanged.
+    Positions past the tables (only from cache_seqlens past the cache, which a CUDA call does not
+    check) read the last row instead of faulting."""
+    if rotary_cos is None or rotary_sin is None:
+        raise RuntimeError("flash_attn_ext: rotary_cos and rotary_sin must be given together")
+    if k is None:
+        raise RuntimeError("flash_attn_ext: rotary_cos / rotary_sin rotate the new keys k as they are appended "
+                           "(flash-attn's rule); pass k and v, or rotate q yourself and pass no tables")
+    seqlen_cache = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if t.dim() != 2 or t.dtype != q.dtype or t.device != q.device:
+            raise RuntimeError(f"flash_attn_ext: {name} has shape {list(t.shape)}, dtype {t.dtype} on {t.device}; "
+                               f"expected (seqlen_ro, rotary_dim / 2) in q's dtype {q.dtype} on {q.device}")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise RuntimeError(f"flash_attn_ext: rotary_sin has shape {list(rotary_sin.shape)} but rotary_cos has "
+                           f"{list(rotary_cos.shape)}; expected equal")
+    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+    if not 0 < rotary_dim <= q.shape[3] or rotary_dim % 16 != 0:
+        raise RuntimeError(f"flash_attn_ext: rotary_cos has {rotary_cos.shape[1]} columns (rotary_dim / 2); expected "
+                           f"rotary_dim a multiple of 16 and at most headdim = {q.shape[3]}")
+    if seqlen_ro < seqlen_cache:
+        raise RuntimeError(f"flash_attn_ext: rotary_cos has {seqlen_ro} rows (positions); expected at least the "
+                           f"cache's {seqlen_cache}")
+    start = cache_seqlens.to(torch.int64).clamp(0, seqlen_ro - 1)[:, None]
+
+    def rotate(x, positions):
+        positions = positions.clamp(max=seqlen_ro - 1)
+        compute = torch.promote_types(x.dtype, torch.float32)
+        cos = rotary_cos[positions].to(compute).unsqueeze(2)  # (batch, seqlen, 1, rotary_dim / 2)
+        sin = rotary_sin[positions].to(compute).unsqueeze(2)
+        xr = x[..., :rotary_dim].to(compute)
+        if interleaved:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            y = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        else:
+            x1, x2 = xr.chunk(2, dim=-1)
+            y = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return torch.cat((y.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+    steps_q = torch.arange(q.shape[1], device=q.device) if q_per_token else torch.zeros(q.shape[1], dtype=torch.int64,
+                                                                                         device=q.device)
+    return (rotate(q, start + steps_q), rotate(k, start + torch.arange(k.shape[1], device=q.device)))

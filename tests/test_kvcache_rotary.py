@@ -1,0 +1,255 @@
+"""flash_attn_with_kvcache's rotary embedding (rotary_cos / rotary_sin / rotary_interleaved) and
+cache_batch_idx, flash-attn's semantics, on the CPU and (when one is visible) a CUDA GPU.
+
+The rotation's reference is independent of the implementation: each rotated pair as a complex
+number times exp(i theta) in float64 (RoFormer, Su et al. 2021, eq. 34), at flash-attn's
+positions (new key j at cache_seqlens[b] + j; query i at cache_seqlens[b] + i when causal, else
+every query at cache_seqlens[b]). The attention is checked by the accuracy rule
+(tests/accuracy.py): ref = float64 rotation and attention, baseline = both in the inputs' dtype.
+"""
+
+import pytest
+import torch
+
+import flash_attn_ext
+from accuracy import check_accuracy
+from flash_attn_ext.reference import attention_kvcache_ref
+
+DEVICES = [("cpu", torch.float32), ("cpu", torch.bfloat16)] + [
+    pytest.param("cuda", dt, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
+    for dt in (torch.bfloat16, torch.float16)]
+
+
+def rotate_ref(x, cos, sin, positions, interleaved, dtype=torch.float64):
+    """x (batch, seqlen, heads, d) rotated in ``dtype``: the pairs of the first rotary_dim =
+    2 * cos.size(1) channels as complex numbers times cos + i sin at ``positions`` (batch, seqlen)."""
+    rd = 2 * cos.shape[1]
+    xr = x[..., :rd].to(dtype)
+    c = cos[positions].to(dtype)[:, :, None, :]
+    s = sin[positions].to(dtype)[:, :, None, :]
+    if interleaved:
+        re, im = xr[..., 0::2], xr[..., 1::2]
+    else:
+        re, im = xr[..., :rd // 2], xr[..., rd // 2:]
+    out_re, out_im = re * c - im * s, re * s + im * c
+    y = torch.stack((out_re, out_im), -1).flatten(-2) if interleaved else torch.cat((out_re, out_im), -1)
+    return torch.cat((y, x[..., rd:].to(dtype)), -1)
+
+
+def _tables(seqlen_ro, rotary_dim, dtype, device, g):
+    theta = torch.rand(seqlen_ro, rotary_dim // 2, generator=g, dtype=torch.float64) * 6.3
+    return theta.cos().to(dtype).to(device), theta.sin().to(dtype).to(device)
+
+
+def _cache_rows(cache, table, b, rows):
+    """The cache rows `rows` of sequence b (contiguous: cache[b]; paged: through its block table)."""
+    if table is None:
+        return cache[b, rows]
+    page = cache.shape[1]
+    return torch.stack([cache[table[b, r // page], r % page] for r in rows])
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rotary_dim", [16, 32])
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_kvcache_rotary_matches_reference(device, dtype, interleaved, causal, rotary_dim, page_size, seqlen_q):
+    g = torch.Generator().manual_seed(7)
+    batch, seqlen_cache, nheads, nheads_k, d, seqlen_new = 3, 64, 4, 2, 32, 3
+    if page_size:
+        num_blocks = batch * seqlen_cache // page_size + 2
+        kc = torch.randn(num_blocks, page_size, nheads_k, d, generator=g).to(dtype)
+        vc = torch.randn(num_blocks, page_size, nheads_k, d, generator=g).to(dtype)
+        table = torch.randperm(num_blocks, generator=g)[:batch * seqlen_cache // page_size]
+        table = table.view(batch, -1).int().to(device)
+    else:
+        kc = torch.randn(batch, seqlen_cache, nheads_k, d, generator=g).to(dtype)
+        vc = torch.randn(batch, seqlen_cache, nheads_k, d, generator=g).to(dtype)
+        table = None
+    kc, vc = kc.to(device), vc.to(device)
+    q = torch.randn(batch, seqlen_q, nheads, d, generator=g).to(dtype).to(device)
+    k = torch.randn(batch, seqlen_new, nheads_k, d, generator=g).to(dtype).to(device)
+    v = torch.randn(batch, seqlen_new, nheads_k, d, generator=g).to(dtype).to(device)
+    cos, sin = _tables(seqlen_cache + 5, rotary_dim, dtype, device, g)
+    cache_seqlens = torch.tensor([0, 17, seqlen_cache - seqlen_new], dtype=torch.int32, device=device)
+    q_before, k_before, kc_before = q.clone(), k.clone(), kc.clone()
+
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=cache_seqlens, block_table=table, causal=causal, rotary_cos=cos,
+        rotary_sin=sin, rotary_interleaved=interleaved, return_lse=True)
+
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # the caller's tensors are not rotated
+    start = cache_seqlens.long()[:, None]
+    pos_k = start + torch.arange(seqlen_new, device=device)
+    pos_q = start + (torch.arange(seqlen_q, device=device) if causal else torch.zeros(seqlen_q, dtype=torch.long,
+                                                                                      device=device))
+    k_rot = rotate_ref(k, cos, sin, pos_k, interleaved)
+    # The appended rows: the float64 rotation rounded to the dtype, within one rounding (the op
+    # rotates in float32).
+    for b in range(batch):
+        rows = list(range(int(cache_seqlens[b]), int(cache_seqlens[b]) + seqlen_new))
+        torch.testing.assert_close(_cache_rows(kc, table, b, rows).double(), k_rot[b].to(dtype).double(),
+                                   rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+    # Other rows untouched.
+    changed = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for b in range(batch):
+        for r in range(int(cache_seqlens[b]), int(cache_seqlens[b]) + seqlen_new):
+            blk, row = (int(table[b, r // page_size]), r % page_size) if page_size else (b, r)
+            changed[blk, row] = True
+    assert torch.equal(kc[~changed.to(device)], kc_before[~changed.to(device)])
+
+    # The attention: ref in float64 (rotation and attention), baseline both in the dtype.
+    used = cache_seqlens + seqlen_new
+    kc64 = kc.double()
+    kc_base = kc.clone()
+    k_base = rotate_ref(k, cos, sin, pos_k, interleaved, dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
+    for b in range(batch):
+        for j in range(seqlen_new):
+            r = int(cache_seqlens[b]) + j
+            blk, row = (int(table[b, r // page_size]), r % page_size) if page_size else (b, r)
+            kc64[blk, row] = k_rot[b, j]
+            kc_base[blk, row] = k_base[b, j]
+    ref, ref_lse = attention_kvcache_ref(rotate_ref(q, cos, sin, pos_q, interleaved), kc64, vc.double(), used,
+                                         table, causal=causal)
+    q_base = rotate_ref(q, cos, sin, pos_q, interleaved, dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
+    base, base_lse = attention_kvcache_ref(q_base, kc_base, vc, used, table, causal=causal, upcast=False)
+    check_accuracy("out", out, ref, base)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+@pytest.mark.parametrize("seqlen_new", [0, 2])
+def test_kvcache_cache_batch_idx(device, dtype, seqlen_new):
+    """Sequence b reads and appends to k_cache[cache_batch_idx[b]]: the same as a call on those
+    rows gathered, and the cache's other entries are left alone."""
+    g = torch.Generator().manual_seed(3)
+    batch, batch_cache, seqlen_cache, nheads, nheads_k, d = 2, 5, 48, 4, 2, 32
+    kc = torch.randn(batch_cache, seqlen_cache, nheads_k, d, generator=g).to(dtype).to(device)
+    vc = torch.randn(batch_cache, seqlen_cache, nheads_k, d, generator=g).to(dtype).to(device)
+    idx = torch.tensor([3, 1], dtype=torch.int32, device=device)
+    q = torch.randn(batch, 2, nheads, d, generator=g).to(dtype).to(device)
+    k = torch.randn(batch, seqlen_new, nheads_k, d, generator=g).to(dtype).to(device) if seqlen_new else None
+    v = torch.randn(batch, seqlen_new, nheads_k, d, generator=g).to(dtype).to(device) if seqlen_new else None
+    cache_seqlens = torch.tensor([30, 7], dtype=torch.int32, device=device)
+    kc_before, vc_before = kc.clone(), vc.clone()
+
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=cache_seqlens, causal=True,
+                                                      cache_batch_idx=idx, return_lse=True)
+
+    expected_k, expected_v = kc_before.clone(), vc_before.clone()
+    if seqlen_new:
+        for b in range(batch):
+            r = int(cache_seqlens[b])
+            expected_k[int(idx[b]), r:r + seqlen_new] = k[b]
+            expected_v[int(idx[b]), r:r + seqlen_new] = v[b]
+    assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
+    gathered_k, gathered_v = expected_k[idx.long()], expected_v[idx.long()]
+    used = cache_seqlens + seqlen_new
+    ref, ref_lse = attention_kvcache_ref(q, gathered_k, gathered_v, used, causal=True)
+    base, base_lse = attention_kvcache_ref(q, gathered_k, gathered_v, used, causal=True, upcast=False)
+    check_accuracy("out", out, ref, base)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+
+
+def _args():
+    g = torch.Generator().manual_seed(0)
+    return dict(q=torch.randn(2, 1, 4, 32, generator=g), k_cache=torch.randn(2, 32, 2, 32, generator=g),
+                v_cache=torch.randn(2, 32, 2, 32, generator=g), k=torch.randn(2, 1, 2, 32, generator=g),
+                v=torch.randn(2, 1, 2, 32, generator=g), cache_seqlens=torch.tensor([3, 9], dtype=torch.int32),
+                rotary_cos=torch.ones(40, 8), rotary_sin=torch.zeros(40, 8))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.pop("rotary_sin"), "rotary_cos and rotary_sin must be given together"),
+    (lambda a: a.update(k=None, v=None), "rotate the new keys k"),
+    (lambda a: a.update(rotary_cos=torch.ones(40, 8, dtype=torch.float64)), "rotary_cos has shape .* dtype"),
+    (lambda a: a.update(rotary_sin=torch.zeros(40)), "rotary_sin has shape"),
+    (lambda a: a.update(rotary_sin=torch.zeros(41, 8)), "rotary_sin has shape .* but rotary_cos has"),
+    (lambda a: a.update(rotary_cos=torch.ones(40, 4), rotary_sin=torch.zeros(40, 4)), "a multiple of 16"),
+    (lambda a: a.update(rotary_cos=torch.ones(40, 24), rotary_sin=torch.zeros(40, 24)), "at most headdim = 32"),
+    (lambda a: a.update(rotary_cos=torch.ones(31, 8), rotary_sin=torch.zeros(31, 8)), "at least the cache's 32"),
+    (lambda a: a.update(cache_seqlens=None), "need cache_seqlens"),                   # the op's own check first
+    (lambda a: a.update(q=torch.randn(2, 1, 3, 32)), "nheads"),                       # likewise
+    (lambda a: a.update(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32),
+                        block_table=torch.zeros(2, 2, dtype=torch.int32)), "cache_batch_idx and block_table"),
+    (lambda a: a.update(cache_batch_idx=torch.tensor([0, 1])), "cache_batch_idx has dtype torch.int64"),
+    (lambda a: a.update(cache_batch_idx=torch.tensor([0], dtype=torch.int32)), r"cache_batch_idx .* shape \[1\]"),
+    (lambda a: a.update(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)), r"indices in \[0, batch_cache = 2\)"),
+    (lambda a: a.update(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32), k_cache=torch.randn(2, 40, 2, 32),
+                        v_cache=torch.randn(2, 40, 2, 32), rotary_cos=None, rotary_sin=None),
+     r"seqlen_cache \(k_cache.size\(1\) = 40\) a multiple of 16"),
+])
+def test_kvcache_rotary_and_batch_idx_bad_input(change, match):
+    args = _args()
+    change(args)
+    before = args["k_cache"].clone()
+    with pytest.raises(RuntimeError, match=match):
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], before)  # refused before anything was written
+
+
+def test_kvcache_rotary_identity_tables_change_nothing():
+    """cos = 1, sin = 0 rotates nothing: the call equals the one without tables, bit for bit."""
+    args = _args()
+    plain = {n: t for n, t in args.items() if not n.startswith("rotary")}
+    kc, vc = args["k_cache"].clone(), args["v_cache"].clone()
+    want = flash_attn_ext.flash_attn_with_kvcache(**dict(plain, k_cache=kc, v_cache=vc), causal=True)
+    got = flash_attn_ext.flash_attn_with_kvcache(**args, causal=True)
+    assert torch.equal(got, want) and torch.equal(args["k_cache"], kc)
+
+
+def test_kvcache_rotary_and_batch_idx_compile_fullgraph():
+    """A decode step with rotary tables and cache_batch_idx traces with no graph break and gives
+    the eager bits."""
+    args = _args()
+    args.update(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32), rotary_cos=torch.rand(40, 8).cos(),
+                rotary_sin=torch.rand(40, 8).sin())
+    eager_kc, eager_vc = args["k_cache"].clone(), args["v_cache"].clone()
+    want = flash_attn_ext.flash_attn_with_kvcache(**dict(args, k_cache=eager_kc, v_cache=eager_vc), causal=True,
+                                                  rotary_interleaved=False)
+    torch._dynamo.reset()
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, cos, sin, idx):
+        return flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                      rotary_cos=cos, rotary_sin=sin, cache_batch_idx=idx,
+                                                      causal=True, rotary_interleaved=False)
+
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        args["q"], args["k_cache"], args["v_cache"], args["k"], args["v"], args["cache_seqlens"],
+        args["rotary_cos"], args["rotary_sin"], args["cache_batch_idx"])
+    assert torch.equal(got, want)
+    assert torch.equal(args["k_cache"], eager_kc) and torch.equal(args["v_cache"], eager_vc)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kvcache_rotary_and_batch_idx_cuda_graph():
+    """A decode step with rotary tables and cache_batch_idx captured in a CUDA graph: each replay
+    gives the bits of the eager call on the same inputs (the rotation's torch ops are captured
+    with the kernels; nothing reads values on the host)."""
+    args = {n: t.to("cuda", torch.bfloat16 if t.is_floating_point() else t.dtype) for n, t in _args().items()}
+    args.update(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32, device="cuda"),
+                rotary_cos=torch.rand(40, 8, device="cuda").cos().bfloat16(),
+                rotary_sin=torch.rand(40, 8, device="cuda").sin().bfloat16())
+    kc0, vc0 = args["k_cache"].clone(), args["v_cache"].clone()
+
+    def step():
+        return flash_attn_ext.flash_attn_with_kvcache(**args, causal=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seqlens in ([3, 9], [20, 0]):
+        args["cache_seqlens"].copy_(torch.tensor(seqlens, dtype=torch.int32))
+        args["k_cache"].copy_(kc0), args["v_cache"].copy_(vc0)
+        graph.replay()
+        replayed_kc = args["k_cache"].clone()
+        args["k_cache"].copy_(kc0), args["v_cache"].copy_(vc0)
+        want = step()
+        assert torch.equal(out, want) and torch.equal(replayed_kc, args["k_cache"])
