@@ -668,7 +668,7 @@ def flash_attn_with_kvcache(
     if rotary_cos is not None or rotary_sin is not None:
         _fake_checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 0)
         q, k = _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved, cache_seqlens, block_table, k_cache,
-                                   causal or window != (-1, -1))
+                                   causal, window)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,
         _as_int("num_splits", num_splits), *window, _sinks(sinks))
@@ -703,10 +703,11 @@ def _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache) ->
 
 
 def _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved: bool, cache_seqlens, block_table, k_cache,
-                        q_per_token: bool):
+                        causal: bool, window: tuple[int, int]):
     """flash-attn's rotary embedding of flash_attn_with_kvcache (RoFormer, Su et al. 2021, eq. 34):
-    the new keys at positions cache_seqlens[b] + j and the queries at cache_seqlens[b] + i
-    (``q_per_token``: causal or a window), else all at cache_seqlens[b]; the first rotary_dim =
+    the new keys at positions cache_seqlens[b] + j and the queries at cache_seqlens[b] + i when
+    causal or local (a window side shorter than the cache's rows: flash-attn drops longer ones),
+    else all at cache_seqlens[b]; the first rotary_dim =
     2 * rotary_cos.size(1) channels rotated in pairs (2c, 2c + 1) when ``interleaved`` (GPT-J), or
     (c, c + rotary_dim / 2) (GPT-NeoX), in float32 from the tables' values, rounded to q's dtype.
     Torch ops ahead of the kernel (not fused into it): new tensors, the caller's q and k unchanged.
@@ -733,6 +734,7 @@ def _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved: bool, cache_s
         raise RuntimeError(f"flash_attn_ext: rotary_cos has {seqlen_ro} rows (positions); expected at least the "
                            f"cache's {seqlen_cache}")
     start = cache_seqlens.to(torch.int64).clamp(0, seqlen_ro - 1)[:, None]
+    q_per_token = causal or any(0 <= side < seqlen_cache for side in window)
 
     def rotate(x, positions):
         positions = positions.clamp(max=seqlen_ro - 1)

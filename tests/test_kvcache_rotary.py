@@ -56,6 +56,21 @@ def _cache_rows(cache, table, b, rows):
 @pytest.mark.parametrize("page_size", [0, 16])
 @pytest.mark.parametrize("seqlen_q", [1, 3])
 def test_kvcache_rotary_matches_reference(device, dtype, interleaved, causal, rotary_dim, page_size, seqlen_q):
+    _check_rotary(device, dtype, interleaved, causal, rotary_dim, page_size, seqlen_q)
+
+
+@pytest.mark.parametrize("window,per_token", [((5, 0), True), ((5, 2), True), ((-1, 3), True),
+                                              ((1000, 1000), False), ((64, -1), False)])
+def test_kvcache_rotary_window_positions(window, per_token):
+    """flash-attn rotates each query at its own position when causal or local; a window side at
+    least the cache's rows (64 here) is no window (flash-attn drops it), so the queries share
+    cache_seqlens[b] as without one."""
+    _check_rotary("cpu", torch.float32, False, False, 32, 0, 3, window, per_token)
+
+
+def _check_rotary(device, dtype, interleaved, causal, rotary_dim, page_size, seqlen_q, window=(-1, -1),
+                  per_token=None):
+    per_token = causal if per_token is None else per_token
     g = torch.Generator().manual_seed(7)
     batch, seqlen_cache, nheads, nheads_k, d, seqlen_new = 3, 64, 4, 2, 32, 3
     if page_size:
@@ -77,14 +92,14 @@ def test_kvcache_rotary_matches_reference(device, dtype, interleaved, causal, ro
     q_before, k_before, kc_before = q.clone(), k.clone(), kc.clone()
 
     out, lse = flash_attn_ext.flash_attn_with_kvcache(
-        q, kc, vc, k, v, cache_seqlens=cache_seqlens, block_table=table, causal=causal, rotary_cos=cos,
-        rotary_sin=sin, rotary_interleaved=interleaved, return_lse=True)
+        q, kc, vc, k, v, cache_seqlens=cache_seqlens, block_table=table, causal=causal, window_size=window,
+        rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, return_lse=True)
 
     assert torch.equal(q, q_before) and torch.equal(k, k_before)  # the caller's tensors are not rotated
     start = cache_seqlens.long()[:, None]
     pos_k = start + torch.arange(seqlen_new, device=device)
-    pos_q = start + (torch.arange(seqlen_q, device=device) if causal else torch.zeros(seqlen_q, dtype=torch.long,
-                                                                                      device=device))
+    pos_q = start + (torch.arange(seqlen_q, device=device) if per_token else torch.zeros(seqlen_q, dtype=torch.long,
+                                                                                         device=device))
     k_rot = rotate_ref(k, cos, sin, pos_k, interleaved)
     # The appended rows: the float64 rotation rounded to the dtype, within one rounding (the op
     # rotates in float32).
@@ -112,9 +127,10 @@ def test_kvcache_rotary_matches_reference(device, dtype, interleaved, causal, ro
             kc64[blk, row] = k_rot[b, j]
             kc_base[blk, row] = k_base[b, j]
     ref, ref_lse = attention_kvcache_ref(rotate_ref(q, cos, sin, pos_q, interleaved), kc64, vc.double(), used,
-                                         table, causal=causal)
+                                         table, causal=causal, window_size=window)
     q_base = rotate_ref(q, cos, sin, pos_q, interleaved, dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
-    base, base_lse = attention_kvcache_ref(q_base, kc_base, vc, used, table, causal=causal, upcast=False)
+    base, base_lse = attention_kvcache_ref(q_base, kc_base, vc, used, table, causal=causal, upcast=False,
+                                           window_size=window)
     check_accuracy("out", out, ref, base)
     check_accuracy("softmax_lse", lse, ref_lse, base_lse)
 
