@@ -121,6 +121,12 @@ struct Flash_fwd_params : public Qkv_params {
   // vnew, (b, seqlen_knew, nheads_k, d), written into the cache at rows cache_seqlens[b] + i before
   // the attention runs, rows past the cache's seqlen_k dropped). null: all seqlen_k keys.
   const int* __restrict__ cache_seqlens = nullptr;  // (b) int32, device memory
+  // Left-padded contiguous caches (flash-attn's cache_leftpad): sequence b's keys start at cache row
+  // leftpad_k[b], so it sees rows [leftpad_k[b], min(cache_seqlens[b] + seqlen_knew, seqlen_k)),
+  // bottom-right aligned as a sequence of that many keys (common/seqlen.cuh: kv_leftpad); the
+  // append still writes at rows cache_seqlens[b] + i. null: 0. Not with block_table; needs
+  // cache_seqlens (the API passes the capacity for every sequence when the caller gave none).
+  const int* __restrict__ leftpad_k = nullptr;      // (b) int32, device memory
   TensorView knew, vnew;                            // ptr null: nothing to append
   int seqlen_knew = 0;
   // Paged KV: k / v are (num_blocks, page_size, nheads_k, d) (TensorView batch_stride = the block

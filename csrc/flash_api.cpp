@@ -628,10 +628,12 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
 // int32 (batch,) or None (every cache row is used); k / v new (batch, seqlen_new, nheads_k, d)
 // written into the cache at rows cache_seqlens[b] + i (in place; the caller advances
 // cache_seqlens). Sequence b attends to the first cache_seqlens[b] + seqlen_new cache rows
-// (causal: bottom-right aligned against that count). Returns out (q's shape) and softmax_lse
-// (batch, nheads, seqlen_q) float32. On CUDA the values of cache_seqlens and block_table are not
-// read on the host: rows past the cache are dropped from the append and from the attention, block
-// numbers outside [0, num_blocks) are not checked; the CPU path checks both.
+// (causal: bottom-right aligned against that count); with cache_leftpad int32 (batch,) (contiguous
+// caches) only rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new), as a sequence of that many
+// keys. Returns out (q's shape) and softmax_lse (batch, nheads, seqlen_q) float32. On CUDA the
+// values of cache_seqlens, cache_leftpad and block_table are not read on the host: rows past the
+// cache are dropped from the append and from the attention, a leftpad is capped to [0, the rows in
+// use], block numbers outside [0, num_blocks) are not checked; the CPU path checks all three.
 
 struct KvcacheSizes {
   Sizes s;  // batch, seqlen_q, seqlen_k (cache capacity per sequence), nheads, nheads_k, headdim
@@ -642,7 +644,7 @@ struct KvcacheSizes {
 KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const c10::optional<Tensor>& k,
                            const c10::optional<Tensor>& v, const c10::optional<Tensor>& cache_seqlens,
                            const c10::optional<Tensor>& block_table, double softmax_scale, int64_t num_splits,
-                           bool cuda) {
+                           bool cuda, const c10::optional<Tensor>& cache_leftpad) {
   check_rank4(q, "q", "(batch, seqlen_q, nheads, headdim)");
   check_rank4(k_cache, "k_cache", "(batch_cache, seqlen_cache, nheads_k, headdim) or paged (num_blocks, page_size, "
                                   "nheads_k, headdim)");
@@ -695,6 +697,17 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
     TORCH_CHECK(cs.dim() == 1 && cs.size(0) == batch, "flash_attn_ext: cache_seqlens has shape ", cs.sizes(),
                 "; expected (batch,) = (", batch, ",)");
     TORCH_CHECK(cs.is_contiguous(), "flash_attn_ext: cache_seqlens must be contiguous");
+  }
+  if (cache_leftpad.has_value() && cache_leftpad->defined()) {
+    const Tensor& lp = *cache_leftpad;
+    check_same_device(lp, "cache_leftpad", q);
+    TORCH_CHECK(lp.scalar_type() == at::kInt, "flash_attn_ext: cache_leftpad has dtype ", lp.scalar_type(),
+                "; expected int32");
+    TORCH_CHECK(lp.dim() == 1 && lp.size(0) == batch, "flash_attn_ext: cache_leftpad has shape ", lp.sizes(),
+                "; expected (batch,) = (", batch, ",)");
+    TORCH_CHECK(lp.is_contiguous(), "flash_attn_ext: cache_leftpad must be contiguous");
+    TORCH_CHECK(!ks.paged, "flash_attn_ext: cache_leftpad with block_table: a paged cache is not left-padded "
+                           "(as flash-attn's); pass one of them");
   }
   const bool has_k = k.has_value() && k->defined(), has_v = v.has_value() && v->defined();
   TORCH_CHECK(has_k == has_v, "flash_attn_ext: k and v (the new keys and values) must be given together");
@@ -762,10 +775,11 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
                                            const c10::optional<Tensor>& cache_seqlens,
                                            const c10::optional<Tensor>& block_table, double softmax_scale, bool causal,
                                            int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
-                                           const c10::optional<Tensor>& sinks_in) {
+                                           const c10::optional<Tensor>& sinks_in,
+                                           const c10::optional<Tensor>& cache_leftpad) {
   check_sinks_device(sinks_in, q_in);
   const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens, block_table, softmax_scale,
-                                        num_splits, /*cuda=*/false);
+                                        num_splits, /*cuda=*/false, cache_leftpad);
   const auto [q, k, v] = unaliased_kvcache_inputs(q_in, k_in, v_in, k_cache, v_cache);
   mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);  // before the append
   const Tensor sinks = check_sinks(sinks_in, ks.s.nheads);
@@ -775,13 +789,17 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
   Tensor lse = torch::empty({s.batch, s.nheads, s.seqlen_q}, q.options().dtype(at::kFloat));
   // Every value is checked before the first append (an error leaves the cache as it was).
   std::vector<std::vector<int>> table(s.batch);
-  std::vector<int64_t> cached(s.batch, s.seqlen_k);
+  std::vector<int64_t> cached(s.batch, s.seqlen_k), leftpad(s.batch, 0);
+  const bool has_leftpad = cache_leftpad.has_value() && cache_leftpad->defined();
   for (int64_t b = 0; b < s.batch; ++b) {
     if (has_seqlens) cached[b] = cache_seqlens->accessor<int, 1>()[b];
     TORCH_CHECK(cached[b] >= 0, "flash_attn_ext: cache_seqlens[", b, "] = ", cached[b], "; expected >= 0");
     TORCH_CHECK(cached[b] + ks.seqlen_new <= s.seqlen_k, "flash_attn_ext: cache_seqlens[", b,
                 "] = ", cached[b], " plus seqlen_new = ", ks.seqlen_new, " exceeds the cache's ", s.seqlen_k,
                 " rows per sequence");
+    if (has_leftpad) leftpad[b] = cache_leftpad->accessor<int, 1>()[b];
+    TORCH_CHECK(leftpad[b] >= 0 && leftpad[b] <= cached[b] + ks.seqlen_new, "flash_attn_ext: cache_leftpad[", b,
+                "] = ", leftpad[b], "; expected in [0, cache_seqlens[b] + seqlen_new = ", cached[b] + ks.seqlen_new, "]");
     if (!ks.paged) continue;
     const auto bt = block_table->accessor<int, 2>();
     for (int64_t j = 0; j < ks.max_blocks; ++j) table[b].push_back(bt[b][j]);
@@ -800,11 +818,12 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
     }
   }
   for (int64_t b = 0; b < s.batch && s.seqlen_q > 0; ++b) {
-    const int64_t len_k = cached[b] + ks.seqlen_new;
+    // Sequence b's keys: cache rows [leftpad, cached + seqlen_new), as a sequence of their own.
+    const int64_t len_k = cached[b] + ks.seqlen_new, lp = leftpad[b];
     const auto [o_b, lse_b, stats_b] =
-        forward_cpu(q.narrow(0, b, 1), cache_rows(k_cache, ks, table[b], b, len_k).unsqueeze(0),
-                    cache_rows(v_cache, ks, table[b], b, len_k).unsqueeze(0), softmax_scale, causal,
-                    window_size_left, window_size_right, sinks);
+        forward_cpu(q.narrow(0, b, 1), cache_rows(k_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp).unsqueeze(0),
+                    cache_rows(v_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp).unsqueeze(0), softmax_scale,
+                    causal, window_size_left, window_size_right, sinks);
     out[b].copy_(o_b[0]);
     lse[b].copy_(lse_b[0]);
   }
@@ -1153,10 +1172,11 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
                                             const c10::optional<Tensor>& cache_seqlens,
                                             const c10::optional<Tensor>& block_table, double softmax_scale,
                                             bool causal, int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
-                                            const c10::optional<Tensor>& sinks_in) {
+                                            const c10::optional<Tensor>& sinks_in,
+                                            const c10::optional<Tensor>& cache_leftpad) {
   check_sinks_device(sinks_in, q_in);
   const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens, block_table, softmax_scale,
-                                        num_splits, /*cuda=*/true);
+                                        num_splits, /*cuda=*/true, cache_leftpad);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);
   const Sizes& s = ks.s;
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
@@ -1187,6 +1207,14 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
   if (cache_seqlens.has_value() && cache_seqlens->defined()) params.cache_seqlens = cache_seqlens->data_ptr<int>();
+  Tensor all_rows;  // leftpad_k needs cache_seqlens (flash.h): every row in use when none was given
+  if (cache_leftpad.has_value() && cache_leftpad->defined()) {
+    params.leftpad_k = cache_leftpad->data_ptr<int>();
+    if (params.cache_seqlens == nullptr) {
+      all_rows = torch::full({s.batch}, s.seqlen_k, q.options().dtype(at::kInt));
+      params.cache_seqlens = all_rows.data_ptr<int>();
+    }
+  }
   Tensor k_app, v_app;
   if (ks.seqlen_new > 0) {
     k_app = aligned_for_cuda(*k_new), v_app = aligned_for_cuda(*v_new);
@@ -1253,7 +1281,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout, cons
 std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&, double, bool,
-                                            int64_t, int64_t, int64_t, const c10::optional<Tensor>& sinks) {
+                                            int64_t, int64_t, int64_t, const c10::optional<Tensor>& sinks,
+                                            const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{k_cache, "k_cache"}, {v_cache, "v_cache"}});
   return {};
@@ -1320,7 +1349,7 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
       "Tensor? block_table, float softmax_scale, bool causal, int num_splits, int window_size_left=-1, "
-      "int window_size_right=-1, Tensor? sinks=None) -> (Tensor out, Tensor softmax_lse)");
+      "int window_size_right=-1, Tensor? sinks=None, Tensor? cache_leftpad=None) -> (Tensor out, Tensor softmax_lse)");
   // backward that also returns the sinks' gradient, from the backward's own workspace on CUDA (D and
   // the LSE of the preprocess: no extra pass over dout / out). (The varlen backward's workspace
   // leaves rows between sequences unwritten; its sinks' gradient is ops.sinks_grad's for now.)

@@ -234,7 +234,7 @@ def check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
-                  num_splits: int) -> None:
+                  num_splits: int, cache_leftpad=None) -> None:
     check_rank(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     check_rank(k_cache, "k_cache", 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or paged (num_blocks, "
                "page_size, nheads_k, headdim)")
@@ -280,6 +280,17 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             _fail("cache_seqlens has shape ", _shape(cache_seqlens), f"; expected (batch,) = ({batch},)")
         if not cache_seqlens.is_contiguous():
             _fail("cache_seqlens must be contiguous")
+    if cache_leftpad is not None:
+        check_same_device(cache_leftpad, "cache_leftpad", q)
+        if cache_leftpad.dtype != torch.int32:
+            _fail("cache_leftpad has dtype ", cache_leftpad.dtype, "; expected int32")
+        if tuple(cache_leftpad.shape) != (batch,):
+            _fail("cache_leftpad has shape ", _shape(cache_leftpad), f"; expected (batch,) = ({batch},)")
+        if not cache_leftpad.is_contiguous():
+            _fail("cache_leftpad must be contiguous")
+        if block_table is not None:
+            _fail("cache_leftpad with block_table: a paged cache is not left-padded (as flash-attn's); pass one of "
+                  "them")
     if (k is None) != (v is None):
         _fail("k and v (the new keys and values) must be given together")
     if k is not None:

@@ -618,10 +618,16 @@ def flash_attn_with_kvcache(
             be a multiple of 16; not with block_table. Indices are checked on CPU; on CUDA they
             are trusted as block_table's are; repeated indices that append race (flash-attn's
             rule: the cache keeps either).
-        cache_leftpad, softcap, alibi_slopes, return_softmax_lse: flash-attn's keywords, so that
-            its calls port unchanged: accepted at their defaults (None, 0.0, None);
-            return_softmax_lse=True is return_lse=True. Anything else raises
-            NotImplementedError naming the feature (cache_leftpad: shift the cache first).
+        cache_leftpad: None, or int32 (batch,): a left-padded contiguous cache (flash-attn's):
+            sequence b's keys are cache rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new),
+            attended as a sequence of that many keys (causal and the window bottom-right against
+            that count, which is the same row for row); the append still writes at rows
+            cache_seqlens[b] + i and rotary positions stay the cache rows (flash-attn's). Not with
+            block_table or cache_batch_idx. Checked on CPU (0 <= cache_leftpad[b] <=
+            cache_seqlens[b] + seqlen_new); on CUDA capped to that range.
+        softcap, alibi_slopes, return_softmax_lse: flash-attn's keywords, so that its calls port
+            unchanged: accepted at their defaults (0.0, None); return_softmax_lse=True is
+            return_lse=True. Anything else raises NotImplementedError naming the feature.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
@@ -639,15 +645,12 @@ def flash_attn_with_kvcache(
         v, block_table: a tensor or None), num_splits not an int, cache_seqlens not a tensor, an
         int or None, causal or return_lse that is not a bool, softmax_scale as flash_attn_func's,
         arguments after v given positionally. RuntimeError naming rotary_cos / rotary_sin /
-        cache_batch_idx for the requirements above. NotImplementedError: nested tensors; the
+        cache_batch_idx / cache_leftpad for the requirements above. NotImplementedError: nested tensors; the
         flash-attn features above.
     """
     _check_tensors(("k", "v", "block_table", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"),
                    q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table, rotary_cos=rotary_cos,
                    rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
-    if cache_leftpad is not None:
-        raise NotImplementedError("flash_attn_ext: cache_leftpad: left-padded caches are not supported; shift each "
-                                  "sequence's rows to the start of its cache before the call and pass None")
     interleaved = _as_bool("rotary_interleaved", rotary_interleaved)  # only meaningful with rotary_cos
     _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
     want_lse = _as_bool("return_lse", return_lse) | _as_bool("return_softmax_lse", return_softmax_lse)
@@ -664,14 +667,17 @@ def flash_attn_with_kvcache(
     causal = _as_bool("causal", causal)
     window = _window(window_size)
     if cache_batch_idx is not None:
+        if cache_leftpad is not None:
+            raise RuntimeError("flash_attn_ext: cache_batch_idx with cache_leftpad is not supported; pass one of "
+                               "them (index the cache's entries first, e.g. k_cache[cache_batch_idx])")
         block_table = _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache)
     if rotary_cos is not None or rotary_sin is not None:
-        _fake_checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 0)
+        _fake_checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 0, cache_leftpad)
         q, k = _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved, cache_seqlens, block_table, k_cache,
                                    causal, window)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,
-        _as_int("num_splits", num_splits), *window, _sinks(sinks))
+        _as_int("num_splits", num_splits), *window, _sinks(sinks), cache_leftpad)
     return (out, softmax_lse) if want_lse else out
 
 

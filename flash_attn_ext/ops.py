@@ -533,7 +533,7 @@ Shapes as varlen_forward's inputs and outputs; returns dq, dk, dv like q, k, v."
 fwd_kvcache.__doc__ = fwd_kvcache.default.__doc__ = """\
 fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
             causal: bool, num_splits: int, window_size_left: int = -1, window_size_right: int = -1,
-            sinks=None) -> (out, softmax_lse)
+            sinks=None, cache_leftpad=None) -> (out, softmax_lse)
 
 Attention of q against a KV cache, with an optional in-place append of new keys/values, split over
 num_splits CTAs per (sequence, kv head) (FlashDecoding: partial outputs merged by their LSEs;
@@ -543,8 +543,10 @@ nheads_k, headdim) with block_table int32 (batch, max_blocks); cache_seqlens: in
 None (all rows); k / v: None or (batch, seqlen_new, nheads_k, headdim), written into the cache at
 rows cache_seqlens[b] + i (mutates k_cache / v_cache). Sequence b attends to its first
 cache_seqlens[b] + seqlen_new cache rows (causal and the window: bottom-right aligned against that
-count; a window reads only the key tiles it covers); sinks as forward's (the combine merges the sink
-as one more partial with O = 0). Returns out (q's shape)
+count; a window reads only the key tiles it covers); cache_leftpad: None or int32 (batch,), a
+contiguous cache's sequence b sees only rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new), as a
+sequence of that many keys (flash-attn's left-padded caches; the append is unchanged); sinks as
+forward's (the combine merges the sink as one more partial with O = 0). Returns out (q's shape)
 and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiable."""
 
 
@@ -578,11 +580,12 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
 
 @torch.library.register_fake("flash_attn_ext::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-                      num_splits, window_size_left=-1, window_size_right=-1, sinks=None):
+                      num_splits, window_size_left=-1, window_size_right=-1, sinks=None, cache_leftpad=None):
     """check_kvcache's shape / dtype / device / stride checks (not the values, which a real CUDA
     call does not read either), then the output shapes."""
     _checks.check_sinks_device(sinks, q)
-    _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits)
+    _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits,
+                          cache_leftpad)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], capacity)
     _checks.check_sinks(sinks, q.shape[2])

@@ -153,9 +153,8 @@ def test_kvcache_flash_attn_keywords():
         **args, rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, softcap=0.0,
         rotary_interleaved=False, alibi_slopes=None, return_softmax_lse=True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
-    # (rotary_cos / rotary_sin / cache_batch_idx run: tests/test_kvcache_rotary.py)
-    for keyword, value, match in [("cache_leftpad", torch.zeros(2, dtype=torch.int32), "cache_leftpad"),
-                                  ("softcap", 30.0, "soft-capping"), ("alibi_slopes", torch.ones(2), "ALiBi")]:
+    # (rotary_cos / rotary_sin / cache_batch_idx / cache_leftpad run: tests/test_kvcache_rotary.py)
+    for keyword, value, match in [("softcap", 30.0, "soft-capping"), ("alibi_slopes", torch.ones(2), "ALiBi")]:
         with pytest.raises(NotImplementedError, match=match):
             flash_attn_ext.flash_attn_with_kvcache(**args, **{keyword: value})
     with pytest.raises(TypeError, match="return_softmax_lse must be a bool"):

@@ -1,5 +1,6 @@
-"""flash_attn_with_kvcache's rotary embedding (rotary_cos / rotary_sin / rotary_interleaved) and
-cache_batch_idx, flash-attn's semantics, on the CPU and (when one is visible) a CUDA GPU.
+"""flash_attn_with_kvcache's rotary embedding (rotary_cos / rotary_sin / rotary_interleaved),
+cache_batch_idx and cache_leftpad, flash-attn's semantics, on the CPU and (when one is visible) a
+CUDA GPU.
 
 The rotation's reference is independent of the implementation: each rotated pair as a complex
 number times exp(i theta) in float64 (RoFormer, Su et al. 2021, eq. 34), at flash-attn's
@@ -269,3 +270,98 @@ def test_kvcache_rotary_and_batch_idx_cuda_graph():
         args["k_cache"].copy_(kc0), args["v_cache"].copy_(vc0)
         want = step()
         assert torch.equal(out, want) and torch.equal(replayed_kc, args["k_cache"])
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, 0))])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("seqlen_new", [0, 2])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_kvcache_leftpad_matches_reference(device, dtype, causal, window, seqlen_q, seqlen_new, num_splits):
+    """Sequence b sees cache rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new) as a sequence of
+    its own: the reference runs those rows moved to the front of a cache. Rows before the leftpad
+    hold NaN (they must never reach the output); the append writes at rows cache_seqlens[b] + i."""
+    g = torch.Generator().manual_seed(11)
+    batch, seqlen_cache, nheads, nheads_k, d = 4, 96, 4, 2, 64
+    kc = torch.randn(batch, seqlen_cache, nheads_k, d, generator=g).to(dtype)
+    vc = torch.randn(batch, seqlen_cache, nheads_k, d, generator=g).to(dtype)
+    cache_seqlens = torch.tensor([10, 40, 70, 96 - seqlen_new], dtype=torch.int32)
+    leftpad = torch.tensor([3, 0, 69, 17], dtype=torch.int32)   # 69: one key left once 70 rows are in use
+    for b in range(batch):
+        kc[b, :int(leftpad[b])] = float("nan")
+        vc[b, :int(leftpad[b])] = float("nan")
+        kc[b, int(cache_seqlens[b]) + seqlen_new:] = float("nan")
+        vc[b, int(cache_seqlens[b]) + seqlen_new:] = float("nan")
+    q = torch.randn(batch, seqlen_q, nheads, d, generator=g).to(dtype)
+    k = torch.randn(batch, seqlen_new, nheads_k, d, generator=g).to(dtype) if seqlen_new else None
+    v = torch.randn(batch, seqlen_new, nheads_k, d, generator=g).to(dtype) if seqlen_new else None
+    to = (lambda t: None if t is None else t.to(device))
+    kc_d, vc_d = kc.to(device), vc.to(device)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(
+        q.to(device), kc_d, vc_d, to(k), to(v), cache_seqlens=cache_seqlens.to(device), cache_leftpad=leftpad.to(device),
+        causal=causal, window_size=window, num_splits=num_splits, return_lse=True)
+    if seqlen_new:  # appended at the absolute rows, the leftpad notwithstanding
+        for b in range(batch):
+            r = int(cache_seqlens[b])
+            kc[b, r:r + seqlen_new], vc[b, r:r + seqlen_new] = k[b], v[b]
+    torch.testing.assert_close(kc_d.cpu(), kc, equal_nan=True, rtol=0, atol=0)
+    used = cache_seqlens + seqlen_new
+    front_k, front_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    for b in range(batch):
+        lp, n = int(leftpad[b]), int(used[b])
+        front_k[b, :n - lp], front_v[b, :n - lp] = kc[b, lp:n], vc[b, lp:n]
+    ref, ref_lse = attention_kvcache_ref(q, front_k, front_v, used - leftpad, causal=causal, window_size=window)
+    base, base_lse = attention_kvcache_ref(q, front_k, front_v, used - leftpad, causal=causal, window_size=window,
+                                           upcast=False)
+    check_accuracy("out", out.cpu(), ref, base)
+    check_accuracy("softmax_lse", lse.cpu(), ref_lse, base_lse)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+def test_kvcache_leftpad_edges(device, dtype):
+    """A leftpad of every row in use leaves no key (out 0, LSE +inf); no cache_seqlens means every
+    cache row is in use; leftpad 0 is the plain call, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(2, 32, 2, 32, generator=g).to(dtype).to(device)
+    vc = torch.randn(2, 32, 2, 32, generator=g).to(dtype).to(device)
+    q = torch.randn(2, 1, 4, 32, generator=g).to(dtype).to(device)
+    seqlens = torch.tensor([7, 20], dtype=torch.int32, device=device)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, cache_leftpad=seqlens.clone(),
+                                                      return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all() and (lse > 0).all()
+    zero = torch.zeros(2, dtype=torch.int32, device=device)
+    assert torch.equal(flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, cache_leftpad=zero),
+                       flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens))
+    lp = torch.tensor([5, 30], dtype=torch.int32, device=device)
+    full = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_leftpad=lp, causal=True)
+    for b in range(2):
+        row = flash_attn_ext.flash_attn_func(q[b:b + 1], kc[b:b + 1, int(lp[b]):], vc[b:b + 1, int(lp[b]):])
+        torch.testing.assert_close(full[b:b + 1], row, rtol=0, atol=2 * torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(cache_leftpad=torch.tensor([0, 1])), "cache_leftpad has dtype"),
+    (lambda a: a.update(cache_leftpad=torch.tensor([0], dtype=torch.int32)), r"cache_leftpad has shape \[1\]"),
+    (lambda a: a.update(cache_leftpad=torch.tensor([[0, 1]], dtype=torch.int32)), r"cache_leftpad has shape \[1, 2\]"),
+    (lambda a: a.update(cache_leftpad=torch.zeros(4, dtype=torch.int32)[::2]), "cache_leftpad must be contiguous"),
+    (lambda a: a.update(cache_leftpad=torch.zeros(2, dtype=torch.int32), k_cache=torch.randn(5, 16, 2, 32),
+                        v_cache=torch.randn(5, 16, 2, 32), block_table=torch.zeros(2, 2, dtype=torch.int32)),
+     "cache_leftpad with block_table"),
+    (lambda a: a.update(cache_leftpad=torch.zeros(2, dtype=torch.int32),
+                        cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32)), "cache_batch_idx with cache_leftpad"),
+    (lambda a: a.update(cache_leftpad=torch.tensor([0, 11], dtype=torch.int32)),
+     r"cache_leftpad\[1\] = 11; expected in \[0, cache_seqlens\[b\] \+ seqlen_new = 10\]"),
+    (lambda a: a.update(cache_leftpad=torch.tensor([-1, 0], dtype=torch.int32)), r"cache_leftpad\[0\] = -1"),
+])
+def test_kvcache_leftpad_bad_input(change, match):
+    args = {n: t for n, t in _args().items() if not n.startswith("rotary")}
+    change(args)
+    before = args["k_cache"].clone()
+    with pytest.raises(RuntimeError, match=match):
+        flash_attn_ext.flash_attn_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], before)
+    if "expected in" in match or "= -1" in match or "cache_batch_idx" in match or "contiguous" in match:
+        return  # values (checked on CPU only), the wrapper's own rule, a stride .to("meta") drops
+    meta = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    with pytest.raises(RuntimeError, match=match):   # the fake kernel refuses it alike
+        flash_attn_ext.flash_attn_with_kvcache(**meta)

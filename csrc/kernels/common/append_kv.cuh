@@ -34,11 +34,14 @@ __global__ void __launch_bounds__(kAppendThreads) flash_append_kv_kernel(const F
   const int bidb = int(rest / params.seqlen_knew);
   const int64_t j = int64_t(params.cache_seqlens[bidb]) + i;  // destination row of the cache
   if (j < 0 || j >= params.seqlen_k) return;
-  const int2 loc = KvCacheRows(params, bidb).locate(int(j));
+  const int2 loc = KvCacheRows(params, bidb).locate_cache_row(int(j));
   if (loc.x < 0) return;
-  const SeqInfo seq(params, bidb);
-  const uint4 k = *reinterpret_cast<const uint4*>(seq.k_row<const Element>(params.knew, head, i) + col);
-  const uint4 v = *reinterpret_cast<const uint4*>(seq.k_row<const Element>(params.vnew, head, i) + col);
+  // Row i of knew / vnew (b, seqlen_knew, h_k, d): dense, no sequence offset.
+  const auto new_row = [&](const TensorView& t) {
+    return static_cast<const Element*>(t.ptr) + bidb * t.batch_stride + head * t.head_stride + int64_t(i) * t.row_stride;
+  };
+  const uint4 k = *reinterpret_cast<const uint4*>(new_row(params.knew) + col);
+  const uint4 v = *reinterpret_cast<const uint4*>(new_row(params.vnew) + col);
   *reinterpret_cast<uint4*>(KvCacheRows::row_ptr<Element>(params.k, head, loc) + col) = k;
   *reinterpret_cast<uint4*>(KvCacheRows::row_ptr<Element>(params.v, head, loc) + col) = v;
 }

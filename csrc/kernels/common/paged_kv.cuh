@@ -1,6 +1,6 @@
 // Where key row j of sequence b lives in a KV cache, for the KV-cache kernels of every arch path
 // (the split-KV forward's K/V tile copies, the append of new keys). flash.h:
-//   contiguous  (batch, seqlen_k, h_k, d): row j of batch b                 (= SeqInfo::k_row)
+//   contiguous  (batch, seqlen_k, h_k, d): row leftpad_k[b] + j of batch b (flash.h; 0 without)
 //   paged       (num_blocks, page_size, h_k, d): row j % page_size of block
 //               block_table[b * block_table_batch_stride + j / page_size]
 // Both end in one pointer formula, ptr + block * batch_stride + head * head_stride + row *
@@ -15,6 +15,7 @@
 #include <numeric>
 
 #include "flash.h"
+#include "kernels/common/seqlen.cuh"
 #include "primitives/barrier.cuh"
 #include "primitives/cp_async.cuh"
 #include "primitives/tma.cuh"
@@ -46,20 +47,26 @@ inline bool encode_kv_tma_maps(KvTmaMaps& maps, const Flash_fwd_params& p, int k
 struct KvCacheRows {
   const int* table;  // this sequence's block_table row; null: contiguous cache
   int bidb, page_size, page_shift, num_blocks;  // page_shift: log2(page_size), -1 if not a power of 2
+  int row0;          // contiguous: the cache row of key 0 (flash.h: leftpad_k; SeqInfo::kv_leftpad)
 
   __device__ __forceinline__ KvCacheRows(const Flash_fwd_params& p, int bidb_) : bidb(bidb_) {
     table = p.block_table == nullptr ? nullptr : p.block_table + bidb_ * p.block_table_batch_stride;
     page_size = p.page_size;
     num_blocks = p.num_blocks;
     page_shift = (page_size > 0 && (page_size & (page_size - 1)) == 0) ? __ffs(page_size) - 1 : -1;
+    row0 = p.leftpad_k == nullptr || table != nullptr ? 0 : SeqInfo::kv_leftpad(p, bidb_, SeqInfo::kv_used_rows(p, bidb_));
   }
 
-  // (block, row inside the block) of key row j >= 0; block -1 for an invalid table entry.
-  __device__ __forceinline__ int2 locate(int j) const {
-    if (table == nullptr) return make_int2(bidb, j);
-    const int page = page_shift >= 0 ? j >> page_shift : j / page_size;
+  // (block, row inside the block) of key row j >= 0 (the sequence's j-th visible key); block -1 for
+  // an invalid table entry.
+  __device__ __forceinline__ int2 locate(int j) const { return locate_cache_row(row0 + j); }
+
+  // The same for cache row r (the append's destinations: cache_seqlens[b] + i, leftpad or not).
+  __device__ __forceinline__ int2 locate_cache_row(int r) const {
+    if (table == nullptr) return make_int2(bidb, r);
+    const int page = page_shift >= 0 ? r >> page_shift : r / page_size;
     const int block = __ldg(table + page);
-    return make_int2(unsigned(block) < unsigned(num_blocks) ? block : -1, j - page * page_size);
+    return make_int2(unsigned(block) < unsigned(num_blocks) ? block : -1, r - page * page_size);
   }
 
   // Row `loc` (from locate, block >= 0) of kv head `head` of a cache tensor (k or v).

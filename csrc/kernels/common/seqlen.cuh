@@ -5,8 +5,9 @@
 //   varlen  packed (total, heads, d) tensors, sequence b = rows [cu_seqlens[b], cu_seqlens[b + 1])
 //           of each side (batch_stride 0), its lengths the differences;
 //   KV cache  dense or packed q, a (b, seqlen_k, heads_k, d) cache of which sequence b sees its
-//           first cache_seqlens[b] + seqlen_knew rows. A paged cache reads its rows through the
-//           block table (common/paged_kv.cuh); k_row below serves contiguous caches only.
+//           first cache_seqlens[b] + seqlen_knew rows (from row leftpad_k[b] on, if given). A
+//           KV-cache kernel reads the cache's rows through common/paged_kv.cuh (KvCacheRows: the
+//           block table, the leftpad), never through k_row below.
 #pragma once
 
 #include <cstdint>
@@ -35,9 +36,24 @@ struct SeqInfo {
     } else {
       q_offset = 0, k_offset = 0;
       seqlen_q = p.seqlen_q;
-      seqlen_k = p.cache_seqlens == nullptr ? p.seqlen_k
-                                            : min(max(p.cache_seqlens[bidb] + p.seqlen_knew, 0), p.seqlen_k);
+      seqlen_k = p.cache_seqlens == nullptr ? p.seqlen_k : kv_seqlen_k(p, bidb);
     }
+  }
+
+  // A KV cache (p.cache_seqlens set): the rows sequence b uses, cache_seqlens[b] + seqlen_knew
+  // capped to the cache, and the first of them it sees (flash.h: leftpad_k, capped to [0, used];
+  // the API cannot check it on the device without a sync; it sets cache_seqlens whenever it sets
+  // leftpad_k). Its keys are rows [leftpad, used): seqlen_k = used - leftpad, and KvCacheRows adds
+  // the leftpad to a key row.
+  __host__ __device__ __forceinline__ static int kv_used_rows(const Flash_fwd_params& p, int bidb) {
+    return min(max(p.cache_seqlens[bidb] + p.seqlen_knew, 0), p.seqlen_k);
+  }
+  __host__ __device__ __forceinline__ static int kv_leftpad(const Flash_fwd_params& p, int bidb, int used) {
+    return p.leftpad_k == nullptr ? 0 : min(max(p.leftpad_k[bidb], 0), used);
+  }
+  __host__ __device__ __forceinline__ static int kv_seqlen_k(const Flash_fwd_params& p, int bidb) {
+    const int used = kv_used_rows(p, bidb);
+    return used - kv_leftpad(p, bidb, used);
   }
 
   // The same view with q_offset / k_offset read again from cu_seqlens (varlen; dense: 0, no load),
