@@ -655,7 +655,13 @@ def flash_attn_with_kvcache(
     _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
     want_lse = _as_bool("return_lse", return_lse) | _as_bool("return_softmax_lse", return_softmax_lse)
     scale = _scale("softmax_scale", softmax_scale, q)
-    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+    if torch.compiler.is_compiling() and isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        # Traced (torch.compile; the value dynamic after a second one): checked in the graph rather
+        # than by Python comparisons, which would specialize it, one recompile per value.
+        torch._check(cache_seqlens >= 0, lambda: "flash_attn_ext: cache_seqlens must be >= 0")
+        torch._check(cache_seqlens < 2**31, lambda: "flash_attn_ext: cache_seqlens must be < 2^31 (int32)")
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         try:
             n = _as_int("cache_seqlens", cache_seqlens)
         except TypeError:

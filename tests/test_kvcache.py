@@ -279,6 +279,27 @@ def test_kvcache_scalar_cache_seqlens():
         flash_attn_ext.flash_attn_with_kvcache(**args)
 
 
+def test_kvcache_int_cache_seqlens_compiles_once():
+    """A compiled decode loop that passes cache_seqlens as a Python int: one graph for every step
+    after the second value (torch.compile's automatic dynamic), not a recompile per value (the
+    wrapper's range check used to specialize it; fullgraph then failed at the recompile limit)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    kc, vc = torch.randn(2, 64, 2, 16), torch.randn(2, 64, 2, 16)
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def step(q, k, v, n):
+        return flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=n, causal=True)
+
+    for n in range(3, 13):
+        eager_kc, eager_vc = kc.clone(), vc.clone()
+        want = flash_attn_ext.flash_attn_with_kvcache(q, eager_kc, eager_vc, k, v, cache_seqlens=n, causal=True)
+        assert torch.equal(step(q, k, v, n), want) and torch.equal(kc, eager_kc)
+    assert counter.frame_count <= 2, counter.frame_count
+
+
 @pytest.mark.parametrize("change", [
     lambda a: a.update(k=torch.randn(2, 1, 2, 16)),                   # k without v
     lambda a: a.update(q=torch.randn(2, 1, 3, 16)),                   # 3 heads over 2 kv heads
