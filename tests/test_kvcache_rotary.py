@@ -365,3 +365,37 @@ def test_kvcache_leftpad_bad_input(change, match):
     meta = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
     with pytest.raises(RuntimeError, match=match):   # the fake kernel refuses it alike
         flash_attn_ext.flash_attn_with_kvcache(**meta)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+def test_kvcache_leftpad_with_rotary(device, dtype):
+    """Rotary positions are cache rows, leftpad or not (flash-attn's kernel adds the leftpad back
+    for cos / sin): new key j at cache_seqlens[b] + j, causal query i likewise."""
+    g = torch.Generator().manual_seed(9)
+    batch, seqlen_cache, d = 2, 48, 32
+    kc = torch.randn(batch, seqlen_cache, 2, d, generator=g).to(dtype)
+    vc = torch.randn(batch, seqlen_cache, 2, d, generator=g).to(dtype)
+    q = torch.randn(batch, 2, 4, d, generator=g).to(dtype)
+    k = torch.randn(batch, 2, 2, d, generator=g).to(dtype)
+    v = torch.randn(batch, 2, 2, d, generator=g).to(dtype)
+    cos, sin = _tables(seqlen_cache, 32, dtype, "cpu", g)
+    seqlens = torch.tensor([9, 30], dtype=torch.int32)
+    leftpad = torch.tensor([4, 0], dtype=torch.int32)
+    kc_d, vc_d = kc.to(device), vc.to(device)
+    out = flash_attn_ext.flash_attn_with_kvcache(
+        q.to(device), kc_d, vc_d, k.to(device), v.to(device), cache_seqlens=seqlens.to(device),
+        cache_leftpad=leftpad.to(device), causal=True, rotary_cos=cos.to(device), rotary_sin=sin.to(device),
+        rotary_interleaved=False)
+    pos = seqlens.long()[:, None] + torch.arange(2)
+    k_rot = rotate_ref(k, cos, sin, pos, False)
+    q_rot = rotate_ref(q, cos, sin, pos, False)
+    kc64, vc64 = kc.double(), vc.double()
+    front_k, front_v = torch.zeros_like(kc64), torch.zeros_like(vc64)
+    for b in range(batch):
+        r, lp = int(seqlens[b]), int(leftpad[b])
+        kc64[b, r:r + 2], vc64[b, r:r + 2] = k_rot[b], v[b].double()
+        front_k[b, :r + 2 - lp], front_v[b, :r + 2 - lp] = kc64[b, lp:r + 2], vc64[b, lp:r + 2]
+    ref, _ = attention_kvcache_ref(q_rot, front_k, front_v, seqlens + 2 - leftpad, causal=True)
+    base, _ = attention_kvcache_ref(q_rot.to(dtype), front_k.to(dtype), front_v.to(dtype), seqlens + 2 - leftpad,
+                                    causal=True, upcast=False)
+    check_accuracy("out", out.cpu(), ref, base)
