@@ -641,6 +641,15 @@ struct KvcacheSizes {
   bool paged = false;
 };
 
+// One int32 per sequence, contiguous, on q's device (cache_seqlens, cache_leftpad).
+void check_per_sequence_int32(const Tensor& t, const char* name, const Tensor& q) {
+  check_same_device(t, name, q);
+  TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_ext: ", name, " has dtype ", t.scalar_type(), "; expected int32");
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == q.size(0), "flash_attn_ext: ", name, " has shape ", t.sizes(),
+              "; expected (batch,) = (", q.size(0), ",)");
+  TORCH_CHECK(t.is_contiguous(), "flash_attn_ext: ", name, " must be contiguous");
+}
+
 KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const c10::optional<Tensor>& k,
                            const c10::optional<Tensor>& v, const c10::optional<Tensor>& cache_seqlens,
                            const c10::optional<Tensor>& block_table, double softmax_scale, int64_t num_splits,
@@ -690,22 +699,10 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
   ks.s = Sizes{batch, q.size(1), ks.paged ? ks.max_blocks * ks.page_size : k_cache.size(1), q.size(2), k_cache.size(2),
                q.size(3)};
   if (cache_seqlens.has_value() && cache_seqlens->defined()) {
-    const Tensor& cs = *cache_seqlens;
-    check_same_device(cs, "cache_seqlens", q);
-    TORCH_CHECK(cs.scalar_type() == at::kInt, "flash_attn_ext: cache_seqlens has dtype ", cs.scalar_type(),
-                "; expected int32");
-    TORCH_CHECK(cs.dim() == 1 && cs.size(0) == batch, "flash_attn_ext: cache_seqlens has shape ", cs.sizes(),
-                "; expected (batch,) = (", batch, ",)");
-    TORCH_CHECK(cs.is_contiguous(), "flash_attn_ext: cache_seqlens must be contiguous");
+    check_per_sequence_int32(*cache_seqlens, "cache_seqlens", q);
   }
   if (cache_leftpad.has_value() && cache_leftpad->defined()) {
-    const Tensor& lp = *cache_leftpad;
-    check_same_device(lp, "cache_leftpad", q);
-    TORCH_CHECK(lp.scalar_type() == at::kInt, "flash_attn_ext: cache_leftpad has dtype ", lp.scalar_type(),
-                "; expected int32");
-    TORCH_CHECK(lp.dim() == 1 && lp.size(0) == batch, "flash_attn_ext: cache_leftpad has shape ", lp.sizes(),
-                "; expected (batch,) = (", batch, ",)");
-    TORCH_CHECK(lp.is_contiguous(), "flash_attn_ext: cache_leftpad must be contiguous");
+    check_per_sequence_int32(*cache_leftpad, "cache_leftpad", q);
     TORCH_CHECK(!ks.paged, "flash_attn_ext: cache_leftpad with block_table: a paged cache is not left-padded "
                            "(as flash-attn's); pass one of them");
   }

@@ -233,6 +233,17 @@ def check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
         check_stats(softmax_stats, q, (2, nheads, total_q), "(2, nheads, total_q)")
 
 
+def check_per_sequence_int32(t, name: str, q) -> None:
+    """One int32 per sequence, contiguous, on q's device (cache_seqlens, cache_leftpad)."""
+    check_same_device(t, name, q)
+    if t.dtype != torch.int32:
+        _fail(name, " has dtype ", t.dtype, "; expected int32")
+    if tuple(t.shape) != (q.shape[0],):
+        _fail(name, " has shape ", _shape(t), f"; expected (batch,) = ({q.shape[0]},)")
+    if not t.is_contiguous():
+        _fail(name, " must be contiguous")
+
+
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
                   num_splits: int, cache_leftpad=None) -> None:
     check_rank(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
@@ -273,21 +284,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     check_last_dim_contiguous(v_cache, "v_cache", in_place)
     check_softmax_scale(softmax_scale)
     if cache_seqlens is not None:
-        check_same_device(cache_seqlens, "cache_seqlens", q)
-        if cache_seqlens.dtype != torch.int32:
-            _fail("cache_seqlens has dtype ", cache_seqlens.dtype, "; expected int32")
-        if tuple(cache_seqlens.shape) != (batch,):
-            _fail("cache_seqlens has shape ", _shape(cache_seqlens), f"; expected (batch,) = ({batch},)")
-        if not cache_seqlens.is_contiguous():
-            _fail("cache_seqlens must be contiguous")
+        check_per_sequence_int32(cache_seqlens, "cache_seqlens", q)
     if cache_leftpad is not None:
-        check_same_device(cache_leftpad, "cache_leftpad", q)
-        if cache_leftpad.dtype != torch.int32:
-            _fail("cache_leftpad has dtype ", cache_leftpad.dtype, "; expected int32")
-        if tuple(cache_leftpad.shape) != (batch,):
-            _fail("cache_leftpad has shape ", _shape(cache_leftpad), f"; expected (batch,) = ({batch},)")
-        if not cache_leftpad.is_contiguous():
-            _fail("cache_leftpad must be contiguous")
+        check_per_sequence_int32(cache_leftpad, "cache_leftpad", q)
         if block_table is not None:
             _fail("cache_leftpad with block_table: a paged cache is not left-padded (as flash-attn's); pass one of "
                   "them")
