@@ -116,10 +116,11 @@ struct Flash_fwd_params : public Qkv_params {
   // walk, which does not read it, and the API passes none: sm90_fwd_schedule below.)
   int* __restrict__ tile_counter = nullptr;
 
-  // ---- KV cache (flash_attn_with_kvcache). Sequence b sees keys [0, min(cache_seqlens[b] +
-  // seqlen_knew, seqlen_k)): the cached keys plus the seqlen_knew keys this call appends (knew /
-  // vnew, (b, seqlen_knew, nheads_k, d), written into the cache at rows cache_seqlens[b] + i before
-  // the attention runs, rows past the cache's seqlen_k dropped). null: all seqlen_k keys.
+  // ---- KV cache (flash_attn_with_kvcache). Sequence b sees cache rows [0, min(cache_seqlens[b] +
+  // seqlen_knew, seqlen_k)) (from row leftpad_k[b] on, below): the cached keys plus the seqlen_knew
+  // keys this call appends (knew / vnew, (b, seqlen_knew, nheads_k, d), written into the cache at
+  // rows cache_seqlens[b] + i before the attention runs, rows past the cache's seqlen_k dropped).
+  // null: all seqlen_k keys.
   const int* __restrict__ cache_seqlens = nullptr;  // (b) int32, device memory
   // Left-padded contiguous caches (flash-attn's cache_leftpad): sequence b's keys start at cache row
   // leftpad_k[b], so it sees rows [leftpad_k[b], min(cache_seqlens[b] + seqlen_knew, seqlen_k)),

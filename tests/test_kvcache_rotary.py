@@ -399,3 +399,67 @@ def test_kvcache_leftpad_with_rotary(device, dtype):
     base, _ = attention_kvcache_ref(q_rot.to(dtype), front_k.to(dtype), front_v.to(dtype), seqlens + 2 - leftpad,
                                     causal=True, upcast=False)
     check_accuracy("out", out.cpu(), ref, base)
+
+
+def _leftpad_case(device, dtype, batch, nheads, nheads_k, d, seqlen_cache, cache_seqlens, leftpad, seqlen_q, causal,
+                  window, num_splits, seed=0):
+    """flash_attn_with_kvcache with cache_leftpad against the reference on the rows moved to the
+    front of a cache; NaN before each leftpad and past the rows in use."""
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(batch, seqlen_cache, nheads_k, d, generator=g).to(dtype)
+    vc = torch.randn(batch, seqlen_cache, nheads_k, d, generator=g).to(dtype)
+    lens, pads = torch.tensor(cache_seqlens, dtype=torch.int32), torch.tensor(leftpad, dtype=torch.int32)
+    front_k, front_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    for b in range(batch):
+        lp, n = int(pads[b]), int(lens[b])
+        front_k[b, :n - lp], front_v[b, :n - lp] = kc[b, lp:n], vc[b, lp:n]
+        kc[b, :lp], vc[b, :lp], kc[b, n:], vc[b, n:] = float("nan"), float("nan"), float("nan"), float("nan")
+    q = torch.randn(batch, seqlen_q, nheads, d, generator=g).to(dtype)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(
+        q.to(device), kc.to(device), vc.to(device), cache_seqlens=lens.to(device), cache_leftpad=pads.to(device),
+        causal=causal, window_size=window, num_splits=num_splits, return_lse=True)
+    ref, ref_lse = attention_kvcache_ref(q, front_k, front_v, lens - pads, causal=causal, window_size=window)
+    base, base_lse = attention_kvcache_ref(q, front_k, front_v, lens - pads, causal=causal, window_size=window,
+                                           upcast=False)
+    check_accuracy("out", out.cpu(), ref, base)
+    check_accuracy("softmax_lse", lse.cpu(), ref_lse, base_lse)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal,window,seqlen_q", [(False, (-1, -1), 1), (True, (-1, -1), 4), (True, (200, 0), 4)])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_kvcache_leftpad_long_caches(device, dtype, d, causal, window, seqlen_q, num_splits):
+    """Many key tiles per sequence (1100 cache rows): leftpads inside a tile (333, 517), none, and
+    past most of the rows in use (1000), so the row offset meets partial first and last tiles,
+    unmasked middle tiles, windows that skip tiles and splits of several tiles; head dims whose
+    copies take the whole-row and the generic chunk walks (96)."""
+    _leftpad_case(device, dtype, 4, 8, 2, d, 1100, [1100, 900, 700, 1050], [333, 517, 0, 1000], seqlen_q, causal,
+                  window, num_splits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kvcache_leftpad_decode_batch_cuda():
+    """A batch-64 GQA decode (32:8, hd128: the grid the sm90 split-KV small row is chosen for on an
+    H100 / H200) with a leftpad per sequence."""
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(300, 512, (64,), generator=g)
+    pads = (torch.rand(64, generator=g) * lens).long()
+    _leftpad_case("cuda", torch.bfloat16, 64, 32, 8, 128, 512, lens.tolist(), pads.tolist(), 1, True, (-1, -1), 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kvcache_leftpad_out_of_range_cuda():
+    """CUDA does not read cache_leftpad on the host: a negative leftpad reads as 0 (the same bits),
+    one past the rows in use leaves no key (out 0, LSE +inf); nothing outside the cache is read."""
+    g = torch.Generator().manual_seed(2)
+    kc = torch.randn(2, 64, 2, 64, generator=g).bfloat16().cuda()
+    vc = torch.randn(2, 64, 2, 64, generator=g).bfloat16().cuda()
+    q = torch.randn(2, 1, 4, 64, generator=g).bfloat16().cuda()
+    lens = torch.tensor([40, 64], dtype=torch.int32, device="cuda")
+    call = lambda pads: flash_attn_ext.flash_attn_with_kvcache(  # noqa: E731
+        q, kc, vc, cache_seqlens=lens, cache_leftpad=torch.tensor(pads, dtype=torch.int32, device="cuda"),
+        return_lse=True)
+    assert torch.equal(call([-5, -1000])[0], call([0, 0])[0])
+    out, lse = call([140, 2**30])
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all() and (lse > 0).all()

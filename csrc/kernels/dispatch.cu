@@ -349,6 +349,9 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
   if (params.knew.ptr != nullptr && params.seqlen_knew > 0 && (params.vnew.ptr == nullptr || params.cache_seqlens == nullptr)) {
     fail("appending k needs v and cache_seqlens");
   }
+  if (params.leftpad_k != nullptr && (params.cache_seqlens == nullptr || params.block_table != nullptr)) {
+    fail("leftpad_k needs cache_seqlens and a contiguous cache (flash.h)");
+  }
   if (params.block_table != nullptr && (params.page_size <= 0 || params.page_size % 16 != 0 ||
                                         int64_t(params.seqlen_k) % params.page_size != 0)) {
     fail("page_size must be a positive multiple of 16 and seqlen_k = max_blocks * page_size, got page_size " +

@@ -19,7 +19,7 @@ namespace flash {
 
 template <int kBlockM, int kBlockN>
 struct SplitKvWork {
-  SeqInfo seq;      // seqlen_k: the keys this sequence sees (cache_seqlens[b] + seqlen_knew, capped)
+  SeqInfo seq;      // seqlen_k: the keys this sequence sees (cache_seqlens[b] + seqlen_knew, capped; less a leftpad)
   AttnMask mask;    // causal / window: bottom-right aligned against seq.seqlen_k
   KvCacheRows kv;   // where its key rows live (contiguous or paged)
   int bidhk, ratio, split, num_splits;
