@@ -644,7 +644,8 @@ struct KvcacheSizes {
 // One int32 per sequence, contiguous, on q's device (cache_seqlens, cache_leftpad).
 void check_per_sequence_int32(const Tensor& t, const char* name, const Tensor& q) {
   check_same_device(t, name, q);
-  TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_ext: ", name, " has dtype ", t.scalar_type(), "; expected int32");
+  TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_ext: ", name, " has dtype ", t.scalar_type(),
+              "; expected int32");
   TORCH_CHECK(t.dim() == 1 && t.size(0) == q.size(0), "flash_attn_ext: ", name, " has shape ", t.sizes(),
               "; expected (batch,) = (", q.size(0), ",)");
   TORCH_CHECK(t.is_contiguous(), "flash_attn_ext: ", name, " must be contiguous");
@@ -796,7 +797,8 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
                 " rows per sequence");
     if (has_leftpad) leftpad[b] = cache_leftpad->accessor<int, 1>()[b];
     TORCH_CHECK(leftpad[b] >= 0 && leftpad[b] <= cached[b] + ks.seqlen_new, "flash_attn_ext: cache_leftpad[", b,
-                "] = ", leftpad[b], "; expected in [0, cache_seqlens[b] + seqlen_new = ", cached[b] + ks.seqlen_new, "]");
+                "] = ", leftpad[b], "; expected in [0, cache_seqlens[b] + seqlen_new = ", cached[b] + ks.seqlen_new,
+                "]");
     if (!ks.paged) continue;
     const auto bt = block_table->accessor<int, 2>();
     for (int64_t j = 0; j < ks.max_blocks; ++j) table[b].push_back(bt[b][j]);
@@ -817,10 +819,10 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
   for (int64_t b = 0; b < s.batch && s.seqlen_q > 0; ++b) {
     // Sequence b's keys: cache rows [leftpad, cached + seqlen_new), as a sequence of their own.
     const int64_t len_k = cached[b] + ks.seqlen_new, lp = leftpad[b];
-    const auto [o_b, lse_b, stats_b] =
-        forward_cpu(q.narrow(0, b, 1), cache_rows(k_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp).unsqueeze(0),
-                    cache_rows(v_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp).unsqueeze(0), softmax_scale,
-                    causal, window_size_left, window_size_right, sinks);
+    const Tensor k_b = cache_rows(k_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp);
+    const Tensor v_b = cache_rows(v_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp);
+    const auto [o_b, lse_b, stats_b] = forward_cpu(q.narrow(0, b, 1), k_b.unsqueeze(0), v_b.unsqueeze(0), softmax_scale,
+                                                   causal, window_size_left, window_size_right, sinks);
     out[b].copy_(o_b[0]);
     lse[b].copy_(lse_b[0]);
   }

@@ -606,10 +606,10 @@ def flash_attn_with_kvcache(
             2021, eq. 34) of q and the new k before the append: (seqlen_ro, rotary_dim / 2)
             tables in q's dtype, seqlen_ro >= the cache's rows, rotary_dim a multiple of 16 and
             <= headdim (the first rotary_dim channels rotate, the rest pass). New key j sits at
-            position cache_seqlens[b] + j; query i at cache_seqlens[b] + i when causal or with
-            a window, else every query at cache_seqlens[b]. Needs k and v. Computed in float32
-            by torch ops ahead of the kernel (not fused into it: a decode step gains a few small
-            launches; q and k are not modified).
+            position cache_seqlens[b] + j; query i at cache_seqlens[b] + i when causal or local
+            (a window side shorter than the cache's rows), else every query at cache_seqlens[b].
+            Needs k and v. Computed in float32 by torch ops ahead of the kernel (not fused into
+            it: a decode step gains a few small launches; q and k are not modified).
         rotary_interleaved: pairs (2c, 2c + 1) rotate together (GPT-J; flash-attn's default
             True), else (c, c + rotary_dim / 2) (GPT-NeoX / Llama).
         cache_batch_idx: None, or int32 (batch,): sequence b reads and appends to cache row
@@ -645,8 +645,8 @@ def flash_attn_with_kvcache(
         v, block_table: a tensor or None), num_splits not an int, cache_seqlens not a tensor, an
         int or None, causal or return_lse that is not a bool, softmax_scale as flash_attn_func's,
         arguments after v given positionally. RuntimeError naming rotary_cos / rotary_sin /
-        cache_batch_idx / cache_leftpad for the requirements above. NotImplementedError: nested tensors; the
-        flash-attn features above.
+        cache_batch_idx / cache_leftpad for the requirements above. NotImplementedError: nested
+        tensors; the flash-attn features above.
     """
     _check_tensors(("k", "v", "block_table", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad"),
                    q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table, rotary_cos=rotary_cos,
@@ -719,9 +719,9 @@ def _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved: bool, cache_s
     """flash-attn's rotary embedding of flash_attn_with_kvcache (RoFormer, Su et al. 2021, eq. 34):
     the new keys at positions cache_seqlens[b] + j and the queries at cache_seqlens[b] + i when
     causal or local (a window side shorter than the cache's rows: flash-attn drops longer ones),
-    else all at cache_seqlens[b]; the first rotary_dim =
-    2 * rotary_cos.size(1) channels rotated in pairs (2c, 2c + 1) when ``interleaved`` (GPT-J), or
-    (c, c + rotary_dim / 2) (GPT-NeoX), in float32 from the tables' values, rounded to q's dtype.
+    else all at cache_seqlens[b]; the first rotary_dim = 2 * rotary_cos.size(1) channels rotated in
+    pairs (2c, 2c + 1) when ``interleaved`` (GPT-J), or (c, c + rotary_dim / 2) (GPT-NeoX), in
+    float32 from the tables' values, rounded to q's dtype.
     Torch ops ahead of the kernel (not fused into it): new tensors, the caller's q and k unchanged.
     Positions past the tables (only from cache_seqlens past the cache, which a CUDA call does not
     check) read the last row instead of faulting."""

@@ -298,8 +298,8 @@ def test_kvcache_leftpad_matches_reference(device, dtype, causal, window, seqlen
     to = (lambda t: None if t is None else t.to(device))
     kc_d, vc_d = kc.to(device), vc.to(device)
     out, lse = flash_attn_ext.flash_attn_with_kvcache(
-        q.to(device), kc_d, vc_d, to(k), to(v), cache_seqlens=cache_seqlens.to(device), cache_leftpad=leftpad.to(device),
-        causal=causal, window_size=window, num_splits=num_splits, return_lse=True)
+        q.to(device), kc_d, vc_d, to(k), to(v), cache_seqlens=cache_seqlens.to(device),
+        cache_leftpad=leftpad.to(device), causal=causal, window_size=window, num_splits=num_splits, return_lse=True)
     if seqlen_new:  # appended at the absolute rows, the leftpad notwithstanding
         for b in range(batch):
             r = int(cache_seqlens[b])

@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(kAppendThreads) flash_append_kv_kernel(const F
   if (loc.x < 0) return;
   // Row i of knew / vnew (b, seqlen_knew, h_k, d): dense, no sequence offset.
   const auto new_row = [&](const TensorView& t) {
-    return static_cast<const Element*>(t.ptr) + bidb * t.batch_stride + head * t.head_stride + int64_t(i) * t.row_stride;
+    return static_cast<const Element*>(t.ptr) + bidb * t.batch_stride + head * t.head_stride +
+           int64_t(i) * t.row_stride;
   };
   const uint4 k = *reinterpret_cast<const uint4*>(new_row(params.knew) + col);
   const uint4 v = *reinterpret_cast<const uint4*>(new_row(params.vnew) + col);

@@ -54,7 +54,8 @@ struct KvCacheRows {
     page_size = p.page_size;
     num_blocks = p.num_blocks;
     page_shift = (page_size > 0 && (page_size & (page_size - 1)) == 0) ? __ffs(page_size) - 1 : -1;
-    row0 = p.leftpad_k == nullptr || table != nullptr ? 0 : SeqInfo::kv_leftpad(p, bidb_, SeqInfo::kv_used_rows(p, bidb_));
+    row0 = p.leftpad_k == nullptr || table != nullptr ? 0
+                                                      : SeqInfo::kv_leftpad(p, bidb_, SeqInfo::kv_used_rows(p, bidb_));
   }
 
   // (block, row inside the block) of key row j >= 0 (the sequence's j-th visible key); block -1 for
