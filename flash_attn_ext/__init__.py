@@ -8,7 +8,8 @@ Public API:
     flash_attn_qkvpacked_func(qkv, *, ...), flash_attn_kvpacked_func(q, kv, *, ...) and their varlen
         forms: flash-attn's packed layouts (views of the packed tensor, no copy).
     flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
-        block_table=None, ..., num_splits=0): inference against a (paged) KV cache, split-KV.
+        block_table=None, ..., num_splits=0): inference against a (paged) KV cache, split-KV;
+        flash-attn's rotary_cos / rotary_sin, cache_batch_idx and cache_leftpad.
     (* : the arguments after it are keyword-only.)
     scaled_dot_product_attention(...): BHSD drop-in for torch's SDPA (flash_attn_ext.sdpa,
         loaded on first use).
