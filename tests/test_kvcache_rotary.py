@@ -305,9 +305,14 @@ def test_kvcache_leftpad_matches_reference(device, dtype, causal, window, seqlen
             r = int(cache_seqlens[b])
             kc[b, r:r + seqlen_new], vc[b, r:r + seqlen_new] = k[b], v[b]
     torch.testing.assert_close(kc_d.cpu(), kc, equal_nan=True, rtol=0, atol=0)
-    used = cache_seqlens + seqlen_new
+    _check_leftpad_attention(out, lse, q, kc, vc, cache_seqlens + seqlen_new, leftpad, causal, window)
+
+
+def _check_leftpad_attention(out, lse, q, kc, vc, used, leftpad, causal, window):
+    """The accuracy rule for a call with cache_leftpad: the reference runs each sequence's rows
+    [leftpad[b], used[b]) of the (CPU, post-append) cache moved to the front of a cache."""
     front_k, front_v = torch.zeros_like(kc), torch.zeros_like(vc)
-    for b in range(batch):
+    for b in range(kc.shape[0]):
         lp, n = int(leftpad[b]), int(used[b])
         front_k[b, :n - lp], front_v[b, :n - lp] = kc[b, lp:n], vc[b, lp:n]
     ref, ref_lse = attention_kvcache_ref(q, front_k, front_v, used - leftpad, causal=causal, window_size=window)
@@ -409,20 +414,14 @@ def _leftpad_case(device, dtype, batch, nheads, nheads_k, d, seqlen_cache, cache
     kc = torch.randn(batch, seqlen_cache, nheads_k, d, generator=g).to(dtype)
     vc = torch.randn(batch, seqlen_cache, nheads_k, d, generator=g).to(dtype)
     lens, pads = torch.tensor(cache_seqlens, dtype=torch.int32), torch.tensor(leftpad, dtype=torch.int32)
-    front_k, front_v = torch.zeros_like(kc), torch.zeros_like(vc)
     for b in range(batch):
         lp, n = int(pads[b]), int(lens[b])
-        front_k[b, :n - lp], front_v[b, :n - lp] = kc[b, lp:n], vc[b, lp:n]
         kc[b, :lp], vc[b, :lp], kc[b, n:], vc[b, n:] = float("nan"), float("nan"), float("nan"), float("nan")
     q = torch.randn(batch, seqlen_q, nheads, d, generator=g).to(dtype)
     out, lse = flash_attn_ext.flash_attn_with_kvcache(
         q.to(device), kc.to(device), vc.to(device), cache_seqlens=lens.to(device), cache_leftpad=pads.to(device),
         causal=causal, window_size=window, num_splits=num_splits, return_lse=True)
-    ref, ref_lse = attention_kvcache_ref(q, front_k, front_v, lens - pads, causal=causal, window_size=window)
-    base, base_lse = attention_kvcache_ref(q, front_k, front_v, lens - pads, causal=causal, window_size=window,
-                                           upcast=False)
-    check_accuracy("out", out.cpu(), ref, base)
-    check_accuracy("softmax_lse", lse.cpu(), ref_lse, base_lse)
+    _check_leftpad_attention(out, lse, q, kc, vc, lens, pads, causal, window)
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES)
