@@ -610,10 +610,17 @@ def test_models_outside_the_attention_interface_are_refused(name):
 
 def test_alibi_bias_is_named(name):
     """Falcon with alibi=True passes its ALiBi bias as a per-head additive mask: the refusal names
-    the bias (it used to name the mask's shape)."""
+    the bias (it used to name the mask's shape). Transformers releases whose Falcon computes
+    attention in its own code (5.17 has no AttentionInterface call there) refuse the name when
+    the model is built instead."""
     import transformers as tf
+    from transformers.models.falcon import modeling_falcon
 
     cfg = tf.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, alibi=True)
+    if "ALL_ATTENTION_FUNCTIONS" not in vars(modeling_falcon):
+        with pytest.raises(ValueError, match="FalconForCausalLM computes attention in its own code"):
+            tf.FalconForCausalLM._from_config(cfg, attn_implementation=name)
+        return
     model = tf.FalconForCausalLM._from_config(cfg, attn_implementation=name).eval()
     with pytest.raises(NotImplementedError, match="attention bias, e.g. ALiBi"):
         model(torch.randint(3, 96, (2, 8)))
