@@ -63,6 +63,16 @@ struct Flash_fwd_params : public Qkv_params {
   double scale_softmax = 0.0;      // softmax_scale, any finite value (double: exact for the CPU
                                    // float64 path; the CUDA kernels use it as float)
   float scale_softmax_log2 = 0.f;  // softmax_scale * log2(e): scores go through exp2
+                                   // (softcap * log2(e) under soft-capping, below)
+  // Logit soft-capping (Gemma 2; flash-attn's softcap; 0: none): the logit of score S is
+  // softcap * tanh(S * softmax_scale / softcap) instead of S * softmax_scale. The kernels' twin for
+  // it (launch picks kSoftcap when softcap > 0) first maps S to t = tanh(S * softcap_prescale),
+  // softcap_prescale = softmax_scale / softcap, and then runs the usual softmax on t with
+  // scale_softmax_log2 = softcap * log2(e), so row statistics and LSE are those of the capped
+  // logits. The backward multiplies dS by dt/dS' = 1 - t^2 before its final softmax_scale
+  // (scale_softmax stays softmax_scale). The API sets all three.
+  float softcap = 0.f;
+  float softcap_prescale = 0.f;
 
   bool is_causal = false;  // bottom-right aligned: query i sees key j <= i + seqlen_k - seqlen_q
   // Sliding window (local attention; flash-attn's window_size): with off = seqlen_k - seqlen_q,

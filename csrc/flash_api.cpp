@@ -117,6 +117,26 @@ void check_softmax_scale(double softmax_scale) {
               "the kernels scale scores by it), got ", softmax_scale);
 }
 
+// Logit soft-capping (flash.h: softcap; Gemma 2, flash-attn's softcap): 0 is none; a cap > 0
+// makes the logit of score S softcap * tanh(S * softmax_scale / softcap). The kernels hold it as
+// float32 (set_fwd_params rounds it once), so a cap must be a normal float32 (not flushed to 0)
+// whose constants softcap * log2(e) and softmax_scale / softcap fit in float32 too.
+void check_softcap(double softcap, double softmax_scale) {
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0,
+              "flash_attn_ext: softcap must be a finite number >= 0 (0: no soft-capping), got ", softcap);
+  if (softcap == 0) return;
+  constexpr double kFloatMax = 3.4028234663852886e38;  // FLT_MAX
+  bool fits = softcap >= double(std::numeric_limits<float>::min()) && softcap * M_LOG2E < kFloatMax;
+  if (fits) {  // then the cast is in range
+    const double cap = double(float(softcap));
+    fits = cap * M_LOG2E < kFloatMax && std::abs(softmax_scale / cap) < kFloatMax;
+  }
+  TORCH_CHECK(fits,
+              "flash_attn_ext: softcap must be within float32's range (the kernels hold it as float32): softcap >= "
+              "1.18e-38, softcap * log2(e) < 3.4e38 and |softmax_scale / softcap| < 3.4e38, got softcap ", softcap,
+              " with softmax_scale ", softmax_scale);
+}
+
 // The mask of a call: causal (bottom-right aligned) and a sliding window (flash-attn's
 // window_size = (window_size_left, window_size_right); -1: no bound on that side). Query i sees
 // key j iff i + off - left <= j <= i + off + right, off = seqlen_k - seqlen_q; causal=True is the
@@ -304,9 +324,10 @@ flash::TensorView view(const Tensor& t) {
 }
 
 // stats: the (2, batch, nheads, seqlen_q) float32 contiguous softmax_stats, or undefined.
+// softcap: checked (check_softcap); 0 or the logit cap, held as float32 (flash.h).
 void set_fwd_params(flash::Flash_fwd_params& p, const Sizes& s, const Tensor& q, const Tensor& k,
                     const Tensor& v, const Tensor& out, const Tensor& softmax_lse, const Tensor& stats,
-                    double softmax_scale, const MaskArgs& mask) {
+                    double softmax_scale, double softcap, const MaskArgs& mask) {
   p.q = view(q), p.k = view(k), p.v = view(v), p.o = view(out);
   p.h = int(s.nheads);
   p.h_k = int(s.nheads_k);
@@ -324,6 +345,14 @@ void set_fwd_params(flash::Flash_fwd_params& p, const Sizes& s, const Tensor& q,
   p.d_rounded = p.d;  // the CUDA path overrides with the compiled head dim
   p.scale_softmax = softmax_scale;
   p.scale_softmax_log2 = float(softmax_scale * M_LOG2E);
+  if (softcap > 0) {
+    // Soft-capping (flash.h): t = tanh(S * softcap_prescale), then the softmax of softcap * t, so
+    // the exp2 scale is softcap * log2(e). Every constant from the float32 cap, so the CPU twin
+    // (which reads p.softcap) and the CUDA kernels use one cap.
+    p.softcap = float(softcap);
+    p.softcap_prescale = float(softmax_scale / double(p.softcap));
+    p.scale_softmax_log2 = float(double(p.softcap) * M_LOG2E);
+  }
   p.is_causal = mask.causal;
   p.window_left = mask.window_left;  // normalized by mask_args
   p.window_right = mask.window_right;
@@ -333,8 +362,8 @@ void set_fwd_params(flash::Flash_fwd_params& p, const Sizes& s, const Tensor& q,
 void set_bwd_params(flash::Flash_bwd_params& p, const Sizes& s, const Tensor& dout, const Tensor& q,
                     const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                     const Tensor& stats, const Tensor& dq, const Tensor& dk, const Tensor& dv, double softmax_scale,
-                    const MaskArgs& mask) {
-  set_fwd_params(p, s, q, k, v, out, softmax_lse, stats, softmax_scale, mask);
+                    double softcap, const MaskArgs& mask) {
+  set_fwd_params(p, s, q, k, v, out, softmax_lse, stats, softmax_scale, softcap, mask);
   p.dout = view(dout), p.dq = view(dq), p.dk = view(dk), p.dv = view(dv);
 }
 
@@ -396,16 +425,18 @@ flash::cpu::Dtype cpu_dtype(at::ScalarType t) {
 }
 
 FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
-                   int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in) {
+                   int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
+                   double softcap) {
   check_sinks_device(sinks_in, q);
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
+  check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   FwdOut outs = alloc_fwd(q, s);
   if (!fwd_nonempty(outs, s, sinks)) return outs;
   const auto& [out, lse, stats] = outs;
   flash::Flash_fwd_params params;
-  set_fwd_params(params, s, q, k, v, out, lse, stats, softmax_scale, mask);
+  set_fwd_params(params, s, q, k, v, out, lse, stats, softmax_scale, softcap, mask);
   params.sinks_ptr = sinks_ptr(sinks);
   flash::cpu::run_mha_fwd_cpu(params, cpu_dtype(q.scalar_type()));
   return outs;
@@ -416,13 +447,14 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
                                                 double softmax_scale, bool causal,
                                                 const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
                                                 int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
-                                                const c10::optional<Tensor>& dsinks) {
+                                                const c10::optional<Tensor>& dsinks, double softcap) {
   check_sinks_device(sinks_in, q);
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   check_rank4(dout_in, "dout", "(batch, seqlen_q, nheads, headdim)");
   check_rank4(out, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q, out, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q, s);
+  check_softcap(softcap, softmax_scale);
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   check_dsinks(dsinks, sinks, q, s.nheads);
   if (dsinks.has_value() && dsinks->defined()) {
@@ -439,7 +471,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   const Tensor dout = dout_in.stride(-1) == 1 ? dout_in : dout_in.contiguous();
   const Tensor lse = softmax_lse.contiguous();
   flash::Flash_bwd_params params;
-  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, softmax_scale, mask);
+  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, softmax_scale, softcap, mask);
   params.sinks_ptr = sinks_ptr(sinks);  // the float64 statistics recompute adds the sink as the forward did
   flash::cpu::run_mha_bwd_cpu(params, cpu_dtype(q.scalar_type()));
   return {dq, dk, dv};
@@ -557,10 +589,11 @@ Tensor seq_slice(const Tensor& t, int begin, int end) { return t.narrow(0, begin
 FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                           const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                           bool causal, int64_t window_size_left, int64_t window_size_right,
-                          const c10::optional<Tensor>& sinks_in) {
+                          const c10::optional<Tensor>& sinks_in, double softcap) {
   check_sinks_device(sinks_in, q);
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
+  check_softcap(softcap, softmax_scale);
   mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
@@ -576,7 +609,7 @@ FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
     if (cq[b + 1] == cq[b]) continue;
     const auto [o_b, lse_b, stats_b] = forward_cpu(seq_slice(q, cq[b], cq[b + 1]), seq_slice(k, ck[b], ck[b + 1]),
                                                    seq_slice(v, ck[b], ck[b + 1]), softmax_scale, causal,
-                                                   window_size_left, window_size_right, sinks);
+                                                   window_size_left, window_size_right, sinks, softcap);
     out.narrow(0, cq[b], cq[b + 1] - cq[b]).copy_(o_b[0]);
     lse.narrow(1, cq[b], cq[b + 1] - cq[b]).copy_(lse_b[0]);
     stats.narrow(2, cq[b], cq[b + 1] - cq[b]).copy_(stats_b.select(1, 0));
@@ -590,7 +623,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                                                        bool causal, const c10::optional<Tensor>& softmax_stats,
                                                        int64_t window_size_left, int64_t window_size_right,
-                                                       const c10::optional<Tensor>& sinks_in) {
+                                                       const c10::optional<Tensor>& sinks_in, double softcap) {
   check_sinks_device(sinks_in, q);
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
@@ -598,6 +631,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
   check_rank3(dout, "dout", "(total_q, nheads, headdim)");
   check_rank3(out, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats, s);
+  check_softcap(softcap, softmax_scale);
   mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
@@ -614,7 +648,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
     const auto [dq_b, dk_b, dv_b] =
         backward_cpu(seq_slice(dout, q0, q1), seq_slice(q, q0, q1), seq_slice(k, k0, k1), seq_slice(v, k0, k1),
                      seq_slice(out, q0, q1), softmax_lse.narrow(1, q0, q1 - q0).unsqueeze(0), softmax_scale, causal,
-                     stats_b, window_size_left, window_size_right, sinks, c10::nullopt);
+                     stats_b, window_size_left, window_size_right, sinks, c10::nullopt, softcap);
     dq.narrow(0, q0, q1 - q0).copy_(dq_b[0]);
     dk.narrow(0, k0, k1 - k0).copy_(dk_b[0]);
     dv.narrow(0, k0, k1 - k0).copy_(dv_b[0]);
@@ -774,10 +808,11 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
                                            const c10::optional<Tensor>& block_table, double softmax_scale, bool causal,
                                            int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
                                            const c10::optional<Tensor>& sinks_in,
-                                           const c10::optional<Tensor>& cache_leftpad) {
+                                           const c10::optional<Tensor>& cache_leftpad, double softcap) {
   check_sinks_device(sinks_in, q_in);
   const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens, block_table, softmax_scale,
                                         num_splits, /*cuda=*/false, cache_leftpad);
+  check_softcap(softcap, softmax_scale);
   const auto [q, k, v] = unaliased_kvcache_inputs(q_in, k_in, v_in, k_cache, v_cache);
   mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);  // before the append
   const Tensor sinks = check_sinks(sinks_in, ks.s.nheads);
@@ -822,7 +857,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
     const Tensor k_b = cache_rows(k_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp);
     const Tensor v_b = cache_rows(v_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp);
     const auto [o_b, lse_b, stats_b] = forward_cpu(q.narrow(0, b, 1), k_b.unsqueeze(0), v_b.unsqueeze(0), softmax_scale,
-                                                   causal, window_size_left, window_size_right, sinks);
+                                                   causal, window_size_left, window_size_right, sinks, softcap);
     out[b].copy_(o_b[0]);
     lse[b].copy_(lse_b[0]);
   }
@@ -918,9 +953,11 @@ int cuda_rounded_headdim(int d) {
 }
 
 FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, double softmax_scale, bool causal,
-                    int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in) {
+                    int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
+                    double softcap) {
   check_sinks_device(sinks_in, q_in);
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
+  check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
@@ -933,7 +970,7 @@ FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, 
   const Tensor q = aligned_for_cuda(q_pos), k = aligned_for_cuda(k_in), v = aligned_for_cuda(v_in);
 
   flash::Flash_fwd_params params;
-  set_fwd_params(params, s, q, k, v, out, lse, stats, scale, mask);
+  set_fwd_params(params, s, q, k, v, out, lse, stats, scale, softcap, mask);
   params.sinks_ptr = sinks_ptr(sinks);
   launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
@@ -954,7 +991,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
                                                  const Tensor& softmax_lse, double softmax_scale, bool causal,
                                                  const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
                                                  int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
-                                                 const c10::optional<Tensor>& dsinks) {
+                                                 const c10::optional<Tensor>& dsinks, double softcap) {
   check_sinks_device(sinks_in, q_in);
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
@@ -962,6 +999,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   check_rank4(out_in, "out", "(batch, seqlen_q, nheads, headdim)");
   check_bwd_extra(dout_in, q_in, out_in, softmax_lse, s);
   const Tensor stats = bwd_stats(softmax_stats, q_in, s);
+  check_softcap(softcap, softmax_scale);
   // The kernels' P comes from the LSE, which holds the sink: sinks only feed dsinks here.
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   check_dsinks(dsinks, sinks, q_in, s.nheads);
@@ -984,7 +1022,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   const Tensor dout = aligned_for_cuda(dout_in);
   const Tensor lse = softmax_lse.contiguous();
   flash::Flash_bwd_params params;
-  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, mask);
+  set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, softcap, mask);
   // Workspaces (b, h, seqlen_q rounded up to 128) per plane.
   const int64_t seqlen_q_rounded = (s.seqlen_q + 127) / 128 * 128;
   const auto workspaces = set_bwd_workspaces(params, {s.batch, s.nheads, seqlen_q_rounded}, s.batch, s.nheads,
@@ -1085,10 +1123,11 @@ int* varlen_tile_counter(const Tensor& q, Tensor& fresh) {
 FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& cu_seqlens_q,
                            const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                            double softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
-                           const c10::optional<Tensor>& sinks_in) {
+                           const c10::optional<Tensor>& sinks_in, double softcap) {
   check_sinks_device(sinks_in, q_in);
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
+  check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
@@ -1103,7 +1142,7 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   flash::Flash_fwd_params params;
   const Sizes dense{s.batch, max_seqlen_q, max_seqlen_k, s.nheads, s.nheads_k, s.headdim};
   set_fwd_params(params, dense, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse, stats, scale,
-                 mask);
+                 softcap, mask);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.sinks_ptr = sinks_ptr(sinks);
   params.d_rounded = d_rounded;
@@ -1124,7 +1163,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
                                                         const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                         int64_t max_seqlen_k, double softmax_scale, bool causal,
                                                         const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
-                                                        int64_t window_size_right, const c10::optional<Tensor>& sinks) {
+                                                        int64_t window_size_right, const c10::optional<Tensor>& sinks,
+                                                        double softcap) {
   check_sinks_device(sinks, q_in);
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
@@ -1133,6 +1173,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
   check_rank3(dout_in, "dout", "(total_q, nheads, headdim)");
   check_rank3(out_in, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout_in, q_in, out_in, softmax_lse, softmax_stats, s);
+  check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -1153,7 +1194,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
   flash::Flash_bwd_params params;
   const Sizes dense{s.batch, max_seqlen_q, max_seqlen_k, s.nheads, s.nheads_k, s.headdim};
   set_bwd_params(params, dense, dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0),
-                 lse, stats, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), scale, mask);
+                 lse, stats, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), scale, softcap, mask);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.dout = view_packed(dout), params.dq = view_packed(dq), params.dk = view_packed(dk), params.dv = view_packed(dv);
   // Workspaces (flash.h): (nheads, varlen_ws_rows) per plane; precise_rows per 128 rows of
@@ -1172,10 +1213,11 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
                                             const c10::optional<Tensor>& block_table, double softmax_scale,
                                             bool causal, int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
                                             const c10::optional<Tensor>& sinks_in,
-                                            const c10::optional<Tensor>& cache_leftpad) {
+                                            const c10::optional<Tensor>& cache_leftpad, double softcap) {
   check_sinks_device(sinks_in, q_in);
   const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens, block_table, softmax_scale,
                                         num_splits, /*cuda=*/true, cache_leftpad);
+  check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);
   const Sizes& s = ks.s;
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
@@ -1201,7 +1243,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
   const Tensor q = aligned_for_cuda(q_pos);
 
   flash::Flash_fwd_params params;
-  set_fwd_params(params, s, q, k_cache_r, v_cache_r, out, lse, Tensor(), scale, mask);
+  set_fwd_params(params, s, q, k_cache_r, v_cache_r, out, lse, Tensor(), scale, softcap, mask);
   params.sinks_ptr = sinks_ptr(sinks);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
@@ -1248,7 +1290,7 @@ void no_cuda(const Tensor& q, std::initializer_list<std::pair<const Tensor&, con
                      "or without nvcc / a CUDA-enabled torch); rebuild with CUDA to run on a GPU");
 }
 FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool, int64_t, int64_t,
-                    const c10::optional<Tensor>& sinks) {
+                    const c10::optional<Tensor>& sinks, double) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{k, "k"}, {v, "v"}});
   return {};
@@ -1256,14 +1298,15 @@ FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, b
 std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                  const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                  double, bool, const c10::optional<Tensor>&, int64_t, int64_t,
-                                                 const c10::optional<Tensor>& sinks, const c10::optional<Tensor>&) {
+                                                 const c10::optional<Tensor>& sinks, const c10::optional<Tensor>&,
+                                                 double) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
 }
 FwdOut varlen_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                            const Tensor& cu_seqlens_k, int64_t, int64_t, double, bool, int64_t, int64_t,
-                           const c10::optional<Tensor>& sinks) {
+                           const c10::optional<Tensor>& sinks, double) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{k, "k"}, {v, "v"}, {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}});
   return {};
@@ -1272,7 +1315,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout, cons
                                                         const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                         const Tensor&, const Tensor&, int64_t, int64_t, double, bool,
                                                         const c10::optional<Tensor>&, int64_t, int64_t,
-                                                        const c10::optional<Tensor>& sinks) {
+                                                        const c10::optional<Tensor>& sinks, double) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
@@ -1281,7 +1324,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q, const Tensor& k_cac
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&, double, bool,
                                             int64_t, int64_t, int64_t, const c10::optional<Tensor>& sinks,
-                                            const c10::optional<Tensor>&) {
+                                            const c10::optional<Tensor>&, double) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{k_cache, "k_cache"}, {v_cache, "v_cache"}});
   return {};
@@ -1300,25 +1343,26 @@ Tensor new_dsinks(const Tensor& sinks) { return torch::empty({sinks.numel()}, si
   Grads backward_op_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,              \
                              const Tensor& out, const Tensor& lse, double scale, bool causal,                    \
                              const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,                         \
-                             const c10::optional<Tensor>& sinks) {                                               \
-    return backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, c10::nullopt);         \
+                             const c10::optional<Tensor>& sinks, double softcap) {                               \
+    return backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, c10::nullopt, softcap); \
   }                                                                                                              \
   GradsDsinks backward_dsinks_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,     \
                                        const Tensor& out, const Tensor& lse, double scale, bool causal,          \
                                        const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,               \
-                                       const Tensor& sinks) {                                                    \
+                                       const Tensor& sinks, double softcap) {                                    \
     TORCH_CHECK(sinks.defined(), "flash_attn_ext: backward_dsinks needs sinks (the forward's (nheads,) float32); " \
                                  "without sinks call backward");                                                 \
     Tensor ds = new_dsinks(sinks);                                                                               \
-    auto [dq, dk, dv] = backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, ds);      \
+    auto [dq, dk, dv] = backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, ds, softcap); \
     return {dq, dk, dv, ds};                                                                                     \
   }                                                                                                              \
   Grads varlen_backward_op_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,       \
                                     const Tensor& out, const Tensor& lse, const Tensor& cq, const Tensor& ck,    \
                                     int64_t mq, int64_t mk, double scale, bool causal,                           \
                                     const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,                  \
-                                    const c10::optional<Tensor>& sinks) {                                        \
-    return varlen_backward_##suffix(dout, q, k, v, out, lse, cq, ck, mq, mk, scale, causal, stats, wl, wr, sinks); \
+                                    const c10::optional<Tensor>& sinks, double softcap) {                        \
+    return varlen_backward_##suffix(dout, q, k, v, out, lse, cq, ck, mq, mk, scale, causal, stats, wl, wr, sinks,  \
+                                    softcap);                                                                    \
   }
 FLASH_ATTN_EXT_BACKWARD_OPS(cpu)
 FLASH_ATTN_EXT_BACKWARD_OPS(cuda)
@@ -1329,33 +1373,36 @@ FLASH_ATTN_EXT_BACKWARD_OPS(cuda)
 TORCH_LIBRARY(flash_attn_ext, m) {
   // Fake kernels and autograd live in this Python module; torch imports it on demand.
   m.set_python_module("flash_attn_ext.ops");
+  // Every op's last argument, softcap: logit soft-capping (flash.h; check_softcap), 0.0 = none.
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_size_left=-1, "
-      "int window_size_right=-1, Tensor? sinks=None) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
+      "int window_size_right=-1, Tensor? sinks=None, float softcap=0.0) -> (Tensor out, Tensor softmax_lse, "
+      "Tensor softmax_stats)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
       "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1, "
-      "Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? sinks=None, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, bool causal, int window_size_left=-1, int window_size_right=-1, "
-      "Tensor? sinks=None) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
+      "Tensor? sinks=None, float softcap=0.0) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
       "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1, "
-      "Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? sinks=None, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
       "Tensor? block_table, float softmax_scale, bool causal, int num_splits, int window_size_left=-1, "
-      "int window_size_right=-1, Tensor? sinks=None, Tensor? cache_leftpad=None) -> (Tensor out, Tensor softmax_lse)");
+      "int window_size_right=-1, Tensor? sinks=None, Tensor? cache_leftpad=None, float softcap=0.0) -> (Tensor out, "
+      "Tensor softmax_lse)");
   // backward that also returns the sinks' gradient, from the backward's own workspace on CUDA (D and
   // the LSE of the preprocess: no extra pass over dout / out). (The varlen backward's workspace
   // leaves rows between sequences unwritten; its sinks' gradient is ops.sinks_grad's for now.)
   m.def(
       "backward_dsinks(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "float softmax_scale, bool causal, Tensor? softmax_stats, int window_size_left, int window_size_right, "
-      "Tensor sinks) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
+      "Tensor sinks, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
 }
 
 // Every op's kernel for one dispatch key: the CPU and CUDA functions differ by their suffix only.

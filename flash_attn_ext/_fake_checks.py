@@ -14,6 +14,7 @@ RuntimeError, as TORCH_CHECK does.
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -89,6 +90,28 @@ def check_softmax_scale(softmax_scale: float) -> None:
     if not math.isfinite(softmax_scale) or abs(softmax_scale) * 1.4426950408889634 >= 3.4028234663852886e38:
         _fail("softmax_scale must be finite with |softmax_scale| * log2(e) < 3.4e38 (float32; the kernels "
               f"scale scores by it), got {softmax_scale}")
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+
+
+def check_softcap(softcap: float, softmax_scale: float) -> None:
+    """check_softcap: 0 (no soft-capping) or a finite cap > 0 that is a normal float32 (the kernels
+    hold it as float32) with softcap * log2(e) and |softmax_scale / softcap| (the cap rounded to
+    float32) below float32's max."""
+    if not (softcap >= 0.0 and softcap < math.inf):  # NaN fails both comparisons
+        _fail(f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap}")
+    if softcap == 0.0:
+        return
+    fits = softcap >= _FLOAT32_MIN_NORMAL and softcap * 1.4426950408889634 < _FLOAT32_MAX
+    if fits:
+        cap = struct.unpack("f", struct.pack("f", softcap))[0]
+        fits = cap * 1.4426950408889634 < _FLOAT32_MAX and abs(softmax_scale / cap) < _FLOAT32_MAX
+    if not fits:
+        _fail("softcap must be within float32's range (the kernels hold it as float32): softcap >= 1.18e-38, "
+              f"softcap * log2(e) < 3.4e38 and |softmax_scale / softcap| < 3.4e38, got softcap {softcap} with "
+              f"softmax_scale {softmax_scale}")
 
 
 MAX_WINDOWED_SEQLENS = 2**31 - 512  # csrc/flash.h kMaxWindowedSeqlens

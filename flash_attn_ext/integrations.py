@@ -64,6 +64,11 @@ Masks (never ignored):
     raises NotImplementedError naming the cause: use attn_implementation="sdpa" for those
     models.
 
+Logit soft-capping (Gemma 2): the model passes ``softcap=config.attn_logit_softcapping`` (50.0
+for Gemma 2; None or 0 = none); it goes to every kernel call as ``softcap=`` (flash_attn_func's:
+logits softcap * tanh(scaling * q.k / softcap)), so the result is Gemma 2's
+``eager_attention_forward``'s.
+
 Attention sinks (gpt-oss): the model passes ``s_aux=self.sinks``, one logit per query head of an
 extra key that every query sees and whose value is zero (``sinks`` is accepted as an alias); it
 goes to every kernel call as ``sinks=`` (dense, and each varlen call of the masked path), so the
@@ -78,7 +83,7 @@ import weakref
 
 import torch
 
-from .interface import flash_attn_func
+from .interface import _softcap, flash_attn_func
 from . import masked
 from .masked import MaskNotSupported, allowed_from_mask, masked_attention
 from .sdpa import _autocast_and_check_dtype
@@ -164,7 +169,10 @@ def flash_attn_ext_attention_forward(
         dropout: must be 0.0 (call ``model.eval()``, or set the attention dropout to 0).
         scaling: softmax scale (default 1 / sqrt(headdim)).
         is_causal: overrides ``module.is_causal``.
-        kwargs: ``softcap`` and ``position_bias`` must be None;
+        kwargs: ``softcap`` (Gemma 2 passes ``config.attn_logit_softcapping``): None or 0 for none,
+            else a float > 0, given to every kernel call (logits softcap * tanh(scaling * q.k /
+            softcap), Gemma 2's eager attention; flash_attn_func's ``softcap``);
+            ``position_bias`` must be None;
             ``sliding_window`` (a causal layer's window of that many keys, transformers' ``kv_idx >
             q_idx - sliding_window``) runs as ``window_size=(sliding_window - 1, 0)``, a
             bidirectional layer's (ModernBERT: ``|q_idx - kv_idx| <= sliding_window - 1``) as
@@ -181,16 +189,18 @@ def flash_attn_ext_attention_forward(
         (attn_output (batch, q_len, nheads, headdim) contiguous, None).
     Raises:
         NotImplementedError: dropout > 0, unsupported kwargs or mask patterns, a head dim over 256.
-        TypeError: float32 on CUDA outside autocast; both ``s_aux`` and ``sinks`` given.
+        TypeError: float32 on CUDA outside autocast; both ``s_aux`` and ``sinks`` given; a
+            softcap that is not a real number. ValueError: a negative or non-finite softcap.
         RuntimeError: sinks not of shape (nheads,), not floating or on another device
             (flash_attn_func's checks); under torch.compile, a mask that is not the pattern
             assumed (a device-side assert).
     """
-    for name in ("softcap", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"flash_attn_ext attention: `{name}` is not supported; use "
-                'attn_implementation="sdpa" or "eager" for this model')
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError(
+            "flash_attn_ext attention: `position_bias` is not supported; use "
+            'attn_implementation="sdpa" or "eager" for this model')
+    softcap = kwargs.get("softcap")
+    softcap = 0.0 if softcap is None else _softcap(softcap)  # transformers' None: no soft-capping
     sinks = kwargs.get("s_aux")
     if kwargs.get("sinks") is not None:
         if sinks is not None:
@@ -228,7 +238,8 @@ def flash_attn_ext_attention_forward(
         scaling = d_qk ** -0.5 if scaling is None else scaling
         q, k, v = (torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
     try:
-        out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_len, kv_len, kwargs)
+        out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, q_len, kv_len,
+                      kwargs)
     except MaskNotSupported as e:
         raise NotImplementedError(f'flash_attn_ext attention: {e}; those are not supported, use '
                                   'attn_implementation="sdpa" for this model') from None
@@ -271,16 +282,17 @@ def _mask_is_the_packing(attention_mask, cu, is_causal, window_left):
     return answer
 
 
-def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_len, kv_len, kwargs):
+def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, q_len, kv_len, kwargs):
     """flash_attn_ext_attention_forward's calls on the BSHD q, k, v of one head dim; returns the
     (batch, q_len, nheads, headdim) output."""
     packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs, attention_mask)
     if attention_mask is not None and (packed is None or q_len != kv_len or
                                        not _mask_is_the_packing(attention_mask, packed[0], is_causal, window_left)):
-        return masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal)
+        return masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal, softcap)
     if packed is not None:
         cu_q, cu_k, max_q, max_k = packed
-        return masked.varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, bool(is_causal), window_left, sinks)
+        return masked.varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, bool(is_causal), window_left, sinks,
+                                  softcap)
     # No mask: transformers' sdpa_mask returned None, so the pattern is plain causal or plain
     # bidirectional. As the sdpa path: one query token sees everything; with kv_len > q_len
     # (prefill into an empty static cache) the keys beyond q_len are empty slots: drop them.
@@ -289,7 +301,8 @@ def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, q_l
         k, v = k[:, :q_len], v[:, :q_len]
     # right bound 0 for causal layers (decode's one query too), window_left for bidirectional ones
     window = (window_left, 0 if is_causal else window_left) if window_left >= 0 else (-1, -1)
-    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks)
+    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks,
+                           softcap=softcap)
 
 
 def register_transformers(name: str = DEFAULT_NAME) -> str:

@@ -27,7 +27,8 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ):
-    """Exact attention ``softmax(softmax_scale * Q K^T) V`` without materialising the scores.
+    """Exact attention ``softmax(softmax_scale * Q K^T) V`` without materialising the scores
+    (optionally with the logits soft-capped: ``softcap``).
 
     FlashAttention-2 (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and
     Work Partitioning"): forward = Alg. 1 (tiled online softmax, saves the row softmax
@@ -95,19 +96,35 @@ def flash_attn_func(
             row's weights sum to less than 1. Differentiable: d sinks[h] = -sum_{b,i}
             exp(sinks[h] - LSE_i) D_i, D = rowsum(dout * out) (FlashAttention-2 Alg. 2's D). The
             kernels add the sink in their epilogue (the backward kernels need nothing: P comes
-            from the LSE, which includes it). -inf for a head is no sink.
-        dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs: flash-attn's other
-            keywords, accepted at the values that ask for nothing this library lacks, so ported
-            calls run unchanged: dropout_p=0.0, softcap=0.0, alibi_slopes=None,
-            return_attn_probs=False (another value: NotImplementedError naming it);
-            deterministic: any bool (the backward is always deterministic: no atomics).
+            from the LSE, which includes it). -inf for a head is no sink. A sink is a logit as
+            given: softcap does not cap it.
+        softcap: logit soft-capping (Gemma 2: Gemma Team et al. 2024, "Gemma 2: Improving Open
+            Language Models at a Practical Size", section 2, "Logit soft-capping"; flash-attn >= 2.6's
+            ``softcap``): a real number >= 0 (a Python float; ints, NumPy scalars and 0-dim
+            tensors are taken too), 0.0 (the default) meaning none. With softcap > 0 the logit of
+            score S_ij = q_i . k_j is
+                softcap * tanh(S_ij * softmax_scale / softcap)     instead of     S_ij * softmax_scale,
+            in the units of softmax_scale * q.k (natural log), so every logit lies in [-softcap,
+            softcap]: Gemma 2 uses 50.0 (``config.attn_logit_softcapping``). The kernels map S to
+            t = tanh(S * softmax_scale / softcap) and run the usual softmax on softcap * t; the
+            backward multiplies dS by 1 - t^2 (FlashAttention-2 Alg. 2's dS = P (dP - D), then the
+            chain rule through the cap) before the usual softmax_scale. softmax_lse is that of the
+            capped logits. The cap is used as float32 (a value that float32 cannot hold exactly
+            is rounded once, on every device). Differentiable in q, k, v (reverse and forward
+            mode), not in softcap (a constant). Composes with causal, window_size, sinks and GQA.
+        dropout_p, alibi_slopes, deterministic, return_attn_probs: flash-attn's other keywords,
+            accepted at the values that ask for nothing this library lacks, so ported calls run
+            unchanged: dropout_p=0.0, alibi_slopes=None, return_attn_probs=False (another value:
+            NotImplementedError naming it); deterministic: any bool (the backward is always
+            deterministic: no atomics).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
         softmax_lse (only if return_lse): (batch, nheads, seqlen_q) float32,
             LSE_i = log(sum_j exp(softmax_scale * q_i . k_j)) in natural log (+inf when no key is
-            visible); with sinks the sink's exp is in the sum (a row without keys: LSE = sinks[h],
-            out 0). It carries no gradient.
+            visible; with softcap the capped logits in place of softmax_scale * q_i . k_j); with
+            sinks the sink's exp is in the sum (a row without keys: LSE = sinks[h], out 0). It
+            carries no gradient.
 
     Raises:
         RuntimeError: before any work, with a message naming the argument, for: tensors on
@@ -115,15 +132,18 @@ def flash_attn_func(
             nheads_k / headdim mismatches between q, k and v; nheads not divisible by nheads_k;
             headdim not a multiple of 8 or > 256 (or a CUDA head dim not compiled in this build);
             a last dimension that is not contiguous; a softmax_scale that is not finite or whose
-            |softmax_scale| * log2(e) overflows float32; seqlen_q or seqlen_k above 2^31 - 256 (tile
-            counts are int32); double backward.
+            |softmax_scale| * log2(e) overflows float32; a softcap > 0 outside float32's range (below
+            1.18e-38, softcap * log2(e) or |softmax_scale / softcap| above 3.4e38); seqlen_q or
+            seqlen_k above 2^31 - 256 (tile counts are int32); double backward.
+        ValueError: softcap negative, NaN or infinite (the message names softcap), before any work.
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
-            nested (jagged) tensors (pack them and call flash_attn_varlen_func); dropout_p or
-            softcap other than 0, alibi_slopes, return_attn_probs=True.
+            nested (jagged) tensors (pack them and call flash_attn_varlen_func); dropout_p other
+            than 0, alibi_slopes, return_attn_probs=True.
         TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
             scale gets no gradient); window_size that is not a pair of ints; dropout_p or softcap
-            that is not a real number, deterministic or return_attn_probs that is not a bool;
+            that is not a real number (a bool or None included), deterministic or
+            return_attn_probs that is not a bool;
             arguments after v given positionally; sinks that is not a tensor or None. (A window
             side below -1, and sinks of another shape or device or not floating, are RuntimeErrors
             naming them.)
@@ -132,10 +152,10 @@ def flash_attn_func(
     gives out = 0 and LSE = +inf.
     """
     _check_tensors(q=q, k=k, v=v)
-    _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    softcap = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     scale = _scale("softmax_scale", softmax_scale, q)
     out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size),
-                                                _sinks(sinks))
+                                                _sinks(sinks), softcap)
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
 
 
@@ -173,11 +193,17 @@ def _window(window_size) -> tuple[int, int]:
 
 
 def _scale(name: str, value, q: torch.Tensor) -> float:
-    """softmax_scale as a Python float: None -> 1 / sqrt(headdim); else a real number (int, float,
-    NumPy or 0-dim real tensor), not a bool or a string, or TypeError naming ``name``."""
+    """softmax_scale as a Python float: None -> 1 / sqrt(headdim); else a real number (``_real``)."""
     if value is None:
         # headdim 0 is rejected by the op with a message naming headdim; don't divide by zero first.
         return 1.0 / math.sqrt(q.shape[-1]) if q.dim() > 0 and q.shape[-1] > 0 else 1.0
+    return _real(name, value)
+
+
+def _real(name: str, value) -> float:
+    """``value`` as a Python float: a real number (int, float, NumPy or 0-dim real tensor), not a
+    bool, None or a string, or TypeError naming ``name`` (also for a tensor that requires grad: the
+    kernels take the value as a constant)."""
     if type(value) is float:  # the common case; under torch.compile(dynamic=True) a symbolic float
         return value              # (no message is formatted on it: that would break the graph)
 
@@ -188,13 +214,13 @@ def _scale(name: str, value, q: torch.Tensor) -> float:
     if isinstance(value, (bool, str, bytes, complex)) or _is_numpy_bool(value) or non_real_tensor:
         raise error()
     if isinstance(value, torch.Tensor) and value.requires_grad:
-        raise TypeError(f"flash_attn_ext: {name} is a tensor that requires grad, but the scale is a constant of "
-                        "the kernels (no gradient reaches it); pass a float or a detached tensor")
+        raise TypeError(f"flash_attn_ext: {name} is a tensor that requires grad, but it is a constant of the "
+                        "kernels (no gradient reaches it); pass a float or a detached tensor")
     if isinstance(value, torch.Tensor) and torch.compiler.is_compiling():
         # Its value is data while tracing, and the ops take a float: a graph break reads it eagerly
         # (under fullgraph=True, Dynamo's error carries this message).
         torch._dynamo.graph_break(msg=f"flash_attn_ext: {name} is a tensor; under torch.compile pass a Python "
-                                      "float (the ops take the scale as a float, a tensor's value is data)")
+                                      f"float (the ops take {name} as a float, a tensor's value is data)")
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
@@ -254,32 +280,44 @@ def _as_bool(name: str, value) -> bool:
     return bool(as_int)
 
 
-def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs) -> None:
-    """NotImplementedError naming the first flash-attn feature a call asks for that this library
-    does not have; TypeError naming an argument of the wrong type."""
-    if (type(dropout_p) is float and type(softcap) is float and dropout_p == 0.0 and softcap == 0.0
-            and alibi_slopes is None and deterministic is False and return_attn_probs is False):
-        return  # the defaults, checked cheaply (eager calls pay this per attention layer)
-    for name, value in (("dropout_p", dropout_p), ("softcap", softcap)):
-        def error():  # formatted only when raised (a symbolic float under torch.compile must not be)
-            return TypeError(f"flash_attn_ext: {name} must be a real number, got {type(value).__name__} {value!r}")
-
-        if isinstance(value, (bool, str, bytes)) or _is_numpy_bool(value):
-            raise error()
-        try:
-            number = float(value)
-        except (TypeError, ValueError, RuntimeError):
-            raise error() from None
-        if number != 0.0:
-            what = "attention dropout" if name == "dropout_p" else "logit soft-capping"
-            raise NotImplementedError(f"flash_attn_ext: {name}={value!r}: {what} is not supported; pass {name}=0.0 "
-                                      "(the default)")
+def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs) -> float:
+    """flash-attn's keywords: NotImplementedError naming the first feature a call asks for that this
+    library does not have; TypeError naming an argument of the wrong type. Returns softcap, checked
+    (``_softcap``), as a Python float."""
+    if (type(dropout_p) is float and dropout_p == 0.0 and alibi_slopes is None and deterministic is False
+            and return_attn_probs is False):
+        return _softcap(softcap)  # the defaults, checked cheaply (eager calls pay this per attention layer)
+    if isinstance(dropout_p, (bool, str, bytes)) or _is_numpy_bool(dropout_p):
+        raise TypeError(f"flash_attn_ext: dropout_p must be a real number, got {type(dropout_p).__name__} "
+                        f"{dropout_p!r}")
+    try:
+        dropout = float(dropout_p)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"flash_attn_ext: dropout_p must be a real number, got {type(dropout_p).__name__} "
+                        f"{dropout_p!r}") from None
+    if dropout != 0.0:
+        raise NotImplementedError(f"flash_attn_ext: dropout_p={dropout_p!r}: attention dropout is not supported; pass "
+                                  "dropout_p=0.0 (the default)")
+    softcap = _softcap(softcap)
     if alibi_slopes is not None:
         raise NotImplementedError("flash_attn_ext: alibi_slopes: ALiBi biases are not supported; pass None")
     _as_bool("deterministic", deterministic)  # the backward is always deterministic
     if _as_bool("return_attn_probs", return_attn_probs):
         raise NotImplementedError("flash_attn_ext: return_attn_probs=True: the attention probabilities are never "
                                   "materialised (return_lse=True returns the log-sum-exp)")
+    return softcap
+
+
+def _softcap(softcap) -> float:
+    """softcap (logit soft-capping) as a Python float: a real number (``_real``: TypeError for a
+    bool, None, a string, ...), finite and >= 0, 0.0 meaning none (ValueError naming softcap
+    otherwise). The op checks the rest (a cap past float32's range: RuntimeError)."""
+    if type(softcap) is float and softcap == 0.0:
+        return softcap  # the default, checked cheaply
+    value = _real("softcap", softcap)
+    if not (value >= 0.0 and value < math.inf):  # comparisons only (a symbolic float under torch.compile); NaN fails
+        raise ValueError(f"flash_attn_ext: softcap must be a finite number >= 0 (0: no soft-capping), got {softcap!r}")
+    return value
 
 
 def flash_attn_varlen_func(
@@ -333,8 +371,10 @@ def flash_attn_varlen_func(
         window_size: (left, right) sliding window per sequence, as ``flash_attn_func``'s.
         return_lse: also return softmax_lse.
         sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (differentiable).
-        dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs: as
-            ``flash_attn_func``'s (flash-attn's keywords at their no-feature values).
+        softcap: logit soft-capping, as ``flash_attn_func``'s (softcap * tanh(S * softmax_scale /
+            softcap); 0.0: none), per sequence.
+        dropout_p, alibi_slopes, deterministic, return_attn_probs: as ``flash_attn_func``'s
+            (flash-attn's keywords at their no-feature values).
         block_table: flash-attn's keyword, accepted as None; a paged K / V here raises
             NotImplementedError (paged caches: ``flash_attn_with_kvcache``).
 
@@ -347,8 +387,8 @@ def flash_attn_varlen_func(
         cu_seqlens that is not int32 (batch + 1,) or whose two lengths differ, max_seqlen
         outside [0, 2^31 - 256], total_q or total_k above 2^31 - 256.
         TypeError: a tensor argument that is not a torch.Tensor, max_seqlen that is not an int,
-        causal or return_lse that is not a bool, softmax_scale as flash_attn_func's, arguments
-        after max_seqlen_k given positionally.
+        causal or return_lse that is not a bool, softmax_scale or softcap as flash_attn_func's,
+        arguments after max_seqlen_k given positionally. ValueError: softcap as flash_attn_func's.
         NotImplementedError: nested tensors; the flash-attn keywords as ``flash_attn_func``'s;
         block_table other than None.
         On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
@@ -360,7 +400,7 @@ def flash_attn_varlen_func(
         CUDA (0 on CPU).
     """
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    softcap = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("flash_attn_ext: block_table: flash_attn_varlen_func takes contiguous packed k / v; "
                                   "for a paged KV cache call flash_attn_with_kvcache(q, k_cache, v_cache, ..., "
@@ -368,7 +408,7 @@ def flash_attn_varlen_func(
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
         _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
-        *_window(window_size), _sinks(sinks))
+        *_window(window_size), _sinks(sinks), softcap)
     return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
 
 
@@ -625,9 +665,11 @@ def flash_attn_with_kvcache(
             cache_seqlens[b] + i and rotary positions stay the cache rows (flash-attn's). Not with
             block_table or cache_batch_idx. Checked on CPU (0 <= cache_leftpad[b] <=
             cache_seqlens[b] + seqlen_new); on CUDA capped to that range.
-        softcap, alibi_slopes, return_softmax_lse: flash-attn's keywords, so that its calls port
-            unchanged: accepted at their defaults (0.0, None); return_softmax_lse=True is
-            return_lse=True. Anything else raises NotImplementedError naming the feature.
+        softcap: logit soft-capping, as ``flash_attn_func``'s (the logit of cache row j is softcap *
+            tanh(q . k_j * softmax_scale / softcap); 0.0: none), every split alike.
+        alibi_slopes, return_softmax_lse: flash-attn's keywords, so that its calls port unchanged:
+            alibi_slopes accepted at its default None (anything else raises NotImplementedError
+            naming the feature); return_softmax_lse=True is return_lse=True.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
@@ -643,8 +685,9 @@ def flash_attn_with_kvcache(
         (no sync): cache rows past the cache are dropped from the append and the attention,
         and block numbers are trusted. TypeError: q / k_cache / v_cache not a torch.Tensor (k,
         v, block_table: a tensor or None), num_splits not an int, cache_seqlens not a tensor, an
-        int or None, causal or return_lse that is not a bool, softmax_scale as flash_attn_func's,
-        arguments after v given positionally. RuntimeError naming rotary_cos / rotary_sin /
+        int or None, causal or return_lse that is not a bool, softmax_scale or softcap as
+        flash_attn_func's, arguments after v given positionally. ValueError: softcap negative or
+        not finite. RuntimeError naming rotary_cos / rotary_sin /
         cache_batch_idx / cache_leftpad for the requirements above. NotImplementedError: nested
         tensors; the flash-attn features above.
     """
@@ -652,7 +695,7 @@ def flash_attn_with_kvcache(
                    q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table, rotary_cos=rotary_cos,
                    rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     interleaved = _as_bool("rotary_interleaved", rotary_interleaved)  # only meaningful with rotary_cos
-    _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
+    softcap = _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
     want_lse = _as_bool("return_lse", return_lse) | _as_bool("return_softmax_lse", return_softmax_lse)
     scale = _scale("softmax_scale", softmax_scale, q)
     if torch.compiler.is_compiling() and isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -683,7 +726,7 @@ def flash_attn_with_kvcache(
                                    causal, window)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,
-        _as_int("num_splits", num_splits), *window, _sinks(sinks), cache_leftpad)
+        _as_int("num_splits", num_splits), *window, _sinks(sinks), cache_leftpad, softcap)
     return (out, softmax_lse) if want_lse else out
 
 

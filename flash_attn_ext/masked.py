@@ -5,8 +5,8 @@ the Hugging Face integration (``flash_attn_ext.integrations``: its module docstr
 patterns and the transformers side), the SDPA drop-in's ``attn_mask`` and
 ``MultiheadFlashAttention``'s ``key_padding_mask``.
 
-``masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False)``
-takes BSHD q (B, Lq, H, D), k / v (B, Lk, Hk, D) and a mask (B or 1, 1, Lq, Lk), boolean (True =
+``masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False,
+softcap=0.0)`` takes BSHD q (B, Lq, H, D), k / v (B, Lk, Hk, D) and a mask (B or 1, 1, Lq, Lk), boolean (True =
 attend) or additive (0 = attend; values <= -32752, half of float16's minimum: -inf, any dtype's
 minimum, -1e9 = masked); it raises MaskNotSupported (a NotImplementedError whose message is the
 reason; each entry point words its own refusal around it) for a pattern it does not take. Rows
@@ -78,25 +78,26 @@ def _connected_zeros(q, k, v, sinks):
     return out
 
 
-def varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, window_left=-1, sinks=None):
+def varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, window_left=-1, sinks=None, softcap=0.0):
     """One varlen call over the flattened batch (sequences laid in its rows as cu_seqlens say,
     no unpadding), causal or not, with a causal window (window_left, 0) or a bidirectional one
     (window_left, window_left); returns the output in q's (B, L, H, D) shape."""
     window = (window_left, -1 if causal else window_left) if window_left >= 0 else (-1, -1)
     o = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
                                cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=causal, window_size=window,
-                               sinks=sinks)
+                               sinks=sinks, softcap=softcap)
     return o.view(q.shape)
 
 
-def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False):
+def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False, softcap=0.0):
     """Unpad, a few varlen calls (two without a window: the causal rows, the rows that see all
     their keys; one more per distinct count of windowed pad rows; three for a bidirectional
     window; one for packed sequences), pad (see the module docstring). q: (B, Lq, H, D) BSHD,
     k/v: (B, Lk, Hk, D); attention_mask: (B or 1, 1, Lq, Lk); window_left: a causal sliding
     window's left bound (window_size[0]), -1 for none (bidirectional: a bidirectional window,
     bidirectional_window_plan); sinks: None or (H,) attention sinks, given to every call (a row
-    that sees no key stays 0, which is also its value with a sink). Returns (B, Lq, H, D).
+    that sees no key stays 0, which is also its value with a sink); softcap: logit soft-capping
+    (flash_attn_func's), given to every call. Returns (B, Lq, H, D).
 
     Eagerly the mask's analysis (its pattern, the index tensors and sizes of the calls: an O(Lq
     Lk) pass and a few host syncs) is kept per mask tensor and version, so a model's layers,
@@ -116,14 +117,14 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
         if m.numel() == 0:
             return _connected_zeros(q, k, v, sinks)
         if window_left < 0:
-            return masked_attention_traced(q, k, v, m, scaling, sinks)
+            return masked_attention_traced(q, k, v, m, scaling, sinks, softcap)
         # The windowed split below reads sizes on the host (its number of calls depends on the
         # data): an explicit graph break, so fullgraph=True names the cause (not a guard error).
         torch._dynamo.graph_break(
             msg="flash_attn_ext: a sliding-window layer with an attention mask reads the sequence sizes on the "
                 "host, which torch.compile(fullgraph=True) cannot trace; compile without fullgraph (a graph "
                 "break per such call)")
-    return plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional)(q, k, v, scaling, sinks)
+    return plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional)(q, k, v, scaling, sinks, softcap)
 
 
 _PLANS: list = []  # the last few plans, most recent first: (weakref to the mask, its version, key, plan)
@@ -137,7 +138,7 @@ def tensor_version(t: torch.Tensor):
 
 
 def plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional):
-    """The calls for ``attention_mask`` as a function plan(q, k, v, scaling, sinks), from the cache
+    """The calls for ``attention_mask`` as a function plan(q, k, v, scaling, sinks, softcap), from the cache
     when this mask tensor (same object, same version: in-place writes through ``.data`` or to an
     inference tensor, which keep it, are not seen) was analysed for the same sizes and window;
     a refused pattern is a plan that raises its MaskNotSupported."""
@@ -162,7 +163,7 @@ def plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional):
     return plan
 
 
-def _connected_zeros_plan(q, k, v, scaling, sinks):
+def _connected_zeros_plan(q, k, v, scaling, sinks, softcap=0.0):
     return _connected_zeros(q, k, v, sinks)
 
 
@@ -187,8 +188,9 @@ def padding_plan(m, window_left=-1):
     # the test before windows: the full rows of an element whose first row sees all keys are
     # still cut on the window's left, e.g. a one-element band of two queries past two keys.)
     if all_visible:
-        return lambda q, k, v, scaling, sinks: flash_attn_func(q, k, v, softmax_scale=scaling, causal=False,
-                                                               sinks=sinks)
+        return lambda q, k, v, scaling, sinks, softcap=0.0: flash_attn_func(q, k, v, softmax_scale=scaling,
+                                                                             causal=False, sinks=sinks,
+                                                                             softcap=softcap)
     # Unpad: nonzero() lists (batch element, position) pairs in packed order. The calls share
     # the packed keys; an element without rows in a call is a zero-length query sequence there.
     kb, kj = k_in.nonzero().unbind(1)
@@ -212,14 +214,15 @@ def padding_plan(m, window_left=-1):
     calls = [(*rows.nonzero().unbind(1), cu_seqlens(counts), max_rows, causal, window)
              for rows, counts, max_rows, causal, window in calls]
 
-    def plan(q, k, v, scaling, sinks):
+    def plan(q, k, v, scaling, sinks, softcap=0.0):
         if not calls:
             return _connected_zeros(q, k, v, sinks)
         k_packed, v_packed = k[kb, kj], v[kb, kj]
         out = q.new_zeros(q.shape)                               # rows that see no key stay 0
         for qb, qi, cu_q, max_rows, causal, window in calls:
             o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, cu_q, cu_k, max_rows, max_k,
-                                       softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks)
+                                       softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks,
+                                       softcap=softcap)
             out = out.index_put((qb, qi), o)                     # pad
         return out
     return plan
@@ -263,15 +266,16 @@ def bidirectional_window_plan(m, w):
         pads.append((rows, real, rows.clamp(0, Lq - 1), order))
     cu_q = torch.arange(B + 1, device=m.device, dtype=torch.int32) * P
 
-    def plan(q, k, v, scaling, sinks):
+    def plan(q, k, v, scaling, sinks, softcap=0.0):
         k_real, v_real = k[kb, kj], v[kb, kj]
         o = flash_attn_varlen_func(q[kb, kj], k_real, v_real, cu, cu, max_n, max_n, softmax_scale=scaling,
-                                   causal=False, window_size=(w, w), sinks=sinks)
+                                   causal=False, window_size=(w, w), sinks=sinks, softcap=softcap)
         out = q.new_zeros(q.shape).index_put((kb, kj), o)
         for rows, real, rows_c, order in pads:
             kr, vr = (k_real, v_real) if order is None else (k_real[order], v_real[order])
             o = flash_attn_varlen_func(q[b, rows_c].flatten(0, 1), kr, vr, cu_q, cu, P, max_n, softmax_scale=scaling,
-                                       causal=False, window_size=(w - P, -1), sinks=sinks).view(B, P, *q.shape[2:])
+                                       causal=False, window_size=(w - P, -1), sinks=sinks,
+                                       softcap=softcap).view(B, P, *q.shape[2:])
             out = out.index_put((b[real], rows[real]), o[real])
         return out
     return plan
@@ -317,11 +321,13 @@ def packed_plan(m, window_left=-1):
     if not ok:  # (ok implies that row 0 of each element opens a sequence: none spans two elements)
         return None
     cu = cu_seqlens(lengths)
-    return lambda q, k, v, scaling, sinks: varlen_flat(q, k, v, cu, cu, max_len, max_len, scaling, bool(causal_kind),
-                                                       window_left if causal_kind else -1, sinks)
+    return lambda q, k, v, scaling, sinks, softcap=0.0: varlen_flat(q, k, v, cu, cu, max_len, max_len, scaling,
+                                                                    bool(causal_kind),
+                                                                    window_left if causal_kind else -1, sinks,
+                                                                    softcap)
 
 
-def masked_attention_traced(q, k, v, m, scaling, sinks=None):
+def masked_attention_traced(q, k, v, m, scaling, sinks=None, softcap=0.0):
     """masked_attention without host syncs or data-dependent shapes, for ``torch.compile``
     (fullgraph, CUDA graphs): transformers (before torch 2.14) builds a 4-D mask there even
     without padding, since while tracing it cannot rule out packed sequences in position_ids.
@@ -344,7 +350,7 @@ def masked_attention_traced(q, k, v, m, scaling, sinks=None):
         qs, nq, q_run = run_of(rows)
         ok = ok & q_run
         o = varlen_flat(q, k, v, blocked_cu_seqlens(qs, nq, Lq), blocked_cu_seqlens(ks, nk, Lk), Lq, Lk, scaling,
-                        causal, sinks=sinks)
+                        causal, sinks=sinks, softcap=softcap)
         out = torch.where(rows[:, :, None, None], o, out)
     assert_in_graph(ok.all(), "flash_attn_ext: under torch.compile a mask must be padding or causal+padding, one "
                               "run of real rows and keys per batch element (packed sequences: the collator "

@@ -23,11 +23,13 @@ adds what lives in Python:
     per-sample fallback loop.
 
 Op contract (docs/DESIGN.md); every op also takes ``window_size_left=-1, window_size_right=-1``
-(a sliding window, flash-attn's ``window_size``; see ``reference.visible_mask``) and, last,
+(a sliding window, flash-attn's ``window_size``; see ``reference.visible_mask``), then
 ``sinks=None`` (attention sinks, (nheads,) float32; the forward ops add them in the kernels'
 epilogue; ``backward_dsinks`` is the dense backward op with sinks required that also returns the
 sinks' gradient, from its own workspace; ``sinks_grad`` is the same formula in torch ops, for the
-paths it does not serve: vmap, double-backward recording, varlen):
+paths it does not serve: vmap, double-backward recording, varlen) and, last, ``softcap=0.0``
+(logit soft-capping, Gemma 2 / flash-attn's softcap: the logit of score S = q.k is
+softcap * tanh(S * softmax_scale / softcap); 0.0: none; a backward op takes its forward's):
   forward(q, k, v, softmax_scale, causal) -> (out, softmax_lse, softmax_stats)
       q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim), BSHD with a
       contiguous last dim; out: q's shape, contiguous; softmax_lse: (batch, nheads, seqlen_q)
@@ -57,7 +59,7 @@ backward = torch.ops.flash_attn_ext.backward
 
 forward.__doc__ = forward.default.__doc__ = """\
 forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
-        window_size_right: int = -1, sinks=None) -> (out, softmax_lse, softmax_stats)
+        window_size_right: int = -1, sinks=None, softcap: float = 0.0) -> (out, softmax_lse, softmax_stats)
 
 Exact attention softmax(softmax_scale * Q K^T) V (FlashAttention-2, Dao 2023, Algorithm 1; on
 sm_90 GPUs FlashAttention-3's Hopper kernel). q: (batch, seqlen_q, nheads, headdim); k, v:
@@ -67,17 +69,21 @@ aligned (query i sees key j <= i + seqlen_k - seqlen_q). window_size_left / wind
 sliding window (local attention; -1: no bound), query i sees key j only if i + off - left <= j <= i +
 off + right with off = seqlen_k - seqlen_q; causal sets the right bound to 0 (flash-attn's
 semantics). sinks: None or (nheads,) float32, attention sinks (one logit per query head of a key
-every row sees, value zero; flash_attn_func's docstring). Returns out (q's shape and dtype),
+every row sees, value zero; flash_attn_func's docstring). softcap: logit soft-capping (Gemma 2;
+flash-attn's softcap), 0.0 = none, else a finite cap > 0 (held as float32): the logit of score S =
+q.k is softcap * tanh(S * softmax_scale / softcap) instead of S * softmax_scale, and softmax_lse /
+softmax_stats are those of the capped logits. Returns out (q's shape and dtype),
 softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
 out row is 0; with sinks the sink is in the sum and such a row's LSE is the sink), and
 softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
 as (row max * softmax_scale * log2 e rounded to float32, i.e. the max of the scaled log2 scores;
 log2 of the row sum), which keeps the backward exact at any input magnitude. Raises RuntimeError naming the argument for bad shapes, dtypes, devices or
-strides, before any launch. Autograd, forward-mode AD, vmap and fake (meta) kernels are registered
-(flash_attn_ext.ops)."""
+strides, or a softcap that is negative, not finite or outside float32's range, before any launch.
+Autograd, forward-mode AD, vmap and fake (meta) kernels are registered (flash_attn_ext.ops)."""
 backward.__doc__ = backward.default.__doc__ = """\
 backward(dout, q, k, v, out, softmax_lse, softmax_scale: float, causal: bool, softmax_stats=None,
-         window_size_left: int = -1, window_size_right: int = -1, sinks=None) -> (dq, dk, dv)
+         window_size_left: int = -1, window_size_right: int = -1, sinks=None, softcap: float = 0.0)
+         -> (dq, dk, dv)
 
 Gradients of forward by recomputation (FlashAttention-2, Dao 2023, Algorithm 2: a preprocess, then
 separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's shape; the other
@@ -87,7 +93,8 @@ float64 inputs recompute the statistics in float64 from q and k when softmax_sta
 must be this forward's own, sinks included: a RuntimeError when they do not match the recompute;
 pass softmax_lse alone for statistics merged over chunks of K/V). sinks: the forward's (the CUDA kernels need them not: out and softmax_lse hold the sink; the
 CPU float32 / float64 recompute adds them; backward_dsinks, the same op with sinks required, also
-returns their gradient). Returns dq, dk, dv
+returns their gradient). softcap: the forward's (dS = P (dP - D) (1 - t^2), t = tanh(S *
+softmax_scale / softcap), then softmax_scale as usual). Returns dq, dk, dv
 with q's, k's and v's shapes and dtypes. Raises RuntimeError naming the argument on bad input."""
 
 
@@ -101,9 +108,11 @@ _lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
 # check function of csrc/flash_api.cpp), so meta tensors and tracing refuse what a real call refuses.
 
 @torch.library.register_fake("flash_attn_ext::forward")
-def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None):
+def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None,
+                  softcap=0.0):
     _checks.check_sinks_device(sinks, q)
     _checks.check_qkv(q, k, v, softmax_scale)
+    _checks.check_softcap(softcap, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     _checks.check_sinks(sinks, q.shape[2])
     batch, seqlen_q, nheads, _ = q.shape
@@ -115,9 +124,10 @@ def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_si
 
 @torch.library.register_fake("flash_attn_ext::backward")
 def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
-                   window_size_left=-1, window_size_right=-1, sinks=None):
+                   window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
     _checks.check_sinks_device(sinks, q)
     _checks.check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale, softmax_stats)
+    _checks.check_softcap(softcap, softmax_scale)
     _checks.check_sinks(sinks, q.shape[2])
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -129,11 +139,13 @@ def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softm
 # ---- forward-mode AD ---------------------------------------------------------------------
 
 def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, window_size_left: int = -1,
-                  window_size_right: int = -1, sinks=None, sinks_t=None) -> torch.Tensor:
+                  window_size_right: int = -1, sinks=None, sinks_t=None, softcap: float = 0.0) -> torch.Tensor:
     """Tangent of ``out`` (forward-mode derivative) of ``out = softmax(c Q K^T) V``.
 
     With S = c Q K^T (masked entries -inf: causal, sliding window), P = softmax(S) row-wise, O = P V:
         dS = c (dQ K^T + Q dK^T),  dP = P * (dS - rowsum(P * dS)),  dO = dP V + P dV.
+    With logit soft-capping (``softcap`` > 0) the logits are softcap * t, t = tanh(c Q K^T / softcap),
+    and dS gains the factor (1 - t^2).
     With attention sinks (``sinks`` (nheads,), tangent ``sinks_t`` or None) the softmax runs over
     one more column per row, the head's sink with value 0 and tangent sinks_t[h]; its P column
     enters rowsum(P * dS) only.
@@ -150,7 +162,7 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):  # keep the float32 matmuls float32
             return attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale, causal, window_size_left,
-                                 window_size_right, sinks, sinks_t)
+                                 window_size_right, sinks, sinks_t, softcap)
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -166,6 +178,10 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
 
     qh, kh, vh = qlayout(q), kvlayout(k), kvlayout(v)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale          # (B, Hk, G, Sq, Sk)
+    dcap = None  # d(logit) / d(c q.k) under soft-capping: 1 - t^2
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s, dcap = softcap * t, 1 - t * t
     visible = visible_mask(Sq, Sk, causal, window_size_left, window_size_right, q.device)
     has_key = visible.any(dim=-1, keepdim=True)  # by the mask alone (False for every row if Sk == 0)
     s = s.masked_fill(~visible, float("-inf"))
@@ -192,6 +208,8 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     if sinks_t is not None and p_sink is not None:
         sink_term = p_sink * sinks_t.to(cdt).reshape(1, Hk, G, 1, 1)
     if ds is not None or sink_term is not None:
+        if ds is not None and dcap is not None:
+            ds = ds * dcap
         pds = p * (ds * softmax_scale) if ds is not None else torch.zeros_like(p)
         rowsum = pds.sum(dim=-1, keepdim=True)
         if sink_term is not None:
@@ -230,22 +248,24 @@ class FlashAttnFunction(torch.autograd.Function):
     """Autograd for ``flash_attn_ext::forward``: reverse mode (the FlashAttention-2 backward
     kernel), forward mode (``attention_jvp``) and torch.func (``setup_context`` plus a vmap rule
     generated from the ops' batching rules). Inputs/outputs as the op:
-    ``apply(q, k, v, softmax_scale, causal[, window_size_left, window_size_right[, sinks]]) ->
-    (out, softmax_lse, softmax_stats)``. With sinks, their gradient is ``sinks_grad``'s."""
+    ``apply(q, k, v, softmax_scale, causal[, window_size_left, window_size_right[, sinks[, softcap]]])
+    -> (out, softmax_lse, softmax_stats)``. With sinks, their gradient is ``sinks_grad``'s."""
 
     generate_vmap_rule = True  # vmaps forward/backward/jvp through the ops' batching rules
 
     @staticmethod
-    def forward(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None):
+    def forward(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None,
+                softcap=0.0):
         # Grad mode and forward grad mode are off here, so this reaches the kernel directly.
         return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
-                                                window_size_right, sinks)
+                                                window_size_right, sinks, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, softmax_scale, causal = inputs[:5]
         ctx.window = tuple(inputs[5:7]) + (-1, -1)[len(inputs[5:7]):]  # (left, right)
         sinks = inputs[7] if len(inputs) > 7 else None
+        ctx.softcap = inputs[8] if len(inputs) > 8 else 0.0
         ctx.num_inputs = len(inputs)
         ctx.has_sinks = sinks is not None
         out, softmax_lse, softmax_stats = output
@@ -268,21 +288,34 @@ class FlashAttnFunction(torch.autograd.Function):
             # The op fills dsinks from its own workspace (D and the LSE of the preprocess): no pass
             # over dout / out of its own.
             dq, dk, dv, dsinks = torch.ops.flash_attn_ext.backward_dsinks(
-                dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks)
+                dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks,
+                ctx.softcap)
         else:
             dq, dk, dv = FlashAttnBackwardFunction.apply(
-                dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks)
+                dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks,
+                ctx.softcap)
             dsinks = SinksGradFunction.apply(dout, out, softmax_lse.transpose(1, 2), sinks, None,
                                              softmax_stats.transpose(2, 3)) if want_dsinks else None
-        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3 - ctx.has_sinks) + ((dsinks,) if ctx.has_sinks else ())
+        return _input_grads(ctx.num_inputs, (dq, dk, dv), 7, dsinks)
 
     @staticmethod
     def jvp(ctx, q_t, k_t, v_t, *scalar_tangents):
         q, k, v = ctx.saved_tensors[:3]
         sinks = ctx.saved_tensors[6] if ctx.has_sinks else None
         sinks_t = scalar_tangents[4] if ctx.has_sinks else None
-        out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal, *ctx.window, sinks, sinks_t)
+        out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal, *ctx.window, sinks, sinks_t,
+                              ctx.softcap)
         return out_t, None, None
+
+
+def _input_grads(num_inputs, qkv_grads, sinks_index, dsinks):
+    """An autograd.Function's backward return: a gradient per input (``num_inputs`` of them), those
+    of q, k, v first, ``dsinks`` (or None) at the sinks' position, None for the others (scale,
+    causal, window, max_seqlen, softcap, ...)."""
+    grads = list(qkv_grads) + [None] * (num_inputs - 3)
+    if sinks_index < num_inputs:
+        grads[sinks_index] = dsinks
+    return tuple(grads)
 
 
 def _fused_dsinks() -> bool:
@@ -352,9 +385,10 @@ class FlashAttnBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
-                window_size_left=-1, window_size_right=-1, sinks=None):
+                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
         return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
-                                                 causal, softmax_stats, window_size_left, window_size_right, sinks)
+                                                 causal, softmax_stats, window_size_left, window_size_right, sinks,
+                                                 softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -413,7 +447,7 @@ _lib.impl("backward", _autograd_kernel("backward", FlashAttnBackwardFunction), "
 
 
 def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
-                      window_size_right: int = -1, sinks=None):
+                      window_size_right: int = -1, sinks=None, softcap: float = 0.0):
     """``torch.ops.flash_attn_ext.forward`` with autograd that every transform understands:
     returns ``(out, softmax_lse, softmax_stats)`` exactly as the op (see the module docstring).
 
@@ -424,9 +458,10 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_l
     torch.compile traces as one op.
     """
     if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
-        return FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks)
+        return FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks,
+                                       softcap)
     return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right,
-                                            sinks)
+                                            sinks, softcap)
 
 
 # ---- vmap (batching rules) ---------------------------------------------------------------
@@ -474,19 +509,19 @@ def _unfold(t, batch_size, at=0):
 
 @torch.library.register_vmap("flash_attn_ext::forward")
 def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
-                  sinks=None):
+                  sinks=None, softcap=0.0):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 7)
     _check_sample_rank4(in_dims[:3], q=q, k=k, v=v)
     q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
     out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
-                                                       window_size_right, sinks)
+                                                       window_size_right, sinks, softcap)
     return (_unfold(out, n), _unfold(lse, n), _unfold(stats, n, at=1)), (0, 0, 1)
 
 
 @torch.library.register_vmap("flash_attn_ext::backward")
 def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale, causal,
-                   softmax_stats=None, window_size_left=-1, window_size_right=-1, sinks=None):
+                   softmax_stats=None, window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 11)
     _check_sample_rank4(in_dims[:5], dout=dout, q=q, k=k, v=v, out=out)
@@ -496,7 +531,8 @@ def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale
         softmax_stats = _fold(softmax_stats, in_dims[8] if len(in_dims) > 8 else None, n,
                               at=1).contiguous()
     dq, dk, dv = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
-                                                   causal, softmax_stats, window_size_left, window_size_right, sinks)
+                                                   causal, softmax_stats, window_size_left, window_size_right, sinks,
+                                                   softcap)
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
@@ -509,7 +545,8 @@ fwd_kvcache = torch.ops.flash_attn_ext.fwd_kvcache
 varlen_forward.__doc__ = varlen_forward.default.__doc__ = """\
 varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, window_size_left: int = -1,
-               window_size_right: int = -1, sinks=None) -> (out, softmax_lse, softmax_stats)
+               window_size_right: int = -1, sinks=None, softcap: float = 0.0)
+               -> (out, softmax_lse, softmax_stats)
 
 forward on packed variable-length sequences (FlashAttention-2, Dao 2023, Alg. 1, one sequence per
 (batch) entry of the grid). q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim);
@@ -519,21 +556,22 @@ d256 causal, picks the tile row; on CUDA not checked, a longer sequence is cut t
 rows / keys). Returns out (q's shape), softmax_lse (nheads,
 total_q) float32 natural log, softmax_stats (2, nheads, total_q) float32. Each sequence gives what
 forward gives on it alone (causal and the window bottom-right per sequence; a sequence without
-keys: out 0, lse +inf, or the sink with sinks (forward's)). Rows outside every sequence:
+keys: out 0, lse +inf, or the sink with sinks (forward's); softcap as forward's). Rows outside every sequence:
 unspecified on CUDA, 0 / +inf on CPU. Raises RuntimeError
 naming the argument for bad shapes, dtypes, devices; on CPU also for cu_seqlens that decrease,
 leave the tensors or exceed max_seqlen (on CUDA those values are not read on the host: no sync)."""
 varlen_backward.__doc__ = varlen_backward.default.__doc__ = """\
 varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, softmax_stats=None, window_size_left=-1,
-                window_size_right=-1, sinks=None) -> (dq, dk, dv)
+                window_size_right=-1, sinks=None, softcap=0.0) -> (dq, dk, dv)
 
-Gradients of varlen_forward (FlashAttention-2 Alg. 2 per sequence; deterministic, no atomics).
+Gradients of varlen_forward (FlashAttention-2 Alg. 2 per sequence; deterministic, no atomics;
+softcap: the forward's).
 Shapes as varlen_forward's inputs and outputs; returns dq, dk, dv like q, k, v."""
 fwd_kvcache.__doc__ = fwd_kvcache.default.__doc__ = """\
 fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
             causal: bool, num_splits: int, window_size_left: int = -1, window_size_right: int = -1,
-            sinks=None, cache_leftpad=None) -> (out, softmax_lse)
+            sinks=None, cache_leftpad=None, softcap: float = 0.0) -> (out, softmax_lse)
 
 Attention of q against a KV cache, with an optional in-place append of new keys/values, split over
 num_splits CTAs per (sequence, kv head) (FlashDecoding: partial outputs merged by their LSEs;
@@ -546,15 +584,17 @@ cache_seqlens[b] + seqlen_new cache rows (causal and the window: bottom-right al
 count; a window reads only the key tiles it covers); cache_leftpad: None or int32 (batch,), a
 contiguous cache's sequence b sees only rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new), as a
 sequence of that many keys (flash-attn's left-padded caches; the append is unchanged); sinks as
-forward's (the combine merges the sink as one more partial with O = 0). Returns out (q's shape)
+forward's (the combine merges the sink as one more partial with O = 0); softcap as forward's
+(logit soft-capping, 0.0: none). Returns out (q's shape)
 and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiable."""
 
 
 @torch.library.register_fake("flash_attn_ext::varlen_forward")
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                         causal, window_size_left=-1, window_size_right=-1, sinks=None):
+                         causal, window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
     _checks.check_sinks_device(sinks, q)
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    _checks.check_softcap(softcap, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     _checks.check_sinks(sinks, q.shape[1])
     total_q, nheads, _ = q.shape
@@ -567,10 +607,11 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 @torch.library.register_fake("flash_attn_ext::varlen_backward")
 def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, softmax_scale, causal, softmax_stats=None, window_size_left=-1,
-                          window_size_right=-1, sinks=None):
+                          window_size_right=-1, sinks=None, softcap=0.0):
     _checks.check_sinks_device(sinks, q)
     _checks.check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, softmax_scale, softmax_stats)
+    _checks.check_softcap(softcap, softmax_scale)
     _checks.check_sinks(sinks, q.shape[1])
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -580,12 +621,14 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
 
 @torch.library.register_fake("flash_attn_ext::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-                      num_splits, window_size_left=-1, window_size_right=-1, sinks=None, cache_leftpad=None):
+                      num_splits, window_size_left=-1, window_size_right=-1, sinks=None, cache_leftpad=None,
+                      softcap=0.0):
     """check_kvcache's shape / dtype / device / stride checks (not the values, which a real CUDA
     call does not read either), then the output shapes."""
     _checks.check_sinks_device(sinks, q)
     _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits,
                           cache_leftpad)
+    _checks.check_softcap(softcap, softmax_scale)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], capacity)
     _checks.check_sinks(sinks, q.shape[2])
@@ -598,20 +641,21 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """Autograd for ``flash_attn_ext::varlen_forward`` (reverse mode: ``varlen_backward``).
     ``apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-    causal[, window_size_left, window_size_right[, sinks]]) -> (out, softmax_lse, softmax_stats)``."""
+    causal[, window_size_left, window_size_right[, sinks[, softcap]]]) -> (out, softmax_lse, softmax_stats)``."""
 
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_size_left=-1, window_size_right=-1, sinks=None):
+                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
         return torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                        max_seqlen_k, softmax_scale, causal, window_size_left,
-                                                       window_size_right, sinks)
+                                                       window_size_right, sinks, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs[:9]
         window = tuple(inputs[9:11]) + (-1, -1)[len(inputs[9:11]):]
         sinks = inputs[11] if len(inputs) > 11 else None
+        ctx.softcap = inputs[12] if len(inputs) > 12 else 0.0
         out, softmax_lse, softmax_stats = output
         ctx.has_sinks = sinks is not None
         ctx.save_for_backward(q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k,
@@ -629,7 +673,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         want_dsinks = ctx.has_sinks and ctx.needs_input_grad[11]
         dq, dk, dv = FlashAttnVarlenBackwardFunction.apply(
             dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, softmax_stats, *ctx.window, sinks)
+            softmax_scale, causal, softmax_stats, *ctx.window, sinks, ctx.softcap)
         dsinks = None
         if want_dsinks:
             # Rows outside every sequence (before cu_seqlens_q[0], from cu_seqlens_q[-1]) are not
@@ -638,7 +682,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
             valid = ((rows >= cu_seqlens_q[0]) & (rows < cu_seqlens_q[-1])).unsqueeze(-1)
             dsinks = SinksGradFunction.apply(dout, out, softmax_lse.transpose(0, 1), sinks, valid,
                                              softmax_stats.transpose(1, 2))
-        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3 - ctx.has_sinks) + ((dsinks,) if ctx.has_sinks else ())
+        return _input_grads(ctx.num_inputs, (dq, dk, dv), 11, dsinks)
 
     @staticmethod
     def jvp(ctx, *tangents):
@@ -702,7 +746,7 @@ _lib.impl("fwd_kvcache", _fwd_kvcache_autograd, "Autograd")
 backward_dsinks = torch.ops.flash_attn_ext.backward_dsinks
 backward_dsinks.__doc__ = backward_dsinks.default.__doc__ = """\
 backward_dsinks(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats, window_size_left,
-                window_size_right, sinks) -> (dq, dk, dv, dsinks)
+                window_size_right, sinks, softcap=0.0) -> (dq, dk, dv, dsinks)
 
 backward with attention sinks (required, (nheads,) float32), also returning their gradient dsinks
 ((nheads,) float32): -sum_{b,i} exp(sinks[h] - LSE_i) D_i (FlashAttention-2 Alg. 2's D =
@@ -711,12 +755,12 @@ LSE planes: no extra pass over dout / out). Not differentiable; no vmap rule (si
 vmap)."""
 @torch.library.register_fake("flash_attn_ext::backward_dsinks")
 def _backward_dsinks_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
-                          window_size_left, window_size_right, sinks):
+                          window_size_left, window_size_right, sinks, softcap=0.0):
     if sinks is None:
         raise RuntimeError("flash_attn_ext: backward_dsinks needs sinks (the forward's (nheads,) float32); "
                            "without sinks call backward")
     dq, dk, dv = _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
-                                window_size_left, window_size_right, sinks)
+                                window_size_left, window_size_right, sinks, softcap)
     return dq, dk, dv, torch.empty((sinks.numel(),), dtype=torch.float32, device=sinks.device)
 
 

@@ -2,7 +2,8 @@
 
 Standard attention, materialising the (seqlen_q, seqlen_k) score matrix:
     S = softmax_scale * Q K^T,  P = softmax(S) (row-wise),  O = P V,  LSE = logsumexp(S)
-(Vaswani et al. 2017, eq. 1). Same conventions as the kernels: BSHD layout, GQA/MQA by
+(Vaswani et al. 2017, eq. 1); with logit soft-capping (Gemma 2) S = softcap * tanh(softmax_scale
+* Q K^T / softcap). Same conventions as the kernels: BSHD layout, GQA/MQA by
 repeating K/V heads, causal masks and sliding windows aligned to the bottom-right corner, and a
 query row that sees no key gives O = 0 and LSE = +inf.
 
@@ -52,6 +53,7 @@ def attention_ref(
     ref_dtype: torch.dtype = torch.float64,
     window_size: tuple[int, int] = (-1, -1),
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention on BSHD tensors.
 
@@ -67,6 +69,9 @@ def attention_ref(
             the scaled scores' scale) of an extra key every row sees, with a zero value. The
             softmax runs over the keys and the sink; the sink's column is dropped from P.
             Differentiable (computed in the compute dtype).
+        softcap: logit soft-capping (Gemma 2; flash-attn's softcap): > 0 makes the logits
+            softcap * tanh(softmax_scale * q.k / softcap) (computed in the compute dtype), 0 none.
+            The sinks are not capped.
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in the compute dtype (differentiable).
         lse: (batch, nheads, seqlen_q) float32 natural-log logsumexp of the scaled scores
@@ -88,6 +93,8 @@ def attention_ref(
         vf = vf.repeat_interleave(nheads // nheads_k, dim=2)
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     # Rows that see at least one key (by the mask alone, never by the values).
     has_key = torch.full((seqlen_q, 1), seqlen_k > 0, dtype=torch.bool, device=q.device)
     if causal or window_size[0] >= 0 or window_size[1] >= 0:
@@ -131,11 +138,11 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, upcast=True,
                          ref_dtype: torch.dtype = torch.float64, window_size: tuple[int, int] = (-1, -1),
-                         sinks: torch.Tensor | None = None):
+                         sinks: torch.Tensor | None = None, softcap: float = 0.0):
     """Reference for packed sequences: ``attention_ref`` on each sequence alone.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: (batch + 1,)
-    integer tensors (any device); sinks as ``attention_ref``'s. Returns out (total_q, nheads, headdim)
+    integer tensors (any device); sinks and softcap as ``attention_ref``'s. Returns out (total_q, nheads, headdim)
     in the compute dtype and lse (nheads, total_q) float32; rows outside every sequence: out 0, lse
     +inf. Differentiable.
     """
@@ -151,7 +158,7 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
             outs.append(torch.zeros((q0 - covered, *q.shape[1:]), dtype=dtype, device=q.device))
             lses.append(torch.full((q.shape[1], q0 - covered), float("inf"), device=q.device))
         o, lse = attention_ref(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
-                               softmax_scale, causal, upcast, ref_dtype, window_size, sinks)
+                               softmax_scale, causal, upcast, ref_dtype, window_size, sinks, softcap)
         outs.append(o[0])
         lses.append(lse[0])
         covered = q1
@@ -163,12 +170,13 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
 
 def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None,
                           causal=False, upcast=True, ref_dtype: torch.dtype = torch.float64,
-                          window_size: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None):
+                          window_size: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None,
+                          softcap: float = 0.0):
     """Reference for attention against a KV cache (no append: pass the cache after it).
 
     q: (batch, seqlen_q, nheads, headdim); k_cache / v_cache: (batch, seqlen_cache, nheads_k,
     headdim) or paged (num_blocks, page_size, nheads_k, headdim) with block_table (batch,
-    max_blocks); cache_seqlens: (batch,) rows in use (None: all); sinks as ``attention_ref``'s.
+    max_blocks); cache_seqlens: (batch,) rows in use (None: all); sinks and softcap as ``attention_ref``'s.
     ``attention_ref`` of each sequence
     against its first cache_seqlens[b] rows. Returns out (q's shape, compute dtype) and lse (batch,
     nheads, seqlen_q) float32.
@@ -183,7 +191,7 @@ def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=N
             kb, vb = k_cache[b], v_cache[b]
         n = kb.shape[0] if cache_seqlens is None else int(cache_seqlens[b])
         o, lse = attention_ref(q[b:b + 1], kb[:n].unsqueeze(0), vb[:n].unsqueeze(0), softmax_scale, causal,
-                               upcast, ref_dtype, window_size, sinks)
+                               upcast, ref_dtype, window_size, sinks, softcap)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 0), torch.cat(lses, 0)

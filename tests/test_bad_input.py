@@ -317,7 +317,11 @@ def test_flash_attn_keywords_at_their_defaults_are_the_plain_call():
 
 @pytest.mark.parametrize("keyword, value, error, match", [
     ("dropout_p", 0.1, NotImplementedError, r"dropout_p=0.1: attention dropout is not supported"),
-    ("softcap", 30.0, NotImplementedError, r"softcap=30.0: logit soft-capping is not supported"),
+    ("softcap", -1.0, ValueError, r"softcap must be a finite number >= 0 \(0: no soft-capping\), got -1.0"),
+    ("softcap", float("nan"), ValueError, "softcap must be a finite number >= 0"),
+    ("softcap", float("inf"), ValueError, "softcap must be a finite number >= 0"),
+    ("softcap", True, TypeError, "softcap must be a real number"),
+    ("softcap", "30", TypeError, "softcap must be a real number"),
     ("alibi_slopes", torch.ones(2), NotImplementedError, "alibi_slopes: ALiBi biases are not supported"),
     ("return_attn_probs", True, NotImplementedError, "return_attn_probs=True: .*return_lse=True"),
     ("dropout_p", "0.1", TypeError, "dropout_p must be a real number"),
@@ -325,11 +329,27 @@ def test_flash_attn_keywords_at_their_defaults_are_the_plain_call():
     ("deterministic", "yes", TypeError, "deterministic must be a bool"),
 ])
 def test_flash_attn_keywords_that_ask_for_a_missing_feature(keyword, value, error, match):
-    """Another value asks for a feature this library does not have: an error naming it, before
-    any work (never a silently different result)."""
+    """Another value asks for a feature this library does not have, or is no valid value (softcap:
+    a real number >= 0, finite): an error naming it, before any work (never a silently different
+    result)."""
     for name, call in _flash_attn_calls():
         with pytest.raises(error, match=match):
             call(**{keyword: value})
+
+
+def test_flash_attn_softcap_keyword_runs():
+    """softcap (logit soft-capping, tests/test_softcap.py) runs on every entry that takes flash-attn's
+    keywords: 30.0 (a float, an int, a NumPy scalar, a 0-dim tensor: the same bits) changes the
+    result; a cap past float32's range is the op's RuntimeError naming softcap."""
+    import numpy as np
+
+    for name, call in _flash_attn_calls():
+        out = call(softcap=30.0)
+        assert torch.isfinite(out).all() and not torch.equal(out, call()), name
+        for same in (30, np.float64(30.0), torch.tensor(30.0)):
+            assert torch.equal(call(softcap=same), out), (name, same)
+        with pytest.raises(RuntimeError, match="softcap must be within float32's range"):
+            call(softcap=1e39)
 
 
 def test_varlen_block_table_keyword():

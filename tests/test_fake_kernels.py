@@ -120,6 +120,15 @@ def _set(**changes):
     return apply
 
 
+def _softcap(value, kvcache=False):
+    """A case: softcap (every op's last argument) set to ``value``, the optional arguments before it
+    at their defaults (the args dicts are passed positionally)."""
+    rest = dict(window_size_left=lambda a: -1, window_size_right=lambda a: -1, sinks=lambda a: None)
+    if kvcache:
+        rest["cache_leftpad"] = lambda a: None
+    return _set(**rest, softcap=lambda a: value)
+
+
 CASES = [
     # dense forward (the same checks run in backward: check_qkv)
     ("forward", "q last dim strided", _set(q=lambda a: _strided(a["q"]))),
@@ -159,6 +168,14 @@ CASES = [
     ("varlen_backward", "out 4-D", _set(out=lambda a: a["out"][None])),
     ("varlen_backward", "lse shape", _set(softmax_lse=lambda a: a["softmax_lse"][:, :8])),
     ("varlen_backward", "stats float64", _set(softmax_stats=lambda a: a["softmax_stats"].double())),
+    # softcap (check_softcap): negative, NaN, infinite, past float32's range
+    ("forward", "softcap negative", _softcap(-1.0)),
+    ("forward", "softcap 1e39", _softcap(1e39)),
+    ("backward", "softcap nan", _softcap(float("nan"))),
+    ("varlen_forward", "softcap inf", _softcap(float("inf"))),
+    ("varlen_backward", "softcap negative", _softcap(-0.5)),
+    ("fwd_kvcache", "softcap negative", _softcap(-2.0, kvcache=True)),
+    ("fwd_kvcache_paged", "softcap below float32's normal range", _softcap(1e-39, kvcache=True)),
     # KV cache
     ("fwd_kvcache", "k float64", _set(k=lambda a: a["k"].double(), v=lambda a: a["v"].double())),
     ("fwd_kvcache", "k last dim strided", _set(k=lambda a: _strided(a["k"]))),

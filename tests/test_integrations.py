@@ -256,8 +256,8 @@ def test_unsupported_patterns_are_refused():
         fx.flash_attn_ext_attention_forward(m, q, q, q, torch.ones(1, 2, 16, 16, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="dropout"):
         fx.flash_attn_ext_attention_forward(m, q, q, q, None, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        fx.flash_attn_ext_attention_forward(m, q, q, q, None, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_bias=torch.zeros(1, 2, 16, 16))
     q2 = _bhsd(2, 2, 16, 32, 15)                     # padding in element 0, a window in 1
     mixed = torch.cat([((j <= i) & (j >= 3))[None, None], sliding])
     with pytest.raises(NotImplementedError, match="batch element 1 "):
@@ -1466,6 +1466,253 @@ def test_gpt_oss_generate_matches_eager(name, sink_calls):
         ours = _gpt_oss(cfg, cls, base_model, name, torch.float64).generate(**gen)
         ref = _gpt_oss(cfg, cls, base_model, "eager", torch.float64).generate(**gen)
     assert len(sink_calls) >= 2 * 6 and all(s is not None for _, s in sink_calls)
+    assert torch.equal(ours.sequences, ref.sequences)
+    for step, (a, b) in enumerate(zip(ours.logits, ref.logits)):
+        torch.testing.assert_close(a, b, msg=f"decode step {step}")
+
+
+# ------------------------------------------------------------ logit soft-capping (Gemma 2's softcap)
+
+
+@pytest.fixture
+def softcap_calls(monkeypatch):
+    """Records every kernel call the integration makes as (label, the softcap it passed): with the
+    softcap keyword given, every call (dense and each varlen call) must carry it."""
+    calls = []
+
+    def spy(label, real):
+        def f(*a, **kw):
+            calls.append((label + (" causal" if kw.get("causal") else ""), kw.get("softcap")))
+            return real(*a, **kw)
+        return f
+
+    dense, varlen = spy("dense", fx.flash_attn_func), spy("varlen", masked.flash_attn_varlen_func)
+    monkeypatch.setattr(fx, "flash_attn_func", dense)
+    monkeypatch.setattr(masked, "flash_attn_func", dense)
+    monkeypatch.setattr(masked, "flash_attn_varlen_func", varlen)
+    return calls
+
+
+def _eager_softcap(q, k, v, mask, softcap, scale, is_causal=False, window=None):
+    """Gemma 2's eager_attention_forward (BHSD in, BSHD out): scores * scale, then softcap *
+    tanh(scores / softcap), then the mask (boolean, True = attend; None: causal per is_causal,
+    bottom-right, and a causal sliding window of ``window`` keys). Rows that see no key: 0."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    k = k.repeat_interleave(H // k.shape[1], 1)
+    v = v.repeat_interleave(H // v.shape[1], 1)
+    s = torch.matmul(q, k.transpose(2, 3)) * scale
+    s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(Lq)[:, None] + Lk - Lq
+    j = torch.arange(Lk)[None, :]
+    allowed = torch.ones(Lq, Lk, dtype=torch.bool)
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+    else:
+        if is_causal and Lq > 1:
+            allowed = allowed & (j <= i)
+        if window is not None:
+            allowed = allowed & (j > i - window)
+    s = s.masked_fill(~allowed, float("-inf"))
+    empty = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    return torch.matmul(p, v).transpose(1, 2)
+
+
+def _check_softcap_vs_eager(label, q, k, v, mask, softcap, is_causal, window=None, **kw):
+    """Ours (float32) vs Gemma 2's eager math in float64 (ref) and float32 (baseline), every row."""
+    out, w = fx.flash_attn_ext_attention_forward(_Module(is_causal), q, k, v, mask, scaling=0.25, softcap=softcap,
+                                                 sliding_window=window, **kw)
+    assert w is None
+    ref = _eager_softcap(q.double(), k.double(), v.double(), mask, softcap, 0.25, is_causal, window)
+    base = _eager_softcap(q, k, v, mask, softcap, 0.25, is_causal, window)
+    check_accuracy(label, out, ref, base)
+    return out
+
+
+@pytest.mark.parametrize("nheads_k", [4, 2])
+def test_softcap_kwarg_reaches_every_call(nheads_k, softcap_calls):
+    """The attention function with ``softcap`` (as Gemma 2 passes it): no mask (one dense call:
+    bidirectional, causal, a causal window, decode), mixed padding (the varlen calls) and a sliding
+    window with right padding, each against the eager math; every call carries the cap. None and 0
+    are no cap (the plain call's bits); a negative cap is a ValueError naming softcap."""
+    q, k, v = (_bhsd(2, h, 30, 32, seed) * 3 for h, seed in ((4, 60), (nheads_k, 61), (nheads_k, 62)))
+    cap = 2.0
+    _check_softcap_vs_eager("bidirectional", q, k, v, None, cap, False)
+    _check_softcap_vs_eager("causal", q, k, v, None, cap, True)
+    _check_softcap_vs_eager("causal window", q, k, v, None, cap, True, window=5)
+    _check_softcap_vs_eager("decode", q[:, :, -1:], k, v, None, cap, True, window=5)
+    assert [c[0] for c in softcap_calls] == ["dense", "dense causal", "dense causal", "dense"]
+    assert all(c == cap for _, c in softcap_calls)
+    softcap_calls.clear()
+    mask = _mixed_padding_mask(12, 9, True)
+    B, Lk = mask.shape[0], mask.shape[-1]
+    qm, km, vm = _bhsd(B, 4, 12, 32, 63) * 3, _bhsd(B, nheads_k, Lk, 32, 64) * 3, _bhsd(B, nheads_k, Lk, 32, 65)
+    out = _check_softcap_vs_eager("mixed padding", qm, km, vm, mask, cap, True)
+    assert (out[~mask[:, 0].any(-1)] == 0).all()
+    i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
+    right = torch.stack([(j <= i) & (j > i - 4) & (j < n) for n in (11, 10, 9, 6)])[:, None]
+    q4 = _bhsd(4, 4, 12, 32, 66) * 3
+    _check_softcap_vs_eager("window right padding", q4, q4[:, :nheads_k], q4[:, :nheads_k], right, cap, True,
+                            window=4)
+    assert softcap_calls and all(c == cap for _, c in softcap_calls)
+    # the cap matters in these inputs; None and 0: the uncapped call's bits
+    m = _Module(True)
+    plain, _ = fx.flash_attn_ext_attention_forward(m, q, k, v, None, scaling=0.25)
+    for none in (None, 0.0, 0):
+        assert torch.equal(fx.flash_attn_ext_attention_forward(m, q, k, v, None, scaling=0.25, softcap=none)[0], plain)
+    with pytest.raises(AssertionError):
+        check_accuracy("uncapped", plain, _eager_softcap(q.double(), k.double(), v.double(), None, cap, 0.25, True),
+                       _eager_softcap(q, k, v, None, cap, 0.25, True))
+    with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+        fx.flash_attn_ext_attention_forward(m, q, k, v, None, scaling=0.25, softcap=-50.0)
+
+
+def test_softcap_packed_sequences_and_traced_mask(softcap_calls):
+    """Packed sequences (the collator's keywords: one varlen call) and the traced (torch.compile)
+    form of the masked path carry the cap."""
+    L = 16
+    q = _bhsd(1, 2, L, 32, 67) * 3
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11, max_length_k=11)
+    out, _ = fx.flash_attn_ext_attention_forward(_Module(True), q, q, q, None, scaling=0.25, softcap=2.0, **kw)
+    assert [c for c in softcap_calls] == [("varlen causal", 2.0)]
+    mask = _packed_mask([5, 11])[None, None]
+    ref = _eager_softcap(q.double(), q.double(), q.double(), mask, 2.0, 0.25)
+    base = _eager_softcap(q, q, q, mask, 2.0, 0.25)
+    check_accuracy("packed", out, ref, base)
+    B, Lq = 3, 10
+    m = _padding_mask([10, 7, 4], Lq)[:, None, :] & torch.ones(Lq, Lq, dtype=torch.bool).tril()
+    qt, kt, vt = (_bhsd(B, 2, Lq, 16, s).transpose(1, 2) * 3 for s in (68, 69, 70))
+    eager = masked.masked_attention(qt, kt, vt, m[:, None], 0.3, -1, None, False, 2.0)
+    traced = masked.masked_attention_traced(qt, kt, vt, m, 0.3, None, 2.0)
+    rows = m.any(-1)
+    torch.testing.assert_close(traced[rows], eager[rows])
+    plain = masked.masked_attention_traced(qt, kt, vt, m, 0.3)
+    assert not torch.allclose(plain[rows], traced[rows])
+
+
+def _tiny_gemma2(softcap=2.0):
+    """A random small Gemma 2 (alternating sliding-window (4) and full layers, GQA 4:2, head dim
+    16), weights at std 0.2 and an attention logit cap of 2.0 (Gemma 2's is 50.0, which random
+    small weights never reach), so that the cap shapes the attention."""
+    import transformers as tf
+
+    cfg = tf.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                          max_position_embeddings=64, query_pre_attn_scalar=16, initializer_range=0.2,
+                          attn_logit_softcapping=softcap)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    return cfg, tf.Gemma2ForCausalLM, tf.Gemma2ForCausalLM(cfg)
+
+
+def _gemma2(cfg, cls, base_model, impl, dtype, device="cpu"):
+    m = cls(cfg)
+    m.load_state_dict(base_model.state_dict())
+    m.set_attn_implementation(impl)
+    return m.to(device=device, dtype=dtype)
+
+
+def _gemma2_per_sequence(model, ids, mask, labels=None):
+    """Gemma 2's eager logits of each batch row's real tokens run alone (batch 1, no padding, no
+    mask), scattered into the padded (batch, L, vocab) layout (0 at pads): the reference and
+    baseline for padded batches. (Eager Gemma 2 on the padded batch itself is no reference: in
+    float64 its fully masked pad rows turn NaN, and P V carries them into the real rows of the
+    next layer.) Rotary attention sees relative positions only, so a row's real tokens give the
+    same logits at any offset. With labels: also the loss (the mean of the real tokens' cross
+    entropies, as the model's) and its gradients per parameter."""
+    L = ids.shape[1]
+    logits = torch.zeros(ids.shape[0], L, model.config.vocab_size, dtype=next(model.parameters()).dtype,
+                         device=ids.device)
+    total, count = 0.0, 0
+    for b in range(ids.shape[0]):
+        real = mask[b].bool()
+        out = model(input_ids=ids[b][real][None]).logits[0]
+        logits[b, real] = out.detach()
+        if labels is not None:
+            lab = labels[b][real][1:]
+            keep = lab != -100
+            total = total + F.cross_entropy(out[:-1][keep], lab[keep], reduction="sum")
+            count += int(keep.sum())
+    if labels is None:
+        return logits
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return logits, loss.detach(), grads
+
+
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
+                                          pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=requires_cuda),
+                                          pytest.param("cuda", torch.float16, id="cuda-fp16", marks=requires_cuda)])
+def test_gemma2_logits_match_eager(name, softcap_calls, device, dtype):
+    """A random Gemma 2 with our attention vs its eager attention (logits of real tokens within the
+    accuracy rule against a float64 eager run of each sequence alone, the eager model in the dtype
+    the baseline): no padding, left padding, right padding. Every kernel call carries the layer's
+    softcap; without it (attn_logit_softcapping=None for ours) the logits differ beyond the rule,
+    so the cap is what is checked."""
+    cfg, cls, base_model = _tiny_gemma2()
+    ids = torch.randint(3, 96, (3, 18), generator=torch.Generator().manual_seed(2)).to(device)
+    masks = {"none": None, "left": _padding_mask([18, 11, 5], 18, left=True).long().to(device),
+             "right": _padding_mask([18, 11, 5], 18).long().to(device)}
+    nocap_cfg, _, _ = _tiny_gemma2(softcap=None)
+    with torch.no_grad():
+        eager64 = _gemma2(cfg, cls, base_model, "eager", torch.float64, device).eval()
+        eager = _gemma2(cfg, cls, base_model, "eager", dtype, device).eval()
+        for label, mask in masks.items():
+            full = torch.ones_like(ids) if mask is None else mask
+            valid = full.bool()
+            ref = _gemma2_per_sequence(eager64, ids, full).to(device)
+            base = _gemma2_per_sequence(eager, ids, full).to(device)
+            softcap_calls.clear()
+            ours = _gemma2(cfg, cls, base_model, name, dtype, device)(input_ids=ids, attention_mask=mask).logits
+            assert len(softcap_calls) >= 2 and all(c == 2.0 for _, c in softcap_calls), softcap_calls
+            assert torch.isfinite(ours).all()
+            check_accuracy(f"gemma2 logits ({label} padding)", ours[valid], ref[valid], base[valid])
+            nocap = _gemma2(nocap_cfg, cls, base_model, name, dtype, device)(input_ids=ids, attention_mask=mask).logits
+            with pytest.raises(AssertionError):
+                check_accuracy("gemma2 logits without the cap", nocap[valid], ref[valid], base[valid])
+
+
+def test_gemma2_training_step_matches_eager(name, softcap_calls):
+    """A training step of the random Gemma 2 on a right-padded batch (labels -100 on padding):
+    logits, loss and every parameter gradient within the accuracy rule against float64 eager runs
+    of each sequence alone (the capped backward: dS times 1 - tanh^2)."""
+    cfg, cls, base_model = _tiny_gemma2()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 96, (3, 18), generator=g)
+    attn = _padding_mask([18, 11, 4], 18).long()
+    labels = ids.masked_fill(attn == 0, -100)
+    ref = _gemma2_per_sequence(_gemma2(cfg, cls, base_model, "eager", torch.float64).train(), ids, attn, labels)
+    base = _gemma2_per_sequence(_gemma2(cfg, cls, base_model, "eager", torch.float32).train(), ids, attn, labels)
+    softcap_calls.clear()
+    m = _gemma2(cfg, cls, base_model, name, torch.float32).train()   # all dropouts are 0
+    out = m(input_ids=ids, attention_mask=attn, labels=labels)
+    out.loss.backward()
+    ours = (out.logits.detach(), out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert softcap_calls and all(c == 2.0 for _, c in softcap_calls)
+    valid = attn.bool()
+    check_accuracy("gemma2 logits", ours[0][valid], ref[0][valid], base[0][valid])
+    _check_causal_lm_loss("gemma2", ours, ref, base, labels)
+    torch.testing.assert_close(ours[1].double(), ref[1], rtol=1e-5, atol=1e-6)
+    assert set(ours[2]) == set(ref[2])
+    for n in ours[2]:
+        check_accuracy(f"gemma2 grad {n}", ours[2][n], ref[2][n], base[2][n])
+
+
+def test_gemma2_generate_matches_eager(name, softcap_calls):
+    """Greedy generation (prefill, then cached decode steps through the sliding-window and full
+    layers) with the cap: the same tokens as eager, every step's logits close (float64). No
+    padding: eager Gemma 2 turns fully masked pad rows NaN in float64 (_gemma2_per_sequence)."""
+    cfg, cls, base_model = _tiny_gemma2()
+    ids = torch.randint(3, 96, (3, 9), generator=torch.Generator().manual_seed(4))
+    gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+               output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ours = _gemma2(cfg, cls, base_model, name, torch.float64).eval().generate(**gen)
+        ref = _gemma2(cfg, cls, base_model, "eager", torch.float64).eval().generate(**gen)
+    assert len(softcap_calls) >= 2 * 6 and all(c == 2.0 for _, c in softcap_calls)
     assert torch.equal(ours.sequences, ref.sequences)
     for step, (a, b) in enumerate(zip(ours.logits, ref.logits)):
         torch.testing.assert_close(a, b, msg=f"decode step {step}")

@@ -334,6 +334,21 @@ def test_sinks_bench_smoke(capsys):
     assert all(float(r.split("|")[2]) > 0 and float(r.split("|")[3]) > 0 for r in rows), rows
 
 
+def test_softcap_bench_smoke(capsys):
+    """scripts/softcap_bench.py runs end to end on the CPU: one row per (hdim, seqlen, causal,
+    mode), positive TFLOP/s with and without the cap (no FlashAttention-4 on the CPU)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("softcap_bench", os.path.join(REPO, "scripts", "softcap_bench.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--device", "cpu", "--seqlen", "64", "--hdim", "16", "--tokens", "64", "--rounds", "1",
+                 "--rep-ms", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d16 ")]
+    assert len(rows) == 4, rows
+    assert all(float(r.split("|")[2]) > 0 and float(r.split("|")[3]) > 0 for r in rows), rows
+
+
 def test_varlen_walk_model_rows():
     """scripts/varlen_walk_model.py: one row per (hdim, causal) tile row, each order's makespan at
     least the ideal (the total cost spread evenly over the CTAs), on a small batch."""

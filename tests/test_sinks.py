@@ -60,7 +60,7 @@ def check_fwd_bwd_sinks(q, k, v, sinks, run, reference, dout=None, grads_of=None
         # FlashAttention-2 Alg. 2 in float64 with D from a stored 16-bit output: the error every
         # backward that reads a stored 16-bit output carries (see _alg2_grads_with_stored_out).
         for stored_out in stored:
-            alg2 = _alg2_grads_with_stored_out(*problem, dout, stored_out)
+            alg2 = _alg2_grads_with_stored_out(*problem[:7], dout, stored_out, *problem[7:])
             base_grads = tuple(_worse(bg, ag, rg) if ag is not None else bg
                                for bg, ag, rg in zip(base_grads, alg2, ref_grads))
     for name, g, rg, bg in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, base_grads):
@@ -120,7 +120,7 @@ def _worse(base, other, ref):
     return other.to(base.dtype) if err(other) > err(base) else base
 
 
-def _alg2_grads_with_stored_out(q, k, v, sinks, causal, window, softmax_scale, dout, stored_out):
+def _alg2_grads_with_stored_out(q, k, v, sinks, causal, window, softmax_scale, dout, stored_out, softcap=0.0):
     """(dq, dk, None, dsinks) of FlashAttention-2's backward (Alg. 2: dS = P o (dP - D), D =
     rowsum(dout o O)) as its 16-bit form computes it: float64 arithmetic, but D from
     ``stored_out`` (a 16-bit output: the same-dtype baseline's) and dS rounded to that dtype before
@@ -129,7 +129,8 @@ def _alg2_grads_with_stored_out(q, k, v, sinks, causal, window, softmax_scale, d
     dq, dk and dsinks in any implementation of Alg. 2 that keeps O and dS in 16 bits (torch's
     bfloat16 math differentiates through the softmax instead, at times several times closer on
     such rows). The accuracy rule's baseline for these gradients is the farther of the two. Dense
-    BSHD, GQA."""
+    BSHD, GQA; softcap > 0: capped logits softcap * tanh(S / softcap), dS times 1 - tanh^2
+    (tests/test_softcap.py)."""
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -138,6 +139,10 @@ def _alg2_grads_with_stored_out(q, k, v, sinks, causal, window, softmax_scale, d
     kd = k.detach().double().repeat_interleave(G, 2)
     vd = v.detach().double().repeat_interleave(G, 2)
     S = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
+    dcap = 1.0
+    if softcap > 0:
+        t = torch.tanh(S / softcap)
+        S, dcap = softcap * t, 1 - t * t
     S = S.masked_fill(~visible_mask(Sq, Sk, causal, window[0], window[1], q.device), float("-inf"))
     ext = torch.cat([S, sinks.detach().double().view(1, H, 1, 1).expand(B, H, Sq, 1)], dim=-1)
     p_ext = torch.softmax(ext, dim=-1)
@@ -146,7 +151,7 @@ def _alg2_grads_with_stored_out(q, k, v, sinks, causal, window, softmax_scale, d
     dP = torch.einsum("bqhd,bkhd->bhqk", do, vd)
     d_stored = (do * stored_out.detach().double()).sum(-1).transpose(1, 2)  # (B, H, Sq)
     # dS in the output dtype before the dQ / dK products, as the kernels' 16-bit tensor-core operands
-    dS = (P * (dP - d_stored[..., None])).to(stored_out.dtype).double()
+    dS = (P * (dP - d_stored[..., None]) * dcap).to(stored_out.dtype).double()
     dq = torch.einsum("bhqk,bkhd->bqhd", dS, kd) * scale
     dk = (torch.einsum("bhqk,bqhd->bkhd", dS, qd) * scale).reshape(B, Sk, Hk, G, D).sum(3)
     dsinks = -(p_sink * d_stored).sum((0, 2))

@@ -416,27 +416,34 @@ def test_window_cuda_kernels_that_run():
 _TWIN_KERNEL = re.compile(r"flash_(fwd|bwd_dkv|bwd_dq)(_roles)?_kernel")
 
 
-def _local_twin(name: str) -> bool:
-    """The kLocal template argument (a window's left bound) of a windowed kernel's profiler name:
-    the kernel's last template argument, demangled (`..., true>(`) or not (`Lb1EEEv`)."""
-    demangled = re.findall(r"\b(true|false)>\s*\(", name)
+def _twin_flags(name: str) -> tuple[bool, bool]:
+    """(kLocal, kSoftcap) of a kernel's profiler name: its last two template arguments, the
+    twins' flags (a window's left bound; logit soft-capping, tests/test_softcap.py), demangled
+    (`..., true, false>(`) or not (`Lb1ELb0EEEv`)."""
+    demangled = re.findall(r"\b(true|false),\s*(true|false)>\s*\(", name)
     if demangled:
-        return demangled[-1] == "true"
-    mangled = re.findall(r"Lb([01])EEEv", name)
-    assert mangled, f"no kLocal template argument in {name!r}"
-    return mangled[-1] == "1"
+        return tuple(flag == "true" for flag in demangled[-1])
+    mangled = re.findall(r"Lb([01])ELb([01])EEEv", name)
+    assert mangled, f"no (kLocal, kSoftcap) template arguments in {name!r}"
+    return tuple(flag == "1" for flag in mangled[-1])
+
+
+def _local_twin(name: str) -> bool:
+    """The kLocal template argument (a window's left bound) of a windowed kernel's profiler name."""
+    return _twin_flags(name)[0]
 
 
 def test_local_twin_parser():
-    """_local_twin reads the last template argument, demangled or mangled."""
-    dkv = ("void flash::sm90::flash_bwd_dkv_kernel<__nv_bfloat16, 64, flash::sm90::DkvTile<64>, true, false>"
+    """_twin_flags reads the last two template arguments (kLocal, kSoftcap), demangled or mangled."""
+    dkv = ("void flash::sm90::flash_bwd_dkv_kernel<__nv_bfloat16, 64, flash::sm90::DkvTile<64>, true, false, true>"
            "(flash::Flash_bwd_params, flash::sm90::BwdTmaMaps)")
     fwd = ("void flash::sm90::flash_fwd_kernel<flash::sm90::FwdKernelTraits<__nv_bfloat16, 128, "
-           "flash::sm90::FwdTile<128> >, true>(flash::Flash_fwd_params, flash::sm90::FwdTmaMaps, "
+           "flash::sm90::FwdTile<128> >, true, false>(flash::Flash_fwd_params, flash::sm90::FwdTmaMaps, "
            "flash::FwdTileScheduler<128>)")
-    assert not _local_twin(dkv) and _local_twin(fwd)
-    assert _local_twin("_ZN5flash4sm9020flash_bwd_dkv_kernelI13__nv_bfloat16Li64ENS0_7DkvTileILi64EEELb0ELb1EEEvNS_16F")
-    assert not _local_twin("_ZN5flash4sm8016flash_fwd_kernelINS0_15FwdKernelTraitsI13__nv_bfloat16Li128EEELb0EEEvNS_16F")
+    assert _twin_flags(dkv) == (False, True) and _twin_flags(fwd) == (True, False)
+    dkv_mangled = "_ZN5flash4sm9020flash_bwd_dkv_kernelI13__nv_bfloat16Li64ENS0_7DkvTileILi64EEELb0ELb1ELb0EEEvNS_16F"
+    fwd_mangled = "_ZN5flash4sm8016flash_fwd_kernelINS0_15FwdKernelTraitsI13__nv_bfloat16Li128EEELb0ELb1EEEvNS_16F"
+    assert _twin_flags(dkv_mangled) == (True, False) and _twin_flags(fwd_mangled) == (False, True)
 
 
 @cuda

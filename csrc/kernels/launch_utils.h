@@ -9,11 +9,26 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/cuda_check.h"
 
 namespace flash {
+
+// The twin of a kernel template a call runs: kLocal for a sliding window's left bound
+// (params.window_left >= 0), kSoftcap for logit soft-capping (params.softcap > 0). `twin` is a
+// generic lambda returning the kernel for (std::bool_constant<kLocal>, std::bool_constant<kSoftcap>):
+//   pick_twin(params, [](auto local, auto softcap) {
+//     return &kernel<Traits, decltype(local)::value, decltype(softcap)::value>; })
+template <typename Params, typename Twin>
+auto pick_twin(const Params& params, Twin twin) {
+  using Y = std::true_type;
+  using N = std::false_type;
+  const bool local = params.window_left >= 0;
+  if (params.softcap > 0.f) return local ? twin(Y{}, Y{}) : twin(N{}, Y{});
+  return local ? twin(Y{}, N{}) : twin(N{}, N{});
+}
 
 // Opts the kernel into `smem_bytes` of dynamic shared memory (needed above 48 KB, which every GPU
 // allows without opting in) after checking the device allows it; the error names the head dim and
@@ -116,8 +131,8 @@ void launch_tiles(void (*kernel)(Params), const char* what, Params& params, cuda
 // Defines flash::run_mha_bwd_<kind>_(Tag, ...) (kernels/arch.h), the launch template the generated
 // instantiations of arch path `ns` compile: flash_bwd_<kind>_kernel with the production row
 // <Kind>Tile of the arch's tile table (<Kind>KernelTraits; its CTAs are <Kind>Work items), through
-// launch_tiles; a call with a sliding window's left bound (params.window_left >= 0) takes the
-// kernel's kLocal twin. Used at global scope, after the kernel; the tuning harness launches other rows.
+// launch_tiles; the call's twin of the kernel by pick_twin (a window's left bound, soft-capping).
+// Used at global scope, after the kernel; the tuning harness launches other rows.
 #define FLASH_BWD_LAUNCH_TEMPLATE(Tag, ns, Kind, kind, what)                                               \
   template <typename Element, int kHeadDim>                                                               \
   void flash::run_mha_bwd_##kind##_(flash::Tag, flash::Flash_bwd_params& params, cudaStream_t stream) {   \
@@ -125,8 +140,12 @@ void launch_tiles(void (*kernel)(Params), const char* what, Params& params, cuda
     using Traits = flash::ns::Kind##KernelTraits<Element, kHeadDim, Tile>;                                 \
     static_assert(Traits::kSmemBytes <= flash::ns::kMaxSmem, what " tile row exceeds " #ns " shared memory"); \
     flash::launch_tiles<Traits, flash::Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                      \
-        params.window_left >= 0 ? flash::ns::flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true>      \
-                                : flash::ns::flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false>,    \
+        flash::pick_twin(params,                                                                           \
+                         [](auto local, auto softcap) {                                                    \
+                           return &flash::ns::flash_bwd_##kind##_kernel<Element, kHeadDim, Tile,          \
+                                                                         decltype(local)::value,          \
+                                                                         decltype(softcap)::value>;       \
+                         }),                                                                               \
         what, params, stream);                                                                             \
   }
 

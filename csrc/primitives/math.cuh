@@ -15,6 +15,18 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// tanh(x) with the SFU (tanh.approx.f32: one MUFU op, relative error <= ~2^-11; +-inf -> +-1,
+// NaN stays NaN), for logit soft-capping (flash.h: softcap). A logit softcap * t then errs by
+// <= softcap * 2^-11, the size of the fp16 rounding of the logit itself (bf16's is 4x larger). The
+// exact form 1 - 2 / (1 + 2^(2 x log2 e)) (ex2 + rcp: two MUFU ops) ran the d64 forward at 0.49x
+// of the call without the cap (the SFU paces it already: primitives/softmax.cuh) and made its
+// consumer warps spill; this form keeps one extra MUFU op per score.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float quad_allreduce_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

@@ -15,7 +15,10 @@
 // the 4 lanes of a quad share those rows (quad_allreduce_*, primitives/math.cuh).
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 
 #include "primitives/math.cuh"
@@ -26,6 +29,41 @@ namespace flash {
 // S c - (m c) errs by < 2^-14 in the forward and the backward folds LSE_log2 into one float
 // (kernels/common/bwd_preprocess.cuh); above it, both keep m and the rest apart.
 constexpr float kExactLimit = 1024.f;
+
+// Logit soft-capping (Gemma 2, Team et al. 2024, section 2; flash.h: softcap): a kernel's
+// kSoftcap twin maps the scores S of a tile (any float array: fragments, accumulators) in place to
+// t = tanh(S softmax_scale / softcap), then runs the softmax on t with c = softcap log2(e), so the
+// logits are softcap t. Before the mask: a masked score's -inf must stay -inf (tanh gives -1).
+// prescale = params.softcap_prescale = softmax_scale / softcap (primitives/math.cuh: tanh_approx).
+template <typename Scores>
+__device__ __forceinline__ void softcap_scores(Scores& s, float prescale) {
+  constexpr int kN = int(sizeof(Scores) / sizeof(float));
+  float* f = reinterpret_cast<float*>(&s);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) f[i] = tanh_approx(f[i] * prescale);
+}
+
+// The backward's soft-capping factor dt/dS' = 1 - t^2 (chain rule through softcap_scores: dS' =
+// dS_capped (1 - t^2), then softmax_scale as without capping) for a tile of t, kept for the dS
+// step where P is also needed alone (the dK/dV kernels: dV takes P). Element i of the tile (its
+// flat index, any fragment layout) is pair i / 2, half i % 2, of fp16 pairs: [0, 1] to 2^-11
+// relative, below the rounding of dS itself, in half the registers of fp32.
+template <typename Scores>
+struct SoftcapGrad {
+  static constexpr int kN = int(sizeof(Scores) / sizeof(float));
+  uint32_t pairs[kN / 2];
+  __device__ __forceinline__ void set(const Scores& t) {
+    const float* f = reinterpret_cast<const float*>(&t);
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) {
+      const __half2 d = __floats2half2_rn(fmaf(-f[2 * i], f[2 * i], 1.f), fmaf(-f[2 * i + 1], f[2 * i + 1], 1.f));
+      pairs[i] = *reinterpret_cast<const uint32_t*>(&d);
+    }
+  }
+  __device__ __forceinline__ float2 pair(int i) const {  // elements 2i, 2i + 1
+    return __half22float2(*reinterpret_cast<const __half2*>(&pairs[i]));
+  }
+};
 
 // How update() computes the exact form of P (rows with |m c| >= kExactLimit; both give the same
 // bits, round((S - m) c) into exp2):

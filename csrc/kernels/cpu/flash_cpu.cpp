@@ -89,6 +89,22 @@ void matmul_abt(const Acc* A, int rows_m, const Acc* Bt, int d, Acc* C) {
   }
 }
 
+// Logit soft-capping (flash.h: softcap > 0): the logit of score S is softcap * tanh(S *
+// softmax_scale / softcap), in log2 units t * softcap * log2(e) with t = tanh(S * prescale), the
+// kernels' two rounding points (t, then the product), here in the accumulation type. Constants from
+// p.softcap (float32) and softmax_scale (double), as the non-capped path's scale_log2.
+template <typename Acc>
+struct Softcap {
+  bool on;
+  Acc prescale;  // softmax_scale / softcap
+  Acc cap_log2;  // softcap * log2(e): the exp2 scale of t
+  explicit Softcap(const Flash_fwd_params& p)
+      : on(p.softcap > 0.f),
+        prescale(on ? static_cast<Acc>(p.scale_softmax / double(p.softcap)) : Acc(0)),
+        cap_log2(on ? static_cast<Acc>(double(p.softcap) * 1.4426950408889634074) : Acc(0)) {}
+  Acc tanh_of(Acc s) const { return std::tanh(s * prescale); }  // t
+};
+
 // y[0:d] += alpha * x[0:d]
 template <typename Acc>
 inline void axpy(Acc alpha, const Acc* x, Acc* y, int d) {
@@ -112,8 +128,9 @@ inline QTile q_tile_of(const Flash_fwd_params& p, int64_t task, int num_m_blocks
 
 // ------------------------------------------------------------------------------------------
 // Forward: one task = one (batch, head, query tile). FA2 Alg. 1, in log2 units as the CUDA
-// kernels (primitives/softmax.cuh): s' = S * softmax_scale * log2(e) rounded once, m = max s',
-// P = exp2(s' - m), so P <= 1 at any magnitude; the LSE leaves as (m, log2 l) too (flash.h).
+// kernels (primitives/softmax.cuh): s' = S * softmax_scale * log2(e) rounded once (soft-capped:
+// s' = tanh(S * prescale) * softcap * log2(e), Softcap), m = max s', P = exp2(s' - m), so P <= 1
+// at any magnitude; the LSE leaves as (m, log2 l) too (flash.h).
 // kLseOnly: compute only the LSE's two parts (no V, no output) into max_acc / log2sum_acc
 // [(b * h + head) * seqlen_q + i] in the accumulation type. The float64 backward uses it: the
 // op's float32 statistics are too coarse to recompute float64 probabilities from.
@@ -123,6 +140,7 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
   const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t num_tasks = int64_t(p.b) * p.h * num_m_blocks;
   const Acc scale_log2 = static_cast<Acc>(p.scale_softmax * 1.4426950408889634074);
+  const Softcap<Acc> softcap(p);
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
 
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
@@ -159,11 +177,18 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
           const auto [c0, c1] = visible_in_tile(p, m0 + i, n0, rows_n);
           if (c1 <= c0) continue;  // masked entries contribute exp(-inf) = 0
           Acc* s = s_tile.data() + int64_t(i) * kBlockN;
-          // Alg. 1 line 10: m_new = max(m_old, rowmax(S_ij)) (scaled, log2 units).
+          // Alg. 1 line 10: m_new = max(m_old, rowmax(S_ij)) (scaled, log2 units; capped first).
           Acc m_new = m_row[i];
-          for (int j = c0; j < c1; ++j) {
-            s[j] *= scale_log2;
-            m_new = std::max(m_new, s[j]);
+          if (softcap.on) {
+            for (int j = c0; j < c1; ++j) {
+              s[j] = softcap.tanh_of(s[j]) * softcap.cap_log2;
+              m_new = std::max(m_new, s[j]);
+            }
+          } else {
+            for (int j = c0; j < c1; ++j) {
+              s[j] *= scale_log2;
+              m_new = std::max(m_new, s[j]);
+            }
           }
           // Alg. 1 line 10: P~ = exp2(S - m_new), l_new = exp2(m_old - m_new) l_old + rowsum(P~).
           const Acc alpha = std::exp2(m_row[i] - m_new);  // 0 on the first visible tile
@@ -230,6 +255,8 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
 // (primitives/softmax.cuh: recompute_p): P_ij = exp2(min(s'_ij - hi_i, 0) - lo_i) with
 // s' = S * softmax_scale * log2(e) rounded as the forward rounded it and LSE_i log2(e) = hi_i + lo_i
 // = m_i + log2 l_i from the forward's softmax_stats (else hi = LSE log2(e), lo = 0).
+// Soft-capped (Softcap): s' = t * softcap * log2(e), t = tanh(S * prescale), as the forward, and
+// dS = P (dP - D) (1 - t^2) (dt/d(S prescale)), before the final softmax_scale of dQ and dK.
 template <typename T, typename Acc>
 void bwd_impl(const Flash_bwd_params& p) {
   const int d = p.d;
@@ -237,6 +264,7 @@ void bwd_impl(const Flash_bwd_params& p) {
   const int num_n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   const Acc scale = static_cast<Acc>(p.scale_softmax);
   const Acc scale_log2 = static_cast<Acc>(p.scale_softmax * 1.4426950408889634074);
+  const Softcap<Acc> softcap(p);
   const int64_t rows_total = int64_t(p.b) * p.h * p.seqlen_q;
 
   // Alg. 2 line 5: D_i = rowsum(dO_i * O_i), one value per (batch, head, query row).
@@ -297,8 +325,9 @@ void bwd_impl(const Flash_bwd_params& p) {
   // Alg. 2 line 12 (see above). The recomputed scores are the forward's bit for bit (the same
   // tiles, the same summation order), so no tie tolerance is needed here. A row without keys has
   // hi = +inf: P = 0.
-  auto prob = [&](Acc s, Acc hi, Acc lo) {
-    const Acc x = s * scale_log2 - hi;
+  // s2: the scaled score in log2 units (s' above).
+  auto prob = [&](Acc s2, Acc hi, Acc lo) {
+    const Acc x = s2 - hi;
     return std::exp2((x > Acc(0) ? Acc(0) : x) - lo);  // not std::min: NaN stays NaN
   };
   auto row_dsum = [&](int b, int h, int i) { return dsum[(int64_t(b) * p.h + h) * p.seqlen_q + i]; };
@@ -317,8 +346,17 @@ void bwd_impl(const Flash_bwd_params& p) {
       const Acc dsum_i = row_dsum(b, h, m0 + i);
       const Acc* s = s_tile + int64_t(i) * kBlockN;
       const Acc* dp = dp_tile + int64_t(i) * kBlockN;
+      if (softcap.on) {
+        for (int j = c0; j < c1; ++j) {
+          const Acc t = softcap.tanh_of(s[j]);
+          const Acc pij = prob(t * softcap.cap_log2, hi, lo);
+          // dS_ij = P_ij (dP_ij - D_i) (1 - t_ij^2): the chain rule through the cap.
+          visit(i, j, pij, pij * (dp[j] - dsum_i) * (Acc(1) - t * t));
+        }
+        continue;
+      }
       for (int j = c0; j < c1; ++j) {
-        const Acc pij = prob(s[j], hi, lo);  // line 12: P_ij = exp(S_ij - L_i)
+        const Acc pij = prob(s[j] * scale_log2, hi, lo);  // line 12: P_ij = exp(S_ij - L_i)
         visit(i, j, pij, pij * (dp[j] - dsum_i));  // line 15: dS_ij = P_ij (dP_ij - D_i)
       }
     }

@@ -18,11 +18,13 @@ enum class Dtype { kFloat32, kFloat64, kFloat16, kBFloat16 };
 // Writes params.o (BSHD), params.softmax_lse_ptr ((b, h, seqlen_q) float32, natural log; +inf
 // and out = 0 for a row that sees no key) and, when non-null, row_max_ptr / row_log2sum_ptr (the
 // LSE's two parts in log2 units, flash.h). Needs b, seqlen_q, seqlen_k >= 1; uses params.d (any
-// multiple of 8 up to 256), ignores d_rounded.
+// multiple of 8 up to 256), ignores d_rounded. params.softcap > 0: the soft-capped logits
+// (flash.h), computed from params.softcap and scale_softmax in the accumulation type.
 void run_mha_fwd_cpu(const Flash_fwd_params& params, Dtype dtype);
 
 // Writes dq/dk/dv (never accumulates) from dout, q, k, v, o and the LSE: row_max_ptr /
-// row_log2sum_ptr when non-null (exact at any magnitude), else softmax_lse.
+// row_log2sum_ptr when non-null (exact at any magnitude), else softmax_lse. params.softcap > 0:
+// dS gains the factor 1 - t^2 (flash.h).
 void run_mha_bwd_cpu(const Flash_bwd_params& params, Dtype dtype);
 
 }  // namespace cpu

@@ -63,8 +63,9 @@ struct DkvKernelTraits {
 // Tile::kFastCopy: predicate-free copies of whole Q / dO tiles (primitives/tile_copy.cuh), used
 // where the registers allow it (tile_config.h).
 // kLocal: the call has a sliding window's left bound (the launch picks: launch_utils.h,
-// FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone.
-template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false>
+// FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone. kSoftcap: logit
+// soft-capping (params.softcap > 0): S^T -> t first, dS^T times 1 - t^2 (softmax.cuh).
+template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false, bool kSoftcap = false>
 __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 #if defined(__CUDA_ARCH__)  // device code only: the host pass needs just the stub
@@ -128,6 +129,12 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     float acc_s[kMA][T::kNBlkM][4];
     zero_acc(acc_s);
     gemm_abt_smem<kMA, T::kNBlkM, kHeadDim>(acc_s, sK, kWarpRows * warp_n, sQ, lane);
+    // Soft-capping: S^T -> t, and 1 - t^2 kept for dS^T (softmax.cuh).
+    [[maybe_unused]] SoftcapGrad<float[kMA][T::kNBlkM][4]> dt;
+    if constexpr (kSoftcap) {
+      softcap_scores(acc_s, params.softcap_prescale);
+      dt.set(acc_s);
+    }
 
     // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) in place (fp32; masked pairs -> 0),
     // primitives/softmax.cuh. The masked and exact copies of the loop run on the tiles that need
@@ -183,6 +190,11 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
           }
           acc_dp[ma][nb][2 * h] = p.x * (acc_dp[ma][nb][2 * h] - dsum2.x);
           acc_dp[ma][nb][2 * h + 1] = p.y * (acc_dp[ma][nb][2 * h + 1] - dsum2.y);
+          if constexpr (kSoftcap) {  // times 1 - t^2 of elements (2h, 2h + 1): flat pair (ma kNBlkM + nb) 2 + h
+            const float2 c = dt.pair((ma * T::kNBlkM + nb) * 2 + h);
+            acc_dp[ma][nb][2 * h] *= c.x;
+            acc_dp[ma][nb][2 * h + 1] *= c.y;
+          }
         }
       }
     }

@@ -54,8 +54,9 @@ struct DqKernelTraits {
 // Tile::kFastCopy: predicate-free copies of whole K / V tiles (primitives/tile_copy.cuh), used
 // where the registers allow it (tile_config.h).
 // kLocal: the call has a sliding window's left bound (the launch picks: launch_utils.h,
-// FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone.
-template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false>
+// FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone. kSoftcap: logit
+// soft-capping (params.softcap > 0): S -> t first, and P (1 - t^2), the P of dS (softmax.cuh).
+template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false, bool kSoftcap = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dq_kernel(const Flash_bwd_params params) {
   using T = DqKernelTraits<Element, kHeadDim, TileShape>;
@@ -112,7 +113,8 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     const int row = row_lo + 16 * ma + 8 * (e / 2);
     const float lo = kMode == PMode::kExact ? params.softmax_lse_log2_lo_ptr[ws + row] : 0.f;
     const bool visible = w.mask.template visible<kLocal>(row, n0 + nb * 8 + 2 * t + (e % 2));
-    return recompute_p<kMode>(s, params.scale_softmax_log2, hi[ma][e / 2], lo, visible);
+    const float p = recompute_p<kMode>(s, params.scale_softmax_log2, hi[ma][e / 2], lo, visible);
+    return kSoftcap ? p * fmaf(-s, s, 1.f) : p;  // soft-capping: s is t, and dS's P is P (1 - t^2)
   };
 
   float acc_dq[kMA][T::kNBlkD][4];
@@ -130,6 +132,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     float acc_s[kMA][T::kNBlkN][4];
     zero_acc(acc_s);
     gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_s, sQ, warp_row0, sK, lane);
+    if constexpr (kSoftcap) softcap_scores(acc_s, params.softcap_prescale);  // S -> t (softmax.cuh)
 
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), masked keys -> 0; the masked and exact
     // copies run on the blocks that need them only (a CTA-uniform branch).

@@ -58,7 +58,8 @@ struct FwdKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {
 // kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd picks):
 // the key loop starts at the window's first block and the left edge's tiles are masked too. The
 // kernel without it is the causal mask's code alone (its registers: 255 in the sm_90 row).
-template <typename Traits, bool kLocal = false>
+// kSoftcap: logit soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores).
+template <typename Traits, bool kLocal = false, bool kSoftcap = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_kernel(const Flash_fwd_params params) {
   using Element = typename Traits::Element;
@@ -99,6 +100,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       for (int e = 0; e < 4; ++e) acc_o[mi][di][e] = 0.f;
   OnlineSoftmax<kMAtoms> softmax;  // m = -inf, l = 0
   const float scale_log2 = params.scale_softmax_log2;
+  const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
 
   if (n_block_max > n_block_min) {
     // ---- Prologue: Q tile (loaded once, FA2 Alg. 1 line 4) and the first K tile, one group.
@@ -174,6 +176,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
       // The mask (common/mask.cuh): only tiles crossing the causal diagonal, a window's left edge or
       // the seqlen_k edge run mask code; the branch is uniform over the CTA, so tiles below the diagonal pay nothing.
+      // (Soft-capping first: softmax.cuh.)
+      if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
       if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
 
       cp_async_wait<0>();  // V_n landed ...

@@ -14,10 +14,13 @@ namespace sm80 {
 template <typename Traits>
 void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   static_assert(Traits::kSmemBytes <= kMaxSmem, "forward tile row exceeds sm_80 shared memory");
-  // A sliding window's left bound takes the kernel's kLocal twin (flash_fwd_kernel.cuh).
+  // The call's twin of the kernel (a window's left bound, soft-capping: flash_fwd_kernel.cuh).
   launch_tiles<Traits, QTileWork<Traits::kBlockM, Traits::kBlockN, false>>(
-      params.window_left >= 0 ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>, "forward", params,
-      stream);
+      pick_twin(params,
+                [](auto local, auto softcap) {
+                  return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value>;
+                }),
+      "forward", params, stream);
 }
 
 }  // namespace sm80

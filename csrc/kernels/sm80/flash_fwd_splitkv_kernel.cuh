@@ -82,7 +82,8 @@ struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBloc
 
 // kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd_splitkv
 // picks): its masked tiles check the left bound too. The kernel without it is the causal mask's code.
-template <typename Traits, bool kLocal = false>
+// kSoftcap: logit soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores).
+template <typename Traits, bool kLocal = false, bool kSoftcap = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_splitkv_kernel(const Flash_fwd_params params, const __grid_constant__ KvTmaMaps maps) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -105,6 +106,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const SplitKvWork<kBlockM, kBlockN> w(params);
   const int n_tiles = w.n_end > w.n_begin ? w.n_end - w.n_begin : 0;
   const float scale_log2 = params.scale_softmax_log2;
+  const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
   // Evict-first only where no other CTA reads these K/V rows (one packed row tile per kv head).
   const uint64_t kv_policy =
       l2_policy_stream(Traits::kEvictFirst && SplitKvWork<kBlockM, kBlockN>::num_row_tiles(params) == 1,
@@ -237,6 +239,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // key0 + 8 ni + 2 (lane % 4) + e. Past the sequence's keys S = 0 (cp.async zero-fills those K
     // rows) or anything, NaN included (TMA brings whole boxes): the tile holding them always takes
     // this branch (every row's key limit is <= seqlen_k) and the -inf replaces the value.
+    // (Soft-capping first: softmax.cuh; tanh keeps a NaN a NaN, which the mask then replaces.)
+    if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
     if (w.template tile_needs_mask<kLocal>(w.n_begin + t)) {
       const int key0 = (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4);
 #pragma unroll
@@ -384,19 +388,23 @@ void launch_fwd_splitkv(Flash_fwd_params& params, cudaStream_t stream) {
   }
   // All of the unified L1 / shared memory as shared memory, so kMinBlocks CTAs fit an SM (the
   // K/V copies bypass L1: cp.async.cg; only the block table goes through it). Once per device,
-  // for both twins (a sliding window's left bound runs the kLocal one).
+  // for every twin (a sliding window's left bound, soft-capping: launch_utils.h pick_twin).
   static std::atomic<uint64_t> carveout_set{0};  // bit i: done on device i
   int device = 0;
   FLASH_CHECK_CUDA(cudaGetDevice(&device));
   const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
   if (bit == 0 || !(carveout_set.load(std::memory_order_relaxed) & bit)) {
-    for (auto twin : {flash_fwd_splitkv_kernel<Traits, false>, flash_fwd_splitkv_kernel<Traits, true>}) {
+    for (auto twin : {flash_fwd_splitkv_kernel<Traits, false, false>, flash_fwd_splitkv_kernel<Traits, true, false>,
+                      flash_fwd_splitkv_kernel<Traits, false, true>, flash_fwd_splitkv_kernel<Traits, true, true>}) {
       FLASH_CHECK_CUDA(cudaFuncSetAttribute(twin, cudaFuncAttributePreferredSharedMemoryCarveout,
                                             cudaSharedmemCarveoutMaxShared));
     }
     carveout_set.fetch_or(bit, std::memory_order_relaxed);
   }
-  launch_1d(params.window_left >= 0 ? flash_fwd_splitkv_kernel<Traits, true> : flash_fwd_splitkv_kernel<Traits, false>,
+  launch_1d(pick_twin(params,
+                      [](auto local, auto softcap) {
+                        return &flash_fwd_splitkv_kernel<Traits, decltype(local)::value, decltype(softcap)::value>;
+                      }),
             SplitKvWork<Traits::kBlockM, Traits::kBlockN>::grid_size(params), Traits::kThreads, Traits::kSmemBytes,
             "split-KV forward", params.d_rounded, stream, params, maps);
 }

@@ -63,8 +63,9 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
 };
 
 // kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
-// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone.
-template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false>
+// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone. kSoftcap: logit
+// soft-capping (params.softcap > 0): S^T -> t first, dS^T times 1 - t^2 (softmax.cuh).
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false>
 __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -153,6 +154,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
 
     const bool needs_mask = w.template needs_mask<kLocal>(it);
     const int key0 = w.n0 + 64 * wg + 16 * warp_wg + g;
+    const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
     uint32_t a_p[kSplit][kPart / 16][4], a_ds[kSplit][kPart / 16][4];
 #pragma unroll
     for (int h = 0; h < kSplit; ++h) {
@@ -160,6 +162,12 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       // other products of the parts, and dV / dK of the earlier parts): S^T_h is done.
       wgmma_wait<2 * kSplit - 1>();
       const int q0 = h * kPart;  // first tile row of part h
+      // Soft-capping: S^T -> t, and 1 - t^2 kept for dS^T (softmax.cuh).
+      [[maybe_unused]] SoftcapGrad<float[kNBlkP][4]> dt;
+      if constexpr (kSoftcap) {
+        softcap_scores(acc_s[h], softcap_prescale);
+        dt.set(acc_s[h]);
+      }
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0; smem_layout.cuh).
       recompute_pt<kLocal>(acc_s[h], w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, q0, key0, t);
 #pragma unroll
@@ -181,8 +189,12 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int i = (j % 2) * 2 + r;
-            a_ds[h][j / 2][i] = mul2<Element>(
-                a_p[h][j / 2][i], pack2<Element>(acc_dp[h][j][2 * r] - dsum2.x, acc_dp[h][j][2 * r + 1] - dsum2.y));
+            float2 d = make_float2(acc_dp[h][j][2 * r] - dsum2.x, acc_dp[h][j][2 * r + 1] - dsum2.y);
+            if constexpr (kSoftcap) {  // times 1 - t^2 of elements (2r, 2r + 1) of block j
+              const float2 c = dt.pair(2 * j + r);
+              d = make_float2(d.x * c.x, d.y * c.y);
+            }
+            a_ds[h][j / 2][i] = mul2<Element>(a_p[h][j / 2][i], pack2<Element>(d.x, d.y));
           }
         }
       } else {
@@ -195,6 +207,11 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
                                           : make_float2(acc_s[h][j][2 * r], acc_s[h][j][2 * r + 1]);
             acc_dp[h][j][2 * r] = p.x * (acc_dp[h][j][2 * r] - dsum2.x);
             acc_dp[h][j][2 * r + 1] = p.y * (acc_dp[h][j][2 * r + 1] - dsum2.y);
+            if constexpr (kSoftcap) {  // times 1 - t^2
+              const float2 c = dt.pair(2 * j + r);
+              acc_dp[h][j][2 * r] *= c.x;
+              acc_dp[h][j][2 * r + 1] *= c.y;
+            }
           }
         }
 #pragma unroll

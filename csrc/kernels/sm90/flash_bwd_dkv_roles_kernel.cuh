@@ -60,8 +60,10 @@ struct DkvRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
 };
 
 // kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
-// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone.
-template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false>
+// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone. kSoftcap: logit
+// soft-capping (params.softcap > 0): S^T -> t first, and role 1 is handed P^T (1 - t^2) for dS^T
+// while role 0 keeps P^T for dV (softmax.cuh).
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -137,11 +139,23 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
 
     float4* p_xchg = sP(it);
     if (wg == 0) {
+      [[maybe_unused]] SoftcapGrad<float[kNBlkM][4]> dt;
+      if constexpr (kSoftcap) {
+        softcap_scores(acc_s, params.softcap_prescale);
+        dt.set(acc_s);
+      }
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0), handed to role 1.
       recompute_pt<kLocal>(acc_s, w.mask, precise, w.template needs_mask<kLocal>(it), params.scale_softmax_log2, sHi(stage), sLo(stage),
                    w.m0(it), 0, key0, t);
 #pragma unroll
-      for (int j = 0; j < kNBlkM; ++j) p_xchg[j * 128 + tid_wg] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
+      for (int j = 0; j < kNBlkM; ++j) {
+        float4 p = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
+        if constexpr (kSoftcap) {  // dS^T's P^T: times 1 - t^2
+          const float2 c0 = dt.pair(2 * j), c1 = dt.pair(2 * j + 1);
+          p = make_float4(p.x * c0.x, p.y * c0.y, p.z * c1.x, p.w * c1.y);
+        }
+        p_xchg[j * 128 + tid_wg] = p;
+      }
       // Release (no wait). The buffer is written again two iterations on, once role 1 read it:
       // kTma, that iteration's Q tile loads only after every thread released this iteration's stage;
       // cp.async, a CTA barrier ends each iteration.

@@ -46,8 +46,9 @@ struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
 };
 
 // kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
-// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone.
-template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false>
+// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone. kSoftcap: logit
+// soft-capping (params.softcap > 0): S -> t first, and P (1 - t^2), the P of dS (softmax.cuh).
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, TileShape::kMinBlocks)
 flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -128,7 +129,9 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
 
     wgmma_wait<1>();
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), while dP runs (masked -> 0; smem_layout.cuh).
-    recompute_p_rows<kLocal>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, hi,
+    // Soft-capping: S -> t first, and P (1 - t^2), the P of dS.
+    if constexpr (kSoftcap) softcap_scores(acc_s, params.softcap_prescale);
+    recompute_p_rows<kLocal, kSoftcap>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, hi,
                      params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 
     // Alg. 2 line 15: dS = P o (dP - D).

@@ -51,8 +51,9 @@ struct DqRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
 };
 
 // kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
-// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone.
-template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false>
+// FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone. kSoftcap: logit
+// soft-capping (params.softcap > 0): S -> t first, and role 1 is handed P (1 - t^2) (softmax.cuh).
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -124,8 +125,10 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
     wgmma_wait<0>();
 
     if (wg == 0) {
-      // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2) (masked -> 0), handed to role 1.
-      recompute_p_rows<kLocal>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, row_stat,
+      // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2) (masked -> 0), handed to role 1 (with
+      // soft-capping: S -> t first, and P (1 - t^2), the P of dS).
+      if constexpr (kSoftcap) softcap_scores(acc_s, params.softcap_prescale);
+      recompute_p_rows<kLocal, kSoftcap>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, row_stat,
                        params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 #pragma unroll
       for (int j = 0; j < kNBlkN; ++j) sP[j * 128 + tid_wg] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);

@@ -322,8 +322,9 @@ struct WarpgroupTurns {
 
 // kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd picks):
 // the tiles' key ranges start at the window's first block. The kernel without it is the causal
-// mask's code alone (n_block_min = 0, no left-edge masks or tail skips).
-template <typename Traits, bool kLocal = false>
+// mask's code alone (n_block_min = 0, no left-edge masks or tail skips). kSoftcap: logit
+// soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores on every S tile).
+template <typename Traits, bool kLocal = false, bool kSoftcap = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_kernel(const __grid_constant__ Flash_fwd_params params, const __grid_constant__ FwdTmaMaps tma,
                      const __grid_constant__ FwdTileScheduler<Traits::kBlockM> sched) {
@@ -561,6 +562,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // ---- Consumers: warpgroup c owns query rows [64 c, 64 c + 64) of every tile.
   setmaxnreg_inc<Traits::kConsumerRegs>();
   const float scale_log2 = params.scale_softmax_log2;
+  const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
   using Turns = WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>;
   // Named barrier of all consumer warpgroups for a varlen tile's V rows past its keys (ids: 1..3
   // the epilogue's, Turns::kBarrier.. the turns').
@@ -732,6 +734,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_fence_operands(flat(s[0]));
       __syncwarp();
       if (lane == 0) mbarrier_arrive(k_empty(kv_wg.stage(0)));  // this warp is done with K
+      if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
       if (n_top - 1 >= n_unmasked || (kLocal && n_top - 1 < n_unmasked_lo)) {
         w.mask.template apply<kLocal>(s, w.m0 + row0(), (n_top - 1) * kBlockN);
       }
@@ -765,7 +768,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
         // The mask (common/mask.cuh) only on tiles crossing the causal diagonal, a window's left edge
         // or the seqlen_k edge (a warpgroup-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S -
-        // m) c), l; alpha for O.
+        // m) c), l; alpha for O. (Soft-capping first: softmax.cuh.)
+        if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
         if (n >= n_unmasked || (kLocal && n < n_unmasked_lo)) w.mask.template apply<kLocal>(s, w.m0 + row0(), n * kBlockN);
         float alpha[2];
         bool rescaled;

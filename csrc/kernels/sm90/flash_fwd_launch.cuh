@@ -57,8 +57,11 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const auto sched =
       Sched::make(params, typename Sched::Schedule(sm90_fwd_schedule(params)), Traits::kWarpgroupKeyRanges);
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
-  // A sliding window's left bound takes the kernel's kLocal twin (flash_fwd_kernel.cuh).
-  launch_1d(params.window_left >= 0 ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>,
+  // The call's twin of the kernel (a window's left bound, soft-capping: flash_fwd_kernel.cuh).
+  launch_1d(pick_twin(params,
+                      [](auto local, auto softcap) {
+                        return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value>;
+                      }),
             sched.grid_size(params), Traits::kThreads, Traits::kSmemBytes, "forward (sm90)", kHeadDim, stream, params,
             maps, sched);
   return true;

@@ -140,7 +140,9 @@ __device__ __forceinline__ void gemm_ss(float (&acc)[kN / 2], uint32_t sA, uint3
 // recompute are compiled into other copies of the loop that run on the last key block, causal
 // diagonal blocks, a sliding window's edge blocks and tiles with large-magnitude rows only (a
 // uniform branch). kLocal: the kernel's twin for a window's left bound (mask.cuh: visible<kLocal>).
-template <bool kLocal, int kNBlk, typename Mask>
+// kSoftcapGrad: acc holds the soft-capped scores t (softmax.cuh: softcap_scores) and gets P (1 - t^2),
+// the dQ kernels' P, which feeds only dS = P o (dP - D) (softmax.cuh: SoftcapGrad).
+template <bool kLocal, bool kSoftcapGrad = false, int kNBlk, typename Mask>
 __device__ __forceinline__ void recompute_p_rows(float (&acc)[kNBlk][4], const Mask& mask, bool precise,
                                                  bool needs_mask, float scale_log2, const float (&hi)[2],
                                                  const float* lo_ptr, int row0, int n0, int t) {
@@ -155,8 +157,9 @@ __device__ __forceinline__ void recompute_p_rows(float (&acc)[kNBlk][4], const M
     for (int j = 0; j < kNBlk; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        acc[j][e] = recompute_p<kMode>(acc[j][e], scale_log2, hi[e / 2], lo[e / 2],
-                                       mask.template visible<kLocal>(row0 + 8 * (e / 2), n0 + 8 * j + 2 * t + (e % 2)));
+        const float p = recompute_p<kMode>(acc[j][e], scale_log2, hi[e / 2], lo[e / 2],
+                                           mask.template visible<kLocal>(row0 + 8 * (e / 2), n0 + 8 * j + 2 * t + (e % 2)));
+        acc[j][e] = kSoftcapGrad ? p * fmaf(-acc[j][e], acc[j][e], 1.f) : p;
       }
     }
   });
@@ -421,8 +424,8 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
 // Defines flash::sm90::launch_bwd_<kind>(params, stream, allow_tma) for tile row Tile (the roles
 // kernel for a Roles<> row, else the rows kernel; either by TMA where launch_bwd_stages can, tensors
 // a / b: rows x heads, varlen total x heads, boxes of Traits::box rows) and flash::run_mha_bwd_<kind>_(Sm90, ...), the
-// launch the generated instantiations compile with the production row <Kind>Tile<d>; a call with a
-// sliding window's left bound (params.window_left >= 0) takes the kernels' kLocal twins. Used at
+// launch the generated instantiations compile with the production row <Kind>Tile<d>; the call's
+// twins of the kernels by pick_twin (launch_utils.h: a window's left bound, soft-capping). Used at
 // global scope after both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
 #define FLASH_SM90_BWD_LAUNCH(Kind, kind, what, a, b, rows, total, heads, box)                                   \
   namespace flash::sm90 {                                                                                       \
@@ -433,25 +436,27 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
         tma_kernel, cp_kernel, params.a, params.b, params.rows, params.total, params.heads, Traits::box, what,   \
         params, stream, allow_tma);                                                                             \
   }                                                                                                             \
-  template <typename Element, int kHeadDim, typename Tile, bool kLocal>                                         \
+  template <typename Element, int kHeadDim, typename Tile, bool kLocal, bool kSoftcap>                          \
   void launch_bwd_##kind##_twin(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma) {                \
     if constexpr (Tile::kRoles) {                                                                               \
       launch_bwd_##kind##_with<Kind##RolesKernelTraits<Element, kHeadDim, Tile>>(                               \
-          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, kLocal>,                               \
-          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, kLocal>, params, stream, allow_tma);  \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap>,                     \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap>, params, stream,    \
+          allow_tma);                                                                                           \
     } else {                                                                                                    \
       launch_bwd_##kind##_with<Kind##KernelTraits<Element, kHeadDim, Tile>>(                                    \
-          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, kLocal>,                                     \
-          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, kLocal>, params, stream, allow_tma);        \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap>,                           \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap>, params, stream,          \
+          allow_tma);                                                                                           \
     }                                                                                                           \
   }                                                                                                             \
   template <typename Element, int kHeadDim, typename Tile>                                                      \
   void launch_bwd_##kind(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma = true) {                \
-    if (params.window_left >= 0) { /* a sliding window's left bound: the kLocal twins */                        \
-      launch_bwd_##kind##_twin<Element, kHeadDim, Tile, true>(params, stream, allow_tma);                       \
-    } else {                                                                                                    \
-      launch_bwd_##kind##_twin<Element, kHeadDim, Tile, false>(params, stream, allow_tma);                      \
-    }                                                                                                           \
+    pick_twin(params, [&](auto local, auto softcap) {                                                           \
+      launch_bwd_##kind##_twin<Element, kHeadDim, Tile, decltype(local)::value, decltype(softcap)::value>(      \
+          params, stream, allow_tma);                                                                           \
+      return 0;                                                                                                 \
+    });                                                                                                         \
   }                                                                                                             \
   }                                                                                                             \
   template <typename Element, int kHeadDim>                                                                     \
