@@ -14,15 +14,8 @@ import statistics
 import torch
 
 import flash_attn_ext
+from flash_attn_ext.bench.peers import flash_attn_module_function
 from flash_attn_ext.bench.timing import Timer
-
-
-def _fa4():
-    try:
-        from flash_attn.cute import flash_attn_func
-    except Exception:  # not installed, or a broken install raising something else
-        return None
-    return flash_attn_func
 
 
 def main(argv=None):
@@ -40,7 +33,7 @@ def main(argv=None):
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timer = Timer(device, warmup_ms=min(25.0, args.rep_ms), rep_ms=args.rep_ms)
-    fa4 = _fa4() if device.type == "cuda" else None
+    fa4 = flash_attn_module_function("flash-attn4") if device.type == "cuda" else None
     cap = args.softcap
 
     def ours(q, k, v, causal, softcap):

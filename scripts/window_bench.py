@@ -16,6 +16,7 @@ import argparse
 import torch
 
 import flash_attn_ext
+from flash_attn_ext.bench.peers import flash_attn_module_function
 from flash_attn_ext.bench.timing import Timer
 
 
@@ -25,14 +26,6 @@ def visible_pairs(seqlen: int, window: int) -> int:
     if window <= 0 or window >= seqlen:
         return seqlen * (seqlen + 1) // 2
     return window * (window + 1) // 2 + (seqlen - window) * window
-
-
-def _fa4():
-    try:
-        from flash_attn.cute import flash_attn_func
-    except Exception:  # noqa: BLE001 - any import failure means the peer is absent
-        return None
-    return flash_attn_func
 
 
 def main(argv=None):
@@ -46,7 +39,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    fa4 = _fa4() if device.type == "cuda" else None
+    fa4 = flash_attn_module_function("flash-attn4") if device.type == "cuda" else None
     timer = Timer(device, warmup_ms=min(25.0, args.rep_ms), rep_ms=args.rep_ms)
     print(f"{dtype}, {device}; causal; nheads = 2048 / hdim; FlashAttention-4: {'yes' if fa4 else 'not importable'}")
     print("| hdim | seqlen | window | impl | pass | ms | TFLOP/s | x full causal (ms) |")

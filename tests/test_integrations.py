@@ -1198,15 +1198,14 @@ def test_position_ids_packing_rules(count_calls):
 # ------------------------------------------------------------ attention sinks (gpt-oss's s_aux)
 
 
-@pytest.fixture
-def sink_calls(monkeypatch):
-    """Records every kernel call the integration makes as (label, the sinks tensor it passed):
-    with s_aux given, every call (dense and each varlen call) must carry it."""
+def _spy_kernel_calls(monkeypatch, keyword):
+    """Records every kernel call the integration makes (dense and each varlen call) as (label, the
+    value of ``keyword`` it passed)."""
     calls = []
 
     def spy(label, real):
         def f(*a, **kw):
-            calls.append((label + (" causal" if kw.get("causal") else ""), kw.get("sinks")))
+            calls.append((label + (" causal" if kw.get("causal") else ""), kw.get(keyword)))
             return real(*a, **kw)
         return f
 
@@ -1217,16 +1216,24 @@ def sink_calls(monkeypatch):
     return calls
 
 
-def _eager_sinks(q, k, v, mask, sinks, scale, is_causal=False, window=None):
-    """gpt-oss's eager_attention_forward (BHSD in, BSHD out) with a boolean mask (True = attend)
-    or None (causal per is_causal, bottom-right as transformers' masks when q_len < kv_len;
-    window: a causal sliding window of that many keys): softmax over the scores and the sink,
-    the sink's column dropped. Rows that see no key get only the sink: out 0."""
-    B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
+@pytest.fixture
+def sink_calls(monkeypatch):
+    """Every kernel call as (label, the sinks tensor it passed): with s_aux given, every call must
+    carry it."""
+    return _spy_kernel_calls(monkeypatch, "sinks")
+
+
+def _eager_scores(q, k, v, mask, scale, is_causal=False, window=None, softcap=None):
+    """The scores of transformers' eager attention (BHSD in): scores * scale (then softcap *
+    tanh(scores / softcap) when softcap is given), masked to -inf by a boolean mask (True = attend)
+    or, for None, causally per is_causal (bottom-right as transformers' masks when q_len < kv_len)
+    and by a causal sliding window of ``window`` keys. Returns (scores, v with k's heads repeated)."""
+    H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
     k = k.repeat_interleave(H // k.shape[1], 1)
     v = v.repeat_interleave(H // v.shape[1], 1)
     s = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     i = torch.arange(Lq)[:, None] + Lk - Lq
     j = torch.arange(Lk)[None, :]
     allowed = torch.ones(Lq, Lk, dtype=torch.bool)
@@ -1237,7 +1244,15 @@ def _eager_sinks(q, k, v, mask, sinks, scale, is_causal=False, window=None):
             allowed = allowed & (j <= i)
         if window is not None:
             allowed = allowed & (j > i - window)
-    s = s.masked_fill(~allowed, float("-inf"))
+    return s.masked_fill(~allowed, float("-inf")), v
+
+
+def _eager_sinks(q, k, v, mask, sinks, scale, is_causal=False, window=None):
+    """gpt-oss's eager_attention_forward (BHSD in, BSHD out; masks as _eager_scores): softmax over
+    the scores and the sink, the sink's column dropped. Rows that see no key get only the sink:
+    out 0."""
+    s, v = _eager_scores(q, k, v, mask, scale, is_causal, window)
+    B, H, Lq, _ = s.shape
     sink = sinks.to(s.dtype).reshape(1, -1, 1, 1).expand(B, H, Lq, 1)
     p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
     return torch.matmul(p, v).transpose(1, 2)
@@ -1476,44 +1491,15 @@ def test_gpt_oss_generate_matches_eager(name, sink_calls):
 
 @pytest.fixture
 def softcap_calls(monkeypatch):
-    """Records every kernel call the integration makes as (label, the softcap it passed): with the
-    softcap keyword given, every call (dense and each varlen call) must carry it."""
-    calls = []
-
-    def spy(label, real):
-        def f(*a, **kw):
-            calls.append((label + (" causal" if kw.get("causal") else ""), kw.get("softcap")))
-            return real(*a, **kw)
-        return f
-
-    dense, varlen = spy("dense", fx.flash_attn_func), spy("varlen", masked.flash_attn_varlen_func)
-    monkeypatch.setattr(fx, "flash_attn_func", dense)
-    monkeypatch.setattr(masked, "flash_attn_func", dense)
-    monkeypatch.setattr(masked, "flash_attn_varlen_func", varlen)
-    return calls
+    """Every kernel call as (label, the softcap it passed): with the softcap keyword given, every
+    call must carry it."""
+    return _spy_kernel_calls(monkeypatch, "softcap")
 
 
 def _eager_softcap(q, k, v, mask, softcap, scale, is_causal=False, window=None):
     """Gemma 2's eager_attention_forward (BHSD in, BSHD out): scores * scale, then softcap *
-    tanh(scores / softcap), then the mask (boolean, True = attend; None: causal per is_causal,
-    bottom-right, and a causal sliding window of ``window`` keys). Rows that see no key: 0."""
-    B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
-    k = k.repeat_interleave(H // k.shape[1], 1)
-    v = v.repeat_interleave(H // v.shape[1], 1)
-    s = torch.matmul(q, k.transpose(2, 3)) * scale
-    s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(Lq)[:, None] + Lk - Lq
-    j = torch.arange(Lk)[None, :]
-    allowed = torch.ones(Lq, Lk, dtype=torch.bool)
-    if mask is not None:
-        allowed = mask if mask.dtype == torch.bool else mask == 0
-    else:
-        if is_causal and Lq > 1:
-            allowed = allowed & (j <= i)
-        if window is not None:
-            allowed = allowed & (j > i - window)
-    s = s.masked_fill(~allowed, float("-inf"))
+    tanh(scores / softcap), then the mask (_eager_scores). Rows that see no key: 0."""
+    s, v = _eager_scores(q, k, v, mask, scale, is_causal, window, softcap=softcap)
     empty = torch.isneginf(s).all(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
     return torch.matmul(p, v).transpose(1, 2)

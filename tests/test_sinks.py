@@ -524,14 +524,11 @@ def _cache(batch, capacity, nheads_k, d, dtype, page_size, device="cpu"):
     return k, torch.randn_like(k), table
 
 
-@pytest.mark.parametrize("seqlen_new", [0, 2])
-@pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "paged16"])
-@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (1, True), (4, True), (4, False)], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_sinks_kvcache_cpu(dtype, seqlen_q, causal, page_size, seqlen_new):
-    """Decode / chunked prefill against a cache with sinks, contiguous and paged, 1 and 3 splits,
-    new keys appended, varying cache lengths (0: rows without keys get out 0 and lse = sinks[h];
-    1 with 4 causal queries: the first rows see none)."""
+def _kvcache_case(dtype, seqlen_q, page_size, seqlen_new):
+    """A CPU decode / chunked-prefill case (batch 4, GQA 4:2, d 16, a 64-row cache, contiguous or
+    paged): cache lengths 0, 1, 23 and full after the append, NaN in the rows past each sequence
+    (test_kvcache.poison_unused). Returns (q, k_cache, v_cache, block_table, cache_seqlens, k_new,
+    v_new, rows used per sequence after the append)."""
     batch, nheads, nheads_k, d, cap = 4, 4, 2, 16, 64
     k_cache, v_cache, table = _cache(batch, cap, nheads_k, d, dtype, page_size)
     cache_seqlens = torch.tensor([0, 1, 23, cap - seqlen_new], dtype=torch.int32)
@@ -540,6 +537,20 @@ def test_sinks_kvcache_cpu(dtype, seqlen_q, causal, page_size, seqlen_new):
     q = torch.randn(batch, seqlen_q, nheads, d, dtype=dtype)
     k_new = torch.randn(batch, seqlen_new, nheads_k, d, dtype=dtype) if seqlen_new else None
     v_new = torch.randn(batch, seqlen_new, nheads_k, d, dtype=dtype) if seqlen_new else None
+    return q, k_cache, v_cache, table, cache_seqlens, k_new, v_new, used
+
+
+@pytest.mark.parametrize("seqlen_new", [0, 2])
+@pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (1, True), (4, True), (4, False)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sinks_kvcache_cpu(dtype, seqlen_q, causal, page_size, seqlen_new):
+    """Decode / chunked prefill against a cache with sinks, contiguous and paged, 1 and 3 splits,
+    new keys appended, varying cache lengths (0: rows without keys get out 0 and lse = sinks[h];
+    1 with 4 causal queries: the first rows see none)."""
+    q, k_cache, v_cache, table, cache_seqlens, k_new, v_new, used = _kvcache_case(dtype, seqlen_q, page_size,
+                                                                                  seqlen_new)
+    nheads = q.shape[2]
     s = make_sinks(4, requires_grad=False)
     outs = []
     for num_splits in (1, 3):
@@ -952,6 +963,18 @@ def _cuda_cache(lens, capacity, nheads_k, d, dtype, page_size):
     return paged[0], paged[1], table
 
 
+def _cuda_kvcache_case(dtype, seqlen_q, page_size):
+    """A CUDA split-KV case: batch 4, GQA 8:2, head dim 128, a 1000-row cache (contiguous or paged,
+    NaN past each sequence: _cuda_cache) with lengths 0, 1, 517 and full. Returns (q, k_cache,
+    v_cache, block_table, cache_seqlens)."""
+    batch, nheads, nheads_k, d, cap = 4, 8, 2, 128, 1000
+    lens = [0, 1, 517, cap]
+    k_cache, v_cache, table = _cuda_cache(lens, cap, nheads_k, d, dtype, page_size)
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, seqlen_q, nheads, d, dtype=dtype, device="cuda")
+    return q, k_cache, v_cache, table, cache_seqlens
+
+
 @cuda
 @pytest.mark.parametrize("page_size", [0, 16, 64], ids=["contiguous", "paged16", "paged64"])
 @pytest.mark.parametrize("seqlen_q", [1, 4])
@@ -961,11 +984,8 @@ def test_sinks_cuda_kvcache(arch_path, poison_empty, dtype, seqlen_q, page_size)
     sequence), lengths 0 (out 0, lse = sinks), 1, ragged and full, causal; num_splits 1, 0 (auto)
     and 4 (the combine adds the sink once); -inf sinks: the bits of sinks=None."""
     require_hdim(128, exact=True)
-    batch, nheads, nheads_k, d, cap = 4, 8, 2, 128, 1000
-    lens = [0, 1, 517, cap]
-    k_cache, v_cache, table = _cuda_cache(lens, cap, nheads_k, d, dtype, page_size)
-    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, seqlen_q, nheads, d, dtype=dtype, device="cuda")
+    q, k_cache, v_cache, table, cache_seqlens = _cuda_kvcache_case(dtype, seqlen_q, page_size)
+    nheads = q.shape[2]
     s = _cuda_sinks(nheads).detach()
     ref = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, table, None, True, sinks=s)
     base = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, table, None, True, upcast=False, sinks=s)

@@ -24,8 +24,7 @@ import torch
 import flash_attn_ext
 from accuracy import check_accuracy
 from conftest import check_fwd_bwd, make_qkv, require_hdim
-from test_kvcache import poison_unused  # NaN into the cache rows past each sequence's length
-from test_sinks import _cache, _cuda_cache, _varlen_inputs, check_fwd_bwd_sinks, make_sinks
+from test_sinks import _cuda_cache, _cuda_kvcache_case, _kvcache_case, _varlen_inputs, check_fwd_bwd_sinks, make_sinks
 from flash_attn_ext.reference import attention_kvcache_ref, attention_ref, attention_varlen_ref, visible_mask
 
 SOFTCAPS = [5.0, 50.0]  # a cap random scores reach, and Gemma 2's
@@ -219,14 +218,8 @@ def test_softcap_kvcache_cpu(dtype, seqlen_q, causal, page_size, seqlen_new):
     """Decode (seqlen_q 1) and chunked prefill against a cache with a cap, contiguous and paged, 1
     and 3 splits, new keys appended, GQA 4:2, NaN in the rows past each sequence; the cap matters
     (scale 1: scaled scores of ~4 against a cap of 2)."""
-    batch, nheads, nheads_k, d, cap = 4, 4, 2, 16, 64
-    k_cache, v_cache, table = _cache(batch, cap, nheads_k, d, dtype, page_size)
-    cache_seqlens = torch.tensor([0, 1, 23, cap - seqlen_new], dtype=torch.int32)
-    used = (cache_seqlens + seqlen_new).tolist()
-    poison_unused(k_cache, v_cache, table, used)
-    q = torch.randn(batch, seqlen_q, nheads, d, dtype=dtype)
-    k_new = torch.randn(batch, seqlen_new, nheads_k, d, dtype=dtype) if seqlen_new else None
-    v_new = torch.randn(batch, seqlen_new, nheads_k, d, dtype=dtype) if seqlen_new else None
+    q, k_cache, v_cache, table, cache_seqlens, k_new, v_new, used = _kvcache_case(dtype, seqlen_q, page_size,
+                                                                                  seqlen_new)
     lens = torch.tensor(used, dtype=torch.int32)
     for num_splits in (1, 3):
         kc, vc = k_cache.clone(), v_cache.clone()
@@ -544,11 +537,7 @@ def test_softcap_cuda_kvcache(arch_path, poison_empty, dtype, seqlen_q, page_siz
     1000-row cache (NaN past each sequence), lengths 0, 1, ragged and full, causal; num_splits 1, 3
     and 0 (auto); a window too; the cap matters (scale 0.3: scaled scores of ~3 against a cap of 2)."""
     require_hdim(128, exact=True)
-    batch, nheads, nheads_k, d, cap = 4, 8, 2, 128, 1000
-    lens = [0, 1, 517, cap]
-    k_cache, v_cache, table = _cuda_cache(lens, cap, nheads_k, d, dtype, page_size)
-    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, seqlen_q, nheads, d, dtype=dtype, device="cuda")
+    q, k_cache, v_cache, table, cache_seqlens = _cuda_kvcache_case(dtype, seqlen_q, page_size)
     for window in ((-1, -1), (255, 0)):
         ref = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, table, 0.3, True, window_size=window,
                                     softcap=2.0)
@@ -621,40 +610,6 @@ def test_softcap_cuda_compile_fullgraph(arch_path):
         torch.testing.assert_close(g, w)
 
 
-@cuda
-@pytest.mark.parametrize("d", [64, 128])
-def test_softcap_runs_the_softcap_twins(arch_path, d):
-    """A call with softcap > 0 runs the kernels' kSoftcap twins (the last template argument, after
-    kLocal: test_window._twin_flags), forward, dK/dV, dQ and the split-KV decode, with and without a
-    window's left bound; softcap 0 the twins without the cap (their code as before), on both arch
-    paths."""
-    require_hdim(d, exact=True)
-    from torch.profiler import ProfilerActivity, profile
-
-    from test_window import _TWIN_KERNEL, _twin_flags
-
-    q, k, v = make_qkv(2, 300, 400, 4, 2, d, torch.bfloat16, device="cuda")
-    for softcap in (5.0, 0.0):
-        for causal, window, local in [(True, (64, 0), True), (True, (-1, -1), False), (False, (-1, -1), False)]:
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
-                out.sum().backward()
-                torch.cuda.synchronize()
-            names = [e.name for e in prof.events() if _TWIN_KERNEL.search(e.name)]
-            kinds = {m.group(1) for m in map(_TWIN_KERNEL.search, names)}
-            assert kinds == {"fwd", "bwd_dkv", "bwd_dq"}, (softcap, causal, window, names)
-            assert all(_twin_flags(n) == (local, softcap > 0) for n in names), (softcap, causal, window, names)
-            q.grad = k.grad = v.grad = None
-        qd = torch.randn(2, 1, 4, d, dtype=torch.bfloat16, device="cuda")
-        k_cache = torch.randn(2, 1024, 2, d, dtype=torch.bfloat16, device="cuda")
-        v_cache = torch.randn_like(k_cache)
-        cache_seqlens = torch.tensor([700, 1024], dtype=torch.int32, device="cuda")
-        for window, local in [((255, 0), True), ((-1, -1), False)]:
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                flash_attn_ext.flash_attn_with_kvcache(qd, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True,
-                                                       window_size=window, num_splits=4, softcap=softcap)
-                torch.cuda.synchronize()
-            names = [e.name for e in prof.events() if "flash_fwd_splitkv_kernel" in e.name]
-            assert names and all(_twin_flags(n) == (local, softcap > 0) for n in names), (softcap, window, names)
+# The kSoftcap twins run for softcap > 0 (and the twins without the cap for 0), forward, dK/dV, dQ and
+# the split-KV decode, with and without a window: tests/test_window.py,
+# test_window_left_bound_runs_the_local_twins[softcap].

@@ -428,11 +428,6 @@ def _twin_flags(name: str) -> tuple[bool, bool]:
     return tuple(flag == "1" for flag in mangled[-1])
 
 
-def _local_twin(name: str) -> bool:
-    """The kLocal template argument (a window's left bound) of a windowed kernel's profiler name."""
-    return _twin_flags(name)[0]
-
-
 def test_local_twin_parser():
     """_twin_flags reads the last two template arguments (kLocal, kSoftcap), demangled or mangled."""
     dkv = ("void flash::sm90::flash_bwd_dkv_kernel<__nv_bfloat16, 64, flash::sm90::DkvTile<64>, true, false, true>"
@@ -447,11 +442,14 @@ def test_local_twin_parser():
 
 
 @cuda
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_window_left_bound_runs_the_local_twins(arch_path, d):
+def test_window_left_bound_runs_the_local_twins(arch_path, d, softcap):
     """A call with a window's left bound runs the kernels' kLocal twins, forward and backward, and
     the split-KV decode; a call without one (plain causal, or a right bound alone) the twins
-    compiled for the causal mask alone (common/mask.cuh; docs/DESIGN.md), on both arch paths."""
+    compiled for the causal mask alone (common/mask.cuh; docs/DESIGN.md), on both arch paths. Each
+    with softcap > 0 the kSoftcap twin of that (tests/test_softcap.py), softcap 0 the one without
+    the cap (the code as before it)."""
     require_hdim(d, exact=True)
     from torch.profiler import ProfilerActivity, profile
 
@@ -460,13 +458,13 @@ def test_window_left_bound_runs_the_local_twins(arch_path, d):
                                   (False, (-1, 3), False), (False, (-1, -1), False)]:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, window_size=window)
+            out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
             out.sum().backward()
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if _TWIN_KERNEL.search(e.name)]
         kinds = {m.group(1) for m in map(_TWIN_KERNEL.search, names)}
         assert kinds == {"fwd", "bwd_dkv", "bwd_dq"}, (causal, window, names)
-        assert all(_local_twin(n) == local for n in names), (causal, window, names)
+        assert all(_twin_flags(n) == (local, softcap > 0) for n in names), (causal, window, names)
         q.grad = k.grad = v.grad = None
     # Decode against a KV cache: the split-KV kernel's twins.
     qd = torch.randn(2, 1, 4, d, dtype=torch.bfloat16, device="cuda")
@@ -477,10 +475,10 @@ def test_window_left_bound_runs_the_local_twins(arch_path, d):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             flash_attn_ext.flash_attn_with_kvcache(qd, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True,
-                                                   window_size=window, num_splits=4)
+                                                   window_size=window, num_splits=4, softcap=softcap)
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if "flash_fwd_splitkv_kernel" in e.name]
-        assert names and all(_local_twin(n) == local for n in names), (window, names)
+        assert names and all(_twin_flags(n) == (local, softcap > 0) for n in names), (window, names)
 
 
 def test_window_huge_values_are_unbounded():

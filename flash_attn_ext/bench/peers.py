@@ -218,6 +218,18 @@ _FA_ENTRIES = {  # family -> peer -> (module, function)
 }
 
 
+def flash_attn_module_function(name: str, family: str = "dense") -> Callable | None:
+    """The raw function of a FlashAttention package (``name``: flash-attn, flash-attn3 or
+    flash-attn4; ``family``: dense, decode or varlen), or None where it is not importable: for the
+    diagnostic scripts that call a peer with keywords of their own (scripts/window_bench.py,
+    scripts/softcap_bench.py)."""
+    module, attr = _FA_ENTRIES[family][name]
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception:  # ImportError, or a broken install raising something else
+        return None
+
+
 def _load_flash_attn(name: str, family: str = "dense"):
     """Returns (fn, None) or (None, reason) for the optional FlashAttention packages."""
     module, attr = _FA_ENTRIES[family][name]
