@@ -176,9 +176,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
       // The mask (common/mask.cuh): only tiles crossing the causal diagonal, a window's left edge or
       // the seqlen_k edge run mask code; the branch is uniform over the CTA, so tiles below the diagonal pay nothing.
-      // (Soft-capping first: softmax.cuh.)
-      if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
-      if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
+      // (The soft-capping twin: both after the next K tile's copy is issued, below.)
+      if constexpr (!kSoftcap) {
+        if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
+      }
 
       cp_async_wait<0>();  // V_n landed ...
       __syncthreads();     // ... everyone's; and every warp finished reading K_n: K buffer free
@@ -187,6 +188,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
             smem_u32addr(sK), gK + int64_t(n - 1) * kBlockN * params.k.row_stride, params.k.row_stride,
             seqlen_k - (n - 1) * kBlockN, d, tid);
         cp_async_commit();
+      }
+
+      if constexpr (kSoftcap) {  // soft-capping before the mask (softmax.cuh)
+        softcap_scores(s, softcap_prescale);
+        if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
       }
 
       // Alg. 1 lines 9-10: m, P = exp2((S - m) * scale_log2), l, O *= alpha.
