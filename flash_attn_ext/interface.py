@@ -135,7 +135,8 @@ def flash_attn_func(
             |softmax_scale| * log2(e) overflows float32; a softcap > 0 outside float32's range (below
             1.18e-38, softcap * log2(e) or |softmax_scale / softcap| above 3.4e38); seqlen_q or
             seqlen_k above 2^31 - 256 (tile counts are int32); double backward.
-        ValueError: softcap negative, NaN or infinite (the message names softcap), before any work.
+        ValueError: softcap negative, NaN or infinite (the message names softcap), before any work
+            (under torch.compile: the op's RuntimeError naming softcap, from its fake kernel).
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
             nested (jagged) tensors (pack them and call flash_attn_varlen_func); dropout_p other
             than 0, alibi_slopes, return_attn_probs=True.
@@ -213,6 +214,9 @@ def _real(name: str, value) -> float:
     non_real_tensor = isinstance(value, torch.Tensor) and (value.is_complex() or value.dtype == torch.bool)
     if isinstance(value, (bool, str, bytes, complex)) or _is_numpy_bool(value) or non_real_tensor:
         raise error()
+    if isinstance(value, torch.Tensor) and value.dim() != 0:
+        raise TypeError(f"flash_attn_ext: {name} must be a real number or a 0-dim tensor, got a tensor of shape "
+                        f"{tuple(value.shape)}")
     if isinstance(value, torch.Tensor) and value.requires_grad:
         raise TypeError(f"flash_attn_ext: {name} is a tensor that requires grad, but it is a constant of the "
                         "kernels (no gradient reaches it); pass a float or a detached tensor")
@@ -311,11 +315,15 @@ def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return
 def _softcap(softcap) -> float:
     """softcap (logit soft-capping) as a Python float: a real number (``_real``: TypeError for a
     bool, None, a string, ...), finite and >= 0, 0.0 meaning none (ValueError naming softcap
-    otherwise). The op checks the rest (a cap past float32's range: RuntimeError)."""
+    otherwise; under torch.compile the op's RuntimeError). The op checks the rest (a cap past
+    float32's range: RuntimeError)."""
     if type(softcap) is float and softcap == 0.0:
         return softcap  # the default, checked cheaply
     value = _real("softcap", softcap)
-    if not (value >= 0.0 and value < math.inf):  # comparisons only (a symbolic float under torch.compile); NaN fails
+    # Under torch.compile the op's fake kernel refuses a bad cap (a RuntimeError naming softcap):
+    # a ValueError raised while tracing would reach the user as Dynamo's own error, and a symbolic
+    # float (dynamic=True) cannot be formatted into a message.
+    if not torch.compiler.is_compiling() and not (value >= 0.0 and value < math.inf):  # NaN fails too
         raise ValueError(f"flash_attn_ext: softcap must be a finite number >= 0 (0: no soft-capping), got {softcap!r}")
     return value
 

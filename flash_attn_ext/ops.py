@@ -48,6 +48,8 @@ softcap * tanh(S * softmax_scale / softcap); 0.0: none; a backward op takes its 
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from . import _C  # noqa: F401  (defines the ops)
@@ -90,7 +92,7 @@ separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's s
 tensors as forward's inputs and outputs; softmax_stats: forward's third output (autograd passes
 it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). On CPU, float32 and
 float64 inputs recompute the statistics in float64 from q and k when softmax_stats is given (so it
-must be this forward's own, sinks included: a RuntimeError when they do not match the recompute;
+must be this forward's own, sinks and softcap included: a RuntimeError when they do not match the recompute;
 pass softmax_lse alone for statistics merged over chunks of K/V). sinks: the forward's (the CUDA kernels need them not: out and softmax_lse hold the sink; the
 CPU float32 / float64 recompute adds them; backward_dsinks, the same op with sinks required, also
 returns their gradient). softcap: the forward's (dS = P (dP - D) (1 - t^2), t = tanh(S *
@@ -138,6 +140,11 @@ def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softm
 
 # ---- forward-mode AD ---------------------------------------------------------------------
 
+def _float32(x: float) -> float:
+    """``x`` rounded to float32, as a Python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, window_size_left: int = -1,
                   window_size_right: int = -1, sinks=None, sinks_t=None, softcap: float = 0.0) -> torch.Tensor:
     """Tangent of ``out`` (forward-mode derivative) of ``out = softmax(c Q K^T) V``.
@@ -180,6 +187,7 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     s = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale          # (B, Hk, G, Sq, Sk)
     dcap = None  # d(logit) / d(c q.k) under soft-capping: 1 - t^2
     if softcap > 0:
+        softcap = _float32(softcap)  # the cap the kernels use (flash_api.cpp: set_fwd_params)
         t = torch.tanh(s / softcap)
         s, dcap = softcap * t, 1 - t * t
     visible = visible_mask(Sq, Sk, causal, window_size_left, window_size_right, q.device)

@@ -326,6 +326,9 @@ def test_flash_attn_keywords_at_their_defaults_are_the_plain_call():
     ("return_attn_probs", True, NotImplementedError, "return_attn_probs=True: .*return_lse=True"),
     ("dropout_p", "0.1", TypeError, "dropout_p must be a real number"),
     ("softcap", None, TypeError, "softcap must be a real number"),
+    ("softcap", torch.tensor([2.0]), TypeError, r"softcap must be a real number or a 0-dim tensor, got a tensor of "
+                                                r"shape \(1,\)"),
+    ("softmax_scale", torch.tensor([0.5]), TypeError, "softmax_scale must be a real number or a 0-dim tensor"),
     ("deterministic", "yes", TypeError, "deterministic must be a bool"),
 ])
 def test_flash_attn_keywords_that_ask_for_a_missing_feature(keyword, value, error, match):

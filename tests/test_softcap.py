@@ -254,6 +254,11 @@ def test_softcap_forward_ad_gradcheck_and_vmap_cpu():
     _, ref_t = torch.func.jvp(lambda a, b, c: attention_ref(a, b, c, 0.8, True, window_size=(9, 0), softcap=1.5)[0],
                               (q, k, v), (tq, tk, tv))
     torch.testing.assert_close(out_t, ref_t, rtol=1e-10, atol=1e-10)
+    # A cap float32 cannot hold (0.7): forward mode differentiates the function the kernels compute,
+    # with the float32 cap, as reverse mode does (it used the float64 cap: 2e-8 apart).
+    qs, ks, vs = (torch.randn(1, n, 1, 8, dtype=torch.float64) for n in (3, 4, 4))
+    f = lambda a: flash_attn_ext.flash_attn_func(a, ks, vs, softcap=0.7, softmax_scale=2.0)  # noqa: E731
+    torch.testing.assert_close(torch.func.jacfwd(f)(qs), torch.func.jacrev(f)(qs), rtol=1e-12, atol=1e-12)
 
     qs, ks, vs = (torch.randn(1, n, h, 8, dtype=torch.float64, requires_grad=True) for n, h in ((5, 2), (7, 1), (7, 1)))
     for causal in (False, True):
@@ -295,6 +300,23 @@ def test_softcap_compile_fullgraph_cpu(backend):
     torch.testing.assert_close(loss, want)
     for g, w in zip(grads, torch.autograd.grad(want, (q, k, v))):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_bad_softcap_under_compile_names_it(dynamic):
+    """Under torch.compile(fullgraph=True) a bad cap is the op's RuntimeError naming softcap (its
+    fake kernel's check), also as a symbolic float (dynamic=True, after two good caps): not
+    Dynamo's error about the entry's own ValueError, whose message it cannot format."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, c: flash_attn_ext.flash_attn_func(q, k, v, softcap=c), backend="eager",
+                      fullgraph=True, dynamic=dynamic)
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 16, torch.float32, requires_grad=False)
+    for good in (2.0, 3.0):
+        torch.testing.assert_close(f(q, k, v, good), flash_attn_ext.flash_attn_func(q, k, v, softcap=good))
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(RuntimeError, match="softcap must be a finite number >= 0") as info:
+            f(q, k, v, bad)
+        assert not isinstance(info.value, torch._dynamo.exc.Unsupported), info.value
 
 
 def test_softcap_opcheck():

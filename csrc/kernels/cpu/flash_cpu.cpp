@@ -310,9 +310,9 @@ void bwd_impl(const Flash_bwd_params& p) {
       if (std::isnan(hi) || std::isnan(lo) || std::isnan(given_hi) || std::isnan(given_lo)) continue;  // NaN inputs
       if (!same(hi, given_hi) || !same(lo, given_lo)) {
         throw std::runtime_error(
-            "flash_attn_ext: softmax_stats do not match this backward's q, k and sinks (the float32 / float64 "
-            "CPU backward recomputes them): pass the forward's own softmax_stats and the sinks it was given, or "
-            "softmax_stats=None to use softmax_lse as given");
+            "flash_attn_ext: softmax_stats do not match this backward's q, k, sinks and softcap (the float32 / "
+            "float64 CPU backward recomputes them): pass the forward's own softmax_stats and the sinks and softcap "
+            "it was given, or softmax_stats=None to use softmax_lse as given");
       }
     }
   }
