@@ -96,6 +96,11 @@ _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 
 
+def float32(x: float) -> float:
+    """``x`` rounded to float32 (as the C++ side's float(x)), as a Python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def check_softcap(softcap: float, softmax_scale: float) -> None:
     """check_softcap: 0 (no soft-capping) or a finite cap > 0 that is a normal float32 (the kernels
     hold it as float32) with softcap * log2(e) and |softmax_scale / softcap| (the cap rounded to
@@ -106,7 +111,7 @@ def check_softcap(softcap: float, softmax_scale: float) -> None:
         return
     fits = softcap >= _FLOAT32_MIN_NORMAL and softcap * 1.4426950408889634 < _FLOAT32_MAX
     if fits:
-        cap = struct.unpack("f", struct.pack("f", softcap))[0]
+        cap = float32(softcap)
         fits = cap * 1.4426950408889634 < _FLOAT32_MAX and abs(softmax_scale / cap) < _FLOAT32_MAX
     if not fits:
         _fail("softcap must be within float32's range (the kernels hold it as float32): softcap >= 1.18e-38, "

@@ -48,8 +48,6 @@ softcap * tanh(S * softmax_scale / softcap); 0.0: none; a backward op takes its 
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
 from . import _C  # noqa: F401  (defines the ops)
@@ -140,11 +138,6 @@ def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softm
 
 # ---- forward-mode AD ---------------------------------------------------------------------
 
-def _float32(x: float) -> float:
-    """``x`` rounded to float32, as a Python float."""
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
 def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, window_size_left: int = -1,
                   window_size_right: int = -1, sinks=None, sinks_t=None, softcap: float = 0.0) -> torch.Tensor:
     """Tangent of ``out`` (forward-mode derivative) of ``out = softmax(c Q K^T) V``.
@@ -187,7 +180,7 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     s = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale          # (B, Hk, G, Sq, Sk)
     dcap = None  # d(logit) / d(c q.k) under soft-capping: 1 - t^2
     if softcap > 0:
-        softcap = _float32(softcap)  # the cap the kernels use (flash_api.cpp: set_fwd_params)
+        softcap = _checks.float32(softcap)  # the cap the kernels use (flash_api.cpp: set_fwd_params)
         t = torch.tanh(s / softcap)
         s, dcap = softcap * t, 1 - t * t
     visible = visible_mask(Sq, Sk, causal, window_size_left, window_size_right, q.device)
