@@ -14,7 +14,8 @@ import statistics
 import torch
 
 import flash_attn_ext
-from flash_attn_ext.bench.timing import Timer
+from flash_attn_ext.bench.problems import dense_cases, script_args
+from flash_attn_ext.bench.timing import script_timer
 
 
 def _cases(text):
@@ -27,18 +28,10 @@ def _cases(text):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--hdim", default="64,128")
-    ap.add_argument("--seqlen", default="1024,4096,16384")
-    ap.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seqlen (at least 1)")
+    script_args(ap, seqlen="1024,4096,16384", rep_ms=50.0)
     ap.add_argument("--decode", default="B1xN8192,B8xN32768,B64xN8192", help="decode cases BxN ('' for none)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rep-ms", type=float, default=50.0,
-                    help="timed repetitions per measurement (the benchmark's Timer)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    timer = Timer(device, warmup_ms=min(25.0, args.rep_ms), rep_ms=args.rep_ms)
+    device, dtype, timer = script_timer(args)
 
     def ratio_row(label, run):
         """run(with_sinks) timed alternately without / with, args.rounds times."""
@@ -52,26 +45,20 @@ def main(argv=None):
     print(f"{dtype}, {device}; {args.rounds} alternated rounds, medians")
     print("| case | ms without sinks | ms with sinks | with / without |")
     print("|---|---|---|---|")
-    for d in (int(x) for x in args.hdim.split(",")):
-        nheads = max(1, 2048 // d)
+    for d, n, batch, nheads, q, k, v, dout in dense_cases(args, device, dtype):
         sinks = torch.randn(nheads, device=device, dtype=torch.float32, requires_grad=True)
-        for n in (int(x) for x in args.seqlen.split(",")):
-            batch = max(1, args.tokens // n)
-            q, k, v = (torch.randn(batch, n, nheads, d, device=device, dtype=dtype, requires_grad=True)
-                       for _ in range(3))
-            dout = torch.randn_like(q)
-            for causal in (False, True):
-                def fwd(with_sinks):
-                    with torch.no_grad():
-                        flash_attn_ext.flash_attn_func(q, k, v, causal=causal, sinks=sinks if with_sinks else None)
+        for causal in (False, True):
+            def fwd(with_sinks):
+                with torch.no_grad():
+                    flash_attn_ext.flash_attn_func(q, k, v, causal=causal, sinks=sinks if with_sinks else None)
 
-                def fwd_bwd(with_sinks):
-                    s = sinks if with_sinks else None
-                    out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, sinks=s)
-                    torch.autograd.grad(out, (q, k, v, s) if with_sinks else (q, k, v), dout)
+            def fwd_bwd(with_sinks):
+                s = sinks if with_sinks else None
+                out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, sinks=s)
+                torch.autograd.grad(out, (q, k, v, s) if with_sinks else (q, k, v), dout)
 
-                ratio_row(f"d{d} N{n} {'causal' if causal else 'full'} fwd", fwd)
-                ratio_row(f"d{d} N{n} {'causal' if causal else 'full'} fwd+bwd", fwd_bwd)
+            ratio_row(f"d{d} N{n} {'causal' if causal else 'full'} fwd", fwd)
+            ratio_row(f"d{d} N{n} {'causal' if causal else 'full'} fwd+bwd", fwd_bwd)
     nheads, nheads_k, d = (32, 8, 128) if device.type == "cuda" else (8, 2, 64)
     sinks = torch.randn(nheads, device=device, dtype=torch.float32)
     for b, n in (_cases(args.decode) if args.decode else []):

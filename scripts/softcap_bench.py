@@ -1,9 +1,9 @@
 """What logit soft-capping costs (a diagnostic for the kernels' kSoftcap twins, not the benchmark):
 flash_attn_ext with and without ``softcap=``, and FlashAttention-4 (flash_attn.cute, where
 importable) with the same softcap, on one device, dense forward and forward + backward. Prints
-TFLOP/s (forward 4 N^2 d per head, halved when causal; forward + backward 3.5 x that) of each,
-the median over ``--rounds`` alternated rounds (the benchmark's Timer in each), and the ratios
-ours-with / ours-without and ours / FA4 (both with softcap).
+TFLOP/s of each (reference.attention_flops: forward 4 N^2 d per head, halved when causal; fwd_bwd
+3.5 x that), the median over ``--rounds`` alternated rounds (the benchmark's Timer in each), and
+the ratios ours-with / ours-without and ours / FA4 (both with softcap).
 
     python scripts/softcap_bench.py [--hdim 64,128] [--seqlen 4096,8192,16384] [--softcap 30]
     python scripts/softcap_bench.py --device cpu --seqlen 256 --hdim 32 --rep-ms 2   # smoke run
@@ -15,24 +15,18 @@ import torch
 
 import flash_attn_ext
 from flash_attn_ext.bench.peers import flash_attn_module_function
-from flash_attn_ext.bench.timing import Timer
+from flash_attn_ext.bench.problems import dense_cases, script_args
+from flash_attn_ext.bench.timing import script_timer
+from flash_attn_ext.reference import attention_flops
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--hdim", default="64,128")
-    ap.add_argument("--seqlen", default="4096,8192,16384")
-    ap.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seqlen (at least 1)")
+    script_args(ap, seqlen="4096,8192,16384", rep_ms=50.0)
     ap.add_argument("--softcap", type=float, default=30.0)
-    ap.add_argument("--mode", default="fwd,fwd+bwd")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rep-ms", type=float, default=50.0,
-                    help="timed repetitions per measurement (the benchmark's Timer)")
+    ap.add_argument("--mode", default="fwd,fwd_bwd", help="fwd and / or fwd_bwd (forward + backward)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    timer = Timer(device, warmup_ms=min(25.0, args.rep_ms), rep_ms=args.rep_ms)
+    device, dtype, timer = script_timer(args)
     fa4 = flash_attn_module_function("flash-attn4") if device.type == "cuda" else None
     cap = args.softcap
 
@@ -51,42 +45,36 @@ def main(argv=None):
     names = list(impls)
     print("| case | " + " | ".join(f"{n} TFLOP/s" for n in names) + " | softcap / plain | ours / FA4 |")
     print("|---" * (len(names) + 3) + "|")
-    for d in (int(x) for x in args.hdim.split(",")):
-        nheads = max(1, 2048 // d)
-        for n in (int(x) for x in args.seqlen.split(",")):
-            batch = max(1, args.tokens // n)
-            q, k, v = (torch.randn(batch, n, nheads, d, device=device, dtype=dtype, requires_grad=True)
-                       for _ in range(3))
-            dout = torch.randn_like(q)
-            for causal in (False, True):
-                for mode in args.mode.split(","):
-                    flops = 4 * batch * nheads * n * n * d / (2 if causal else 1) * (3.5 if mode == "fwd+bwd" else 1)
+    for d, n, batch, nheads, q, k, v, dout in dense_cases(args, device, dtype):
+        for causal in (False, True):
+            for mode in args.mode.split(","):
+                flops = attention_flops(batch, nheads, n, n, d, causal, mode)
 
-                    def run(name):
-                        f, softcap = impls[name]
-                        if mode == "fwd":
-                            with torch.no_grad():
-                                f(q, k, v, causal, softcap)
-                        else:
-                            torch.autograd.grad(f(q, k, v, causal, softcap), (q, k, v), dout)
+                def run(name):
+                    f, softcap = impls[name]
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            f(q, k, v, causal, softcap)
+                    else:
+                        torch.autograd.grad(f(q, k, v, causal, softcap), (q, k, v), dout)
 
-                    t = {name: [] for name in names}
-                    failed = {}
-                    for _ in range(args.rounds):
-                        for name in names:
-                            if name in failed:
-                                continue
-                            try:
-                                t[name].append(timer(lambda: run(name)))
-                            except Exception as e:  # e.g. a peer without this softcap path
-                                failed[name] = type(e).__name__
-                    tf = {name: (flops / statistics.median(t[name]) / 1e9 if name not in failed else None)
-                          for name in names}
-                    cells = [f"{tf[x]:.4g}" if tf[x] else f"n/a ({failed[x]})" for x in names]
-                    ratio = f"{tf['ours softcap'] / tf['ours']:.3f}"
-                    vs = (f"{tf['ours softcap'] / tf['FA4 softcap']:.3f}" if tf.get("FA4 softcap") else "-")
-                    label = f"d{d} N{n} {'causal' if causal else 'full'} {mode}"
-                    print(f"| {label} | " + " | ".join(cells) + f" | {ratio} | {vs} |")
+                t = {name: [] for name in names}
+                failed = {}
+                for _ in range(args.rounds):
+                    for name in names:
+                        if name in failed:
+                            continue
+                        try:
+                            t[name].append(timer(lambda: run(name)))
+                        except Exception as e:  # e.g. a peer without this softcap path
+                            failed[name] = type(e).__name__
+                tf = {name: (flops / statistics.median(t[name]) / 1e9 if name not in failed else None)
+                      for name in names}
+                cells = [f"{tf[x]:.4g}" if tf[x] else f"n/a ({failed[x]})" for x in names]
+                ratio = f"{tf['ours softcap'] / tf['ours']:.3f}"
+                vs = (f"{tf['ours softcap'] / tf['FA4 softcap']:.3f}" if tf.get("FA4 softcap") else "-")
+                label = f"d{d} N{n} {'causal' if causal else 'full'} {mode}"
+                print(f"| {label} | " + " | ".join(cells) + f" | {ratio} | {vs} |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import torch
 
 import flash_attn_ext
 from flash_attn_ext.bench.peers import flash_attn_module_function
-from flash_attn_ext.bench.timing import Timer
+from flash_attn_ext.bench.problems import dense_cases, script_args
+from flash_attn_ext.bench.timing import script_timer
 
 
 def visible_pairs(seqlen: int, window: int) -> int:
@@ -30,54 +31,42 @@ def visible_pairs(seqlen: int, window: int) -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--hdim", default="64,128")
-    ap.add_argument("--seqlen", default="4096,16384")
+    script_args(ap, seqlen="4096,16384", rep_ms=100.0, rounds=None)
     ap.add_argument("--window", default="256,1024,4096", help="windows in keys (transformers' sliding_window)")
-    ap.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seqlen (at least 1)")
-    ap.add_argument("--rep-ms", type=float, default=100.0, help="timed repetitions per measurement (the benchmark's Timer)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype, timer = script_timer(args)
     fa4 = flash_attn_module_function("flash-attn4") if device.type == "cuda" else None
-    timer = Timer(device, warmup_ms=min(25.0, args.rep_ms), rep_ms=args.rep_ms)
     print(f"{dtype}, {device}; causal; nheads = 2048 / hdim; FlashAttention-4: {'yes' if fa4 else 'not importable'}")
     print("| hdim | seqlen | window | impl | pass | ms | TFLOP/s | x full causal (ms) |")
     print("|---|---|---|---|---|---|---|---|")
-    for d in (int(x) for x in args.hdim.split(",")):
-        nheads = max(1, 2048 // d)
-        for n in (int(x) for x in args.seqlen.split(",")):
-            batch = max(1, args.tokens // n)
-            q, k, v = (torch.randn(batch, n, nheads, d, device=device, dtype=dtype, requires_grad=True)
-                       for _ in range(3))
-            dout = torch.randn_like(q)
-            impls = [("ours", lambda w: flash_attn_ext.flash_attn_func(q, k, v, causal=True, window_size=w))]
-            if fa4 is not None:
-                impls.append(("flash-attn4", lambda w: fa4(q, k, v, causal=True, window_size=w)))
-            for name, call in impls:
-                def out_of(w):
-                    o = call(w)
-                    return o[0] if isinstance(o, tuple) else o
+    for d, n, batch, nheads, q, k, v, dout in dense_cases(args, device, dtype):
+        impls = [("ours", lambda w: flash_attn_ext.flash_attn_func(q, k, v, causal=True, window_size=w))]
+        if fa4 is not None:
+            impls.append(("flash-attn4", lambda w: fa4(q, k, v, causal=True, window_size=w)))
+        for name, call in impls:
+            def out_of(w):
+                o = call(w)
+                return o[0] if isinstance(o, tuple) else o
 
-                full = {}
-                for window in [0] + [int(x) for x in args.window.split(",")]:
-                    w = (window - 1, 0) if window > 0 else (None, None) if name == "flash-attn4" else (-1, -1)
-                    for pass_name, scale in (("fwd", 1.0), ("fwd+bwd", 3.5)):
-                        def run():
-                            if pass_name == "fwd":
-                                with torch.no_grad():
-                                    out_of(w)
-                            else:
-                                torch.autograd.grad(out_of(w), (q, k, v), dout)
+            full = {}
+            for window in [0] + [int(x) for x in args.window.split(",")]:
+                w = (window - 1, 0) if window > 0 else (None, None) if name == "flash-attn4" else (-1, -1)
+                for pass_name, scale in (("fwd", 1.0), ("fwd+bwd", 3.5)):
+                    def run():
+                        if pass_name == "fwd":
+                            with torch.no_grad():
+                                out_of(w)
+                        else:
+                            torch.autograd.grad(out_of(w), (q, k, v), dout)
 
-                        ms = timer(run)
-                        flops = scale * 4.0 * batch * nheads * d * visible_pairs(n, window)
-                        if window == 0:
-                            full[pass_name] = ms
-                        ratio = ms / full[pass_name]
-                        label = window if window > 0 else "none (causal)"
-                        print(f"| {d} | {n} | {label} | {name} | {pass_name} | {ms:.3f} | "
-                              f"{flops / ms / 1e9:.1f} | {ratio:.3f} |")
+                    ms = timer(run)
+                    flops = scale * 4.0 * batch * nheads * d * visible_pairs(n, window)
+                    if window == 0:
+                        full[pass_name] = ms
+                    ratio = ms / full[pass_name]
+                    label = window if window > 0 else "none (causal)"
+                    print(f"| {d} | {n} | {label} | {name} | {pass_name} | {ms:.3f} | "
+                          f"{flops / ms / 1e9:.1f} | {ratio:.3f} |")
 
 
 if __name__ == "__main__":

@@ -254,6 +254,33 @@ class VarlenProblem(_Heads):
         return {"tflops": flops / (ms * 1e-3) / 1e12}
 
 
+def script_args(ap, seqlen: str, rep_ms: float, rounds: int | None = 3) -> None:
+    """The flags every diagnostic script of a feature's cost shares (scripts/sinks_bench.py,
+    window_bench.py, softcap_bench.py): --device, --hdim, --seqlen, --tokens, --rep-ms and, unless
+    ``rounds`` is None, --rounds (alternated rounds)."""
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--hdim", default="64,128")
+    ap.add_argument("--seqlen", default=seqlen)
+    ap.add_argument("--tokens", type=int, default=16384, help="batch = tokens / seqlen (at least 1)")
+    if rounds is not None:
+        ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--rep-ms", type=float, default=rep_ms,
+                    help="timed repetitions per measurement (the benchmark's Timer)")
+
+
+def dense_cases(args, device: torch.device, dtype: torch.dtype):
+    """Those scripts' dense cases: for each --hdim d and --seqlen n, nheads = 2048 / d and batch =
+    --tokens / n (at least 1), random q, k, v (requiring grad) and dout; yields (d, n, batch,
+    nheads, q, k, v, dout)."""
+    for d in (int(x) for x in args.hdim.split(",")):
+        nheads = max(1, 2048 // d)
+        for n in (int(x) for x in args.seqlen.split(",")):
+            batch = max(1, args.tokens // n)
+            q, k, v = (torch.randn(batch, n, nheads, d, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            yield d, n, batch, nheads, q, k, v, torch.randn_like(q)
+
+
 def input_sets_needed(batch, seqlen, nheads, nheads_k, headdim, dtype, l2_bytes) -> int:
     """Input sets to rotate so that the sets together exceed 4x L2 (q, k, v, out, dout)."""
     elem = torch.empty((), dtype=dtype).element_size()

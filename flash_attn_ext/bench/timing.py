@@ -112,6 +112,14 @@ class Timer:
         return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def script_timer(args) -> tuple[torch.device, torch.dtype, Timer]:
+    """The diagnostic scripts' device (--device), dtype (bf16 on CUDA, else float32) and Timer
+    (--rep-ms of timed repetitions after up to 25 ms of warm-up)."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, dtype, Timer(device, warmup_ms=min(25.0, args.rep_ms), rep_ms=args.rep_ms)
+
+
 def l2_bytes(device: torch.device) -> int:
     """The device's L2 cache size (DEFAULT_L2_BYTES where it reports none); 0 on CPU."""
     if device.type != "cuda":
