@@ -7,6 +7,7 @@ Accuracy: hidden states with attn_implementation=<ours> vs "sdpa", both against 
 run of the same model and inputs: max|ours - ref| <= 2 * max|sdpa - ref| + atol (tests/accuracy.py).
 """
 
+import copy
 import os
 
 import pytest
@@ -99,6 +100,17 @@ def _check_vs_sdpa(name, q, k, v, mask, is_causal, valid_rows=None):
         assert (out[~valid_rows] == 0).all()
         out, ref, base = out[valid_rows], ref[valid_rows], base[valid_rows]
     check_accuracy(name, out, ref, base)
+
+
+def _model_as(make, cfg, base_model, impl, dtype=None, device=None):
+    """A twin of ``base_model`` (its weights) built by ``make(config)`` on its own deep copy of
+    ``cfg``, with attention ``impl``, moved to ``device`` / ``dtype`` (None: unchanged). Models
+    built from one config object share it, and set_attn_implementation writes it: without the
+    copy, building ours switched a test's eager reference built earlier to ours as well."""
+    m = make(copy.deepcopy(cfg))
+    m.load_state_dict(base_model.state_dict())
+    m.set_attn_implementation(impl)
+    return m.to(device=device, dtype=dtype)
 
 
 def _padding_mask(lengths, L, left=False):
@@ -465,10 +477,7 @@ def test_sliding_window_mistral_matches_sdpa(name, count_calls):
     attn = torch.tensor([[0] * 5 + [1] * 13, [1] * 18, [0] * 9 + [1] * 9])
 
     def model(impl, dtype):
-        m = tf.MistralForCausalLM(cfg).eval()
-        m.load_state_dict(base_model.state_dict())
-        m.set_attn_implementation(impl)
-        return m.to(dtype)
+        return _model_as(tf.MistralForCausalLM, cfg, base_model, impl, dtype).eval()
 
     with torch.no_grad():
         for mask in (None, attn):
@@ -513,10 +522,7 @@ def test_modernbert_local_layers_match_sdpa(name, count_calls):
     valid = attn.bool()
 
     def run(impl, dtype):
-        m = tf.ModernBertModel(cfg).eval()
-        m.load_state_dict(base_model.state_dict())
-        m.set_attn_implementation(impl)
-        m = m.to(dtype)
+        m = _model_as(tf.ModernBertModel, cfg, base_model, impl, dtype).eval()
         h = m(input_ids=ids, attention_mask=attn).last_hidden_state
         (h[valid].square().sum()).backward()
         return h.detach(), m.embeddings.tok_embeddings.weight.grad
@@ -564,11 +570,9 @@ def test_deepseek_v3_mla_matches_sdpa(name):
     attn = _padding_mask([10, 6], 10, left=True).long()
 
     def logits(impl, dtype):
-        m = tf.AutoModelForCausalLM.from_config(cfg).eval()
-        m.load_state_dict(base_model.state_dict())
-        m.set_attn_implementation(impl)
+        m = _model_as(tf.AutoModelForCausalLM.from_config, cfg, base_model, impl, dtype).eval()
         with torch.no_grad():
-            return m.to(dtype)(input_ids=ids, attention_mask=attn).logits
+            return m(input_ids=ids, attention_mask=attn).logits
 
     valid = attn.bool()
     ours, ref, base = logits(name, torch.float32), logits("sdpa", torch.float64), logits("sdpa", torch.float32)
@@ -643,10 +647,7 @@ def test_llama_like_causal_gqa_left_padding_and_decode(name, count_calls):
     nxt = torch.randint(3, 96, (3, 1))
 
     def run(impl, dtype):
-        m = LlamaForCausalLM(cfg).eval()
-        m.load_state_dict(base_model.state_dict())
-        m = m.to(dtype)
-        m.set_attn_implementation(impl)
+        m = _model_as(LlamaForCausalLM, cfg, base_model, impl, dtype).eval()
         with torch.no_grad():
             o = m(input_ids=ids, attention_mask=attn, use_cache=True)
             o2 = m(input_ids=nxt, attention_mask=torch.cat([attn, torch.ones(3, 1).long()], 1),
@@ -1034,10 +1035,7 @@ def test_causal_lm_right_padding_forward_and_training_step(arch, device, dtype, 
     labels = ids.masked_fill(attn == 0, -100)
 
     def run(impl, dtype):
-        m = cls(cfg)
-        m.load_state_dict(base_model.state_dict())
-        m = m.to(device=device, dtype=dtype).train()   # training mode; all dropouts are 0
-        m.set_attn_implementation(impl)
+        m = _model_as(cls, cfg, base_model, impl, dtype, device).train()   # all dropouts are 0
         out = m(input_ids=ids, attention_mask=attn, labels=labels)
         out.loss.backward()
         grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
@@ -1084,10 +1082,7 @@ def test_causal_lm_packed_training_step(arch, use_cache, fa_kwargs, device, dtyp
     batch = {key: t.to(device) if isinstance(t, torch.Tensor) else t for key, t in batch.items()}
 
     def run(impl, dtype, use_cache):
-        m = cls(cfg)
-        m.load_state_dict(base_model.state_dict())
-        m = m.to(device=device, dtype=dtype).train()   # training mode; all dropouts are 0
-        m.set_attn_implementation(impl)
+        m = _model_as(cls, cfg, base_model, impl, dtype, device).train()   # all dropouts are 0
         out = m(**batch, use_cache=use_cache)
         out.loss.backward()
         grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
@@ -1400,14 +1395,12 @@ def _tiny_gpt_oss():
 
 
 def _gpt_oss(cfg, cls, base_model, impl, dtype, sinks=None):
-    m = cls(cfg)
-    m.load_state_dict(base_model.state_dict())
+    m = _model_as(cls, cfg, base_model, impl, dtype)
     if sinks is not None:
         with torch.no_grad():
             for layer in m.model.layers:
                 layer.self_attn.sinks.fill_(sinks)
-    m.set_attn_implementation(impl)
-    return m.to(dtype)
+    return m
 
 
 def test_gpt_oss_logits_match_eager(name, sink_calls):
@@ -1594,10 +1587,7 @@ def _tiny_gemma2(softcap=2.0):
 
 
 def _gemma2(cfg, cls, base_model, impl, dtype, device="cpu"):
-    m = cls(cfg)
-    m.load_state_dict(base_model.state_dict())
-    m.set_attn_implementation(impl)
-    return m.to(device=device, dtype=dtype)
+    return _model_as(cls, cfg, base_model, impl, dtype, device)
 
 
 def _gemma2_per_sequence(model, ids, mask, labels=None):
@@ -1654,6 +1644,7 @@ def test_gemma2_logits_match_eager(name, softcap_calls, device, dtype):
             softcap_calls.clear()
             ours = _gemma2(cfg, cls, base_model, name, dtype, device)(input_ids=ids, attention_mask=mask).logits
             assert len(softcap_calls) >= 2 and all(c == 2.0 for _, c in softcap_calls), softcap_calls
+            assert eager64.config._attn_implementation == eager.config._attn_implementation == "eager"
             assert torch.isfinite(ours).all()
             check_accuracy(f"gemma2 logits ({label} padding)", ours[valid], ref[valid], base[valid])
             nocap = _gemma2(nocap_cfg, cls, base_model, name, dtype, device)(input_ids=ids, attention_mask=mask).logits
