@@ -112,11 +112,12 @@ def flash_attn_func(
             capped logits. The cap is used as float32 (a value that float32 cannot hold exactly
             is rounded once, on every device). Differentiable in q, k, v (reverse and forward
             mode), not in softcap (a constant). Composes with causal, window_size, sinks and GQA.
-        dropout_p, alibi_slopes, deterministic, return_attn_probs: flash-attn's other keywords,
-            accepted at the values that ask for nothing this library lacks, so ported calls run
-            unchanged: dropout_p=0.0, alibi_slopes=None, return_attn_probs=False (another value:
-            NotImplementedError naming it); deterministic: any bool (the backward is always
-            deterministic: no atomics).
+        dropout_p, alibi_slopes, deterministic: flash-attn's other keywords, accepted at the
+            values that ask for nothing this library lacks, so ported calls run unchanged:
+            dropout_p=0.0, alibi_slopes=None (another value: NotImplementedError naming it);
+            deterministic: any bool (the backward is always deterministic: no atomics).
+        return_attn_probs: a bool; True returns flash-attn's triple (below), the way code
+            written for flash-attn obtains softmax_lse.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
@@ -125,6 +126,9 @@ def flash_attn_func(
             visible; with softcap the capped logits in place of softmax_scale * q_i . k_j); with
             sinks the sink's exp is in the sum (a row without keys: LSE = sinks[h], out 0). It
             carries no gradient.
+        With return_attn_probs=True (whatever return_lse): (out, softmax_lse, None), as flash-attn
+            returns (out, softmax_lse, S_dmask) without dropout: its S_dmask, the dropout pattern
+            for its tests, is None there; the probabilities are never materialised.
 
     Raises:
         RuntimeError: before any work, with a message naming the argument, for: tensors on
@@ -139,7 +143,7 @@ def flash_attn_func(
             (under torch.compile: the op's RuntimeError naming softcap, from its fake kernel).
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
             nested (jagged) tensors (pack them and call flash_attn_varlen_func); dropout_p other
-            than 0, alibi_slopes, return_attn_probs=True.
+            than 0, alibi_slopes.
         TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
             scale gets no gradient); window_size that is not a pair of ints; dropout_p or softcap
@@ -153,11 +157,11 @@ def flash_attn_func(
     gives out = 0 and LSE = +inf.
     """
     _check_tensors(q=q, k=k, v=v)
-    softcap = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    softcap, probs = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     scale = _scale("softmax_scale", softmax_scale, q)
     out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size),
                                                 _sinks(sinks), softcap)
-    return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
+    return _with_attn_probs(out, softmax_lse, return_lse, probs)
 
 
 def _sinks(sinks) -> torch.Tensor | None:
@@ -284,13 +288,14 @@ def _as_bool(name: str, value) -> bool:
     return bool(as_int)
 
 
-def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs) -> float:
+def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs) -> tuple[float, bool]:
     """flash-attn's keywords: NotImplementedError naming the first feature a call asks for that this
     library does not have; TypeError naming an argument of the wrong type. Returns softcap, checked
-    (``_softcap``), as a Python float."""
+    (``_softcap``), as a Python float, and return_attn_probs as a bool (the caller then returns
+    flash-attn's triple, ``_with_attn_probs``)."""
     if (type(dropout_p) is float and dropout_p == 0.0 and alibi_slopes is None and deterministic is False
             and return_attn_probs is False):
-        return _softcap(softcap)  # the defaults, checked cheaply (eager calls pay this per attention layer)
+        return _softcap(softcap), False  # the defaults, checked cheaply (eager calls pay this per attention layer)
     if isinstance(dropout_p, (bool, str, bytes)) or _is_numpy_bool(dropout_p):
         raise TypeError(f"flash_attn_ext: dropout_p must be a real number, got {type(dropout_p).__name__} "
                         f"{dropout_p!r}")
@@ -306,10 +311,18 @@ def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return
     if alibi_slopes is not None:
         raise NotImplementedError("flash_attn_ext: alibi_slopes: ALiBi biases are not supported; pass None")
     _as_bool("deterministic", deterministic)  # the backward is always deterministic
-    if _as_bool("return_attn_probs", return_attn_probs):
-        raise NotImplementedError("flash_attn_ext: return_attn_probs=True: the attention probabilities are never "
-                                  "materialised (return_lse=True returns the log-sum-exp)")
-    return softcap
+    return softcap, _as_bool("return_attn_probs", return_attn_probs)
+
+
+def _with_attn_probs(out: torch.Tensor, softmax_lse: torch.Tensor, return_lse, return_attn_probs: bool):
+    """What a dense or varlen entry returns: flash-attn's ``(out, softmax_lse, S_dmask)`` with
+    return_attn_probs=True, where S_dmask (the dropout pattern, for flash-attn's tests) is None
+    without dropout, as in flash-attn (``return_softmax=return_attn_probs and dropout_p > 0``): code
+    ported from it gets the LSE that way. Else ``(out, softmax_lse)`` with return_lse, else out."""
+    want_lse = _as_bool("return_lse", return_lse)
+    if return_attn_probs:
+        return out, softmax_lse, None
+    return (out, softmax_lse) if want_lse else out
 
 
 def _softcap(softcap) -> float:
@@ -388,7 +401,8 @@ def flash_attn_varlen_func(
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. softmax_lse (if return_lse): (nheads,
-        total_q) float32, natural log, no gradient.
+        total_q) float32, natural log, no gradient. With return_attn_probs=True: (out,
+        softmax_lse, None), as ``flash_attn_func``'s.
 
     Raises:
         RuntimeError naming the argument for wrong ranks, shapes, dtypes, devices, a
@@ -408,7 +422,7 @@ def flash_attn_varlen_func(
         CUDA (0 on CPU).
     """
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    softcap = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    softcap, probs = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("flash_attn_ext: block_table: flash_attn_varlen_func takes contiguous packed k / v; "
                                   "for a paged KV cache call flash_attn_with_kvcache(q, k_cache, v_cache, ..., "
@@ -417,7 +431,7 @@ def flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
         _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
         *_window(window_size), _sinks(sinks), softcap)
-    return (out, softmax_lse) if _as_bool("return_lse", return_lse) else out
+    return _with_attn_probs(out, softmax_lse, return_lse, probs)
 
 
 def _unpack(name: str, packed: torch.Tensor, layout: str, slots: int) -> tuple[torch.Tensor, ...]:
@@ -457,7 +471,8 @@ def flash_attn_qkvpacked_func(
 
     Returns:
         out: (batch, seqlen, nheads, headdim); softmax_lse (if return_lse): (batch, nheads,
-        seqlen) float32, natural log. The gradient w.r.t. qkv has qkv's shape.
+        seqlen) float32, natural log; (out, softmax_lse, None) with return_attn_probs=True. The
+        gradient w.r.t. qkv has qkv's shape.
 
     Raises:
         RuntimeError: qkv not of rank 5 with 3 along dim 2 (message names qkv), else as
@@ -534,8 +549,9 @@ def flash_attn_varlen_qkvpacked_func(
             keyword-only, and the semantics as ``flash_attn_varlen_func``'s.
 
     Returns:
-        out: (total, nheads, headdim); softmax_lse (if return_lse): (nheads, total) float32. The
-        gradient w.r.t. qkv has qkv's shape.
+        out: (total, nheads, headdim); softmax_lse (if return_lse): (nheads, total) float32;
+        (out, softmax_lse, None) with return_attn_probs=True. The gradient w.r.t. qkv has qkv's
+        shape.
 
     Raises:
         RuntimeError: qkv not of rank 4 with 3 along dim 1 (message names qkv), else as
@@ -703,7 +719,7 @@ def flash_attn_with_kvcache(
                    q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table, rotary_cos=rotary_cos,
                    rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     interleaved = _as_bool("rotary_interleaved", rotary_interleaved)  # only meaningful with rotary_cos
-    softcap = _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
+    softcap, _ = _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
     want_lse = _as_bool("return_lse", return_lse) | _as_bool("return_softmax_lse", return_softmax_lse)
     scale = _scale("softmax_scale", softmax_scale, q)
     if torch.compiler.is_compiling() and isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):

@@ -315,6 +315,31 @@ def test_flash_attn_keywords_at_their_defaults_are_the_plain_call():
         assert torch.equal(call(dropout_p=0), ref), name
 
 
+def test_return_attn_probs_gives_flash_attns_triple():
+    """return_attn_probs=True returns flash-attn's (out, softmax_lse, S_dmask) with S_dmask None, as
+    flash-attn does without dropout (code written for it gets the LSE this way): out and
+    softmax_lse the bits of the call with return_lse=True, whatever return_lse, on every dense,
+    varlen and packed entry; the gradient through out is the plain call's; fullgraph compile."""
+    for name, call in _flash_attn_calls():
+        ref_out, ref_lse = call(return_lse=True)
+        for return_lse in (False, True):
+            got = call(return_attn_probs=True, return_lse=return_lse)
+            assert isinstance(got, tuple) and len(got) == 3 and got[2] is None, name
+            assert torch.equal(got[0], ref_out) and torch.equal(got[1], ref_lse), name
+        assert torch.equal(call(return_attn_probs=0), ref_out), name  # 0 / 1 are bools here, as for return_lse
+    q, k, v = (t.requires_grad_() for t in qkv())
+    out, lse, s_dmask = flash_attn_ext.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = torch.autograd.grad(flash_attn_ext.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+    compiled = torch.compile(lambda q, k, v: flash_attn_ext.flash_attn_func(q, k, v, return_attn_probs=True),
+                             fullgraph=True, backend="eager")
+    c_out, c_lse, c_none = compiled(q.detach(), k.detach(), v.detach())
+    e_out, e_lse = flash_attn_ext.flash_attn_func(q.detach(), k.detach(), v.detach(), return_lse=True)
+    assert c_none is None and torch.equal(c_out, e_out) and torch.equal(c_lse, e_lse)
+
+
 @pytest.mark.parametrize("keyword, value, error, match", [
     ("dropout_p", 0.1, NotImplementedError, r"dropout_p=0.1: attention dropout is not supported"),
     ("softcap", -1.0, ValueError, r"softcap must be a finite number >= 0 \(0: no soft-capping\), got -1.0"),
@@ -323,7 +348,7 @@ def test_flash_attn_keywords_at_their_defaults_are_the_plain_call():
     ("softcap", True, TypeError, "softcap must be a real number"),
     ("softcap", "30", TypeError, "softcap must be a real number"),
     ("alibi_slopes", torch.ones(2), NotImplementedError, "alibi_slopes: ALiBi biases are not supported"),
-    ("return_attn_probs", True, NotImplementedError, "return_attn_probs=True: .*return_lse=True"),
+    ("return_attn_probs", "yes", TypeError, "return_attn_probs must be a bool"),
     ("dropout_p", "0.1", TypeError, "dropout_p must be a real number"),
     ("softcap", None, TypeError, "softcap must be a real number"),
     ("softcap", torch.tensor([2.0]), TypeError, r"softcap must be a real number or a 0-dim tensor, got a tensor of "
