@@ -1,21 +1,25 @@
 """flash_attn_ext: FlashAttention-2 (Dao 2023) as a PyTorch C++/CUDA extension.
 
 Public API:
-    flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
-                    sinks=None, softcap=0.0)
-        BSHD attention with autograd (flash_attn_ext.interface); sinks: attention sinks (gpt-oss);
+    flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    return_lse=False, sinks=None)
+        BSHD attention with autograd (flash_attn_ext.interface), flash-attn's signature (its
+        positional order) plus return_lse and sinks; sinks: attention sinks (gpt-oss);
         softcap: logit soft-capping (Gemma 2, flash-attn's softcap: logits softcap * tanh(S *
         softmax_scale / softcap); 0.0 none). flash-attn's other keywords (dropout_p, alibi_slopes,
         deterministic) are taken at their no-feature values; return_attn_probs=True returns
         flash-attn's (out, softmax_lse, None).
-    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, ...)
+    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
         packed variable-length sequences, with autograd.
-    flash_attn_qkvpacked_func(qkv, *, ...), flash_attn_kvpacked_func(q, kv, *, ...) and their varlen
+    flash_attn_qkvpacked_func(qkv, ...), flash_attn_kvpacked_func(q, kv, ...) and their varlen
         forms: flash-attn's packed layouts (views of the packed tensor, no copy).
-    flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
-        block_table=None, ..., num_splits=0): inference against a (paged) KV cache, split-KV;
-        flash-attn's rotary_cos / rotary_sin, cache_batch_idx, cache_leftpad and softcap.
-    (Every flash_attn_* function, varlen and packed included, takes sinks= and softcap=.)
+    flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ...,
+        cache_seqlens=None, ..., block_table=None, ..., num_splits=0, ...): inference against a
+        (paged) KV cache, split-KV; flash-attn's rotary_cos / rotary_sin, cache_batch_idx,
+        cache_leftpad and softcap.
+    (Every flash_attn_* function takes flash-attn's arguments in flash-attn's positional order,
+    and sinks= and return_lse= keyword-only.)
     (* : the arguments after it are keyword-only.)
     scaled_dot_product_attention(...): BHSD drop-in for torch's SDPA (flash_attn_ext.sdpa,
         loaded on first use).

@@ -15,17 +15,17 @@ def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    sinks: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Exact attention ``softmax(softmax_scale * Q K^T) V`` without materialising the scores
     (optionally with the logits soft-capped: ``softcap``).
@@ -59,9 +59,10 @@ def flash_attn_func(
             Used as given: ``torch.autocast`` does not cast them here (the nn modules and
             ``flash_attn_ext.sdpa`` apply it); cast float32 activations yourself for CUDA.
             headdim: a multiple of 8, at most 256.
-        softmax_scale, causal, return_lse: keyword-only (flash-attn's fourth positional argument
-            is dropout_p: a call ported positionally raises TypeError here instead of taking it as
-            the scale).
+        Positional order after v: flash-attn's (>= 2.6: dropout_p, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, deterministic, return_attn_probs), so calls
+            ported from it, positional ones included, run unchanged; return_lse and sinks
+            (not flash-attn's) are keyword-only.
         softmax_scale: multiplies Q K^T before the softmax; default 1 / sqrt(headdim). A real
             number (not a bool or a string), finite (negative and zero included), with
             |softmax_scale| * log2(e) < 3.4e38.
@@ -149,7 +150,7 @@ def flash_attn_func(
             scale gets no gradient); window_size that is not a pair of ints; dropout_p or softcap
             that is not a real number (a bool or None included), deterministic or
             return_attn_probs that is not a bool;
-            arguments after v given positionally; sinks that is not a tensor or None. (A window
+            more than 11 positional arguments; sinks that is not a tensor or None. (A window
             side below -1, and sinks of another shape or device or not floating, are RuntimeErrors
             naming them.)
 
@@ -349,18 +350,18 @@ def flash_attn_varlen_func(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    *,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    sinks: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
+    *,
+    return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Exact attention over a batch of variable-length sequences packed along one dimension.
 
@@ -385,8 +386,10 @@ def flash_attn_varlen_func(
             Zero-length sequences are allowed (a sequence without keys gives out 0, LSE +inf, or
             the head's sink with sinks).
         max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence of each side.
-        softmax_scale, causal, return_lse: keyword-only (flash-attn's eighth positional
-            argument is dropout_p). softmax_scale: default 1 / sqrt(headdim), as flash_attn_func's.
+        Positional order after max_seqlen_k: flash-attn's (dropout_p, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table);
+            return_lse and sinks keyword-only. softmax_scale: default 1 / sqrt(headdim), as
+            flash_attn_func's.
             causal: bottom-right aligned per sequence (query i of a sequence sees key j <= i +
             seqlen_k - seqlen_q of that sequence).
         window_size: (left, right) sliding window per sequence, as ``flash_attn_func``'s.
@@ -410,7 +413,7 @@ def flash_attn_varlen_func(
         outside [0, 2^31 - 256], total_q or total_k above 2^31 - 256.
         TypeError: a tensor argument that is not a torch.Tensor, max_seqlen that is not an int,
         causal or return_lse that is not a bool, softmax_scale or softcap as flash_attn_func's,
-        arguments after max_seqlen_k given positionally. ValueError: softcap as flash_attn_func's.
+        more than 16 positional arguments. ValueError: softcap as flash_attn_func's.
         NotImplementedError: nested tensors; the flash-attn keywords as ``flash_attn_func``'s;
         block_table other than None.
         On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
@@ -448,26 +451,26 @@ def _unpack(name: str, packed: torch.Tensor, layout: str, slots: int) -> tuple[t
 
 def flash_attn_qkvpacked_func(
     qkv: torch.Tensor,
-    *,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    sinks: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """``flash_attn_func`` on q, k, v packed in one tensor (flash-attn's name and layout), e.g. the
     output of one fused QKV projection.
 
     Args:
         qkv: (batch, seqlen, 3, nheads, headdim): q = qkv[:, :, 0], k = qkv[:, :, 1],
-            v = qkv[:, :, 2] (views: no copy; stride 1 along headdim). Other arguments,
-            keyword-only, and the semantics (FlashAttention-2, Dao 2023, Alg. 1 / Alg. 2) as
-            ``flash_attn_func``'s.
+            v = qkv[:, :, 2] (views: no copy; stride 1 along headdim). Other arguments (flash-attn's
+            positional order after qkv; return_lse, sinks keyword-only) and the semantics
+            (FlashAttention-2, Dao 2023, Alg. 1 / Alg. 2) as ``flash_attn_func``'s.
 
     Returns:
         out: (batch, seqlen, nheads, headdim); softmax_lse (if return_lse): (batch, nheads,
@@ -488,25 +491,25 @@ def flash_attn_qkvpacked_func(
 def flash_attn_kvpacked_func(
     q: torch.Tensor,
     kv: torch.Tensor,
-    *,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    sinks: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """``flash_attn_func`` with k and v packed in one tensor (flash-attn's name and layout).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim).
         kv: (batch, seqlen_k, 2, nheads_k, headdim): k = kv[:, :, 0], v = kv[:, :, 1] (views;
-            nheads % nheads_k == 0: GQA / MQA). Other arguments, keyword-only, and the semantics
-            as ``flash_attn_func``'s.
+            nheads % nheads_k == 0: GQA / MQA). Other arguments (flash-attn's positional order
+            after kv; return_lse, sinks keyword-only) and the semantics as ``flash_attn_func``'s.
 
     Returns:
         As ``flash_attn_func``; the gradient w.r.t. kv has kv's shape.
@@ -527,17 +530,17 @@ def flash_attn_varlen_qkvpacked_func(
     qkv: torch.Tensor,
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
-    *,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    sinks: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """``flash_attn_varlen_func`` on q, k, v packed in one tensor, one set of sequence lengths
     for queries and keys (flash-attn's name and layout).
@@ -545,8 +548,9 @@ def flash_attn_varlen_qkvpacked_func(
     Args:
         qkv: (total, 3, nheads, headdim): q = qkv[:, 0], k = qkv[:, 1], v = qkv[:, 2] (views).
         cu_seqlens: int32 (batch + 1,), as ``flash_attn_varlen_func``'s cu_seqlens_q and
-            cu_seqlens_k. max_seqlen: its max_seqlen_q and max_seqlen_k. Other arguments,
-            keyword-only, and the semantics as ``flash_attn_varlen_func``'s.
+            cu_seqlens_k. max_seqlen: its max_seqlen_q and max_seqlen_k. Other arguments
+            (flash-attn's positional order after max_seqlen; return_lse, sinks keyword-only) and
+            the semantics as ``flash_attn_varlen_func``'s.
 
     Returns:
         out: (total, nheads, headdim); softmax_lse (if return_lse): (nheads, total) float32;
@@ -572,24 +576,25 @@ def flash_attn_varlen_kvpacked_func(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    *,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    sinks: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """``flash_attn_varlen_func`` with k and v packed in one tensor (flash-attn's name and layout).
 
     Args:
         q: (total_q, nheads, headdim). kv: (total_k, 2, nheads_k, headdim): k = kv[:, 0],
-            v = kv[:, 1] (views). Other arguments, keyword-only after max_seqlen_k, and the
-            semantics as ``flash_attn_varlen_func``'s.
+            v = kv[:, 1] (views). Other arguments (flash-attn's positional order after
+            max_seqlen_k; return_lse, sinks keyword-only) and the semantics as
+            ``flash_attn_varlen_func``'s.
 
     Returns:
         As ``flash_attn_varlen_func``; the gradient w.r.t. kv has kv's shape.
@@ -613,23 +618,23 @@ def flash_attn_with_kvcache(
     v_cache: torch.Tensor,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
-    *,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | int | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
-    num_splits: int = 0,
-    return_lse: bool = False,
-    sinks: torch.Tensor | None = None,
-    rotary_cos: torch.Tensor | None = None,
-    rotary_sin: torch.Tensor | None = None,
-    cache_batch_idx: torch.Tensor | None = None,
-    cache_leftpad: torch.Tensor | None = None,
     softcap: float = 0.0,
     rotary_interleaved: bool = True,
     alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
     return_softmax_lse: bool = False,
+    *,
+    return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of new queries against a KV cache, for inference (decoding, chunked prefill).
 
@@ -651,8 +656,10 @@ def flash_attn_with_kvcache(
             rows ``cache_seqlens[b] + i`` (needs cache_seqlens); read as they are before the call
             even where their memory overlaps a cache's (e.g. views of the very rows written):
             such q, k and v are copied first.
-        cache_seqlens and everything after it: keyword-only (flash-attn's sixth positional
-            argument is rotary_cos).
+        Positional order: flash-attn's (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+            cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+            window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            return_softmax_lse); return_lse and sinks keyword-only.
         cache_seqlens: int32 (batch,) tensor or an int: the rows of each sequence's cache in
             use before this call. None: every cache row is used.
         block_table: int32 (batch, max_blocks): sequence b's cache row r lives in block
@@ -710,7 +717,7 @@ def flash_attn_with_kvcache(
         and block numbers are trusted. TypeError: q / k_cache / v_cache not a torch.Tensor (k,
         v, block_table: a tensor or None), num_splits not an int, cache_seqlens not a tensor, an
         int or None, causal or return_lse that is not a bool, softmax_scale or softcap as
-        flash_attn_func's, arguments after v given positionally. ValueError: softcap negative or
+        flash_attn_func's, more than 19 positional arguments. ValueError: softcap negative or
         not finite. RuntimeError naming rotary_cos / rotary_sin /
         cache_batch_idx / cache_leftpad for the requirements above. NotImplementedError: nested
         tensors; the flash-attn features above.

@@ -1,5 +1,7 @@
 """Every bad input raises a RuntimeError naming the argument and what was expected, before any work."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -266,20 +268,59 @@ def test_headdim_zero_with_default_scale():
 
 # ---- the user functions' Python arguments (flash_attn_ext/interface.py) ----------------------
 
-def test_arguments_after_v_are_keyword_only():
-    """flash-attn's fourth positional argument is dropout_p (its varlen's eighth, its KV-cache
-    entry's sixth rotary_cos): a call ported positionally raises instead of taking 0.0 as the
-    softmax scale (uniform attention, silently)."""
+# flash-attn's (>= 2.6) parameters in their positional order: the spec that calls ported from it,
+# positional ones included, rely on.
+_FA_TAIL = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+            "return_attn_probs"]
+FLASH_ATTN_POSITIONAL_ORDER = {
+    "flash_attn_func": ["q", "k", "v"] + _FA_TAIL,
+    "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+    + _FA_TAIL + ["block_table"],
+    "flash_attn_qkvpacked_func": ["qkv"] + _FA_TAIL,
+    "flash_attn_kvpacked_func": ["q", "kv"] + _FA_TAIL,
+    "flash_attn_varlen_qkvpacked_func": ["qkv", "cu_seqlens", "max_seqlen"] + _FA_TAIL,
+    "flash_attn_varlen_kvpacked_func": ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+    + _FA_TAIL,
+    "flash_attn_with_kvcache": ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                                "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
+                                "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
+                                "return_softmax_lse"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_ATTN_POSITIONAL_ORDER))
+def test_positional_order_is_flash_attns(name):
+    """Every flash_attn_* entry takes flash-attn's parameters in flash-attn's positional order,
+    and only this library's own (return_lse, sinks) keyword-only."""
+    params = inspect.signature(getattr(flash_attn_ext, name)).parameters.values()
+    assert [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD] == FLASH_ATTN_POSITIONAL_ORDER[name]
+    assert [p.name for p in params if p.kind == p.KEYWORD_ONLY] == ["return_lse", "sinks"]
+
+
+def test_positional_calls_ported_from_flash_attn():
+    """Calls written positionally for flash-attn give the bits of the same call by keywords (dense,
+    varlen, packed, KV cache); a fourth positional 0.5 is dropout_p (NotImplementedError naming
+    it), never the softmax scale; one positional argument more than flash-attn's is a TypeError."""
     q, k, v = qkv()
+    ref = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, window_size=(5, 0), softcap=2.0)
+    assert torch.equal(flash_attn_ext.flash_attn_func(q, k, v, 0.0, 0.3, True, (5, 0), 2.0, None, False, False), ref)
+    out, lse, s_dmask = flash_attn_ext.flash_attn_func(q, k, v, 0.0, 0.3, True, (5, 0), 2.0, None, True, True)
+    assert torch.equal(out, ref) and lse.shape == (2, 4, 16) and s_dmask is None
+    with pytest.raises(NotImplementedError, match="dropout_p=0.5"):
+        flash_attn_ext.flash_attn_func(q, k, v, 0.5)
     with pytest.raises(TypeError, match="positional"):
-        flash_attn_ext.flash_attn_func(q, k, v, 0.0)
+        flash_attn_ext.flash_attn_func(q, k, v, 0.0, 0.3, True, (5, 0), 2.0, None, False, False, True)
     qv, kv, vv = q[0], k[0], v[0]
-    cu_q = torch.tensor([0, 16], dtype=torch.int32)
-    cu_k = torch.tensor([0, 24], dtype=torch.int32)
-    with pytest.raises(TypeError, match="positional"):
-        flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 16, 24, 0.0)
-    with pytest.raises(TypeError, match="positional"):
-        flash_attn_ext.flash_attn_with_kvcache(q, k, v, None, None, torch.tensor([3, 4], dtype=torch.int32))
+    cu_q, cu_k = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([0, 24], dtype=torch.int32)
+    ref = flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 16, 24, softmax_scale=0.3, causal=True)
+    assert torch.equal(flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 16, 24, 0.0, 0.3, True), ref)
+    qkv_packed = torch.stack([q, q, q], dim=2)
+    ref = flash_attn_ext.flash_attn_qkvpacked_func(qkv_packed, softmax_scale=0.3, causal=True)
+    assert torch.equal(flash_attn_ext.flash_attn_qkvpacked_func(qkv_packed, 0.0, 0.3, True), ref)
+    seqlens = torch.tensor([20, 24], dtype=torch.int32)
+    ref = flash_attn_ext.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, softmax_scale=0.3, causal=True)
+    got = flash_attn_ext.flash_attn_with_kvcache(q, k, v, None, None, None, None, seqlens, None, None, None, 0.3, True)
+    assert torch.equal(got, ref)
 
 
 def _flash_attn_calls():
