@@ -399,8 +399,14 @@ def flash_attn_varlen_func(
             softcap); 0.0: none), per sequence.
         dropout_p, alibi_slopes, deterministic, return_attn_probs: as ``flash_attn_func``'s
             (flash-attn's keywords at their no-feature values).
-        block_table: flash-attn's keyword, accepted as None; a paged K / V here raises
-            NotImplementedError (paged caches: ``flash_attn_with_kvcache``).
+        block_table: None, or int32 (batch, max_blocks) with k / v paged caches (num_blocks,
+            page_size, nheads_k, headdim), page_size a multiple of 16 (flash-attn's paged varlen,
+            e.g. chunked prefill against a serving engine's cache): sequence b's keys are the
+            first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages, row r in block
+            ``block_table[b, r // page_size]``. Inference only (no gradient: RuntimeError when
+            grad is enabled and an input requires it); run as a ``flash_attn_with_kvcache`` call
+            on the queries left-padded to (batch, max_seqlen_q), so it computes batch *
+            max_seqlen_q query rows (their LSE and outputs of the real rows as varlen's).
 
     Returns:
         out: (total_q, nheads, headdim), q's dtype. softmax_lse (if return_lse): (nheads,
@@ -414,8 +420,10 @@ def flash_attn_varlen_func(
         TypeError: a tensor argument that is not a torch.Tensor, max_seqlen that is not an int,
         causal or return_lse that is not a bool, softmax_scale or softcap as flash_attn_func's,
         more than 16 positional arguments. ValueError: softcap as flash_attn_func's.
-        NotImplementedError: nested tensors; the flash-attn keywords as ``flash_attn_func``'s;
-        block_table other than None.
+        NotImplementedError: nested tensors; the flash-attn keywords as ``flash_attn_func``'s.
+        With block_table: RuntimeError for k / v not paged (rank 4), a block_table that is not
+        (batch, max_blocks), grad with an input that requires it, and the KV-cache call's
+        checks (``flash_attn_with_kvcache``: block_table int32, page_size a multiple of 16).
         On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
         <= max_seqlen).
         On CUDA they are not (that would need a device sync): a sequence longer than
@@ -427,14 +435,77 @@ def flash_attn_varlen_func(
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     softcap, probs = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     if block_table is not None:
-        raise NotImplementedError("flash_attn_ext: block_table: flash_attn_varlen_func takes contiguous packed k / v; "
-                                  "for a paged KV cache call flash_attn_with_kvcache(q, k_cache, v_cache, ..., "
-                                  "block_table=...) (decoding, chunked prefill), or pass block_table=None")
+        out, softmax_lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
+                                         _as_int("max_seqlen_k", max_seqlen_k), block_table,
+                                         _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
+                                         _window(window_size), _sinks(sinks), softcap)
+        return _with_attn_probs(out, softmax_lse, return_lse, probs)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
         _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
         *_window(window_size), _sinks(sinks), softcap)
     return _with_attn_probs(out, softmax_lse, return_lse, probs)
+
+
+def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                  block_table, scale: float, causal: bool, window: tuple[int, int], sinks, softcap: float):
+    """flash_attn_varlen_func with block_table (flash-attn's paged varlen; inference: no gradient).
+    k_cache / v_cache: paged (num_blocks, page_size, nheads_k, headdim); sequence b's keys are the
+    first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages, block_table[b] (int32 (batch,
+    max_blocks)). Runs as one KV-cache call (flash_attn_with_kvcache's split-KV kernels) on the
+    queries placed at the END of a (batch, max_seqlen_q) tile: left padding keeps the bottom-right
+    alignment (padded row max_seqlen_q - n_b + i has the causal / window offset of row i of n_b
+    queries), the pads' rows are computed and dropped (cost: batch * max_seqlen_q query rows
+    instead of total_q). Gather and scatter indices come from cu_seqlens_q on the device: no host
+    sync. Returns (out (total_q, nheads, headdim), softmax_lse (nheads, total_q))."""
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        raise RuntimeError("flash_attn_ext: flash_attn_varlen_func with block_table (a paged K / V) is inference "
+                           "only: no gradient (as flash-attn's); call it under torch.no_grad() or detach q, k, v")
+    _check_tensors(block_table=block_table)
+    _fake_checks.check_rank(q, "q", 3, "(total_q, nheads, headdim)")
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        if t.dim() != 4:
+            raise RuntimeError(f"flash_attn_ext: with block_table, {name} must be a paged cache (num_blocks, page_size, "
+                               f"nheads_k, headdim), got shape {tuple(t.shape)}")
+    _fake_checks.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
+    _fake_checks.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q)
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != batch + 1 or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise RuntimeError(f"flash_attn_ext: cu_seqlens_q has {batch + 1} entries, cu_seqlens_k "
+                           f"{cu_seqlens_k.shape[0]}, block_table shape {tuple(block_table.shape)}; expected batch + "
+                           f"1, batch + 1 and (batch, max_blocks) = ({batch}, max_blocks)")
+    if not (0 <= max_seqlen_q <= _fake_checks.MAX_SEQLEN and 0 <= max_seqlen_k <= _fake_checks.MAX_SEQLEN):
+        raise RuntimeError(f"flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256], got "
+                           f"{max_seqlen_q} and {max_seqlen_k}")
+    total_q, nheads, d = q.shape
+    if cu_seqlens_q.device.type == "cpu" and not torch.compiler.is_compiling():
+        lens = cu_seqlens_q.diff()
+        if int(cu_seqlens_q[0]) != 0 or bool((lens < 0).any()) or int(cu_seqlens_q[-1]) > total_q or (
+                batch and int(lens.max()) > max_seqlen_q):
+            raise RuntimeError(f"flash_attn_ext: cu_seqlens_q = {cu_seqlens_q.tolist()} must start at 0, not "
+                               f"decrease, end at most at total_q = {total_q}, with sequences of at most "
+                               f"max_seqlen_q = {max_seqlen_q} queries")
+        if int(cu_seqlens_k[0]) != 0 or bool((cu_seqlens_k.diff() < 0).any()):
+            raise RuntimeError(f"flash_attn_ext: cu_seqlens_k = {cu_seqlens_k.tolist()} must start at 0 and not "
+                               "decrease (sequence b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys in its pages)")
+    if batch == 0 or max_seqlen_q == 0:  # no query in any sequence
+        return q.new_zeros(q.shape), q.new_full((nheads, total_q), math.inf, dtype=torch.float32)
+    # Token t of sequence b = its position i in b; padded row max_seqlen_q - n_b + i.
+    token = torch.arange(total_q, device=q.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens_q[1:], token, right=True).clamp_(max=batch - 1)
+    row = max_seqlen_q - (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) + (token - cu_seqlens_q[seq])
+    keep = (token < cu_seqlens_q[-1]) & (row >= 0) & (row < max_seqlen_q)  # rows cu_seqlens covers
+    seq, row = seq.long(), row.long().clamp_(0, max(max_seqlen_q - 1, 0))
+    # accumulate: the zeros of uncovered tokens may land on a real token's slot, adding 0 there
+    padded = q.new_zeros(batch, max_seqlen_q, nheads, d).index_put((seq, row), torch.where(keep[:, None, None], q, 0),
+                                                                   accumulate=True)
+    cache_seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    out_p, lse_p = torch.ops.flash_attn_ext.fwd_kvcache(
+        padded, k_cache, v_cache, None, None, cache_seqlens, block_table, scale, causal, 0, *window, sinks, None,
+        softcap)
+    out = torch.where(keep[:, None, None], out_p[seq, row], 0)            # (total_q, nheads, d)
+    softmax_lse = torch.where(keep[None, :], lse_p[seq, :, row].t(), math.inf)  # (nheads, total_q)
+    return out, softmax_lse
 
 
 def _unpack(name: str, packed: torch.Tensor, layout: str, slots: int) -> tuple[torch.Tensor, ...]:

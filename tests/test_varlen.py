@@ -3,13 +3,18 @@ sequence gives what the dense op gives on it alone, forward and backward, within
 (tests/accuracy.py) against the float64 reference; zero-length sequences; bad input; the op
 surface (opcheck, torch.compile fullgraph)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 import flash_attn_ext
+from accuracy import check_accuracy
 from conftest import check_fwd_bwd
 from flash_attn_ext.reference import attention_varlen_ref
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def cu_seqlens(lengths):
@@ -176,3 +181,112 @@ def test_varlen_causal_must_be_a_bool(causal):
         return
     with pytest.raises(TypeError, match="causal must be a bool"):
         flash_attn_ext.flash_attn_varlen_func(**args, causal=causal)
+
+
+# ---- paged K / V (block_table): flash-attn's paged varlen, inference -----------------------------
+
+def _paged_case(lens_q, lens_k, nheads, nheads_k, d, dtype, page_size, device):
+    """A paged varlen call's inputs: packed q; k / v caches of shuffled pages holding each
+    sequence's keys in its block_table's pages, every other cache row NaN (never read); and the
+    same keys packed (total_k rows) for the reference."""
+    batch, max_blocks = len(lens_q), max(1, math.ceil(max(lens_k) / page_size))
+    num_blocks = batch * max_blocks + 2
+    kc = torch.full((num_blocks, page_size, nheads_k, d), math.nan, dtype=dtype)
+    vc = torch.full_like(kc, math.nan)
+    table = torch.randperm(num_blocks)[:batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    k = torch.randn(int(cu_k[-1]), nheads_k, d, dtype=dtype)
+    v = torch.randn_like(k)
+    for b, n in enumerate(lens_k):
+        rows = torch.arange(n)
+        blocks = table[b, rows // page_size].long()
+        kc[blocks, rows % page_size] = k[int(cu_k[b]):int(cu_k[b]) + n]
+        vc[blocks, rows % page_size] = v[int(cu_k[b]):int(cu_k[b]) + n]
+    q = torch.randn(int(cu_q[-1]), nheads, d, dtype=dtype)
+    return [t.to(device) for t in (q, kc, vc, table, k, v, cu_q, cu_k)]
+
+
+PAGED_DEVICES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+                 pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=requires_cuda),
+                 pytest.param("cuda", torch.float16, id="cuda-fp16", marks=requires_cuda)]
+
+
+@pytest.mark.parametrize("device,dtype", PAGED_DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(-1, -1), (6, 0)])
+@pytest.mark.parametrize("page_size,extras", [(16, {}), (32, {"softcap": 5.0}), (16, {"sinks": True})])
+def test_paged_varlen_matches_each_sequence(device, dtype, causal, window, page_size, extras, poison_empty):
+    """flash_attn_varlen_func with block_table (flash-attn's paged varlen: chunked prefill against
+    a serving engine's cache): each sequence's out and LSE within the accuracy rule of the float64
+    reference on its keys alone (bottom-right causal / window per sequence, GQA, zero-length q and
+    k sequences, softcap, sinks); the cache rows past each sequence's keys are NaN and never reach
+    the output; return_attn_probs gives flash-attn's triple."""
+    lens_q, lens_k = [3, 0, 9, 1, 17, 4], [10, 5, 9, 0, 70, 2]
+    q, kc, vc, table, k, v, cu_q, cu_k = _paged_case(lens_q, lens_k, 4, 2, 64, dtype, page_size, device)
+    kw = dict(causal=causal, window_size=window, softcap=extras.get("softcap", 0.0),
+              sinks=torch.randn(4, device=device) if extras.get("sinks") else None)
+    out, lse, s_dmask = flash_attn_ext.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                              block_table=table, return_attn_probs=True, **kw)
+    assert s_dmask is None
+    ref = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window, sinks=kw["sinks"],
+                               softcap=kw["softcap"])
+    base = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window, sinks=kw["sinks"],
+                                softcap=kw["softcap"], upcast=False)
+    check_accuracy("paged varlen out", out, ref[0], base[0])
+    check_accuracy("paged varlen lse", lse, ref[1], base[1])
+
+
+def test_paged_varlen_uncovered_rows_and_empty_batch():
+    """q rows past cu_seqlens_q[-1] get out 0 and LSE +inf (the reference's convention), without
+    disturbing the covered rows; a batch of 0 sequences gives zeros / +inf."""
+    q, kc, vc, table, k, v, cu_q, cu_k = _paged_case([5, 2], [9, 20], 2, 1, 32, torch.float64, 16, "cpu")
+    q_more = torch.cat([q, torch.randn(3, 2, 32, dtype=torch.float64)])
+    out, lse = flash_attn_ext.flash_attn_varlen_func(q_more, kc, vc, cu_q, cu_k, 5, 20, causal=True,
+                                                     block_table=table, return_lse=True)
+    ref_out, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True)
+    torch.testing.assert_close(out[:7], ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse[:, :7], ref_lse, rtol=0, atol=1e-12)
+    assert torch.equal(out[7:], torch.zeros_like(out[7:])) and torch.isinf(lse[:, 7:]).all()
+    empty = torch.zeros(1, dtype=torch.int32)
+    out, lse = flash_attn_ext.flash_attn_varlen_func(q, kc, vc, empty, empty, 0, 0, block_table=table[:0],
+                                                     return_lse=True)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.isinf(lse).all() and lse.shape == (2, 7)
+    zero_q = torch.zeros(3, dtype=torch.int32)                                    # max_seqlen_q = 0
+    out, lse = flash_attn_ext.flash_attn_varlen_func(q, kc, vc, zero_q, cu_k, 0, 20, block_table=table,
+                                                     return_lse=True)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.isinf(lse).all()
+
+
+def test_paged_varlen_refusals():
+    """Paged varlen is inference only (as flash-attn's): a grad-enabled call with an input that
+    requires grad raises, naming the way out; k / v that are not paged caches, a block_table of
+    another batch, cu_seqlens that decrease: RuntimeErrors naming them, before any work."""
+    q, kc, vc, table, k, v, cu_q, cu_k = _paged_case([5, 2], [9, 20], 2, 1, 32, torch.float32, 16, "cpu")
+    call = flash_attn_ext.flash_attn_varlen_func
+    with pytest.raises(RuntimeError, match="inference only: no gradient.*torch.no_grad"):
+        call(q.requires_grad_(), kc, vc, cu_q, cu_k, 5, 20, block_table=table)
+    with torch.no_grad():
+        out = call(q, kc, vc, cu_q, cu_k, 5, 20, block_table=table)
+    assert not out.requires_grad
+    q = q.detach()
+    with pytest.raises(RuntimeError, match=r"with block_table, k must be a paged cache \(num_blocks, page_size, nheads_k, headdim\)"):
+        call(q, k, v, cu_q, cu_k, 5, 20, block_table=table)
+    with pytest.raises(RuntimeError, match=r"block_table shape \(1, 2\); expected .*\(2, max_blocks\)"):
+        call(q, kc, vc, cu_q, cu_k, 5, 20, block_table=table[:1])
+    with pytest.raises(RuntimeError, match="cu_seqlens_k = .* must start at 0 and not decrease"):
+        call(q, kc, vc, cu_q, torch.tensor([0, 9, 5], dtype=torch.int32), 5, 20, block_table=table)
+    with pytest.raises(RuntimeError, match="block_table"):
+        call(q, kc, vc, cu_q, cu_k, 5, 20, block_table=table.long())
+
+
+def test_paged_varlen_compiles_fullgraph():
+    """torch.compile(fullgraph=True) of a paged varlen call: no graph break (the gather / scatter
+    indices are tensor ops on cu_seqlens, no host sync), the eager bits."""
+    q, kc, vc, table, k, v, cu_q, cu_k = _paged_case([5, 2, 7], [9, 20, 3], 2, 1, 32, torch.float32, 16, "cpu")
+
+    def f(q, kc, vc, cu_q, cu_k, table):
+        return flash_attn_ext.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 7, 20, causal=True, block_table=table)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(q, kc, vc, cu_q, cu_k, table),
+                       f(q, kc, vc, cu_q, cu_k, table))
