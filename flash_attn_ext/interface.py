@@ -53,12 +53,15 @@ def flash_attn_func(
             (nheads_k < nheads: grouped-query / multi-query attention; query head h reads
             key/value head h // (nheads // nheads_k)).
         v: like k.
-            q, k, v: one device, one dtype, stride 1 along headdim (other strides free, so
-            transposed BHSD tensors and slices of a fused qkv tensor work without a copy).
+            q, k, v: one device, one dtype; any strides (transposed BHSD tensors and slices of a
+            fused qkv tensor run without a copy while the stride along headdim is 1; another is
+            copied contiguous first, as flash-attn does).
             dtype: float16 or bfloat16 on CUDA; float32, float64, float16 or bfloat16 on CPU.
             Used as given: ``torch.autocast`` does not cast them here (the nn modules and
             ``flash_attn_ext.sdpa`` apply it); cast float32 activations yourself for CUDA.
-            headdim: a multiple of 8, at most 256.
+            headdim: at most 256; one that is not a multiple of 8 is zero-padded to the next
+            (a copy of q, k, v; the output cut back), as flash-attn does; softmax_scale's
+            default stays 1 / sqrt(headdim).
         Positional order after v: flash-attn's (>= 2.6: dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, deterministic, return_attn_probs), so calls
             ported from it, positional ones included, run unchanged; return_lse and sinks
@@ -116,7 +119,7 @@ def flash_attn_func(
         dropout_p, alibi_slopes, deterministic: flash-attn's other keywords, accepted at the
             values that ask for nothing this library lacks, so ported calls run unchanged:
             dropout_p=0.0, alibi_slopes=None (another value: NotImplementedError naming it);
-            deterministic: any bool (the backward is always deterministic: no atomics).
+            deterministic: any bool, or None (the backward is always deterministic: no atomics).
         return_attn_probs: a bool; True returns flash-attn's triple (below), the way code
             written for flash-attn obtains softmax_lse.
 
@@ -135,8 +138,7 @@ def flash_attn_func(
         RuntimeError: before any work, with a message naming the argument, for: tensors on
             different devices; mismatched or unsupported dtypes; rank != 4; batch / seqlen_k /
             nheads_k / headdim mismatches between q, k and v; nheads not divisible by nheads_k;
-            headdim not a multiple of 8 or > 256 (or a CUDA head dim not compiled in this build);
-            a last dimension that is not contiguous; a softmax_scale that is not finite or whose
+            headdim > 256 (or a CUDA head dim not compiled in this build); a softmax_scale that is not finite or whose
             |softmax_scale| * log2(e) overflows float32; a softcap > 0 outside float32's range (below
             1.18e-38, softcap * log2(e) or |softmax_scale / softcap| above 3.4e38); seqlen_q or
             seqlen_k above 2^31 - 256 (tile counts are int32); double backward.
@@ -159,10 +161,30 @@ def flash_attn_func(
     """
     _check_tensors(q=q, k=k, v=v)
     softcap, probs = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
-    scale = _scale("softmax_scale", softmax_scale, q)
+    scale = _scale("softmax_scale", softmax_scale, q)  # from the caller's head dim
+    q, k, v, d = _kernel_layout(q, k, v)
     out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size),
                                                 _sinks(sinks), softcap)
-    return _with_attn_probs(out, softmax_lse, return_lse, probs)
+    return _with_attn_probs(_cut(out, d), softmax_lse, return_lse, probs)
+
+
+def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """flash-attn's Python-side accommodations, so that its calls port unchanged: a last dimension
+    whose stride is not 1 is copied contiguous (flash-attn's maybe_contiguous), and a head dim that
+    is not a multiple of 8 (shared by q, k, v, below 256) is zero-padded to the next multiple:
+    zero columns change neither the scores q.k nor the output's other columns, and autograd takes
+    the gradients back through the pad. Returns (q, k, v, the caller's head dim); ``_cut`` cuts
+    the output back. The ops themselves take neither (a clear error names the argument)."""
+    q, k, v = (t if t.stride(-1) == 1 or t.dim() == 0 else t.contiguous() for t in (q, k, v))
+    d = q.shape[-1]
+    if d % 8 and 0 < d < 256 and k.dim() > 0 and v.dim() > 0 and k.shape[-1] == v.shape[-1] == d:
+        q, k, v = (torch.nn.functional.pad(t, (0, 8 - d % 8)) for t in (q, k, v))
+    return q, k, v, d
+
+
+def _cut(out: torch.Tensor, d: int) -> torch.Tensor:
+    """The output of a ``_kernel_layout`` call back at the caller's head dim d (contiguous)."""
+    return out if out.shape[-1] == d else out[..., :d].contiguous()
 
 
 def _sinks(sinks) -> torch.Tensor | None:
@@ -311,7 +333,8 @@ def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return
     softcap = _softcap(softcap)
     if alibi_slopes is not None:
         raise NotImplementedError("flash_attn_ext: alibi_slopes: ALiBi biases are not supported; pass None")
-    _as_bool("deterministic", deterministic)  # the backward is always deterministic
+    if deterministic is not None:  # None: flash-attn < 2.7 took it (as False); the backward is always deterministic
+        _as_bool("deterministic", deterministic)
     return softcap, _as_bool("return_attn_probs", return_attn_probs)
 
 
@@ -380,7 +403,8 @@ def flash_attn_varlen_func(
 
     Args:
         q: (total_q, nheads, headdim). k, v: (total_k, nheads_k, headdim); nheads % nheads_k == 0.
-            dtype / headdim / strides as ``flash_attn_func`` (stride 1 along headdim).
+            dtype / headdim / strides as ``flash_attn_func``'s (a head dim not a multiple of 8
+            padded, a last dimension of another stride copied).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device, non-decreasing, from 0 to
             at most total_q / total_k (e.g. ``F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))``).
             Zero-length sequences are allowed (a sequence without keys gives out 0, LSE +inf, or
@@ -440,11 +464,13 @@ def flash_attn_varlen_func(
                                          _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
                                          _window(window_size), _sinks(sinks), softcap)
         return _with_attn_probs(out, softmax_lse, return_lse, probs)
+    scale = _scale("softmax_scale", softmax_scale, q)  # from the caller's head dim
+    q, k, v, d = _kernel_layout(q, k, v)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
-        _as_int("max_seqlen_k", max_seqlen_k), _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
-        *_window(window_size), _sinks(sinks), softcap)
-    return _with_attn_probs(out, softmax_lse, return_lse, probs)
+        _as_int("max_seqlen_k", max_seqlen_k), scale, _as_bool("causal", causal), *_window(window_size),
+        _sinks(sinks), softcap)
+    return _with_attn_probs(_cut(out, d), softmax_lse, return_lse, probs)
 
 
 def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

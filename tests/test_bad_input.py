@@ -6,6 +6,10 @@ import pytest
 import torch
 
 import flash_attn_ext
+from accuracy import check_accuracy
+from flash_attn_ext.reference import attention_ref, attention_varlen_ref
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 fwd = torch.ops.flash_attn_ext.forward
 bwd = torch.ops.flash_attn_ext.backward
@@ -349,7 +353,7 @@ def test_flash_attn_keywords_at_their_defaults_are_the_plain_call():
     deterministic (either value) and return_attn_probs=False runs unchanged: the same bits."""
     for name, call in _flash_attn_calls():
         ref = call()
-        for deterministic in (False, True):
+        for deterministic in (False, True, None):
             out = call(dropout_p=0.0, softcap=0.0, alibi_slopes=None, deterministic=deterministic,
                        return_attn_probs=False)
             assert torch.equal(out, ref), name
@@ -422,11 +426,11 @@ def test_flash_attn_softcap_keyword_runs():
 
 
 def test_varlen_block_table_keyword():
-    """flash-attn's flash_attn_varlen_func takes block_table=None: the same bits; a paged K / V
-    there is not supported here: NotImplementedError naming block_table and the entry that has it."""
+    """flash-attn's flash_attn_varlen_func takes block_table=None: the same bits; with a block_table
+    k / v must be paged caches (tests/test_varlen.py: the paged varlen)."""
     call = dict(_flash_attn_calls())["flash_attn_varlen_func"]
     assert torch.equal(call(block_table=None), call())
-    with pytest.raises(NotImplementedError, match="block_table: .*flash_attn_with_kvcache"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match="with block_table, k must be a paged cache"):
         call(block_table=torch.zeros(1, 2, dtype=torch.int32))
 
 
@@ -484,3 +488,61 @@ def test_sparse_tensors_are_refused_clearly(entry):
         call, name = lambda: flash_attn_ext.scaled_dot_product_attention(sparse, k, v), "query"
     with pytest.raises(NotImplementedError, match=f"{name} has layout torch.sparse_coo.*strided"):
         call()
+
+
+# ---- flash-attn's Python-side accommodations (interface.py: _kernel_layout) ---------------------
+
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float64, id="cpu-fp64"),
+                                          pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+                                          pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=requires_cuda)])
+@pytest.mark.parametrize("d", [4, 20, 100, 250])
+def test_head_dims_not_a_multiple_of_8_are_padded(device, dtype, d):
+    """A head dim the kernels do not take (not a multiple of 8) runs zero-padded to the next one, as
+    flash-attn's wrapper does: out (cut back, contiguous), LSE and the gradients of the dense,
+    varlen and packed entries within the accuracy rule of the float64 reference at the caller's
+    head dim (softmax_scale's default 1 / sqrt(d) of it)."""
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
+
+    q, k, v = rnd(2, 9, 4, d), rnd(2, 13, 2, d), rnd(2, 13, 2, d)
+    out, lse = flash_attn_ext.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == q.shape and out.is_contiguous()
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = {}
+    for upcast in (True, False):
+        o, l = attention_ref(q, k, v, None, True, upcast=upcast)
+        refs[upcast] = (o, l, torch.autograd.grad(o, (q, k, v), dout.to(o.dtype)))
+    check_accuracy(f"d{d} out", out, refs[True][0], refs[False][0])
+    check_accuracy(f"d{d} lse", lse, refs[True][1], refs[False][1])
+    for name, g, r, b in zip("qkv", grads, refs[True][2], refs[False][2]):
+        check_accuracy(f"d{d} d{name}", g, r, b)
+    qv, kv, vv = (t.detach()[0] for t in (q, k, v))
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32, device=device)
+    out, lse = flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 5, 7, causal=True, return_lse=True)
+    ref = attention_varlen_ref(qv, kv, vv, cu_q, cu_k, causal=True)
+    base = attention_varlen_ref(qv, kv, vv, cu_q, cu_k, causal=True, upcast=False)
+    check_accuracy(f"d{d} varlen out", out, ref[0], base[0])
+    check_accuracy(f"d{d} varlen lse", lse, ref[1], base[1])
+    qkv = torch.stack([t.detach() for t in (q, q, q)], dim=2)
+    assert torch.equal(flash_attn_ext.flash_attn_qkvpacked_func(qkv, causal=True),
+                       flash_attn_ext.flash_attn_func(*qkv.unbind(2), causal=True))
+
+
+def test_a_last_dim_of_another_stride_is_copied():
+    """q, k, v whose last dimension has a stride other than 1 run as their contiguous copies (as
+    flash-attn's maybe_contiguous): the same bits, and the same gradient in the caller's strides
+    (up to the order in which q, k and v's gradients of the one tensor add up); the raw op still
+    names the layout it needs."""
+    x = torch.randn(2, 9, 32, 4, dtype=torch.float64, requires_grad=True)
+    q = x.transpose(2, 3)                       # (2, 9, 4, 32) with stride(-1) == 4
+    assert q.stride(-1) != 1
+    out = flash_attn_ext.flash_attn_func(q, q, q, causal=True)
+    qc = q.detach().contiguous().requires_grad_()
+    ref = flash_attn_ext.flash_attn_func(qc, qc, qc, causal=True)
+    assert torch.equal(out, ref)
+    (g,) = torch.autograd.grad(out.sum(), x)
+    (gc,) = torch.autograd.grad(ref.sum(), qc)
+    torch.testing.assert_close(g.transpose(2, 3), gc, rtol=0, atol=1e-12)
+    raises("q must have a contiguous last dimension", fwd, q.detach(), q.detach(), q.detach(), 0.1, False)

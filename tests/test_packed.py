@@ -124,4 +124,4 @@ def test_packed_bad_input():
         flash_attn_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 3, 2, 32), 0.5)
     # The unpacked function's own checks still name their arguments (here: the head dim).
     with pytest.raises(RuntimeError, match="headdim"):
-        flash_attn_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 3, 2, 30))
+        flash_attn_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 3, 2, 264))
