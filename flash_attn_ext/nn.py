@@ -39,8 +39,8 @@ class FlashAttention(nn.Module):
 
     Forward:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
-        nheads % nheads_k == 0 (GQA/MQA); headdim a multiple of 8, at most 256; last dim
-        contiguous. Returns (batch, seqlen_q, nheads, headdim) in the inputs' dtype.
+        nheads % nheads_k == 0 (GQA/MQA); headdim at most 256 (one that is not a multiple of 8
+        runs zero-padded, as ``flash_attn_func``'s). Returns (batch, seqlen_q, nheads, headdim) in the inputs' dtype.
 
     Raises: TypeError for mixed dtypes, a non-floating dtype, or float32 on CUDA outside
     autocast; the op's RuntimeError for bad shapes.
@@ -131,8 +131,7 @@ class MultiheadFlashAttention(nn.Module):
     ``in_proj_bias`` ((H + 2 Hk) * headdim,) or None; ``out_proj``: Linear(E, E).
 
     Raises (construction): ValueError when E is not divisible by H, H not by Hk, rotary with an
-    odd headdim, a headdim the flash_attn_ext backend does not take (not a multiple of 8, or
-    above 256), or an unknown backend.
+    odd headdim, a headdim above 256 with the flash_attn_ext backend, or an unknown backend.
 
     Differences from torch.nn.MultiheadAttention: always batch-first; no dropout, add_bias_kv,
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
@@ -165,9 +164,9 @@ class MultiheadFlashAttention(nn.Module):
         if backend not in ("flash_attn_ext", "torch_sdpa"):
             raise ValueError(f"MultiheadFlashAttention: backend must be 'flash_attn_ext' or "
                              f"'torch_sdpa', got {backend!r}")
-        if backend == "flash_attn_ext" and (head_dim % 8 != 0 or head_dim > 256):
+        if backend == "flash_attn_ext" and head_dim > 256:
             raise ValueError(f"MultiheadFlashAttention: headdim = embed_dim / num_heads = {head_dim}; the "
-                             "flash_attn_ext backend needs a multiple of 8, at most 256")
+                             "flash_attn_ext backend takes at most 256")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = head_dim
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base

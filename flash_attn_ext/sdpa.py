@@ -96,8 +96,9 @@ def scaled_dot_product_attention(
         key, value: (batch, nheads_k, S, headdim). ``nheads_k == nheads`` unless
             ``enable_gqa=True``, then ``nheads % nheads_k == 0`` (grouped-query attention,
             Ainslie et al. 2023: query head h uses key/value head h // (nheads // nheads_k)).
-            headdim: a multiple of 8, at most 256 (on CUDA, with a compiled kernel head dim
-            >= headdim). Any strides: the usual ``x.view(B, S, H, D).transpose(1, 2)`` views
+            headdim: at most 256 (on CUDA, with a compiled kernel head dim >= headdim); one that
+            is not a multiple of 8 runs zero-padded to the next (a copy; the output cut back;
+            the default scale stays 1 / sqrt(headdim)). Any strides: the usual ``x.view(B, S, H, D).transpose(1, 2)`` views
             cost no copy; a last dim with a stride other than 1 is made contiguous first (a
             copy), as torch does.
             query, key, value: one device (cpu or cuda).
@@ -139,7 +140,7 @@ def scaled_dot_product_attention(
             nheads, L, S); inputs not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
             also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0), key/value
             without heads for a query with some (nheads = 0: an empty output, as torch),
-            headdim not a multiple of 8 or > 256 (or without a compiled CUDA kernel), a
+            headdim <= 0 or > 256 (or without a compiled CUDA kernel), a
             non-finite scale.
         RuntimeError: query, key, value (or attn_mask) on different devices, or on a device
             other than cpu/cuda; under torch.compile, a mask that is not the static form's
@@ -204,10 +205,10 @@ def scaled_dot_product_attention(
         raise RuntimeError(
             f"flash_attn_ext.scaled_dot_product_attention: query is on {query.device}; the kernels "
             "run on cpu and cuda")
-    if D <= 0 or D % 8 != 0 or D > _MAX_HEADDIM:
+    if D <= 0 or D > _MAX_HEADDIM:  # another head dim than a multiple of 8: padded (interface.py: _kernel_layout)
         raise ValueError(
-            f"flash_attn_ext.scaled_dot_product_attention: headdim (query.size(-1)) must be a "
-            f"positive multiple of 8 and at most {_MAX_HEADDIM}, got {D} (query shape "
+            f"flash_attn_ext.scaled_dot_product_attention: headdim (query.size(-1)) must be "
+            f"positive and at most {_MAX_HEADDIM}, got {D} (query shape "
             f"{tuple(query.shape)}, (batch, nheads, L, headdim))")
     if query.device.type == "cuda" and not any(d >= D for d in _CUDA_HEAD_DIMS):
         raise ValueError(

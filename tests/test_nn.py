@@ -287,9 +287,15 @@ def test_mha_errors_are_clear():
         MultiheadFlashAttention(64, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="backend"):
         MultiheadFlashAttention(64, 4, backend="xformers")
-    with pytest.raises(ValueError, match="headdim = embed_dim / num_heads = 12"):
-        MultiheadFlashAttention(48, 4)  # at construction, not at the first forward
-    MultiheadFlashAttention(48, 4, backend="torch_sdpa")  # SDPA takes any headdim
+    with pytest.raises(ValueError, match="headdim = embed_dim / num_heads = 264"):
+        MultiheadFlashAttention(528, 2)  # at construction, not at the first forward
+    MultiheadFlashAttention(528, 2, backend="torch_sdpa")  # SDPA takes any headdim
+    # headdim 12 (not a multiple of 8): zero-padded inside, the torch_sdpa backend's result
+    x = torch.randn(2, 5, 48, dtype=torch.float64)
+    ours, ref = MultiheadFlashAttention(48, 4, causal=True).double(), MultiheadFlashAttention(
+        48, 4, causal=True, backend="torch_sdpa").double()
+    ref.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------- scaled_dot_product_attention
@@ -628,8 +634,8 @@ def _sdpa_error(exc, match, *args, **kwargs):
 
 def test_sdpa_errors_are_in_torch_terms():
     q = _randn(1, 4, 8, 32)
-    _sdpa_error(ValueError, r"headdim \(query.size\(-1\)\) must be a positive multiple of 8",
-                _randn(1, 4, 8, 12), _randn(1, 4, 8, 12), _randn(1, 4, 8, 12))
+    _sdpa_error(ValueError, r"headdim \(query.size\(-1\)\) must be positive and at most 256, got 0",
+                _randn(1, 4, 8, 0), _randn(1, 4, 8, 0), _randn(1, 4, 8, 0))
     _sdpa_error(ValueError, r"at most 256, got 264", *(_randn(1, 1, 2, 264),) * 3)
     _sdpa_error(RuntimeError, r"query is on cpu but key is on meta", q, q.to("meta"), q.to("meta"))
     _sdpa_error(RuntimeError, r"query is on cpu but value is on meta", q, q, q.to("meta"))
@@ -719,3 +725,21 @@ def test_float64_rotary_module_is_float64_accurate():
         o = attention_ref(rotate(q), rotate(k), v, causal=True)[0]
         want = ours.out_proj(o.reshape(B, L, H * d))
         torch.testing.assert_close(ours(x)[0], want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("D", [4, 12, 100])
+@pytest.mark.parametrize("L,S", [(7, 7), (5, 9), (9, 5)])
+@pytest.mark.parametrize("mode", ["none", "causal", "key_padding"])
+def test_sdpa_head_dims_not_a_multiple_of_8(D, L, S, mode):
+    """The drop-in takes any head dim up to 256, as torch's SDPA does: one that is not a multiple of
+    8 runs zero-padded (interface.py: _kernel_layout); output and gradients match torch's SDPA in
+    float64 (top-left causal, a key padding mask), the default scale 1 / sqrt(D)."""
+    kw = {"causal": {"is_causal": True},
+          "key_padding": {"attn_mask": (torch.arange(S) < S - 2).view(1, 1, 1, S).expand(2, 1, L, S)}}.get(mode, {})
+    q, k, v = (torch.randn(2, 4, n, D, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    ours = scaled_dot_product_attention(q, k, v, **kw)
+    ref = F.scaled_dot_product_attention(q, k, v, **kw)
+    dout = torch.randn_like(ref)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    for g, r in zip(torch.autograd.grad(ours, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
