@@ -491,8 +491,8 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     _fake_checks.check_rank(q, "q", 3, "(total_q, nheads, headdim)")
     for name, t in (("k", k_cache), ("v", v_cache)):
         if t.dim() != 4:
-            raise RuntimeError(f"flash_attn_ext: with block_table, {name} must be a paged cache (num_blocks, page_size, "
-                               f"nheads_k, headdim), got shape {tuple(t.shape)}")
+            raise RuntimeError(f"flash_attn_ext: with block_table, {name} must be a paged cache (num_blocks, "
+                               f"page_size, nheads_k, headdim), got shape {tuple(t.shape)}")
     _fake_checks.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
     _fake_checks.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q)
     batch = cu_seqlens_q.shape[0] - 1

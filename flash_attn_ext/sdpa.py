@@ -98,9 +98,9 @@ def scaled_dot_product_attention(
             Ainslie et al. 2023: query head h uses key/value head h // (nheads // nheads_k)).
             headdim: at most 256 (on CUDA, with a compiled kernel head dim >= headdim); one that
             is not a multiple of 8 runs zero-padded to the next (a copy; the output cut back;
-            the default scale stays 1 / sqrt(headdim)). Any strides: the usual ``x.view(B, S, H, D).transpose(1, 2)`` views
-            cost no copy; a last dim with a stride other than 1 is made contiguous first (a
-            copy), as torch does.
+            the default scale stays 1 / sqrt(headdim)). Any strides: the usual
+            ``x.view(B, S, H, D).transpose(1, 2)`` views cost no copy; a last dim with a stride
+            other than 1 is made contiguous first (a copy), as torch does.
             query, key, value: one device (cpu or cuda).
         attn_mask: None, or a mask broadcastable to (batch, nheads, L, S), the same for every
             head (size 1 there, or expanded / equal over the heads): bool (True = take part) or
