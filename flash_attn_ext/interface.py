@@ -176,7 +176,10 @@ def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     the gradients back through the pad. Returns (q, k, v, the caller's head dim); ``_cut`` cuts
     the output back. The ops themselves take neither (a clear error names the argument)."""
     q, k, v = (t if t.stride(-1) == 1 or t.dim() == 0 else t.contiguous() for t in (q, k, v))
-    d = q.shape[-1]
+    d = q.shape[-1] if q.dim() else 0
+    if q.dim() >= 3 and not 0 < d <= 256:
+        raise RuntimeError(f"flash_attn_ext: headdim {d} is not supported; expected 1..256 (one that is not a "
+                           "multiple of 8 runs zero-padded)")
     if d % 8 and 0 < d < 256 and k.dim() > 0 and v.dim() > 0 and k.shape[-1] == v.shape[-1] == d:
         q, k, v = (torch.nn.functional.pad(t, (0, 8 - d % 8)) for t in (q, k, v))
     return q, k, v, d
@@ -404,7 +407,8 @@ def flash_attn_varlen_func(
     Args:
         q: (total_q, nheads, headdim). k, v: (total_k, nheads_k, headdim); nheads % nheads_k == 0.
             dtype / headdim / strides as ``flash_attn_func``'s (a head dim not a multiple of 8
-            padded, a last dimension of another stride copied).
+            padded, a last dimension of another stride copied; with block_table neither: the
+            paged caches are read in place).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device, non-decreasing, from 0 to
             at most total_q / total_k (e.g. ``F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))``).
             Zero-length sequences are allowed (a sequence without keys gives out 0, LSE +inf, or
@@ -484,15 +488,23 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     queries), the pads' rows are computed and dropped (cost: batch * max_seqlen_q query rows
     instead of total_q). Gather and scatter indices come from cu_seqlens_q on the device: no host
     sync. Returns (out (total_q, nheads, headdim), softmax_lse (nheads, total_q))."""
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)):
         raise RuntimeError("flash_attn_ext: flash_attn_varlen_func with block_table (a paged K / V) is inference "
-                           "only: no gradient (as flash-attn's); call it under torch.no_grad() or detach q, k, v")
+                           "only: no gradient (as flash-attn's); call it under torch.no_grad() or detach q, k, v "
+                           "(and sinks)")
     _check_tensors(block_table=block_table)
     _fake_checks.check_rank(q, "q", 3, "(total_q, nheads, headdim)")
     for name, t in (("k", k_cache), ("v", v_cache)):
         if t.dim() != 4:
             raise RuntimeError(f"flash_attn_ext: with block_table, {name} must be a paged cache (num_blocks, "
                                f"page_size, nheads_k, headdim), got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise RuntimeError(f"flash_attn_ext: with block_table, {name} must have a contiguous last dimension "
+                               f"(stride(-1) == 1; the paged cache is read in place), got strides {t.stride()}")
+    _fake_checks.check_devices_dtypes(q, k_cache, v_cache, "k", "v")
+    if q.shape[-1] % 8:
+        raise RuntimeError(f"flash_attn_ext: with block_table, headdim must be a multiple of 8 (the paged caches "
+                           f"are read in place, not padded), got {q.shape[-1]}")
     _fake_checks.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
     _fake_checks.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q)
     batch = cu_seqlens_q.shape[0] - 1
@@ -504,16 +516,25 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
         raise RuntimeError(f"flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256], got "
                            f"{max_seqlen_q} and {max_seqlen_k}")
     total_q, nheads, d = q.shape
-    if cu_seqlens_q.device.type == "cpu" and not torch.compiler.is_compiling():
-        lens = cu_seqlens_q.diff()
-        if int(cu_seqlens_q[0]) != 0 or bool((lens < 0).any()) or int(cu_seqlens_q[-1]) > total_q or (
-                batch and int(lens.max()) > max_seqlen_q):
-            raise RuntimeError(f"flash_attn_ext: cu_seqlens_q = {cu_seqlens_q.tolist()} must start at 0, not "
-                               f"decrease, end at most at total_q = {total_q}, with sequences of at most "
-                               f"max_seqlen_q = {max_seqlen_q} queries")
-        if int(cu_seqlens_k[0]) != 0 or bool((cu_seqlens_k.diff() < 0).any()):
-            raise RuntimeError(f"flash_attn_ext: cu_seqlens_k = {cu_seqlens_k.tolist()} must start at 0 and not "
-                               "decrease (sequence b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys in its pages)")
+    lens_q, lens_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+    if cu_seqlens_q.device.type == "cpu":  # the values, as the CPU varlen op checks them (CUDA: no host read)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        checks = [
+            ((cu_seqlens_q[0] == 0) & (lens_q >= 0).all() & (cu_seqlens_q[-1] <= total_q)
+             & (lens_q <= max_seqlen_q).all(),
+             f"cu_seqlens_q must start at 0, not decrease, end at most at total_q = {total_q}, with sequences of "
+             f"at most max_seqlen_q = {max_seqlen_q} queries"),
+            ((cu_seqlens_k[0] == 0) & (lens_k >= 0).all() & (lens_k <= max_seqlen_k).all() & (lens_k <= capacity).all(),
+             f"cu_seqlens_k must start at 0 and not decrease, with sequences of at most max_seqlen_k = "
+             f"{max_seqlen_k} keys that fit their block_table's {block_table.shape[1]} pages of {k_cache.shape[1]} rows"),
+        ]
+        for ok, msg in checks:
+            if torch.compiler.is_compiling():
+                from .masked import assert_in_graph
+                assert_in_graph(ok, "flash_attn_ext: " + msg)
+            elif not bool(ok):
+                raise RuntimeError(f"flash_attn_ext: {msg}; got cu_seqlens_q = {cu_seqlens_q.tolist()}, "
+                                   f"cu_seqlens_k = {cu_seqlens_k.tolist()}")
     if batch == 0 or max_seqlen_q == 0:  # no query in any sequence
         return q.new_zeros(q.shape), q.new_full((nheads, total_q), math.inf, dtype=torch.float32)
     # Token t of sequence b = its position i in b; padded row max_seqlen_q - n_b + i.
@@ -525,7 +546,7 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     # accumulate: the zeros of uncovered tokens may land on a real token's slot, adding 0 there
     padded = q.new_zeros(batch, max_seqlen_q, nheads, d).index_put((seq, row), torch.where(keep[:, None, None], q, 0),
                                                                    accumulate=True)
-    cache_seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    cache_seqlens = lens_k.clamp(max=max_seqlen_k).to(torch.int32)  # CUDA: a longer one cut, as varlen's
     out_p, lse_p = torch.ops.flash_attn_ext.fwd_kvcache(
         padded, k_cache, v_cache, None, None, cache_seqlens, block_table, scale, causal, 0, *window, sinks, None,
         softcap)

@@ -546,3 +546,14 @@ def test_a_last_dim_of_another_stride_is_copied():
     (gc,) = torch.autograd.grad(ref.sum(), qc)
     torch.testing.assert_close(g.transpose(2, 3), gc, rtol=0, atol=1e-12)
     raises("q must have a contiguous last dimension", fwd, q.detach(), q.detach(), q.detach(), 0.1, False)
+
+
+@pytest.mark.parametrize("d", [0, 257, 264])
+def test_head_dims_outside_1_to_256_name_the_range(d):
+    """The flash_attn_* functions take head dims 1..256 (padding the ones the kernels do not take):
+    outside that range the error gives that range, not the kernels' multiples of 8."""
+    q = torch.randn(1, 4, 2, d)
+    with pytest.raises(RuntimeError, match=rf"headdim {d} is not supported; expected 1..256"):
+        flash_attn_ext.flash_attn_func(q, q, q)
+    with pytest.raises(RuntimeError, match=rf"headdim {d} is not supported; expected 1..256"):
+        flash_attn_ext.flash_attn_varlen_func(q[0], q[0], q[0], *[torch.tensor([0, 4], dtype=torch.int32)] * 2, 4, 4)

@@ -273,10 +273,29 @@ def test_paged_varlen_refusals():
         call(q, k, v, cu_q, cu_k, 5, 20, block_table=table)
     with pytest.raises(RuntimeError, match=r"block_table shape \(1, 2\); expected .*\(2, max_blocks\)"):
         call(q, kc, vc, cu_q, cu_k, 5, 20, block_table=table[:1])
-    with pytest.raises(RuntimeError, match="cu_seqlens_k = .* must start at 0 and not decrease"):
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must start at 0 and not decrease"):
         call(q, kc, vc, cu_q, torch.tensor([0, 9, 5], dtype=torch.int32), 5, 20, block_table=table)
+    with pytest.raises(RuntimeError, match="at most max_seqlen_k = 19 keys"):           # 20 keys
+        call(q, kc, vc, cu_q, cu_k, 5, 19, block_table=table)
+    with pytest.raises(RuntimeError, match="keys that fit their block_table's 2 pages of 16 rows"):
+        call(q, kc, vc, cu_q, torch.tensor([0, 33, 40], dtype=torch.int32), 5, 40, block_table=table)
+    with pytest.raises(RuntimeError, match="at most max_seqlen_q = 4 queries"):
+        call(q, kc, vc, cu_q, cu_k, 4, 20, block_table=table)
     with pytest.raises(RuntimeError, match="block_table"):
         call(q, kc, vc, cu_q, cu_k, 5, 20, block_table=table.long())
+    with pytest.raises(RuntimeError, match="with block_table, headdim must be a multiple of 8 .* got 12"):
+        call(q[..., :12], kc[..., :12], vc[..., :12], cu_q, cu_k, 5, 20, block_table=table)
+    with pytest.raises(RuntimeError, match="with block_table, k must have a contiguous last dimension"):
+        call(q, torch.cat([kc, kc], dim=-1)[..., ::2], vc, cu_q, cu_k, 5, 20, block_table=table)
+    with pytest.raises(RuntimeError, match="v has dtype torch.float64"):
+        call(q, kc, vc.double(), cu_q, cu_k, 5, 20, block_table=table)
+    with pytest.raises(RuntimeError, match="inference only.*and sinks"):
+        call(q, kc, vc, cu_q, cu_k, 5, 20, block_table=table, sinks=torch.zeros(2, requires_grad=True))
+    # Under torch.compile the same value checks run in the graph (an in-graph assert on the CPU).
+    f = torch.compile(lambda cu: call(q, kc, vc, cu, cu_k, 5, 20, block_table=table), fullgraph=True,
+                      backend="aot_eager")
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must start at 0"):
+        f(torch.tensor([0, 6, 7], dtype=torch.int32))
 
 
 def test_paged_varlen_compiles_fullgraph():
