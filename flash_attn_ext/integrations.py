@@ -225,25 +225,20 @@ def flash_attn_ext_attention_forward(
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # BSHD views
     d_qk, d_v = q.shape[-1], v.shape[-1]
-    d = -(-max(d_qk, d_v) // 8) * 8
-    if d > 256:
+    if max(d_qk, d_v) > 256:
         raise NotImplementedError(
             f"flash_attn_ext attention: head dim {d_qk} (queries, keys) / {d_v} (values) is not supported (at "
             'most 256); use attn_implementation="sdpa" for this model')
-    if d_qk != d or d_v != d:
-        # Values of another head dim than the queries' and keys' (multi-head latent attention:
-        # DeepSeek-V2 / V3, ...), or a head dim the kernels do not take (not a multiple of 8):
-        # zero columns change neither the scores q.k nor the output's other columns, so each side
-        # is padded to d and the output cut back to d_v.
-        scaling = d_qk ** -0.5 if scaling is None else scaling
-        q, k, v = (torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
+    # Values of another head dim than the queries' and keys' (multi-head latent attention:
+    # DeepSeek-V2 / V3, ...) and head dims the kernels do not take (not a multiple of 8) run
+    # zero-padded inside the flash_attn_* calls (interface.py: _kernel_layout).
     try:
         out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, q_len, kv_len,
                       kwargs)
     except MaskNotSupported as e:
         raise NotImplementedError(f'flash_attn_ext attention: {e}; those are not supported, use '
                                   'attn_implementation="sdpa" for this model') from None
-    return (out[..., :d_v].contiguous() if d_v != d else out), None
+    return out, None
 
 
 _PACKED_MASK_SEEN = [None, None, None, None]  # [weakref to a mask, its version, weakref to cu_seqlens, the answer]

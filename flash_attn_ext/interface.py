@@ -52,7 +52,8 @@ def flash_attn_func(
         k: (batch, seqlen_k, nheads_k, headdim). nheads must be a multiple of nheads_k
             (nheads_k < nheads: grouped-query / multi-query attention; query head h reads
             key/value head h // (nheads // nheads_k)).
-        v: like k.
+        v: like k, its head dim possibly another (headdim_v: multi-head latent attention, e.g.
+            DeepSeek-V3's 192 / 128, FlashAttention-3's hdim_v; both run padded to the larger).
             q, k, v: one device, one dtype; any strides (transposed BHSD tensors and slices of a
             fused qkv tensor run without a copy while the stride along headdim is 1; another is
             copied contiguous first, as flash-attn does).
@@ -124,7 +125,7 @@ def flash_attn_func(
             written for flash-attn obtains softmax_lse.
 
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), q's dtype, contiguous.
+        out: (batch, seqlen_q, nheads, headdim_v), q's dtype, contiguous.
         softmax_lse (only if return_lse): (batch, nheads, seqlen_q) float32,
             LSE_i = log(sum_j exp(softmax_scale * q_i . k_j)) in natural log (+inf when no key is
             visible; with softcap the capped logits in place of softmax_scale * q_i . k_j); with
@@ -170,19 +171,24 @@ def flash_attn_func(
 
 def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """flash-attn's Python-side accommodations, so that its calls port unchanged: a last dimension
-    whose stride is not 1 is copied contiguous (flash-attn's maybe_contiguous), and a head dim that
-    is not a multiple of 8 (shared by q, k, v, below 256) is zero-padded to the next multiple:
-    zero columns change neither the scores q.k nor the output's other columns, and autograd takes
-    the gradients back through the pad. Returns (q, k, v, the caller's head dim); ``_cut`` cuts
-    the output back. The ops themselves take neither (a clear error names the argument)."""
+    whose stride is not 1 is copied contiguous (flash-attn's maybe_contiguous); a head dim that is
+    not a multiple of 8 is zero-padded to the next multiple (flash-attn's wrapper); and values of
+    another head dim than the queries' and keys' (multi-head latent attention: DeepSeek-V2 / V3,
+    FlashAttention-3's hdim_v) pad both to the larger. Zero columns change neither the scores q.k
+    nor the output's other columns, and autograd takes the gradients back through the pad.
+    Returns (q, k, v, the output's head dim: v's); ``_cut`` cuts the output back. The ops
+    themselves take neither (a clear error names the argument)."""
     q, k, v = (t if t.stride(-1) == 1 or t.dim() == 0 else t.contiguous() for t in (q, k, v))
-    d = q.shape[-1] if q.dim() else 0
-    if q.dim() >= 3 and not 0 < d <= 256:
-        raise RuntimeError(f"flash_attn_ext: headdim {d} is not supported; expected 1..256 (one that is not a "
-                           "multiple of 8 runs zero-padded)")
-    if d % 8 and 0 < d < 256 and k.dim() > 0 and v.dim() > 0 and k.shape[-1] == v.shape[-1] == d:
-        q, k, v = (torch.nn.functional.pad(t, (0, 8 - d % 8)) for t in (q, k, v))
-    return q, k, v, d
+    if min(q.dim(), k.dim(), v.dim()) < 3:
+        return q, k, v, v.shape[-1] if v.dim() else 0  # the op's rank check names the argument
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if not (0 < d_qk <= 256 and 0 < d_v <= 256):
+        raise RuntimeError(f"flash_attn_ext: headdim {d_qk if not 0 < d_qk <= 256 else d_v} is not supported; "
+                           "expected 1..256 (one that is not a multiple of 8 runs zero-padded)")
+    d = -(-max(d_qk, d_v) // 8) * 8
+    if k.shape[-1] == d_qk and (d_qk != d or d_v != d):
+        q, k, v = (torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
+    return q, k, v, d_v
 
 
 def _cut(out: torch.Tensor, d: int) -> torch.Tensor:

@@ -68,10 +68,15 @@ def allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
+def _out_zeros(q, v):
+    """Zeros of the output's shape: q's with v's head dim (which may differ from q's: MLA)."""
+    return q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+
+
 def _connected_zeros(q, k, v, sinks):
     """Zeros shaped like the output, with q, k, v (and sinks) in their autograd graph (zero
     gradients), for calls where no row sees a key and no kernel runs."""
-    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    out = _out_zeros(q, v)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
         # (t * 0).sum(), not 0 * t.sum(): a float16 sum of large finite inputs overflows to inf.
         out = out + sum((t * 0).sum() for t in (q, k, v, sinks) if t is not None)
@@ -86,7 +91,7 @@ def varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, window_left=
     o = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
                                cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=causal, window_size=window,
                                sinks=sinks, softcap=softcap)
-    return o.view(q.shape)
+    return o.view(*q.shape[:-1], v.shape[-1])
 
 
 def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False, softcap=0.0):
@@ -218,7 +223,7 @@ def padding_plan(m, window_left=-1):
         if not calls:
             return _connected_zeros(q, k, v, sinks)
         k_packed, v_packed = k[kb, kj], v[kb, kj]
-        out = q.new_zeros(q.shape)                               # rows that see no key stay 0
+        out = _out_zeros(q, v)                                   # rows that see no key stay 0
         for qb, qi, cu_q, max_rows, causal, window in calls:
             o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, cu_q, cu_k, max_rows, max_k,
                                        softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks,
@@ -270,12 +275,12 @@ def bidirectional_window_plan(m, w):
         k_real, v_real = k[kb, kj], v[kb, kj]
         o = flash_attn_varlen_func(q[kb, kj], k_real, v_real, cu, cu, max_n, max_n, softmax_scale=scaling,
                                    causal=False, window_size=(w, w), sinks=sinks, softcap=softcap)
-        out = q.new_zeros(q.shape).index_put((kb, kj), o)
+        out = _out_zeros(q, v).index_put((kb, kj), o)
         for rows, real, rows_c, order in pads:
             kr, vr = (k_real, v_real) if order is None else (k_real[order], v_real[order])
             o = flash_attn_varlen_func(q[b, rows_c].flatten(0, 1), kr, vr, cu_q, cu, P, max_n, softmax_scale=scaling,
                                        causal=False, window_size=(w - P, -1), sinks=sinks,
-                                       softcap=softcap).view(B, P, *q.shape[2:])
+                                       softcap=softcap).view(B, P, q.shape[2], v.shape[-1])
             out = out.index_put((b[real], rows[real]), o[real])
         return out
     return plan
@@ -344,7 +349,7 @@ def masked_attention_traced(q, k, v, m, scaling, sinks=None, softcap=0.0):
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
     bad, k_in, q_parts, _ = split_mask(m)
     ks, nk, k_run = run_of(k_in)
-    out = q.new_zeros(q.shape)
+    out = _out_zeros(q, v)
     ok = ~bad & k_run
     for rows, causal in zip(q_parts, (True, False)):
         qs, nq, q_run = run_of(rows)

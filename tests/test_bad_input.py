@@ -530,6 +530,39 @@ def test_head_dims_not_a_multiple_of_8_are_padded(device, dtype, d):
                        flash_attn_ext.flash_attn_func(*qkv.unbind(2), causal=True))
 
 
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float64, id="cpu-fp64"),
+                                          pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=requires_cuda)])
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (24, 16), (20, 36)])
+def test_value_head_dim_may_differ(device, dtype, d_qk, d_v):
+    """Values of another head dim than the queries' and keys' (multi-head latent attention, e.g.
+    DeepSeek-V3's 192 / 128; FlashAttention-3's hdim_v) run with both padded to the larger: out
+    (..., d_v), LSE and gradients within the accuracy rule of the float64 reference, softmax_scale's
+    default 1 / sqrt(d_qk); varlen too."""
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
+
+    q, k, v = rnd(2, 9, 4, d_qk), rnd(2, 13, 2, d_qk), rnd(2, 13, 2, d_v)
+    out, lse = flash_attn_ext.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 9, 4, d_v) and out.is_contiguous()
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = {}
+    for upcast in (True, False):
+        o, l = attention_ref(q, k, v, None, True, upcast=upcast)
+        refs[upcast] = (o, l, torch.autograd.grad(o, (q, k, v), dout.to(o.dtype)))
+    check_accuracy("out", out, refs[True][0], refs[False][0])
+    check_accuracy("lse", lse, refs[True][1], refs[False][1])
+    for name, g, r, b in zip("qkv", grads, refs[True][2], refs[False][2]):
+        check_accuracy(f"d{name}", g, r, b)
+    qv, kv, vv = (t.detach()[0] for t in (q, k, v))
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32, device=device)
+    out = flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 5, 7, causal=True)
+    ref = attention_varlen_ref(qv, kv, vv, cu_q, cu_k, causal=True)
+    base = attention_varlen_ref(qv, kv, vv, cu_q, cu_k, causal=True, upcast=False)
+    check_accuracy("varlen out", out, ref[0], base[0])
+
+
 def test_a_last_dim_of_another_stride_is_copied():
     """q, k, v whose last dimension has a stride other than 1 run as their contiguous copies (as
     flash-attn's maybe_contiguous): the same bits, and the same gradient in the caller's strides
