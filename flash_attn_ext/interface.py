@@ -532,7 +532,8 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
              f"at most max_seqlen_q = {max_seqlen_q} queries"),
             ((cu_seqlens_k[0] == 0) & (lens_k >= 0).all() & (lens_k <= max_seqlen_k).all() & (lens_k <= capacity).all(),
              f"cu_seqlens_k must start at 0 and not decrease, with sequences of at most max_seqlen_k = "
-             f"{max_seqlen_k} keys that fit their block_table's {block_table.shape[1]} pages of {k_cache.shape[1]} rows"),
+             f"{max_seqlen_k} keys that fit their block_table's {block_table.shape[1]} pages of "
+             f"{k_cache.shape[1]} rows"),
         ]
         for ok, msg in checks:
             if torch.compiler.is_compiling():
