@@ -495,49 +495,14 @@ def test_sparse_tensors_are_refused_clearly(entry):
 @pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float64, id="cpu-fp64"),
                                           pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
                                           pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=requires_cuda)])
-@pytest.mark.parametrize("d", [4, 20, 100, 250])
-def test_head_dims_not_a_multiple_of_8_are_padded(device, dtype, d):
-    """A head dim the kernels do not take (not a multiple of 8) runs zero-padded to the next one, as
-    flash-attn's wrapper does: out (cut back, contiguous), LSE and the gradients of the dense,
-    varlen and packed entries within the accuracy rule of the float64 reference at the caller's
-    head dim (softmax_scale's default 1 / sqrt(d) of it)."""
-    def rnd(*shape):
-        return torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
-
-    q, k, v = rnd(2, 9, 4, d), rnd(2, 13, 2, d), rnd(2, 13, 2, d)
-    out, lse = flash_attn_ext.flash_attn_func(q, k, v, causal=True, return_lse=True)
-    assert out.shape == q.shape and out.is_contiguous()
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    refs = {}
-    for upcast in (True, False):
-        o, l = attention_ref(q, k, v, None, True, upcast=upcast)
-        refs[upcast] = (o, l, torch.autograd.grad(o, (q, k, v), dout.to(o.dtype)))
-    check_accuracy(f"d{d} out", out, refs[True][0], refs[False][0])
-    check_accuracy(f"d{d} lse", lse, refs[True][1], refs[False][1])
-    for name, g, r, b in zip("qkv", grads, refs[True][2], refs[False][2]):
-        check_accuracy(f"d{d} d{name}", g, r, b)
-    qv, kv, vv = (t.detach()[0] for t in (q, k, v))
-    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32, device=device)
-    out, lse = flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 5, 7, causal=True, return_lse=True)
-    ref = attention_varlen_ref(qv, kv, vv, cu_q, cu_k, causal=True)
-    base = attention_varlen_ref(qv, kv, vv, cu_q, cu_k, causal=True, upcast=False)
-    check_accuracy(f"d{d} varlen out", out, ref[0], base[0])
-    check_accuracy(f"d{d} varlen lse", lse, ref[1], base[1])
-    qkv = torch.stack([t.detach() for t in (q, q, q)], dim=2)
-    assert torch.equal(flash_attn_ext.flash_attn_qkvpacked_func(qkv, causal=True),
-                       flash_attn_ext.flash_attn_func(*qkv.unbind(2), causal=True))
-
-
-@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float64, id="cpu-fp64"),
-                                          pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=requires_cuda)])
-@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (24, 16), (20, 36)])
-def test_value_head_dim_may_differ(device, dtype, d_qk, d_v):
-    """Values of another head dim than the queries' and keys' (multi-head latent attention, e.g.
-    DeepSeek-V3's 192 / 128; FlashAttention-3's hdim_v) run with both padded to the larger: out
-    (..., d_v), LSE and gradients within the accuracy rule of the float64 reference, softmax_scale's
-    default 1 / sqrt(d_qk); varlen too."""
+@pytest.mark.parametrize("d_qk,d_v", [(4, 4), (20, 20), (100, 100), (250, 250), (192, 128), (24, 16), (20, 36)])
+def test_head_dims_the_kernels_do_not_take_run_padded(device, dtype, d_qk, d_v):
+    """A head dim that is not a multiple of 8 runs zero-padded to the next one, as flash-attn's
+    wrapper does, and values of another head dim than the queries' and keys' (multi-head latent
+    attention, e.g. DeepSeek-V3's 192 / 128; FlashAttention-3's hdim_v) with both padded to the
+    larger: out (..., d_v, contiguous), LSE and the gradients of the dense, varlen and packed
+    entries within the accuracy rule of the float64 reference (softmax_scale's default 1 /
+    sqrt(d_qk))."""
     def rnd(*shape):
         return torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)
 
@@ -557,10 +522,15 @@ def test_value_head_dim_may_differ(device, dtype, d_qk, d_v):
     qv, kv, vv = (t.detach()[0] for t in (q, k, v))
     cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 6, 13], dtype=torch.int32, device=device)
-    out = flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 5, 7, causal=True)
+    out, lse = flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 5, 7, causal=True, return_lse=True)
     ref = attention_varlen_ref(qv, kv, vv, cu_q, cu_k, causal=True)
     base = attention_varlen_ref(qv, kv, vv, cu_q, cu_k, causal=True, upcast=False)
     check_accuracy("varlen out", out, ref[0], base[0])
+    check_accuracy("varlen lse", lse, ref[1], base[1])
+    if d_qk == d_v:
+        qkv = torch.stack([t.detach() for t in (q, q, q)], dim=2)
+        assert torch.equal(flash_attn_ext.flash_attn_qkvpacked_func(qkv, causal=True),
+                           flash_attn_ext.flash_attn_func(*qkv.unbind(2), causal=True))
 
 
 def test_a_last_dim_of_another_stride_is_copied():
