@@ -93,7 +93,8 @@ def scaled_dot_product_attention(
 
     Args:
         query: (batch, nheads, L, headdim).
-        key, value: (batch, nheads_k, S, headdim). ``nheads_k == nheads`` unless
+        key, value: (batch, nheads_k, S, headdim); value's head dim may be another (Ev, as
+            torch's: multi-head latent attention; both run padded to the larger). ``nheads_k == nheads`` unless
             ``enable_gqa=True``, then ``nheads % nheads_k == 0`` (grouped-query attention,
             Ainslie et al. 2023: query head h uses key/value head h // (nheads // nheads_k)).
             headdim: at most 256 (on CUDA, with a compiled kernel head dim >= headdim); one that
@@ -130,7 +131,7 @@ def scaled_dot_product_attention(
     ``torch.autocast`` region the inputs are first cast to the autocast dtype (as torch does).
 
     Returns:
-        (batch, nheads, L, headdim), a transposed view of a contiguous BSHD tensor, in the
+        (batch, nheads, L, Ev), a transposed view of a contiguous BSHD tensor, in the
         (possibly autocast) input dtype. Differentiable w.r.t. query, key, value.
 
     Raises (before any kernel runs; messages name query/key/value and their BHSD shapes):
@@ -176,10 +177,11 @@ def scaled_dot_product_attention(
                 f"(batch, nheads, seqlen, headdim), got shape {tuple(t.shape)}")
     B, H, L, D = query.shape
     Bk, Hk, S, Dk = key.shape
-    if key.shape != value.shape:
+    if key.shape[:-1] != value.shape[:-1]:
         raise ValueError(
             f"flash_attn_ext.scaled_dot_product_attention: key {tuple(key.shape)} and value "
-            f"{tuple(value.shape)} must have the same shape (batch, nheads_k, S, headdim)")
+            f"{tuple(value.shape)} must have the same (batch, nheads_k, S) (value's headdim may differ, as torch's)")
+    Ev = value.shape[-1]
     if Bk != B or Dk != D:
         raise ValueError(
             f"flash_attn_ext.scaled_dot_product_attention: key/value shape {tuple(key.shape)} does "
@@ -205,17 +207,18 @@ def scaled_dot_product_attention(
         raise RuntimeError(
             f"flash_attn_ext.scaled_dot_product_attention: query is on {query.device}; the kernels "
             "run on cpu and cuda")
-    if D <= 0 or D > _MAX_HEADDIM:  # another head dim than a multiple of 8: padded (interface.py: _kernel_layout)
-        raise ValueError(
-            f"flash_attn_ext.scaled_dot_product_attention: headdim (query.size(-1)) must be "
-            f"positive and at most {_MAX_HEADDIM}, got {D} (query shape "
-            f"{tuple(query.shape)}, (batch, nheads, L, headdim))")
-    if query.device.type == "cuda" and not any(d >= D for d in _CUDA_HEAD_DIMS):
+    for name, d in (("query", D), ("value", Ev)):  # another than a multiple of 8: padded (interface.py)
+        if d <= 0 or d > _MAX_HEADDIM:
+            raise ValueError(
+                f"flash_attn_ext.scaled_dot_product_attention: headdim ({name}.size(-1)) must be "
+                f"positive and at most {_MAX_HEADDIM}, got {d} ({name} shape "
+                f"{tuple(query.shape if name == 'query' else value.shape)}, (batch, nheads, L or S, headdim))")
+    if query.device.type == "cuda" and not any(d >= max(D, Ev) for d in _CUDA_HEAD_DIMS):
         raise ValueError(
             f"flash_attn_ext.scaled_dot_product_attention: no CUDA kernel for headdim "
-            f"(query.size(-1)) {D} in this build (compiled head dims: "
+            f"(query.size(-1), value.size(-1)) {max(D, Ev)} in this build (compiled head dims: "
             f"{','.join(map(str, _CUDA_HEAD_DIMS)) or 'none'}); rebuild with "
-            f"FLASH_ATTN_EXT_HDIMS including a head dim >= {D}")
+            f"FLASH_ATTN_EXT_HDIMS including a head dim >= {max(D, Ev)}")
     if scale is not None:
         scale = _scale("scale", scale, query)  # a real number (TypeError naming scale otherwise)
         if not math.isfinite(scale):
@@ -225,7 +228,7 @@ def scaled_dot_product_attention(
     if H == 0:
         # No heads (as torch: an empty output); the sum ties it to the inputs for autograd (their
         # gradients: empty zeros).
-        return query.new_zeros((B, 0, L, D)) + 0 * (query.sum() + key.sum() + value.sum())
+        return query.new_zeros((B, 0, L, Ev)) + 0 * (query.sum() + key.sum() + value.sum())
     # As torch: a last dim with a stride other than 1 is copied to a contiguous tensor (the
     # kernels read rows of headdim contiguous elements); every other stride is used as is.
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))

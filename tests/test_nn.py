@@ -727,16 +727,17 @@ def test_float64_rotary_module_is_float64_accurate():
         torch.testing.assert_close(ours(x)[0], want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("D", [4, 12, 100])
+@pytest.mark.parametrize("D,Ev", [(4, 4), (12, 12), (100, 100), (192, 128), (24, 16)])
 @pytest.mark.parametrize("L,S", [(7, 7), (5, 9), (9, 5)])
 @pytest.mark.parametrize("mode", ["none", "causal", "key_padding"])
-def test_sdpa_head_dims_not_a_multiple_of_8(D, L, S, mode):
-    """The drop-in takes any head dim up to 256, as torch's SDPA does: one that is not a multiple of
-    8 runs zero-padded (interface.py: _kernel_layout); output and gradients match torch's SDPA in
-    float64 (top-left causal, a key padding mask), the default scale 1 / sqrt(D)."""
+def test_sdpa_head_dims_the_kernels_do_not_take(D, Ev, L, S, mode):
+    """The drop-in takes any head dims up to 256, as torch's SDPA does: one that is not a multiple
+    of 8, and a value head dim Ev other than the query's (multi-head latent attention), run
+    zero-padded (interface.py: _kernel_layout); output and gradients match torch's SDPA in float64
+    (top-left causal, a key padding mask), the default scale 1 / sqrt(D)."""
     kw = {"causal": {"is_causal": True},
           "key_padding": {"attn_mask": (torch.arange(S) < S - 2).view(1, 1, 1, S).expand(2, 1, L, S)}}.get(mode, {})
-    q, k, v = (torch.randn(2, 4, n, D, dtype=torch.float64, requires_grad=True) for n in (L, S, S))
+    q, k, v = (torch.randn(2, 4, n, d, dtype=torch.float64, requires_grad=True) for n, d in ((L, D), (S, D), (S, Ev)))
     ours = scaled_dot_product_attention(q, k, v, **kw)
     ref = F.scaled_dot_product_attention(q, k, v, **kw)
     dout = torch.randn_like(ref)
