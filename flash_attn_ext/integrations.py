@@ -83,7 +83,7 @@ import weakref
 
 import torch
 
-from .interface import _softcap, flash_attn_func
+from .interface import _cut, _kernel_layout, _softcap, flash_attn_func
 from . import masked
 from .masked import MaskNotSupported, allowed_from_mask, masked_attention
 from .sdpa import _autocast_and_check_dtype
@@ -230,15 +230,17 @@ def flash_attn_ext_attention_forward(
             f"flash_attn_ext attention: head dim {d_qk} (queries, keys) / {d_v} (values) is not supported (at "
             'most 256); use attn_implementation="sdpa" for this model')
     # Values of another head dim than the queries' and keys' (multi-head latent attention:
-    # DeepSeek-V2 / V3, ...) and head dims the kernels do not take (not a multiple of 8) run
-    # zero-padded inside the flash_attn_* calls (interface.py: _kernel_layout).
+    # DeepSeek-V2 / V3, ...) and head dims the kernels do not take (not a multiple of 8): padded
+    # once here for every call below (interface.py: _kernel_layout), the default scale from d_qk.
+    scaling = d_qk ** -0.5 if scaling is None else scaling
+    q, k, v, d_v = _kernel_layout(q, k, v)
     try:
         out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, q_len, kv_len,
                       kwargs)
     except MaskNotSupported as e:
         raise NotImplementedError(f'flash_attn_ext attention: {e}; those are not supported, use '
                                   'attn_implementation="sdpa" for this model') from None
-    return out, None
+    return _cut(out, d_v), None
 
 
 _PACKED_MASK_SEEN = [None, None, None, None]  # [weakref to a mask, its version, weakref to cu_seqlens, the answer]

@@ -138,7 +138,8 @@ def flash_attn_func(
     Raises:
         RuntimeError: before any work, with a message naming the argument, for: tensors on
             different devices; mismatched or unsupported dtypes; rank != 4; batch / seqlen_k /
-            nheads_k / headdim mismatches between q, k and v; nheads not divisible by nheads_k;
+            nheads_k mismatches between q, k and v, a headdim mismatch between q and k (v's may
+            differ); nheads not divisible by nheads_k;
             headdim > 256 (or a CUDA head dim not compiled in this build); a softmax_scale that is not finite or whose
             |softmax_scale| * log2(e) overflows float32; a softcap > 0 outside float32's range (below
             1.18e-38, softcap * log2(e) or |softmax_scale / softcap| above 3.4e38); seqlen_q or
@@ -178,16 +179,18 @@ def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     nor the output's other columns, and autograd takes the gradients back through the pad.
     Returns (q, k, v, the output's head dim: v's); ``_cut`` cuts the output back. The ops
     themselves take neither (a clear error names the argument)."""
-    q, k, v = (t if t.stride(-1) == 1 or t.dim() == 0 else t.contiguous() for t in (q, k, v))
+    q, k, v = (t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if min(q.dim(), k.dim(), v.dim()) < 3:
         return q, k, v, v.shape[-1] if v.dim() else 0  # the op's rank check names the argument
     d_qk, d_v = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != d_qk:
+        raise RuntimeError(f"flash_attn_ext: k has headdim {k.shape[-1]} but q has {d_qk}; expected equal (v's may "
+                           "differ)")
     if not (0 < d_qk <= 256 and 0 < d_v <= 256):
         raise RuntimeError(f"flash_attn_ext: headdim {d_qk if not 0 < d_qk <= 256 else d_v} is not supported; "
                            "expected 1..256 (one that is not a multiple of 8 runs zero-padded)")
     d = -(-max(d_qk, d_v) // 8) * 8
-    if k.shape[-1] == d_qk and (d_qk != d or d_v != d):
-        q, k, v = (torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
+    q, k, v = (t if t.shape[-1] == d else torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
     return q, k, v, d_v
 
 
@@ -464,7 +467,10 @@ def flash_attn_varlen_func(
         max_seqlen_q / max_seqlen_k is cut to its first max_seqlen rows / keys (its other
         rows are not written), and cu_seqlens past the tensors read out
         of bounds. Rows of q / k not covered by cu_seqlens get unspecified out / gradients on
-        CUDA (0 on CPU).
+        CUDA (0 on CPU). With block_table a query sequence longer than max_seqlen_q keeps its
+        last max_seqlen_q queries (the others: out 0), and the padded tile (batch, max_seqlen_q,
+        nheads, headdim) and its output are allocated: for a batch mixing one long prefill chunk
+        with many one-token rows that is batch times the chunk's rows, in memory and compute.
     """
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     softcap, probs = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
@@ -523,7 +529,13 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
                            f"{max_seqlen_q} and {max_seqlen_k}")
     total_q, nheads, d = q.shape
     lens_q, lens_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
-    if cu_seqlens_q.device.type == "cpu":  # the values, as the CPU varlen op checks them (CUDA: no host read)
+    if block_table.dtype != torch.int32 or k_cache.shape[1] % 16:  # the KV-cache op's, before any early return
+        raise RuntimeError(f"flash_attn_ext: with block_table, block_table must be int32 (got {block_table.dtype}) "
+                           f"and page_size (k.size(1)) a positive multiple of 16 (got {k_cache.shape[1]})")
+    # The values, as the CPU varlen op checks them (CUDA: no host read): in the graph under
+    # torch.compile, else on the host (fake tensors outside Dynamo, e.g. make_fx: no values).
+    compiling = torch.compiler.is_compiling()
+    if cu_seqlens_q.device.type == "cpu" and (compiling or not torch._subclasses.fake_tensor.is_fake(cu_seqlens_q)):
         capacity = block_table.shape[1] * k_cache.shape[1]
         checks = [
             ((cu_seqlens_q[0] == 0) & (lens_q >= 0).all() & (cu_seqlens_q[-1] <= total_q)
@@ -536,24 +548,28 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
              f"{k_cache.shape[1]} rows"),
         ]
         for ok, msg in checks:
-            if torch.compiler.is_compiling():
+            if compiling:
                 from .masked import assert_in_graph
                 assert_in_graph(ok, "flash_attn_ext: " + msg)
             elif not bool(ok):
                 raise RuntimeError(f"flash_attn_ext: {msg}; got cu_seqlens_q = {cu_seqlens_q.tolist()}, "
                                    f"cu_seqlens_k = {cu_seqlens_k.tolist()}")
-    if batch == 0 or max_seqlen_q == 0:  # no query in any sequence
+    if batch == 0 or max_seqlen_q == 0 or total_q == 0:  # no query in any sequence: no kernel
         return q.new_zeros(q.shape), q.new_full((nheads, total_q), math.inf, dtype=torch.float32)
-    # Token t of sequence b = its position i in b; padded row max_seqlen_q - n_b + i.
+    # Padded row r of sequence b holds its query i = r - (max_seqlen_q - n_b) (token cu_seqlens_q[b] + i),
+    # zeros before it: gathers both ways, no scatter. (On CUDA a sequence longer than max_seqlen_q
+    # keeps its last max_seqlen_q queries; its first ones get out 0.)
+    r = torch.arange(max_seqlen_q, device=q.device, dtype=torch.int32)
+    src = cu_seqlens_q[:-1, None] + r - (max_seqlen_q - lens_q)[:, None]            # (batch, max_seqlen_q)
+    valid = (src >= cu_seqlens_q[:-1, None]) & (src < cu_seqlens_q[1:, None]) & (src < total_q)
+    padded = torch.where(valid[..., None, None], q[src.clamp(0, total_q - 1).long()], 0)
     token = torch.arange(total_q, device=q.device, dtype=torch.int32)
     seq = torch.searchsorted(cu_seqlens_q[1:], token, right=True).clamp_(max=batch - 1)
-    row = max_seqlen_q - (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) + (token - cu_seqlens_q[seq])
+    row = max_seqlen_q - lens_q[seq] + (token - cu_seqlens_q[seq])
     keep = (token < cu_seqlens_q[-1]) & (row >= 0) & (row < max_seqlen_q)  # rows cu_seqlens covers
-    seq, row = seq.long(), row.long().clamp_(0, max(max_seqlen_q - 1, 0))
-    # accumulate: the zeros of uncovered tokens may land on a real token's slot, adding 0 there
-    padded = q.new_zeros(batch, max_seqlen_q, nheads, d).index_put((seq, row), torch.where(keep[:, None, None], q, 0),
-                                                                   accumulate=True)
-    cache_seqlens = lens_k.clamp(max=max_seqlen_k).to(torch.int32)  # CUDA: a longer one cut, as varlen's
+    seq, row = seq.long(), row.long().clamp_(0, max_seqlen_q - 1)
+    # CUDA (values unchecked): a longer sequence cut, as varlen's; a decreasing cu_seqlens_k: no keys.
+    cache_seqlens = lens_k.clamp(min=0, max=max_seqlen_k).to(torch.int32)
     out_p, lse_p = torch.ops.flash_attn_ext.fwd_kvcache(
         padded, k_cache, v_cache, None, None, cache_seqlens, block_table, scale, causal, 0, *window, sinks, None,
         softcap)
@@ -593,7 +609,7 @@ def flash_attn_qkvpacked_func(
 
     Args:
         qkv: (batch, seqlen, 3, nheads, headdim): q = qkv[:, :, 0], k = qkv[:, :, 1],
-            v = qkv[:, :, 2] (views: no copy; stride 1 along headdim). Other arguments (flash-attn's
+            v = qkv[:, :, 2] (views: no copy where headdim is a multiple of 8). Other arguments (flash-attn's
             positional order after qkv; return_lse, sinks keyword-only) and the semantics
             (FlashAttention-2, Dao 2023, Alg. 1 / Alg. 2) as ``flash_attn_func``'s.
 

@@ -102,7 +102,7 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
     window's left bound (window_size[0]), -1 for none (bidirectional: a bidirectional window,
     bidirectional_window_plan); sinks: None or (H,) attention sinks, given to every call (a row
     that sees no key stays 0, which is also its value with a sink); softcap: logit soft-capping
-    (flash_attn_func's), given to every call. Returns (B, Lq, H, D).
+    (flash_attn_func's), given to every call. Returns (B, Lq, H, v's D).
 
     Eagerly the mask's analysis (its pattern, the index tensors and sizes of the calls: an O(Lq
     Lk) pass and a few host syncs) is kept per mask tensor and version, so a model's layers,

@@ -40,7 +40,8 @@ class FlashAttention(nn.Module):
     Forward:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
         nheads % nheads_k == 0 (GQA/MQA); headdim at most 256 (one that is not a multiple of 8
-        runs zero-padded, as ``flash_attn_func``'s). Returns (batch, seqlen_q, nheads, headdim) in the inputs' dtype.
+        runs zero-padded, as ``flash_attn_func``'s; v's may differ). Returns (batch, seqlen_q,
+        nheads, v's headdim) in the inputs' dtype.
 
     Raises: TypeError for mixed dtypes, a non-floating dtype, or float32 on CUDA outside
     autocast; the op's RuntimeError for bad shapes.

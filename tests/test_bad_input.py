@@ -551,6 +551,16 @@ def test_a_last_dim_of_another_stride_is_copied():
     raises("q must have a contiguous last dimension", fwd, q.detach(), q.detach(), q.detach(), 0.1, False)
 
 
+def test_padding_leaves_the_other_checks_to_their_messages():
+    """The head-dim padding (interface._kernel_layout) runs before the op's checks: a 0-dim q still
+    gets the rank message, k of another head dim than q's its own (v's may differ)."""
+    with pytest.raises(RuntimeError, match="q must be 4-D"):
+        flash_attn_ext.flash_attn_func(torch.tensor(1.0), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(RuntimeError, match=r"k has headdim 24 but q has 16; expected equal \(v's may differ\)"):
+        flash_attn_ext.flash_attn_func(q, torch.randn(1, 4, 2, 24), torch.randn(1, 4, 2, 24))
+
+
 @pytest.mark.parametrize("d", [0, 257, 264])
 def test_head_dims_outside_1_to_256_name_the_range(d):
     """The flash_attn_* functions take head dims 1..256 (padding the ones the kernels do not take):

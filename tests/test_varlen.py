@@ -309,3 +309,23 @@ def test_paged_varlen_compiles_fullgraph():
     torch._dynamo.reset()
     assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(q, kc, vc, cu_q, cu_k, table),
                        f(q, kc, vc, cu_q, cu_k, table))
+    # Fake tensors outside Dynamo (make_fx) carry no values: the host checks step aside.
+    from torch.fx.experimental.proxy_tensor import make_fx
+    gm = make_fx(f, tracing_mode="fake")(q, kc, vc, cu_q, cu_k, table)
+    assert torch.equal(gm(q, kc, vc, cu_q, cu_k, table), f(q, kc, vc, cu_q, cu_k, table))
+
+
+@requires_cuda
+def test_paged_varlen_and_padding_do_not_sync():
+    """No host sync on CUDA in the Python around the kernels (the paged varlen's gathers, the head
+    dims padded): torch.cuda.set_sync_debug_mode("error") raises on any."""
+    q, kc, vc, table, k, v, cu_q, cu_k = _paged_case([5, 2, 7], [9, 20, 3], 4, 2, 64, torch.bfloat16, 16, "cuda")
+    qd = torch.randn(2, 9, 4, 100, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            flash_attn_ext.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 7, 20, causal=True, block_table=table)
+            flash_attn_ext.flash_attn_func(qd, qd, qd[..., :64], causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
