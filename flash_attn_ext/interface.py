@@ -368,7 +368,15 @@ def _softcap(softcap) -> float:
     float32's range: RuntimeError)."""
     if type(softcap) is float and softcap == 0.0:
         return softcap  # the default, checked cheaply
-    value = _real("softcap", softcap)
+    try:
+        value = _real("softcap", softcap)
+    except TypeError as e:
+        if softcap is None or isinstance(softcap, torch.Tensor) and softcap.dim() != 0:
+            # flash-attn <= 2.5's positional order had alibi_slopes where softcap is now.
+            raise TypeError(f"{e} (flash-attn >= 2.6's positional order has softcap after window_size, where a call "
+                            "written for flash-attn <= 2.5 passed alibi_slopes: pass the arguments after causal by "
+                            "keyword)") from None
+        raise
     # Under torch.compile the op's fake kernel refuses a bad cap (a RuntimeError naming softcap):
     # a ValueError raised while tracing would reach the user as Dynamo's own error, and a symbolic
     # float (dynamic=True) cannot be formatted into a message.

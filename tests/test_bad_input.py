@@ -314,6 +314,10 @@ def test_positional_calls_ported_from_flash_attn():
         flash_attn_ext.flash_attn_func(q, k, v, 0.5)
     with pytest.raises(TypeError, match="positional"):
         flash_attn_ext.flash_attn_func(q, k, v, 0.0, 0.3, True, (5, 0), 2.0, None, False, False, True)
+    # flash-attn <= 2.5's order (alibi_slopes where softcap is now): the message says so
+    with pytest.raises(TypeError, match=r"softcap must be a real number, got NoneType None \(flash-attn >= 2.6's "
+                                        r"positional order has softcap after window_size"):
+        flash_attn_ext.flash_attn_func(q, k, v, 0.0, None, True, (-1, -1), None, False, True)
     qv, kv, vv = q[0], k[0], v[0]
     cu_q, cu_k = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([0, 24], dtype=torch.int32)
     ref = flash_attn_ext.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 16, 24, softmax_scale=0.3, causal=True)
