@@ -292,6 +292,15 @@ FLASH_ATTN_POSITIONAL_ORDER = {
 }
 
 
+def test_flash_attns_module_path():
+    """``flash_attn.flash_attn_interface``'s public functions under flash_attn_ext's name, so a
+    ported import line only changes the package."""
+    from flash_attn_ext import flash_attn_interface
+    assert sorted(flash_attn_interface.__all__) == sorted(FLASH_ATTN_POSITIONAL_ORDER)
+    for name in FLASH_ATTN_POSITIONAL_ORDER:
+        assert getattr(flash_attn_interface, name) is getattr(flash_attn_ext, name)
+
+
 @pytest.mark.parametrize("name", sorted(FLASH_ATTN_POSITIONAL_ORDER))
 def test_positional_order_is_flash_attns(name):
     """Every flash_attn_* entry takes flash-attn's parameters in flash-attn's positional order,
