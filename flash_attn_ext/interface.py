@@ -419,7 +419,9 @@ def flash_attn_varlen_func(
     whose ``max_seqlen_q`` exceeds 2048 (64-key tiles, ``FLASH_ATTN_EXT_SM90_FWD_SHORT_CAUSAL``;
     packed calls take them when ``max_seqlen_q`` <= 2048); such a sequence rounds its sums
     differently and agrees within the accuracy rule instead).
-    Differentiable w.r.t. q, k, v (reverse mode; deterministic, no atomics).
+    Differentiable w.r.t. q, k, v: reverse mode (deterministic, no atomics) and forward mode
+    through torch.autograd.forward_ad dual tensors (each sequence's jvp, materialising its
+    probabilities; a host read of cu_seqlens); torch.func transforms raise NotImplementedError.
 
     Args:
         q: (total_q, nheads, headdim). k, v: (total_k, nheads_k, headdim); nheads % nheads_k == 0.

@@ -659,8 +659,10 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         ctx.softcap = inputs[12] if len(inputs) > 12 else 0.0
         out, softmax_lse, softmax_stats = output
         ctx.has_sinks = sinks is not None
-        ctx.save_for_backward(q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k,
-                              *((sinks,) if ctx.has_sinks else ()))
+        saved = (q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k) + ((sinks,) if ctx.has_sinks
+                                                                                      else ())
+        ctx.save_for_backward(*saved)
+        ctx.save_for_forward(*saved)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         ctx.window = window
         ctx.num_inputs = len(inputs)
@@ -686,10 +688,28 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         return _input_grads(ctx.num_inputs, (dq, dk, dv), 11, dsinks)
 
     @staticmethod
-    def jvp(ctx, *tangents):
-        raise NotImplementedError(
-            "flash_attn_ext: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) of "
-            "flash_attn_varlen_func is not implemented; flash_attn_func supports it on padded batches")
+    def jvp(ctx, q_t, k_t, v_t, *scalar_tangents):
+        """Forward mode (torch.autograd.forward_ad dual tensors; torch.func refuses the varlen ops,
+        _VARLEN_FUNCTORCH_MSG): ``attention_jvp`` on each sequence alone, its sequences read from
+        cu_seqlens on the host (forward mode materialises each sequence's P anyway). Rows outside
+        every sequence, and sequences without keys, get tangent 0 (their out is 0)."""
+        q, k, v = ctx.saved_tensors[:3]
+        cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors[6:8]
+        sinks = ctx.saved_tensors[8] if ctx.has_sinks else None
+        sinks_t = scalar_tangents[8] if ctx.has_sinks else None
+        max_seqlen_q, max_seqlen_k, softmax_scale, causal = ctx.args
+        out_t = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(cq) - 1):
+            q0, k0 = cq[b], ck[b]
+            q1, k1 = min(cq[b + 1], q0 + max_seqlen_q), min(ck[b + 1], k0 + max_seqlen_k)  # as the kernels cut
+            if q1 > q0 and k1 > k0:
+                def seq(t, a, e):
+                    return None if t is None else t[a:e].unsqueeze(0)
+                out_t[q0:q1] = attention_jvp(seq(q, q0, q1), seq(k, k0, k1), seq(v, k0, k1), seq(q_t, q0, q1),
+                                             seq(k_t, k0, k1), seq(v_t, k0, k1), softmax_scale, causal, *ctx.window,
+                                             sinks, sinks_t, ctx.softcap)[0]
+        return out_t, None, None
 
 
 class FlashAttnVarlenBackwardFunction(torch.autograd.Function):

@@ -163,10 +163,29 @@ def test_varlen_transforms_give_clear_errors():
 
     with pytest.raises(NotImplementedError, match="flash_attn_varlen_func .* not supported"):
         torch.func.grad(loss)(q)
-    with torch.autograd.forward_ad.dual_level():
-        dual = torch.autograd.forward_ad.make_dual(q, torch.randn_like(q))
-        with pytest.raises(NotImplementedError, match="forward-mode AD .* flash_attn_varlen_func"):
-            flash_attn_ext.flash_attn_varlen_func(dual, k, v, cu_q, cu_k, 5, 5)
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func .* not supported"):
+        torch.func.jvp(lambda q: flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5), (q,), (q,))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("extra", [{}, {"softcap": 2.0}, {"window_size": (2, 0)}, {"sinks": True}])
+def test_varlen_forward_ad(causal, extra):
+    """Forward mode through torch.autograd.forward_ad dual tensors (each sequence's jvp,
+    ops.attention_jvp): the tangent of out equals the float64 reference's (plain torch ops) to
+    rounding, zero-length q and k sequences included; with sinks their tangent too (the sinks and
+    their tangent rounded to float32 first, as the interface casts them)."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v, cu_q, cu_k = make_varlen([3, 0, 7, 5], [4, 6, 0, 9], 4, 2, 16, torch.float64, requires_grad=False)
+    sinks = torch.randn(4, dtype=torch.float64).float().double() if extra.get("sinks") else None
+    kw = {key: val for key, val in extra.items() if key != "sinks"}
+    tangents = [torch.randn_like(t) for t in (q, k, v)]
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(t, dt) for t, dt in zip((q, k, v), tangents)]
+        dsinks = None if sinks is None else fwAD.make_dual(sinks, torch.randn_like(sinks).float().double())
+        out = flash_attn_ext.flash_attn_varlen_func(*duals, cu_q, cu_k, 7, 9, causal=causal, sinks=dsinks, **kw)
+        ref = attention_varlen_ref(*duals, cu_q, cu_k, causal=causal, sinks=dsinks, **kw)[0]
+        out_t, ref_t = fwAD.unpack_dual(out).tangent, fwAD.unpack_dual(ref).tangent
+    torch.testing.assert_close(out_t, ref_t, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("causal", [True, 1, np.True_, "no", 0.5, None])
