@@ -123,9 +123,10 @@ def scaled_dot_product_attention(
 
     Differentiable in reverse mode and forward mode, and usable under torch.func transforms
     (grad, vjp, jvp, jacrev, jacfwd, vmap): see ``flash_attn_ext.flash_attn_func``. With an
-    ``attn_mask``: reverse mode (autograd) and vmap over query / key / value; forward mode and
-    the other torch.func transforms raise NotImplementedError (flash_attn_varlen_func's) where
-    the mask needs a varlen call (every mask but an all-True one).
+    ``attn_mask``: reverse mode (autograd), forward mode through torch.autograd.forward_ad dual
+    tensors and vmap over query / key / value; the other torch.func transforms (jvp, grad, ...)
+    raise NotImplementedError (flash_attn_varlen_func's) where the mask needs a varlen call (every
+    mask but an all-True one).
 
     Dtypes: CPU float32/float64/float16/bfloat16; CUDA float16/bfloat16. Under an enabled
     ``torch.autocast`` region the inputs are first cast to the autocast dtype (as torch does).

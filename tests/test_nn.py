@@ -744,3 +744,22 @@ def test_sdpa_head_dims_the_kernels_do_not_take(D, Ev, L, S, mode):
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
     for g, r in zip(torch.autograd.grad(ours, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
+
+
+def test_sdpa_masked_forward_ad():
+    """Forward mode through torch.autograd.forward_ad dual tensors also with a padding attn_mask
+    (its varlen calls' jvp): the tangent of the float64 softmax formula (torch's own CPU SDPA has
+    no forward AD)."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v = (torch.randn(2, 4, n, 16, dtype=torch.float64) for n in (5, 7, 7))
+    mask = (torch.arange(7) < 5).view(1, 1, 1, 7).expand(2, 1, 5, 7)
+
+    def formula(q, k, v):
+        s = (q @ k.transpose(-1, -2) / 4.0).masked_fill(~mask, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(t, torch.randn_like(t)) for t in (q, k, v)]
+        ours = fwAD.unpack_dual(scaled_dot_product_attention(*duals, attn_mask=mask)).tangent
+        ref = fwAD.unpack_dual(formula(*duals)).tangent
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
