@@ -7,7 +7,7 @@ matrix is never materialised.
 
 What matches torch: argument names and defaults, BHSD shapes, ``is_causal`` semantics (top-left
 aligned, also when L != S), ``enable_gqa`` rules, autocast behaviour (under an enabled autocast
-region the inputs are cast to the autocast dtype, as torch does for this op).
+region the inputs other than float64 are cast to the autocast dtype, as torch does for this op).
 ``attn_mask`` (boolean, True = take part, or additive 0 / -inf) is taken when it is the same for
 every head and a pattern the kernels compute: key and/or query padding, causal (any diagonal
 offset, top-left included) with padding, sequences packed block-diagonally; it runs as at most
@@ -59,8 +59,9 @@ def _autocast_and_check_dtype(tensors: dict[str, torch.Tensor]) -> list[torch.Te
     ts = list(tensors.values())
     device_type = ts[0].device.type
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        # As autocast's casts: floating tensors other than float64 (which autocast leaves alone).
         dt = torch.get_autocast_dtype(device_type)
-        ts = [t.to(dt) if t.is_floating_point() else t for t in ts]
+        ts = [t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t for t in ts]
     dtype = ts[0].dtype
     if dtype not in _ALL_DTYPES:
         raise TypeError(
@@ -129,7 +130,8 @@ def scaled_dot_product_attention(
     mask but an all-True one).
 
     Dtypes: CPU float32/float64/float16/bfloat16; CUDA float16/bfloat16. Under an enabled
-    ``torch.autocast`` region the inputs are first cast to the autocast dtype (as torch does).
+    ``torch.autocast`` region the inputs are first cast to the autocast dtype (as torch does;
+    float64 inputs stay float64, as autocast leaves them).
 
     Returns:
         (batch, nheads, L, Ev), a transposed view of a contiguous BSHD tensor, in the

@@ -763,3 +763,17 @@ def test_sdpa_masked_forward_ad():
         ours = fwAD.unpack_dual(scaled_dot_product_attention(*duals, attn_mask=mask)).tangent
         ref = fwAD.unpack_dual(formula(*duals)).tangent
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+
+
+def test_autocast_leaves_float64_alone():
+    """Autocast casts floating inputs other than float64 (as torch's autocast does): float64 runs
+    in float64 under a bf16 CPU autocast region, in the SDPA drop-in (its output torch's dtype)
+    and in MultiheadFlashAttention with float64 parameters (whose out_proj then gets float64)."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    x = torch.randn(1, 4, 16, dtype=torch.float64)
+    mha = MultiheadFlashAttention(16, 2, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = scaled_dot_product_attention(q, q, q)
+        assert out.dtype == F.scaled_dot_product_attention(q, q, q).dtype == torch.float64
+        assert mha(x)[0].dtype == torch.float64
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q), rtol=0, atol=1e-12)
