@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from .interface import flash_attn_func, flash_attn_varlen_func
+from .ops import _needs_autograd
 
 
 class MaskNotSupported(NotImplementedError):
@@ -77,7 +78,7 @@ def _connected_zeros(q, k, v, sinks):
     """Zeros shaped like the output, with q, k, v (and sinks) in their autograd graph (zero
     gradients), for calls where no row sees a key and no kernel runs."""
     out = _out_zeros(q, v)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+    if _needs_autograd((q, k, v, sinks)):  # reverse mode, or forward mode's dual tensors (a zero tangent)
         # (t * 0).sum(), not 0 * t.sum(): a float16 sum of large finite inputs overflows to inf.
         out = out + sum((t * 0).sum() for t in (q, k, v, sinks) if t is not None)
     return out

@@ -777,3 +777,15 @@ def test_autocast_leaves_float64_alone():
         assert out.dtype == F.scaled_dot_product_attention(q, q, q).dtype == torch.float64
         assert mha(x)[0].dtype == torch.float64
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q), rtol=0, atol=1e-12)
+
+
+def test_sdpa_all_masked_forward_ad_tangent_is_zero():
+    """A mask that hides every key (no kernel runs): out 0 with a zero tangent for dual inputs (it
+    was None), and zero gradients."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v = (torch.randn(2, 4, n, 8, dtype=torch.float64) for n in (3, 4, 4))
+    mask = torch.zeros(2, 1, 3, 4, dtype=torch.bool)
+    with fwAD.dual_level():
+        out = scaled_dot_product_attention(fwAD.make_dual(q, torch.randn_like(q)), k, v, attn_mask=mask)
+        tangent = fwAD.unpack_dual(out).tangent
+    assert tangent is not None and torch.equal(tangent, torch.zeros_like(tangent))
