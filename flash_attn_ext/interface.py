@@ -484,18 +484,16 @@ def flash_attn_varlen_func(
     """
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     softcap, probs = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    args = (_as_int("max_seqlen_q", max_seqlen_q), _as_int("max_seqlen_k", max_seqlen_k),
+            _scale("softmax_scale", softmax_scale, q))  # the scale from the caller's head dim
+    causal, window, sinks = _as_bool("causal", causal), _window(window_size), _sinks(sinks)
     if block_table is not None:
-        out, softmax_lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
-                                         _as_int("max_seqlen_k", max_seqlen_k), block_table,
-                                         _scale("softmax_scale", softmax_scale, q), _as_bool("causal", causal),
-                                         _window(window_size), _sinks(sinks), softcap)
+        out, softmax_lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args[:2], block_table, args[2],
+                                         causal, window, sinks, softcap)
         return _with_attn_probs(out, softmax_lse, return_lse, probs)
-    scale = _scale("softmax_scale", softmax_scale, q)  # from the caller's head dim
     q, k, v, d = _kernel_layout(q, k, v)
-    out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int("max_seqlen_q", max_seqlen_q),
-        _as_int("max_seqlen_k", max_seqlen_k), scale, _as_bool("causal", causal), *_window(window_size),
-        _sinks(sinks), softcap)
+    out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, causal,
+                                                                  *window, sinks, softcap)
     return _with_attn_probs(_cut(out, d), softmax_lse, return_lse, probs)
 
 

@@ -210,12 +210,12 @@ def scaled_dot_product_attention(
         raise RuntimeError(
             f"flash_attn_ext.scaled_dot_product_attention: query is on {query.device}; the kernels "
             "run on cpu and cuda")
-    for name, d in (("query", D), ("value", Ev)):  # another than a multiple of 8: padded (interface.py)
-        if d <= 0 or d > _MAX_HEADDIM:
+    for name, t in (("query", query), ("value", value)):  # another than a multiple of 8: padded (interface.py)
+        if not 0 < t.shape[-1] <= _MAX_HEADDIM:
             raise ValueError(
                 f"flash_attn_ext.scaled_dot_product_attention: headdim ({name}.size(-1)) must be "
-                f"positive and at most {_MAX_HEADDIM}, got {d} ({name} shape "
-                f"{tuple(query.shape if name == 'query' else value.shape)}, (batch, nheads, L or S, headdim))")
+                f"positive and at most {_MAX_HEADDIM}, got {t.shape[-1]} ({name} shape "
+                f"{tuple(t.shape)}, (batch, nheads, L or S, headdim))")
     if query.device.type == "cuda" and not any(d >= max(D, Ev) for d in _CUDA_HEAD_DIMS):
         raise ValueError(
             f"flash_attn_ext.scaled_dot_product_attention: no CUDA kernel for headdim "
