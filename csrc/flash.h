@@ -74,6 +74,20 @@ struct Flash_fwd_params : public Qkv_params {
   float softcap = 0.f;
   float softcap_prescale = 0.f;
 
+  // Attention dropout (FlashAttention, Dao et al. 2022, Alg. 2 / 4; flash-attn's dropout_p; 0: none):
+  // P's element (q, k) of head (b, h) is kept with probability 1 - p and the kept ones scaled by
+  // 1 / (1 - p): O = (Z o P) V / (1 - p), the LSE that of P itself. Z comes from Philox4x32-10
+  // (primitives/philox.cuh: DropoutRng) keyed by the call's rng_state, so the backward regenerates
+  // it: dV = (Z o P)^T dO / (1 - p), dS = P o (Z o dP / (1 - p) - D), D = rowsum(dO o O) as
+  // without dropout. The kernels' kDropout twin reads these four; the API sets them.
+  double dropout_p = 0.0;           // p (double: the CPU twin's float64 path scales by 1 / (1 - p) exactly)
+  uint32_t dropout_threshold = 0;  // an element is dropped iff its 32-bit random < threshold
+  float dropout_rp = 1.f;          // 1 / (1 - p)
+  const int64_t* __restrict__ dropout_rng_state = nullptr;  // (seed, offset) int64, on the op's device
+  // The sequence index of batch 0 for the mask's positions (the CPU twin runs a varlen call one
+  // sequence at a time; the CUDA kernels read the sequence index itself): 0 otherwise.
+  int dropout_batch0 = 0;
+
   bool is_causal = false;  // bottom-right aligned: query i sees key j <= i + seqlen_k - seqlen_q
   // Sliding window (local attention; flash-attn's window_size): with off = seqlen_k - seqlen_q,
   // query i sees key j only if i + off - window_left <= j (window_left >= 0) and

@@ -254,6 +254,45 @@ void check_sinks_device(const c10::optional<Tensor>& sinks, const Tensor& q) {
 
 const float* sinks_ptr(const Tensor& sinks) { return sinks.defined() ? sinks.data_ptr<float>() : nullptr; }
 
+// Attention dropout (flash.h: dropout_*): dropout_p in [0, 1); with p > 0, rng_state: the call's
+// (seed, offset), int64 of shape (2,) on q's device (flash_attn_ext's Python functions draw it from
+// torch's generator, and the backward must get the forward's to regenerate its mask). The CUDA
+// kernels' dropout twin has no sliding window's left bound and no soft-capping: those combinations
+// are refused on every device, so the CPU twin keeps the CUDA path's semantics.
+struct DropoutArgs {
+  double p = 0.0;
+  Tensor rng_state;  // undefined without dropout
+};
+
+DropoutArgs check_dropout(double dropout_p, const c10::optional<Tensor>& rng_state, const Tensor& q,
+                          const MaskArgs& mask, double softcap) {
+  TORCH_CHECK_VALUE(std::isfinite(dropout_p) && dropout_p >= 0.0 && dropout_p < 1.0,
+                    "flash_attn_ext: dropout_p must be in [0, 1), got ", dropout_p);
+  if (dropout_p == 0.0) return {};
+  TORCH_CHECK_VALUE(rng_state.has_value() && rng_state->defined(),
+                    "flash_attn_ext: dropout_p = ", dropout_p, " needs rng_state, the call's (seed, offset) as an "
+                    "int64 tensor of shape (2,) on q's device (flash_attn_func and the other entry points draw it "
+                    "from torch's generator; pass the forward's to the backward)");
+  const Tensor& r = *rng_state;
+  check_same_device(r, "rng_state", q);
+  TORCH_CHECK_VALUE(r.scalar_type() == at::kLong && r.dim() == 1 && r.size(0) == 2,
+                    "flash_attn_ext: rng_state has dtype ", r.scalar_type(), " and shape ", r.sizes(),
+                    "; expected int64 of shape (2,): (seed, offset)");
+  TORCH_CHECK_NOT_IMPLEMENTED(mask.window_left < 0 && softcap == 0.0,
+                              "flash_attn_ext: dropout_p > 0 with ",
+                              softcap != 0.0 ? "softcap > 0" : "a sliding window's left bound (window_size[0] >= 0)",
+                              " is not supported; dropout runs with causal or full attention, without soft-capping");
+  return {dropout_p, r.contiguous()};
+}
+
+void set_dropout(flash::Flash_fwd_params& p, const DropoutArgs& dropout) {
+  if (dropout.p == 0.0) return;
+  p.dropout_p = dropout.p;
+  p.dropout_threshold = uint32_t(std::min(std::llround(dropout.p * 4294967296.0), 4294967295LL));
+  p.dropout_rp = float(1.0 / (1.0 - dropout.p));
+  p.dropout_rng_state = dropout.rng_state.data_ptr<int64_t>();
+}
+
 // The sinks' head axis broadcast over a (..., nheads at head_dim, ...) plane of `rank` dims.
 Tensor sinks_along(const Tensor& sinks, int64_t rank, int64_t head_dim) {
   std::vector<int64_t> shape(rank, 1);
@@ -424,13 +463,15 @@ flash::cpu::Dtype cpu_dtype(at::ScalarType t) {
   }
 }
 
-FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
-                   int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
-                   double softcap) {
+// dropout_batch0: the sequence index of batch 0 for the dropout mask (a varlen call's sequence).
+FwdOut forward_cpu_impl(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
+                        int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
+                        double softcap, double dropout_p, const c10::optional<Tensor>& rng_state, int dropout_batch0) {
   check_sinks_device(sinks_in, q);
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
+  const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q, mask, softcap);
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   FwdOut outs = alloc_fwd(q, s);
   if (!fwd_nonempty(outs, s, sinks)) return outs;
@@ -438,8 +479,17 @@ FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double sof
   flash::Flash_fwd_params params;
   set_fwd_params(params, s, q, k, v, out, lse, stats, softmax_scale, softcap, mask);
   params.sinks_ptr = sinks_ptr(sinks);
+  set_dropout(params, dropout);
+  params.dropout_batch0 = dropout_batch0;
   flash::cpu::run_mha_fwd_cpu(params, cpu_dtype(q.scalar_type()));
   return outs;
+}
+
+FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
+                   int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks,
+                   double softcap, double dropout_p, const c10::optional<Tensor>& rng_state) {
+  return forward_cpu_impl(q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks, softcap,
+                          dropout_p, rng_state, 0);
 }
 
 std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Tensor& q, const Tensor& k,
@@ -447,7 +497,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
                                                 double softmax_scale, bool causal,
                                                 const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
                                                 int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
-                                                const c10::optional<Tensor>& dsinks, double softcap) {
+                                                const c10::optional<Tensor>& dsinks, double softcap, double dropout_p,
+                                                const c10::optional<Tensor>& rng_state, int dropout_batch0 = 0) {
   check_sinks_device(sinks_in, q);
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   check_rank4(dout_in, "dout", "(batch, seqlen_q, nheads, headdim)");
@@ -463,6 +514,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
                    sinks);
   }
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
+  const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q, mask, softcap);
   Tensor dq = torch::empty(q.sizes(), q.options());
   Tensor dk = torch::empty(k.sizes(), k.options());
   Tensor dv = torch::empty(v.sizes(), v.options());
@@ -473,6 +525,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   flash::Flash_bwd_params params;
   set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, softmax_scale, softcap, mask);
   params.sinks_ptr = sinks_ptr(sinks);  // the float64 statistics recompute adds the sink as the forward did
+  set_dropout(params, dropout);
+  params.dropout_batch0 = dropout_batch0;
   flash::cpu::run_mha_bwd_cpu(params, cpu_dtype(q.scalar_type()));
   return {dq, dk, dv};
 }
@@ -589,12 +643,15 @@ Tensor seq_slice(const Tensor& t, int begin, int end) { return t.narrow(0, begin
 FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                           const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                           bool causal, int64_t window_size_left, int64_t window_size_right,
-                          const c10::optional<Tensor>& sinks_in, double softcap) {
+                          const c10::optional<Tensor>& sinks_in, double softcap, double dropout_p,
+                          const c10::optional<Tensor>& rng_state) {
   check_sinks_device(sinks_in, q);
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
   check_softcap(softcap, softmax_scale);
-  mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
+  // Before the first sequence, as the CUDA path checks them (the longest sequence's mask).
+  check_dropout(dropout_p, rng_state, q, mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k),
+                softcap);
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
@@ -607,9 +664,10 @@ FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
   stats[1].zero_();
   for (int64_t b = 0; b < s.batch; ++b) {
     if (cq[b + 1] == cq[b]) continue;
-    const auto [o_b, lse_b, stats_b] = forward_cpu(seq_slice(q, cq[b], cq[b + 1]), seq_slice(k, ck[b], ck[b + 1]),
-                                                   seq_slice(v, ck[b], ck[b + 1]), softmax_scale, causal,
-                                                   window_size_left, window_size_right, sinks, softcap);
+    const auto [o_b, lse_b, stats_b] =
+        forward_cpu_impl(seq_slice(q, cq[b], cq[b + 1]), seq_slice(k, ck[b], ck[b + 1]), seq_slice(v, ck[b], ck[b + 1]),
+                         softmax_scale, causal, window_size_left, window_size_right, sinks, softcap, dropout_p,
+                         rng_state, int(b));
     out.narrow(0, cq[b], cq[b + 1] - cq[b]).copy_(o_b[0]);
     lse.narrow(1, cq[b], cq[b + 1] - cq[b]).copy_(lse_b[0]);
     stats.narrow(2, cq[b], cq[b + 1] - cq[b]).copy_(stats_b.select(1, 0));
@@ -623,7 +681,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                                                        bool causal, const c10::optional<Tensor>& softmax_stats,
                                                        int64_t window_size_left, int64_t window_size_right,
-                                                       const c10::optional<Tensor>& sinks_in, double softcap) {
+                                                       const c10::optional<Tensor>& sinks_in, double softcap,
+                                                       double dropout_p, const c10::optional<Tensor>& rng_state) {
   check_sinks_device(sinks_in, q);
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
@@ -632,7 +691,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
   check_rank3(out, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats, s);
   check_softcap(softcap, softmax_scale);
-  mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);  // before the first sequence
+  check_dropout(dropout_p, rng_state, q, mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k),
+                softcap);  // before the first sequence
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
   const bool has_stats = softmax_stats.has_value() && softmax_stats->defined();
@@ -648,7 +708,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
     const auto [dq_b, dk_b, dv_b] =
         backward_cpu(seq_slice(dout, q0, q1), seq_slice(q, q0, q1), seq_slice(k, k0, k1), seq_slice(v, k0, k1),
                      seq_slice(out, q0, q1), softmax_lse.narrow(1, q0, q1 - q0).unsqueeze(0), softmax_scale, causal,
-                     stats_b, window_size_left, window_size_right, sinks, c10::nullopt, softcap);
+                     stats_b, window_size_left, window_size_right, sinks, c10::nullopt, softcap, dropout_p, rng_state,
+                     int(b));
     dq.narrow(0, q0, q1 - q0).copy_(dq_b[0]);
     dk.narrow(0, k0, k1 - k0).copy_(dk_b[0]);
     dv.narrow(0, k0, k1 - k0).copy_(dv_b[0]);
@@ -856,8 +917,9 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
     const int64_t len_k = cached[b] + ks.seqlen_new, lp = leftpad[b];
     const Tensor k_b = cache_rows(k_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp);
     const Tensor v_b = cache_rows(v_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp);
-    const auto [o_b, lse_b, stats_b] = forward_cpu(q.narrow(0, b, 1), k_b.unsqueeze(0), v_b.unsqueeze(0), softmax_scale,
-                                                   causal, window_size_left, window_size_right, sinks, softcap);
+    const auto [o_b, lse_b, stats_b] =
+        forward_cpu(q.narrow(0, b, 1), k_b.unsqueeze(0), v_b.unsqueeze(0), softmax_scale, causal, window_size_left,
+                    window_size_right, sinks, softcap, /*dropout_p=*/0.0, c10::nullopt);
     out[b].copy_(o_b[0]);
     lse[b].copy_(lse_b[0]);
   }
@@ -954,11 +1016,12 @@ int cuda_rounded_headdim(int d) {
 
 FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, double softmax_scale, bool causal,
                     int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
-                    double softcap) {
+                    double softcap, double dropout_p, const c10::optional<Tensor>& rng_state) {
   check_sinks_device(sinks_in, q_in);
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
+  const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q_in, mask, softcap);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
@@ -972,6 +1035,7 @@ FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, 
   flash::Flash_fwd_params params;
   set_fwd_params(params, s, q, k, v, out, lse, stats, scale, softcap, mask);
   params.sinks_ptr = sinks_ptr(sinks);
+  set_dropout(params, dropout);
   launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
 }
@@ -991,7 +1055,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
                                                  const Tensor& softmax_lse, double softmax_scale, bool causal,
                                                  const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
                                                  int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
-                                                 const c10::optional<Tensor>& dsinks, double softcap) {
+                                                 const c10::optional<Tensor>& dsinks, double softcap, double dropout_p,
+                                                 const c10::optional<Tensor>& rng_state) {
   check_sinks_device(sinks_in, q_in);
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
@@ -1005,6 +1070,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   check_dsinks(dsinks, sinks, q_in, s.nheads);
   const bool want_dsinks = dsinks.has_value() && dsinks->defined();
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
+  const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q_in, mask, softcap);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
@@ -1023,6 +1089,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   const Tensor lse = softmax_lse.contiguous();
   flash::Flash_bwd_params params;
   set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, softcap, mask);
+  set_dropout(params, dropout);
   // Workspaces (b, h, seqlen_q rounded up to 128) per plane.
   const int64_t seqlen_q_rounded = (s.seqlen_q + 127) / 128 * 128;
   const auto workspaces = set_bwd_workspaces(params, {s.batch, s.nheads, seqlen_q_rounded}, s.batch, s.nheads,
@@ -1123,12 +1190,14 @@ int* varlen_tile_counter(const Tensor& q, Tensor& fresh) {
 FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& cu_seqlens_q,
                            const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                            double softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
-                           const c10::optional<Tensor>& sinks_in, double softcap) {
+                           const c10::optional<Tensor>& sinks_in, double softcap, double dropout_p,
+                           const c10::optional<Tensor>& rng_state) {
   check_sinks_device(sinks_in, q_in);
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
   check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
+  const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q_in, mask, softcap);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
@@ -1145,6 +1214,7 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
                  softcap, mask);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.sinks_ptr = sinks_ptr(sinks);
+  set_dropout(params, dropout);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
   // The sm90 forward's dynamic walk claims its tiles from a counter that is zero at the launch
@@ -1164,7 +1234,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
                                                         int64_t max_seqlen_k, double softmax_scale, bool causal,
                                                         const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
                                                         int64_t window_size_right, const c10::optional<Tensor>& sinks,
-                                                        double softcap) {
+                                                        double softcap, double dropout_p,
+                                                        const c10::optional<Tensor>& rng_state) {
   check_sinks_device(sinks, q_in);
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
@@ -1175,6 +1246,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
   check_varlen_bwd_extra(dout_in, q_in, out_in, softmax_lse, softmax_stats, s);
   check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
+  const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q_in, mask, softcap);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
@@ -1197,6 +1269,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
                  lse, stats, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), scale, softcap, mask);
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.dout = view_packed(dout), params.dq = view_packed(dq), params.dk = view_packed(dk), params.dv = view_packed(dv);
+  set_dropout(params, dropout);
   // Workspaces (flash.h): (nheads, varlen_ws_rows) per plane; precise_rows per 128 rows of
   // max_seqlen_q per (sequence, head).
   const int64_t seqlen_q_rounded = (max_seqlen_q + 127) / 128 * 128;
@@ -1290,7 +1363,7 @@ void no_cuda(const Tensor& q, std::initializer_list<std::pair<const Tensor&, con
                      "or without nvcc / a CUDA-enabled torch); rebuild with CUDA to run on a GPU");
 }
 FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool, int64_t, int64_t,
-                    const c10::optional<Tensor>& sinks, double) {
+                    const c10::optional<Tensor>& sinks, double, double, const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{k, "k"}, {v, "v"}});
   return {};
@@ -1299,14 +1372,14 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout, const Tenso
                                                  const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                  double, bool, const c10::optional<Tensor>&, int64_t, int64_t,
                                                  const c10::optional<Tensor>& sinks, const c10::optional<Tensor>&,
-                                                 double) {
+                                                 double, double, const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
 }
 FwdOut varlen_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                            const Tensor& cu_seqlens_k, int64_t, int64_t, double, bool, int64_t, int64_t,
-                           const c10::optional<Tensor>& sinks, double) {
+                           const c10::optional<Tensor>& sinks, double, double, const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{k, "k"}, {v, "v"}, {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}});
   return {};
@@ -1315,7 +1388,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout, cons
                                                         const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                         const Tensor&, const Tensor&, int64_t, int64_t, double, bool,
                                                         const c10::optional<Tensor>&, int64_t, int64_t,
-                                                        const c10::optional<Tensor>& sinks, double) {
+                                                        const c10::optional<Tensor>& sinks, double, double,
+                                                        const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
@@ -1343,26 +1417,31 @@ Tensor new_dsinks(const Tensor& sinks) { return torch::empty({sinks.numel()}, si
   Grads backward_op_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,              \
                              const Tensor& out, const Tensor& lse, double scale, bool causal,                    \
                              const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,                         \
-                             const c10::optional<Tensor>& sinks, double softcap) {                               \
-    return backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, c10::nullopt, softcap); \
+                             const c10::optional<Tensor>& sinks, double softcap, double dropout_p,               \
+                             const c10::optional<Tensor>& rng_state) {                                           \
+    return backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, c10::nullopt, softcap, \
+                             dropout_p, rng_state);                                                              \
   }                                                                                                              \
   GradsDsinks backward_dsinks_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,     \
                                        const Tensor& out, const Tensor& lse, double scale, bool causal,          \
                                        const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,               \
-                                       const Tensor& sinks, double softcap) {                                    \
+                                       const Tensor& sinks, double softcap, double dropout_p,                    \
+                                       const c10::optional<Tensor>& rng_state) {                                 \
     TORCH_CHECK(sinks.defined(), "flash_attn_ext: backward_dsinks needs sinks (the forward's (nheads,) float32); " \
                                  "without sinks call backward");                                                 \
     Tensor ds = new_dsinks(sinks);                                                                               \
-    auto [dq, dk, dv] = backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, ds, softcap); \
+    auto [dq, dk, dv] = backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, ds, softcap, \
+                                          dropout_p, rng_state);                                                 \
     return {dq, dk, dv, ds};                                                                                     \
   }                                                                                                              \
   Grads varlen_backward_op_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,       \
                                     const Tensor& out, const Tensor& lse, const Tensor& cq, const Tensor& ck,    \
                                     int64_t mq, int64_t mk, double scale, bool causal,                           \
                                     const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,                  \
-                                    const c10::optional<Tensor>& sinks, double softcap) {                        \
+                                    const c10::optional<Tensor>& sinks, double softcap, double dropout_p,        \
+                                    const c10::optional<Tensor>& rng_state) {                                    \
     return varlen_backward_##suffix(dout, q, k, v, out, lse, cq, ck, mq, mk, scale, causal, stats, wl, wr, sinks,  \
-                                    softcap);                                                                    \
+                                    softcap, dropout_p, rng_state);                                              \
   }
 FLASH_ATTN_EXT_BACKWARD_OPS(cpu)
 FLASH_ATTN_EXT_BACKWARD_OPS(cuda)
@@ -1373,24 +1452,28 @@ FLASH_ATTN_EXT_BACKWARD_OPS(cuda)
 TORCH_LIBRARY(flash_attn_ext, m) {
   // Fake kernels and autograd live in this Python module; torch imports it on demand.
   m.set_python_module("flash_attn_ext.ops");
-  // Every op's last argument, softcap: logit soft-capping (flash.h; check_softcap), 0.0 = none.
+  // softcap: logit soft-capping (flash.h; check_softcap), 0.0 = none. dropout_p, rng_state: attention
+  // dropout (flash.h; check_dropout), 0.0 = none; the forward and the backward of one call share rng_state.
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_size_left=-1, "
-      "int window_size_right=-1, Tensor? sinks=None, float softcap=0.0) -> (Tensor out, Tensor softmax_lse, "
-      "Tensor softmax_stats)");
+      "int window_size_right=-1, Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) "
+      "-> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
       "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1, "
-      "Tensor? sinks=None, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, "
+      "Tensor dv)");
   m.def(
       "varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, bool causal, int window_size_left=-1, int window_size_right=-1, "
-      "Tensor? sinks=None, float softcap=0.0) -> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
+      "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor out, "
+      "Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
       "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1, "
-      "Tensor? sinks=None, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, "
+      "Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
       "Tensor? block_table, float softmax_scale, bool causal, int num_splits, int window_size_left=-1, "
@@ -1402,7 +1485,8 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "backward_dsinks(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "float softmax_scale, bool causal, Tensor? softmax_stats, int window_size_left, int window_size_right, "
-      "Tensor sinks, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
+      "Tensor sinks, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, "
+      "Tensor dv, Tensor dsinks)");
 }
 
 // Every op's kernel for one dispatch key: the CPU and CUDA functions differ by their suffix only.

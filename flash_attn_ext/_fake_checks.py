@@ -137,6 +137,30 @@ def check_window(window_size_left: int, window_size_right: int, causal: bool, se
               " (the kernels' mask arithmetic is int32), got seqlen_q ", seqlen_q, " and seqlen_k ", seqlen_k)
 
 
+def check_dropout(dropout_p: float, rng_state, q, window_size_left: int, causal: bool, seqlen_q, seqlen_k,
+                  softcap: float) -> None:
+    """check_dropout: dropout_p in [0, 1); with p > 0 an int64 (2,) rng_state on q's device, and no
+    sliding window's left bound (normalized as mask_args does) nor soft-capping. ValueError /
+    NotImplementedError as the C++ check (TORCH_CHECK_VALUE / TORCH_CHECK_NOT_IMPLEMENTED)."""
+    if not (0.0 <= dropout_p < 1.0):  # NaN fails
+        raise ValueError(f"flash_attn_ext: dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p == 0.0:
+        return
+    if rng_state is None:
+        raise ValueError(f"flash_attn_ext: dropout_p = {dropout_p} needs rng_state, the call's (seed, offset) as an "
+                         "int64 tensor of shape (2,) on q's device (flash_attn_func and the other entry points draw "
+                         "it from torch's generator; pass the forward's to the backward)")
+    check_same_device(rng_state, "rng_state", q)
+    if rng_state.dtype != torch.int64 or rng_state.dim() != 1 or rng_state.shape[0] != 2:
+        raise ValueError(f"flash_attn_ext: rng_state has dtype {rng_state.dtype} and shape {list(rng_state.shape)}; "
+                         "expected int64 of shape (2,): (seed, offset)")
+    left = 0 <= window_size_left < seqlen_k - 1
+    if left or softcap != 0.0:
+        what = "softcap > 0" if softcap != 0.0 else "a sliding window's left bound (window_size[0] >= 0)"
+        raise NotImplementedError(f"flash_attn_ext: dropout_p > 0 with {what} is not supported; dropout runs with "
+                                  "causal or full attention, without soft-capping")
+
+
 def check_last_dims_scale(q, k, v, softmax_scale: float) -> None:
     check_last_dim_contiguous(q, "q")
     check_last_dim_contiguous(k, "k")

@@ -117,10 +117,21 @@ def flash_attn_func(
             capped logits. The cap is used as float32 (a value that float32 cannot hold exactly
             is rounded once, on every device). Differentiable in q, k, v (reverse and forward
             mode), not in softcap (a constant). Composes with causal, window_size, sinks and GQA.
-        dropout_p, alibi_slopes, deterministic: flash-attn's other keywords, accepted at the
-            values that ask for nothing this library lacks, so ported calls run unchanged:
-            dropout_p=0.0, alibi_slopes=None (another value: NotImplementedError naming it);
-            deterministic: any bool, or None (the backward is always deterministic: no atomics).
+        dropout_p: attention dropout probability in [0, 1) (FlashAttention, Dao et al. 2022,
+            section 3.1 and Algorithms 2 / 4; flash-attn's dropout_p), 0.0 (the default) none: each
+            element of P is dropped with probability dropout_p and the kept ones are scaled by
+            1 / (1 - dropout_p), so out = (Z o P) V / (1 - p); softmax_lse stays that of P. The mask
+            comes from a counter-based generator (Philox4x32-10) keyed by a state drawn from torch's
+            generator on q's device per call (``dropout_rng_state``: torch.manual_seed makes it
+            reproducible, CUDA graphs and torch.compile capture it); the backward regenerates it,
+            nothing of size seqlen_q x seqlen_k is stored. Pass 0.0 in evaluation (flash-attn's
+            convention: the caller decides, e.g. ``dropout_p if self.training else 0.0``). The CUDA
+            kernels run dropout on the FlashAttention-2-class (sm80) kernels on every GPU, the H100 /
+            H200 included; not with softcap or a window's left bound (NotImplementedError).
+        alibi_slopes, deterministic: flash-attn's other keywords, accepted at the values that ask
+            for nothing this library lacks, so ported calls run unchanged: alibi_slopes=None
+            (another value: NotImplementedError naming it); deterministic: any bool, or None (the
+            backward is always deterministic: no atomics, with dropout too).
         return_attn_probs: a bool; True returns flash-attn's triple (below), the way code
             written for flash-attn obtains softmax_lse.
 
@@ -133,7 +144,8 @@ def flash_attn_func(
             carries no gradient.
         With return_attn_probs=True (whatever return_lse): (out, softmax_lse, None), as flash-attn
             returns (out, softmax_lse, S_dmask) without dropout: its S_dmask, the dropout pattern
-            for its tests, is None there; the probabilities are never materialised.
+            for its tests, is None there (and here with dropout too); the probabilities are never
+            materialised.
 
     Raises:
         RuntimeError: before any work, with a message naming the argument, for: tensors on
@@ -145,10 +157,11 @@ def flash_attn_func(
             1.18e-38, softcap * log2(e) or |softmax_scale / softcap| above 3.4e38); seqlen_q or
             seqlen_k above 2^31 - 256 (tile counts are int32); double backward.
         ValueError: softcap negative, NaN or infinite (the message names softcap), before any work
-            (under torch.compile: the op's RuntimeError naming softcap, from its fake kernel).
+            (under torch.compile: the op's RuntimeError naming softcap, from its fake kernel);
+            dropout_p outside [0, 1).
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
-            nested (jagged) tensors (pack them and call flash_attn_varlen_func); dropout_p other
-            than 0, alibi_slopes.
+            nested (jagged) tensors (pack them and call flash_attn_varlen_func); alibi_slopes;
+            dropout_p > 0 with softcap > 0 or a window's left bound, or under forward-mode AD.
         TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
             scale gets no gradient); window_size that is not a pair of ints; dropout_p or softcap
@@ -162,11 +175,11 @@ def flash_attn_func(
     gives out = 0 and LSE = +inf.
     """
     _check_tensors(q=q, k=k, v=v)
-    softcap, probs = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    softcap, probs, dropout = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     scale = _scale("softmax_scale", softmax_scale, q)  # from the caller's head dim
     q, k, v, d = _kernel_layout(q, k, v)
     out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size),
-                                                _sinks(sinks), softcap)
+                                                _sinks(sinks), softcap, *_dropout_args(dropout, q))
     return _with_attn_probs(_cut(out, d), softmax_lse, return_lse, probs)
 
 
@@ -323,14 +336,16 @@ def _as_bool(name: str, value) -> bool:
     return bool(as_int)
 
 
-def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs) -> tuple[float, bool]:
+def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic,
+                         return_attn_probs) -> tuple[float, bool, float]:
     """flash-attn's keywords: NotImplementedError naming the first feature a call asks for that this
     library does not have; TypeError naming an argument of the wrong type. Returns softcap, checked
-    (``_softcap``), as a Python float, and return_attn_probs as a bool (the caller then returns
-    flash-attn's triple, ``_with_attn_probs``)."""
+    (``_softcap``), as a Python float, return_attn_probs as a bool (the caller then returns
+    flash-attn's triple, ``_with_attn_probs``) and dropout_p as a float in [0, 1) (ValueError
+    otherwise)."""
     if (type(dropout_p) is float and dropout_p == 0.0 and alibi_slopes is None and deterministic is False
             and return_attn_probs is False):
-        return _softcap(softcap), False  # the defaults, checked cheaply (eager calls pay this per attention layer)
+        return _softcap(softcap), False, 0.0  # the defaults, checked cheaply (eager calls pay this per layer)
     if isinstance(dropout_p, (bool, str, bytes)) or _is_numpy_bool(dropout_p):
         raise TypeError(f"flash_attn_ext: dropout_p must be a real number, got {type(dropout_p).__name__} "
                         f"{dropout_p!r}")
@@ -339,15 +354,27 @@ def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"flash_attn_ext: dropout_p must be a real number, got {type(dropout_p).__name__} "
                         f"{dropout_p!r}") from None
-    if dropout != 0.0:
-        raise NotImplementedError(f"flash_attn_ext: dropout_p={dropout_p!r}: attention dropout is not supported; pass "
-                                  "dropout_p=0.0 (the default)")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"flash_attn_ext: dropout_p must be in [0, 1), got {dropout_p!r}")
     softcap = _softcap(softcap)
     if alibi_slopes is not None:
         raise NotImplementedError("flash_attn_ext: alibi_slopes: ALiBi biases are not supported; pass None")
     if deterministic is not None:  # None: flash-attn < 2.7 took it (as False); the backward is always deterministic
         _as_bool("deterministic", deterministic)
-    return softcap, _as_bool("return_attn_probs", return_attn_probs)
+    return softcap, _as_bool("return_attn_probs", return_attn_probs), dropout
+
+
+def dropout_rng_state(device) -> torch.Tensor:
+    """A fresh attention-dropout state for one call: (seed, offset), int64 (2,) on ``device``, drawn
+    from torch's generator of that device (torch.manual_seed makes it reproducible; CUDA graphs and
+    torch.compile capture the draw). The ops regenerate the mask from it (csrc/primitives/philox.cuh;
+    ``reference.dropout_keep_mask`` materialises it), the backward from the forward's."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+
+
+def _dropout_args(dropout: float, q: torch.Tensor) -> tuple:
+    """The ops' (dropout_p, rng_state) for a call's dropout_p (already checked)."""
+    return (dropout, dropout_rng_state(q.device)) if dropout > 0.0 else (0.0, None)
 
 
 def _with_attn_probs(out: torch.Tensor, softmax_lse: torch.Tensor, return_lse, return_attn_probs: bool):
@@ -483,17 +510,20 @@ def flash_attn_varlen_func(
         with many one-token rows that is batch times the chunk's rows, in memory and compute.
     """
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    softcap, probs = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
+    softcap, probs, dropout = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     args = (_as_int("max_seqlen_q", max_seqlen_q), _as_int("max_seqlen_k", max_seqlen_k),
             _scale("softmax_scale", softmax_scale, q))  # the scale from the caller's head dim
     causal, window, sinks = _as_bool("causal", causal), _window(window_size), _sinks(sinks)
     if block_table is not None:
+        if dropout > 0.0:
+            raise NotImplementedError("flash_attn_ext: flash_attn_varlen_func with block_table (inference over a "
+                                      "paged K / V) takes no dropout; pass dropout_p=0.0")
         out, softmax_lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args[:2], block_table, args[2],
                                          causal, window, sinks, softcap)
         return _with_attn_probs(out, softmax_lse, return_lse, probs)
     q, k, v, d = _kernel_layout(q, k, v)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, causal,
-                                                                  *window, sinks, softcap)
+                                                                  *window, sinks, softcap, *_dropout_args(dropout, q))
     return _with_attn_probs(_cut(out, d), softmax_lse, return_lse, probs)
 
 
@@ -875,7 +905,7 @@ def flash_attn_with_kvcache(
                    q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table, rotary_cos=rotary_cos,
                    rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     interleaved = _as_bool("rotary_interleaved", rotary_interleaved)  # only meaningful with rotary_cos
-    softcap, _ = _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
+    softcap, _, _ = _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
     want_lse = _as_bool("return_lse", return_lse) | _as_bool("return_softmax_lse", return_softmax_lse)
     scale = _scale("softmax_scale", softmax_scale, q)
     if torch.compiler.is_compiling() and isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):

@@ -27,9 +27,12 @@ Op contract (docs/DESIGN.md); every op also takes ``window_size_left=-1, window_
 ``sinks=None`` (attention sinks, (nheads,) float32; the forward ops add them in the kernels'
 epilogue; ``backward_dsinks`` is the dense backward op with sinks required that also returns the
 sinks' gradient, from its own workspace; ``sinks_grad`` is the same formula in torch ops, for the
-paths it does not serve: vmap, double-backward recording, varlen) and, last, ``softcap=0.0``
+paths it does not serve: vmap, double-backward recording, varlen), ``softcap=0.0``
 (logit soft-capping, Gemma 2 / flash-attn's softcap: the logit of score S = q.k is
-softcap * tanh(S * softmax_scale / softcap); 0.0: none; a backward op takes its forward's):
+softcap * tanh(S * softmax_scale / softcap); 0.0: none; a backward op takes its forward's) and,
+last, ``dropout_p=0.0, rng_state=None`` (attention dropout, FlashAttention Alg. 2 / 4: P's elements
+kept with probability 1 - p and scaled by 1 / (1 - p), the mask a function of rng_state, (seed,
+offset) int64 (2,) on q's device, which a backward op takes from its forward; fwd_kvcache has none):
   forward(q, k, v, softmax_scale, causal) -> (out, softmax_lse, softmax_stats)
       q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim), BSHD with a
       contiguous last dim; out: q's shape, contiguous; softmax_lse: (batch, nheads, seqlen_q)
@@ -59,7 +62,8 @@ backward = torch.ops.flash_attn_ext.backward
 
 forward.__doc__ = forward.default.__doc__ = """\
 forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
-        window_size_right: int = -1, sinks=None, softcap: float = 0.0) -> (out, softmax_lse, softmax_stats)
+        window_size_right: int = -1, sinks=None, softcap: float = 0.0, dropout_p: float = 0.0,
+        rng_state=None) -> (out, softmax_lse, softmax_stats)
 
 Exact attention softmax(softmax_scale * Q K^T) V (FlashAttention-2, Dao 2023, Algorithm 1; on
 sm_90 GPUs FlashAttention-3's Hopper kernel). q: (batch, seqlen_q, nheads, headdim); k, v:
@@ -72,7 +76,11 @@ semantics). sinks: None or (nheads,) float32, attention sinks (one logit per que
 every row sees, value zero; flash_attn_func's docstring). softcap: logit soft-capping (Gemma 2;
 flash-attn's softcap), 0.0 = none, else a finite cap > 0 (held as float32): the logit of score S =
 q.k is softcap * tanh(S * softmax_scale / softcap) instead of S * softmax_scale, and softmax_lse /
-softmax_stats are those of the capped logits. Returns out (q's shape and dtype),
+softmax_stats are those of the capped logits. dropout_p in [0, 1), with rng_state (seed, offset) int64
+(2,) on q's device when > 0: out = (Z o P) V / (1 - p), Z from Philox4x32-10 keyed by rng_state
+(csrc/primitives/philox.cuh; reference.dropout_keep_mask materialises it), the statistics those of P
+(ValueError for a bad dropout_p or rng_state; NotImplementedError with softcap or a window's left
+bound; CUDA: the sm80 kernels on every GPU). Returns out (q's shape and dtype),
 softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
 out row is 0; with sinks the sink is in the sum and such a row's LSE is the sink), and
 softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
@@ -82,8 +90,8 @@ strides, or a softcap that is negative, not finite or outside float32's range, b
 Autograd, forward-mode AD, vmap and fake (meta) kernels are registered (flash_attn_ext.ops)."""
 backward.__doc__ = backward.default.__doc__ = """\
 backward(dout, q, k, v, out, softmax_lse, softmax_scale: float, causal: bool, softmax_stats=None,
-         window_size_left: int = -1, window_size_right: int = -1, sinks=None, softcap: float = 0.0)
-         -> (dq, dk, dv)
+         window_size_left: int = -1, window_size_right: int = -1, sinks=None, softcap: float = 0.0,
+         dropout_p: float = 0.0, rng_state=None) -> (dq, dk, dv)
 
 Gradients of forward by recomputation (FlashAttention-2, Dao 2023, Algorithm 2: a preprocess, then
 separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's shape; the other
@@ -94,7 +102,8 @@ must be this forward's own, sinks and softcap included: a RuntimeError when they
 pass softmax_lse alone for statistics merged over chunks of K/V). sinks: the forward's (the CUDA kernels need them not: out and softmax_lse hold the sink; the
 CPU float32 / float64 recompute adds them; backward_dsinks, the same op with sinks required, also
 returns their gradient). softcap: the forward's (dS = P (dP - D) (1 - t^2), t = tanh(S *
-softmax_scale / softcap), then softmax_scale as usual). Returns dq, dk, dv
+softmax_scale / softcap), then softmax_scale as usual). dropout_p, rng_state: the forward's (its mask
+regenerated: dV = (Z o P)^T dO / (1 - p), dS = P o (Z o dP / (1 - p) - D)). Returns dq, dk, dv
 with q's, k's and v's shapes and dtypes. Raises RuntimeError naming the argument on bad input."""
 
 
@@ -109,11 +118,12 @@ _lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
 
 @torch.library.register_fake("flash_attn_ext::forward")
 def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None,
-                  softcap=0.0):
+                  softcap=0.0, dropout_p=0.0, rng_state=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_qkv(q, k, v, softmax_scale)
     _checks.check_softcap(softcap, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
+    _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, q.shape[1], k.shape[1], softcap)
     _checks.check_sinks(sinks, q.shape[2])
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -124,12 +134,13 @@ def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_si
 
 @torch.library.register_fake("flash_attn_ext::backward")
 def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
-                   window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
+                   window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale, softmax_stats)
     _checks.check_softcap(softcap, softmax_scale)
     _checks.check_sinks(sinks, q.shape[2])
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
+    _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, q.shape[1], k.shape[1], softcap)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -249,17 +260,18 @@ class FlashAttnFunction(torch.autograd.Function):
     """Autograd for ``flash_attn_ext::forward``: reverse mode (the FlashAttention-2 backward
     kernel), forward mode (``attention_jvp``) and torch.func (``setup_context`` plus a vmap rule
     generated from the ops' batching rules). Inputs/outputs as the op:
-    ``apply(q, k, v, softmax_scale, causal[, window_size_left, window_size_right[, sinks[, softcap]]])
-    -> (out, softmax_lse, softmax_stats)``. With sinks, their gradient is ``sinks_grad``'s."""
+    ``apply(q, k, v, softmax_scale, causal[, window_size_left, window_size_right[, sinks[, softcap[,
+    dropout_p, rng_state]]]]) -> (out, softmax_lse, softmax_stats)``. With sinks, their gradient is
+    ``sinks_grad``'s; with dropout the backward regenerates the forward's mask from rng_state."""
 
     generate_vmap_rule = True  # vmaps forward/backward/jvp through the ops' batching rules
 
     @staticmethod
     def forward(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None,
-                softcap=0.0):
+                softcap=0.0, dropout_p=0.0, rng_state=None):
         # Grad mode and forward grad mode are off here, so this reaches the kernel directly.
         return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
-                                                window_size_right, sinks, softcap)
+                                                window_size_right, sinks, softcap, dropout_p, rng_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -267,6 +279,7 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.window = tuple(inputs[5:7]) + (-1, -1)[len(inputs[5:7]):]  # (left, right)
         sinks = inputs[7] if len(inputs) > 7 else None
         ctx.softcap = inputs[8] if len(inputs) > 8 else 0.0
+        ctx.dropout = (inputs[9], inputs[10]) if len(inputs) > 10 else (0.0, None)  # (dropout_p, rng_state)
         ctx.num_inputs = len(inputs)
         ctx.has_sinks = sinks is not None
         out, softmax_lse, softmax_stats = output
@@ -290,23 +303,30 @@ class FlashAttnFunction(torch.autograd.Function):
             # over dout / out of its own.
             dq, dk, dv, dsinks = torch.ops.flash_attn_ext.backward_dsinks(
                 dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks,
-                ctx.softcap)
+                ctx.softcap, *ctx.dropout)
         else:
             dq, dk, dv = FlashAttnBackwardFunction.apply(
                 dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks,
-                ctx.softcap)
+                ctx.softcap, *ctx.dropout)
             dsinks = SinksGradFunction.apply(dout, out, softmax_lse.transpose(1, 2), sinks, None,
                                              softmax_stats.transpose(2, 3)) if want_dsinks else None
         return _input_grads(ctx.num_inputs, (dq, dk, dv), 7, dsinks)
 
     @staticmethod
     def jvp(ctx, q_t, k_t, v_t, *scalar_tangents):
+        _no_dropout_jvp(ctx.dropout[0])
         q, k, v = ctx.saved_tensors[:3]
         sinks = ctx.saved_tensors[6] if ctx.has_sinks else None
         sinks_t = scalar_tangents[4] if ctx.has_sinks else None
         out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal, *ctx.window, sinks, sinks_t,
                               ctx.softcap)
         return out_t, None, None
+
+
+def _no_dropout_jvp(dropout_p):
+    if dropout_p:
+        raise NotImplementedError("flash_attn_ext: forward-mode AD (jvp, jacfwd, forward_ad dual tensors) with "
+                                  "dropout_p > 0 is not supported; use reverse mode (backward), or dropout_p=0")
 
 
 def _input_grads(num_inputs, qkv_grads, sinks_index, dsinks):
@@ -386,10 +406,10 @@ class FlashAttnBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
-                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
+                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
         return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
                                                  causal, softmax_stats, window_size_left, window_size_right, sinks,
-                                                 softcap)
+                                                 softcap, dropout_p, rng_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -448,7 +468,8 @@ _lib.impl("backward", _autograd_kernel("backward", FlashAttnBackwardFunction), "
 
 
 def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
-                      window_size_right: int = -1, sinks=None, softcap: float = 0.0):
+                      window_size_right: int = -1, sinks=None, softcap: float = 0.0, dropout_p: float = 0.0,
+                      rng_state=None):
     """``torch.ops.flash_attn_ext.forward`` with autograd that every transform understands:
     returns ``(out, softmax_lse, softmax_stats)`` exactly as the op (see the module docstring).
 
@@ -460,9 +481,9 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_l
     """
     if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
         return FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks,
-                                       softcap)
+                                       softcap, dropout_p, rng_state)
     return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right,
-                                            sinks, softcap)
+                                            sinks, softcap, dropout_p, rng_state)
 
 
 # ---- vmap (batching rules) ---------------------------------------------------------------
@@ -503,6 +524,14 @@ def _sinks_not_vmapped(in_dims, index):
                                   "sample) is not supported; vmap over q / k / v with one sinks tensor")
 
 
+def _rng_state_not_vmapped(in_dims, index):
+    """One dropout rng_state serves the folded batch (the samples then take the mask of their folded
+    batch index, the forward's and the backward's alike)."""
+    if len(in_dims) > index and in_dims[index] is not None:
+        raise NotImplementedError("flash_attn_ext: vmap over rng_state (a dropout rng_state per vmapped sample) "
+                                  "is not supported; vmap over q / k / v with one rng_state")
+
+
 def _unfold(t, batch_size, at=0):
     """Inverse of _fold for an output: split dim ``at`` into (batch_size, batch)."""
     return t.unflatten(at, (batch_size, t.shape[at] // batch_size))
@@ -510,21 +539,24 @@ def _unfold(t, batch_size, at=0):
 
 @torch.library.register_vmap("flash_attn_ext::forward")
 def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
-                  sinks=None, softcap=0.0):
+                  sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 7)
+    _rng_state_not_vmapped(in_dims, 10)
     _check_sample_rank4(in_dims[:3], q=q, k=k, v=v)
     q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
     out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
-                                                       window_size_right, sinks, softcap)
+                                                       window_size_right, sinks, softcap, dropout_p, rng_state)
     return (_unfold(out, n), _unfold(lse, n), _unfold(stats, n, at=1)), (0, 0, 1)
 
 
 @torch.library.register_vmap("flash_attn_ext::backward")
 def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale, causal,
-                   softmax_stats=None, window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
+                   softmax_stats=None, window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0,
+                   dropout_p=0.0, rng_state=None):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 11)
+    _rng_state_not_vmapped(in_dims, 14)
     _check_sample_rank4(in_dims[:5], dout=dout, q=q, k=k, v=v, out=out)
     dout, q, k, v, out = (_fold(t, d, n) for t, d in zip((dout, q, k, v, out), in_dims[:5]))
     softmax_lse = _fold(softmax_lse, in_dims[5], n).contiguous()
@@ -533,7 +565,7 @@ def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale
                               at=1).contiguous()
     dq, dk, dv = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
                                                    causal, softmax_stats, window_size_left, window_size_right, sinks,
-                                                   softcap)
+                                                   softcap, dropout_p, rng_state)
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
@@ -592,11 +624,13 @@ and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiabl
 
 @torch.library.register_fake("flash_attn_ext::varlen_forward")
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                         causal, window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
+                         causal, window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0,
+                         rng_state=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     _checks.check_softcap(softcap, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
+    _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, max_seqlen_q, max_seqlen_k, softcap)
     _checks.check_sinks(sinks, q.shape[1])
     total_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -608,13 +642,14 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 @torch.library.register_fake("flash_attn_ext::varlen_backward")
 def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, softmax_scale, causal, softmax_stats=None, window_size_left=-1,
-                          window_size_right=-1, sinks=None, softcap=0.0):
+                          window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, softmax_scale, softmax_stats)
     _checks.check_softcap(softcap, softmax_scale)
     _checks.check_sinks(sinks, q.shape[1])
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
+    _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, max_seqlen_q, max_seqlen_k, softcap)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -642,14 +677,15 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """Autograd for ``flash_attn_ext::varlen_forward`` (reverse mode: ``varlen_backward``).
     ``apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-    causal[, window_size_left, window_size_right[, sinks[, softcap]]]) -> (out, softmax_lse, softmax_stats)``."""
+    causal[, window_size_left, window_size_right[, sinks[, softcap[, dropout_p, rng_state]]]]) -> (out,
+    softmax_lse, softmax_stats)``."""
 
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0):
+                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
         return torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                        max_seqlen_k, softmax_scale, causal, window_size_left,
-                                                       window_size_right, sinks, softcap)
+                                                       window_size_right, sinks, softcap, dropout_p, rng_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -657,6 +693,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         window = tuple(inputs[9:11]) + (-1, -1)[len(inputs[9:11]):]
         sinks = inputs[11] if len(inputs) > 11 else None
         ctx.softcap = inputs[12] if len(inputs) > 12 else 0.0
+        ctx.dropout = (inputs[13], inputs[14]) if len(inputs) > 14 else (0.0, None)  # (dropout_p, rng_state)
         out, softmax_lse, softmax_stats = output
         ctx.has_sinks = sinks is not None
         saved = (q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k) + ((sinks,) if ctx.has_sinks
@@ -676,7 +713,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         want_dsinks = ctx.has_sinks and ctx.needs_input_grad[11]
         dq, dk, dv = FlashAttnVarlenBackwardFunction.apply(
             dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, softmax_stats, *ctx.window, sinks, ctx.softcap)
+            softmax_scale, causal, softmax_stats, *ctx.window, sinks, ctx.softcap, *ctx.dropout)
         dsinks = None
         if want_dsinks:
             # Rows outside every sequence (before cu_seqlens_q[0], from cu_seqlens_q[-1]) are not
@@ -693,6 +730,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         _VARLEN_FUNCTORCH_MSG): ``attention_jvp`` on each sequence alone, its sequences read from
         cu_seqlens on the host (forward mode materialises each sequence's P anyway). Rows outside
         every sequence, and sequences without keys, get tangent 0 (their out is 0)."""
+        _no_dropout_jvp(ctx.dropout[0])
         q, k, v = ctx.saved_tensors[:3]
         cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors[6:8]
         sinks = ctx.saved_tensors[8] if ctx.has_sinks else None
@@ -776,12 +814,12 @@ LSE planes: no extra pass over dout / out). Not differentiable; no vmap rule (si
 vmap)."""
 @torch.library.register_fake("flash_attn_ext::backward_dsinks")
 def _backward_dsinks_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
-                          window_size_left, window_size_right, sinks, softcap=0.0):
+                          window_size_left, window_size_right, sinks, softcap=0.0, dropout_p=0.0, rng_state=None):
     if sinks is None:
         raise RuntimeError("flash_attn_ext: backward_dsinks needs sinks (the forward's (nheads,) float32); "
                            "without sinks call backward")
     dq, dk, dv = _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
-                                window_size_left, window_size_right, sinks, softcap)
+                                window_size_left, window_size_right, sinks, softcap, dropout_p, rng_state)
     return dq, dk, dv, torch.empty((sinks.numel(),), dtype=torch.float32, device=sinks.device)
 
 

@@ -54,6 +54,9 @@ def attention_ref(
     window_size: tuple[int, int] = (-1, -1),
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
+    dropout_batch0: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention on BSHD tensors.
 
@@ -72,6 +75,10 @@ def attention_ref(
         softcap: logit soft-capping (Gemma 2; flash-attn's softcap): > 0 makes the logits
             softcap * tanh(softmax_scale * q.k / softcap) (computed in the compute dtype), 0 none.
             The sinks are not capped.
+        dropout_p, rng_state: attention dropout (FlashAttention, Dao et al. 2022): P's elements
+            dropped by the kernels' mask (``dropout_keep_mask``; dropout_batch0 its first batch
+            index) and the kept ones scaled by 1 / (1 - dropout_p), after the LSE (which stays
+            that of P). 0.0: none.
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in the compute dtype (differentiable).
         lse: (batch, nheads, seqlen_q) float32 natural-log logsumexp of the scaled scores
@@ -101,6 +108,16 @@ def attention_ref(
         mask = visible_mask(seqlen_q, seqlen_k, causal, window_size[0], window_size[1], device=q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         has_key = has_key & mask.any(dim=-1, keepdim=True)
+    keep = None
+    if dropout_p > 0:
+        keep = dropout_keep_mask(rng_state, q.shape[0], nheads, seqlen_q, seqlen_k, dropout_p, dropout_batch0,
+                                 device=q.device)
+
+    def dropped(probs):
+        if keep is None:
+            return probs
+        return torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device)) / (1.0 - dropout_p)
+
     if sinks is not None:
         # The sink as one more key column, visible to every row, its value 0 (P's column dropped).
         sink_col = sinks.to(dtype).view(1, nheads, 1, 1).expand(*scores.shape[:3], 1)
@@ -112,7 +129,7 @@ def attention_ref(
         keyless = ~has_key.view(1, 1, seqlen_q, 1) & (sinks == float("-inf")).view(1, nheads, 1, 1).to(q.device)
         zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
         probs = torch.where(keyless, zero, probs)
-        out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+        out = torch.einsum("bhqk,bkhd->bqhd", dropped(probs), vf)
         lse = torch.where(keyless[..., 0], float("inf"), lse)
         return out, lse.float()
     lse = torch.logsumexp(scores.float() if dtype != torch.float64 else scores, dim=-1)
@@ -121,10 +138,60 @@ def attention_ref(
     # there: a NaN/inf coming from the inputs propagates (no nan_to_num).
     zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
     probs = torch.where(has_key, probs, zero)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+    out = torch.einsum("bhqk,bkhd->bqhd", dropped(probs), vf)
     out = torch.where(has_key[:, :, None], out, zero)  # also when v holds a NaN
     lse = torch.where(has_key.squeeze(-1), lse, torch.full_like(lse, float("inf")))
     return out, lse.float()
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a * b for a constant a < 2^32 and an int64 tensor b of values in
+    [0, 2^32), in int64 arithmetic without overflow (b split into 16-bit halves)."""
+    p_lo = a * (b & 0xFFFF)
+    p_hi = a * (b >> 16)
+    mid = p_lo + ((p_hi & 0xFFFF) << 16)
+    return (p_hi >> 16) + (mid >> 32), mid & _M32
+
+
+def philox4x32_10(counter: tuple, key: tuple[int, int]) -> tuple:
+    """Philox4x32-10 (Salmon et al., SC 2011, section 3.2) on int64 tensors holding uint32 values:
+    counter (c0, c1, c2, c3) tensors (broadcastable), key (k0, k1) ints. Returns the four output
+    words. The torch twin of csrc/primitives/philox.cuh, written from the paper, for the tests."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) & _M32 for c in counter)
+    k0, k1 = key[0] & _M32, key[1] & _M32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo32(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
+def dropout_keep_mask(rng_state: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
+                      dropout_p: float, batch0: int = 0, device=None) -> torch.Tensor:
+    """The kernels' attention-dropout mask Z (csrc/primitives/philox.cuh): bool (batch, nheads,
+    seqlen_q, seqlen_k), True where P's element is kept. Element (q, k) of batch b, head h is the
+    Philox4x32-10 word ((q >> 3) & 1) * 2 + ((k >> 3) & 1) of counter (corner(k), corner(q),
+    (batch0 + b) * nheads + h, offset), corner(x) = (x >> 4) * 8 + (x & 7), key (seed low 32 bits,
+    seed high 32 bits ^ offset high 32 bits), with (seed, offset) = rng_state; kept iff the word >=
+    round(dropout_p * 2^32). batch0: the first sequence's index (one sequence of a varlen call)."""
+    seed, offset = (int(x) & 0xFFFFFFFFFFFFFFFF for x in rng_state.tolist())
+    key = (seed & _M32, (seed >> 32) ^ (offset >> 32))
+    threshold = min(round(dropout_p * 2.0**32), _M32)
+    qi = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    ki = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    bh = ((batch0 + torch.arange(batch, device=device)).view(-1, 1) * nheads
+          + torch.arange(nheads, device=device).view(1, -1)).view(batch, nheads, 1, 1)
+    def corner(x):
+        return (x >> 4) * 8 + (x & 7)
+    words = philox4x32_10((corner(ki), corner(qi), bh, offset & _M32), key)
+    which = ((qi >> 3) & 1) * 2 + ((ki >> 3) & 1)
+    word = torch.where(which == 0, words[0], torch.where(which == 1, words[1], torch.where(which == 2, words[2],
+                                                                                             words[3])))
+    return word >= threshold
 
 
 def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int,
@@ -138,11 +205,13 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
 
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, upcast=True,
                          ref_dtype: torch.dtype = torch.float64, window_size: tuple[int, int] = (-1, -1),
-                         sinks: torch.Tensor | None = None, softcap: float = 0.0):
+                         sinks: torch.Tensor | None = None, softcap: float = 0.0, dropout_p: float = 0.0,
+                         rng_state: torch.Tensor | None = None):
     """Reference for packed sequences: ``attention_ref`` on each sequence alone.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: (batch + 1,)
-    integer tensors (any device); sinks and softcap as ``attention_ref``'s. Returns out (total_q, nheads, headdim)
+    integer tensors (any device); sinks, softcap and dropout as ``attention_ref``'s (sequence b's
+    mask that of batch b). Returns out (total_q, nheads, headdim)
     in the compute dtype and lse (nheads, total_q) float32; rows outside every sequence: out 0, lse
     +inf. Differentiable.
     """
@@ -158,7 +227,8 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
             outs.append(torch.zeros((q0 - covered, *q.shape[1:]), dtype=dtype, device=q.device))
             lses.append(torch.full((q.shape[1], q0 - covered), float("inf"), device=q.device))
         o, lse = attention_ref(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
-                               softmax_scale, causal, upcast, ref_dtype, window_size, sinks, softcap)
+                               softmax_scale, causal, upcast, ref_dtype, window_size, sinks, softcap, dropout_p,
+                               rng_state, b)
         outs.append(o[0])
         lses.append(lse[0])
         covered = q1

@@ -312,15 +312,18 @@ def test_positional_order_is_flash_attns(name):
 
 def test_positional_calls_ported_from_flash_attn():
     """Calls written positionally for flash-attn give the bits of the same call by keywords (dense,
-    varlen, packed, KV cache); a fourth positional 0.5 is dropout_p (NotImplementedError naming
-    it), never the softmax scale; one positional argument more than flash-attn's is a TypeError."""
+    varlen, packed, KV cache); a fourth positional 0.5 is dropout_p (the call by keyword under the
+    same seed), never the softmax scale; one positional argument more than flash-attn's is a TypeError."""
     q, k, v = qkv()
     ref = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, window_size=(5, 0), softcap=2.0)
     assert torch.equal(flash_attn_ext.flash_attn_func(q, k, v, 0.0, 0.3, True, (5, 0), 2.0, None, False, False), ref)
     out, lse, s_dmask = flash_attn_ext.flash_attn_func(q, k, v, 0.0, 0.3, True, (5, 0), 2.0, None, True, True)
     assert torch.equal(out, ref) and lse.shape == (2, 4, 16) and s_dmask is None
-    with pytest.raises(NotImplementedError, match="dropout_p=0.5"):
-        flash_attn_ext.flash_attn_func(q, k, v, 0.5)
+    torch.manual_seed(3)
+    positional = flash_attn_ext.flash_attn_func(q, k, v, 0.5)
+    torch.manual_seed(3)
+    assert torch.equal(positional, flash_attn_ext.flash_attn_func(q, k, v, dropout_p=0.5))
+    assert not torch.equal(positional, flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=0.5))
     with pytest.raises(TypeError, match="positional"):
         flash_attn_ext.flash_attn_func(q, k, v, 0.0, 0.3, True, (5, 0), 2.0, None, False, False, True)
     # flash-attn <= 2.5's order (alibi_slopes where softcap is now): the message says so
@@ -399,7 +402,7 @@ def test_return_attn_probs_gives_flash_attns_triple():
 
 
 @pytest.mark.parametrize("keyword, value, error, match", [
-    ("dropout_p", 0.1, NotImplementedError, r"dropout_p=0.1: attention dropout is not supported"),
+    ("dropout_p", 1.0, ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
     ("softcap", -1.0, ValueError, r"softcap must be a finite number >= 0 \(0: no soft-capping\), got -1.0"),
     ("softcap", float("nan"), ValueError, "softcap must be a finite number >= 0"),
     ("softcap", float("inf"), ValueError, "softcap must be a finite number >= 0"),
@@ -421,6 +424,20 @@ def test_flash_attn_keywords_that_ask_for_a_missing_feature(keyword, value, erro
     for name, call in _flash_attn_calls():
         with pytest.raises(error, match=match):
             call(**{keyword: value})
+
+
+def test_flash_attn_dropout_keyword_runs():
+    """dropout_p (attention dropout, tests/test_dropout.py) runs on every entry that takes flash-attn's
+    keywords: a new mask per call, the same one under the same seed (torch.manual_seed), and with
+    softcap a NotImplementedError naming it."""
+    for name, call in _flash_attn_calls():
+        torch.manual_seed(11)
+        out = call(dropout_p=0.3)
+        torch.manual_seed(11)
+        assert torch.equal(call(dropout_p=0.3), out), name
+        assert torch.isfinite(out).all() and not torch.equal(out, call()) and not torch.equal(out, call(dropout_p=0.3))
+        with pytest.raises(NotImplementedError, match="dropout_p > 0 with softcap"):
+            call(dropout_p=0.3, softcap=30.0)
 
 
 def test_flash_attn_softcap_keyword_runs():

@@ -120,8 +120,13 @@ def test_packed_bad_input():
         flash_attn_ext.flash_attn_qkvpacked_func([q, q, q])
     with pytest.raises(TypeError, match="q must be a torch.Tensor, got NoneType"):
         flash_attn_ext.flash_attn_kvpacked_func(None, torch.randn(1, 8, 2, 2, 32))
-    with pytest.raises(NotImplementedError, match="dropout_p=0.5"):  # flash-attn's second positional: dropout_p
-        flash_attn_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 3, 2, 32), 0.5)
+    qkv = torch.randn(1, 8, 3, 2, 32)
+    torch.manual_seed(3)  # flash-attn's second positional is dropout_p, not the softmax scale
+    positional = flash_attn_ext.flash_attn_qkvpacked_func(qkv, 0.5)
+    torch.manual_seed(3)
+    assert torch.equal(positional, flash_attn_ext.flash_attn_qkvpacked_func(qkv, dropout_p=0.5))
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_ext.flash_attn_qkvpacked_func(qkv, 1.0)
     # The unpacked function's own checks still name their arguments (here: the head dim).
     with pytest.raises(RuntimeError, match="headdim"):
         flash_attn_ext.flash_attn_qkvpacked_func(torch.randn(1, 8, 3, 2, 264))

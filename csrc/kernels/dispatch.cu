@@ -216,7 +216,9 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   // A sliding window (flash.h: window_left / window_right) runs here too: the sm90 forward's
   // per-warpgroup key ranges skip the steps outside a window (and the backward's kernels loop over
   // the window's tiles: common/work.cuh, DkvWork / DqWork).
-  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr;
+  // Attention dropout (flash.h: dropout_p) has its kernel twin on the sm80 path only: such calls run
+  // the sm80 kernel on every GPU.
+  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr && params.dropout_p == 0.0;
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
@@ -266,7 +268,8 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
   if (params.cache_seqlens != nullptr || params.block_table != nullptr) {
     throw std::runtime_error("flash_attn_ext backward: no backward through a KV cache");
   }
-  const ArchPath path = select_arch(params.arch);
+  // Attention dropout (flash.h: dropout_p): the sm80 kernels' twin, on every GPU (as the forward).
+  const ArchPath path = params.dropout_p > 0.0 ? ArchPath::kSm80 : select_arch(params.arch);
   set_tuning_knobs(params);
   dispatch(params, "backward", [&](auto element, auto hdim) {
     using Element = decltype(element);

@@ -9,6 +9,7 @@
 // contiguous row of kBlockN: the inner loops of every product run over contiguous memory with a
 // fixed trip count and vectorize without -ffast-math.
 #include "kernels/cpu/flash_cpu.h"
+#include "primitives/philox.cuh"
 
 #include <stdexcept>
 
@@ -105,6 +106,27 @@ struct Softcap {
   Acc tanh_of(Acc s) const { return std::tanh(s * prescale); }  // t
 };
 
+// Attention dropout (flash.h: dropout_p > 0): the CUDA kernels' mask (primitives/philox.cuh), one
+// Philox call per element here; the kept probabilities scaled by rp = 1 / (1 - p) in the
+// accumulation type.
+template <typename Acc>
+struct Dropout {
+  bool on;
+  DropoutRng rng;
+  Acc rp;
+  int batch0, nheads;
+  explicit Dropout(const Flash_fwd_params& p)
+      : on(p.dropout_p > 0.f),
+        rng(on ? DropoutRng(p.dropout_rng_state, p.dropout_threshold) : DropoutRng()),
+        rp(on ? Acc(1) / (Acc(1) - static_cast<Acc>(p.dropout_p)) : Acc(1)),
+        batch0(p.dropout_batch0),
+        nheads(p.h) {}
+  // Z_qk of batch b, head h: whether the element is kept (always without dropout).
+  bool keep(int b, int h, int q, int k) const {
+    return !on || rng.keep(uint32_t((int64_t(batch0) + b) * nheads + h), q, k);
+  }
+};
+
 // y[0:d] += alpha * x[0:d]
 template <typename Acc>
 inline void axpy(Acc alpha, const Acc* x, Acc* y, int d) {
@@ -141,6 +163,7 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
   const int64_t num_tasks = int64_t(p.b) * p.h * num_m_blocks;
   const Acc scale_log2 = static_cast<Acc>(p.scale_softmax * 1.4426950408889634074);
   const Softcap<Acc> softcap(p);
+  const Dropout<Acc> dropout(p);
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
 
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
@@ -200,10 +223,13 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
           l_row[i] = alpha * l_row[i] + row_sum;
           m_row[i] = m_new;
           if (kLseOnly) continue;
-          // Alg. 1 line 11: O_i = diag(exp(m_old - m_new)) O_i + P~ V_j.
+          // Alg. 1 line 11: O_i = diag(exp(m_old - m_new)) O_i + P~ V_j (dropout: (Z o P~) V_j, l
+          // from P~ itself; rp at the end).
           Acc* o = acc.data() + int64_t(i) * d;
           for (int c = 0; c < d; ++c) o[c] *= alpha;
-          for (int j = c0; j < c1; ++j) axpy(s[j], v_tile.data() + int64_t(j) * d, o, d);
+          for (int j = c0; j < c1; ++j) {
+            if (dropout.keep(b, h, m0 + i, n0 + j)) axpy(s[j], v_tile.data() + int64_t(j) * d, o, d);
+          }
         }
       }
 
@@ -235,7 +261,8 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
         const Acc* a = acc.data() + int64_t(i) * d;
         const Acc gain = sink_gain(i);
         // out = 0 for a row without keys
-        const Acc inv_l = l_row[i] == Acc(0) ? Acc(0) : (gain == Acc(0) ? Acc(1) : std::exp2(-gain)) / l_row[i];
+        const Acc inv_l =
+            l_row[i] == Acc(0) ? Acc(0) : (gain == Acc(0) ? Acc(1) : std::exp2(-gain)) / l_row[i] * dropout.rp;
         for (int c = 0; c < d; ++c) o_row[c] = static_cast<T>(a[c] * inv_l);
         const Acc m = stat_max(i), l2 = keys_log2sum(i) + gain;
         const bool empty_with_sink = l_row[i] == Acc(0) && sink != -std::numeric_limits<float>::infinity();
@@ -265,6 +292,7 @@ void bwd_impl(const Flash_bwd_params& p) {
   const Acc scale = static_cast<Acc>(p.scale_softmax);
   const Acc scale_log2 = static_cast<Acc>(p.scale_softmax * 1.4426950408889634074);
   const Softcap<Acc> softcap(p);
+  const Dropout<Acc> dropout(p);
   const int64_t rows_total = int64_t(p.b) * p.h * p.seqlen_q;
 
   // Alg. 2 line 5: D_i = rowsum(dO_i * O_i), one value per (batch, head, query row).
@@ -334,6 +362,7 @@ void bwd_impl(const Flash_bwd_params& p) {
   // Alg. 2 lines 11-12 and 14-15 for one (Q tile i, K tile j) pair of batch b, head h: S = Q_i K_j^T,
   // dP = dO_i V_j^T (Q_i, dO_i: rows_m x d; K_j^T, V_j^T: d x kBlockN), then
   // visit(row, key, P, dS = P (dP - D)) for every visible (row of the Q tile, key of the K tile).
+  // Dropout: visit(row, key, Z P / (1 - p), dS = P (Z dP / (1 - p) - D)) (flash.h: dropout_p).
   auto for_each_visible_ds = [&](int b, int h, int m0, int rows_m, int n0, int rows_n, const Acc* q_tile,
                                  const Acc* do_tile, const Acc* kt_tile, const Acc* vt_tile, Acc* s_tile, Acc* dp_tile,
                                  auto&& visit) {
@@ -350,14 +379,21 @@ void bwd_impl(const Flash_bwd_params& p) {
         for (int j = c0; j < c1; ++j) {
           const Acc t = softcap.tanh_of(s[j]);
           const Acc pij = prob(t * softcap.cap_log2, hi, lo);
+          const bool z = dropout.keep(b, h, m0 + i, n0 + j);
           // dS_ij = P_ij (dP_ij - D_i) (1 - t_ij^2): the chain rule through the cap.
-          visit(i, j, pij, pij * (dp[j] - dsum_i) * (Acc(1) - t * t));
+          visit(i, j, z ? pij * dropout.rp : Acc(0),
+                pij * ((z ? dp[j] * dropout.rp : Acc(0)) - dsum_i) * (Acc(1) - t * t));
         }
         continue;
       }
       for (int j = c0; j < c1; ++j) {
         const Acc pij = prob(s[j] * scale_log2, hi, lo);  // line 12: P_ij = exp(S_ij - L_i)
-        visit(i, j, pij, pij * (dp[j] - dsum_i));  // line 15: dS_ij = P_ij (dP_ij - D_i)
+        if (!dropout.on) {
+          visit(i, j, pij, pij * (dp[j] - dsum_i));  // line 15: dS_ij = P_ij (dP_ij - D_i)
+          continue;
+        }
+        const bool z = dropout.keep(b, h, m0 + i, n0 + j);
+        visit(i, j, z ? pij * dropout.rp : Acc(0), pij * ((z ? dp[j] * dropout.rp : Acc(0)) - dsum_i));
       }
     }
   };

@@ -64,8 +64,12 @@ struct DkvKernelTraits {
 // where the registers allow it (tile_config.h).
 // kLocal: the call has a sliding window's left bound (the launch picks: launch_utils.h,
 // FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone. kSoftcap: logit
-// soft-capping (params.softcap > 0): S^T -> t first, dS^T times 1 - t^2 (softmax.cuh).
-template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false, bool kSoftcap = false>
+// soft-capping (params.softcap > 0): S^T -> t first, dS^T times 1 - t^2 (softmax.cuh). kDropout:
+// attention dropout (params.dropout_p > 0; flash.h): dV_j += (Z o P)^T dO_i, dS^T = P^T o (Z o dP^T
+// rp - D) (rp = 1 / (1 - p); the mask regenerated from primitives/philox.cuh), dV times rp at the
+// end; dS^T then takes P^T from its fp32 copy, not the Element fragments (those are Z o P^T).
+template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false, bool kSoftcap = false,
+          bool kDropout = false>
 __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 #if defined(__CUDA_ARCH__)  // device code only: the host pass needs just the stub
@@ -73,6 +77,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kWarpRows = T::kWarpRows;
   constexpr int kMA = T::kMA, kPitch = T::kPitch, kThreads = T::kThreads;
   constexpr bool kFastCopy = TileShape::kFastCopy;
+  constexpr bool kPRounded = T::kPRounded && !kDropout;
 
   extern __shared__ __align__(128) unsigned char flash_bwd_smem[];
   Element* sK = reinterpret_cast<Element*>(flash_bwd_smem);
@@ -110,6 +115,8 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   float acc_dk[kMA][T::kNBlkD][4], acc_dv[kMA][T::kNBlkD][4];
   zero_acc(acc_dk);
   zero_acc(acc_dv);
+
+  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
 
   bool precise_next = w.precise(params, 0);  // large-magnitude rows in the next Q tile (one load ahead)
   for (int it = 0; it < w.n_iter; ++it) {
@@ -159,12 +166,29 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
         }
       }
     });
-    // P^T as Element A fragments (k16 slices of Q rows, per atom) for dV += P^T dO.
+    // Dropout: the keep flags of this warp's S^T elements (rows: keys; columns: the Q tile's rows).
+    [[maybe_unused]] bool keep[kDropout ? kMA : 1][kDropout ? T::kNBlkM : 2][4];
+    if constexpr (kDropout) {
+      const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.head(it));
+      dropout.template keep_fragments<true>(bh, w.n0 + kWarpRows * warp_n + g, m0 + 2 * t, keep);
+    }
+    // P^T (dropout: Z o P^T) as Element A fragments (k16 slices of Q rows, per atom) for dV += P^T dO.
     uint32_t a_p[kBlockM / 16][kMA][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
-      for (int ma = 0; ma < kMA; ++ma) acc_to_a_frag<T::kNBlkM, Element>(a_p[kk][ma], acc_s[ma], kk);
+      for (int ma = 0; ma < kMA; ++ma) {
+        if constexpr (kDropout) {
+          float pd[T::kNBlkM][4];
+#pragma unroll
+          for (int nb = 0; nb < T::kNBlkM; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pd[nb][e] = keep[ma][nb][e] ? acc_s[ma][nb][e] : 0.f;
+          acc_to_a_frag<T::kNBlkM, Element>(a_p[kk][ma], pd, kk);
+        } else {
+          acc_to_a_frag<T::kNBlkM, Element>(a_p[kk][ma], acc_s[ma], kk);
+        }
+      }
     }
 
     // Alg. 2 line 14 (transposed): dP^T = V_j dO_i^T.
@@ -183,10 +207,14 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // h: row g (e = 0,1) or g + 8 (e = 2,3)
           float2 p;
-          if constexpr (T::kPRounded) {
+          if constexpr (kPRounded) {
             p = unpack2<Element>(a_p[nb / 2][ma][(nb % 2) * 2 + h]);
           } else {
             p = make_float2(acc_s[ma][nb][2 * h], acc_s[ma][nb][2 * h + 1]);
+          }
+          if constexpr (kDropout) {  // Z o dP^T rp
+            acc_dp[ma][nb][2 * h] = keep[ma][nb][2 * h] ? acc_dp[ma][nb][2 * h] * params.dropout_rp : 0.f;
+            acc_dp[ma][nb][2 * h + 1] = keep[ma][nb][2 * h + 1] ? acc_dp[ma][nb][2 * h + 1] * params.dropout_rp : 0.f;
           }
           acc_dp[ma][nb][2 * h] = p.x * (acc_dp[ma][nb][2 * h] - dsum2.x);
           acc_dp[ma][nb][2 * h + 1] = p.y * (acc_dp[ma][nb][2 * h + 1] - dsum2.y);
@@ -220,8 +248,8 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   for (int ma = 0; ma < kMA; ++ma) {
     store_acc_to_smem<T::kNBlkD, kPitch>(sK, acc_dk[ma], kWarpRows * warp_n + 16 * ma, T::kDW * warp_d,
                                          float(params.scale_softmax), lane);
-    store_acc_to_smem<T::kNBlkD, kPitch>(sV, acc_dv[ma], kWarpRows * warp_n + 16 * ma, T::kDW * warp_d, 1.f,
-                                         lane);
+    store_acc_to_smem<T::kNBlkD, kPitch>(sV, acc_dv[ma], kWarpRows * warp_n + 16 * ma, T::kDW * warp_d,
+                                         kDropout ? params.dropout_rp : 1.f, lane);
   }
   __syncthreads();
   w.template store_kv_tile<Element, SmemTile<kHeadDim>, kHeadDim, kThreads>(params, params.dk, sK, tid);

@@ -56,7 +56,10 @@ struct DqKernelTraits {
 // kLocal: the call has a sliding window's left bound (the launch picks: launch_utils.h,
 // FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone. kSoftcap: logit
 // soft-capping (params.softcap > 0): S -> t first, and P (1 - t^2), the P of dS (softmax.cuh).
-template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false, bool kSoftcap = false>
+// kDropout: attention dropout (params.dropout_p > 0; flash.h): dS = P o (Z o dP rp - D), rp = 1 / (1 -
+// p), the mask regenerated from primitives/philox.cuh.
+template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false, bool kSoftcap = false,
+          bool kDropout = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dq_kernel(const Flash_bwd_params params) {
   using T = DqKernelTraits<Element, kHeadDim, TileShape>;
@@ -119,6 +122,8 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
 
   float acc_dq[kMA][T::kNBlkD][4];
   zero_acc(acc_dq);
+  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
+  const uint32_t dropout_bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
 
   for (int i = 0; i < n_steps; ++i) {
     const int n_block = n_block_min + i, stage = i % 2;
@@ -162,7 +167,12 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     zero_acc(acc_dp);
     gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_dp, sdO, warp_row0, sV, lane);
 
-    // Alg. 2 line 15: dS = P o (dP - D) (in acc_dp; without kPRounded, P (line 12) is made here).
+    // Dropout: the keep flags of this warp's S elements.
+    [[maybe_unused]] bool keep[kDropout ? kMA : 1][kDropout ? T::kNBlkN : 2][4];
+    if constexpr (kDropout) dropout.template keep_fragments<false>(dropout_bh, row_lo, n0 + 2 * t, keep);
+
+    // Alg. 2 line 15: dS = P o (dP - D) (in acc_dp; without kPRounded, P (line 12) is made here;
+    // dropout: dS = P o (Z o dP rp - D)).
     auto make_ds = [&](auto ex) {
 #pragma unroll
       for (int ma = 0; ma < kMA; ++ma) {
@@ -177,7 +187,9 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
             } else {
               p = p_of(ex, acc_s[ma][nb][e], n0, ma, nb, e);
             }
-            acc_dp[ma][nb][e] = p * (acc_dp[ma][nb][e] - dsum[ma][e / 2]);
+            float dp = acc_dp[ma][nb][e];
+            if constexpr (kDropout) dp = keep[ma][nb][e] ? dp * params.dropout_rp : 0.f;
+            acc_dp[ma][nb][e] = p * (dp - dsum[ma][e / 2]);
           }
         }
       }

@@ -59,7 +59,10 @@ struct FwdKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {
 // the key loop starts at the window's first block and the left edge's tiles are masked too. The
 // kernel without it is the causal mask's code alone (its registers: 255 in the sm_90 row).
 // kSoftcap: logit soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores).
-template <typename Traits, bool kLocal = false, bool kSoftcap = false>
+// kDropout: attention dropout (params.dropout_p > 0; flash.h): after the softmax of a tile (l sums P
+// itself), P's dropped elements are zeroed before O += P V (FlashAttention, Dao et al. 2022,
+// Alg. 2 line 11: Z o P; the mask from primitives/philox.cuh), O scaled by 1 / (1 - p) at the end.
+template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_kernel(const Flash_fwd_params params) {
   using Element = typename Traits::Element;
@@ -101,6 +104,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   OnlineSoftmax<kMAtoms> softmax;  // m = -inf, l = 0
   const float scale_log2 = params.scale_softmax_log2;
   const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
+  // The dropout mask's key and head (the sequence's own positions: rows from m0, keys from 0).
+  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
+  const uint32_t dropout_bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
 
   if (n_block_max > n_block_min) {
     // ---- Prologue: Q tile (loaded once, FA2 Alg. 1 line 4) and the first K tile, one group.
@@ -198,6 +204,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       // Alg. 1 lines 9-10: m, P = exp2((S - m) * scale_log2), l, O *= alpha.
       softmax.update(s, acc_o, scale_log2);
 
+      // Dropout (kDropout): Z o P, the row sums l above being of P itself.
+      if constexpr (kDropout) {
+        bool keep[kMAtoms][kNAtoms][4];
+        dropout.template keep_fragments<false>(dropout_bh, w.m0 + warp_row0 + lane / 4, n * kBlockN + 2 * (lane % 4),
+                                               keep);
+#pragma unroll
+        for (int mi = 0; mi < kMAtoms; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < kNAtoms; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mi][ni][e] = keep[mi][ni][e] ? s[mi][ni][e] : 0.f;
+      }
+
       // Alg. 1 line 10: O += P V_n. The S accumulator of n8 atoms 2kk, 2kk+1 is exactly the
       // A fragment of k16 step kk: a0 = P[g][2t..], a1 = P[g+8][2t..], a2/a3 the same 8 keys on.
 #pragma unroll
@@ -245,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   __syncthreads();  // every warp is done reading Q/K/V smem: reuse sQ to stage O
 #pragma unroll
   for (int mi = 0; mi < kMAtoms; ++mi) {
-    store_acc_to_smem<kDAtoms, kStride>(sQ, acc_o[mi], warp_row0 + mi * 16, 0, 1.f, lane);
+    store_acc_to_smem<kDAtoms, kStride>(sQ, acc_o[mi], warp_row0 + mi * 16, 0, kDropout ? params.dropout_rp : 1.f, lane);
   }
   __syncthreads();
   w.template store_q_tile<Element, Tile, kHeadDim, kThreads>(params, params.o, sQ, tid);

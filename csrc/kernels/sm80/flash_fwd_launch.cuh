@@ -14,12 +14,13 @@ namespace sm80 {
 template <typename Traits>
 void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   static_assert(Traits::kSmemBytes <= kMaxSmem, "forward tile row exceeds sm_80 shared memory");
-  // The call's twin of the kernel (a window's left bound, soft-capping: flash_fwd_kernel.cuh).
+  // The call's twin of the kernel (a window's left bound, soft-capping, dropout: flash_fwd_kernel.cuh).
   launch_tiles<Traits, QTileWork<Traits::kBlockM, Traits::kBlockN, false>>(
-      pick_twin(params,
-                [](auto local, auto softcap) {
-                  return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value>;
-                }),
+      pick_twin_dropout(params,
+                        [](auto local, auto softcap, auto dropout) {
+                          return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value,
+                                                   decltype(dropout)::value>;
+                        }),
       "forward", params, stream);
 }
 

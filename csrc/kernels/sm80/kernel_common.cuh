@@ -27,6 +27,7 @@
 #include "primitives/ldmatrix.cuh"
 #include "primitives/math.cuh"
 #include "primitives/mma.cuh"
+#include "primitives/philox.cuh"
 #include "primitives/softmax.cuh"
 #include "primitives/tile_copy.cuh"
 
