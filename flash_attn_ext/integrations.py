@@ -166,7 +166,10 @@ def flash_attn_ext_attention_forward(
         query: (batch, nheads, q_len, headdim); key, value: (batch, nheads_kv, kv_len, headdim),
             BHSD as transformers passes them; nheads % nheads_kv == 0 (GQA runs natively).
         attention_mask: None or a 4-D mask as built by ``sdpa_mask`` (see the module docstring).
-        dropout: must be 0.0 (call ``model.eval()``, or set the attention dropout to 0).
+        dropout: attention dropout probability in [0, 1) (transformers passes the layer's
+            ``attention_dropout`` in training, 0.0 in eval), given to every kernel call
+            (flash_attn_func's ``dropout_p``: each call draws its own mask from torch's generator);
+            not with softcap or a sliding window (NotImplementedError).
         scaling: softmax scale (default 1 / sqrt(headdim)).
         is_causal: overrides ``module.is_causal``.
         kwargs: ``softcap`` (Gemma 2 passes ``config.attn_logit_softcapping``): None or 0 for none,
@@ -188,7 +191,8 @@ def flash_attn_ext_attention_forward(
     Returns:
         (attn_output (batch, q_len, nheads, headdim) contiguous, None).
     Raises:
-        NotImplementedError: dropout > 0, unsupported kwargs or mask patterns, a head dim over 256.
+        NotImplementedError: unsupported kwargs or mask patterns, a head dim over 256; dropout > 0
+            with softcap or a sliding window.
         TypeError: float32 on CUDA outside autocast; both ``s_aux`` and ``sinks`` given; a
             softcap that is not a real number. ValueError: a negative or non-finite softcap.
         RuntimeError: sinks not of shape (nheads,), not floating or on another device
@@ -207,10 +211,7 @@ def flash_attn_ext_attention_forward(
             raise TypeError("flash_attn_ext attention: both `s_aux` and `sinks` were given; they are two names "
                             "of the same argument (the attention sinks), pass one")
         sinks = kwargs["sinks"]
-    if dropout:
-        raise NotImplementedError(
-            f"flash_attn_ext attention: attention dropout ({dropout}) is not supported; call "
-            "model.eval() or set the model's attention dropout probability to 0")
+    dropout = float(dropout or 0.0)
     if kwargs.get("output_attentions"):
         raise NotImplementedError(
             "flash_attn_ext attention: output_attentions=True is not supported (the attention "
@@ -235,8 +236,8 @@ def flash_attn_ext_attention_forward(
     scaling = d_qk ** -0.5 if scaling is None else scaling
     q, k, v, d_v = _kernel_layout(q, k, v)
     try:
-        out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, q_len, kv_len,
-                      kwargs)
+        out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, dropout, q_len,
+                      kv_len, kwargs)
     except MaskNotSupported as e:
         raise NotImplementedError(f'flash_attn_ext attention: {e}; those are not supported, use '
                                   'attn_implementation="sdpa" for this model') from None
@@ -279,17 +280,17 @@ def _mask_is_the_packing(attention_mask, cu, is_causal, window_left):
     return answer
 
 
-def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, q_len, kv_len, kwargs):
+def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, dropout, q_len, kv_len, kwargs):
     """flash_attn_ext_attention_forward's calls on the BSHD q, k, v of one head dim; returns the
     (batch, q_len, nheads, headdim) output."""
     packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs, attention_mask)
     if attention_mask is not None and (packed is None or q_len != kv_len or
                                        not _mask_is_the_packing(attention_mask, packed[0], is_causal, window_left)):
-        return masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal, softcap)
+        return masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal, softcap, dropout)
     if packed is not None:
         cu_q, cu_k, max_q, max_k = packed
         return masked.varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, bool(is_causal), window_left, sinks,
-                                  softcap)
+                                  softcap, dropout)
     # No mask: transformers' sdpa_mask returned None, so the pattern is plain causal or plain
     # bidirectional. As the sdpa path: one query token sees everything; with kv_len > q_len
     # (prefill into an empty static cache) the keys beyond q_len are empty slots: drop them.
@@ -298,7 +299,7 @@ def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, sof
         k, v = k[:, :q_len], v[:, :q_len]
     # right bound 0 for causal layers (decode's one query too), window_left for bidirectional ones
     window = (window_left, 0 if is_causal else window_left) if window_left >= 0 else (-1, -1)
-    return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks,
+    return flash_attn_func(q, k, v, dropout, softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks,
                            softcap=softcap)
 
 

@@ -84,18 +84,20 @@ def _connected_zeros(q, k, v, sinks):
     return out
 
 
-def varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, window_left=-1, sinks=None, softcap=0.0):
+def varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, window_left=-1, sinks=None, softcap=0.0,
+                dropout_p=0.0):
     """One varlen call over the flattened batch (sequences laid in its rows as cu_seqlens say,
     no unpadding), causal or not, with a causal window (window_left, 0) or a bidirectional one
     (window_left, window_left); returns the output in q's (B, L, H, D) shape."""
     window = (window_left, -1 if causal else window_left) if window_left >= 0 else (-1, -1)
     o = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
-                               cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=causal, window_size=window,
-                               sinks=sinks, softcap=softcap)
+                               cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale=scaling, causal=causal,
+                               window_size=window, sinks=sinks, softcap=softcap)
     return o.view(*q.shape[:-1], v.shape[-1])
 
 
-def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False, softcap=0.0):
+def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False, softcap=0.0,
+                     dropout_p=0.0):
     """Unpad, a few varlen calls (two without a window: the causal rows, the rows that see all
     their keys; one more per distinct count of windowed pad rows; three for a bidirectional
     window; one for packed sequences), pad (see the module docstring). q: (B, Lq, H, D) BSHD,
@@ -103,7 +105,8 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
     window's left bound (window_size[0]), -1 for none (bidirectional: a bidirectional window,
     bidirectional_window_plan); sinks: None or (H,) attention sinks, given to every call (a row
     that sees no key stays 0, which is also its value with a sink); softcap: logit soft-capping
-    (flash_attn_func's), given to every call. Returns (B, Lq, H, v's D).
+    (flash_attn_func's), given to every call; dropout_p: attention dropout (flash_attn_func's), given
+    to every call (each draws its own mask). Returns (B, Lq, H, v's D).
 
     Eagerly the mask's analysis (its pattern, the index tensors and sizes of the calls: an O(Lq
     Lk) pass and a few host syncs) is kept per mask tensor and version, so a model's layers,
@@ -123,14 +126,14 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
         if m.numel() == 0:
             return _connected_zeros(q, k, v, sinks)
         if window_left < 0:
-            return masked_attention_traced(q, k, v, m, scaling, sinks, softcap)
+            return masked_attention_traced(q, k, v, m, scaling, sinks, softcap, dropout_p)
         # The windowed split below reads sizes on the host (its number of calls depends on the
         # data): an explicit graph break, so fullgraph=True names the cause (not a guard error).
         torch._dynamo.graph_break(
             msg="flash_attn_ext: a sliding-window layer with an attention mask reads the sequence sizes on the "
                 "host, which torch.compile(fullgraph=True) cannot trace; compile without fullgraph (a graph "
                 "break per such call)")
-    return plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional)(q, k, v, scaling, sinks, softcap)
+    return plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional)(q, k, v, scaling, sinks, softcap, dropout_p)
 
 
 _PLANS: list = []  # the last few plans, most recent first: (weakref to the mask, its version, key, plan)
@@ -169,7 +172,7 @@ def plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional):
     return plan
 
 
-def _connected_zeros_plan(q, k, v, scaling, sinks, softcap=0.0):
+def _connected_zeros_plan(q, k, v, scaling, sinks, softcap=0.0, dropout_p=0.0):
     return _connected_zeros(q, k, v, sinks)
 
 
@@ -194,9 +197,8 @@ def padding_plan(m, window_left=-1):
     # the test before windows: the full rows of an element whose first row sees all keys are
     # still cut on the window's left, e.g. a one-element band of two queries past two keys.)
     if all_visible:
-        return lambda q, k, v, scaling, sinks, softcap=0.0: flash_attn_func(q, k, v, softmax_scale=scaling,
-                                                                             causal=False, sinks=sinks,
-                                                                             softcap=softcap)
+        return lambda q, k, v, scaling, sinks, softcap=0.0, dropout_p=0.0: flash_attn_func(
+            q, k, v, dropout_p, softmax_scale=scaling, causal=False, sinks=sinks, softcap=softcap)
     # Unpad: nonzero() lists (batch element, position) pairs in packed order. The calls share
     # the packed keys; an element without rows in a call is a zero-length query sequence there.
     kb, kj = k_in.nonzero().unbind(1)
@@ -220,13 +222,13 @@ def padding_plan(m, window_left=-1):
     calls = [(*rows.nonzero().unbind(1), cu_seqlens(counts), max_rows, causal, window)
              for rows, counts, max_rows, causal, window in calls]
 
-    def plan(q, k, v, scaling, sinks, softcap=0.0):
+    def plan(q, k, v, scaling, sinks, softcap=0.0, dropout_p=0.0):
         if not calls:
             return _connected_zeros(q, k, v, sinks)
         k_packed, v_packed = k[kb, kj], v[kb, kj]
         out = _out_zeros(q, v)                                   # rows that see no key stay 0
         for qb, qi, cu_q, max_rows, causal, window in calls:
-            o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, cu_q, cu_k, max_rows, max_k,
+            o = flash_attn_varlen_func(q[qb, qi], k_packed, v_packed, cu_q, cu_k, max_rows, max_k, dropout_p,
                                        softmax_scale=scaling, causal=causal, window_size=window, sinks=sinks,
                                        softcap=softcap)
             out = out.index_put((qb, qi), o)                     # pad
@@ -272,15 +274,15 @@ def bidirectional_window_plan(m, w):
         pads.append((rows, real, rows.clamp(0, Lq - 1), order))
     cu_q = torch.arange(B + 1, device=m.device, dtype=torch.int32) * P
 
-    def plan(q, k, v, scaling, sinks, softcap=0.0):
+    def plan(q, k, v, scaling, sinks, softcap=0.0, dropout_p=0.0):
         k_real, v_real = k[kb, kj], v[kb, kj]
-        o = flash_attn_varlen_func(q[kb, kj], k_real, v_real, cu, cu, max_n, max_n, softmax_scale=scaling,
+        o = flash_attn_varlen_func(q[kb, kj], k_real, v_real, cu, cu, max_n, max_n, dropout_p, softmax_scale=scaling,
                                    causal=False, window_size=(w, w), sinks=sinks, softcap=softcap)
         out = _out_zeros(q, v).index_put((kb, kj), o)
         for rows, real, rows_c, order in pads:
             kr, vr = (k_real, v_real) if order is None else (k_real[order], v_real[order])
-            o = flash_attn_varlen_func(q[b, rows_c].flatten(0, 1), kr, vr, cu_q, cu, P, max_n, softmax_scale=scaling,
-                                       causal=False, window_size=(w - P, -1), sinks=sinks,
+            o = flash_attn_varlen_func(q[b, rows_c].flatten(0, 1), kr, vr, cu_q, cu, P, max_n, dropout_p,
+                                       softmax_scale=scaling, causal=False, window_size=(w - P, -1), sinks=sinks,
                                        softcap=softcap).view(B, P, q.shape[2], v.shape[-1])
             out = out.index_put((b[real], rows[real]), o[real])
         return out
@@ -327,13 +329,12 @@ def packed_plan(m, window_left=-1):
     if not ok:  # (ok implies that row 0 of each element opens a sequence: none spans two elements)
         return None
     cu = cu_seqlens(lengths)
-    return lambda q, k, v, scaling, sinks, softcap=0.0: varlen_flat(q, k, v, cu, cu, max_len, max_len, scaling,
-                                                                    bool(causal_kind),
-                                                                    window_left if causal_kind else -1, sinks,
-                                                                    softcap)
+    return lambda q, k, v, scaling, sinks, softcap=0.0, dropout_p=0.0: varlen_flat(
+        q, k, v, cu, cu, max_len, max_len, scaling, bool(causal_kind), window_left if causal_kind else -1, sinks,
+        softcap, dropout_p)
 
 
-def masked_attention_traced(q, k, v, m, scaling, sinks=None, softcap=0.0):
+def masked_attention_traced(q, k, v, m, scaling, sinks=None, softcap=0.0, dropout_p=0.0):
     """masked_attention without host syncs or data-dependent shapes, for ``torch.compile``
     (fullgraph, CUDA graphs): transformers (before torch 2.14) builds a 4-D mask there even
     without padding, since while tracing it cannot rule out packed sequences in position_ids.
@@ -356,7 +357,7 @@ def masked_attention_traced(q, k, v, m, scaling, sinks=None, softcap=0.0):
         qs, nq, q_run = run_of(rows)
         ok = ok & q_run
         o = varlen_flat(q, k, v, blocked_cu_seqlens(qs, nq, Lq), blocked_cu_seqlens(ks, nk, Lk), Lq, Lk, scaling,
-                        causal, sinks=sinks, softcap=softcap)
+                        causal, sinks=sinks, softcap=softcap, dropout_p=dropout_p)
         out = torch.where(rows[:, :, None, None], o, out)
     assert_in_graph(ok.all(), "flash_attn_ext: under torch.compile a mask must be padding or causal+padding, one "
                               "run of real rows and keys per batch element (packed sequences: the collator "

@@ -36,6 +36,9 @@ class FlashAttention(nn.Module):
         window_size: (left, right) sliding window, as ``flash_attn_func``'s (default (-1, -1):
             none; a causal model's window of w keys is (w - 1, 0)); checked here (TypeError /
             RuntimeError naming it).
+        dropout_p: attention dropout probability in [0, 1) applied in training mode only
+            (``self.training``; flash_attn_func's ``dropout_p``; keyword-only; ValueError
+            otherwise).
 
     Forward:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
@@ -51,20 +54,29 @@ class FlashAttention(nn.Module):
     """
 
     def __init__(self, softmax_scale: float | None = None, causal: bool = False,
-                 window_size: tuple[int, int] = (-1, -1)):
+                 window_size: tuple[int, int] = (-1, -1), *, dropout_p: float = 0.0):
         super().__init__()
         self.softmax_scale = softmax_scale
         self.causal = causal
         self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
+        self.dropout_p = _dropout_p("FlashAttention", dropout_p)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = _autocast_and_check_dtype({"q": q, "k": k, "v": v})
-        return flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal,
-                               window_size=self.window_size)
+        return flash_attn_func(q, k, v, self.dropout_p if self.training else 0.0, softmax_scale=self.softmax_scale,
+                               causal=self.causal, window_size=self.window_size)
 
     def extra_repr(self) -> str:
         window = "" if self.window_size == (-1, -1) else f", window_size={self.window_size}"
-        return f"softmax_scale={self.softmax_scale}, causal={self.causal}{window}"
+        dropout = f", dropout_p={self.dropout_p}" if self.dropout_p else ""
+        return f"softmax_scale={self.softmax_scale}, causal={self.causal}{window}{dropout}"
+
+
+def _dropout_p(owner: str, dropout_p) -> float:
+    """A module's attention-dropout probability, checked at construction: a real number in [0, 1)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{owner}: dropout must be a number in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
 
 
 def rotary_cos_sin(seqlen: int, headdim: int, base: float = 10000.0, device=None,
@@ -124,6 +136,9 @@ class MultiheadFlashAttention(nn.Module):
             self-attention).
         rotary_base: the base of the rotary frequencies (theta_i = base^(-2i/headdim)).
         device, dtype: of the parameters.
+        dropout: attention dropout probability in [0, 1) on the attention weights, in training mode
+            only (torch.nn.MultiheadAttention's ``dropout``; keyword-only here; flash_attn_func's
+            ``dropout_p``, or torch SDPA's with backend="torch_sdpa").
         backend: "flash_attn_ext" (default) or "torch_sdpa": the same module computing the
             attention core with torch.nn.functional.scaled_dot_product_attention (same mask,
             same GQA), for comparisons such as examples/train_gpt.py.
@@ -134,7 +149,7 @@ class MultiheadFlashAttention(nn.Module):
     Raises (construction): ValueError when E is not divisible by H, H not by Hk, rotary with an
     odd headdim, a headdim above 256 with the flash_attn_ext backend, or an unknown backend.
 
-    Differences from torch.nn.MultiheadAttention: always batch-first; no dropout, add_bias_kv,
+    Differences from torch.nn.MultiheadAttention: always batch-first; dropout keyword-only; no add_bias_kv,
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
     matmul); ``need_weights`` must be False (attention weights are never materialised);
     ``key_padding_mask`` and ``attn_mask`` (the same for every head) run as unpadded varlen calls
@@ -150,7 +165,7 @@ class MultiheadFlashAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
                  bias: bool = True, causal: bool = False, rotary: bool = False,
                  rotary_base: float = 10000.0, device=None, dtype=None, *,
-                 backend: str = "flash_attn_ext", window_size: tuple[int, int] = (-1, -1)):
+                 backend: str = "flash_attn_ext", window_size: tuple[int, int] = (-1, -1), dropout: float = 0.0):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if embed_dim % num_heads != 0:
@@ -173,6 +188,7 @@ class MultiheadFlashAttention(nn.Module):
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
         self.backend = backend
         self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
+        self.dropout = _dropout_p("MultiheadFlashAttention", dropout)
         self.batch_first = True  # for code that inspects nn.MultiheadAttention's attribute
         factory = {"device": device, "dtype": dtype}
         qkv_dim = (num_heads + 2 * num_kv_heads) * head_dim
@@ -197,15 +213,17 @@ class MultiheadFlashAttention(nn.Module):
         # allowed: None, or (batch or 1, 1, seqlen_q, seqlen_k) bool, True where a query may see a
         # key by the key_padding_mask / attn_mask given (the module's causal mask and window added here).
         Lq, Lk = q.shape[1], k.shape[1]
+        dropout_p = self.dropout if self.training else 0.0
         if self.backend == "flash_attn_ext":
             q, k, v = _autocast_and_check_dtype({"query": q, "key": k, "value": v})
             if allowed is None:
-                return flash_attn_func(q, k, v, causal=causal, window_size=self.window_size)
+                return flash_attn_func(q, k, v, dropout_p, causal=causal, window_size=self.window_size)
             # A mask: the unpadded varlen calls of the masked path (flash_attn_ext.masked), with the
             # module's causal mask (and a causal window's left bound).
             mask = allowed & visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
             try:
-                return masked_attention(q, k, v, mask, None, self.window_size[0] if causal else -1)
+                return masked_attention(q, k, v, mask, None, self.window_size[0] if causal else -1,
+                                        dropout_p=dropout_p)
             except MaskNotSupported as e:
                 raise NotImplementedError(
                     f"MultiheadFlashAttention: with this key_padding_mask / attn_mask and the module's causal mask or "
@@ -220,7 +238,7 @@ class MultiheadFlashAttention(nn.Module):
             if allowed is not None:
                 mask = allowed & mask
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=dropout_p,
             is_causal=causal and mask is None, enable_gqa=self.num_kv_heads != self.num_heads)
         return out.transpose(1, 2)
 
@@ -417,4 +435,5 @@ class MultiheadFlashAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, causal={self.causal}, rotary={self.rotary}, "
-                f"backend={self.backend!r}" + ("" if self.window_size == (-1, -1) else f", window_size={self.window_size}"))
+                f"backend={self.backend!r}" + ("" if self.window_size == (-1, -1) else f", window_size={self.window_size}")
+                + (f", dropout={self.dropout}" if self.dropout else ""))

@@ -14,8 +14,8 @@ offset, top-left included) with padding, sequences packed block-diagonally; it r
 two varlen calls (flash_attn_ext.masked, the Hugging Face integration's unpadding), and a row
 that sees no key gets 0 (torch: NaN or 0, by version and backend).
 What is refused (clear error, never ignored): other masks (per head, additive biases, other
-patterns), ``attn_mask`` with ``is_causal=True`` (as torch), ``dropout_p`` != 0, inputs that are
-not 4-D, and float32/float64 inputs on CUDA outside autocast (the CUDA kernels are
+patterns), ``attn_mask`` with ``is_causal=True`` (as torch), ``dropout_p`` outside [0, 1) (torch takes
+1.0), inputs that are not 4-D, and float32/float64 inputs on CUDA outside autocast (the CUDA kernels are
 float16/bfloat16 only). Every check runs here, before the kernels, and names the arguments
 as torch does (query, key, value; BHSD shapes), never the kernels' internal BSHD q/k/v views.
 """
@@ -115,7 +115,9 @@ def scaled_dot_product_attention(
             torch.compile padding and causal + padding (one run of real rows and keys per batch
             element) run in a static-shape form, the pattern checked on the device (a
             RuntimeError / device-side assert otherwise).
-        dropout_p: must be 0.0 (no attention dropout).
+        dropout_p: attention dropout probability in [0, 1) (as torch: applied whenever given, pass
+            ``dropout_p if self.training else 0.0``): flash_attn_func's ``dropout_p`` (each kernel
+            call draws its own mask from torch's generator; on CUDA the sm80 kernels run it).
         is_causal: causal mask aligned to the top-left corner, exactly as torch: query i sees
             key j <= i. (flash_attn_ext's own ``causal`` is bottom-right aligned; this function
             converts, so the result equals torch's also when L != S.)
@@ -139,13 +141,13 @@ def scaled_dot_product_attention(
 
     Raises (before any kernel runs; messages name query/key/value and their BHSD shapes):
         NotImplementedError: an ``attn_mask`` of another pattern, per head, with bias values,
-            requiring grad or batched by vmap, ``dropout_p`` != 0, or a nested (jagged) tensor.
+            requiring grad or batched by vmap, or a nested (jagged) tensor.
         ValueError: ``attn_mask`` with ``is_causal=True``, or not broadcastable to (batch,
             nheads, L, S); inputs not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
             also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0), key/value
             without heads for a query with some (nheads = 0: an empty output, as torch),
             headdim <= 0 or > 256 (or without a compiled CUDA kernel), a
-            non-finite scale.
+            non-finite scale, ``dropout_p`` outside [0, 1).
         RuntimeError: query, key, value (or attn_mask) on different devices, or on a device
             other than cpu/cuda; under torch.compile, a mask that is not the static form's
             pattern (a device-side assert).
@@ -168,10 +170,6 @@ def scaled_dot_product_attention(
         if is_causal:
             raise ValueError("flash_attn_ext.scaled_dot_product_attention: attn_mask and is_causal=True were both "
                              "given (as torch refuses it); put the causal pattern into attn_mask, or pass one of them")
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"flash_attn_ext.scaled_dot_product_attention: dropout_p must be 0.0 (got {dropout_p}); "
-            "attention dropout is not implemented")
     _check_tensors(query=query, key=key, value=value)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
@@ -239,24 +237,24 @@ def scaled_dot_product_attention(
     # BHSD -> BSHD: views, no copy (the op takes any strides with a contiguous last dim).
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if attn_mask is not None:
-        return _masked(q, k, v, attn_mask, scale, (B, H, L, S)).transpose(1, 2)
+        return _masked(q, k, v, attn_mask, scale, (B, H, L, S), dropout_p).transpose(1, 2)
     if not is_causal or L == S:
         # L == S: top-left and bottom-right alignment are the same mask.
-        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=is_causal)
+        out = flash_attn_func(q, k, v, dropout_p, softmax_scale=scale, causal=is_causal)
     elif L < S:
         # Top-left: query i (< L) sees keys 0..i, so keys >= L are never seen; on the
         # remaining L x L square both alignments agree.
-        out = flash_attn_func(q, k[:, :L], v[:, :L], softmax_scale=scale, causal=True)
+        out = flash_attn_func(q, k[:, :L], v[:, :L], dropout_p, softmax_scale=scale, causal=True)
     else:
         # L > S, top-left: queries 0..S-1 form the causal S x S square; queries >= S see
         # every key (no mask).
-        head = flash_attn_func(q[:, :S], k, v, softmax_scale=scale, causal=True)
-        tail = flash_attn_func(q[:, S:], k, v, softmax_scale=scale, causal=False)
+        head = flash_attn_func(q[:, :S], k, v, dropout_p, softmax_scale=scale, causal=True)
+        tail = flash_attn_func(q[:, S:], k, v, dropout_p, softmax_scale=scale, causal=False)
         out = torch.cat([head, tail], dim=1)
     return out.transpose(1, 2)
 
 
-def _masked(q, k, v, attn_mask, scale, shape):
+def _masked(q, k, v, attn_mask, scale, shape, dropout_p=0.0):
     """scaled_dot_product_attention with an attn_mask: the mask brought to (batch or 1, 1, L, S),
     then flash_attn_ext.masked's varlen calls (its refusals worded for this function)."""
     from .masked import MaskNotSupported, masked_attention
@@ -283,7 +281,7 @@ def _masked(q, k, v, attn_mask, scale, shape):
             f"{mask.shape[1]} on the heads dim); masks the same for every head are supported, use "
             "torch.nn.functional.scaled_dot_product_attention for this one")
     try:
-        return masked_attention(q, k, v, mask.expand(mask.shape[0], 1, L, S), scale)
+        return masked_attention(q, k, v, mask.expand(mask.shape[0], 1, L, S), scale, dropout_p=dropout_p)
     except MaskNotSupported as e:
         raise NotImplementedError(
             f"flash_attn_ext.scaled_dot_product_attention: {e}; use "

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flash_attn_ext
+import flash_attn_ext.nn
 from accuracy import check_accuracy
 from conftest import make_qkv, require_hdim
 from flash_attn_ext import reference
@@ -323,3 +324,92 @@ def test_cuda_graph_replays_draw_new_masks():
         base, _ = attention_ref(q, k, v, 0.125, False, upcast=False, dropout_p=0.2, rng_state=rs.cpu())
         err, base_err = (out.double() - ref).abs().max().item(), (base.double() - ref).abs().max().item()
         assert err <= 2 * base_err + 1e-5
+
+
+# ---- the entries above the ops: the SDPA drop-in, the nn modules, the Hugging Face integration -----
+
+def _bhsd(*shape, dtype=torch.float64):
+    return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_dropout_is_flash_attn_funcs(is_causal):
+    """The SDPA drop-in's dropout_p without a mask is flash_attn_func's (the same mask under the same
+    seed), and p = 0 its call without dropout."""
+    from flash_attn_ext import scaled_dot_product_attention
+
+    q, k, v = (_bhsd(2, 4, 24, 32) for _ in range(3))
+    torch.manual_seed(21)
+    got = scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=is_causal)
+    torch.manual_seed(21)
+    want = flash_attn_ext.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.3,
+                                          causal=is_causal).transpose(1, 2)
+    assert torch.equal(got, want)
+    assert torch.equal(scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=is_causal),
+                       scaled_dot_product_attention(q, k, v, is_causal=is_causal))
+
+
+def test_masked_dropout_is_unbiased():
+    """Through a padding mask (the masked path's varlen calls, each drawing its own mask) dropout is
+    unbiased: the mean of many draws is the output without dropout (within 6 standard errors per
+    element, float64), rows without a key stay 0, and every draw is finite with gradients."""
+    from flash_attn_ext import scaled_dot_product_attention
+
+    B, H, L, D, p, n = 2, 2, 12, 8, 0.5, 400
+    q, k, v = (_bhsd(B, H, L, D) for _ in range(3))
+    allowed = torch.ones(B, 1, L, L, dtype=torch.bool)
+    allowed[0, :, :, 9:] = False                      # key padding in element 0
+    allowed[1, :, 10:, :] = False                     # query padding in element 1: rows without a key
+    plain = scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    draws = torch.stack([scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p).detach()
+                         for _ in range(n)])
+    assert torch.isfinite(draws).all() and (draws[:, 1, :, 10:] == 0).all()
+    se = draws.std(0) / math.sqrt(n)
+    assert ((draws.mean(0) - plain.detach()).abs() <= 6 * se + 1e-12).all()
+    out = scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_modules_drop_in_training_only():
+    """FlashAttention(dropout_p=) and MultiheadFlashAttention(dropout=) apply dropout in training
+    mode (flash_attn_func's, the same mask under the same seed) and never in eval mode."""
+    q, k, v = (torch.randn(2, 16, 2, 32, dtype=torch.float64) for _ in range(3))
+    layer = flash_attn_ext.nn.FlashAttention(causal=True, dropout_p=0.25)
+    assert torch.equal(layer.eval()(q, k, v), flash_attn_ext.flash_attn_func(q, k, v, causal=True))
+    torch.manual_seed(8)
+    got = layer.train()(q, k, v)
+    torch.manual_seed(8)
+    assert torch.equal(got, flash_attn_ext.flash_attn_func(q, k, v, 0.25, causal=True))
+    x = torch.randn(2, 16, 64, dtype=torch.float64)
+    for backend in ("flash_attn_ext", "torch_sdpa"):
+        torch.manual_seed(0)
+        mha = flash_attn_ext.nn.MultiheadFlashAttention(64, 4, causal=True, dtype=torch.float64, backend=backend,
+                                                     dropout=0.3)
+        torch.manual_seed(0)
+        plain = flash_attn_ext.nn.MultiheadFlashAttention(64, 4, causal=True, dtype=torch.float64, backend=backend)
+        assert torch.equal(mha.eval()(x)[0], plain.eval()(x)[0])
+        a, b = mha.train()(x)[0], mha(x)[0]
+        assert torch.isfinite(a).all() and not torch.equal(a, b) and not torch.equal(a, plain(x)[0])
+    for bad in (1.0, -0.1, True, "0.1"):
+        with pytest.raises(ValueError, match="dropout"):
+            flash_attn_ext.nn.MultiheadFlashAttention(64, 4, dropout=bad)
+        with pytest.raises(ValueError, match="dropout"):
+            flash_attn_ext.nn.FlashAttention(dropout_p=bad)
+
+
+def test_transformers_attention_forward_dropout():
+    """The Hugging Face integration's ``dropout`` (transformers passes the layer's attention_dropout
+    in training) is flash_attn_func's dropout_p: the same mask under the same seed."""
+    pytest.importorskip("transformers")
+    from flash_attn_ext import integrations as fx
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    q, k, v = (_bhsd(2, 4, 16, 32) for _ in range(3))
+    torch.manual_seed(4)
+    got, _ = fx.flash_attn_ext_attention_forward(Layer(), q, k, v, None, dropout=0.1)
+    torch.manual_seed(4)
+    want = flash_attn_ext.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.1, causal=True)
+    assert torch.equal(got, want)

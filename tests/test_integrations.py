@@ -266,8 +266,8 @@ def test_unsupported_patterns_are_refused():
         fx.flash_attn_ext_attention_forward(m, q, q, q, torch.randn(1, 1, 16, 16))
     with pytest.raises(NotImplementedError, match="shape"):
         fx.flash_attn_ext_attention_forward(m, q, q, q, torch.ones(1, 2, 16, 16, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fx.flash_attn_ext_attention_forward(m, q, q, q, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="dropout_p > 0 with softcap"):
+        fx.flash_attn_ext_attention_forward(m, q, q, q, None, dropout=0.1, softcap=30.0)
     with pytest.raises(NotImplementedError, match="position_bias"):
         fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_bias=torch.zeros(1, 2, 16, 16))
     q2 = _bhsd(2, 2, 16, 32, 15)                     # padding in element 0, a window in 1

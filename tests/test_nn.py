@@ -466,8 +466,8 @@ def test_sdpa_refuses_what_it_does_not_do():
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 7, dtype=torch.bool))
     with pytest.raises(TypeError, match="bool or floating"):
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        scaled_dot_product_attention(q, q, q, dropout_p=1.0)
     with pytest.raises(ValueError, match="enable_gqa"):
         scaled_dot_product_attention(q, k, k)
     with pytest.raises(ValueError, match="4-D"):
