@@ -79,12 +79,14 @@ struct DropoutRng {
     return x >= threshold;
   }
 
-  // The keep flags of a thread's C fragments acc[ma][nb][e] of one score tile (kKeyRows = false:
-  // rows are queries, the S tile; true: rows are keys, S^T): element (ma, nb, e) sits at row
-  // row0 + 16 ma + 8 (e / 2), column col0 + 8 nb + (e % 2), with row0 % 16 < 8 and col0 % 16 < 2
-  // (row0 = tile row + lane / 4, col0 = tile column + 2 (lane % 4); tiles start at multiples of 16).
-  template <bool kKeyRows, int kMA, int kNB>
-  FLASH_HOST_DEVICE void keep_fragments(uint32_t bh, int row0, int col0, bool (&keep)[kMA][kNB][4]) const {
+  // Visits a thread's C fragments acc[ma][nb][e] of one score tile (kKeyRows = false: rows are
+  // queries, the S tile; true: rows are keys, S^T), ma < kMA, nb < kNB, as f(ma, nb, e, kept), unit
+  // by unit right after the unit's Philox call (so no tile of flags is held: the kernels run at their
+  // register limit). Element (ma, nb, e) sits at row row0 + 16 ma + 8 (e / 2), column col0 + 8 nb +
+  // (e % 2), with row0 % 16 < 8 and col0 % 16 < 2 (row0 = tile row + lane / 4, col0 = tile column +
+  // 2 (lane % 4); tiles start at multiples of 16).
+  template <bool kKeyRows, int kMA, int kNB, typename F>
+  FLASH_HOST_DEVICE void for_each_kept(uint32_t bh, int row0, int col0, F&& f) const {
     static_assert(kNB % 2 == 0, "n8 blocks pair up into the units' 16 columns");
 #if defined(__CUDA_ARCH__)
 #pragma unroll
@@ -101,10 +103,10 @@ struct DropoutRng {
           const int row = row0 + 16 * ma, col = col0 + 16 * np + c;
           const Philox4 r = kKeyRows ? unit(bh, col, row) : unit(bh, row, col);
           // (row, col) is the unit's corner; col + 8 is block 2 np + 1, row + 8 is e + 2.
-          keep[ma][2 * np][c] = r.x >= threshold;
-          keep[ma][2 * np + 1][c] = (kKeyRows ? r.z : r.y) >= threshold;
-          keep[ma][2 * np][2 + c] = (kKeyRows ? r.y : r.z) >= threshold;
-          keep[ma][2 * np + 1][2 + c] = r.w >= threshold;
+          f(ma, 2 * np, c, r.x >= threshold);
+          f(ma, 2 * np + 1, c, (kKeyRows ? r.z : r.y) >= threshold);
+          f(ma, 2 * np, 2 + c, (kKeyRows ? r.y : r.z) >= threshold);
+          f(ma, 2 * np + 1, 2 + c, r.w >= threshold);
         }
       }
     }

@@ -166,62 +166,58 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
         }
       }
     });
-    // Dropout: the keep flags of this warp's S^T elements (rows: keys; columns: the Q tile's rows).
-    [[maybe_unused]] bool keep[kDropout ? kMA : 1][kDropout ? T::kNBlkM : 2][4];
-    if constexpr (kDropout) {
-      const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.head(it));
-      dropout.template keep_fragments<true>(bh, w.n0 + kWarpRows * warp_n + g, m0 + 2 * t, keep);
-    }
-    // P^T (dropout: Z o P^T) as Element A fragments (k16 slices of Q rows, per atom) for dV += P^T dO.
+    // P^T as Element A fragments (k16 slices of Q rows, per atom) for dV += P^T dO (the dropout
+    // twin: after dP^T, below).
     uint32_t a_p[kBlockM / 16][kMA][4];
+    auto p_fragments = [&] {
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
-      for (int ma = 0; ma < kMA; ++ma) {
-        if constexpr (kDropout) {
-          float pd[T::kNBlkM][4];
-#pragma unroll
-          for (int nb = 0; nb < T::kNBlkM; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) pd[nb][e] = keep[ma][nb][e] ? acc_s[ma][nb][e] : 0.f;
-          acc_to_a_frag<T::kNBlkM, Element>(a_p[kk][ma], pd, kk);
-        } else {
-          acc_to_a_frag<T::kNBlkM, Element>(a_p[kk][ma], acc_s[ma], kk);
-        }
+        for (int ma = 0; ma < kMA; ++ma) acc_to_a_frag<T::kNBlkM, Element>(a_p[kk][ma], acc_s[ma], kk);
       }
-    }
+    };
+    if constexpr (!kDropout) p_fragments();
 
     // Alg. 2 line 14 (transposed): dP^T = V_j dO_i^T.
     float acc_dp[kMA][T::kNBlkM][4];
     zero_acc(acc_dp);
     gemm_abt_smem<kMA, T::kNBlkM, kHeadDim>(acc_dp, sV, kWarpRows * warp_n, sdO, lane);
 
-    // Alg. 2 line 15: dS^T = P^T o (dP^T - D) in place (D broadcast along the K rows). With
-    // kPRounded, P^T is read back from its Element fragments (what the baseline's softmax
-    // backward also uses) so the fp32 copy is dead during the dP^T product: 16 fewer registers.
+    if constexpr (kDropout) {
+      // Dropout, one pass per unit of the mask (rows: keys; columns: the Q tile's rows): dS^T = P^T o
+      // (Z o dP^T rp - D) into acc_dp, then Z o P^T into acc_s, whose fragments feed dV.
+      const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.head(it));
+      dropout.template for_each_kept<true, kMA, T::kNBlkM>(
+          bh, w.n0 + kWarpRows * warp_n + g, m0 + 2 * t, [&](int ma, int nb, int e, bool kept) {
+            const float p = acc_s[ma][nb][e], dsum = sDsum[nb * 8 + 2 * t + e % 2];
+            acc_dp[ma][nb][e] = p * ((kept ? acc_dp[ma][nb][e] * params.dropout_rp : 0.f) - dsum);
+            acc_s[ma][nb][e] = kept ? p : 0.f;
+          });
+      p_fragments();
+    } else {
+      // Alg. 2 line 15: dS^T = P^T o (dP^T - D) in place (D broadcast along the K rows). With
+      // kPRounded, P^T is read back from its Element fragments (what the baseline's softmax
+      // backward also uses) so the fp32 copy is dead during the dP^T product: 16 fewer registers.
 #pragma unroll
-    for (int nb = 0; nb < T::kNBlkM; ++nb) {
-      const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + nb * 8 + 2 * t);
+      for (int nb = 0; nb < T::kNBlkM; ++nb) {
+        const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + nb * 8 + 2 * t);
 #pragma unroll
-      for (int ma = 0; ma < kMA; ++ma) {
+        for (int ma = 0; ma < kMA; ++ma) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // h: row g (e = 0,1) or g + 8 (e = 2,3)
-          float2 p;
-          if constexpr (kPRounded) {
-            p = unpack2<Element>(a_p[nb / 2][ma][(nb % 2) * 2 + h]);
-          } else {
-            p = make_float2(acc_s[ma][nb][2 * h], acc_s[ma][nb][2 * h + 1]);
-          }
-          if constexpr (kDropout) {  // Z o dP^T rp
-            acc_dp[ma][nb][2 * h] = keep[ma][nb][2 * h] ? acc_dp[ma][nb][2 * h] * params.dropout_rp : 0.f;
-            acc_dp[ma][nb][2 * h + 1] = keep[ma][nb][2 * h + 1] ? acc_dp[ma][nb][2 * h + 1] * params.dropout_rp : 0.f;
-          }
-          acc_dp[ma][nb][2 * h] = p.x * (acc_dp[ma][nb][2 * h] - dsum2.x);
-          acc_dp[ma][nb][2 * h + 1] = p.y * (acc_dp[ma][nb][2 * h + 1] - dsum2.y);
-          if constexpr (kSoftcap) {  // times 1 - t^2 of elements (2h, 2h + 1): flat pair (ma kNBlkM + nb) 2 + h
-            const float2 c = dt.pair((ma * T::kNBlkM + nb) * 2 + h);
-            acc_dp[ma][nb][2 * h] *= c.x;
-            acc_dp[ma][nb][2 * h + 1] *= c.y;
+          for (int h = 0; h < 2; ++h) {  // h: row g (e = 0,1) or g + 8 (e = 2,3)
+            float2 p;
+            if constexpr (kPRounded) {
+              p = unpack2<Element>(a_p[nb / 2][ma][(nb % 2) * 2 + h]);
+            } else {
+              p = make_float2(acc_s[ma][nb][2 * h], acc_s[ma][nb][2 * h + 1]);
+            }
+            acc_dp[ma][nb][2 * h] = p.x * (acc_dp[ma][nb][2 * h] - dsum2.x);
+            acc_dp[ma][nb][2 * h + 1] = p.y * (acc_dp[ma][nb][2 * h + 1] - dsum2.y);
+            if constexpr (kSoftcap) {  // times 1 - t^2 of elements (2h, 2h + 1): flat pair (ma kNBlkM + nb) 2 + h
+              const float2 c = dt.pair((ma * T::kNBlkM + nb) * 2 + h);
+              acc_dp[ma][nb][2 * h] *= c.x;
+              acc_dp[ma][nb][2 * h + 1] *= c.y;
+            }
           }
         }
       }

@@ -167,12 +167,16 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     zero_acc(acc_dp);
     gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_dp, sdO, warp_row0, sV, lane);
 
-    // Dropout: the keep flags of this warp's S elements.
-    [[maybe_unused]] bool keep[kDropout ? kMA : 1][kDropout ? T::kNBlkN : 2][4];
-    if constexpr (kDropout) dropout.template keep_fragments<false>(dropout_bh, row_lo, n0 + 2 * t, keep);
+    // Dropout: dP -> Z o dP rp in place (dS below then is P o (Z o dP rp - D)).
+    if constexpr (kDropout) {
+      dropout.template for_each_kept<false, kMA, T::kNBlkN>(dropout_bh, row_lo, n0 + 2 * t,
+                                                            [&](int ma, int nb, int e, bool kept) {
+                                                              acc_dp[ma][nb][e] =
+                                                                  kept ? acc_dp[ma][nb][e] * params.dropout_rp : 0.f;
+                                                            });
+    }
 
-    // Alg. 2 line 15: dS = P o (dP - D) (in acc_dp; without kPRounded, P (line 12) is made here;
-    // dropout: dS = P o (Z o dP rp - D)).
+    // Alg. 2 line 15: dS = P o (dP - D) (in acc_dp; without kPRounded, P (line 12) is made here).
     auto make_ds = [&](auto ex) {
 #pragma unroll
       for (int ma = 0; ma < kMA; ++ma) {
@@ -187,9 +191,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
             } else {
               p = p_of(ex, acc_s[ma][nb][e], n0, ma, nb, e);
             }
-            float dp = acc_dp[ma][nb][e];
-            if constexpr (kDropout) dp = keep[ma][nb][e] ? dp * params.dropout_rp : 0.f;
-            acc_dp[ma][nb][e] = p * (dp - dsum[ma][e / 2]);
+            acc_dp[ma][nb][e] = p * (acc_dp[ma][nb][e] - dsum[ma][e / 2]);
           }
         }
       }

@@ -206,15 +206,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
       // Dropout (kDropout): Z o P, the row sums l above being of P itself.
       if constexpr (kDropout) {
-        bool keep[kMAtoms][kNAtoms][4];
-        dropout.template keep_fragments<false>(dropout_bh, w.m0 + warp_row0 + lane / 4, n * kBlockN + 2 * (lane % 4),
-                                               keep);
-#pragma unroll
-        for (int mi = 0; mi < kMAtoms; ++mi)
-#pragma unroll
-          for (int ni = 0; ni < kNAtoms; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mi][ni][e] = keep[mi][ni][e] ? s[mi][ni][e] : 0.f;
+        dropout.template for_each_kept<false, kMAtoms, kNAtoms>(
+            dropout_bh, w.m0 + warp_row0 + lane / 4, n * kBlockN + 2 * (lane % 4),
+            [&](int mi, int ni, int e, bool kept) { s[mi][ni][e] = kept ? s[mi][ni][e] : 0.f; });
       }
 
       // Alg. 1 line 10: O += P V_n. The S accumulator of n8 atoms 2kk, 2kk+1 is exactly the

@@ -14,13 +14,19 @@ namespace sm80 {
 template <typename Traits>
 void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   static_assert(Traits::kSmemBytes <= kMaxSmem, "forward tile row exceeds sm_80 shared memory");
-  // The call's twin of the kernel (a window's left bound, soft-capping, dropout: flash_fwd_kernel.cuh).
+  if (params.dropout_p > 0.0) {  // attention dropout: its twin on its own row (tile_config.h: FwdDropoutTile)
+    using Dropout = FwdKernelTraits<typename Traits::Element, Traits::kHeadDim, FwdDropoutTile<Traits::kHeadDim>>;
+    static_assert(Dropout::kSmemBytes <= 99 * 1024, "the dropout row fits every sm_8x GPU's shared memory");
+    launch_tiles<Dropout, QTileWork<Dropout::kBlockM, Dropout::kBlockN, false>>(
+        &flash_fwd_kernel<Dropout, false, false, true>, "forward (dropout)", params, stream);
+    return;
+  }
+  // The call's twin of the kernel (a window's left bound, soft-capping: flash_fwd_kernel.cuh).
   launch_tiles<Traits, QTileWork<Traits::kBlockM, Traits::kBlockN, false>>(
-      pick_twin_dropout(params,
-                        [](auto local, auto softcap, auto dropout) {
-                          return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value,
-                                                   decltype(dropout)::value>;
-                        }),
+      pick_twin(params,
+                [](auto local, auto softcap) {
+                  return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value>;
+                }),
       "forward", params, stream);
 }
 
