@@ -1017,6 +1017,44 @@ def _check_causal_lm_loss(what, ours, ref, base, labels):
     torch.testing.assert_close(ours[1].double(), token_losses(ours[0]).mean(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_training_with_attention_dropout(arch, name, count_calls):
+    """A model trained with attention dropout (GPT-2's attn_pdrop, Llama's attention_dropout) on a
+    padded batch runs our kernels with the layer's dropout in train mode (flash_attn_func's dropout_p:
+    the same seed the same logits, another seed others; finite loss and gradients) and none in eval
+    mode (the logits of the model without dropout)."""
+    cfg, cls = _tiny_causal_lm(arch)
+    if arch == "gpt2":
+        cfg.attn_pdrop = 0.2
+    else:
+        cfg.attention_dropout = 0.2
+    torch.manual_seed(0)
+    base_model = cls(cfg)
+    ids = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    attn = _padding_mask([16, 9], 16).long()
+    ours = _model_as(cls, cfg, base_model, name, torch.float32)
+
+    def logits(model, seed):
+        torch.manual_seed(seed)
+        return model(input_ids=ids, attention_mask=attn).logits
+
+    n_before = len(count_calls)
+    ours.train()
+    a, b, c = logits(ours, 1), logits(ours, 1), logits(ours, 2)
+    assert len(count_calls) > n_before and torch.equal(a, b) and not torch.equal(a, c)
+    loss = ours(input_ids=ids, attention_mask=attn, labels=ids.masked_fill(attn == 0, -100)).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
+    plain_cfg = copy.deepcopy(cfg)
+    if arch == "gpt2":
+        plain_cfg.attn_pdrop = 0.0
+    else:
+        plain_cfg.attention_dropout = 0.0
+    plain = _model_as(cls, plain_cfg, base_model, name, torch.float32).eval()
+    valid = attn.bool()
+    assert torch.equal(logits(ours.eval(), 3)[valid], logits(plain, 4)[valid])
+
+
 @pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float32, id="cpu-fp32"),
                                           pytest.param("cuda", torch.bfloat16, id="cuda-bf16",
                                                        marks=requires_cuda)])
