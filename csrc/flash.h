@@ -82,7 +82,7 @@ struct Flash_fwd_params : public Qkv_params {
   // without dropout. The kernels' kDropout twin reads these four; the API sets them.
   double dropout_p = 0.0;           // p (double: the CPU twin's float64 path scales by 1 / (1 - p) exactly)
   uint32_t dropout_threshold = 0;  // an element is dropped iff its 32-bit random < threshold
-  float dropout_rp = 1.f;          // 1 / (1 - p)
+  float dropout_rp = 1.f;          // 1 / (1 - threshold / 2^32)
   const int64_t* __restrict__ dropout_rng_state = nullptr;  // (seed, offset) int64, on the op's device
   // The sequence index of batch 0 for the mask's positions (the CPU twin runs a varlen call one
   // sequence at a time; the CUDA kernels read the sequence index itself): 0 otherwise.

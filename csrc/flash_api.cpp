@@ -280,7 +280,9 @@ DropoutArgs check_dropout(double dropout_p, const c10::optional<Tensor>& rng_sta
                     "; expected int64 of shape (2,): (seed, offset)");
   TORCH_CHECK_NOT_IMPLEMENTED(mask.window_left < 0 && softcap == 0.0,
                               "flash_attn_ext: dropout_p > 0 with ",
-                              softcap != 0.0 ? "softcap > 0" : "a sliding window's left bound (window_size[0] >= 0)",
+                              softcap != 0.0 ? "softcap > 0"
+                                             : "a sliding window's left bound that hides keys (0 <= window_size[0] < "
+                                               "seqlen_k - 1)",
                               " is not supported; dropout runs with causal or full attention, without soft-capping");
   return {dropout_p, r.contiguous()};
 }
@@ -288,8 +290,10 @@ DropoutArgs check_dropout(double dropout_p, const c10::optional<Tensor>& rng_sta
 void set_dropout(flash::Flash_fwd_params& p, const DropoutArgs& dropout) {
   if (dropout.p == 0.0) return;
   p.dropout_p = dropout.p;
+  // rp from the probability the threshold resolves (p as a multiple of 2^-32, at most 1 - 2^-32), so
+  // the kept ones' scale keeps the output unbiased for the probability actually used.
   p.dropout_threshold = uint32_t(std::min(std::llround(dropout.p * 4294967296.0), 4294967295LL));
-  p.dropout_rp = float(1.0 / (1.0 - dropout.p));
+  p.dropout_rp = float(1.0 / (1.0 - p.dropout_threshold / 4294967296.0));
   p.dropout_rng_state = dropout.rng_state.data_ptr<int64_t>();
 }
 

@@ -156,7 +156,8 @@ def check_dropout(dropout_p: float, rng_state, q, window_size_left: int, causal:
                          "expected int64 of shape (2,): (seed, offset)")
     left = 0 <= window_size_left < seqlen_k - 1
     if left or softcap != 0.0:
-        what = "softcap > 0" if softcap != 0.0 else "a sliding window's left bound (window_size[0] >= 0)"
+        what = ("softcap > 0" if softcap != 0.0
+                else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1)")
         raise NotImplementedError(f"flash_attn_ext: dropout_p > 0 with {what} is not supported; dropout runs with "
                                   "causal or full attention, without soft-capping")
 

@@ -83,7 +83,7 @@ import weakref
 
 import torch
 
-from .interface import _cut, _kernel_layout, _softcap, flash_attn_func
+from .interface import _cut, _dropout_p, _kernel_layout, _softcap, flash_attn_func
 from . import masked
 from .masked import MaskNotSupported, allowed_from_mask, masked_attention
 from .sdpa import _autocast_and_check_dtype
@@ -211,7 +211,7 @@ def flash_attn_ext_attention_forward(
             raise TypeError("flash_attn_ext attention: both `s_aux` and `sinks` were given; they are two names "
                             "of the same argument (the attention sinks), pass one")
         sinks = kwargs["sinks"]
-    dropout = float(dropout or 0.0)
+    dropout = 0.0 if dropout is None else _dropout_p(dropout, "dropout", "flash_attn_ext attention")
     if kwargs.get("output_attentions"):
         raise NotImplementedError(
             "flash_attn_ext attention: output_attentions=True is not supported (the attention "

@@ -346,22 +346,26 @@ def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic,
     if (type(dropout_p) is float and dropout_p == 0.0 and alibi_slopes is None and deterministic is False
             and return_attn_probs is False):
         return _softcap(softcap), False, 0.0  # the defaults, checked cheaply (eager calls pay this per layer)
-    if isinstance(dropout_p, (bool, str, bytes)) or _is_numpy_bool(dropout_p):
-        raise TypeError(f"flash_attn_ext: dropout_p must be a real number, got {type(dropout_p).__name__} "
-                        f"{dropout_p!r}")
-    try:
-        dropout = float(dropout_p)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"flash_attn_ext: dropout_p must be a real number, got {type(dropout_p).__name__} "
-                        f"{dropout_p!r}") from None
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"flash_attn_ext: dropout_p must be in [0, 1), got {dropout_p!r}")
+    dropout = _dropout_p(dropout_p)
     softcap = _softcap(softcap)
     if alibi_slopes is not None:
         raise NotImplementedError("flash_attn_ext: alibi_slopes: ALiBi biases are not supported; pass None")
     if deterministic is not None:  # None: flash-attn < 2.7 took it (as False); the backward is always deterministic
         _as_bool("deterministic", deterministic)
     return softcap, _as_bool("return_attn_probs", return_attn_probs), dropout
+
+
+def _dropout_p(value, name: str = "dropout_p", owner: str = "flash_attn_ext") -> float:
+    """An attention-dropout probability as a Python float: a real number (``_real``: TypeError for
+    a bool, None, a string, a tensor that requires grad, ...) in [0, 1) (ValueError otherwise), the
+    message naming ``name`` (and ``owner``: the entry that was called)."""
+    try:
+        p = _real(name, value)
+    except TypeError as e:
+        raise TypeError(str(e).replace("flash_attn_ext:", f"{owner}:", 1)) from None
+    if not 0.0 <= p < 1.0:  # NaN fails
+        raise ValueError(f"{owner}: {name} must be in [0, 1), got {value!r}")
+    return p
 
 
 def dropout_rng_state(device) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .interface import _window, flash_attn_func
+from .interface import _dropout_p, _window, flash_attn_func
 from .masked import MaskNotSupported, allowed_from_mask, assert_in_graph, masked_attention
 from .reference import visible_mask
 from .sdpa import _autocast_and_check_dtype
@@ -37,8 +37,8 @@ class FlashAttention(nn.Module):
             none; a causal model's window of w keys is (w - 1, 0)); checked here (TypeError /
             RuntimeError naming it).
         dropout_p: attention dropout probability in [0, 1) applied in training mode only
-            (``self.training``; flash_attn_func's ``dropout_p``; keyword-only; ValueError
-            otherwise).
+            (``self.training``; flash_attn_func's ``dropout_p``; keyword-only; TypeError for a
+            non-number, ValueError outside [0, 1), both naming it).
 
     Forward:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
@@ -59,7 +59,7 @@ class FlashAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.causal = causal
         self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
-        self.dropout_p = _dropout_p("FlashAttention", dropout_p)
+        self.dropout_p = _dropout_p(dropout_p, "dropout_p", "FlashAttention")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = _autocast_and_check_dtype({"q": q, "k": k, "v": v})
@@ -71,12 +71,6 @@ class FlashAttention(nn.Module):
         dropout = f", dropout_p={self.dropout_p}" if self.dropout_p else ""
         return f"softmax_scale={self.softmax_scale}, causal={self.causal}{window}{dropout}"
 
-
-def _dropout_p(owner: str, dropout_p) -> float:
-    """A module's attention-dropout probability, checked at construction: a real number in [0, 1)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{owner}: dropout must be a number in [0, 1), got {dropout_p!r}")
-    return float(dropout_p)
 
 
 def rotary_cos_sin(seqlen: int, headdim: int, base: float = 10000.0, device=None,
@@ -188,7 +182,7 @@ class MultiheadFlashAttention(nn.Module):
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
         self.backend = backend
         self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
-        self.dropout = _dropout_p("MultiheadFlashAttention", dropout)
+        self.dropout = _dropout_p(dropout, "dropout", "MultiheadFlashAttention")
         self.batch_first = True  # for code that inspects nn.MultiheadAttention's attribute
         factory = {"device": device, "dtype": dtype}
         qkv_dim = (num_heads + 2 * num_kv_heads) * head_dim

@@ -279,13 +279,18 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.window = tuple(inputs[5:7]) + (-1, -1)[len(inputs[5:7]):]  # (left, right)
         sinks = inputs[7] if len(inputs) > 7 else None
         ctx.softcap = inputs[8] if len(inputs) > 8 else 0.0
-        ctx.dropout = (inputs[9], inputs[10]) if len(inputs) > 10 else (0.0, None)  # (dropout_p, rng_state)
+        ctx.dropout_p = inputs[9] if len(inputs) > 9 else 0.0
+        rng_state = inputs[10] if len(inputs) > 10 else None
         ctx.num_inputs = len(inputs)
         ctx.has_sinks = sinks is not None
+        ctx.has_rng_state = rng_state is not None
         out, softmax_lse, softmax_stats = output
         # The same tensors, in the same order, for both modes: the generated vmap rule keeps one
         # list of batch dims for the saved tensors (two different lists broke reverse over vmap).
-        saved = (q, k, v, out, softmax_lse, softmax_stats) + ((sinks,) if ctx.has_sinks else ())
+        # rng_state last, saved so that an in-place change before the backward is an error (its
+        # mask would be another one).
+        saved = ((q, k, v, out, softmax_lse, softmax_stats) + ((sinks,) if ctx.has_sinks else ())
+                 + ((rng_state,) if ctx.has_rng_state else ()))
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)
         ctx.softmax_scale = softmax_scale
@@ -297,24 +302,25 @@ class FlashAttnFunction(torch.autograd.Function):
         # dlse, dstats are ignored: softmax_lse and softmax_stats are non-differentiable.
         q, k, v, out, softmax_lse, softmax_stats = ctx.saved_tensors[:6]
         sinks = ctx.saved_tensors[6] if ctx.has_sinks else None
+        dropout = (ctx.dropout_p, ctx.saved_tensors[-1] if ctx.has_rng_state else None)
         want_dsinks = ctx.has_sinks and ctx.needs_input_grad[7]
         if want_dsinks and _fused_dsinks():
             # The op fills dsinks from its own workspace (D and the LSE of the preprocess): no pass
             # over dout / out of its own.
             dq, dk, dv, dsinks = torch.ops.flash_attn_ext.backward_dsinks(
                 dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks,
-                ctx.softcap, *ctx.dropout)
+                ctx.softcap, *dropout)
         else:
             dq, dk, dv = FlashAttnBackwardFunction.apply(
                 dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks,
-                ctx.softcap, *ctx.dropout)
+                ctx.softcap, *dropout)
             dsinks = SinksGradFunction.apply(dout, out, softmax_lse.transpose(1, 2), sinks, None,
                                              softmax_stats.transpose(2, 3)) if want_dsinks else None
         return _input_grads(ctx.num_inputs, (dq, dk, dv), 7, dsinks)
 
     @staticmethod
     def jvp(ctx, q_t, k_t, v_t, *scalar_tangents):
-        _no_dropout_jvp(ctx.dropout[0])
+        _no_dropout_jvp(ctx.dropout_p)
         q, k, v = ctx.saved_tensors[:3]
         sinks = ctx.saved_tensors[6] if ctx.has_sinks else None
         sinks_t = scalar_tangents[4] if ctx.has_sinks else None
@@ -524,12 +530,15 @@ def _sinks_not_vmapped(in_dims, index):
                                   "sample) is not supported; vmap over q / k / v with one sinks tensor")
 
 
-def _rng_state_not_vmapped(in_dims, index):
-    """One dropout rng_state serves the folded batch (the samples then take the mask of their folded
-    batch index, the forward's and the backward's alike)."""
-    if len(in_dims) > index and in_dims[index] is not None:
-        raise NotImplementedError("flash_attn_ext: vmap over rng_state (a dropout rng_state per vmapped sample) "
-                                  "is not supported; vmap over q / k / v with one rng_state")
+def _vmap_by_sample(info, in_dims, op, args):
+    """The op once per vmapped sample, outputs stacked on dim 0: the rule with dropout, where
+    folding the samples into the batch would give sample i the mask of batch indices i * batch + b
+    instead of the b an unvmapped call with the same rng_state (or the sample's own, under
+    randomness="different") draws; so vmap(f)(x)[i] = f(x[i]), and torch.func.jacrev (a backward
+    vmapped over cotangents) regenerates the forward's mask."""
+    dims = tuple(in_dims) + (None,) * (len(args) - len(in_dims))
+    outs = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, dims))) for i in range(info.batch_size)]
+    return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
 
 
 def _unfold(t, batch_size, at=0):
@@ -542,8 +551,11 @@ def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_size_lef
                   sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 7)
-    _rng_state_not_vmapped(in_dims, 10)
     _check_sample_rank4(in_dims[:3], q=q, k=k, v=v)
+    if dropout_p:
+        return _vmap_by_sample(info, in_dims, torch.ops.flash_attn_ext.forward,
+                               (q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks, softcap,
+                                dropout_p, rng_state))
     q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
     out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
                                                        window_size_right, sinks, softcap, dropout_p, rng_state)
@@ -556,8 +568,11 @@ def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale
                    dropout_p=0.0, rng_state=None):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 11)
-    _rng_state_not_vmapped(in_dims, 14)
     _check_sample_rank4(in_dims[:5], dout=dout, q=q, k=k, v=v, out=out)
+    if dropout_p:
+        return _vmap_by_sample(info, in_dims, torch.ops.flash_attn_ext.backward,
+                               (dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
+                                window_size_left, window_size_right, sinks, softcap, dropout_p, rng_state))
     dout, q, k, v, out = (_fold(t, d, n) for t, d in zip((dout, q, k, v, out), in_dims[:5]))
     softmax_lse = _fold(softmax_lse, in_dims[5], n).contiguous()
     if softmax_stats is not None:
@@ -693,11 +708,13 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         window = tuple(inputs[9:11]) + (-1, -1)[len(inputs[9:11]):]
         sinks = inputs[11] if len(inputs) > 11 else None
         ctx.softcap = inputs[12] if len(inputs) > 12 else 0.0
-        ctx.dropout = (inputs[13], inputs[14]) if len(inputs) > 14 else (0.0, None)  # (dropout_p, rng_state)
+        ctx.dropout_p = inputs[13] if len(inputs) > 13 else 0.0
+        rng_state = inputs[14] if len(inputs) > 14 else None
         out, softmax_lse, softmax_stats = output
         ctx.has_sinks = sinks is not None
-        saved = (q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k) + ((sinks,) if ctx.has_sinks
-                                                                                      else ())
+        ctx.has_rng_state = rng_state is not None
+        saved = ((q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k)
+                 + ((sinks,) if ctx.has_sinks else ()) + ((rng_state,) if ctx.has_rng_state else ()))
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal)
@@ -713,7 +730,8 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         want_dsinks = ctx.has_sinks and ctx.needs_input_grad[11]
         dq, dk, dv = FlashAttnVarlenBackwardFunction.apply(
             dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, softmax_stats, *ctx.window, sinks, ctx.softcap, *ctx.dropout)
+            softmax_scale, causal, softmax_stats, *ctx.window, sinks, ctx.softcap, ctx.dropout_p,
+            ctx.saved_tensors[-1] if ctx.has_rng_state else None)
         dsinks = None
         if want_dsinks:
             # Rows outside every sequence (before cu_seqlens_q[0], from cu_seqlens_q[-1]) are not
@@ -730,7 +748,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         _VARLEN_FUNCTORCH_MSG): ``attention_jvp`` on each sequence alone, its sequences read from
         cu_seqlens on the host (forward mode materialises each sequence's P anyway). Rows outside
         every sequence, and sequences without keys, get tangent 0 (their out is 0)."""
-        _no_dropout_jvp(ctx.dropout[0])
+        _no_dropout_jvp(ctx.dropout_p)
         q, k, v = ctx.saved_tensors[:3]
         cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors[6:8]
         sinks = ctx.saved_tensors[8] if ctx.has_sinks else None

@@ -77,8 +77,9 @@ def attention_ref(
             The sinks are not capped.
         dropout_p, rng_state: attention dropout (FlashAttention, Dao et al. 2022): P's elements
             dropped by the kernels' mask (``dropout_keep_mask``; dropout_batch0 its first batch
-            index) and the kept ones scaled by 1 / (1 - dropout_p), after the LSE (which stays
-            that of P). 0.0: none.
+            index) and the kept ones scaled by 1 / (1 - dropout_threshold(p) / 2^32) (1 / (1 - p)
+            for p as the kernels' 32-bit randoms resolve it), after the LSE (which stays that of P).
+            0.0: none.
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in the compute dtype (differentiable).
         lse: (batch, nheads, seqlen_q) float32 natural-log logsumexp of the scaled scores
@@ -116,7 +117,8 @@ def attention_ref(
     def dropped(probs):
         if keep is None:
             return probs
-        return torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device)) / (1.0 - dropout_p)
+        rp = 1.0 / (1.0 - dropout_threshold(dropout_p) / 2.0**32)  # the kernels' scale (dropout_keep_mask)
+        return torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device)) * rp
 
     if sinks is not None:
         # The sink as one more key column, visible to every row, its value 0 (P's column dropped).
@@ -170,6 +172,12 @@ def philox4x32_10(counter: tuple, key: tuple[int, int]) -> tuple:
     return c0, c1, c2, c3
 
 
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels' drop threshold for dropout_p: round(p 2^32), at most 2^32 - 1; an element is
+    dropped with probability threshold / 2^32, the kept ones scaled by 1 / (1 - threshold / 2^32)."""
+    return min(round(dropout_p * 2.0**32), _M32)
+
+
 def dropout_keep_mask(rng_state: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
                       dropout_p: float, batch0: int = 0, device=None) -> torch.Tensor:
     """The kernels' attention-dropout mask Z (csrc/primitives/philox.cuh): bool (batch, nheads,
@@ -180,7 +188,7 @@ def dropout_keep_mask(rng_state: torch.Tensor, batch: int, nheads: int, seqlen_q
     round(dropout_p * 2^32). batch0: the first sequence's index (one sequence of a varlen call)."""
     seed, offset = (int(x) & 0xFFFFFFFFFFFFFFFF for x in rng_state.tolist())
     key = (seed & _M32, (seed >> 32) ^ (offset >> 32))
-    threshold = min(round(dropout_p * 2.0**32), _M32)
+    threshold = dropout_threshold(dropout_p)
     qi = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
     ki = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
     bh = ((batch0 + torch.arange(batch, device=device)).view(-1, 1) * nheads

@@ -28,7 +28,7 @@ import torch
 
 from . import _C
 from ._fake_checks import MAX_HEADDIM as _MAX_HEADDIM
-from .interface import _check_tensors, _scale, flash_attn_func
+from .interface import _check_tensors, _dropout_p, _scale, flash_attn_func
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -171,6 +171,7 @@ def scaled_dot_product_attention(
             raise ValueError("flash_attn_ext.scaled_dot_product_attention: attn_mask and is_causal=True were both "
                              "given (as torch refuses it); put the causal pattern into attn_mask, or pass one of them")
     _check_tensors(query=query, key=key, value=value)
+    dropout_p = _dropout_p(dropout_p, "dropout_p", "flash_attn_ext.scaled_dot_product_attention")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise ValueError(

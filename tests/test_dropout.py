@@ -87,7 +87,8 @@ def _alg2_dq_dk(q, k, v, causal, scale, dout, stored_out, p, rng_state, batch0=0
     keep = dropout_keep_mask(rng_state, B, H, Sq, Sk, p, batch0, device=q.device)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
     dsum = (do * stored_out.detach().to(f)).sum(-1).transpose(1, 2).unsqueeze(-1)
-    ds = (prob * (torch.where(keep, dp / (1 - p), 0.0) - dsum)).to(q.dtype).to(f)
+    rp = 1.0 / (1.0 - reference.dropout_threshold(p) / 2.0**32)  # the kernels' scale
+    ds = (prob * (torch.where(keep, dp * rp, 0.0) - dsum)).to(q.dtype).to(f)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
     return dq, dk.unflatten(2, (Hk, H // Hk)).sum(3)
@@ -391,10 +392,11 @@ def test_modules_drop_in_training_only():
         assert torch.equal(mha.eval()(x)[0], plain.eval()(x)[0])
         a, b = mha.train()(x)[0], mha(x)[0]
         assert torch.isfinite(a).all() and not torch.equal(a, b) and not torch.equal(a, plain(x)[0])
-    for bad in (1.0, -0.1, True, "0.1"):
-        with pytest.raises(ValueError, match="dropout"):
+    for bad, error in ((1.0, ValueError), (-0.1, ValueError), (float("nan"), ValueError), (True, TypeError),
+                       ("0.1", TypeError), (None, TypeError)):
+        with pytest.raises(error, match="MultiheadFlashAttention: dropout "):
             flash_attn_ext.nn.MultiheadFlashAttention(64, 4, dropout=bad)
-        with pytest.raises(ValueError, match="dropout"):
+        with pytest.raises(error, match="FlashAttention: dropout_p "):
             flash_attn_ext.nn.FlashAttention(dropout_p=bad)
 
 
@@ -413,3 +415,67 @@ def test_transformers_attention_forward_dropout():
     torch.manual_seed(4)
     want = flash_attn_ext.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.1, causal=True)
     assert torch.equal(got, want)
+
+
+def test_vmap_and_jacrev_keep_each_samples_mask():
+    """Under torch.vmap a sample's dropout mask is the one an unvmapped call with the same rng_state
+    draws (the rule runs the op per sample: folding samples into the batch would move their batch
+    indices), so vmap(f)(x)[i] = f(x[i]); torch.func.jacrev (the backward vmapped over cotangents)
+    regenerates the forward's mask: it equals the Jacobian by autograd."""
+    q, k, v = (torch.randn(3, 1, 6, 2, 8, dtype=torch.float64) for _ in range(3))
+    rs = torch.tensor([1, 2])
+
+    def f(q, k, v):
+        return flash_attn_ext.ops.attention_forward(q, k, v, 0.3, True, -1, -1, None, 0.0, 0.4, rs)[0]
+
+    batched = torch.vmap(f)(q, k, v)
+    for i in range(3):
+        assert torch.equal(batched[i], f(q[i], k[i], v[i]))
+    g = lambda x: f(x, k[0], v[0])  # noqa: E731
+    assert torch.allclose(torch.func.jacrev(g)(q[0]), torch.autograd.functional.jacobian(g, q[0]),
+                          rtol=0, atol=1e-12)
+    # flash_attn_func under vmap's randomness modes: "same" one mask for every sample, "different" one each
+    same = torch.vmap(lambda x: flash_attn_ext.flash_attn_func(x, k[0], v[0], 0.5), randomness="same")(
+        q[0].expand(3, -1, -1, -1, -1))
+    assert torch.equal(same[0], same[1]) and torch.equal(same[1], same[2])
+    diff = torch.vmap(lambda x: flash_attn_ext.flash_attn_func(x, k[0], v[0], 0.5), randomness="different")(
+        q[0].expand(3, -1, -1, -1, -1))
+    assert not torch.equal(diff[0], diff[1])
+
+
+def test_rng_state_changed_in_place_before_backward():
+    """The backward regenerates the mask from the forward's rng_state: changing it in place in between
+    is an autograd error, not another mask's gradients."""
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 32, torch.float64, "cpu")
+    rs = torch.tensor([5, 6])
+    out, _, _ = flash_attn_ext.ops.attention_forward(q, k, v, 0.2, True, -1, -1, None, 0.0, 0.3, rs)
+    rs[1] += 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_dropout_argument_checks_name_the_entry():
+    """Every entry checks its dropout argument itself, naming it and the entry: a real number (a 0-dim
+    tensor too, not one that requires grad; TypeError otherwise) in [0, 1) (ValueError)."""
+    from flash_attn_ext import integrations as fx
+    from flash_attn_ext import scaled_dot_product_attention
+
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    qb = q.transpose(1, 2)
+    torch.manual_seed(0)
+    a = flash_attn_ext.flash_attn_func(qb, qb, qb, torch.tensor(0.25, dtype=torch.float64))
+    torch.manual_seed(0)
+    assert torch.equal(a, flash_attn_ext.flash_attn_func(qb, qb, qb, 0.25))
+    with pytest.raises(TypeError, match="dropout_p is a tensor that requires grad"):
+        flash_attn_ext.flash_attn_func(qb, qb, qb, torch.tensor(0.25, requires_grad=True))
+    with pytest.raises(ValueError, match=r"flash_attn_ext.scaled_dot_product_attention: dropout_p must be in \[0, 1\)"):
+        scaled_dot_product_attention(q, q, q, dropout_p=1.0)
+    with pytest.raises(TypeError, match="flash_attn_ext.scaled_dot_product_attention: dropout_p must be a real"):
+        scaled_dot_product_attention(q, q, q, dropout_p="0.1")
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    for bad, error in (("0.1", TypeError), (True, TypeError), (1.5, ValueError)):
+        with pytest.raises(error, match="flash_attn_ext attention: dropout "):
+            fx.flash_attn_ext_attention_forward(Layer(), q, q, q, None, dropout=bad)

@@ -14,8 +14,9 @@
 // columns c, c + 8 of two neighbouring n8 blocks). That 2 x 2 unit is one Philox call: counter
 // (unit column, unit row, batch * nheads + head, offset), key = the call's seed, its four 32-bit
 // outputs the four elements' randoms, in the order (q0, k0), (q0, k0 + 8), (q0 + 8, k0), (q0 + 8,
-// k0 + 8). An element is dropped iff its random < threshold = round(p 2^32), kept with probability
-// 1 - p. Positions are the sequence's own (varlen: from its first row and key), so a packed batch
+// k0 + 8). An element is dropped iff its random < threshold = round(p 2^32) (at most 2^32 - 1), kept
+// with probability 1 - threshold / 2^32, the kept ones scaled by the inverse of that (the API sets
+// rp so: unbiased for the probability used). Positions are the sequence's own (varlen: from its first row and key), so a packed batch
 // drops what each sequence run alone as batch b drops.
 #pragma once
 
