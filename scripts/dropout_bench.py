@@ -5,7 +5,7 @@ with the same dropout_p, dense forward + backward (dropout is for training). Pri
 rounds, and the ratios ours-with / ours-without and ours / SDPA flash (both with dropout).
 
     python scripts/dropout_bench.py [--hdim 64,128] [--seqlen 2048,8192] [--dropout 0.1]
-    python scripts/dropout_bench.py --device cpu --seqlen 256 --hdim 32 --rep-ms 2   # smoke run
+    python scripts/dropout_bench.py --device cpu --seqlen 64 --hdim 16 --tokens 64 --rep-ms 1   # smoke run
 """
 import argparse
 import statistics

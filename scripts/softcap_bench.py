@@ -6,7 +6,7 @@ TFLOP/s of each (reference.attention_flops: forward 4 N^2 d per head, halved whe
 the ratios ours-with / ours-without and ours / FA4 (both with softcap).
 
     python scripts/softcap_bench.py [--hdim 64,128] [--seqlen 4096,8192,16384] [--softcap 30]
-    python scripts/softcap_bench.py --device cpu --seqlen 256 --hdim 32 --rep-ms 2   # smoke run
+    python scripts/softcap_bench.py --device cpu --seqlen 64 --hdim 16 --tokens 64 --rep-ms 1   # smoke run
 """
 import argparse
 import statistics

@@ -334,18 +334,19 @@ def test_sinks_bench_smoke(capsys):
     assert all(float(r.split("|")[2]) > 0 and float(r.split("|")[3]) > 0 for r in rows), rows
 
 
-def test_softcap_bench_smoke(capsys):
-    """scripts/softcap_bench.py runs end to end on the CPU: one row per (hdim, seqlen, causal,
-    mode), positive TFLOP/s with and without the cap (no FlashAttention-4 on the CPU)."""
+@pytest.mark.parametrize("script, rows_expected", [("softcap_bench", 4), ("dropout_bench", 2)])
+def test_feature_cost_bench_smoke(script, rows_expected, capsys):
+    """scripts/softcap_bench.py and dropout_bench.py run end to end on the CPU: one row per (hdim,
+    seqlen, causal[, mode]), positive TFLOP/s with and without the feature (no GPU peer on the CPU)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("softcap_bench", os.path.join(REPO, "scripts", "softcap_bench.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.main(["--device", "cpu", "--seqlen", "64", "--hdim", "16", "--tokens", "64", "--rounds", "1",
+    spec = importlib.util.spec_from_file_location(script, os.path.join(REPO, "scripts", f"{script}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--device", "cpu", "--seqlen", "64", "--hdim", "16", "--tokens", "64", "--rounds", "1",
                  "--rep-ms", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d16 ")]
-    assert len(rows) == 4, rows
+    assert len(rows) == rows_expected, rows
     assert all(float(r.split("|")[2]) > 0 and float(r.split("|")[3]) > 0 for r in rows), rows
 
 
