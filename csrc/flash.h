@@ -76,11 +76,13 @@ struct Flash_fwd_params : public Qkv_params {
 
   // Attention dropout (FlashAttention, Dao et al. 2022, Alg. 2 / 4; flash-attn's dropout_p; 0: none):
   // P's element (q, k) of head (b, h) is kept with probability 1 - p and the kept ones scaled by
-  // 1 / (1 - p): O = (Z o P) V / (1 - p), the LSE that of P itself. Z comes from Philox4x32-10
+  // rp = 1 / (1 - p): O = (Z o P) V rp, the LSE that of P itself. Z comes from Philox4x32-10
   // (primitives/philox.cuh: DropoutRng) keyed by the call's rng_state, so the backward regenerates
-  // it: dV = (Z o P)^T dO / (1 - p), dS = P o (Z o dP / (1 - p) - D), D = rowsum(dO o O) as
-  // without dropout. The kernels' kDropout twin reads these four; the API sets them.
-  double dropout_p = 0.0;           // p (double: the CPU twin's float64 path scales by 1 / (1 - p) exactly)
+  // it: dV = (Z o P)^T dO rp, dS = P o (Z o dP rp - D), D = rowsum(dO o O) as without dropout. p is
+  // used as the threshold resolves it (threshold / 2^32), rp its inverse complement (unbiased). The
+  // API sets these; the kernels' kDropout twin (dispatched when dropout_p > 0) and the CPU twin read
+  // threshold, rp and rng_state.
+  double dropout_p = 0.0;           // p as given (> 0: the dropout twins run)
   uint32_t dropout_threshold = 0;  // an element is dropped iff its 32-bit random < threshold
   float dropout_rp = 1.f;          // 1 / (1 - threshold / 2^32)
   const int64_t* __restrict__ dropout_rng_state = nullptr;  // (seed, offset) int64, on the op's device

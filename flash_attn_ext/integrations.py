@@ -169,7 +169,7 @@ def flash_attn_ext_attention_forward(
         dropout: attention dropout probability in [0, 1) (transformers passes the layer's
             ``attention_dropout`` in training, 0.0 in eval), given to every kernel call
             (flash_attn_func's ``dropout_p``: each call draws its own mask from torch's generator);
-            not with softcap or a sliding window (NotImplementedError).
+            not with softcap or a sliding window that hides keys (NotImplementedError).
         scaling: softmax scale (default 1 / sqrt(headdim)).
         is_causal: overrides ``module.is_causal``.
         kwargs: ``softcap`` (Gemma 2 passes ``config.attn_logit_softcapping``): None or 0 for none,
@@ -192,7 +192,7 @@ def flash_attn_ext_attention_forward(
         (attn_output (batch, q_len, nheads, headdim) contiguous, None).
     Raises:
         NotImplementedError: unsupported kwargs or mask patterns, a head dim over 256; dropout > 0
-            with softcap or a sliding window.
+            with softcap or a sliding window that hides keys.
         TypeError: float32 on CUDA outside autocast; both ``s_aux`` and ``sinks`` given; a
             softcap that is not a real number. ValueError: a negative or non-finite softcap.
         RuntimeError: sinks not of shape (nheads,), not floating or on another device
