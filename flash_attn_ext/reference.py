@@ -175,7 +175,7 @@ def philox4x32_10(counter: tuple, key: tuple[int, int]) -> tuple:
 def dropout_threshold(dropout_p: float) -> int:
     """The kernels' drop threshold for dropout_p: round(p 2^32), at most 2^32 - 1; an element is
     dropped with probability threshold / 2^32, the kept ones scaled by 1 / (1 - threshold / 2^32)."""
-    return min(round(dropout_p * 2.0**32), _M32)
+    return min(math.floor(dropout_p * 2.0**32 + 0.5), _M32)  # halves away from zero, as the API's llround
 
 
 def dropout_keep_mask(rng_state: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
