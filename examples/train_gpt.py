@@ -13,6 +13,8 @@ concatenated, as bytes (vocabulary 256); the last 10% is the validation split.
 
     python examples/train_gpt.py                              # GPU: bf16 autocast, 600 steps
     python examples/train_gpt.py --device cpu --steps 30 --tiny
+    python examples/train_gpt.py --attn-dropout 0.1           # attention dropout in training (each
+                                                              # backend draws its own masks)
 
 Prints the two curves side by side and a final table (final train loss = mean of the last 10
 steps, validation loss, ms/step); writes every step's losses to --out-dir/--csv (default
@@ -61,11 +63,11 @@ def load_text(text_dir: str = TEXT_DIR, files=TEXT_FILES) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self, d_model, n_heads, n_kv_heads, backend):
+    def __init__(self, d_model, n_heads, n_kv_heads, backend, attn_dropout=0.0):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = MultiheadFlashAttention(d_model, n_heads, num_kv_heads=n_kv_heads, bias=False,
-                                            causal=True, rotary=True, backend=backend)
+                                            causal=True, rotary=True, backend=backend, dropout=attn_dropout)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
                                  nn.Linear(4 * d_model, d_model))
@@ -78,10 +80,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Byte-level causal LM. forward(idx (batch, seqlen) int64) -> logits (batch, seqlen, 256)."""
 
-    def __init__(self, d_model, n_heads, n_kv_heads, n_layers, backend="flash_attn_ext", vocab=256):
+    def __init__(self, d_model, n_heads, n_kv_heads, n_layers, backend="flash_attn_ext", vocab=256, attn_dropout=0.0):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, n_kv_heads, backend)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, n_kv_heads, backend, attn_dropout)
                                     for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
@@ -108,7 +110,7 @@ def train_one(attn, data_train, data_val, cfg, args):
     device = torch.device(args.device)
     torch.manual_seed(args.seed)  # same seed -> identical initial weights for every backend
     model = GPT(cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"], cfg["n_layers"],
-                backend=ATTN_BACKENDS[attn]).to(device)
+                backend=ATTN_BACKENDS[attn], attn_dropout=args.attn_dropout).to(device)
     step_fn = torch.compile(model) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 10)
@@ -158,6 +160,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--attn-dropout", type=float, default=0.0,
+                   help="attention dropout probability in training (MultiheadFlashAttention's dropout; the "
+                        "backends draw different masks, so their curves then agree statistically, not step "
+                        "by step)")
     p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                    help="folder for the outputs, created if missing (default: %(default)s, "
                         "ignored by git)")

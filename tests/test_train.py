@@ -48,6 +48,18 @@ def test_tiny_cpu_curves_agree_and_decrease(tmp_path, capsys):
     assert "final table" in out and "flash_attn_ext" in out and "sdpa" in out
 
 
+@needs_text
+def test_tiny_cpu_training_with_attention_dropout(tmp_path):
+    """--attn-dropout trains both backends with attention dropout (their masks differ): finite,
+    decreasing losses, and the final losses within 10 % of each other."""
+    res = train_gpt.main(["--device", "cpu", "--steps", "30", "--tiny", "--attn-dropout", "0.1", "--csv", ""])
+    for name, r in res.items():
+        first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5
+        assert all(math.isfinite(x) for x in r["losses"]) and last < 0.75 * first, name
+    ours, ref = res["flash_attn_ext"]["final_loss"], res["sdpa"]["final_loss"]
+    assert abs(ours - ref) <= 0.1 * ref
+
+
 def test_missing_text_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="base-files"):
         train_gpt.main(["--device", "cpu", "--steps", "1", "--tiny", "--text-dir", str(tmp_path),
