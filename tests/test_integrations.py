@@ -984,6 +984,33 @@ def test_causal_lm_compiles_fullgraph(arch, padding, device, dtype, name, count_
     assert count_calls == ["varlen causal", "varlen"] * cfg.num_hidden_layers
 
 
+def test_training_step_with_attention_dropout_compiles_fullgraph(name, count_calls):
+    """torch.compile(fullgraph=True) of a padded GPT-2 training step with attention dropout: the
+    traced masked path's varlen calls draw their dropout state inside the graph (no graph break),
+    each call a new mask (two steps, two losses), finite loss and gradients."""
+    cfg, cls = _tiny_causal_lm("gpt2")
+    cfg.attn_pdrop = 0.2
+    torch.manual_seed(0)
+    model = cls(cfg).train()
+    model.set_attn_implementation(name)
+    ids = torch.randint(3, cfg.vocab_size, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 5:] = 0
+    labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+
+    def step(x, am):
+        logits = model(input_ids=x, attention_mask=am, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(ids, mask)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert "varlen causal" in count_calls
+    assert compiled(ids, mask).item() != loss.item()
+
+
 def test_sliding_window_model_under_compile(name, count_calls):
     """A sliding-window model with a padding mask under torch.compile: fullgraph=True raises an
     error that names the cause and the ways out (it used to be Dynamo's guard error on a
