@@ -417,28 +417,40 @@ _TWIN_KERNEL = re.compile(r"flash_(fwd|bwd_dkv|bwd_dq)(_roles)?_kernel")
 
 
 def _twin_flags(name: str) -> tuple[bool, bool]:
-    """(kLocal, kSoftcap) of a kernel's profiler name: its last two template arguments, the
-    twins' flags (a window's left bound; logit soft-capping, tests/test_softcap.py), demangled
-    (`..., true, false>(`) or not (`Lb1ELb0EEEv`)."""
-    demangled = re.findall(r"\b(true|false),\s*(true|false)>\s*\(", name)
+    """(kLocal, kSoftcap) of a kernel's profiler name, demangled (`..., true, false>(`) or not
+    (`Lb1ELb0EEEv`): the kernel's trailing bool template arguments are the twins' flags, kLocal and
+    kSoftcap first, then any later twin's (kDropout: tests/test_dropout.py), except in the sm90
+    backward kernels, whose first is kTma."""
+    demangled = re.findall(r"((?:\b(?:true|false),\s*)*\b(?:true|false))>\s*\(", name)
     if demangled:
-        return tuple(flag == "true" for flag in demangled[-1])
-    mangled = re.findall(r"Lb([01])ELb([01])EEEv", name)
-    assert mangled, f"no (kLocal, kSoftcap) template arguments in {name!r}"
-    return tuple(flag == "1" for flag in mangled[-1])
+        flags = [f == "true" for f in re.findall(r"true|false", demangled[-1])]
+    else:
+        mangled = re.findall(r"((?:Lb[01]E)+)EEv", name)
+        assert mangled, f"no bool template arguments in {name!r}"
+        flags = [f == "1" for f in re.findall(r"Lb([01])E", mangled[-1])]
+    if "sm90" in name and "bwd" in name:
+        flags = flags[1:]  # kTma
+    assert len(flags) >= 2, f"no (kLocal, kSoftcap) template arguments in {name!r}"
+    return flags[0], flags[1]
 
 
 def test_local_twin_parser():
-    """_twin_flags reads the last two template arguments (kLocal, kSoftcap), demangled or mangled."""
+    """_twin_flags reads (kLocal, kSoftcap), demangled or mangled, with or without kTma before them and
+    later twins' flags after them."""
     dkv = ("void flash::sm90::flash_bwd_dkv_kernel<__nv_bfloat16, 64, flash::sm90::DkvTile<64>, true, false, true>"
            "(flash::Flash_bwd_params, flash::sm90::BwdTmaMaps)")
     fwd = ("void flash::sm90::flash_fwd_kernel<flash::sm90::FwdKernelTraits<__nv_bfloat16, 128, "
            "flash::sm90::FwdTile<128> >, true, false>(flash::Flash_fwd_params, flash::sm90::FwdTmaMaps, "
            "flash::FwdTileScheduler<128>)")
+    sm80_dq = ("void flash::sm80::flash_bwd_dq_kernel<__half, 64, flash::sm80::DqTile<64>, false, true, false>"
+               "(flash::Flash_bwd_params)")
     assert _twin_flags(dkv) == (False, True) and _twin_flags(fwd) == (True, False)
+    assert _twin_flags(sm80_dq) == (False, True)
     dkv_mangled = "_ZN5flash4sm9020flash_bwd_dkv_kernelI13__nv_bfloat16Li64ENS0_7DkvTileILi64EEELb0ELb1ELb0EEEvNS_16F"
     fwd_mangled = "_ZN5flash4sm8016flash_fwd_kernelINS0_15FwdKernelTraitsI13__nv_bfloat16Li128EEELb0ELb1EEEvNS_16F"
+    fwd3_mangled = "_ZN5flash4sm8016flash_fwd_kernelINS0_15FwdKernelTraitsI13__nv_bfloat16Li128EEELb1ELb0ELb0EEEvNS_16F"
     assert _twin_flags(dkv_mangled) == (True, False) and _twin_flags(fwd_mangled) == (False, True)
+    assert _twin_flags(fwd3_mangled) == (True, False)
 
 
 @cuda

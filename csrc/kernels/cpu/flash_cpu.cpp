@@ -125,6 +125,8 @@ struct Dropout {
   bool keep(int b, int h, int q, int k) const {
     return !on || rng.keep(uint32_t((int64_t(batch0) + b) * nheads + h), q, k);
   }
+  // Z_qk rp: the backward's factor of P (for dV) and of dP (for dS); exactly 1 without dropout.
+  Acc factor(int b, int h, int q, int k) const { return !on ? Acc(1) : keep(b, h, q, k) ? rp : Acc(0); }
 };
 
 // y[0:d] += alpha * x[0:d]
@@ -378,22 +380,16 @@ void bwd_impl(const Flash_bwd_params& p) {
       if (softcap.on) {
         for (int j = c0; j < c1; ++j) {
           const Acc t = softcap.tanh_of(s[j]);
-          const Acc pij = prob(t * softcap.cap_log2, hi, lo);
-          const bool z = dropout.keep(b, h, m0 + i, n0 + j);
+          const Acc pij = prob(t * softcap.cap_log2, hi, lo), z = dropout.factor(b, h, m0 + i, n0 + j);
           // dS_ij = P_ij (dP_ij - D_i) (1 - t_ij^2): the chain rule through the cap.
-          visit(i, j, z ? pij * dropout.rp : Acc(0),
-                pij * ((z ? dp[j] * dropout.rp : Acc(0)) - dsum_i) * (Acc(1) - t * t));
+          visit(i, j, pij * z, pij * (dp[j] * z - dsum_i) * (Acc(1) - t * t));
         }
         continue;
       }
       for (int j = c0; j < c1; ++j) {
         const Acc pij = prob(s[j] * scale_log2, hi, lo);  // line 12: P_ij = exp(S_ij - L_i)
-        if (!dropout.on) {
-          visit(i, j, pij, pij * (dp[j] - dsum_i));  // line 15: dS_ij = P_ij (dP_ij - D_i)
-          continue;
-        }
-        const bool z = dropout.keep(b, h, m0 + i, n0 + j);
-        visit(i, j, z ? pij * dropout.rp : Acc(0), pij * ((z ? dp[j] * dropout.rp : Acc(0)) - dsum_i));
+        const Acc z = dropout.factor(b, h, m0 + i, n0 + j);
+        visit(i, j, pij * z, pij * (dp[j] * z - dsum_i));  // line 15: dS_ij = P_ij (dP_ij - D_i)
       }
     }
   };
