@@ -216,9 +216,9 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   // A sliding window (flash.h: window_left / window_right) runs here too: the sm90 forward's
   // per-warpgroup key ranges skip the steps outside a window (and the backward's kernels loop over
   // the window's tiles: common/work.cuh, DkvWork / DqWork).
-  // Attention dropout (flash.h: dropout_p) has its kernel twin on the sm80 path only: such calls run
-  // the sm80 kernel on every GPU.
-  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr && params.dropout_p == 0.0;
+  // Attention dropout (flash.h: dropout_p): the sm90 forward's kDropout twin (the backward's twins are
+  // the sm80 kernels', on every GPU).
+  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr;
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
