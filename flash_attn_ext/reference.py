@@ -174,7 +174,7 @@ def philox4x32_10(counter: tuple, key: tuple[int, int]) -> tuple:
 def dropout_threshold(dropout_p: float) -> int:
     """The kernels' 16-bit drop threshold for dropout_p: round(p 2^16), at most 2^16 - 1; an element
     is dropped with probability threshold / 2^16, the kept ones scaled by 1 / (1 - threshold / 2^16)."""
-    return min(round(dropout_p * 65536.0), 65535)
+    return min(math.floor(dropout_p * 65536.0 + 0.5), 65535)  # halves away from zero, as the API's llround
 
 
 def dropout_keep_mask(rng_state: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
