@@ -81,8 +81,8 @@ struct Flash_fwd_params : public Qkv_params {
   // it: dV = (Z o P)^T dO / (1 - p), dS = P o (Z o dP / (1 - p) - D), D = rowsum(dO o O) as
   // without dropout. The kernels' kDropout twin reads these four; the API sets them.
   double dropout_p = 0.0;           // p (double: the CPU twin's float64 path scales by 1 / (1 - p) exactly)
-  uint32_t dropout_threshold = 0;  // an element is dropped iff its 32-bit random < threshold
-  float dropout_rp = 1.f;          // 1 / (1 - threshold / 2^32)
+  uint32_t dropout_threshold = 0;  // an element is dropped iff its 16-bit random < threshold = round(p 2^16)
+  float dropout_rp = 1.f;          // 1 / (1 - threshold / 2^16)
   const int64_t* __restrict__ dropout_rng_state = nullptr;  // (seed, offset) int64, on the op's device
   // The sequence index of batch 0 for the mask's positions (the CPU twin runs a varlen call one
   // sequence at a time; the CUDA kernels read the sequence index itself): 0 otherwise.

@@ -87,7 +87,7 @@ def _alg2_dq_dk(q, k, v, causal, scale, dout, stored_out, p, rng_state, batch0=0
     keep = dropout_keep_mask(rng_state, B, H, Sq, Sk, p, batch0, device=q.device)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
     dsum = (do * stored_out.detach().to(f)).sum(-1).transpose(1, 2).unsqueeze(-1)
-    rp = 1.0 / (1.0 - reference.dropout_threshold(p) / 2.0**32)  # the kernels' scale
+    rp = 1.0 / (1.0 - reference.dropout_threshold(p) / 65536.0)  # the kernels' scale
     ds = (prob * (torch.where(keep, dp * rp, 0.0) - dsum)).to(q.dtype).to(f)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
