@@ -79,12 +79,12 @@ struct Flash_fwd_params : public Qkv_params {
   // rp = 1 / (1 - p): O = (Z o P) V rp, the LSE that of P itself. Z comes from Philox4x32-10
   // (primitives/philox.cuh: DropoutRng) keyed by the call's rng_state, so the backward regenerates
   // it: dV = (Z o P)^T dO rp, dS = P o (Z o dP rp - D), D = rowsum(dO o O) as without dropout. p is
-  // used as the threshold resolves it (threshold / 2^32), rp its inverse complement (unbiased). The
-  // API sets these; the kernels' kDropout twin (dispatched when dropout_p > 0) and the CPU twin read
-  // threshold, rp and rng_state.
+  // used as the 16-bit threshold resolves it (threshold / 2^16), rp its inverse complement
+  // (unbiased). The API sets these; the kernels' kDropout twin (dispatched when dropout_p > 0) and
+  // the CPU twin read threshold, rp and rng_state.
   double dropout_p = 0.0;           // p as given (> 0: the dropout twins run)
-  uint32_t dropout_threshold = 0;  // an element is dropped iff its 32-bit random < threshold
-  float dropout_rp = 1.f;          // 1 / (1 - threshold / 2^32)
+  uint32_t dropout_threshold = 0;  // an element is dropped iff its 16-bit random < threshold = round(p 2^16)
+  float dropout_rp = 1.f;          // 1 / (1 - threshold / 2^16)
   const int64_t* __restrict__ dropout_rng_state = nullptr;  // (seed, offset) int64, on the op's device
   // The sequence index of batch 0 for the mask's positions (the CPU twin runs a varlen call one
   // sequence at a time; the CUDA kernels read the sequence index itself): 0 otherwise.

@@ -290,10 +290,10 @@ DropoutArgs check_dropout(double dropout_p, const c10::optional<Tensor>& rng_sta
 void set_dropout(flash::Flash_fwd_params& p, const DropoutArgs& dropout) {
   if (dropout.p == 0.0) return;
   p.dropout_p = dropout.p;
-  // rp from the probability the threshold resolves (p as a multiple of 2^-32, at most 1 - 2^-32), so
-  // the kept ones' scale keeps the output unbiased for the probability actually used.
-  p.dropout_threshold = uint32_t(std::min(std::llround(dropout.p * 4294967296.0), 4294967295LL));
-  p.dropout_rp = float(1.0 / (1.0 - p.dropout_threshold / 4294967296.0));
+  // 16-bit randoms (primitives/philox.cuh): p as a multiple of 2^-16 (at most 1 - 2^-16), and rp from
+  // it, so the kept ones' scale makes the output unbiased for the probability actually used.
+  p.dropout_threshold = uint32_t(std::min(std::llround(dropout.p * 65536.0), 65535LL));
+  p.dropout_rp = float(1.0 / (1.0 - p.dropout_threshold / 65536.0));
   p.dropout_rng_state = dropout.rng_state.data_ptr<int64_t>();
 }
 

@@ -125,9 +125,10 @@ def flash_attn_func(
             generator on q's device per call (``dropout_rng_state``: torch.manual_seed makes it
             reproducible, CUDA graphs and torch.compile capture it); the backward regenerates it,
             nothing of size seqlen_q x seqlen_k is stored. Pass 0.0 in evaluation (flash-attn's
-            convention: the caller decides, e.g. ``dropout_p if self.training else 0.0``). The CUDA
-            kernels run dropout on the FlashAttention-2-class (sm80) kernels on every GPU, the H100 /
-            H200 included; not with softcap or a window's left bound (NotImplementedError).
+            convention: the caller decides, e.g. ``dropout_p if self.training else 0.0``). On CUDA the
+            kDropout twins of the kernels the call would run without it (H100 / H200: the sm90
+            forward, and the sm90 backward for head dims <= 128); not with softcap or a window's
+            left bound (NotImplementedError).
         alibi_slopes, deterministic: flash-attn's other keywords, accepted at the values that ask
             for nothing this library lacks, so ported calls run unchanged: alibi_slopes=None
             (another value: NotImplementedError naming it); deterministic: any bool, or None (the

@@ -80,7 +80,7 @@ softmax_stats are those of the capped logits. dropout_p in [0, 1), with rng_stat
 (2,) on q's device when > 0: out = (Z o P) V / (1 - p), Z from Philox4x32-10 keyed by rng_state
 (csrc/primitives/philox.cuh; reference.dropout_keep_mask materialises it), the statistics those of P
 (ValueError for a bad dropout_p or rng_state; NotImplementedError with softcap or a window's left
-bound; CUDA: the sm80 kernels on every GPU). Returns out (q's shape and dtype),
+bound; CUDA: the kDropout twins of the kernels the call would run without it). Returns out (q's shape and dtype),
 softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
 out row is 0; with sinks the sink is in the sum and such a row's LSE is the sink), and
 softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units

@@ -77,9 +77,8 @@ def attention_ref(
             The sinks are not capped.
         dropout_p, rng_state: attention dropout (FlashAttention, Dao et al. 2022): P's elements
             dropped by the kernels' mask (``dropout_keep_mask``; dropout_batch0 its first batch
-            index) and the kept ones scaled by 1 / (1 - dropout_threshold(p) / 2^32) (1 / (1 - p)
-            for p as the kernels' 32-bit randoms resolve it), after the LSE (which stays that of P).
-            0.0: none.
+            index) and the kept ones scaled by 1 / (1 - dropout_threshold(p) / 2^16) (p as the
+            kernels' 16-bit randoms resolve it), after the LSE (which stays that of P). 0.0: none.
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in the compute dtype (differentiable).
         lse: (batch, nheads, seqlen_q) float32 natural-log logsumexp of the scaled scores
@@ -117,7 +116,7 @@ def attention_ref(
     def dropped(probs):
         if keep is None:
             return probs
-        rp = 1.0 / (1.0 - dropout_threshold(dropout_p) / 2.0**32)  # the kernels' scale (dropout_keep_mask)
+        rp = 1.0 / (1.0 - dropout_threshold(dropout_p) / 65536.0)  # the kernels' scale (dropout_keep_mask)
         return torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device)) * rp
 
     if sinks is not None:
@@ -173,33 +172,34 @@ def philox4x32_10(counter: tuple, key: tuple[int, int]) -> tuple:
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """The kernels' drop threshold for dropout_p: round(p 2^32), at most 2^32 - 1; an element is
-    dropped with probability threshold / 2^32, the kept ones scaled by 1 / (1 - threshold / 2^32)."""
-    return min(math.floor(dropout_p * 2.0**32 + 0.5), _M32)  # halves away from zero, as the API's llround
+    """The kernels' 16-bit drop threshold for dropout_p: round(p 2^16), at most 2^16 - 1; an element
+    is dropped with probability threshold / 2^16, the kept ones scaled by 1 / (1 - threshold / 2^16)."""
+    return min(math.floor(dropout_p * 65536.0 + 0.5), 65535)  # halves away from zero, as the API's llround
 
 
 def dropout_keep_mask(rng_state: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
                       dropout_p: float, batch0: int = 0, device=None) -> torch.Tensor:
     """The kernels' attention-dropout mask Z (csrc/primitives/philox.cuh): bool (batch, nheads,
-    seqlen_q, seqlen_k), True where P's element is kept. Element (q, k) of batch b, head h is the
-    Philox4x32-10 word ((q >> 3) & 1) * 2 + ((k >> 3) & 1) of counter (corner(k), corner(q),
-    (batch0 + b) * nheads + h, offset), corner(x) = (x >> 4) * 8 + (x & 7), key (seed low 32 bits,
-    seed high 32 bits ^ offset high 32 bits), with (seed, offset) = rng_state; kept iff the word >=
-    round(dropout_p * 2^32). batch0: the first sequence's index (one sequence of a varlen call)."""
+    seqlen_q, seqlen_k), True where P's element is kept. With corner(x) = (x >> 4) * 8 + (x & 7),
+    element (q, k) of batch b, head h reads the Philox4x32-10 output of counter (corner(k) >> 1,
+    corner(q), (batch0 + b) * nheads + h, offset), key (seed low 32 bits, seed high 32 bits ^ offset
+    high 32 bits), with (seed, offset) = rng_state: word 2 (corner(k) & 1) + ((q >> 3) & 1), 16-bit
+    half (k >> 3) & 1 (0: low); kept iff that half >= dropout_threshold(dropout_p). batch0: the first
+    sequence's index (one sequence of a varlen call)."""
     seed, offset = (int(x) & 0xFFFFFFFFFFFFFFFF for x in rng_state.tolist())
     key = (seed & _M32, (seed >> 32) ^ (offset >> 32))
-    threshold = dropout_threshold(dropout_p)
     qi = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
     ki = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
     bh = ((batch0 + torch.arange(batch, device=device)).view(-1, 1) * nheads
           + torch.arange(nheads, device=device).view(1, -1)).view(batch, nheads, 1, 1)
+
     def corner(x):
         return (x >> 4) * 8 + (x & 7)
-    words = philox4x32_10((corner(ki), corner(qi), bh, offset & _M32), key)
-    which = ((qi >> 3) & 1) * 2 + ((ki >> 3) & 1)
+    words = philox4x32_10((corner(ki) >> 1, corner(qi), bh, offset & _M32), key)
+    which = 2 * (corner(ki) & 1) + ((qi >> 3) & 1)
     word = torch.where(which == 0, words[0], torch.where(which == 1, words[1], torch.where(which == 2, words[2],
                                                                                              words[3])))
-    return word >= threshold
+    return ((word >> (16 * ((ki >> 3) & 1))) & 0xFFFF) >= dropout_threshold(dropout_p)
 
 
 def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int,

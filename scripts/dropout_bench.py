@@ -1,4 +1,4 @@
-"""What attention dropout costs (a diagnostic for the sm80 kernels' kDropout twins, not the benchmark):
+"""What attention dropout costs (a diagnostic for the kernels' kDropout twins, not the benchmark):
 flash_attn_ext without and with ``dropout_p``, and PyTorch SDPA's flash backend (FlashAttention-2)
 with the same dropout_p, dense forward + backward (dropout is for training). Prints TFLOP/s
 (reference.attention_flops, fwd_bwd: 3.5 x the forward count), medians over ``--rounds`` alternated

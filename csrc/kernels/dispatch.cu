@@ -216,9 +216,8 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   // A sliding window (flash.h: window_left / window_right) runs here too: the sm90 forward's
   // per-warpgroup key ranges skip the steps outside a window (and the backward's kernels loop over
   // the window's tiles: common/work.cuh, DkvWork / DqWork).
-  // Attention dropout (flash.h: dropout_p) has its kernel twin on the sm80 path only: such calls run
-  // the sm80 kernel on every GPU.
-  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr && params.dropout_p == 0.0;
+  // Attention dropout (flash.h: dropout_p): each tile row's kDropout twin (the backward's: below).
+  const bool sm90_ok = path == ArchPath::kSm90 && params.cache_seqlens == nullptr;
   dispatch(params, "forward", [&](auto element, auto hdim) {
     using Element = decltype(element);
     constexpr int kHeadDim = decltype(hdim)::value;
@@ -268,8 +267,7 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
   if (params.cache_seqlens != nullptr || params.block_table != nullptr) {
     throw std::runtime_error("flash_attn_ext backward: no backward through a KV cache");
   }
-  // Attention dropout (flash.h: dropout_p): the sm80 kernels' twin, on every GPU (as the forward).
-  const ArchPath path = params.dropout_p > 0.0 ? ArchPath::kSm80 : select_arch(params.arch);
+  const ArchPath path = select_arch(params.arch);
   set_tuning_knobs(params);
   dispatch(params, "backward", [&](auto element, auto hdim) {
     using Element = decltype(element);
@@ -281,7 +279,9 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     const cudaStream_t dq_stream = fork.dq_stream();
     auto launch_dkv_and_dq = [&] {
       if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
-        if (path == ArchPath::kSm90) {
+        // Attention dropout (flash.h: dropout_p): the sm90 rows kernels' kDropout twins (d <= 128);
+        // the Roles<> rows (d192, d256) have none: the sm80 kernels' twins there.
+        if (path == ArchPath::kSm90 && !(params.dropout_p > 0.0 && sm90::DkvTile<kHeadDim>::kRoles)) {
           // Sequence lengths per call for the rows' rules: a dense call's, a varlen call's means
           // (total / batch; shapes only, no device sync).
           const bool varlen = params.cu_seqlens_q != nullptr;

@@ -107,7 +107,7 @@ struct Softcap {
 };
 
 // Attention dropout (flash.h: dropout_p > 0): the CUDA kernels' mask (primitives/philox.cuh), one
-// Philox call per element here; the kept probabilities scaled by rp = 1 / (1 - threshold / 2^32) in
+// Philox call per element here; the kept probabilities scaled by rp = 1 / (1 - threshold / 2^16) in
 // the accumulation type.
 template <typename Acc>
 struct Dropout {
@@ -118,7 +118,7 @@ struct Dropout {
   explicit Dropout(const Flash_fwd_params& p)
       : on(p.dropout_p > 0.f),
         rng(on ? DropoutRng(p.dropout_rng_state, p.dropout_threshold) : DropoutRng()),
-        rp(on ? Acc(1) / (Acc(1) - static_cast<Acc>(double(p.dropout_threshold) / 4294967296.0)) : Acc(1)),
+        rp(on ? Acc(1) / (Acc(1) - static_cast<Acc>(p.dropout_threshold) / Acc(65536)) : Acc(1)),
         batch0(p.dropout_batch0),
         nheads(p.h) {}
   // Z_qk of batch b, head h: whether the element is kept (always without dropout).

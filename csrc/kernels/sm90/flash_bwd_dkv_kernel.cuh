@@ -64,8 +64,12 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
 
 // kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
 // FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone. kSoftcap: logit
-// soft-capping (params.softcap > 0): S^T -> t first, dS^T times 1 - t^2 (softmax.cuh).
-template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false>
+// soft-capping (params.softcap > 0): S^T -> t first, dS^T times 1 - t^2 (softmax.cuh). kDropout:
+// attention dropout (params.dropout_p > 0; flash.h): per part, dS^T = P^T o (Z o dP^T rp - D) first
+// (it needs P^T itself), then Z o P^T as dV's A operand, dV times rp at the end (the mask from
+// primitives/philox.cuh, as the sm80 kernel's twin).
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false,
+          bool kDropout = false>
 __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -109,6 +113,8 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
   }
+
+  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
 
   bool precise_next = w.precise(params, 0);  // large-magnitude rows in the next Q tile (one load ahead)
   for (int it = 0; it < w.n_iter; ++it) {
@@ -170,6 +176,27 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       }
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0; smem_layout.cuh).
       recompute_pt<kLocal>(acc_s[h], w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, q0, key0, t);
+      if constexpr (kDropout) {
+        // Dropout: dP^T_h first (no dV product in flight yet: 2 kSplit - 2 younger groups), then one
+        // pass per unit of the mask: dS^T into acc_dp, Z o P^T into acc_s; dV and dK then as below.
+        wgmma_wait<2 * kSplit - 2>();
+        const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.head(it));
+        dropout.template for_each_kept<true, 1, kNBlkP>(bh, key0, m0 + q0 + 2 * t, [&](int, int j, int e, bool kept) {
+          const float p = acc_s[h][j][e], dsum = sDsum[q0 + 8 * j + 2 * t + e % 2];
+          acc_dp[h][j][e] = p * ((kept ? acc_dp[h][j][e] * params.dropout_rp : 0.f) - dsum);
+          acc_s[h][j][e] = kept ? p : 0.f;
+        });
+#pragma unroll
+        for (int kk = 0; kk < kPart / 16; ++kk) {
+          acc_to_a_frag<kNBlkP, Element>(a_ds[h][kk], acc_dp[h], kk);
+          acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
+        }
+        wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dv), a_p[h],
+                                              [&](int kk) { return TileQ::desc_mn_major(sdO, q0 / 16 + kk); });
+        wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dk), a_ds[h],
+                                              [&](int kk) { return TileQ::desc_mn_major(sQ, q0 / 16 + kk); });
+        continue;
+      }
 #pragma unroll
       for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
 
@@ -231,7 +258,8 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
   cp_async_wait<0>();
   __syncthreads();
   store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(smem, acc_dk, 64 * wg, float(params.scale_softmax), tid_wg);
-  store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg, 1.f, tid_wg);
+  store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg,
+                                                           kDropout ? params.dropout_rp : 1.f, tid_wg);
   __syncthreads();
   w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dk, smem, tid);
   w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dv, smem + T::kOffV, tid);

@@ -48,7 +48,10 @@ struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
 // kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
 // FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone. kSoftcap: logit
 // soft-capping (params.softcap > 0): S -> t first, and P (1 - t^2), the P of dS (softmax.cuh).
-template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false>
+// kDropout: attention dropout (params.dropout_p > 0; flash.h): dS = P o (Z o dP rp - D), the mask
+// regenerated from primitives/philox.cuh (as the sm80 kernel's twin).
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false,
+          bool kDropout = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, TileShape::kMinBlocks)
 flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -88,6 +91,8 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
   const int64_t ws = w.seq.ws_index(params, w.bidh, row0);
   const float hi[2] = {params.softmax_lse_log2_ptr[ws], params.softmax_lse_log2_ptr[ws + 8]};
   const float dsum[2] = {params.dsoftmax_sum_ptr[ws], params.dsoftmax_sum_ptr[ws + 8]};
+  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
+  [[maybe_unused]] const uint32_t dropout_bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
 
   float acc_dq[kNBlkD][4];
 #pragma unroll
@@ -134,8 +139,13 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
     recompute_p_rows<kLocal, kSoftcap>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, hi,
                      params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 
-    // Alg. 2 line 15: dS = P o (dP - D).
+    // Alg. 2 line 15: dS = P o (dP - D) (dropout: dP -> Z o dP rp first).
     wgmma_wait<0>();
+    if constexpr (kDropout) {
+      dropout.template for_each_kept<false, 1, kNBlkN>(dropout_bh, row0, n0 + 2 * t, [&](int, int j, int e, bool kept) {
+        acc_dp[j][e] = kept ? acc_dp[j][e] * params.dropout_rp : 0.f;
+      });
+    }
 #pragma unroll
     for (int j = 0; j < kNBlkN; ++j) {
 #pragma unroll

@@ -112,6 +112,7 @@
 
 #include "flash.h"
 #include "kernels/common/tile_scheduler.cuh"
+#include "primitives/philox.cuh"
 #include "kernels/common/work.cuh"
 #include "kernels/sm90/smem_layout.cuh"
 #include "kernels/sm90/tile_config.h"
@@ -324,7 +325,11 @@ struct WarpgroupTurns {
 // the tiles' key ranges start at the window's first block. The kernel without it is the causal
 // mask's code alone (n_block_min = 0, no left-edge masks or tail skips). kSoftcap: logit
 // soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores on every S tile).
-template <typename Traits, bool kLocal = false, bool kSoftcap = false>
+// kDropout: attention dropout (params.dropout_p > 0; flash.h): after a step's softmax (l sums P
+// itself) P's dropped elements are zeroed before its P V (FlashAttention, Dao et al. 2022, Alg. 2
+// line 11: Z o P; the mask from primitives/philox.cuh), O scaled by 1 / (1 - p) in the epilogue; P
+// is converted after the softmax (no early, row-by-row conversion: kDoubleBufferP's).
+template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kDropout = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_kernel(const __grid_constant__ Flash_fwd_params params, const __grid_constant__ FwdTmaMaps tma,
                      const __grid_constant__ FwdTileScheduler<Traits::kBlockM> sched) {
@@ -563,6 +568,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   setmaxnreg_inc<Traits::kConsumerRegs>();
   const float scale_log2 = params.scale_softmax_log2;
   const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
+  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
   using Turns = WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>;
   // Named barrier of all consumer warpgroups for a varlen tile's V rows past its keys (ids: 1..3
   // the epilogue's, Turns::kBarrier.. the turns').
@@ -604,6 +610,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The head's attention sink for the epilogue (flash.h: sinks_ptr), loaded here so its latency
     // hides under the main loop (at the epilogue it stalled every tile: +3-5 % at d128 N = 1k-4k).
     const float sink = head_sink(params.sinks_ptr, w.bidh);
+    [[maybe_unused]] const uint32_t dropout_bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
     const int qs = q_pipe.stage();
     mbarrier_wait(q_full(qs), q_pipe.phase());
     const int n_block_max = w.n_block_max, n_block_min = kLocal ? w.n_block_min() : 0;
@@ -739,6 +746,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         w.mask.template apply<kLocal>(s, w.m0 + row0(), (n_top - 1) * kBlockN);
       }
       softmax.update(s, acc_o, scale_log2);
+      // Dropout (kDropout): Z o P of key block n, the row sums l above being of P itself.
+      auto drop = [&](int n) {
+        if constexpr (kDropout) {
+          dropout.template for_each_kept<false, 1, kNBlkN>(
+              dropout_bh, w.m0 + row0() + lane / 4, n * kBlockN + 2 * (lane % 4),
+              [&](int, int nb, int e, bool kept) { s[0][nb][e] = kept ? s[0][nb][e] : 0.f; });
+        }
+      };
+      drop(n_top - 1);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
 
@@ -788,6 +804,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (lane == 0) mbarrier_arrive(v_empty(prev));  // this warp is done with V_{n+1}
         if (rescaled) decltype(softmax)::rescale_o(acc_o, alpha);
         if (!early) {
+          drop(n);
 #pragma unroll
           for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p_out[kk], s[0], kk);
         }
@@ -808,7 +825,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         __syncwarp();
         if (lane == 0) mbarrier_arrive(v_empty(last));
       };
-      if constexpr (Traits::kDoubleBufferP) {
+      if constexpr (Traits::kDoubleBufferP && !kDropout) {
         // Two steps per trip, so both buffers are fixed registers: P_i in p for even i, p2 for odd.
         uint32_t p2[kBlockN / 16][4];
         int i = 1;
@@ -877,7 +894,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         mbarrier_wait(v_empty(last.stage()), last.phase());
       }
       unsigned char* sO = static_cast<unsigned char*>(__cvta_shared_to_generic(sO_addr));
-      store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(sO, acc_o[0], 64 * c, 1.f, tid_wg);
+      store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(sO, acc_o[0], 64 * c, kDropout ? params.dropout_rp : 1.f,
+                                                               tid_wg);
       // The generic-proxy writes before the async proxy's next use of the buffer (the TMA store,
       // or the producer's next Q load).
       fence_proxy_async();

@@ -57,11 +57,12 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const auto sched =
       Sched::make(params, typename Sched::Schedule(sm90_fwd_schedule(params)), Traits::kWarpgroupKeyRanges);
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
-  // The call's twin of the kernel (a window's left bound, soft-capping: flash_fwd_kernel.cuh).
-  launch_1d(pick_twin(params,
-                      [](auto local, auto softcap) {
-                        return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value>;
-                      }),
+  // The call's twin of the kernel (a window's left bound, soft-capping, dropout: flash_fwd_kernel.cuh).
+  launch_1d(pick_twin_dropout(params,
+                              [](auto local, auto softcap, auto dropout) {
+                                return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value,
+                                                         decltype(dropout)::value>;
+                              }),
             sched.grid_size(params), Traits::kThreads, Traits::kSmemBytes, "forward (sm90)", kHeadDim, stream, params,
             maps, sched);
   return true;

@@ -22,6 +22,7 @@
 #include "kernels/arch.h"
 #include "kernels/common/work.cuh"
 #include "kernels/launch_utils.h"
+#include "primitives/philox.cuh"
 #include "kernels/sm90/tile_config.h"
 #include "primitives/barrier.cuh"
 #include "primitives/cp_async.cuh"
@@ -425,7 +426,9 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
 // kernel for a Roles<> row, else the rows kernel; either by TMA where launch_bwd_stages can, tensors
 // a / b: rows x heads, varlen total x heads, boxes of Traits::box rows) and flash::run_mha_bwd_<kind>_(Sm90, ...), the
 // launch the generated instantiations compile with the production row <Kind>Tile<d>; the call's
-// twins of the kernels by pick_twin (launch_utils.h: a window's left bound, soft-capping). Used at
+// twins of the kernels by pick_twin_dropout (launch_utils.h: a window's left bound, soft-capping,
+// attention dropout: the rows kernels only; dispatch.cu sends dropout calls of the Roles<> rows' head
+// dims to the sm80 kernels). Used at
 // global scope after both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
 #define FLASH_SM90_BWD_LAUNCH(Kind, kind, what, a, b, rows, total, heads, box)                                   \
   namespace flash::sm90 {                                                                                       \
@@ -436,25 +439,27 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
         tma_kernel, cp_kernel, params.a, params.b, params.rows, params.total, params.heads, Traits::box, what,   \
         params, stream, allow_tma);                                                                             \
   }                                                                                                             \
-  template <typename Element, int kHeadDim, typename Tile, bool kLocal, bool kSoftcap>                          \
+  template <typename Element, int kHeadDim, typename Tile, bool kLocal, bool kSoftcap, bool kDropout>            \
   void launch_bwd_##kind##_twin(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma) {                \
-    if constexpr (Tile::kRoles) {                                                                               \
+    if constexpr (Tile::kRoles && kDropout) {                                                                   \
+      throw std::runtime_error("flash_attn_ext: the sm90 " what " roles kernel has no dropout twin");           \
+    } else if constexpr (Tile::kRoles) {                                                                        \
       launch_bwd_##kind##_with<Kind##RolesKernelTraits<Element, kHeadDim, Tile>>(                               \
           flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap>,                     \
           flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap>, params, stream,    \
           allow_tma);                                                                                           \
     } else {                                                                                                    \
       launch_bwd_##kind##_with<Kind##KernelTraits<Element, kHeadDim, Tile>>(                                    \
-          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap>,                           \
-          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap>, params, stream,          \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap, kDropout>,                 \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap, kDropout>, params, stream,\
           allow_tma);                                                                                           \
     }                                                                                                           \
   }                                                                                                             \
   template <typename Element, int kHeadDim, typename Tile>                                                      \
   void launch_bwd_##kind(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma = true) {                \
-    pick_twin(params, [&](auto local, auto softcap) {                                                           \
-      launch_bwd_##kind##_twin<Element, kHeadDim, Tile, decltype(local)::value, decltype(softcap)::value>(      \
-          params, stream, allow_tma);                                                                           \
+    pick_twin_dropout(params, [&](auto local, auto softcap, auto dropout) {                                     \
+      launch_bwd_##kind##_twin<Element, kHeadDim, Tile, decltype(local)::value, decltype(softcap)::value,       \
+                               decltype(dropout)::value>(params, stream, allow_tma);                            \
       return 0;                                                                                                 \
     });                                                                                                         \
   }                                                                                                             \
