@@ -6,7 +6,7 @@ tiles per CTA (O staged in the V ring) and the varlen forward's dynamic walk; pa
 sequences (forward and backward); KV-cache decode steps (contiguous and paged, append, split-KV
 with the combine); every other dense case, one varlen and two KV-cache cases with attention sinks
 (float32 per head: the forward's sink load and share, the combine's extra partial, d sinks from
-the backward's workspace); for compute-sanitizer memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
+the backward's workspace); attention dropout (dense d64-d256 and varlen); for compute-sanitizer memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
 
 import torch
 
@@ -45,6 +45,20 @@ for force_sm80 in paths:
         out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 200, causal=causal, sinks=sinks)
         out.backward(torch.randn_like(out))
         assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+    # Attention dropout (every kernel's kDropout twin: sm90 forward, rows and Roles<> backward; sm80):
+    # ragged causal GQA, dense and one varlen batch with an empty sequence.
+    for headdim, causal, (sq, sk) in ((64, True, (77, 145)), (128, False, (130, 70)), (192, True, (150, 150)),
+                                      (256, False, (70, 130))):
+        q = torch.randn(2, sq, 4, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(2, sk, 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        out = flash_attn_ext.flash_attn_func(q, k, v, 0.2, causal=causal)
+        out.backward(torch.randn_like(out))
+        assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+    cu = torch.tensor([0, 40, 40, 170], device="cuda").int()
+    q, k, v = (torch.randn(170, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, 0.3, causal=True)
+    out.backward(torch.randn_like(out))
+    assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
 flash_attn_ext.force_sm80_path(False)
 # The forward alone with several tiles per CTA where O is staged in the V ring (the sm90 forward at
 # d192 / d256: 420 tiles), causal tiles without keys between tiles with keys; d96's three

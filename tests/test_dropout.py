@@ -120,7 +120,7 @@ def _check(q, k, v, run, ref, alg2):
 def _cells():
     # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
     return [(2, 128, 128, 4, 4, 64), (1, 77, 200, 4, 2, 128), (2, 200, 67, 6, 1, 32), (1, 1, 300, 2, 2, 96),
-            (1, 129, 129, 2, 2, 256)]
+            (1, 129, 129, 2, 2, 256), (2, 150, 333, 4, 2, 192)]
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -187,11 +187,12 @@ def test_manual_seed_reproduces(device):
 
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_dropout(device, causal, poison_empty, arch_path):
+@pytest.mark.parametrize("d", [64, 256])
+def test_varlen_dropout(device, causal, d, poison_empty, arch_path):
     """Packed sequences: sequence b drops what batch b of the reference drops (positions are the
-    sequence's own), forward and gradients."""
+    sequence's own), forward and gradients (d256: the sm90 backward's Roles<> kernels)."""
     lens_q, lens_k = [37, 0, 130, 64], [50, 20, 130, 1]
-    h, hk, d = 4, 2, 64
+    h, hk = 4, 2
     if device == "cuda":
         require_hdim(d)
     cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=device)

@@ -279,9 +279,8 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
     const cudaStream_t dq_stream = fork.dq_stream();
     auto launch_dkv_and_dq = [&] {
       if constexpr (contains(kSm90BwdHdims, kHeadDim)) {
-        // Attention dropout (flash.h: dropout_p): the sm90 rows kernels' kDropout twins (d <= 128);
-        // the Roles<> rows (d192, d256) have none: the sm80 kernels' twins there.
-        if (path == ArchPath::kSm90 && !(params.dropout_p > 0.0 && sm90::DkvTile<kHeadDim>::kRoles)) {
+        // Attention dropout (flash.h: dropout_p): each row's kDropout twin (rows and Roles<> kernels).
+        if (path == ArchPath::kSm90) {
           // Sequence lengths per call for the rows' rules: a dense call's, a varlen call's means
           // (total / batch; shapes only, no device sync).
           const bool varlen = params.cu_seqlens_q != nullptr;

@@ -62,8 +62,13 @@ struct DkvRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
 // kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
 // FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone. kSoftcap: logit
 // soft-capping (params.softcap > 0): S^T -> t first, and role 1 is handed P^T (1 - t^2) for dS^T
-// while role 0 keeps P^T for dV (softmax.cuh).
-template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false>
+// while role 0 keeps P^T for dV (softmax.cuh). kDropout: attention dropout (params.dropout_p > 0;
+// flash.h): role 0 regenerates the mask Z (primitives/philox.cuh, as every dropout twin) and hands
+// role 1 P^T with each dropped element's sign flipped (P^T >= 0: the sign carries Z, no second
+// Philox pass); role 1 forms dS^T = P^T o (Z o dP^T rp - D), role 0 multiplies Z o P^T into dV,
+// times rp at the end.
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false,
+          bool kDropout = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -117,6 +122,7 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
   // Role 0 multiplies K_j by Q_i, role 1 V_j by dO_i; role 0 then multiplies by dO_i, role 1 by Q_i.
   const uint32_t sA = wg == 0 ? sK : sV;
   const int key0 = w.n0 + 16 * warp_wg + g;
+  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
   bool precise_next = w.precise(params, 0);  // large-magnitude rows in the next Q tile (one load ahead)
 #pragma unroll 1
   for (int it = 0; it < w.n_iter; ++it) {
@@ -147,6 +153,14 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0), handed to role 1.
       recompute_pt<kLocal>(acc_s, w.mask, precise, w.template needs_mask<kLocal>(it), params.scale_softmax_log2, sHi(stage), sLo(stage),
                    w.m0(it), 0, key0, t);
+      if constexpr (kDropout) {
+        // Z: a dropped element's P^T handed over as -P^T (a whole warp per call: the S^T lanes
+        // share their Philox pairs by shuffle).
+        const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.head(it));
+        dropout.template for_each_kept<true, 1, kNBlkM>(bh, key0, w.m0(it) + 2 * t, [&](int, int j, int e, bool kept) {
+          if (!kept) acc_s[j][e] = -acc_s[j][e];
+        });
+      }
 #pragma unroll
       for (int j = 0; j < kNBlkM; ++j) {
         float4 p = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
@@ -156,17 +170,33 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
         }
         p_xchg[j * 128 + tid_wg] = p;
       }
+      if constexpr (kDropout) {  // dV's A operand: Z o P^T (the flipped ones -> 0)
+#pragma unroll
+        for (int j = 0; j < kNBlkM; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[j][e] = fmaxf(acc_s[j][e], 0.f);
+        }
+      }
       // Release (no wait). The buffer is written again two iterations on, once role 1 read it:
       // kTma, that iteration's Q tile loads only after every thread released this iteration's stage;
       // cp.async, a CTA barrier ends each iteration.
       mbarrier_arrive(p_full0 + 8 * (it % 2));
     } else {
-      // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows.
+      // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows (dropout: dP^T ->
+      // Z o dP^T rp first, Z the sign of what role 0 handed over).
       mbarrier_wait(p_full0 + 8 * (it % 2), phase);
       const float* dsum = sDsum(stage);
 #pragma unroll
       for (int j = 0; j < kNBlkM; ++j) {
-        const float4 p = p_xchg[j * 128 + tid_wg];
+        float4 p = p_xchg[j * 128 + tid_wg];
+        if constexpr (kDropout) {
+          const float rp = params.dropout_rp;
+          acc_s[j][0] = p.x >= 0.f ? acc_s[j][0] * rp : 0.f;
+          acc_s[j][1] = p.y >= 0.f ? acc_s[j][1] * rp : 0.f;
+          acc_s[j][2] = p.z >= 0.f ? acc_s[j][2] * rp : 0.f;
+          acc_s[j][3] = p.w >= 0.f ? acc_s[j][3] * rp : 0.f;
+          p = make_float4(fabsf(p.x), fabsf(p.y), fabsf(p.z), fabsf(p.w));
+        }
         const float2 dsum2 = *reinterpret_cast<const float2*>(dsum + 8 * j + 2 * t);
         acc_s[j][0] = p.x * (acc_s[j][0] - dsum2.x);
         acc_s[j][1] = p.y * (acc_s[j][1] - dsum2.y);
@@ -190,7 +220,7 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
   cp_async_wait<0>();
   __syncthreads();
   store_acc_to_smem<T::kBlockN, kHeadDimPad, kNBlkD, Element>(wg == 0 ? smem + T::kOffV : smem, acc, 0,
-                                                           wg == 0 ? 1.f : float(params.scale_softmax), tid_wg);
+                                                           wg == 0 ? (kDropout ? params.dropout_rp : 1.f) : float(params.scale_softmax), tid_wg);
   __syncthreads();
   w.template store_kv_tile<Element, TileKV, kHeadDimPad, T::kThreads>(params, params.dk, smem, tid);
   w.template store_kv_tile<Element, TileKV, kHeadDimPad, T::kThreads>(params, params.dv, smem + T::kOffV, tid);

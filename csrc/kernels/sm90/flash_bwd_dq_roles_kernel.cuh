@@ -53,7 +53,11 @@ struct DqRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
 // kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
 // FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone. kSoftcap: logit
 // soft-capping (params.softcap > 0): S -> t first, and role 1 is handed P (1 - t^2) (softmax.cuh).
-template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false>
+// kDropout: attention dropout (params.dropout_p > 0; flash.h): role 1 regenerates the mask Z
+// (primitives/philox.cuh, as every dropout twin) and forms Z o dP rp while role 0 computes P (before
+// the P barrier it waits at anyway), then dS = P o (Z o dP rp - D).
+template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false,
+          bool kDropout = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -132,6 +136,14 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
                        params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 #pragma unroll
       for (int j = 0; j < kNBlkN; ++j) sP[j * 128 + tid_wg] = make_float4(acc_s[j][0], acc_s[j][1], acc_s[j][2], acc_s[j][3]);
+    }
+    if (kDropout && wg == 1) {
+      // Dropout: dP -> Z o dP rp, under role 0's P.
+      const DropoutRng dropout(params.dropout_rng_state, params.dropout_threshold);
+      const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
+      dropout.template for_each_kept<false, 1, kNBlkN>(bh, row0, n0 + 2 * t, [&](int, int j, int e, bool kept) {
+        acc_s[j][e] = kept ? acc_s[j][e] * params.dropout_rp : 0.f;
+      });
     }
     // P complete (role 1 waits here from the end of its dP product: no longer than role 0's). A
     // CTA barrier outside the role branches (a bar.sync is aligned: every thread at one instruction).

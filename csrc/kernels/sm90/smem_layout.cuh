@@ -427,8 +427,7 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
 // a / b: rows x heads, varlen total x heads, boxes of Traits::box rows) and flash::run_mha_bwd_<kind>_(Sm90, ...), the
 // launch the generated instantiations compile with the production row <Kind>Tile<d>; the call's
 // twins of the kernels by pick_twin_dropout (launch_utils.h: a window's left bound, soft-capping,
-// attention dropout: the rows kernels only; dispatch.cu sends dropout calls of the Roles<> rows' head
-// dims to the sm80 kernels). Used at
+// attention dropout). Used at
 // global scope after both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
 #define FLASH_SM90_BWD_LAUNCH(Kind, kind, what, a, b, rows, total, heads, box)                                   \
   namespace flash::sm90 {                                                                                       \
@@ -441,13 +440,11 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
   }                                                                                                             \
   template <typename Element, int kHeadDim, typename Tile, bool kLocal, bool kSoftcap, bool kDropout>            \
   void launch_bwd_##kind##_twin(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma) {                \
-    if constexpr (Tile::kRoles && kDropout) {                                                                   \
-      throw std::runtime_error("flash_attn_ext: the sm90 " what " roles kernel has no dropout twin");           \
-    } else if constexpr (Tile::kRoles) {                                                                        \
+    if constexpr (Tile::kRoles) {                                                                               \
       launch_bwd_##kind##_with<Kind##RolesKernelTraits<Element, kHeadDim, Tile>>(                               \
-          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap>,                     \
-          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap>, params, stream,    \
-          allow_tma);                                                                                           \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap, kDropout>,           \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap, kDropout>, params,  \
+          stream, allow_tma);                                                                                   \
     } else {                                                                                                    \
       launch_bwd_##kind##_with<Kind##KernelTraits<Element, kHeadDim, Tile>>(                                    \
           flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap, kDropout>,                 \
