@@ -119,8 +119,10 @@ def flash_attn_func(
             mode), not in softcap (a constant). Composes with causal, window_size, sinks and GQA.
         dropout_p: attention dropout probability in [0, 1) (FlashAttention, Dao et al. 2022,
             section 3.1 and Algorithms 2 / 4; flash-attn's dropout_p), 0.0 (the default) none: each
-            element of P is dropped with probability dropout_p and the kept ones are scaled by
-            1 / (1 - dropout_p), so out = (Z o P) V / (1 - p); softmax_lse stays that of P. The mask
+            element of P is dropped with probability p and the kept ones are scaled by 1 / (1 - p),
+            so out = (Z o P) V / (1 - p); softmax_lse stays that of P. p is dropout_p as 16-bit
+            randoms resolve it, round(dropout_p 2^16) / 2^16 (at most 1 - 2^-16), so the output
+            stays unbiased (e.g. 0.99999 drops with p = 65535 / 65536). The mask
             comes from a counter-based generator (Philox4x32-10) keyed by a state drawn from torch's
             generator on q's device per call (``dropout_rng_state``: torch.manual_seed makes it
             reproducible, CUDA graphs and torch.compile capture it); the backward regenerates it,

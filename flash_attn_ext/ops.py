@@ -300,9 +300,11 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, dstats):
         # dlse, dstats are ignored: softmax_lse and softmax_stats are non-differentiable.
-        q, k, v, out, softmax_lse, softmax_stats = ctx.saved_tensors[:6]
-        sinks = ctx.saved_tensors[6] if ctx.has_sinks else None
-        dropout = (ctx.dropout_p, ctx.saved_tensors[-1] if ctx.has_rng_state else None)
+        # saved_tensors read once: non-reentrant activation checkpointing unpacks each tensor once.
+        saved = ctx.saved_tensors
+        q, k, v, out, softmax_lse, softmax_stats = saved[:6]
+        sinks = saved[6] if ctx.has_sinks else None
+        dropout = (ctx.dropout_p, saved[-1] if ctx.has_rng_state else None)
         want_dsinks = ctx.has_sinks and ctx.needs_input_grad[7]
         if want_dsinks and _fused_dsinks():
             # The op fills dsinks from its own workspace (D and the LSE of the preprocess): no pass
@@ -321,8 +323,9 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, q_t, k_t, v_t, *scalar_tangents):
         _no_dropout_jvp(ctx.dropout_p)
-        q, k, v = ctx.saved_tensors[:3]
-        sinks = ctx.saved_tensors[6] if ctx.has_sinks else None
+        saved = ctx.saved_tensors  # once (see backward)
+        q, k, v = saved[:3]
+        sinks = saved[6] if ctx.has_sinks else None
         sinks_t = scalar_tangents[4] if ctx.has_sinks else None
         out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal, *ctx.window, sinks, sinks_t,
                               ctx.softcap)
@@ -724,14 +727,15 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, dstats):
-        q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors[:8]
-        sinks = ctx.saved_tensors[8] if ctx.has_sinks else None
+        saved = ctx.saved_tensors  # once (FlashAttnFunction.backward: non-reentrant checkpointing)
+        q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k = saved[:8]
+        sinks = saved[8] if ctx.has_sinks else None
         max_seqlen_q, max_seqlen_k, softmax_scale, causal = ctx.args
         want_dsinks = ctx.has_sinks and ctx.needs_input_grad[11]
         dq, dk, dv = FlashAttnVarlenBackwardFunction.apply(
             dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, softmax_stats, *ctx.window, sinks, ctx.softcap, ctx.dropout_p,
-            ctx.saved_tensors[-1] if ctx.has_rng_state else None)
+            saved[-1] if ctx.has_rng_state else None)
         dsinks = None
         if want_dsinks:
             # Rows outside every sequence (before cu_seqlens_q[0], from cu_seqlens_q[-1]) are not
@@ -749,9 +753,10 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         cu_seqlens on the host (forward mode materialises each sequence's P anyway). Rows outside
         every sequence, and sequences without keys, get tangent 0 (their out is 0)."""
         _no_dropout_jvp(ctx.dropout_p)
-        q, k, v = ctx.saved_tensors[:3]
-        cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors[6:8]
-        sinks = ctx.saved_tensors[8] if ctx.has_sinks else None
+        saved = ctx.saved_tensors  # once (FlashAttnFunction.backward)
+        q, k, v = saved[:3]
+        cu_seqlens_q, cu_seqlens_k = saved[6:8]
+        sinks = saved[8] if ctx.has_sinks else None
         sinks_t = scalar_tangents[8] if ctx.has_sinks else None
         max_seqlen_q, max_seqlen_k, softmax_scale, causal = ctx.args
         out_t = torch.zeros(q.shape, dtype=q.dtype, device=q.device)

@@ -117,7 +117,7 @@ def scaled_dot_product_attention(
             RuntimeError / device-side assert otherwise).
         dropout_p: attention dropout probability in [0, 1) (as torch: applied whenever given, pass
             ``dropout_p if self.training else 0.0``): flash_attn_func's ``dropout_p`` (each kernel
-            call draws its own mask from torch's generator; on CUDA the sm80 kernels run it).
+            call draws its own mask from torch's generator; on CUDA the kernels' dropout twins run it).
         is_causal: causal mask aligned to the top-left corner, exactly as torch: query i sees
             key j <= i. (flash_attn_ext's own ``causal`` is bottom-right aligned; this function
             converts, so the result equals torch's also when L != S.)

@@ -1,8 +1,8 @@
 """Attention dropout (FlashAttention, Dao et al. 2022, section 3.1 and Algorithms 2 / 4; flash-attn's
 ``dropout_p``): out = (Z o P) V / (1 - p), Z the keep mask, softmax_lse that of P.
 
-The mask is a function of the call's rng_state alone (csrc/primitives/philox.cuh: Philox4x32-10 per 2 x 2
-unit of (query, key) positions), so the reference materialises the very mask the kernels regenerate
+The mask is a function of the call's rng_state alone (csrc/primitives/philox.cuh: Philox4x32-10, one call
+per two 2 x 2 units of (query, key) positions, 16-bit randoms), so the reference materialises the very mask the kernels regenerate
 (flash_attn_ext.reference.dropout_keep_mask, a torch twin written from the paper and checked against
 Random123's known answers) and every numeric case is an exact-attention case under the accuracy rule
 (tests/accuracy.py), gradients included: dV = (Z o P)^T dO / (1 - p), dS = P o (Z o dP / (1 - p) - D).
@@ -96,8 +96,10 @@ def _alg2_dq_dk(q, k, v, causal, scale, dout, stored_out, p, rng_state, batch0=0
 
 
 def _check(q, k, v, run, ref, alg2):
-    """conftest.check_fwd_bwd, with the dq / dk baselines also from Alg. 2 on the stored 16-bit outputs
-    (``_alg2_dq_dk``) for 16-bit inputs."""
+    """conftest.check_fwd_bwd, with the dq / dk baselines also from Alg. 2 on the stored outputs
+    (``_alg2_dq_dk``) for inputs below float64: a row with one visible key has O = v / (1 - p), which
+    the output's dtype rounds, so D = rowsum(dO o O) leaves dS = P (Z dP rp - D) a rounding away from
+    the exact 0 of torch's math."""
     out, lse = run()
     ref_out, ref_lse = ref(True)
     base_out, base_lse = ref(False)
@@ -107,7 +109,7 @@ def _check(q, k, v, run, ref, alg2):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout.to(ref_out.dtype))
     base_grads = list(torch.autograd.grad(base_out, (q, k, v), dout))
-    if out.dtype in (torch.float16, torch.bfloat16):
+    if out.dtype in (torch.float16, torch.bfloat16, torch.float32):
         for stored in (base_out, ref_out.detach().to(out.dtype)):
             for i, g in enumerate(alg2(dout, stored)):
                 err = lambda t: (t.double() - ref_grads[i].double()).abs().max().item()  # noqa: E731
@@ -120,7 +122,7 @@ def _check(q, k, v, run, ref, alg2):
 def _cells():
     # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
     return [(2, 128, 128, 4, 4, 64), (1, 77, 200, 4, 2, 128), (2, 200, 67, 6, 1, 32), (1, 1, 300, 2, 2, 96),
-            (1, 129, 129, 2, 2, 256), (2, 150, 333, 4, 2, 192)]
+            (1, 129, 129, 2, 2, 256), (2, 150, 333, 4, 2, 192), (1, 300, 1, 3, 3, 32)]
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -167,8 +169,9 @@ def test_dropout_same_state_same_bits(device):
         assert torch.equal(a, b)
     other, _, _ = ops.attention_forward(q, k, v, 0.125, True, -1, -1, None, 0.0, 0.3, rs + 1)
     assert not torch.equal(other, results[0][0])
-    # threshold 0: nothing dropped, scale 1 in float32: the bits of the call without dropout (the
-    # dropout twin runs the tile row the call without dropout runs, on either arch path)
+    # threshold 0: nothing dropped, scale 1 in float32: the bits of the call without dropout (a row's
+    # key blocks are the same, in the same order: the sm90 twins run the tile row the call without
+    # dropout runs; the sm80 forward's own 64-row FwdDropoutTile has d64's key block width)
     plain, _, _ = ops.attention_forward(q, k, v, 0.125, True)
     tiny, _, _ = ops.attention_forward(q, k, v, 0.125, True, -1, -1, None, 0.0, 1e-12, rs)
     assert torch.equal(plain, tiny)
@@ -450,6 +453,50 @@ def test_rng_state_changed_in_place_before_backward():
     rs[1] += 1
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dropout_under_non_reentrant_checkpointing(device, varlen):
+    """torch.utils.checkpoint(use_reentrant=False) unpacks each saved tensor once: the backward reads
+    them once (with dropout and sinks too), and the recompute draws the same rng_state (checkpoint
+    restores the generator), so the gradients are the plain call's bit for bit."""
+    q, k, v = make_qkv(2, 40, 56, 4, 2, 64, torch.bfloat16 if device == "cuda" else torch.float32, device)
+    sinks = torch.randn(4, device=device, requires_grad=True)
+    cu = torch.tensor([0, 40, 80], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 56, 112], dtype=torch.int32, device=device)
+
+    def f(q, k, v, sinks):
+        if varlen:
+            return flash_attn_ext.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k,
+                                                         40, 56, 0.3, causal=True, sinks=sinks)
+        return flash_attn_ext.flash_attn_func(q, k, v, 0.3, causal=True, sinks=sinks)
+
+    dout = torch.randn_like(f(q, k, v, sinks))
+    torch.manual_seed(3)
+    want = torch.autograd.grad(f(q, k, v, sinks), (q, k, v, sinks), dout)
+    torch.manual_seed(3)
+    out = torch.utils.checkpoint.checkpoint(f, q, k, v, sinks, use_reentrant=False)
+    got = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_dropout_nan_reaches_what_it_touches(device, arch_path):
+    """A NaN in one query row reaches dV through that row's kept elements only, as the reference's
+    gradient (a dropped element contributes 0, never NaN * 0), and out's row only."""
+    q, k, v = make_qkv(1, 24, 40, 2, 2, 64, torch.bfloat16 if device == "cuda" else torch.float32, device,
+                       requires_grad=False)
+    q[0, 3, 0, 0] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    rs = torch.tensor([12, 34], dtype=torch.int64, device=device)
+    out, _, _ = flash_attn_ext.ops.attention_forward(q, k, v, 0.125, False, -1, -1, None, 0.0, 0.5, rs)
+    dout = torch.randn_like(out)
+    dv = torch.autograd.grad(out, v, dout)[0]
+    ref_out, _ = attention_ref(q, k, v, 0.125, False, dropout_p=0.5, rng_state=rs.cpu())
+    ref_dv = torch.autograd.grad(ref_out, v, dout.to(ref_out.dtype))[0]
+    assert torch.equal(out.isnan(), ref_out.isnan())
+    assert torch.equal(dv.isnan(), ref_dv.isnan()) and dv.isnan().any() and not dv.isnan().all()
 
 
 def test_dropout_argument_checks_name_the_entry():

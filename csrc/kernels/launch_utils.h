@@ -30,9 +30,10 @@ auto pick_twin(const Params& params, Twin twin) {
   return local ? twin(Y{}, N{}) : twin(N{}, N{});
 }
 
-// pick_twin for the kernels that also have an attention-dropout twin (the sm80 and sm90 forward, the
-// sm80 and sm90 rows dK/dV and dQ kernels; flash.h: dropout_p > 0): `twin` takes a third std::bool_constant, kDropout. The
-// dropout twin has neither a window's left bound nor soft-capping (the API refuses those with dropout).
+// pick_twin for the kernels that also have an attention-dropout twin (the sm80 and sm90 forward, dK/dV
+// and dQ kernels, the sm90 Roles<> ones included; flash.h: dropout_p > 0): `twin` takes a third
+// std::bool_constant, kDropout. The dropout twin has neither a window's left bound nor soft-capping
+// (the API refuses those with dropout).
 template <typename Params, typename Twin>
 auto pick_twin_dropout(const Params& params, Twin twin) {
   if (params.dropout_p > 0.0) return twin(std::false_type{}, std::false_type{}, std::true_type{});

@@ -125,8 +125,10 @@ struct Dropout {
   bool keep(int b, int h, int q, int k) const {
     return !on || rng.keep(uint32_t((int64_t(batch0) + b) * nheads + h), q, k);
   }
-  // Z_qk rp: the backward's factor of P (for dV) and of dP (for dS); exactly 1 without dropout.
-  Acc factor(int b, int h, int q, int k) const { return !on ? Acc(1) : keep(b, h, q, k) ? rp : Acc(0); }
+  // Z_qk rp x for the element's `kept` (keep()): the backward's P (for dV) and dP (for dS); a dropped
+  // element is 0 whatever x is (a NaN included, as the kernels' selects and the reference's where);
+  // exactly x without dropout.
+  Acc scaled(Acc x, bool kept) const { return !on ? x : kept ? x * rp : Acc(0); }
 };
 
 // y[0:d] += alpha * x[0:d]
@@ -380,16 +382,18 @@ void bwd_impl(const Flash_bwd_params& p) {
       if (softcap.on) {
         for (int j = c0; j < c1; ++j) {
           const Acc t = softcap.tanh_of(s[j]);
-          const Acc pij = prob(t * softcap.cap_log2, hi, lo), z = dropout.factor(b, h, m0 + i, n0 + j);
+          const Acc pij = prob(t * softcap.cap_log2, hi, lo);
+          const bool kept = dropout.keep(b, h, m0 + i, n0 + j);
           // dS_ij = P_ij (dP_ij - D_i) (1 - t_ij^2): the chain rule through the cap.
-          visit(i, j, pij * z, pij * (dp[j] * z - dsum_i) * (Acc(1) - t * t));
+          visit(i, j, dropout.scaled(pij, kept), pij * (dropout.scaled(dp[j], kept) - dsum_i) * (Acc(1) - t * t));
         }
         continue;
       }
       for (int j = c0; j < c1; ++j) {
         const Acc pij = prob(s[j] * scale_log2, hi, lo);  // line 12: P_ij = exp(S_ij - L_i)
-        const Acc z = dropout.factor(b, h, m0 + i, n0 + j);
-        visit(i, j, pij * z, pij * (dp[j] * z - dsum_i));  // line 15: dS_ij = P_ij (dP_ij - D_i)
+        const bool kept = dropout.keep(b, h, m0 + i, n0 + j);
+        // line 15: dS_ij = P_ij (dP_ij - D_i) (dropout: Z rp on P for dV and on dP)
+        visit(i, j, dropout.scaled(pij, kept), pij * (dropout.scaled(dp[j], kept) - dsum_i));
       }
     }
   };

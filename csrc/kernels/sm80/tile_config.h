@@ -49,9 +49,9 @@ template <> struct FwdTile<192> : FwdTileShape<128,  64,    8,   false,   1> {};
 template <> struct FwdTile<256> : FwdTileShape<128,  64,    8,   false,   1> {};
 
 // The forward's attention-dropout twin (params.dropout_p > 0; flash_fwd_launch.cuh), on every GPU:
-// one m16 atom per warp (64-row tiles), so the mask's Philox calls (primitives/philox.cuh: one per 2 x 2
-// unit, 16 units per thread and tile at 128 x 64 with two atoms) fit beside S and O in registers: the
-// 128 x 64 row's dropout twin spilled 408 B at d128 (sm_90a), the 128 x 48 one 164 B (sm_80).
+// one m16 atom per warp (64-row tiles), so the mask's Philox calls (primitives/philox.cuh: one per two
+// 2 x 2 units) fit beside S and O in registers: with 32-bit randoms (one call per unit) the 128 x 64
+// row's dropout twin spilled 408 B at d128 (sm_90a), the 128 x 48 one 164 B (sm_80).
 template <int kHeadDim>
 struct FwdDropoutTile : FwdTileShape<64, (kHeadDim > 128 ? 32 : 64), 4, (kHeadDim <= 64), 2> {};
 

@@ -170,11 +170,11 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
         }
         p_xchg[j * 128 + tid_wg] = p;
       }
-      if constexpr (kDropout) {  // dV's A operand: Z o P^T (the flipped ones -> 0)
+      if constexpr (kDropout) {  // dV's A operand: Z o P^T (the flipped ones -> 0; a kept NaN stays NaN)
 #pragma unroll
         for (int j = 0; j < kNBlkM; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc_s[j][e] = fmaxf(acc_s[j][e], 0.f);
+          for (int e = 0; e < 4; ++e) acc_s[j][e] = signbit(acc_s[j][e]) ? 0.f : acc_s[j][e];
         }
       }
       // Release (no wait). The buffer is written again two iterations on, once role 1 read it:
@@ -190,11 +190,11 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
       for (int j = 0; j < kNBlkM; ++j) {
         float4 p = p_xchg[j * 128 + tid_wg];
         if constexpr (kDropout) {
-          const float rp = params.dropout_rp;
-          acc_s[j][0] = p.x >= 0.f ? acc_s[j][0] * rp : 0.f;
-          acc_s[j][1] = p.y >= 0.f ? acc_s[j][1] * rp : 0.f;
-          acc_s[j][2] = p.z >= 0.f ? acc_s[j][2] * rp : 0.f;
-          acc_s[j][3] = p.w >= 0.f ? acc_s[j][3] * rp : 0.f;
+          const float rp = params.dropout_rp;  // kept: the sign bit clear (-0: a dropped 0)
+          acc_s[j][0] = signbit(p.x) ? 0.f : acc_s[j][0] * rp;
+          acc_s[j][1] = signbit(p.y) ? 0.f : acc_s[j][1] * rp;
+          acc_s[j][2] = signbit(p.z) ? 0.f : acc_s[j][2] * rp;
+          acc_s[j][3] = signbit(p.w) ? 0.f : acc_s[j][3] * rp;
           p = make_float4(fabsf(p.x), fabsf(p.y), fabsf(p.z), fabsf(p.w));
         }
         const float2 dsum2 = *reinterpret_cast<const float2*>(dsum + 8 * j + 2 * t);
