@@ -129,8 +129,8 @@ def flash_attn_func(
             nothing of size seqlen_q x seqlen_k is stored. Pass 0.0 in evaluation (flash-attn's
             convention: the caller decides, e.g. ``dropout_p if self.training else 0.0``). On CUDA the
             kDropout twins of the kernels the call would run without it (H100 / H200: the sm90
-            forward and backward); not with softcap or a window's
-            left bound (NotImplementedError).
+            forward and backward); not with softcap or a window's left bound
+            (NotImplementedError).
         alibi_slopes, deterministic: flash-attn's other keywords, accepted at the values that ask
             for nothing this library lacks, so ported calls run unchanged: alibi_slopes=None
             (another value: NotImplementedError naming it); deterministic: any bool, or None (the

@@ -6,7 +6,8 @@ tiles per CTA (O staged in the V ring) and the varlen forward's dynamic walk; pa
 sequences (forward and backward); KV-cache decode steps (contiguous and paged, append, split-KV
 with the combine); every other dense case, one varlen and two KV-cache cases with attention sinks
 (float32 per head: the forward's sink load and share, the combine's extra partial, d sinks from
-the backward's workspace); attention dropout (dense d64-d256 and varlen); for compute-sanitizer memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
+the backward's workspace); attention dropout (dense d64-d256 and varlen); for compute-sanitizer
+memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
 
 import torch
 
@@ -50,7 +51,8 @@ for force_sm80 in paths:
     for headdim, causal, (sq, sk) in ((64, True, (77, 145)), (128, False, (130, 70)), (192, True, (150, 150)),
                                       (256, False, (70, 130))):
         q = torch.randn(2, sq, 4, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(2, sk, 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        k, v = (torch.randn(2, sk, 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
         out = flash_attn_ext.flash_attn_func(q, k, v, 0.2, causal=causal)
         out.backward(torch.randn_like(out))
         assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))

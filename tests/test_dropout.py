@@ -1,11 +1,11 @@
 """Attention dropout (FlashAttention, Dao et al. 2022, section 3.1 and Algorithms 2 / 4; flash-attn's
 ``dropout_p``): out = (Z o P) V / (1 - p), Z the keep mask, softmax_lse that of P.
 
-The mask is a function of the call's rng_state alone (csrc/primitives/philox.cuh: Philox4x32-10, one call
-per two 2 x 2 units of (query, key) positions, 16-bit randoms), so the reference materialises the very mask the kernels regenerate
-(flash_attn_ext.reference.dropout_keep_mask, a torch twin written from the paper and checked against
-Random123's known answers) and every numeric case is an exact-attention case under the accuracy rule
-(tests/accuracy.py), gradients included: dV = (Z o P)^T dO / (1 - p), dS = P o (Z o dP / (1 - p) - D).
+The mask is a function of the call's rng_state alone (csrc/primitives/philox.cuh: Philox4x32-10, one
+call per two 2 x 2 units of (query, key) positions, 16-bit randoms), so the reference materialises the
+very mask the kernels regenerate (flash_attn_ext.reference.dropout_keep_mask, a torch twin written
+from the paper and checked against Random123's known answers) and every numeric case is an
+exact-attention case under the accuracy rule (tests/accuracy.py), gradients included: dV = (Z o P)^T dO / (1 - p), dS = P o (Z o dP / (1 - p) - D).
 The CPU cells run in CI; the CUDA ones on each arch path (the sm90 twins on the H100 / H200, the sm80
 twins with force_sm80_path).
 """

@@ -219,8 +219,9 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
   // tiles (no copy may still be writing them) for coalesced 16-byte stores.
   cp_async_wait<0>();
   __syncthreads();
+  const float dv_scale = kDropout ? params.dropout_rp : 1.f;  // dropout: dV = (Z o P)^T dO rp
   store_acc_to_smem<T::kBlockN, kHeadDimPad, kNBlkD, Element>(wg == 0 ? smem + T::kOffV : smem, acc, 0,
-                                                           wg == 0 ? (kDropout ? params.dropout_rp : 1.f) : float(params.scale_softmax), tid_wg);
+                                                           wg == 0 ? dv_scale : float(params.scale_softmax), tid_wg);
   __syncthreads();
   w.template store_kv_tile<Element, TileKV, kHeadDimPad, T::kThreads>(params, params.dk, smem, tid);
   w.template store_kv_tile<Element, TileKV, kHeadDimPad, T::kThreads>(params, params.dv, smem + T::kOffV, tid);

@@ -112,7 +112,6 @@
 
 #include "flash.h"
 #include "kernels/common/tile_scheduler.cuh"
-#include "primitives/philox.cuh"
 #include "kernels/common/work.cuh"
 #include "kernels/sm90/smem_layout.cuh"
 #include "kernels/sm90/tile_config.h"
