@@ -132,10 +132,28 @@ def _cells():
 def test_dropout_matches_reference(device, shape, causal, p, poison_empty, arch_path):
     """flash_attn_func with dropout_p against the float64 reference with the same mask (the call's
     rng_state drawn again from the same seed), forward, LSE and gradients."""
+    _dropout_case(device, shape, causal, p, _dtypes(device))
+
+
+# Shapes that take the sm90 path's long rows: the forward's FwdLongTile (d128, dense non-causal, >= 8192
+# keys) and the backward's DkvLongTile (d96: >= 2048 queries and keys per sequence, >= 2 of its
+# 128-key CTAs per SM); CUDA only (the CPU reference would take minutes).
+_LONG_ROW_CELLS = [(1, 128, 8192, 2, 1, 128), (2, 2048, 2048, 9, 9, 96)]
+
+
+@CUDA
+@pytest.mark.parametrize("shape", _LONG_ROW_CELLS)
+def test_dropout_long_rows(shape, poison_empty, arch_path):
+    """The dropout twins of the long tile rows against the float64 reference, as
+    test_dropout_matches_reference (bf16, non-causal: the long forward row's condition)."""
+    _dropout_case("cuda", shape, False, 0.17, [torch.bfloat16])
+
+
+def _dropout_case(device, shape, causal, p, dtypes):
     b, sq, sk, h, hk, d = shape
     if device == "cuda":
         require_hdim(d)
-    for dtype in _dtypes(device):
+    for dtype in dtypes:
         q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device)
         torch.manual_seed(1234)
         rng_state = dropout_rng_state(q.device)
