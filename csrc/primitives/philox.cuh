@@ -71,6 +71,15 @@ struct DropoutRng {
     key1 = uint32_t(seed >> 32) ^ uint32_t(off >> 32);
     offset = uint32_t(off);
   }
+  // A kernel's mask: the call's (flash.h: dropout_rng_state, dropout_threshold) in its kDropout
+  // twin, an unused default in the others (which never read the state).
+  template <bool kDropout, typename Params>
+  FLASH_HOST_DEVICE static DropoutRng of(const Params& p) {
+    if constexpr (kDropout) return DropoutRng(p.dropout_rng_state, p.dropout_threshold);
+    return DropoutRng();
+  }
+  // The counter word of sequence (batch) b, query head h of nheads: b * nheads + h.
+  FLASH_HOST_DEVICE static uint32_t head_word(int64_t b, int nheads, int h) { return uint32_t(b * nheads + h); }
   // Index of position x (a query row or a key) among the corners of its axis: 8 per 16.
   FLASH_HOST_DEVICE static uint32_t corner_index(int x) { return uint32_t(x >> 4) * 8u + uint32_t(x & 7); }
   // The eight randoms of the pair of units holding (q, k), for head bh = batch * nheads + head.

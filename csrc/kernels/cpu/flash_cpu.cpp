@@ -123,7 +123,7 @@ struct Dropout {
         nheads(p.h) {}
   // Z_qk of batch b, head h: whether the element is kept (always without dropout).
   bool keep(int b, int h, int q, int k) const {
-    return !on || rng.keep(uint32_t((int64_t(batch0) + b) * nheads + h), q, k);
+    return !on || rng.keep(DropoutRng::head_word(int64_t(batch0) + b, nheads, h), q, k);
   }
   // Z_qk rp x for the element's `kept` (keep()): the backward's P (for dV) and dP (for dS); a dropped
   // element is 0 whatever x is (a NaN included, as the kernels' selects and the reference's where);

@@ -116,7 +116,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
   zero_acc(acc_dk);
   zero_acc(acc_dv);
 
-  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
+  const DropoutRng dropout = DropoutRng::of<kDropout>(params);
 
   bool precise_next = w.precise(params, 0);  // large-magnitude rows in the next Q tile (one load ahead)
   for (int it = 0; it < w.n_iter; ++it) {
@@ -186,7 +186,7 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     if constexpr (kDropout) {
       // Dropout, one pass per unit of the mask (rows: keys; columns: the Q tile's rows): dS^T = P^T o
       // (Z o dP^T rp - D) into acc_dp, then Z o P^T into acc_s, whose fragments feed dV.
-      const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.head(it));
+      const uint32_t bh = DropoutRng::head_word(w.seq.bidb, params.h, w.head(it));
       dropout.template for_each_kept<true, kMA, T::kNBlkM>(
           bh, w.n0 + kWarpRows * warp_n + g, m0 + 2 * t, [&](int ma, int nb, int e, bool kept) {
             const float p = acc_s[ma][nb][e], dsum = sDsum[nb * 8 + 2 * t + e % 2];

@@ -122,8 +122,8 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
 
   float acc_dq[kMA][T::kNBlkD][4];
   zero_acc(acc_dq);
-  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
-  const uint32_t dropout_bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
+  const DropoutRng dropout = DropoutRng::of<kDropout>(params);
+  const uint32_t dropout_bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
 
   for (int i = 0; i < n_steps; ++i) {
     const int n_block = n_block_min + i, stage = i % 2;

@@ -105,8 +105,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const float scale_log2 = params.scale_softmax_log2;
   const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
   // The dropout mask's key and head (the sequence's own positions: rows from m0, keys from 0).
-  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
-  const uint32_t dropout_bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
+  const DropoutRng dropout = DropoutRng::of<kDropout>(params);
+  const uint32_t dropout_bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
 
   if (n_block_max > n_block_min) {
     // ---- Prologue: Q tile (loaded once, FA2 Alg. 1 line 4) and the first K tile, one group.

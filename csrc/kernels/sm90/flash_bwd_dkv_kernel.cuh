@@ -114,7 +114,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
     for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
   }
 
-  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
+  const DropoutRng dropout = DropoutRng::of<kDropout>(params);
 
   bool precise_next = w.precise(params, 0);  // large-magnitude rows in the next Q tile (one load ahead)
   for (int it = 0; it < w.n_iter; ++it) {
@@ -180,7 +180,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
         // Dropout: dP^T_h first (no dV product in flight yet: 2 kSplit - 2 younger groups), then one
         // pass per unit of the mask: dS^T into acc_dp, Z o P^T into acc_s; dV and dK then as below.
         wgmma_wait<2 * kSplit - 2>();
-        const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.head(it));
+        const uint32_t bh = DropoutRng::head_word(w.seq.bidb, params.h, w.head(it));
         dropout.template for_each_kept<true, 1, kNBlkP>(bh, key0, m0 + q0 + 2 * t, [&](int, int j, int e, bool kept) {
           const float p = acc_s[h][j][e], dsum = sDsum[q0 + 8 * j + 2 * t + e % 2];
           acc_dp[h][j][e] = p * ((kept ? acc_dp[h][j][e] * params.dropout_rp : 0.f) - dsum);

@@ -122,7 +122,7 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
   // Role 0 multiplies K_j by Q_i, role 1 V_j by dO_i; role 0 then multiplies by dO_i, role 1 by Q_i.
   const uint32_t sA = wg == 0 ? sK : sV;
   const int key0 = w.n0 + 16 * warp_wg + g;
-  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
+  const DropoutRng dropout = DropoutRng::of<kDropout>(params);
   bool precise_next = w.precise(params, 0);  // large-magnitude rows in the next Q tile (one load ahead)
 #pragma unroll 1
   for (int it = 0; it < w.n_iter; ++it) {
@@ -156,7 +156,7 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
       if constexpr (kDropout) {
         // Z: a dropped element's P^T handed over as -P^T (a whole warp per call: the S^T lanes
         // share their Philox pairs by shuffle).
-        const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.head(it));
+        const uint32_t bh = DropoutRng::head_word(w.seq.bidb, params.h, w.head(it));
         dropout.template for_each_kept<true, 1, kNBlkM>(bh, key0, w.m0(it) + 2 * t, [&](int, int j, int e, bool kept) {
           if (!kept) acc_s[j][e] = -acc_s[j][e];
         });

@@ -91,8 +91,8 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
   const int64_t ws = w.seq.ws_index(params, w.bidh, row0);
   const float hi[2] = {params.softmax_lse_log2_ptr[ws], params.softmax_lse_log2_ptr[ws + 8]};
   const float dsum[2] = {params.dsoftmax_sum_ptr[ws], params.dsoftmax_sum_ptr[ws + 8]};
-  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
-  [[maybe_unused]] const uint32_t dropout_bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
+  const DropoutRng dropout = DropoutRng::of<kDropout>(params);
+  [[maybe_unused]] const uint32_t dropout_bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
 
   float acc_dq[kNBlkD][4];
 #pragma unroll

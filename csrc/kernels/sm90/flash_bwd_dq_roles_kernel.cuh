@@ -139,8 +139,8 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
     }
     if (kDropout && wg == 1) {
       // Dropout: dP -> Z o dP rp, under role 0's P.
-      const DropoutRng dropout(params.dropout_rng_state, params.dropout_threshold);
-      const uint32_t bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
+      const DropoutRng dropout = DropoutRng::of<true>(params);
+      const uint32_t bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
       dropout.template for_each_kept<false, 1, kNBlkN>(bh, row0, n0 + 2 * t, [&](int, int j, int e, bool kept) {
         acc_s[j][e] = kept ? acc_s[j][e] * params.dropout_rp : 0.f;
       });

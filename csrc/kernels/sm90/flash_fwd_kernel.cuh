@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   setmaxnreg_inc<Traits::kConsumerRegs>();
   const float scale_log2 = params.scale_softmax_log2;
   const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
-  const DropoutRng dropout = kDropout ? DropoutRng(params.dropout_rng_state, params.dropout_threshold) : DropoutRng();
+  const DropoutRng dropout = DropoutRng::of<kDropout>(params);
   using Turns = WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>;
   // Named barrier of all consumer warpgroups for a varlen tile's V rows past its keys (ids: 1..3
   // the epilogue's, Turns::kBarrier.. the turns').
@@ -609,7 +609,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The head's attention sink for the epilogue (flash.h: sinks_ptr), loaded here so its latency
     // hides under the main loop (at the epilogue it stalled every tile: +3-5 % at d128 N = 1k-4k).
     const float sink = head_sink(params.sinks_ptr, w.bidh);
-    [[maybe_unused]] const uint32_t dropout_bh = uint32_t(int64_t(w.seq.bidb) * params.h + w.bidh);
+    [[maybe_unused]] const uint32_t dropout_bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
     const int qs = q_pipe.stage();
     mbarrier_wait(q_full(qs), q_pipe.phase());
     const int n_block_max = w.n_block_max, n_block_min = kLocal ? w.n_block_min() : 0;
