@@ -500,10 +500,14 @@ def test_dropout_under_non_reentrant_checkpointing(device, varlen):
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_dropout_nan_reaches_what_it_touches(device, arch_path):
+@pytest.mark.parametrize("d", [64, 256])
+def test_dropout_nan_reaches_what_it_touches(device, d, arch_path):
     """A NaN in one query row reaches dV through that row's kept elements only, as the reference's
-    gradient (a dropped element contributes 0, never NaN * 0), and out's row only."""
-    q, k, v = make_qkv(1, 24, 40, 2, 2, 64, torch.bfloat16 if device == "cuda" else torch.float32, device,
+    gradient (a dropped element contributes 0, never NaN * 0), and out's row only (d256: the sm90
+    Roles<> dK/dV kernel, whose role 1 reads Z from the sign of what role 0 hands over)."""
+    if device == "cuda":
+        require_hdim(d)
+    q, k, v = make_qkv(1, 24, 40, 2, 2, d, torch.bfloat16 if device == "cuda" else torch.float32, device,
                        requires_grad=False)
     q[0, 3, 0, 0] = float("nan")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
