@@ -90,6 +90,19 @@ struct Flash_fwd_params : public Qkv_params {
   // sequence at a time; the CUDA kernels read the sequence index itself): 0 otherwise.
   int dropout_batch0 = 0;
 
+  // ALiBi (Press et al. 2022, "Train Short, Test Long", section 3; flash-attn's alibi_slopes; null:
+  // none): float32 slopes, slope(b, h) = alibi_slopes_ptr[b * alibi_slopes_batch_stride + h] (stride 0:
+  // one (h,) row for every batch). The logit of query i and key j of a sequence gets
+  //   -slope * |i + seqlen_k - seqlen_q - j|   (the sequence's own lengths: bottom-right aligned)
+  // after soft-capping, before the mask. Kernels add it to the score in the units their exp2 scale
+  // multiplies (S, or t under softcap): slope * alibi_unit * |i + seqlen_k - seqlen_q - j|, alibi_unit
+  // = -1 / softmax_scale (-1 / softcap under soft-capping), so row statistics and LSE are those of
+  // the biased logits and the backward's recomputed P is too; dS needs nothing more (the bias is a
+  // constant of S). The API sets all three; the kernels' kAlibi twin reads them.
+  const float* __restrict__ alibi_slopes_ptr = nullptr;
+  int64_t alibi_slopes_batch_stride = 0;
+  float alibi_unit = 0.f;
+
   bool is_causal = false;  // bottom-right aligned: query i sees key j <= i + seqlen_k - seqlen_q
   // Sliding window (local attention; flash-attn's window_size): with off = seqlen_k - seqlen_q,
   // query i sees key j only if i + off - window_left <= j (window_left >= 0) and

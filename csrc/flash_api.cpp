@@ -297,6 +297,48 @@ void set_dropout(flash::Flash_fwd_params& p, const DropoutArgs& dropout) {
   p.dropout_rng_state = dropout.rng_state.data_ptr<int64_t>();
 }
 
+// ALiBi (flash.h: alibi_*): None, or float32 slopes of shape (nheads,) or (batch, nheads) on q's
+// device (a varlen call's batch: its sequences). The kernels' ALiBi twin has no sliding window's
+// left bound, no soft-capping and no dropout: those combinations are refused on every device (the
+// CPU twin keeps the CUDA semantics), as is softmax_scale = 0 (the kernels add the bias in units of
+// the scaled score). Returns the checked slopes, contiguous (undefined for None).
+Tensor check_alibi(const c10::optional<Tensor>& alibi_slopes, const Tensor& q, int64_t batch, int64_t nheads,
+                   double softmax_scale, double softcap, double dropout_p, const MaskArgs& mask) {
+  if (!alibi_slopes.has_value() || !alibi_slopes->defined()) return Tensor();
+  const Tensor& a = *alibi_slopes;
+  check_same_device(a, "alibi_slopes", q);
+  TORCH_CHECK(a.scalar_type() == at::kFloat &&
+                  ((a.dim() == 1 && a.size(0) == nheads) || (a.dim() == 2 && a.size(0) == batch && a.size(1) == nheads)),
+              "flash_attn_ext: alibi_slopes has dtype ", a.scalar_type(), " and shape ", a.sizes(),
+              "; expected float32 of shape (nheads,) = (", nheads, ",) or (batch, nheads) = (", batch, ", ", nheads, ")");
+  TORCH_CHECK_VALUE(softmax_scale != 0.0, "flash_attn_ext: alibi_slopes with softmax_scale = 0 is not supported (the "
+                                          "kernels add the bias in units of the scaled score)");
+  TORCH_CHECK_NOT_IMPLEMENTED(mask.window_left < 0 && softcap == 0.0 && dropout_p == 0.0,
+                              "flash_attn_ext: alibi_slopes with ",
+                              softcap != 0.0     ? "softcap > 0"
+                              : dropout_p != 0.0 ? "dropout_p > 0"
+                                                 : "a sliding window's left bound that hides keys (0 <= "
+                                                   "window_size[0] < seqlen_k - 1)",
+                              " is not supported; ALiBi runs with causal or full attention (a window's right bound, "
+                              "sinks, GQA)");
+  return a.contiguous();
+}
+
+// After set_fwd_params: the bias in units of the score the kernels scale by p.scale_softmax (the CUDA
+// path's positive scale: positive_scale).
+void set_alibi(flash::Flash_fwd_params& p, const Tensor& alibi) {
+  if (!alibi.defined()) return;
+  p.alibi_slopes_ptr = alibi.data_ptr<float>();
+  p.alibi_slopes_batch_stride = alibi.dim() == 2 ? alibi.stride(0) : 0;
+  p.alibi_unit = float(-1.0 / p.scale_softmax);
+}
+
+// A varlen call's slopes for sequence b run alone (the CPU path): row b of (batch, nheads) ones.
+c10::optional<Tensor> alibi_of_sequence(const Tensor& alibi, int64_t b) {
+  if (!alibi.defined()) return c10::nullopt;
+  return alibi.dim() == 2 ? alibi.narrow(0, b, 1) : alibi;
+}
+
 // The sinks' head axis broadcast over a (..., nheads at head_dim, ...) plane of `rank` dims.
 Tensor sinks_along(const Tensor& sinks, int64_t rank, int64_t head_dim) {
   std::vector<int64_t> shape(rank, 1);
@@ -470,12 +512,14 @@ flash::cpu::Dtype cpu_dtype(at::ScalarType t) {
 // dropout_batch0: the sequence index of batch 0 for the dropout mask (a varlen call's sequence).
 FwdOut forward_cpu_impl(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
                         int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
-                        double softcap, double dropout_p, const c10::optional<Tensor>& rng_state, int dropout_batch0) {
+                        double softcap, double dropout_p, const c10::optional<Tensor>& rng_state, int dropout_batch0,
+                        const c10::optional<Tensor>& alibi_slopes) {
   check_sinks_device(sinks_in, q);
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q, mask, softcap);
+  const Tensor alibi = check_alibi(alibi_slopes, q, s.batch, s.nheads, softmax_scale, softcap, dropout_p, mask);
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   FwdOut outs = alloc_fwd(q, s);
   if (!fwd_nonempty(outs, s, sinks)) return outs;
@@ -485,15 +529,17 @@ FwdOut forward_cpu_impl(const Tensor& q, const Tensor& k, const Tensor& v, doubl
   params.sinks_ptr = sinks_ptr(sinks);
   set_dropout(params, dropout);
   params.dropout_batch0 = dropout_batch0;
+  set_alibi(params, alibi);
   flash::cpu::run_mha_fwd_cpu(params, cpu_dtype(q.scalar_type()));
   return outs;
 }
 
 FwdOut forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double softmax_scale, bool causal,
                    int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks,
-                   double softcap, double dropout_p, const c10::optional<Tensor>& rng_state) {
+                   double softcap, double dropout_p, const c10::optional<Tensor>& rng_state,
+                   const c10::optional<Tensor>& alibi_slopes) {
   return forward_cpu_impl(q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks, softcap,
-                          dropout_p, rng_state, 0);
+                          dropout_p, rng_state, 0, alibi_slopes);
 }
 
 std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Tensor& q, const Tensor& k,
@@ -502,7 +548,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
                                                 const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
                                                 int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
                                                 const c10::optional<Tensor>& dsinks, double softcap, double dropout_p,
-                                                const c10::optional<Tensor>& rng_state, int dropout_batch0 = 0) {
+                                                const c10::optional<Tensor>& rng_state,
+                                                const c10::optional<Tensor>& alibi_slopes, int dropout_batch0 = 0) {
   check_sinks_device(sinks_in, q);
   const Sizes s = check_qkv(q, k, v, softmax_scale, /*cuda=*/false);
   check_rank4(dout_in, "dout", "(batch, seqlen_q, nheads, headdim)");
@@ -519,6 +566,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   }
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q, mask, softcap);
+  const Tensor alibi = check_alibi(alibi_slopes, q, s.batch, s.nheads, softmax_scale, softcap, dropout_p, mask);
   Tensor dq = torch::empty(q.sizes(), q.options());
   Tensor dk = torch::empty(k.sizes(), k.options());
   Tensor dv = torch::empty(v.sizes(), v.options());
@@ -531,6 +579,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(const Tensor& dout_in, const Ten
   params.sinks_ptr = sinks_ptr(sinks);  // the float64 statistics recompute adds the sink as the forward did
   set_dropout(params, dropout);
   params.dropout_batch0 = dropout_batch0;
+  set_alibi(params, alibi);
   flash::cpu::run_mha_bwd_cpu(params, cpu_dtype(q.scalar_type()));
   return {dq, dk, dv};
 }
@@ -648,14 +697,15 @@ FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
                           const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                           bool causal, int64_t window_size_left, int64_t window_size_right,
                           const c10::optional<Tensor>& sinks_in, double softcap, double dropout_p,
-                          const c10::optional<Tensor>& rng_state) {
+                          const c10::optional<Tensor>& rng_state, const c10::optional<Tensor>& alibi_slopes) {
   check_sinks_device(sinks_in, q);
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
   check_softcap(softcap, softmax_scale);
   // Before the first sequence, as the CUDA path checks them (the longest sequence's mask).
-  check_dropout(dropout_p, rng_state, q, mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k),
-                softcap);
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
+  check_dropout(dropout_p, rng_state, q, mask, softcap);
+  const Tensor alibi = check_alibi(alibi_slopes, q, s.batch, s.nheads, softmax_scale, softcap, dropout_p, mask);
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
@@ -671,7 +721,7 @@ FwdOut varlen_forward_cpu(const Tensor& q, const Tensor& k, const Tensor& v, con
     const auto [o_b, lse_b, stats_b] =
         forward_cpu_impl(seq_slice(q, cq[b], cq[b + 1]), seq_slice(k, ck[b], ck[b + 1]), seq_slice(v, ck[b], ck[b + 1]),
                          softmax_scale, causal, window_size_left, window_size_right, sinks, softcap, dropout_p,
-                         rng_state, int(b));
+                         rng_state, int(b), alibi_of_sequence(alibi, b));
     out.narrow(0, cq[b], cq[b + 1] - cq[b]).copy_(o_b[0]);
     lse.narrow(1, cq[b], cq[b + 1] - cq[b]).copy_(lse_b[0]);
     stats.narrow(2, cq[b], cq[b + 1] - cq[b]).copy_(stats_b.select(1, 0));
@@ -686,7 +736,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
                                                        bool causal, const c10::optional<Tensor>& softmax_stats,
                                                        int64_t window_size_left, int64_t window_size_right,
                                                        const c10::optional<Tensor>& sinks_in, double softcap,
-                                                       double dropout_p, const c10::optional<Tensor>& rng_state) {
+                                                       double dropout_p, const c10::optional<Tensor>& rng_state,
+                                                       const c10::optional<Tensor>& alibi_slopes) {
   check_sinks_device(sinks_in, q);
   const VarlenSizes s = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                      /*cuda=*/false);
@@ -695,8 +746,10 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
   check_rank3(out, "out", "(total_q, nheads, headdim)");
   check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats, s);
   check_softcap(softcap, softmax_scale);
-  check_dropout(dropout_p, rng_state, q, mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k),
-                softcap);  // before the first sequence
+  // Before the first sequence.
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
+  check_dropout(dropout_p, rng_state, q, mask, softcap);
+  const Tensor alibi = check_alibi(alibi_slopes, q, s.batch, s.nheads, softmax_scale, softcap, dropout_p, mask);
   const auto cq = host_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", s.total_q, max_seqlen_q, "max_seqlen_q");
   const auto ck = host_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", s.total_k, max_seqlen_k, "max_seqlen_k");
   const bool has_stats = softmax_stats.has_value() && softmax_stats->defined();
@@ -713,7 +766,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& dout, const
         backward_cpu(seq_slice(dout, q0, q1), seq_slice(q, q0, q1), seq_slice(k, k0, k1), seq_slice(v, k0, k1),
                      seq_slice(out, q0, q1), softmax_lse.narrow(1, q0, q1 - q0).unsqueeze(0), softmax_scale, causal,
                      stats_b, window_size_left, window_size_right, sinks, c10::nullopt, softcap, dropout_p, rng_state,
-                     int(b));
+                     alibi_of_sequence(alibi, b), int(b));
     dq.narrow(0, q0, q1 - q0).copy_(dq_b[0]);
     dk.narrow(0, k0, k1 - k0).copy_(dk_b[0]);
     dv.narrow(0, k0, k1 - k0).copy_(dv_b[0]);
@@ -923,7 +976,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
     const Tensor v_b = cache_rows(v_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp);
     const auto [o_b, lse_b, stats_b] =
         forward_cpu(q.narrow(0, b, 1), k_b.unsqueeze(0), v_b.unsqueeze(0), softmax_scale, causal, window_size_left,
-                    window_size_right, sinks, softcap, /*dropout_p=*/0.0, c10::nullopt);
+                    window_size_right, sinks, softcap, /*dropout_p=*/0.0, c10::nullopt, /*alibi_slopes=*/c10::nullopt);
     out[b].copy_(o_b[0]);
     lse[b].copy_(lse_b[0]);
   }
@@ -1020,12 +1073,14 @@ int cuda_rounded_headdim(int d) {
 
 FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, double softmax_scale, bool causal,
                     int64_t window_size_left, int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
-                    double softcap, double dropout_p, const c10::optional<Tensor>& rng_state) {
+                    double softcap, double dropout_p, const c10::optional<Tensor>& rng_state,
+                    const c10::optional<Tensor>& alibi_slopes) {
   check_sinks_device(sinks_in, q_in);
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q_in, mask, softcap);
+  const Tensor alibi = check_alibi(alibi_slopes, q_in, s.batch, s.nheads, softmax_scale, softcap, dropout_p, mask);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
@@ -1040,6 +1095,7 @@ FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, 
   set_fwd_params(params, s, q, k, v, out, lse, stats, scale, softcap, mask);
   params.sinks_ptr = sinks_ptr(sinks);
   set_dropout(params, dropout);
+  set_alibi(params, alibi);
   launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
 }
@@ -1060,7 +1116,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
                                                  const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
                                                  int64_t window_size_right, const c10::optional<Tensor>& sinks_in,
                                                  const c10::optional<Tensor>& dsinks, double softcap, double dropout_p,
-                                                 const c10::optional<Tensor>& rng_state) {
+                                                 const c10::optional<Tensor>& rng_state, const c10::optional<Tensor>& alibi_slopes) {
   check_sinks_device(sinks_in, q_in);
   const Sizes s = check_qkv(q_in, k_in, v_in, softmax_scale, /*cuda=*/true);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
@@ -1075,6 +1131,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   const bool want_dsinks = dsinks.has_value() && dsinks->defined();
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, s.seqlen_q, s.seqlen_k);
   const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q_in, mask, softcap);
+  const Tensor alibi = check_alibi(alibi_slopes, q_in, s.batch, s.nheads, softmax_scale, softcap, dropout_p, mask);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
@@ -1094,6 +1151,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout_in, const Te
   flash::Flash_bwd_params params;
   set_bwd_params(params, s, dout, q, k, v, out, lse, stats, dq, dk, dv, scale, softcap, mask);
   set_dropout(params, dropout);
+  set_alibi(params, alibi);
   // Workspaces (b, h, seqlen_q rounded up to 128) per plane.
   const int64_t seqlen_q_rounded = (s.seqlen_q + 127) / 128 * 128;
   const auto workspaces = set_bwd_workspaces(params, {s.batch, s.nheads, seqlen_q_rounded}, s.batch, s.nheads,
@@ -1195,13 +1253,14 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
                            const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                            double softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
                            const c10::optional<Tensor>& sinks_in, double softcap, double dropout_p,
-                           const c10::optional<Tensor>& rng_state) {
+                           const c10::optional<Tensor>& rng_state, const c10::optional<Tensor>& alibi_slopes) {
   check_sinks_device(sinks_in, q_in);
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
   check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q_in, mask, softcap);
+  const Tensor alibi = check_alibi(alibi_slopes, q_in, s.batch, s.nheads, softmax_scale, softcap, dropout_p, mask);
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
@@ -1219,6 +1278,7 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.sinks_ptr = sinks_ptr(sinks);
   set_dropout(params, dropout);
+  set_alibi(params, alibi);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
   // The sm90 forward's dynamic walk claims its tiles from a counter that is zero at the launch
@@ -1239,7 +1299,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
                                                         const c10::optional<Tensor>& softmax_stats, int64_t window_size_left,
                                                         int64_t window_size_right, const c10::optional<Tensor>& sinks,
                                                         double softcap, double dropout_p,
-                                                        const c10::optional<Tensor>& rng_state) {
+                                                        const c10::optional<Tensor>& rng_state, const c10::optional<Tensor>& alibi_slopes) {
   check_sinks_device(sinks, q_in);
   const VarlenSizes s = check_varlen(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, /*cuda=*/true);
@@ -1251,6 +1311,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
   check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k);
   const DropoutArgs dropout = check_dropout(dropout_p, rng_state, q_in, mask, softcap);
+  const Tensor alibi = check_alibi(alibi_slopes, q_in, s.batch, s.nheads, softmax_scale, softcap, dropout_p, mask);
   const int d_rounded = cuda_rounded_headdim(int(s.headdim));
   const c10::cuda::CUDAGuard guard(q_in.device());
   Tensor dq = torch::empty(q_in.sizes(), q_in.options());
@@ -1274,6 +1335,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout_in, c
   set_varlen_params(params, s, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.dout = view_packed(dout), params.dq = view_packed(dq), params.dk = view_packed(dk), params.dv = view_packed(dv);
   set_dropout(params, dropout);
+  set_alibi(params, alibi);
   // Workspaces (flash.h): (nheads, varlen_ws_rows) per plane; precise_rows per 128 rows of
   // max_seqlen_q per (sequence, head).
   const int64_t seqlen_q_rounded = (max_seqlen_q + 127) / 128 * 128;
@@ -1367,7 +1429,8 @@ void no_cuda(const Tensor& q, std::initializer_list<std::pair<const Tensor&, con
                      "or without nvcc / a CUDA-enabled torch); rebuild with CUDA to run on a GPU");
 }
 FwdOut forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, double, bool, int64_t, int64_t,
-                    const c10::optional<Tensor>& sinks, double, double, const c10::optional<Tensor>&) {
+                    const c10::optional<Tensor>& sinks, double, double, const c10::optional<Tensor>&,
+                    const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{k, "k"}, {v, "v"}});
   return {};
@@ -1376,14 +1439,16 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(const Tensor& dout, const Tenso
                                                  const Tensor& v, const Tensor& out, const Tensor& softmax_lse,
                                                  double, bool, const c10::optional<Tensor>&, int64_t, int64_t,
                                                  const c10::optional<Tensor>& sinks, const c10::optional<Tensor>&,
-                                                 double, double, const c10::optional<Tensor>&) {
+                                                 double, double, const c10::optional<Tensor>&,
+                                                 const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
 }
 FwdOut varlen_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
                            const Tensor& cu_seqlens_k, int64_t, int64_t, double, bool, int64_t, int64_t,
-                           const c10::optional<Tensor>& sinks, double, double, const c10::optional<Tensor>&) {
+                           const c10::optional<Tensor>& sinks, double, double, const c10::optional<Tensor>&,
+                           const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{k, "k"}, {v, "v"}, {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}});
   return {};
@@ -1393,7 +1458,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cuda(const Tensor& dout, cons
                                                         const Tensor&, const Tensor&, int64_t, int64_t, double, bool,
                                                         const c10::optional<Tensor>&, int64_t, int64_t,
                                                         const c10::optional<Tensor>& sinks, double, double,
-                                                        const c10::optional<Tensor>&) {
+                                                        const c10::optional<Tensor>&, const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{dout, "dout"}, {k, "k"}, {v, "v"}, {out, "out"}, {softmax_lse, "softmax_lse"}});
   return {};
@@ -1422,20 +1487,21 @@ Tensor new_dsinks(const Tensor& sinks) { return torch::empty({sinks.numel()}, si
                              const Tensor& out, const Tensor& lse, double scale, bool causal,                    \
                              const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,                         \
                              const c10::optional<Tensor>& sinks, double softcap, double dropout_p,               \
-                             const c10::optional<Tensor>& rng_state) {                                           \
+                             const c10::optional<Tensor>& rng_state, const c10::optional<Tensor>& alibi) {       \
     return backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, c10::nullopt, softcap, \
-                             dropout_p, rng_state);                                                              \
+                             dropout_p, rng_state, alibi);                                                       \
   }                                                                                                              \
   GradsDsinks backward_dsinks_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,     \
                                        const Tensor& out, const Tensor& lse, double scale, bool causal,          \
                                        const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,               \
                                        const Tensor& sinks, double softcap, double dropout_p,                    \
-                                       const c10::optional<Tensor>& rng_state) {                                 \
+                                       const c10::optional<Tensor>& rng_state,                                   \
+                                       const c10::optional<Tensor>& alibi) {                                     \
     TORCH_CHECK(sinks.defined(), "flash_attn_ext: backward_dsinks needs sinks (the forward's (nheads,) float32); " \
                                  "without sinks call backward");                                                 \
     Tensor ds = new_dsinks(sinks);                                                                               \
     auto [dq, dk, dv] = backward_##suffix(dout, q, k, v, out, lse, scale, causal, stats, wl, wr, sinks, ds, softcap, \
-                                          dropout_p, rng_state);                                                 \
+                                          dropout_p, rng_state, alibi);                                          \
     return {dq, dk, dv, ds};                                                                                     \
   }                                                                                                              \
   Grads varlen_backward_op_##suffix(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,       \
@@ -1443,9 +1509,9 @@ Tensor new_dsinks(const Tensor& sinks) { return torch::empty({sinks.numel()}, si
                                     int64_t mq, int64_t mk, double scale, bool causal,                           \
                                     const c10::optional<Tensor>& stats, int64_t wl, int64_t wr,                  \
                                     const c10::optional<Tensor>& sinks, double softcap, double dropout_p,        \
-                                    const c10::optional<Tensor>& rng_state) {                                    \
+                                    const c10::optional<Tensor>& rng_state, const c10::optional<Tensor>& alibi) { \
     return varlen_backward_##suffix(dout, q, k, v, out, lse, cq, ck, mq, mk, scale, causal, stats, wl, wr, sinks,  \
-                                    softcap, dropout_p, rng_state);                                              \
+                                    softcap, dropout_p, rng_state, alibi);                                       \
   }
 FLASH_ATTN_EXT_BACKWARD_OPS(cpu)
 FLASH_ATTN_EXT_BACKWARD_OPS(cuda)
@@ -1458,25 +1524,30 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.set_python_module("flash_attn_ext.ops");
   // softcap: logit soft-capping (flash.h; check_softcap), 0.0 = none. dropout_p, rng_state: attention
   // dropout (flash.h; check_dropout), 0.0 = none; the forward and the backward of one call share rng_state.
+  // alibi_slopes: ALiBi (flash.h; check_alibi), None = none; the forward and the backward share it.
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_size_left=-1, "
-      "int window_size_right=-1, Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) "
+      "int window_size_right=-1, Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
+      "Tensor? alibi_slopes=None) "
       "-> (Tensor out, Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float softmax_scale, "
       "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1, "
-      "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, "
+      "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
+      "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, "
       "Tensor dv)");
   m.def(
       "varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, bool causal, int window_size_left=-1, int window_size_right=-1, "
-      "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor out, "
+      "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
+      "Tensor? alibi_slopes=None) -> (Tensor out, "
       "Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
       "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1, "
-      "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, "
+      "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
+      "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, "
       "Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
@@ -1489,7 +1560,8 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "backward_dsinks(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "float softmax_scale, bool causal, Tensor? softmax_stats, int window_size_left, int window_size_right, "
-      "Tensor sinks, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, "
+      "Tensor sinks, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
+      "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, "
       "Tensor dv, Tensor dsinks)");
 }
 

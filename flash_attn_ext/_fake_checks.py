@@ -162,6 +162,29 @@ def check_dropout(dropout_p: float, rng_state, q, window_size_left: int, causal:
                                   "causal or full attention, without soft-capping")
 
 
+def check_alibi(alibi_slopes, q, batch: int, nheads: int, softmax_scale: float, softcap: float, dropout_p: float,
+                window_size_left: int, seqlen_k) -> None:
+    """check_alibi: None, or float32 slopes of shape (nheads,) or (batch, nheads) on q's device;
+    softmax_scale != 0; no soft-capping, dropout or sliding window's left bound (normalized as
+    mask_args does). RuntimeError / ValueError / NotImplementedError as the C++ check."""
+    if alibi_slopes is None:
+        return
+    check_same_device(alibi_slopes, "alibi_slopes", q)
+    shape = list(alibi_slopes.shape)
+    if alibi_slopes.dtype != torch.float32 or shape not in ([nheads], [batch, nheads]):
+        _fail(f"alibi_slopes has dtype {alibi_slopes.dtype} and shape {shape}; expected float32 of shape "
+              f"(nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads})")
+    if softmax_scale == 0.0:
+        raise ValueError("flash_attn_ext: alibi_slopes with softmax_scale = 0 is not supported (the kernels add the "
+                         "bias in units of the scaled score)")
+    left = 0 <= window_size_left < seqlen_k - 1
+    if left or softcap != 0.0 or dropout_p != 0.0:
+        what = ("softcap > 0" if softcap != 0.0 else "dropout_p > 0" if dropout_p != 0.0
+                else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1)")
+        raise NotImplementedError(f"flash_attn_ext: alibi_slopes with {what} is not supported; ALiBi runs with causal "
+                                  "or full attention (a window's right bound, sinks, GQA)")
+
+
 def check_last_dims_scale(q, k, v, softmax_scale: float) -> None:
     check_last_dim_contiguous(q, "q")
     check_last_dim_contiguous(k, "k")

@@ -131,10 +131,15 @@ def flash_attn_func(
             kDropout twins of the kernels the call would run without it (H100 / H200: the sm90
             forward and backward); not with softcap or a window's left bound
             (NotImplementedError).
-        alibi_slopes, deterministic: flash-attn's other keywords, accepted at the values that ask
-            for nothing this library lacks, so ported calls run unchanged: alibi_slopes=None
-            (another value: NotImplementedError naming it); deterministic: any bool, or None (the
-            backward is always deterministic: no atomics, with dropout too).
+        alibi_slopes: ALiBi (Press et al. 2022, "Train Short, Test Long", section 3; flash-attn's
+            alibi_slopes): None, or float32 slopes of shape (nheads,) or (batch, nheads) on q's
+            device; the logit of query i and key j gets -slope[b, h] * |i + seqlen_k - seqlen_q - j|
+            (bottom-right aligned, as causal), so softmax_lse is that of the biased logits.
+            Not differentiable (no gradient for the slopes, as flash-attn). Not with softcap,
+            dropout_p > 0 or a window's left bound (NotImplementedError); softmax_scale = 0
+            raises ValueError. (``reference.alibi_bias`` materialises the bias.)
+        deterministic: flash-attn's keyword, accepted as any bool, or None (the backward is always
+            deterministic: no atomics, with dropout too).
         return_attn_probs: a bool; True returns flash-attn's triple (below), the way code
             written for flash-attn obtains softmax_lse.
 
@@ -163,8 +168,9 @@ def flash_attn_func(
             (under torch.compile: the op's RuntimeError naming softcap, from its fake kernel);
             dropout_p outside [0, 1).
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
-            nested (jagged) tensors (pack them and call flash_attn_varlen_func); alibi_slopes;
-            dropout_p > 0 with softcap > 0 or a window's left bound, or under forward-mode AD.
+            nested (jagged) tensors (pack them and call flash_attn_varlen_func); dropout_p > 0 or
+            alibi_slopes with softcap > 0 or a window's left bound, dropout_p > 0 with
+            alibi_slopes, dropout_p > 0 under forward-mode AD.
         TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
             scale gets no gradient); window_size that is not a pair of ints; dropout_p or softcap
@@ -182,7 +188,7 @@ def flash_attn_func(
     scale = _scale("softmax_scale", softmax_scale, q)  # from the caller's head dim
     q, k, v, d = _kernel_layout(q, k, v)
     out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size),
-                                                _sinks(sinks), softcap, *_dropout_args(dropout, q))
+                                                _sinks(sinks), softcap, *_dropout_args(dropout, q), alibi_slopes)
     return _with_attn_probs(_cut(out, d), softmax_lse, return_lse, probs)
 
 
@@ -341,8 +347,8 @@ def _as_bool(name: str, value) -> bool:
 
 def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic,
                          return_attn_probs) -> tuple[float, bool, float]:
-    """flash-attn's keywords: NotImplementedError naming the first feature a call asks for that this
-    library does not have; TypeError naming an argument of the wrong type. Returns softcap, checked
+    """flash-attn's keywords: TypeError naming an argument of the wrong type (alibi_slopes: a tensor or
+    None; the ops check its dtype, shape and device). Returns softcap, checked
     (``_softcap``), as a Python float, return_attn_probs as a bool (the caller then returns
     flash-attn's triple, ``_with_attn_probs``) and dropout_p as a float in [0, 1) (ValueError
     otherwise)."""
@@ -351,8 +357,9 @@ def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic,
         return _softcap(softcap), False, 0.0  # the defaults, checked cheaply (eager calls pay this per layer)
     dropout = _dropout_p(dropout_p)
     softcap = _softcap(softcap)
-    if alibi_slopes is not None:
-        raise NotImplementedError("flash_attn_ext: alibi_slopes: ALiBi biases are not supported; pass None")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError("flash_attn_ext: alibi_slopes must be a float32 tensor of shape (nheads,) or (batch, nheads), "
+                        f"or None; got {type(alibi_slopes).__name__}")
     if deterministic is not None:  # None: flash-attn < 2.7 took it (as False); the backward is always deterministic
         _as_bool("deterministic", deterministic)
     return softcap, _as_bool("return_attn_probs", return_attn_probs), dropout
@@ -522,15 +529,17 @@ def flash_attn_varlen_func(
             _scale("softmax_scale", softmax_scale, q))  # the scale from the caller's head dim
     causal, window, sinks = _as_bool("causal", causal), _window(window_size), _sinks(sinks)
     if block_table is not None:
-        if dropout > 0.0:
+        if dropout > 0.0 or alibi_slopes is not None:
             raise NotImplementedError("flash_attn_ext: flash_attn_varlen_func with block_table (inference over a "
-                                      "paged K / V) takes no dropout; pass dropout_p=0.0")
+                                      "paged K / V) takes no " + ("dropout; pass dropout_p=0.0" if dropout > 0.0
+                                                                  else "alibi_slopes (not yet); pass None"))
         out, softmax_lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args[:2], block_table, args[2],
                                          causal, window, sinks, softcap)
         return _with_attn_probs(out, softmax_lse, return_lse, probs)
     q, k, v, d = _kernel_layout(q, k, v)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, causal,
-                                                                  *window, sinks, softcap, *_dropout_args(dropout, q))
+                                                                  *window, sinks, softcap, *_dropout_args(dropout, q),
+                                                                  alibi_slopes)
     return _with_attn_probs(_cut(out, d), softmax_lse, return_lse, probs)
 
 
@@ -885,8 +894,8 @@ def flash_attn_with_kvcache(
         softcap: logit soft-capping, as ``flash_attn_func``'s (the logit of cache row j is softcap *
             tanh(q . k_j * softmax_scale / softcap); 0.0: none), every split alike.
         alibi_slopes, return_softmax_lse: flash-attn's keywords, so that its calls port unchanged:
-            alibi_slopes accepted at its default None (anything else raises NotImplementedError
-            naming the feature); return_softmax_lse=True is return_lse=True.
+            alibi_slopes accepted at its default None (a tensor raises NotImplementedError: not yet
+            on the KV-cache path); return_softmax_lse=True is return_lse=True.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
@@ -913,6 +922,9 @@ def flash_attn_with_kvcache(
                    rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     interleaved = _as_bool("rotary_interleaved", rotary_interleaved)  # only meaningful with rotary_cos
     softcap, _, _ = _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
+    if alibi_slopes is not None:
+        raise NotImplementedError("flash_attn_ext: flash_attn_with_kvcache with alibi_slopes is not supported yet "
+                                  "(flash_attn_func and flash_attn_varlen_func take it); pass None")
     want_lse = _as_bool("return_lse", return_lse) | _as_bool("return_softmax_lse", return_softmax_lse)
     scale = _scale("softmax_scale", softmax_scale, q)
     if torch.compiler.is_compiling() and isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):

@@ -55,7 +55,7 @@ import torch
 
 from . import _C  # noqa: F401  (defines the ops)
 from . import _fake_checks as _checks
-from .reference import visible_mask
+from .reference import alibi_bias, visible_mask
 
 forward = torch.ops.flash_attn_ext.forward
 backward = torch.ops.flash_attn_ext.backward
@@ -118,12 +118,14 @@ _lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
 
 @torch.library.register_fake("flash_attn_ext::forward")
 def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None,
-                  softcap=0.0, dropout_p=0.0, rng_state=None):
+                  softcap=0.0, dropout_p=0.0, rng_state=None, alibi_slopes=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_qkv(q, k, v, softmax_scale)
     _checks.check_softcap(softcap, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, q.shape[1], k.shape[1], softcap)
+    _checks.check_alibi(alibi_slopes, q, q.shape[0], q.shape[2], softmax_scale, softcap, dropout_p, window_size_left,
+                        k.shape[1])
     _checks.check_sinks(sinks, q.shape[2])
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -134,13 +136,16 @@ def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_si
 
 @torch.library.register_fake("flash_attn_ext::backward")
 def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
-                   window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
+                   window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None,
+                   alibi_slopes=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale, softmax_stats)
     _checks.check_softcap(softcap, softmax_scale)
     _checks.check_sinks(sinks, q.shape[2])
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
     _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, q.shape[1], k.shape[1], softcap)
+    _checks.check_alibi(alibi_slopes, q, q.shape[0], q.shape[2], softmax_scale, softcap, dropout_p, window_size_left,
+                        k.shape[1])
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -150,13 +155,15 @@ def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softm
 # ---- forward-mode AD ---------------------------------------------------------------------
 
 def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, window_size_left: int = -1,
-                  window_size_right: int = -1, sinks=None, sinks_t=None, softcap: float = 0.0) -> torch.Tensor:
+                  window_size_right: int = -1, sinks=None, sinks_t=None, softcap: float = 0.0,
+                  alibi_slopes=None) -> torch.Tensor:
     """Tangent of ``out`` (forward-mode derivative) of ``out = softmax(c Q K^T) V``.
 
     With S = c Q K^T (masked entries -inf: causal, sliding window), P = softmax(S) row-wise, O = P V:
         dS = c (dQ K^T + Q dK^T),  dP = P * (dS - rowsum(P * dS)),  dO = dP V + P dV.
     With logit soft-capping (``softcap`` > 0) the logits are softcap * t, t = tanh(c Q K^T / softcap),
-    and dS gains the factor (1 - t^2).
+    and dS gains the factor (1 - t^2). ALiBi (``alibi_slopes``, reference.alibi_bias) adds a constant to
+    the logits: P changes, dS does not.
     With attention sinks (``sinks`` (nheads,), tangent ``sinks_t`` or None) the softmax runs over
     one more column per row, the head's sink with value 0 and tangent sinks_t[h]; its P column
     enters rowsum(P * dS) only.
@@ -173,7 +180,7 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):  # keep the float32 matmuls float32
             return attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale, causal, window_size_left,
-                                 window_size_right, sinks, sinks_t, softcap)
+                                 window_size_right, sinks, sinks_t, softcap, alibi_slopes)
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -194,6 +201,9 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
         softcap = _checks.float32(softcap)  # the cap the kernels use (flash_api.cpp: set_fwd_params)
         t = torch.tanh(s / softcap)
         s, dcap = softcap * t, 1 - t * t
+    if alibi_slopes is not None:  # (batch or 1, nheads, Sq, Sk) -> the grouped layout
+        bias = alibi_bias(alibi_slopes.to(q.device), B, H, Sq, Sk, cdt)
+        s = s + bias.reshape(bias.shape[0], Hk, G, Sq, Sk)
     visible = visible_mask(Sq, Sk, causal, window_size_left, window_size_right, q.device)
     has_key = visible.any(dim=-1, keepdim=True)  # by the mask alone (False for every row if Sk == 0)
     s = s.masked_fill(~visible, float("-inf"))
@@ -261,17 +271,17 @@ class FlashAttnFunction(torch.autograd.Function):
     kernel), forward mode (``attention_jvp``) and torch.func (``setup_context`` plus a vmap rule
     generated from the ops' batching rules). Inputs/outputs as the op:
     ``apply(q, k, v, softmax_scale, causal[, window_size_left, window_size_right[, sinks[, softcap[,
-    dropout_p, rng_state]]]]) -> (out, softmax_lse, softmax_stats)``. With sinks, their gradient is
+    dropout_p, rng_state[, alibi_slopes]]]]]) -> (out, softmax_lse, softmax_stats)``. With sinks, their gradient is
     ``sinks_grad``'s; with dropout the backward regenerates the forward's mask from rng_state."""
 
     generate_vmap_rule = True  # vmaps forward/backward/jvp through the ops' batching rules
 
     @staticmethod
     def forward(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None,
-                softcap=0.0, dropout_p=0.0, rng_state=None):
+                softcap=0.0, dropout_p=0.0, rng_state=None, alibi_slopes=None):
         # Grad mode and forward grad mode are off here, so this reaches the kernel directly.
         return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
-                                                window_size_right, sinks, softcap, dropout_p, rng_state)
+                                                window_size_right, sinks, softcap, dropout_p, rng_state, alibi_slopes)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -281,16 +291,18 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.softcap = inputs[8] if len(inputs) > 8 else 0.0
         ctx.dropout_p = inputs[9] if len(inputs) > 9 else 0.0
         rng_state = inputs[10] if len(inputs) > 10 else None
+        alibi_slopes = inputs[11] if len(inputs) > 11 else None
         ctx.num_inputs = len(inputs)
         ctx.has_sinks = sinks is not None
         ctx.has_rng_state = rng_state is not None
+        ctx.has_alibi = alibi_slopes is not None
         out, softmax_lse, softmax_stats = output
         # The same tensors, in the same order, for both modes: the generated vmap rule keeps one
         # list of batch dims for the saved tensors (two different lists broke reverse over vmap).
         # rng_state last, saved so that an in-place change before the backward is an error (its
-        # mask would be another one).
+        # mask would be another one); alibi_slopes before it (_saved_alibi).
         saved = ((q, k, v, out, softmax_lse, softmax_stats) + ((sinks,) if ctx.has_sinks else ())
-                 + ((rng_state,) if ctx.has_rng_state else ()))
+                 + ((alibi_slopes,) if ctx.has_alibi else ()) + ((rng_state,) if ctx.has_rng_state else ()))
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)
         ctx.softmax_scale = softmax_scale
@@ -305,17 +317,18 @@ class FlashAttnFunction(torch.autograd.Function):
         q, k, v, out, softmax_lse, softmax_stats = saved[:6]
         sinks = saved[6] if ctx.has_sinks else None
         dropout = (ctx.dropout_p, saved[-1] if ctx.has_rng_state else None)
+        alibi_slopes = _saved_alibi(ctx, saved, 6)
         want_dsinks = ctx.has_sinks and ctx.needs_input_grad[7]
         if want_dsinks and _fused_dsinks():
             # The op fills dsinks from its own workspace (D and the LSE of the preprocess): no pass
             # over dout / out of its own.
             dq, dk, dv, dsinks = torch.ops.flash_attn_ext.backward_dsinks(
                 dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks,
-                ctx.softcap, *dropout)
+                ctx.softcap, *dropout, alibi_slopes)
         else:
             dq, dk, dv = FlashAttnBackwardFunction.apply(
                 dout, q, k, v, out, softmax_lse, ctx.softmax_scale, ctx.causal, softmax_stats, *ctx.window, sinks,
-                ctx.softcap, *dropout)
+                ctx.softcap, *dropout, alibi_slopes)
             dsinks = SinksGradFunction.apply(dout, out, softmax_lse.transpose(1, 2), sinks, None,
                                              softmax_stats.transpose(2, 3)) if want_dsinks else None
         return _input_grads(ctx.num_inputs, (dq, dk, dv), 7, dsinks)
@@ -328,8 +341,14 @@ class FlashAttnFunction(torch.autograd.Function):
         sinks = saved[6] if ctx.has_sinks else None
         sinks_t = scalar_tangents[4] if ctx.has_sinks else None
         out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal, *ctx.window, sinks, sinks_t,
-                              ctx.softcap)
+                              ctx.softcap, _saved_alibi(ctx, saved, 6))
         return out_t, None, None
+
+
+def _saved_alibi(ctx, saved, base):
+    """The alibi_slopes a Function's setup_context saved (``saved``: its ctx.saved_tensors, read
+    once): after its ``base`` tensors and the sinks, before rng_state (None if the call had none)."""
+    return saved[base + ctx.has_sinks] if ctx.has_alibi else None
 
 
 def _no_dropout_jvp(dropout_p):
@@ -415,10 +434,11 @@ class FlashAttnBackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats=None,
-                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
+                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None,
+                alibi_slopes=None):
         return torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
                                                  causal, softmax_stats, window_size_left, window_size_right, sinks,
-                                                 softcap, dropout_p, rng_state)
+                                                 softcap, dropout_p, rng_state, alibi_slopes)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -478,7 +498,7 @@ _lib.impl("backward", _autograd_kernel("backward", FlashAttnBackwardFunction), "
 
 def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
                       window_size_right: int = -1, sinks=None, softcap: float = 0.0, dropout_p: float = 0.0,
-                      rng_state=None):
+                      rng_state=None, alibi_slopes=None):
     """``torch.ops.flash_attn_ext.forward`` with autograd that every transform understands:
     returns ``(out, softmax_lse, softmax_stats)`` exactly as the op (see the module docstring).
 
@@ -490,9 +510,9 @@ def attention_forward(q, k, v, softmax_scale: float, causal: bool, window_size_l
     """
     if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
         return FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks,
-                                       softcap, dropout_p, rng_state)
+                                       softcap, dropout_p, rng_state, alibi_slopes)
     return torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right,
-                                            sinks, softcap, dropout_p, rng_state)
+                                            sinks, softcap, dropout_p, rng_state, alibi_slopes)
 
 
 # ---- vmap (batching rules) ---------------------------------------------------------------
@@ -544,6 +564,17 @@ def _vmap_by_sample(info, in_dims, op, args):
     return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
 
 
+def _fold_alibi(alibi_slopes, bdim, batch_size, batch):
+    """alibi_slopes for the folded batch (batch_size * batch): (nheads,) ones serve every sample as
+    they are; (batch, nheads) ones, or per-sample ones (vmapped), become (batch_size * batch, nheads)."""
+    if alibi_slopes is None or (bdim is None and alibi_slopes.dim() == 1):
+        return alibi_slopes
+    if bdim is None:
+        return _fold(alibi_slopes, None, batch_size)
+    a = alibi_slopes.movedim(bdim, 0)
+    return a.repeat_interleave(batch, 0) if a.dim() == 2 else a.flatten(0, 1)
+
+
 def _unfold(t, batch_size, at=0):
     """Inverse of _fold for an output: split dim ``at`` into (batch_size, batch)."""
     return t.unflatten(at, (batch_size, t.shape[at] // batch_size))
@@ -551,31 +582,37 @@ def _unfold(t, batch_size, at=0):
 
 @torch.library.register_vmap("flash_attn_ext::forward")
 def _forward_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
-                  sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
+                  sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None, alibi_slopes=None):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 7)
     _check_sample_rank4(in_dims[:3], q=q, k=k, v=v)
     if dropout_p:
         return _vmap_by_sample(info, in_dims, torch.ops.flash_attn_ext.forward,
                                (q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks, softcap,
-                                dropout_p, rng_state))
+                                dropout_p, rng_state, alibi_slopes))
+    batch = q.shape[0] if in_dims[0] is None or in_dims[0] > 0 else q.shape[1]
+    alibi_slopes = _fold_alibi(alibi_slopes, in_dims[11] if len(in_dims) > 11 else None, n, batch)
     q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
     out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, softmax_scale, causal, window_size_left,
-                                                       window_size_right, sinks, softcap, dropout_p, rng_state)
+                                                       window_size_right, sinks, softcap, dropout_p, rng_state,
+                                                       alibi_slopes)
     return (_unfold(out, n), _unfold(lse, n), _unfold(stats, n, at=1)), (0, 0, 1)
 
 
 @torch.library.register_vmap("flash_attn_ext::backward")
 def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale, causal,
                    softmax_stats=None, window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0,
-                   dropout_p=0.0, rng_state=None):
+                   dropout_p=0.0, rng_state=None, alibi_slopes=None):
     n = info.batch_size
     _sinks_not_vmapped(in_dims, 11)
     _check_sample_rank4(in_dims[:5], dout=dout, q=q, k=k, v=v, out=out)
     if dropout_p:
         return _vmap_by_sample(info, in_dims, torch.ops.flash_attn_ext.backward,
                                (dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
-                                window_size_left, window_size_right, sinks, softcap, dropout_p, rng_state))
+                                window_size_left, window_size_right, sinks, softcap, dropout_p, rng_state,
+                                alibi_slopes))
+    batch = q.shape[0] if in_dims[1] is None or in_dims[1] > 0 else q.shape[1]
+    alibi_slopes = _fold_alibi(alibi_slopes, in_dims[15] if len(in_dims) > 15 else None, n, batch)
     dout, q, k, v, out = (_fold(t, d, n) for t, d in zip((dout, q, k, v, out), in_dims[:5]))
     softmax_lse = _fold(softmax_lse, in_dims[5], n).contiguous()
     if softmax_stats is not None:
@@ -583,7 +620,7 @@ def _backward_vmap(info, in_dims, dout, q, k, v, out, softmax_lse, softmax_scale
                               at=1).contiguous()
     dq, dk, dv = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, softmax_lse, softmax_scale,
                                                    causal, softmax_stats, window_size_left, window_size_right, sinks,
-                                                   softcap, dropout_p, rng_state)
+                                                   softcap, dropout_p, rng_state, alibi_slopes)
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 
@@ -643,12 +680,14 @@ and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiabl
 @torch.library.register_fake("flash_attn_ext::varlen_forward")
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                          causal, window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0,
-                         rng_state=None):
+                         rng_state=None, alibi_slopes=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     _checks.check_softcap(softcap, softmax_scale)
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, max_seqlen_q, max_seqlen_k, softcap)
+    _checks.check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1], softmax_scale, softcap, dropout_p,
+                        window_size_left, max_seqlen_k)
     _checks.check_sinks(sinks, q.shape[1])
     total_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -660,7 +699,8 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 @torch.library.register_fake("flash_attn_ext::varlen_backward")
 def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, softmax_scale, causal, softmax_stats=None, window_size_left=-1,
-                          window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
+                          window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None,
+                          alibi_slopes=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, softmax_scale, softmax_stats)
@@ -668,6 +708,8 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
     _checks.check_sinks(sinks, q.shape[1])
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, max_seqlen_q, max_seqlen_k, softcap)
+    _checks.check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1], softmax_scale, softcap, dropout_p,
+                        window_size_left, max_seqlen_k)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -695,15 +737,17 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
 class FlashAttnVarlenFunction(torch.autograd.Function):
     """Autograd for ``flash_attn_ext::varlen_forward`` (reverse mode: ``varlen_backward``).
     ``apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-    causal[, window_size_left, window_size_right[, sinks[, softcap[, dropout_p, rng_state]]]]) -> (out,
-    softmax_lse, softmax_stats)``."""
+    causal[, window_size_left, window_size_right[, sinks[, softcap[, dropout_p, rng_state[,
+    alibi_slopes]]]]]) -> (out, softmax_lse, softmax_stats)``."""
 
     @staticmethod
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None):
+                window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None,
+                alibi_slopes=None):
         return torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                        max_seqlen_k, softmax_scale, causal, window_size_left,
-                                                       window_size_right, sinks, softcap, dropout_p, rng_state)
+                                                       window_size_right, sinks, softcap, dropout_p, rng_state,
+                                                       alibi_slopes)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -713,11 +757,14 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         ctx.softcap = inputs[12] if len(inputs) > 12 else 0.0
         ctx.dropout_p = inputs[13] if len(inputs) > 13 else 0.0
         rng_state = inputs[14] if len(inputs) > 14 else None
+        alibi_slopes = inputs[15] if len(inputs) > 15 else None
         out, softmax_lse, softmax_stats = output
         ctx.has_sinks = sinks is not None
         ctx.has_rng_state = rng_state is not None
+        ctx.has_alibi = alibi_slopes is not None
         saved = ((q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k)
-                 + ((sinks,) if ctx.has_sinks else ()) + ((rng_state,) if ctx.has_rng_state else ()))
+                 + ((sinks,) if ctx.has_sinks else ()) + ((alibi_slopes,) if ctx.has_alibi else ())
+                 + ((rng_state,) if ctx.has_rng_state else ()))
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*saved)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal)
@@ -735,7 +782,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         dq, dk, dv = FlashAttnVarlenBackwardFunction.apply(
             dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale, causal, softmax_stats, *ctx.window, sinks, ctx.softcap, ctx.dropout_p,
-            saved[-1] if ctx.has_rng_state else None)
+            saved[-1] if ctx.has_rng_state else None, _saved_alibi(ctx, saved, 8))
         dsinks = None
         if want_dsinks:
             # Rows outside every sequence (before cu_seqlens_q[0], from cu_seqlens_q[-1]) are not
@@ -759,6 +806,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         sinks = saved[8] if ctx.has_sinks else None
         sinks_t = scalar_tangents[8] if ctx.has_sinks else None
         max_seqlen_q, max_seqlen_k, softmax_scale, causal = ctx.args
+        alibi_slopes = _saved_alibi(ctx, saved, 8)
         out_t = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for b in range(len(cq) - 1):
@@ -769,7 +817,9 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
                     return None if t is None else t[a:e].unsqueeze(0)
                 out_t[q0:q1] = attention_jvp(seq(q, q0, q1), seq(k, k0, k1), seq(v, k0, k1), seq(q_t, q0, q1),
                                              seq(k_t, k0, k1), seq(v_t, k0, k1), softmax_scale, causal, *ctx.window,
-                                             sinks, sinks_t, ctx.softcap)[0]
+                                             sinks, sinks_t, ctx.softcap,
+                                             None if alibi_slopes is None or alibi_slopes.dim() == 1
+                                             else alibi_slopes[b])[0]
         return out_t, None, None
 
 
@@ -837,12 +887,13 @@ LSE planes: no extra pass over dout / out). Not differentiable; no vmap rule (si
 vmap)."""
 @torch.library.register_fake("flash_attn_ext::backward_dsinks")
 def _backward_dsinks_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
-                          window_size_left, window_size_right, sinks, softcap=0.0, dropout_p=0.0, rng_state=None):
+                          window_size_left, window_size_right, sinks, softcap=0.0, dropout_p=0.0, rng_state=None,
+                          alibi_slopes=None):
     if sinks is None:
         raise RuntimeError("flash_attn_ext: backward_dsinks needs sinks (the forward's (nheads,) float32); "
                            "without sinks call backward")
     dq, dk, dv = _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats,
-                                window_size_left, window_size_right, sinks, softcap, dropout_p, rng_state)
+                                window_size_left, window_size_right, sinks, softcap, dropout_p, rng_state, alibi_slopes)
     return dq, dk, dv, torch.empty((sinks.numel(),), dtype=torch.float32, device=sinks.device)
 
 

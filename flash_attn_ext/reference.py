@@ -3,7 +3,7 @@
 Standard attention, materialising the (seqlen_q, seqlen_k) score matrix:
     S = softmax_scale * Q K^T,  P = softmax(S) (row-wise),  O = P V,  LSE = logsumexp(S)
 (Vaswani et al. 2017, eq. 1); with logit soft-capping (Gemma 2) S = softcap * tanh(softmax_scale
-* Q K^T / softcap). Same conventions as the kernels: BSHD layout, GQA/MQA by
+* Q K^T / softcap); with ALiBi (Press et al. 2022) S_ij - slope * |i + seqlen_k - seqlen_q - j|. Same conventions as the kernels: BSHD layout, GQA/MQA by
 repeating K/V heads, causal masks and sliding windows aligned to the bottom-right corner, and a
 query row that sees no key gives O = 0 and LSE = +inf.
 
@@ -57,6 +57,7 @@ def attention_ref(
     dropout_p: float = 0.0,
     rng_state: torch.Tensor | None = None,
     dropout_batch0: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention on BSHD tensors.
 
@@ -79,6 +80,10 @@ def attention_ref(
             dropped by the kernels' mask (``dropout_keep_mask``; dropout_batch0 its first batch
             index) and the kept ones scaled by 1 / (1 - dropout_threshold(p) / 2^16) (p as the
             kernels' 16-bit randoms resolve it), after the LSE (which stays that of P). 0.0: none.
+        alibi_slopes: ALiBi (Press et al. 2022, "Train Short, Test Long", section 3; flash-attn's
+            alibi_slopes), (nheads,) or (batch, nheads), or None: the logit of query i and key j
+            gets -slope * |i + seqlen_k - seqlen_q - j| (bottom-right aligned, as the masks), after
+            softcap, before the mask (computed in the compute dtype).
     Returns:
         out: (batch, seqlen_q, nheads, headdim) in the compute dtype (differentiable).
         lse: (batch, nheads, seqlen_q) float32 natural-log logsumexp of the scaled scores
@@ -102,6 +107,8 @@ def attention_ref(
     scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes.to(q.device), q.shape[0], nheads, seqlen_q, seqlen_k, dtype)
     # Rows that see at least one key (by the mask alone, never by the values).
     has_key = torch.full((seqlen_q, 1), seqlen_k > 0, dtype=torch.bool, device=q.device)
     if causal or window_size[0] >= 0 or window_size[1] >= 0:
@@ -143,6 +150,18 @@ def attention_ref(
     out = torch.where(has_key[:, :, None], out, zero)  # also when v holds a NaN
     lse = torch.where(has_key.squeeze(-1), lse, torch.full_like(lse, float("inf")))
     return out, lse.float()
+
+
+def alibi_bias(alibi_slopes: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
+               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """ALiBi's bias (Press et al. 2022; flash-attn's alibi_slopes), (batch or 1, nheads, seqlen_q,
+    seqlen_k) in ``dtype``: -slope * |i + seqlen_k - seqlen_q - j| for query i, key j; slopes
+    (nheads,) or (batch, nheads)."""
+    i = torch.arange(seqlen_q, device=alibi_slopes.device).view(-1, 1)
+    j = torch.arange(seqlen_k, device=alibi_slopes.device).view(1, -1)
+    dist = (i + (seqlen_k - seqlen_q) - j).abs().to(dtype)
+    slopes = alibi_slopes.to(dtype).view(-1, nheads, 1, 1)
+    return -slopes * dist
 
 
 _M32 = 0xFFFFFFFF
@@ -214,12 +233,12 @@ def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headd
 def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, upcast=True,
                          ref_dtype: torch.dtype = torch.float64, window_size: tuple[int, int] = (-1, -1),
                          sinks: torch.Tensor | None = None, softcap: float = 0.0, dropout_p: float = 0.0,
-                         rng_state: torch.Tensor | None = None):
+                         rng_state: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None):
     """Reference for packed sequences: ``attention_ref`` on each sequence alone.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_*: (batch + 1,)
-    integer tensors (any device); sinks, softcap and dropout as ``attention_ref``'s (sequence b's
-    mask that of batch b). Returns out (total_q, nheads, headdim)
+    integer tensors (any device); sinks, softcap, dropout and alibi_slopes as ``attention_ref``'s
+    (sequence b's dropout mask that of batch b; (batch, nheads) slopes: row b for sequence b). Returns out (total_q, nheads, headdim)
     in the compute dtype and lse (nheads, total_q) float32; rows outside every sequence: out 0, lse
     +inf. Differentiable.
     """
@@ -236,7 +255,9 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
             lses.append(torch.full((q.shape[1], q0 - covered), float("inf"), device=q.device))
         o, lse = attention_ref(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
                                softmax_scale, causal, upcast, ref_dtype, window_size, sinks, softcap, dropout_p,
-                               rng_state, b)
+                               rng_state, b,
+                               None if alibi_slopes is None else alibi_slopes if alibi_slopes.dim() == 1
+                               else alibi_slopes[b])
         outs.append(o[0])
         lses.append(lse[0])
         covered = q1

@@ -408,7 +408,10 @@ def test_return_attn_probs_gives_flash_attns_triple():
     ("softcap", float("inf"), ValueError, "softcap must be a finite number >= 0"),
     ("softcap", True, TypeError, "softcap must be a real number"),
     ("softcap", "30", TypeError, "softcap must be a real number"),
-    ("alibi_slopes", torch.ones(2), NotImplementedError, "alibi_slopes: ALiBi biases are not supported"),
+    ("alibi_slopes", [0.5, 0.25], TypeError, r"alibi_slopes must be a float32 tensor of shape \(nheads,\)"),
+    ("alibi_slopes", torch.ones(3), RuntimeError, r"alibi_slopes has dtype Float and shape \[3\]; expected float32 of "
+                                                  r"shape \(nheads,\) = \(4,\)"),
+    ("alibi_slopes", torch.ones(4, dtype=torch.float64), RuntimeError, "alibi_slopes has dtype Double"),
     ("return_attn_probs", "yes", TypeError, "return_attn_probs must be a bool"),
     ("dropout_p", "0.1", TypeError, "dropout_p must be a real number"),
     ("softcap", None, TypeError, "softcap must be a real number"),
@@ -419,8 +422,8 @@ def test_return_attn_probs_gives_flash_attns_triple():
 ])
 def test_flash_attn_keywords_that_ask_for_a_missing_feature(keyword, value, error, match):
     """Another value asks for a feature this library does not have, or is no valid value (softcap:
-    a real number >= 0, finite): an error naming it, before any work (never a silently different
-    result)."""
+    a real number >= 0, finite; alibi_slopes: float32 (nheads,) or (batch, nheads)): an error naming
+    it, before any work (never a silently different result)."""
     for name, call in _flash_attn_calls():
         with pytest.raises(error, match=match):
             call(**{keyword: value})

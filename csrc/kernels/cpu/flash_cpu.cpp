@@ -131,6 +131,31 @@ struct Dropout {
   Acc scaled(Acc x, bool kept) const { return !on ? x : kept ? x * rp : Acc(0); }
 };
 
+// ALiBi (flash.h: alibi_slopes_ptr): the score S of query i, key j (the sequence's own positions)
+// gains slope * unit * |i + seqlen_k - seqlen_q - j| before the scale, unit = -1 / softmax_scale, so
+// the logit gains -slope * |...| (as the kernels, which hold unit in float32; here in the
+// accumulation type). Never with soft-capping or dropout (the API refuses those).
+template <typename Acc>
+struct Alibi {
+  bool on;
+  const float* slopes;
+  int64_t batch_stride;
+  Acc unit;
+  int off;  // seqlen_k - seqlen_q
+  explicit Alibi(const Flash_fwd_params& p)
+      : on(p.alibi_slopes_ptr != nullptr),
+        slopes(p.alibi_slopes_ptr),
+        batch_stride(p.alibi_slopes_batch_stride),
+        unit(on ? static_cast<Acc>(-1.0 / p.scale_softmax) : Acc(0)),
+        off(p.seqlen_k - p.seqlen_q) {}
+  // The score-unit slope of batch b, head h (0 without ALiBi: S unchanged).
+  Acc slope(int64_t b, int h) const { return on ? static_cast<Acc>(slopes[b * batch_stride + h]) * unit : Acc(0); }
+  // S_ij + the bias (s when off).
+  Acc biased(Acc s, Acc slope_u, int i, int j) const {
+    return on ? s + slope_u * static_cast<Acc>(std::abs(i + off - j)) : s;
+  }
+};
+
 // y[0:d] += alpha * x[0:d]
 template <typename Acc>
 inline void axpy(Acc alpha, const Acc* x, Acc* y, int d) {
@@ -168,6 +193,7 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
   const Acc scale_log2 = static_cast<Acc>(p.scale_softmax * 1.4426950408889634074);
   const Softcap<Acc> softcap(p);
   const Dropout<Acc> dropout(p);
+  const Alibi<Acc> alibi(p);
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
 
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
@@ -177,6 +203,7 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
 
     for (int64_t task = begin; task < end; ++task) {
       const auto [b, h, h_k, m0, rows_m] = q_tile_of(p, task, num_m_blocks);
+      const Acc slope_u = alibi.slope(b, h);
 
       const T* q = static_cast<const T*>(p.q.ptr) + b * p.q.batch_stride + h * p.q.head_stride;
       const T* k = static_cast<const T*>(p.k.ptr) + b * p.k.batch_stride + h_k * p.k.head_stride;
@@ -204,7 +231,8 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
           const auto [c0, c1] = visible_in_tile(p, m0 + i, n0, rows_n);
           if (c1 <= c0) continue;  // masked entries contribute exp(-inf) = 0
           Acc* s = s_tile.data() + int64_t(i) * kBlockN;
-          // Alg. 1 line 10: m_new = max(m_old, rowmax(S_ij)) (scaled, log2 units; capped first).
+          // Alg. 1 line 10: m_new = max(m_old, rowmax(S_ij)) (scaled, log2 units; capped first, or
+          // ALiBi's bias added first).
           Acc m_new = m_row[i];
           if (softcap.on) {
             for (int j = c0; j < c1; ++j) {
@@ -213,7 +241,7 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
             }
           } else {
             for (int j = c0; j < c1; ++j) {
-              s[j] *= scale_log2;
+              s[j] = alibi.biased(s[j], slope_u, m0 + i, n0 + j) * scale_log2;
               m_new = std::max(m_new, s[j]);
             }
           }
@@ -297,6 +325,7 @@ void bwd_impl(const Flash_bwd_params& p) {
   const Acc scale_log2 = static_cast<Acc>(p.scale_softmax * 1.4426950408889634074);
   const Softcap<Acc> softcap(p);
   const Dropout<Acc> dropout(p);
+  const Alibi<Acc> alibi(p);
   const int64_t rows_total = int64_t(p.b) * p.h * p.seqlen_q;
 
   // Alg. 2 line 5: D_i = rowsum(dO_i * O_i), one value per (batch, head, query row).
@@ -389,8 +418,10 @@ void bwd_impl(const Flash_bwd_params& p) {
         }
         continue;
       }
+      const Acc slope_u = alibi.slope(b, h);
       for (int j = c0; j < c1; ++j) {
-        const Acc pij = prob(s[j] * scale_log2, hi, lo);  // line 12: P_ij = exp(S_ij - L_i)
+        // line 12: P_ij = exp(S_ij - L_i) (ALiBi: S_ij biased first; dS needs nothing more)
+        const Acc pij = prob(alibi.biased(s[j], slope_u, m0 + i, n0 + j) * scale_log2, hi, lo);
         const bool kept = dropout.keep(b, h, m0 + i, n0 + j);
         // line 15: dS_ij = P_ij (dP_ij - D_i) (dropout: Z rp on P for dV and on dP)
         visit(i, j, dropout.scaled(pij, kept), pij * (dropout.scaled(dp[j], kept) - dsum_i));

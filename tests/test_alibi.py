@@ -1,0 +1,183 @@
+"""ALiBi (Press et al. 2022, "Train Short, Test Long", section 3; flash-attn's ``alibi_slopes``): the
+logit of query i and key j gets -slope[b, h] * |i + seqlen_k - seqlen_q - j| (bottom-right aligned,
+as the masks), so P, out and softmax_lse are those of the biased logits and the gradients of q, k, v
+follow (the bias is a constant of S: dS is unchanged).
+
+Every numeric case is checked against the float64 reference with the bias materialised by
+``reference.alibi_bias`` under the accuracy rule (tests/accuracy.py). The CPU cells run in CI; the
+CUDA ones on each arch path.
+"""
+
+import pytest
+import torch
+
+import flash_attn_ext
+from conftest import check_fwd_bwd, make_qkv, require_hdim
+from flash_attn_ext.reference import alibi_bias, attention_ref, attention_varlen_ref
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _devices():
+    return ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def _dtypes(device):
+    return [torch.float16, torch.bfloat16] + ([torch.float32, torch.float64] if device == "cpu" else [])
+
+
+def _slopes(nheads, batch=None, device="cpu"):
+    """ALiBi's geometric slopes 2^(-8 (h + 1) / nheads) (the paper's, section 3), per batch row
+    scaled differently when ``batch`` is given, so a wrong row would show."""
+    base = torch.tensor([2.0 ** (-8.0 * (h + 1) / nheads) for h in range(nheads)])
+    if batch is not None:
+        base = base * torch.linspace(0.5, 1.5, batch).view(-1, 1)
+    return base.float().to(device)
+
+
+def _cells():
+    # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
+    return [(2, 128, 128, 4, 4, 64), (1, 77, 200, 4, 2, 128), (2, 200, 67, 6, 1, 32), (1, 1, 300, 2, 2, 96),
+            (1, 129, 129, 2, 2, 256), (2, 150, 333, 4, 2, 192)]
+
+
+def test_alibi_bias_values():
+    """The reference's bias on a tiny case, by hand: -slope * |i + sk - sq - j|."""
+    bias = alibi_bias(torch.tensor([0.5, 2.0]), 1, 2, 2, 3, torch.float64)
+    want = -torch.tensor([[[1.0, 0.0, 1.0], [2.0, 1.0, 0.0]]]) * torch.tensor([0.5, 2.0]).view(2, 1, 1)
+    assert torch.equal(bias[0], want.double())
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("shape", _cells())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi_matches_reference(device, shape, causal, per_batch, poison_empty, arch_path):
+    """flash_attn_func with alibi_slopes ((nheads,) or (batch, nheads)) against the float64 reference,
+    forward, LSE and gradients."""
+    b, sq, sk, h, hk, d = shape
+    if device == "cuda":
+        require_hdim(d)
+    slopes = _slopes(h, b if per_batch else None, device)
+    for dtype in _dtypes(device)[:2] if device == "cuda" or d > 64 else _dtypes(device):
+        q, k, v = make_qkv(b, sq, sk, h, hk, d, dtype, device)
+        check_fwd_bwd(
+            q, k, v,
+            lambda: flash_attn_ext.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes, return_lse=True),
+            lambda upcast: attention_ref(q, k, v, None, causal, upcast=upcast, alibi_slopes=slopes))
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_alibi_with_sinks_window_right_and_negative_scale(device, poison_empty, arch_path):
+    """ALiBi beside what it combines with: attention sinks, a window's right bound, a negative
+    softmax_scale (the kernels hold the bias in units of the scaled score)."""
+    q, k, v = make_qkv(2, 70, 90, 4, 2, 64, torch.bfloat16, device)
+    slopes = _slopes(4, 2, device)
+    sinks = torch.randn(4, device=device)
+    for kwargs in (dict(sinks=sinks, causal=True), dict(window_size=(-1, 5)), dict(softmax_scale=-0.1)):
+        check_fwd_bwd(
+            q, k, v,
+            lambda: flash_attn_ext.flash_attn_func(q, k, v, alibi_slopes=slopes, return_lse=True, **kwargs),
+            lambda upcast: attention_ref(q, k, v, kwargs.get("softmax_scale"), kwargs.get("causal", False),
+                                         upcast=upcast, window_size=kwargs.get("window_size", (-1, -1)),
+                                         sinks=kwargs.get("sinks"), alibi_slopes=slopes))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 256])
+def test_varlen_alibi(device, causal, d, poison_empty, arch_path):
+    """Packed sequences: sequence b gets batch b's slopes and its own positions (bottom-right per
+    sequence), forward and gradients; an empty sequence included."""
+    lens_q, lens_k = [37, 0, 130, 64], [50, 20, 130, 1]
+    h, hk = 4, 2
+    if device == "cuda":
+        require_hdim(d)
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=device)
+    for slopes in (_slopes(h, None, device), _slopes(h, len(lens_q), device)):
+        dtype = torch.bfloat16
+        q = torch.randn(sum(lens_q), h, d, dtype=dtype, device=device, requires_grad=True)
+        k = torch.randn(sum(lens_k), hk, d, dtype=dtype, device=device, requires_grad=True)
+        v = torch.randn(sum(lens_k), hk, d, dtype=dtype, device=device, requires_grad=True)
+        check_fwd_bwd(
+            q, k, v,
+            lambda: flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                          alibi_slopes=slopes, return_lse=True),
+            lambda upcast: attention_varlen_ref(q, k, v, cu_q.cpu(), cu_k.cpu(), None, causal, upcast=upcast,
+                                                alibi_slopes=slopes))
+
+
+def test_alibi_gradcheck_and_forward_ad():
+    """float64 gradcheck (reverse and forward mode) through the op with (batch, nheads) slopes; the
+    slopes themselves get no gradient (as flash-attn's)."""
+    q, k, v = make_qkv(1, 5, 7, 2, 1, 16, torch.float64)
+    slopes = _slopes(2, 1).double().float()
+
+    def f(q, k, v):
+        return flash_attn_ext.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), check_forward_ad=True)
+    slopes.requires_grad_(True)
+    f(q, k, v).sum().backward()
+    assert slopes.grad is None
+
+
+def test_alibi_vmap_per_sample_slopes():
+    """vmap over the slopes (a different (nheads,) or (batch, nheads) tensor per sample) and over q:
+    vmap(f)(x)[i] = f(x[i])."""
+    q, k, v = make_qkv(2, 9, 11, 4, 2, 16, torch.float64, requires_grad=False)
+
+    def f(q, slopes):
+        return flash_attn_ext.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+
+    for slopes in (torch.rand(3, 4), torch.rand(3, 2, 4)):
+        want = torch.stack([f(q, s) for s in slopes])
+        assert torch.equal(torch.vmap(f, in_dims=(None, 0))(q, slopes), want)
+    qs = torch.stack([q, 0.5 * q])
+    slopes = _slopes(4, 2)
+    assert torch.equal(torch.vmap(f, in_dims=(0, None))(qs, slopes), torch.stack([f(x, slopes) for x in qs]))
+
+
+def test_alibi_compiles_and_opcheck():
+    """The ops with alibi_slopes pass torch.library.opcheck (schema, fake kernel, autograd) and a
+    fullgraph compile gives the eager bits."""
+    q, k, v = make_qkv(2, 16, 24, 4, 2, 32, torch.float32)
+    slopes = _slopes(4, 2)
+    out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, 0.2, True, -1, -1, None, 0.0, 0.0, None, slopes)
+    torch.library.opcheck(torch.ops.flash_attn_ext.forward, (q, k, v, 0.2, True, -1, -1, None, 0.0, 0.0, None, slopes))
+    dout = torch.randn_like(out)
+    qd, kd, vd, od = (t.detach() for t in (q, k, v, out))  # the backward op has no gradient of its own
+    torch.library.opcheck(torch.ops.flash_attn_ext.backward,
+                          (dout, qd, kd, vd, od, lse, 0.2, True, stats, -1, -1, None, 0.0, 0.0, None, slopes))
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32)
+    qv, kv, vv = (t.detach().flatten(0, 1)[:32].requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flash_attn_ext.varlen_forward,
+                          (qv, kv, vv, cu, cu, 16, 16, 0.2, True, -1, -1, None, 0.0, 0.0, None, slopes))
+
+    def f(q, k, v):
+        return flash_attn_ext.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(q, k, v), f(q, k, v))
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_alibi_bad_input(device):
+    """Wrong slopes and the combinations the kernels' ALiBi twin lacks: errors naming them, before any work."""
+    q, k, v = make_qkv(2, 16, 24, 4, 2, 32, torch.bfloat16, device, requires_grad=False)
+    call = flash_attn_ext.flash_attn_func
+    with pytest.raises(RuntimeError, match=r"alibi_slopes has dtype Float and shape \[2, 3\]; expected float32 of "
+                                           r"shape \(nheads,\) = \(4,\) or \(batch, nheads\) = \(2, 4\)"):
+        call(q, k, v, alibi_slopes=torch.ones(2, 3, device=device))
+    with pytest.raises(RuntimeError, match="alibi_slopes has dtype BFloat16"):
+        call(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="alibi_slopes with softmax_scale = 0"):
+        call(q, k, v, softmax_scale=0.0, alibi_slopes=_slopes(4, device=device))
+    for kwargs, what in ((dict(softcap=30.0), "softcap > 0"), (dict(dropout_p=0.1), "dropout_p > 0"),
+                         (dict(window_size=(3, 0)), "a sliding window's left bound")):
+        with pytest.raises(NotImplementedError, match="alibi_slopes with " + what):
+            call(q, k, v, alibi_slopes=_slopes(4, device=device), **kwargs)
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match="alibi_slopes"):
+            call(q, k, v, alibi_slopes=_slopes(4, device="meta"))
