@@ -63,7 +63,7 @@ backward = torch.ops.flash_attn_ext.backward
 forward.__doc__ = forward.default.__doc__ = """\
 forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int = -1,
         window_size_right: int = -1, sinks=None, softcap: float = 0.0, dropout_p: float = 0.0,
-        rng_state=None) -> (out, softmax_lse, softmax_stats)
+        rng_state=None, alibi_slopes=None) -> (out, softmax_lse, softmax_stats)
 
 Exact attention softmax(softmax_scale * Q K^T) V (FlashAttention-2, Dao 2023, Algorithm 1; on
 sm_90 GPUs FlashAttention-3's Hopper kernel). q: (batch, seqlen_q, nheads, headdim); k, v:
@@ -80,7 +80,11 @@ softmax_stats are those of the capped logits. dropout_p in [0, 1), with rng_stat
 (2,) on q's device when > 0: out = (Z o P) V / (1 - p), Z from Philox4x32-10 keyed by rng_state
 (csrc/primitives/philox.cuh; reference.dropout_keep_mask materialises it), the statistics those of P
 (ValueError for a bad dropout_p or rng_state; NotImplementedError with softcap or a window's left
-bound; CUDA: the kDropout twins of the kernels the call would run without it). Returns out (q's shape and dtype),
+bound; CUDA: the kDropout twins of the kernels the call would run without it). alibi_slopes: None
+or float32 (nheads,) / (batch, nheads) on q's device, ALiBi (Press et al. 2022; flash-attn's): the
+logit of query i, key j gains -slope * |i + seqlen_k - seqlen_q - j| (reference.alibi_bias), the
+statistics those of the biased logits (NotImplementedError with softcap, dropout or a window's left
+bound; ValueError with softmax_scale 0; no gradient for the slopes). Returns out (q's shape and dtype),
 softmax_lse (batch, nheads, seqlen_q) float32, natural log (+inf for a row that sees no key, whose
 out row is 0; with sinks the sink is in the sum and such a row's LSE is the sink), and
 softmax_stats (2, batch, nheads, seqlen_q) float32: the same LSE in log2 units
@@ -91,7 +95,7 @@ Autograd, forward-mode AD, vmap and fake (meta) kernels are registered (flash_at
 backward.__doc__ = backward.default.__doc__ = """\
 backward(dout, q, k, v, out, softmax_lse, softmax_scale: float, causal: bool, softmax_stats=None,
          window_size_left: int = -1, window_size_right: int = -1, sinks=None, softcap: float = 0.0,
-         dropout_p: float = 0.0, rng_state=None) -> (dq, dk, dv)
+         dropout_p: float = 0.0, rng_state=None, alibi_slopes=None) -> (dq, dk, dv)
 
 Gradients of forward by recomputation (FlashAttention-2, Dao 2023, Algorithm 2: a preprocess, then
 separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's shape; the other
@@ -103,7 +107,8 @@ pass softmax_lse alone for statistics merged over chunks of K/V). sinks: the for
 CPU float32 / float64 recompute adds them; backward_dsinks, the same op with sinks required, also
 returns their gradient). softcap: the forward's (dS = P (dP - D) (1 - t^2), t = tanh(S *
 softmax_scale / softcap), then softmax_scale as usual). dropout_p, rng_state: the forward's (its mask
-regenerated: dV = (Z o P)^T dO / (1 - p), dS = P o (Z o dP / (1 - p) - D)). Returns dq, dk, dv
+regenerated: dV = (Z o P)^T dO / (1 - p), dS = P o (Z o dP / (1 - p) - D)). alibi_slopes: the
+forward's (P recomputed from the biased logits; dS unchanged). Returns dq, dk, dv
 with q's, k's and v's shapes and dtypes. Raises RuntimeError naming the argument on bad input."""
 
 

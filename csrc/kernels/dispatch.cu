@@ -200,10 +200,6 @@ static bool tma_can_describe_inputs(const Flash_fwd_params& params) {
 }
 
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
-  // WIP (exp/alibi): the kernels' ALiBi twins are next; until then the CUDA path refuses ALiBi.
-  if (params.alibi_slopes_ptr != nullptr) {
-    throw std::runtime_error("flash_attn_ext: alibi_slopes on CUDA: the kernels' ALiBi twins are not built yet");
-  }
   if (params.block_table != nullptr) {
     throw std::runtime_error("flash_attn_ext forward: a paged KV cache (block_table) runs through run_mha_fwd_kvcache");
   }
@@ -262,10 +258,6 @@ void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream) {
 }
 
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
-  // WIP (exp/alibi): the kernels' ALiBi twins are next; until then the CUDA path refuses ALiBi.
-  if (params.alibi_slopes_ptr != nullptr) {
-    throw std::runtime_error("flash_attn_ext: alibi_slopes on CUDA: the kernels' ALiBi twins are not built yet");
-  }
   if (params.seqlen_q_rounded % 128 != 0 || params.seqlen_q_rounded < params.seqlen_q) {
     throw std::runtime_error("flash_attn_ext backward: seqlen_q_rounded must be seqlen_q rounded up to 128");
   }

@@ -30,14 +30,17 @@ auto pick_twin(const Params& params, Twin twin) {
   return local ? twin(Y{}, N{}) : twin(N{}, N{});
 }
 
-// pick_twin for the kernels that also have an attention-dropout twin (the sm80 and sm90 forward, dK/dV
-// and dQ kernels, the sm90 Roles<> ones included; flash.h: dropout_p > 0): `twin` takes a third
-// std::bool_constant, kDropout. The dropout twin has neither a window's left bound nor soft-capping
-// (the API refuses those with dropout).
+// pick_twin for the attention kernels that also have an attention-dropout and an ALiBi twin (the
+// sm80 and sm90 forward, dK/dV and dQ kernels, the sm90 Roles<> ones included; flash.h: dropout_p > 0, alibi_slopes_ptr): `twin`
+// takes two more std::bool_constant, kDropout and kAlibi. Neither twin has a window's left bound
+// nor soft-capping, and they are not combined (the API refuses those combinations).
 template <typename Params, typename Twin>
-auto pick_twin_dropout(const Params& params, Twin twin) {
-  if (params.dropout_p > 0.0) return twin(std::false_type{}, std::false_type{}, std::true_type{});
-  return pick_twin(params, [&](auto local, auto softcap) { return twin(local, softcap, std::false_type{}); });
+auto pick_attention_twin(const Params& params, Twin twin) {
+  using Y = std::true_type;
+  using N = std::false_type;
+  if (params.dropout_p > 0.0) return twin(N{}, N{}, Y{}, N{});
+  if (params.alibi_slopes_ptr != nullptr) return twin(N{}, N{}, N{}, Y{});
+  return pick_twin(params, [&](auto local, auto softcap) { return twin(local, softcap, N{}, N{}); });
 }
 
 // Opts the kernel into `smem_bytes` of dynamic shared memory (needed above 48 KB, which every GPU
@@ -141,8 +144,8 @@ void launch_tiles(void (*kernel)(Params), const char* what, Params& params, cuda
 // Defines flash::run_mha_bwd_<kind>_(Tag, ...) (kernels/arch.h), the launch template the generated
 // instantiations of arch path `ns` compile: flash_bwd_<kind>_kernel with the production row
 // <Kind>Tile of the arch's tile table (<Kind>KernelTraits; its CTAs are <Kind>Work items), through
-// launch_tiles; the call's twin of the kernel by pick_twin_dropout (a window's left bound,
-// soft-capping, attention dropout).
+// launch_tiles; the call's twin of the kernel by pick_attention_twin (a window's left bound,
+// soft-capping, attention dropout, ALiBi).
 // Used at global scope, after the kernel; the tuning harness launches other rows.
 #define FLASH_BWD_LAUNCH_TEMPLATE(Tag, ns, Kind, kind, what)                                               \
   template <typename Element, int kHeadDim>                                                               \
@@ -151,12 +154,13 @@ void launch_tiles(void (*kernel)(Params), const char* what, Params& params, cuda
     using Traits = flash::ns::Kind##KernelTraits<Element, kHeadDim, Tile>;                                 \
     static_assert(Traits::kSmemBytes <= flash::ns::kMaxSmem, what " tile row exceeds " #ns " shared memory"); \
     flash::launch_tiles<Traits, flash::Kind##Work<Traits::kBlockM, Traits::kBlockN>>(                      \
-        flash::pick_twin_dropout(params,                                                                   \
-                                 [](auto local, auto softcap, auto dropout) {                              \
+        flash::pick_attention_twin(params,                                                                   \
+                                 [](auto local, auto softcap, auto dropout, auto alibi) {                  \
                                    return &flash::ns::flash_bwd_##kind##_kernel<Element, kHeadDim, Tile,  \
                                                                                  decltype(local)::value,  \
                                                                                  decltype(softcap)::value, \
-                                                                                 decltype(dropout)::value>; \
+                                                                                 decltype(dropout)::value, \
+                                                                                 decltype(alibi)::value>; \
                                  }),                                                                       \
         what, params, stream);                                                                             \
   }

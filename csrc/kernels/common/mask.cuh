@@ -118,6 +118,48 @@ struct AttnMask {
       }
     }
   }
+
+  // ALiBi (flash.h: alibi_*): adds slope_u * |i + seqlen_k - seqlen_q - j| to the score of query i,
+  // key j of a warp's mma-C-fragment tile, laid out as apply's (kKeyRows = false: rows are queries,
+  // s[mi][ni][e] is row row0 + 16 mi + g + 8 (e / 2), column col0 + 8 ni + 2 t + (e % 2)) or
+  // transposed (kKeyRows: rows are keys, columns queries: the dK/dV kernels' S^T). slope_u: the
+  // head's slope in score units (alibi_slope). Every tile, masked or not (the mask comes after:
+  // -inf stays -inf); one add and one fma per element (the distance from the thread's first column,
+  // exact in float32 below 2^24).
+  template <bool kKeyRows, int kMAtoms, int kNAtoms>
+  __device__ __forceinline__ void add_alibi(float (&s)[kMAtoms][kNAtoms][4], int row0, int col0, float slope_u) const {
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, col_t = col0 + 2 * (lane % 4), off = seqlen_k - seqlen_q;
+#pragma unroll
+    for (int mi = 0; mi < kMAtoms; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + mi * 16 + g + h * 8;
+        // i + off - j at the thread's first column (queries as rows: i = row; keys as rows: j = row).
+        const float dist0 = kKeyRows ? float(col_t + off - row) : float(row + off - col_t);
+#pragma unroll
+        for (int ni = 0; ni < kNAtoms; ++ni) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float dist = kKeyRows ? dist0 + float(ni * 8 + e) : dist0 - float(ni * 8 + e);
+            s[mi][ni][2 * h + e] = fmaf(slope_u, fabsf(dist), s[mi][ni][2 * h + e]);
+          }
+        }
+      }
+    }
+  }
+  // The same for a warpgroup's wgmma accumulator acc[kNBlk][4] (one m16 row slab per warp: row0 is
+  // the warp's first row).
+  template <bool kKeyRows, int kNBlk>
+  __device__ __forceinline__ void add_alibi(float (&acc)[kNBlk][4], int row0, int col0, float slope_u) const {
+    add_alibi<kKeyRows, 1, kNBlk>(reinterpret_cast<float (&)[1][kNBlk][4]>(acc), row0, col0, slope_u);
+  }
 };
+
+// ALiBi's slope of sequence (batch) b, head h in score units (flash.h: alibi_unit; 0 without ALiBi).
+template <typename Params>
+__device__ __forceinline__ float alibi_slope(const Params& p, int b, int h) {
+  return p.alibi_slopes_ptr == nullptr ? 0.f : p.alibi_slopes_ptr[int64_t(b) * p.alibi_slopes_batch_stride + h] * p.alibi_unit;
+}
 
 }  // namespace flash

@@ -68,8 +68,10 @@ struct DkvKernelTraits {
 // attention dropout (params.dropout_p > 0; flash.h): dV_j += (Z o P)^T dO_i, dS^T = P^T o (Z o dP^T
 // rp - D) (rp = 1 / (1 - p); the mask regenerated from primitives/philox.cuh), dV times rp at the
 // end; dS^T then takes P^T from its fp32 copy, not the Element fragments (those are Z o P^T).
+// kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): S^T gains the bias before P^T is recomputed
+// (common/mask.cuh: add_alibi, key rows); dS^T needs nothing more.
 template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false, bool kSoftcap = false,
-          bool kDropout = false>
+          bool kDropout = false, bool kAlibi = false>
 __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const Flash_bwd_params params) {
 #if defined(__CUDA_ARCH__)  // device code only: the host pass needs just the stub
@@ -141,6 +143,9 @@ flash_bwd_dkv_kernel(const Flash_bwd_params params) {
     if constexpr (kSoftcap) {
       softcap_scores(acc_s, params.softcap_prescale);
       dt.set(acc_s);
+    }
+    if constexpr (kAlibi) {  // S^T + ALiBi's bias of the query head of this iteration (mask.cuh)
+      w.mask.template add_alibi<true>(acc_s, w.n0 + kWarpRows * warp_n, m0, alibi_slope(params, w.seq.bidb, w.head(it)));
     }
 
     // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) in place (fp32; masked pairs -> 0),

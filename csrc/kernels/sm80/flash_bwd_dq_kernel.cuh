@@ -57,9 +57,10 @@ struct DqKernelTraits {
 // FLASH_BWD_LAUNCH_TEMPLATE); without it the kernel is the causal mask's code alone. kSoftcap: logit
 // soft-capping (params.softcap > 0): S -> t first, and P (1 - t^2), the P of dS (softmax.cuh).
 // kDropout: attention dropout (params.dropout_p > 0; flash.h): dS = P o (Z o dP rp - D), rp = 1 / (1 -
-// p), the mask regenerated from primitives/philox.cuh.
+// p), the mask regenerated from primitives/philox.cuh. kAlibi: ALiBi (params.alibi_slopes_ptr;
+// flash.h): S gains the bias before P is recomputed (common/mask.cuh: add_alibi).
 template <typename Element, int kHeadDim, typename TileShape, bool kLocal = false, bool kSoftcap = false,
-          bool kDropout = false>
+          bool kDropout = false, bool kAlibi = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dq_kernel(const Flash_bwd_params params) {
   using T = DqKernelTraits<Element, kHeadDim, TileShape>;
@@ -124,6 +125,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
   zero_acc(acc_dq);
   const DropoutRng dropout = DropoutRng::of<kDropout>(params);
   const uint32_t dropout_bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
+  const float alibi_slope_u = kAlibi ? alibi_slope(params, w.seq.bidb, w.bidh) : 0.f;  // ALiBi's, in score units
 
   for (int i = 0; i < n_steps; ++i) {
     const int n_block = n_block_min + i, stage = i % 2;
@@ -138,6 +140,7 @@ flash_bwd_dq_kernel(const Flash_bwd_params params) {
     zero_acc(acc_s);
     gemm_abt_smem<kMA, T::kNBlkN, kHeadDim>(acc_s, sQ, warp_row0, sK, lane);
     if constexpr (kSoftcap) softcap_scores(acc_s, params.softcap_prescale);  // S -> t (softmax.cuh)
+    if constexpr (kAlibi) w.mask.template add_alibi<false>(acc_s, w.m0 + warp_row0, n0, alibi_slope_u);  // mask.cuh
 
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), masked keys -> 0; the masked and exact
     // copies run on the blocks that need them only (a CTA-uniform branch).

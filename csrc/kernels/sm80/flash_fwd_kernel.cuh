@@ -62,7 +62,9 @@ struct FwdKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {
 // kDropout: attention dropout (params.dropout_p > 0; flash.h): after the softmax of a tile (l sums P
 // itself), P's dropped elements are zeroed before O += P V (FlashAttention, Dao et al. 2022,
 // Alg. 2 line 11: Z o P; the mask from primitives/philox.cuh), O scaled by 1 / (1 - p) at the end.
-template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kDropout = false>
+// kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): the bias added to every S tile before the mask
+// (common/mask.cuh: add_alibi), after the next K tile's copy is issued as the softcap twin's cap.
+template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kDropout = false, bool kAlibi = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_kernel(const Flash_fwd_params params) {
   using Element = typename Traits::Element;
@@ -107,6 +109,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // The dropout mask's key and head (the sequence's own positions: rows from m0, keys from 0).
   const DropoutRng dropout = DropoutRng::of<kDropout>(params);
   const uint32_t dropout_bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
+  const float alibi_slope_u = kAlibi ? alibi_slope(params, w.seq.bidb, w.bidh) : 0.f;  // ALiBi's, in score units
 
   if (n_block_max > n_block_min) {
     // ---- Prologue: Q tile (loaded once, FA2 Alg. 1 line 4) and the first K tile, one group.
@@ -182,8 +185,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
       // The mask (common/mask.cuh): only tiles crossing the causal diagonal, a window's left edge or
       // the seqlen_k edge run mask code; the branch is uniform over the CTA, so tiles below the diagonal pay nothing.
-      // (The soft-capping twin: both after the next K tile's copy is issued, below.)
-      if constexpr (!kSoftcap) {
+      // (The soft-capping and ALiBi twins: both after the next K tile's copy is issued, below.)
+      if constexpr (!kSoftcap && !kAlibi) {
         if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
       }
 
@@ -196,8 +199,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         cp_async_commit();
       }
 
-      if constexpr (kSoftcap) {  // soft-capping before the mask (softmax.cuh)
-        softcap_scores(s, softcap_prescale);
+      if constexpr (kSoftcap || kAlibi) {  // soft-capping (softmax.cuh) or ALiBi's bias (mask.cuh) before the mask
+        if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
+        if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + warp_row0, n * kBlockN, alibi_slope_u);
         if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
       }
 

@@ -21,6 +21,11 @@ void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
         &flash_fwd_kernel<Dropout, false, false, true>, "forward (dropout)", params, stream);
     return;
   }
+  if (params.alibi_slopes_ptr != nullptr) {  // ALiBi: its twin (neither a window's left bound nor softcap)
+    launch_tiles<Traits, QTileWork<Traits::kBlockM, Traits::kBlockN, false>>(
+        &flash_fwd_kernel<Traits, false, false, false, true>, "forward (ALiBi)", params, stream);
+    return;
+  }
   // The call's twin of the kernel (a window's left bound, soft-capping: flash_fwd_kernel.cuh).
   launch_tiles<Traits, QTileWork<Traits::kBlockM, Traits::kBlockN, false>>(
       pick_twin(params,

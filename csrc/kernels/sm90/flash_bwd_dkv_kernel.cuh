@@ -68,8 +68,10 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
 // attention dropout (params.dropout_p > 0; flash.h): per part, dS^T = P^T o (Z o dP^T rp - D) first
 // (it needs P^T itself), then Z o P^T as dV's A operand, dV times rp at the end (the mask from
 // primitives/philox.cuh, as the sm80 kernel's twin).
+// kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): S^T gains the bias before P^T is recomputed
+// (common/mask.cuh: add_alibi, key rows); dS^T needs nothing more.
 template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false,
-          bool kDropout = false>
+          bool kDropout = false, bool kAlibi = false>
 __global__ void __launch_bounds__(DkvKernelTraits<Element, kHeadDim, TileShape>::kThreads, 1)
 flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -173,6 +175,10 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       if constexpr (kSoftcap) {
         softcap_scores(acc_s[h], softcap_prescale);
         dt.set(acc_s[h]);
+      }
+      if constexpr (kAlibi) {  // S^T + ALiBi's bias of this iteration's query head (mask.cuh)
+        w.mask.template add_alibi<true>(acc_s[h], w.n0 + 64 * wg + 16 * warp_wg, m0 + q0,
+                                        alibi_slope(params, w.seq.bidb, w.head(it)));
       }
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0; smem_layout.cuh).
       recompute_pt<kLocal>(acc_s[h], w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, q0, key0, t);

@@ -67,8 +67,10 @@ struct DkvRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
 // role 1 P^T with each dropped element's sign flipped (P^T >= 0: the sign carries Z, no second
 // Philox pass); role 1 forms dS^T = P^T o (Z o dP^T rp - D), role 0 multiplies Z o P^T into dV,
 // times rp at the end.
+// kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): S^T gains the bias before P^T is recomputed
+// (common/mask.cuh: add_alibi, key rows); dS^T needs nothing more.
 template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false,
-          bool kDropout = false>
+          bool kDropout = false, bool kAlibi = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -149,6 +151,9 @@ flash_bwd_dkv_roles_kernel(const __grid_constant__ Flash_bwd_params params, cons
       if constexpr (kSoftcap) {
         softcap_scores(acc_s, params.softcap_prescale);
         dt.set(acc_s);
+      }
+      if constexpr (kAlibi) {  // S^T + ALiBi's bias of this iteration's query head (mask.cuh)
+        w.mask.template add_alibi<true>(acc_s, w.n0 + 16 * warp_wg, w.m0(it), alibi_slope(params, w.seq.bidb, w.head(it)));
       }
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0), handed to role 1.
       recompute_pt<kLocal>(acc_s, w.mask, precise, w.template needs_mask<kLocal>(it), params.scale_softmax_log2, sHi(stage), sLo(stage),

@@ -50,8 +50,10 @@ struct DqKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockM / 64> {
 // soft-capping (params.softcap > 0): S -> t first, and P (1 - t^2), the P of dS (softmax.cuh).
 // kDropout: attention dropout (params.dropout_p > 0; flash.h): dS = P o (Z o dP rp - D), the mask
 // regenerated from primitives/philox.cuh (as the sm80 kernel's twin).
+// kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): S gains the bias before P is recomputed
+// (common/mask.cuh: add_alibi); dS needs nothing more.
 template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false,
-          bool kDropout = false>
+          bool kDropout = false, bool kAlibi = false>
 __global__ void __launch_bounds__(DqKernelTraits<Element, kHeadDim, TileShape>::kThreads, TileShape::kMinBlocks)
 flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -93,6 +95,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
   const float dsum[2] = {params.dsoftmax_sum_ptr[ws], params.dsoftmax_sum_ptr[ws + 8]};
   const DropoutRng dropout = DropoutRng::of<kDropout>(params);
   [[maybe_unused]] const uint32_t dropout_bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
+  [[maybe_unused]] const float alibi_slope_u = kAlibi ? alibi_slope(params, w.seq.bidb, w.bidh) : 0.f;
 
   float acc_dq[kNBlkD][4];
 #pragma unroll
@@ -136,6 +139,7 @@ flash_bwd_dq_kernel(const __grid_constant__ Flash_bwd_params params, const __gri
     // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2), while dP runs (masked -> 0; smem_layout.cuh).
     // Soft-capping: S -> t first, and P (1 - t^2), the P of dS.
     if constexpr (kSoftcap) softcap_scores(acc_s, params.softcap_prescale);
+    if constexpr (kAlibi) w.mask.template add_alibi<false>(acc_s, w.m0 + 64 * wg + 16 * warp_wg, n0, alibi_slope_u);
     recompute_p_rows<kLocal, kSoftcap>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, hi,
                      params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 

@@ -56,8 +56,10 @@ struct DqRolesKernelTraits : BwdTileTraits<kHeadDim, Tile, 2> {
 // kDropout: attention dropout (params.dropout_p > 0; flash.h): role 1 regenerates the mask Z
 // (primitives/philox.cuh, as every dropout twin) and forms Z o dP rp while role 0 computes P (before
 // the P barrier it waits at anyway), then dS = P o (Z o dP rp - D).
+// kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): S gains the bias before P is recomputed
+// (common/mask.cuh: add_alibi); dS needs nothing more.
 template <typename Element, int kHeadDim, typename TileShape, bool kTma, bool kLocal = false, bool kSoftcap = false,
-          bool kDropout = false>
+          bool kDropout = false, bool kAlibi = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -132,6 +134,9 @@ flash_bwd_dq_roles_kernel(const __grid_constant__ Flash_bwd_params params, const
       // Alg. 2 line 12: P = exp2(S scale_log2 - LSE_log2) (masked -> 0), handed to role 1 (with
       // soft-capping: S -> t first, and P (1 - t^2), the P of dS).
       if constexpr (kSoftcap) softcap_scores(acc_s, params.softcap_prescale);
+      if constexpr (kAlibi) {  // S + ALiBi's bias (mask.cuh)
+        w.mask.template add_alibi<false>(acc_s, w.m0 + 16 * warp_wg, n0, alibi_slope(params, w.seq.bidb, w.bidh));
+      }
       recompute_p_rows<kLocal, kSoftcap>(acc_s, w.mask, w.precise, w.template block_needs_mask<kLocal>(n_block), params.scale_softmax_log2, row_stat,
                        params.softmax_lse_log2_lo_ptr + ws, row0, n0, t);
 #pragma unroll

@@ -327,8 +327,10 @@ struct WarpgroupTurns {
 // kDropout: attention dropout (params.dropout_p > 0; flash.h): after a step's softmax (l sums P
 // itself) P's dropped elements are zeroed before its P V (FlashAttention, Dao et al. 2022, Alg. 2
 // line 11: Z o P; the mask from primitives/philox.cuh), O scaled by 1 / (1 - p) in the epilogue; P
-// is converted after the softmax (no early, row-by-row conversion: kDoubleBufferP's).
-template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kDropout = false>
+// is converted after the softmax (no early, row-by-row conversion: kDoubleBufferP's). kAlibi: ALiBi
+// (params.alibi_slopes_ptr; flash.h): every S tile gains the bias before the mask (common/mask.cuh:
+// add_alibi).
+template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kDropout = false, bool kAlibi = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     flash_fwd_kernel(const __grid_constant__ Flash_fwd_params params, const __grid_constant__ FwdTmaMaps tma,
                      const __grid_constant__ FwdTileScheduler<Traits::kBlockM> sched) {
@@ -610,6 +612,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // hides under the main loop (at the epilogue it stalled every tile: +3-5 % at d128 N = 1k-4k).
     const float sink = head_sink(params.sinks_ptr, w.bidh);
     [[maybe_unused]] const uint32_t dropout_bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
+    [[maybe_unused]] const float alibi_slope_u = kAlibi ? alibi_slope(params, w.seq.bidb, w.bidh) : 0.f;
     const int qs = q_pipe.stage();
     mbarrier_wait(q_full(qs), q_pipe.phase());
     const int n_block_max = w.n_block_max, n_block_min = kLocal ? w.n_block_min() : 0;
@@ -741,6 +744,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       __syncwarp();
       if (lane == 0) mbarrier_arrive(k_empty(kv_wg.stage(0)));  // this warp is done with K
       if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
+      if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + row0(), (n_top - 1) * kBlockN, alibi_slope_u);
       if (n_top - 1 >= n_unmasked || (kLocal && n_top - 1 < n_unmasked_lo)) {
         w.mask.template apply<kLocal>(s, w.m0 + row0(), (n_top - 1) * kBlockN);
       }
@@ -783,8 +787,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
         // The mask (common/mask.cuh) only on tiles crossing the causal diagonal, a window's left edge
         // or the seqlen_k edge (a warpgroup-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S -
-        // m) c), l; alpha for O. (Soft-capping first: softmax.cuh.)
+        // m) c), l; alpha for O. (Soft-capping or ALiBi's bias first: softmax.cuh, mask.cuh.)
         if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
+        if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + row0(), n * kBlockN, alibi_slope_u);
         if (n >= n_unmasked || (kLocal && n < n_unmasked_lo)) w.mask.template apply<kLocal>(s, w.m0 + row0(), n * kBlockN);
         float alpha[2];
         bool rescaled;

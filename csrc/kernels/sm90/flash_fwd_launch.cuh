@@ -57,12 +57,13 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const auto sched =
       Sched::make(params, typename Sched::Schedule(sm90_fwd_schedule(params)), Traits::kWarpgroupKeyRanges);
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
-  // The call's twin of the kernel (a window's left bound, soft-capping, dropout: flash_fwd_kernel.cuh).
-  launch_1d(pick_twin_dropout(params,
-                              [](auto local, auto softcap, auto dropout) {
-                                return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value,
-                                                         decltype(dropout)::value>;
-                              }),
+  // The call's twin of the kernel (a window's left bound, soft-capping, dropout, ALiBi:
+  // flash_fwd_kernel.cuh).
+  launch_1d(pick_attention_twin(params,
+                                [](auto local, auto softcap, auto dropout, auto alibi) {
+                                  return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value,
+                                                           decltype(dropout)::value, decltype(alibi)::value>;
+                                }),
             sched.grid_size(params), Traits::kThreads, Traits::kSmemBytes, "forward (sm90)", kHeadDim, stream, params,
             maps, sched);
   return true;

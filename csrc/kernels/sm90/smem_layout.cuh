@@ -426,8 +426,8 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
 // kernel for a Roles<> row, else the rows kernel; either by TMA where launch_bwd_stages can, tensors
 // a / b: rows x heads, varlen total x heads, boxes of Traits::box rows) and flash::run_mha_bwd_<kind>_(Sm90, ...), the
 // launch the generated instantiations compile with the production row <Kind>Tile<d>; the call's
-// twins of the kernels by pick_twin_dropout (launch_utils.h: a window's left bound, soft-capping,
-// attention dropout). Used at
+// twins of the kernels by pick_attention_twin (launch_utils.h: a window's left bound, soft-capping,
+// attention dropout, ALiBi). Used at
 // global scope after both kernels; the tuning harness calls launch_bwd_<kind> with other rows.
 #define FLASH_SM90_BWD_LAUNCH(Kind, kind, what, a, b, rows, total, heads, box)                                   \
   namespace flash::sm90 {                                                                                       \
@@ -438,25 +438,26 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
         tma_kernel, cp_kernel, params.a, params.b, params.rows, params.total, params.heads, Traits::box, what,   \
         params, stream, allow_tma);                                                                             \
   }                                                                                                             \
-  template <typename Element, int kHeadDim, typename Tile, bool kLocal, bool kSoftcap, bool kDropout>            \
+  template <typename Element, int kHeadDim, typename Tile, bool kLocal, bool kSoftcap, bool kDropout,            \
+            bool kAlibi>                                                                                        \
   void launch_bwd_##kind##_twin(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma) {                \
     if constexpr (Tile::kRoles) {                                                                               \
       launch_bwd_##kind##_with<Kind##RolesKernelTraits<Element, kHeadDim, Tile>>(                               \
-          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap, kDropout>,           \
-          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap, kDropout>, params,  \
-          stream, allow_tma);                                                                                   \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap, kDropout, kAlibi>,   \
+          flash_bwd_##kind##_roles_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap, kDropout, kAlibi>,  \
+          params, stream, allow_tma);                                                                           \
     } else {                                                                                                    \
       launch_bwd_##kind##_with<Kind##KernelTraits<Element, kHeadDim, Tile>>(                                    \
-          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap, kDropout>,                 \
-          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap, kDropout>, params, stream,\
-          allow_tma);                                                                                           \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, true, kLocal, kSoftcap, kDropout, kAlibi>,         \
+          flash_bwd_##kind##_kernel<Element, kHeadDim, Tile, false, kLocal, kSoftcap, kDropout, kAlibi>, params, \
+          stream, allow_tma);                                                                                   \
     }                                                                                                           \
   }                                                                                                             \
   template <typename Element, int kHeadDim, typename Tile>                                                      \
   void launch_bwd_##kind(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma = true) {                \
-    pick_twin_dropout(params, [&](auto local, auto softcap, auto dropout) {                                     \
+    pick_attention_twin(params, [&](auto local, auto softcap, auto dropout, auto alibi) {                       \
       launch_bwd_##kind##_twin<Element, kHeadDim, Tile, decltype(local)::value, decltype(softcap)::value,       \
-                               decltype(dropout)::value>(params, stream, allow_tma);                            \
+                               decltype(dropout)::value, decltype(alibi)::value>(params, stream, allow_tma);    \
       return 0;                                                                                                 \
     });                                                                                                         \
   }                                                                                                             \
