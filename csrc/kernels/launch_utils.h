@@ -31,9 +31,10 @@ auto pick_twin(const Params& params, Twin twin) {
 }
 
 // pick_twin for the attention kernels that also have an attention-dropout and an ALiBi twin (the
-// sm80 and sm90 forward, dK/dV and dQ kernels, the sm90 Roles<> ones included; flash.h: dropout_p > 0, alibi_slopes_ptr): `twin`
-// takes two more std::bool_constant, kDropout and kAlibi. Neither twin has a window's left bound
-// nor soft-capping, and they are not combined (the API refuses those combinations).
+// sm80 and sm90 forward, dK/dV and dQ kernels, the sm90 Roles<> ones included; flash.h: dropout_p >
+// 0, alibi_slopes_ptr): `twin` takes two more std::bool_constant, kDropout and kAlibi. Neither twin
+// has a window's left bound nor soft-capping, and they are not combined (the API refuses those
+// combinations).
 template <typename Params, typename Twin>
 auto pick_attention_twin(const Params& params, Twin twin) {
   using Y = std::true_type;
