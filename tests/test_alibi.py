@@ -123,6 +123,21 @@ def test_alibi_gradcheck_and_forward_ad():
     assert slopes.grad is None
 
 
+def test_alibi_under_non_reentrant_checkpointing():
+    """torch.utils.checkpoint(use_reentrant=False): the backward reads the saved slopes with the other
+    saved tensors, once; gradients equal the plain call's (dense and varlen)."""
+    q, k, v = make_qkv(2, 20, 30, 4, 2, 32, torch.float32)
+    slopes = _slopes(4, 2)
+    cu_q, cu_k = torch.tensor([0, 20, 40], dtype=torch.int32), torch.tensor([0, 30, 60], dtype=torch.int32)
+    for f in (lambda q, k, v: flash_attn_ext.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes),
+              lambda q, k, v: flash_attn_ext.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                                                    cu_q, cu_k, 20, 30, alibi_slopes=slopes)):
+        dout = torch.randn_like(f(q, k, v))
+        want = torch.autograd.grad(f(q, k, v), (q, k, v), dout)
+        got = torch.autograd.grad(torch.utils.checkpoint.checkpoint(f, q, k, v, use_reentrant=False), (q, k, v), dout)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_alibi_vmap_per_sample_slopes():
     """vmap over the slopes (a different (nheads,) or (batch, nheads) tensor per sample) and over q:
     vmap(f)(x)[i] = f(x[i])."""

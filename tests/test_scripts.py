@@ -334,9 +334,9 @@ def test_sinks_bench_smoke(capsys):
     assert all(float(r.split("|")[2]) > 0 and float(r.split("|")[3]) > 0 for r in rows), rows
 
 
-@pytest.mark.parametrize("script, rows_expected", [("softcap_bench", 4), ("dropout_bench", 2)])
+@pytest.mark.parametrize("script, rows_expected", [("softcap_bench", 4), ("dropout_bench", 2), ("alibi_bench", 4)])
 def test_feature_cost_bench_smoke(script, rows_expected, capsys):
-    """scripts/softcap_bench.py and dropout_bench.py run end to end on the CPU: one row per (hdim,
+    """scripts/softcap_bench.py, alibi_bench.py and dropout_bench.py run end to end on the CPU: one row per (hdim,
     seqlen, causal[, mode]), positive TFLOP/s with and without the feature (no GPU peer on the CPU)."""
     import importlib.util
 

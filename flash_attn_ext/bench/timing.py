@@ -120,6 +120,49 @@ def script_timer(args) -> tuple[torch.device, torch.dtype, Timer]:
     return device, dtype, Timer(device, warmup_ms=min(25.0, args.rep_ms), rep_ms=args.rep_ms)
 
 
+def feature_cost_table(args, cases, timer: Timer, impls: dict, feature: str, ours_plain: str, ours_with: str,
+                       peer: str | None) -> None:
+    """The diagnostic scripts' table of what a feature costs (softcap_bench.py, alibi_bench.py): per
+    case of ``cases`` (bench.problems.dense_cases), causal or not, and mode in ``args.mode`` (fwd,
+    fwd_bwd), TFLOP/s (reference.attention_flops) of each of ``impls`` ({name: call(q, k, v, causal)}),
+    medians over ``args.rounds`` alternated rounds, then ours_with / ours_plain and ours_with / peer
+    (None or absent: "-"). An implementation that raises is "n/a (its exception)" for the case."""
+    from flash_attn_ext.reference import attention_flops
+
+    names = list(impls)
+    print("| case | " + " | ".join(f"{n} TFLOP/s" for n in names) + f" | {feature} / plain | ours / {peer or 'peer'} |")
+    print("|---" * (len(names) + 3) + "|")
+    for d, n, batch, nheads, q, k, v, dout in cases:
+        for causal in (False, True):
+            for mode in args.mode.split(","):
+                flops = attention_flops(batch, nheads, n, n, d, causal, mode)
+
+                def run(name):
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            impls[name](q, k, v, causal)
+                    else:
+                        torch.autograd.grad(impls[name](q, k, v, causal), (q, k, v), dout)
+
+                t = {name: [] for name in names}
+                failed = {}
+                for _ in range(args.rounds):
+                    for name in names:
+                        if name in failed:
+                            continue
+                        try:
+                            t[name].append(timer(lambda: run(name)))
+                        except Exception as e:  # e.g. a peer without this feature's path
+                            failed[name] = type(e).__name__
+                tf = {name: (flops / statistics.median(t[name]) / 1e9 if name not in failed else None)
+                      for name in names}
+                cells = [f"{tf[x]:.4g}" if tf[x] else f"n/a ({failed[x]})" for x in names]
+                ratio = f"{tf[ours_with] / tf[ours_plain]:.3f}" if tf[ours_with] and tf[ours_plain] else "-"
+                vs = f"{tf[ours_with] / tf[peer]:.3f}" if peer and tf.get(peer) and tf[ours_with] else "-"
+                label = f"d{d} N{n} {'causal' if causal else 'full'} {mode}"
+                print(f"| {label} | " + " | ".join(cells) + f" | {ratio} | {vs} |")
+
+
 def l2_bytes(device: torch.device) -> int:
     """The device's L2 cache size (DEFAULT_L2_BYTES where it reports none); 0 on CPU."""
     if device.type != "cuda":
