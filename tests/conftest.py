@@ -63,6 +63,23 @@ def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device
             rnd(batch, seqlen_k, nheads_k, headdim))
 
 
+# Packed sequences for the varlen cells: lengths with an empty query / key sequence and a one-key one.
+VARLEN_LENS_Q, VARLEN_LENS_K = [37, 0, 130, 64], [50, 20, 130, 1]
+
+
+def make_varlen_qkv(nheads, nheads_k, headdim, dtype, device="cpu", lens_q=VARLEN_LENS_Q, lens_k=VARLEN_LENS_K):
+    """Fresh random packed q (total_q, nheads, headdim), k, v (total_k, nheads_k, headdim) that
+    require grad, and int32 cu_seqlens_q / cu_seqlens_k on ``device`` for the sequence lengths."""
+    def cu(lens):
+        return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+
+    def rnd(total, heads):
+        return torch.randn(total, heads, headdim, dtype=dtype, device=device, requires_grad=True)
+
+    return (rnd(sum(lens_q), nheads), rnd(sum(lens_k), nheads_k), rnd(sum(lens_k), nheads_k), cu(lens_q),
+            cu(lens_k))
+
+
 @pytest.fixture
 def qkv_factory():
     return make_qkv

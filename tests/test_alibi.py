@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flash_attn_ext
-from conftest import check_fwd_bwd, make_qkv, require_hdim
+from conftest import VARLEN_LENS_K, VARLEN_LENS_Q, check_fwd_bwd, make_qkv, make_varlen_qkv, require_hdim
 from flash_attn_ext.reference import alibi_bias, attention_ref, attention_varlen_ref
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -89,20 +89,14 @@ def test_alibi_with_sinks_window_right_and_negative_scale(device, poison_empty, 
 def test_varlen_alibi(device, causal, d, poison_empty, arch_path):
     """Packed sequences: sequence b gets batch b's slopes and its own positions (bottom-right per
     sequence), forward and gradients; an empty sequence included."""
-    lens_q, lens_k = [37, 0, 130, 64], [50, 20, 130, 1]
-    h, hk = 4, 2
     if device == "cuda":
         require_hdim(d)
-    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=device)
-    for slopes in (_slopes(h, None, device), _slopes(h, len(lens_q), device)):
-        dtype = torch.bfloat16
-        q = torch.randn(sum(lens_q), h, d, dtype=dtype, device=device, requires_grad=True)
-        k = torch.randn(sum(lens_k), hk, d, dtype=dtype, device=device, requires_grad=True)
-        v = torch.randn(sum(lens_k), hk, d, dtype=dtype, device=device, requires_grad=True)
+    for slopes in (_slopes(4, None, device), _slopes(4, len(VARLEN_LENS_Q), device)):
+        q, k, v, cu_q, cu_k = make_varlen_qkv(4, 2, d, torch.bfloat16, device)
         check_fwd_bwd(
             q, k, v,
-            lambda: flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+            lambda: flash_attn_ext.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(VARLEN_LENS_Q), max(VARLEN_LENS_K),
+                                                          causal=causal,
                                                           alibi_slopes=slopes, return_lse=True),
             lambda upcast: attention_varlen_ref(q, k, v, cu_q.cpu(), cu_k.cpu(), None, causal, upcast=upcast,
                                                 alibi_slopes=slopes))

@@ -18,7 +18,7 @@ import torch
 import flash_attn_ext
 import flash_attn_ext.nn
 from accuracy import check_accuracy
-from conftest import make_qkv, require_hdim
+from conftest import VARLEN_LENS_K, VARLEN_LENS_Q, make_qkv, make_varlen_qkv, require_hdim
 from flash_attn_ext import reference
 from flash_attn_ext.interface import dropout_rng_state
 from flash_attn_ext.reference import attention_ref, attention_varlen_ref, dropout_keep_mask
@@ -212,16 +212,11 @@ def test_manual_seed_reproduces(device):
 def test_varlen_dropout(device, causal, d, poison_empty, arch_path):
     """Packed sequences: sequence b drops what batch b of the reference drops (positions are the
     sequence's own), forward and gradients (d256: the sm90 backward's Roles<> kernels)."""
-    lens_q, lens_k = [37, 0, 130, 64], [50, 20, 130, 1]
-    h, hk = 4, 2
+    lens_q, lens_k = VARLEN_LENS_Q, VARLEN_LENS_K
     if device == "cuda":
         require_hdim(d)
-    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device=device)
     for dtype in _dtypes(device)[:2]:
-        q = torch.randn(sum(lens_q), h, d, dtype=dtype, device=device, requires_grad=True)
-        k = torch.randn(sum(lens_k), hk, d, dtype=dtype, device=device, requires_grad=True)
-        v = torch.randn(sum(lens_k), hk, d, dtype=dtype, device=device, requires_grad=True)
+        q, k, v, cu_q, cu_k = make_varlen_qkv(4, 2, d, dtype, device)
         torch.manual_seed(77)
         rng_state = dropout_rng_state(q.device)
 
