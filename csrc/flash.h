@@ -94,11 +94,13 @@ struct Flash_fwd_params : public Qkv_params {
   // none): float32 slopes, slope(b, h) = alibi_slopes_ptr[b * alibi_slopes_batch_stride + h] (stride 0:
   // one (h,) row for every batch). The logit of query i and key j of a sequence gets
   //   -slope * |i + seqlen_k - seqlen_q - j|   (the sequence's own lengths: bottom-right aligned)
-  // after soft-capping, before the mask. Kernels add it to the score in the units their exp2 scale
-  // multiplies (S, or t under softcap): slope * alibi_unit * |i + seqlen_k - seqlen_q - j|, alibi_unit
-  // = -1 / softmax_scale (-1 / softcap under soft-capping), so row statistics and LSE are those of
-  // the biased logits and the backward's recomputed P is too; dS needs nothing more (the bias is a
-  // constant of S). The API sets all three; the kernels' kAlibi twin reads them.
+  // before the mask (never with soft-capping: the API refuses it). Kernels add it to the score S in
+  // the units their exp2 scale multiplies: slope * alibi_unit * |i + seqlen_k - seqlen_q - j|,
+  // alibi_unit = -1 / softmax_scale (the kernels' scale: the CUDA path's positive one), so row
+  // statistics and LSE are those of the biased logits and the backward's recomputed P is too; dS
+  // needs nothing more (the bias is a constant of S). The score-unit slope is clamped to float32's
+  // range (mask.cuh: alibi_slope; a larger one is an infinitely steep bias: only the nearest key
+  // counts). The API sets all three; the kernels' kAlibi twin reads them.
   const float* __restrict__ alibi_slopes_ptr = nullptr;
   int64_t alibi_slopes_batch_stride = 0;
   float alibi_unit = 0.f;

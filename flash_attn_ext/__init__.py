@@ -8,9 +8,9 @@ Public API:
         positional order) plus return_lse and sinks; sinks: attention sinks (gpt-oss);
         softcap: logit soft-capping (Gemma 2, flash-attn's softcap: logits softcap * tanh(S *
         softmax_scale / softcap); 0.0 none); dropout_p: attention dropout (its mask from torch's
-        generator per call). flash-attn's other keywords (alibi_slopes, deterministic) are taken at
-        their no-feature values; return_attn_probs=True returns flash-attn's (out, softmax_lse,
-        None).
+        generator per call); alibi_slopes: ALiBi's per-head (or per batch and head) slopes.
+        deterministic is taken either way (the backward always is); return_attn_probs=True returns
+        flash-attn's (out, softmax_lse, None).
     flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
         packed variable-length sequences, with autograd.
     flash_attn_qkvpacked_func(qkv, ...), flash_attn_kvpacked_func(q, kv, ...) and their varlen

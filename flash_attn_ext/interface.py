@@ -135,9 +135,11 @@ def flash_attn_func(
             alibi_slopes): None, or float32 slopes of shape (nheads,) or (batch, nheads) on q's
             device; the logit of query i and key j gets -slope[b, h] * |i + seqlen_k - seqlen_q - j|
             (bottom-right aligned, as causal), so softmax_lse is that of the biased logits.
-            Not differentiable (no gradient for the slopes, as flash-attn). Not with softcap,
-            dropout_p > 0 or a window's left bound (NotImplementedError); softmax_scale = 0
-            raises ValueError. (``reference.alibi_bias`` materialises the bias.)
+            Fixed slopes: no gradient (as flash-attn), so slopes that require grad (with grad
+            enabled) raise NotImplementedError. Not with softcap, dropout_p > 0 or a window's left
+            bound (NotImplementedError); softmax_scale = 0 raises ValueError; another dtype, shape
+            or device: RuntimeError naming alibi_slopes; not a tensor: TypeError.
+            (``reference.alibi_bias`` materialises the bias.)
         deterministic: flash-attn's keyword, accepted as any bool, or None (the backward is always
             deterministic: no atomics, with dropout too).
         return_attn_probs: a bool; True returns flash-attn's triple (below), the way code
@@ -170,7 +172,7 @@ def flash_attn_func(
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
             nested (jagged) tensors (pack them and call flash_attn_varlen_func); dropout_p > 0 or
             alibi_slopes with softcap > 0 or a window's left bound, dropout_p > 0 with
-            alibi_slopes, dropout_p > 0 under forward-mode AD.
+            alibi_slopes, dropout_p > 0 under forward-mode AD; alibi_slopes that require grad.
         TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
             scale gets no gradient); window_size that is not a pair of ints; dropout_p or softcap
@@ -360,6 +362,9 @@ def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic,
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError("flash_attn_ext: alibi_slopes must be a float32 tensor of shape (nheads,) or (batch, nheads), "
                         f"or None; got {type(alibi_slopes).__name__}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("flash_attn_ext: alibi_slopes that require grad: the kernels give the slopes no "
+                                  "gradient (fixed slopes, as flash-attn's); pass alibi_slopes.detach()")
     if deterministic is not None:  # None: flash-attn < 2.7 took it (as False); the backward is always deterministic
         _as_bool("deterministic", deterministic)
     return softcap, _as_bool("return_attn_probs", return_attn_probs), dropout
@@ -485,8 +490,9 @@ def flash_attn_varlen_func(
         sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (differentiable).
         softcap: logit soft-capping, as ``flash_attn_func``'s (softcap * tanh(S * softmax_scale /
             softcap); 0.0: none), per sequence.
-        dropout_p, alibi_slopes, deterministic, return_attn_probs: as ``flash_attn_func``'s
-            (flash-attn's keywords at their no-feature values).
+        dropout_p, alibi_slopes, deterministic, return_attn_probs: as ``flash_attn_func``'s, per
+            sequence (dropout: sequence b's mask that of batch b; alibi_slopes (batch, nheads): row
+            b for sequence b). With block_table: no dropout_p or alibi_slopes (NotImplementedError).
         block_table: None, or int32 (batch, max_blocks) with k / v paged caches (num_blocks,
             page_size, nheads_k, headdim), page_size a multiple of 16 (flash-attn's paged varlen,
             e.g. chunked prefill against a serving engine's cache): sequence b's keys are the

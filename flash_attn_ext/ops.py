@@ -32,7 +32,10 @@ paths it does not serve: vmap, double-backward recording, varlen), ``softcap=0.0
 softcap * tanh(S * softmax_scale / softcap); 0.0: none; a backward op takes its forward's) and,
 last, ``dropout_p=0.0, rng_state=None`` (attention dropout, FlashAttention Alg. 2 / 4: P's elements
 kept with probability 1 - p and scaled by 1 / (1 - p), the mask a function of rng_state, (seed,
-offset) int64 (2,) on q's device, which a backward op takes from its forward; fwd_kvcache has none):
+offset) int64 (2,) on q's device, which a backward op takes from its forward; fwd_kvcache has none)
+and, last, ``alibi_slopes=None`` (ALiBi, Press et al. 2022: float32 (nheads,) or (batch, nheads)
+slopes, the logit of query i, key j minus slope * |i + seqlen_k - seqlen_q - j|; a backward op takes
+its forward's; fwd_kvcache has none):
   forward(q, k, v, softmax_scale, causal) -> (out, softmax_lse, softmax_stats)
       q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim), BSHD with a
       contiguous last dim; out: q's shape, contiguous; softmax_lse: (batch, nheads, seqlen_q)
@@ -102,7 +105,7 @@ separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's s
 tensors as forward's inputs and outputs; softmax_stats: forward's third output (autograd passes
 it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). On CPU, float32 and
 float64 inputs recompute the statistics in float64 from q and k when softmax_stats is given (so it
-must be this forward's own, sinks and softcap included: a RuntimeError when they do not match the recompute;
+must be this forward's own, sinks, softcap and alibi_slopes included: a RuntimeError when they do not match the recompute;
 pass softmax_lse alone for statistics merged over chunks of K/V). sinks: the forward's (the CUDA kernels need them not: out and softmax_lse hold the sink; the
 CPU float32 / float64 recompute adds them; backward_dsinks, the same op with sinks required, also
 returns their gradient). softcap: the forward's (dS = P (dP - D) (1 - t^2), t = tanh(S *

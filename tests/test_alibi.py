@@ -104,7 +104,7 @@ def test_varlen_alibi(device, causal, d, poison_empty, arch_path):
 
 def test_alibi_gradcheck_and_forward_ad():
     """float64 gradcheck (reverse and forward mode) through the op with (batch, nheads) slopes; the
-    slopes themselves get no gradient (as flash-attn's)."""
+    slopes themselves get no gradient (as flash-attn's), so slopes that require grad are refused."""
     q, k, v = make_qkv(1, 5, 7, 2, 1, 16, torch.float64)
     slopes = _slopes(2, 1).double().float()
 
@@ -112,9 +112,11 @@ def test_alibi_gradcheck_and_forward_ad():
         return flash_attn_ext.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
 
     assert torch.autograd.gradcheck(f, (q, k, v), check_forward_ad=True)
-    slopes.requires_grad_(True)
-    f(q, k, v).sum().backward()
-    assert slopes.grad is None
+    slopes.requires_grad_(True)  # learnable slopes would get no gradient: refused, not silently frozen
+    with pytest.raises(NotImplementedError, match="alibi_slopes that require grad"):
+        f(q, k, v)
+    with torch.no_grad():
+        f(q, k, v)
 
 
 def test_alibi_under_non_reentrant_checkpointing():
@@ -190,3 +192,9 @@ def test_alibi_bad_input(device):
     if device == "cpu":
         with pytest.raises(RuntimeError, match="alibi_slopes"):
             call(q, k, v, alibi_slopes=_slopes(4, device="meta"))
+    # A slope past float32's range in score units (|slope / softmax_scale| > 3.4e38) keeps only the
+    # nearest key, as the exact bias does: finite, never NaN.
+    huge = torch.full((4,), 3e38, device=device)
+    out = call(q, k, v, softmax_scale=0.5, alibi_slopes=huge)
+    ref, _ = attention_ref(q, k, v, 0.5, alibi_slopes=huge)
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max() < 1e-2

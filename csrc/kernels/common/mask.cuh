@@ -17,6 +17,7 @@
 // questions from the key side: first_m_block, m_block_end, kv_block_needs_mask.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 
 #include "kernels/common/seqlen.cuh"
@@ -156,10 +157,15 @@ struct AttnMask {
   }
 };
 
-// ALiBi's slope of sequence (batch) b, head h in score units (flash.h: alibi_unit; 0 without ALiBi).
+// ALiBi's slope of sequence (batch) b, head h in score units (flash.h: alibi_unit; 0 without ALiBi),
+// an overflow to +-inf clamped to +-FLT_MAX: inf would make the distance-0 key's bias inf * 0 = NaN
+// (a slope past float32's range keeps only the nearest key, as the exact bias does). A NaN slope
+// stays NaN.
 template <typename Params>
 __device__ __forceinline__ float alibi_slope(const Params& p, int b, int h) {
-  return p.alibi_slopes_ptr == nullptr ? 0.f : p.alibi_slopes_ptr[int64_t(b) * p.alibi_slopes_batch_stride + h] * p.alibi_unit;
+  if (p.alibi_slopes_ptr == nullptr) return 0.f;
+  const float s = p.alibi_slopes_ptr[int64_t(b) * p.alibi_slopes_batch_stride + h] * p.alibi_unit;
+  return isinf(s) ? copysignf(FLT_MAX, s) : s;
 }
 
 }  // namespace flash

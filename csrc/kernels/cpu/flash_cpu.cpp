@@ -148,8 +148,13 @@ struct Alibi {
         batch_stride(p.alibi_slopes_batch_stride),
         unit(on ? static_cast<Acc>(-1.0 / p.scale_softmax) : Acc(0)),
         off(p.seqlen_k - p.seqlen_q) {}
-  // The score-unit slope of batch b, head h (0 without ALiBi: S unchanged).
-  Acc slope(int64_t b, int h) const { return on ? static_cast<Acc>(slopes[b * batch_stride + h]) * unit : Acc(0); }
+  // The score-unit slope of batch b, head h (0 without ALiBi: S unchanged); an overflow to +-inf
+  // clamped to the type's largest finite value, as the kernels (mask.cuh: alibi_slope).
+  Acc slope(int64_t b, int h) const {
+    if (!on) return Acc(0);
+    const Acc s = static_cast<Acc>(slopes[b * batch_stride + h]) * unit;
+    return std::isinf(s) ? std::copysign(std::numeric_limits<Acc>::max(), s) : s;
+  }
   // S_ij + the bias (s when off).
   Acc biased(Acc s, Acc slope_u, int i, int j) const {
     return on ? s + slope_u * static_cast<Acc>(std::abs(i + off - j)) : s;
@@ -371,9 +376,9 @@ void bwd_impl(const Flash_bwd_params& p) {
       if (std::isnan(hi) || std::isnan(lo) || std::isnan(given_hi) || std::isnan(given_lo)) continue;  // NaN inputs
       if (!same(hi, given_hi) || !same(lo, given_lo)) {
         throw std::runtime_error(
-            "flash_attn_ext: softmax_stats do not match this backward's q, k, sinks and softcap (the float32 / "
-            "float64 CPU backward recomputes them): pass the forward's own softmax_stats and the sinks and softcap "
-            "it was given, or softmax_stats=None to use softmax_lse as given");
+            "flash_attn_ext: softmax_stats do not match this backward's q, k, sinks, softcap and alibi_slopes (the "
+            "float32 / float64 CPU backward recomputes them): pass the forward's own softmax_stats and the sinks, "
+            "softcap and alibi_slopes it was given, or softmax_stats=None to use softmax_lse as given");
       }
     }
   }

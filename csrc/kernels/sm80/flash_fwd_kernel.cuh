@@ -63,7 +63,7 @@ struct FwdKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {
 // itself), P's dropped elements are zeroed before O += P V (FlashAttention, Dao et al. 2022,
 // Alg. 2 line 11: Z o P; the mask from primitives/philox.cuh), O scaled by 1 / (1 - p) at the end.
 // kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): the bias added to every S tile before the mask
-// (common/mask.cuh: add_alibi), after the next K tile's copy is issued as the softcap twin's cap.
+// (common/mask.cuh: add_alibi).
 template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kDropout = false, bool kAlibi = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_kernel(const Flash_fwd_params params) {
@@ -185,8 +185,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
       // The mask (common/mask.cuh): only tiles crossing the causal diagonal, a window's left edge or
       // the seqlen_k edge run mask code; the branch is uniform over the CTA, so tiles below the diagonal pay nothing.
-      // (The soft-capping and ALiBi twins: both after the next K tile's copy is issued, below.)
-      if constexpr (!kSoftcap && !kAlibi) {
+      // (The soft-capping twin: both after the next K tile's copy is issued, below.)
+      if constexpr (!kSoftcap) {
+        if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + warp_row0, n * kBlockN, alibi_slope_u);
         if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
       }
 
@@ -199,9 +200,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         cp_async_commit();
       }
 
-      if constexpr (kSoftcap || kAlibi) {  // soft-capping (softmax.cuh) or ALiBi's bias (mask.cuh) before the mask
-        if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
-        if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + warp_row0, n * kBlockN, alibi_slope_u);
+      if constexpr (kSoftcap) {  // soft-capping before the mask (softmax.cuh)
+        softcap_scores(s, softcap_prescale);
         if (w.template block_needs_mask<kLocal>(n)) w.mask.template apply<kLocal>(s, w.m0 + warp_row0, n * kBlockN);
       }
 
