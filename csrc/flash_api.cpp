@@ -926,13 +926,16 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
                                            const c10::optional<Tensor>& block_table, double softmax_scale, bool causal,
                                            int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
                                            const c10::optional<Tensor>& sinks_in,
-                                           const c10::optional<Tensor>& cache_leftpad, double softcap) {
+                                           const c10::optional<Tensor>& cache_leftpad, double softcap,
+                                           const c10::optional<Tensor>& alibi_slopes) {
   check_sinks_device(sinks_in, q_in);
   const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens, block_table, softmax_scale,
                                         num_splits, /*cuda=*/false, cache_leftpad);
   check_softcap(softcap, softmax_scale);
   const auto [q, k, v] = unaliased_kvcache_inputs(q_in, k_in, v_in, k_cache, v_cache);
-  mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);  // before the append
+  // Before the append.
+  const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);
+  const Tensor alibi = check_alibi(alibi_slopes, q_in, ks.s.batch, ks.s.nheads, softmax_scale, softcap, 0.0, mask);
   const Tensor sinks = check_sinks(sinks_in, ks.s.nheads);
   const Sizes& s = ks.s;
   const bool has_seqlens = cache_seqlens.has_value() && cache_seqlens->defined();
@@ -976,7 +979,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cpu(const Tensor& q_in, const Tensor& k_c
     const Tensor v_b = cache_rows(v_cache, ks, table[b], b, len_k).narrow(0, lp, len_k - lp);
     const auto [o_b, lse_b, stats_b] =
         forward_cpu(q.narrow(0, b, 1), k_b.unsqueeze(0), v_b.unsqueeze(0), softmax_scale, causal, window_size_left,
-                    window_size_right, sinks, softcap, /*dropout_p=*/0.0, c10::nullopt, /*alibi_slopes=*/c10::nullopt);
+                    window_size_right, sinks, softcap, /*dropout_p=*/0.0, c10::nullopt, alibi_of_sequence(alibi, b));
     out[b].copy_(o_b[0]);
     lse[b].copy_(lse_b[0]);
   }
@@ -1352,12 +1355,14 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
                                             const c10::optional<Tensor>& block_table, double softmax_scale,
                                             bool causal, int64_t num_splits, int64_t window_size_left, int64_t window_size_right,
                                             const c10::optional<Tensor>& sinks_in,
-                                            const c10::optional<Tensor>& cache_leftpad, double softcap) {
+                                            const c10::optional<Tensor>& cache_leftpad, double softcap,
+                                            const c10::optional<Tensor>& alibi_slopes) {
   check_sinks_device(sinks_in, q_in);
   const KvcacheSizes ks = check_kvcache(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens, block_table, softmax_scale,
                                         num_splits, /*cuda=*/true, cache_leftpad);
   check_softcap(softcap, softmax_scale);
   const MaskArgs mask = mask_args(causal, window_size_left, window_size_right, ks.s.seqlen_q, ks.s.seqlen_k);
+  const Tensor alibi = check_alibi(alibi_slopes, q_in, ks.s.batch, ks.s.nheads, softmax_scale, softcap, 0.0, mask);
   const Sizes& s = ks.s;
   TORCH_CHECK(q_in.is_cuda(), "flash_attn_ext: q is on ", q_in.device(), "; expected a CUDA device");
   const Tensor sinks = check_sinks(sinks_in, s.nheads);
@@ -1384,6 +1389,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
   flash::Flash_fwd_params params;
   set_fwd_params(params, s, q, k_cache_r, v_cache_r, out, lse, Tensor(), scale, softcap, mask);
   params.sinks_ptr = sinks_ptr(sinks);
+  set_alibi(params, alibi);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
   if (cache_seqlens.has_value() && cache_seqlens->defined()) params.cache_seqlens = cache_seqlens->data_ptr<int>();
@@ -1467,7 +1473,7 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q, const Tensor& k_cac
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&,
                                             const c10::optional<Tensor>&, const c10::optional<Tensor>&, double, bool,
                                             int64_t, int64_t, int64_t, const c10::optional<Tensor>& sinks,
-                                            const c10::optional<Tensor>&, double) {
+                                            const c10::optional<Tensor>&, double, const c10::optional<Tensor>&) {
   check_sinks_device(sinks, q);
   no_cuda(q, {{k_cache, "k_cache"}, {v_cache, "v_cache"}});
   return {};
@@ -1552,8 +1558,8 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
       "Tensor? block_table, float softmax_scale, bool causal, int num_splits, int window_size_left=-1, "
-      "int window_size_right=-1, Tensor? sinks=None, Tensor? cache_leftpad=None, float softcap=0.0) -> (Tensor out, "
-      "Tensor softmax_lse)");
+      "int window_size_right=-1, Tensor? sinks=None, Tensor? cache_leftpad=None, float softcap=0.0, "
+      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor softmax_lse)");
   // backward that also returns the sinks' gradient, from the backward's own workspace on CUDA (D and
   // the LSE of the preprocess: no extra pass over dout / out). (The varlen backward's workspace
   // leaves rows between sequences unwritten; its sinks' gradient is ops.sinks_grad's for now.)

@@ -492,7 +492,7 @@ def flash_attn_varlen_func(
             softcap); 0.0: none), per sequence.
         dropout_p, alibi_slopes, deterministic, return_attn_probs: as ``flash_attn_func``'s, per
             sequence (dropout: sequence b's mask that of batch b; alibi_slopes (batch, nheads): row
-            b for sequence b). With block_table: no dropout_p or alibi_slopes (NotImplementedError).
+            b for sequence b). With block_table: no dropout_p (NotImplementedError).
         block_table: None, or int32 (batch, max_blocks) with k / v paged caches (num_blocks,
             page_size, nheads_k, headdim), page_size a multiple of 16 (flash-attn's paged varlen,
             e.g. chunked prefill against a serving engine's cache): sequence b's keys are the
@@ -535,12 +535,11 @@ def flash_attn_varlen_func(
             _scale("softmax_scale", softmax_scale, q))  # the scale from the caller's head dim
     causal, window, sinks = _as_bool("causal", causal), _window(window_size), _sinks(sinks)
     if block_table is not None:
-        if dropout > 0.0 or alibi_slopes is not None:
+        if dropout > 0.0:
             raise NotImplementedError("flash_attn_ext: flash_attn_varlen_func with block_table (inference over a "
-                                      "paged K / V) takes no " + ("dropout; pass dropout_p=0.0" if dropout > 0.0
-                                                                  else "alibi_slopes (not yet); pass None"))
+                                      "paged K / V) takes no dropout; pass dropout_p=0.0")
         out, softmax_lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args[:2], block_table, args[2],
-                                         causal, window, sinks, softcap)
+                                         causal, window, sinks, softcap, alibi_slopes)
         return _with_attn_probs(out, softmax_lse, return_lse, probs)
     q, k, v, d = _kernel_layout(q, k, v)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, causal,
@@ -550,7 +549,8 @@ def flash_attn_varlen_func(
 
 
 def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                  block_table, scale: float, causal: bool, window: tuple[int, int], sinks, softcap: float):
+                  block_table, scale: float, causal: bool, window: tuple[int, int], sinks, softcap: float,
+                  alibi_slopes=None):
     """flash_attn_varlen_func with block_table (flash-attn's paged varlen; inference: no gradient).
     k_cache / v_cache: paged (num_blocks, page_size, nheads_k, headdim); sequence b's keys are the
     first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages, block_table[b] (int32 (batch,
@@ -632,7 +632,7 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     cache_seqlens = lens_k.clamp(min=0, max=max_seqlen_k).to(torch.int32)
     out_p, lse_p = torch.ops.flash_attn_ext.fwd_kvcache(
         padded, k_cache, v_cache, None, None, cache_seqlens, block_table, scale, causal, 0, *window, sinks, None,
-        softcap)
+        softcap, alibi_slopes)
     out = torch.where(keep[:, None, None], out_p[seq, row], 0)            # (total_q, nheads, d)
     softmax_lse = torch.where(keep[None, :], lse_p[seq, :, row].t(), math.inf)  # (nheads, total_q)
     return out, softmax_lse
@@ -899,9 +899,11 @@ def flash_attn_with_kvcache(
             cache_seqlens[b] + seqlen_new); on CUDA capped to that range.
         softcap: logit soft-capping, as ``flash_attn_func``'s (the logit of cache row j is softcap *
             tanh(q . k_j * softmax_scale / softcap); 0.0: none), every split alike.
-        alibi_slopes, return_softmax_lse: flash-attn's keywords, so that its calls port unchanged:
-            alibi_slopes accepted at its default None (a tensor raises NotImplementedError: not yet
-            on the KV-cache path); return_softmax_lse=True is return_lse=True.
+        alibi_slopes: ALiBi, as ``flash_attn_func``'s: (nheads,) or (batch, nheads) float32 (row b
+            for q's sequence b), the logit of query i and cache row j minus slope * |i + n_b -
+            seqlen_q - j| with n_b the sequence's keys (cache_seqlens[b] + seqlen_new, less a
+            cache_leftpad, whose rows are then counted from it), every split alike.
+        return_softmax_lse: flash-attn's keyword: True is return_lse=True.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
@@ -928,9 +930,6 @@ def flash_attn_with_kvcache(
                    rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     interleaved = _as_bool("rotary_interleaved", rotary_interleaved)  # only meaningful with rotary_cos
     softcap, _, _ = _flash_attn_keywords(0.0, softcap, alibi_slopes, False, False)
-    if alibi_slopes is not None:
-        raise NotImplementedError("flash_attn_ext: flash_attn_with_kvcache with alibi_slopes is not supported yet "
-                                  "(flash_attn_func and flash_attn_varlen_func take it); pass None")
     want_lse = _as_bool("return_lse", return_lse) | _as_bool("return_softmax_lse", return_softmax_lse)
     scale = _scale("softmax_scale", softmax_scale, q)
     if torch.compiler.is_compiling() and isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -961,7 +960,7 @@ def flash_attn_with_kvcache(
                                    causal, window)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,
-        _as_int("num_splits", num_splits), *window, _sinks(sinks), cache_leftpad, softcap)
+        _as_int("num_splits", num_splits), *window, _sinks(sinks), cache_leftpad, softcap, alibi_slopes)
     return (out, softmax_lse) if want_lse else out
 
 

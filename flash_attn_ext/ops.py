@@ -667,7 +667,7 @@ Shapes as varlen_forward's inputs and outputs; returns dq, dk, dv like q, k, v."
 fwd_kvcache.__doc__ = fwd_kvcache.default.__doc__ = """\
 fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
             causal: bool, num_splits: int, window_size_left: int = -1, window_size_right: int = -1,
-            sinks=None, cache_leftpad=None, softcap: float = 0.0) -> (out, softmax_lse)
+            sinks=None, cache_leftpad=None, softcap: float = 0.0, alibi_slopes=None) -> (out, softmax_lse)
 
 Attention of q against a KV cache, with an optional in-place append of new keys/values, split over
 num_splits CTAs per (sequence, kv head) (FlashDecoding: partial outputs merged by their LSEs;
@@ -681,7 +681,8 @@ count; a window reads only the key tiles it covers); cache_leftpad: None or int3
 contiguous cache's sequence b sees only rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new), as a
 sequence of that many keys (flash-attn's left-padded caches; the append is unchanged); sinks as
 forward's (the combine merges the sink as one more partial with O = 0); softcap as forward's
-(logit soft-capping, 0.0: none). Returns out (q's shape)
+(logit soft-capping, 0.0: none); alibi_slopes as forward's (query i of sequence b against its
+n_b keys: -slope * |i + n_b - seqlen_q - j|). Returns out (q's shape)
 and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiable."""
 
 
@@ -726,7 +727,7 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
 @torch.library.register_fake("flash_attn_ext::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                       num_splits, window_size_left=-1, window_size_right=-1, sinks=None, cache_leftpad=None,
-                      softcap=0.0):
+                      softcap=0.0, alibi_slopes=None):
     """check_kvcache's shape / dtype / device / stride checks (not the values, which a real CUDA
     call does not read either), then the output shapes."""
     _checks.check_sinks_device(sinks, q)
@@ -735,6 +736,8 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
     _checks.check_softcap(softcap, softmax_scale)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], capacity)
+    _checks.check_alibi(alibi_slopes, q, q.shape[0], q.shape[2], softmax_scale, softcap, 0.0, window_size_left,
+                        capacity)
     _checks.check_sinks(sinks, q.shape[2])
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -270,12 +270,13 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
 def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None,
                           causal=False, upcast=True, ref_dtype: torch.dtype = torch.float64,
                           window_size: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None,
-                          softcap: float = 0.0):
+                          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None):
     """Reference for attention against a KV cache (no append: pass the cache after it).
 
     q: (batch, seqlen_q, nheads, headdim); k_cache / v_cache: (batch, seqlen_cache, nheads_k,
     headdim) or paged (num_blocks, page_size, nheads_k, headdim) with block_table (batch,
-    max_blocks); cache_seqlens: (batch,) rows in use (None: all); sinks and softcap as ``attention_ref``'s.
+    max_blocks); cache_seqlens: (batch,) rows in use (None: all); sinks, softcap and alibi_slopes as
+    ``attention_ref``'s ((batch, nheads) slopes: row b for sequence b).
     ``attention_ref`` of each sequence
     against its first cache_seqlens[b] rows. Returns out (q's shape, compute dtype) and lse (batch,
     nheads, seqlen_q) float32.
@@ -289,8 +290,9 @@ def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=N
         else:
             kb, vb = k_cache[b], v_cache[b]
         n = kb.shape[0] if cache_seqlens is None else int(cache_seqlens[b])
+        slopes = None if alibi_slopes is None else alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
         o, lse = attention_ref(q[b:b + 1], kb[:n].unsqueeze(0), vb[:n].unsqueeze(0), softmax_scale, causal,
-                               upcast, ref_dtype, window_size, sinks, softcap)
+                               upcast, ref_dtype, window_size, sinks, softcap, alibi_slopes=slopes)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 0), torch.cat(lses, 0)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flash_attn_ext
+from accuracy import check_accuracy
 from conftest import VARLEN_LENS_K, VARLEN_LENS_Q, check_fwd_bwd, make_qkv, make_varlen_qkv, require_hdim
 from flash_attn_ext.reference import alibi_bias, attention_ref, attention_varlen_ref
 
@@ -100,6 +101,39 @@ def test_varlen_alibi(device, causal, d, poison_empty, arch_path):
                                                           alibi_slopes=slopes, return_lse=True),
             lambda upcast: attention_varlen_ref(q, k, v, cu_q.cpu(), cu_k.cpu(), None, causal, upcast=upcast,
                                                 alibi_slopes=slopes))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("seqlen_q, ratio", [(1, 8), (3, 4), (20, 1)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_alibi(device, page_size, seqlen_q, ratio, num_splits, poison_empty):
+    """flash_attn_with_kvcache with (batch, nheads) slopes: decode and a chunk, GQA packing (the
+    split-KV kernel's packed rows are (query, head) pairs: each row its head's slope), an append,
+    contiguous and paged caches, split or not, causal; against the reference on the cache after the
+    append (the sequence's keys: cache_seqlens[b] + seqlen_new)."""
+    from test_kvcache import make_cache
+    from flash_attn_ext.reference import attention_kvcache_ref
+
+    batch, seqlen_cache, nheads_k, d, seqlen_new = 3, 96, 2, 64, 2
+    nheads = nheads_k * ratio
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    k_cache, v_cache, table = make_cache(batch, seqlen_cache, nheads_k, d, dtype, page_size)
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    table = table.to(device) if table is not None else None
+    cache_seqlens = torch.tensor([0, 37, seqlen_cache - seqlen_new], dtype=torch.int32, device=device)
+    q = torch.randn(batch, seqlen_q, nheads, d, dtype=dtype, device=device)
+    k_new, v_new = (torch.randn(batch, seqlen_new, nheads_k, d, dtype=dtype, device=device) for _ in range(2))
+    slopes = _slopes(nheads, batch, device)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                                                      block_table=table, causal=True, num_splits=num_splits,
+                                                      alibi_slopes=slopes, return_lse=True)
+    used = cache_seqlens + seqlen_new
+    ref, ref_lse = attention_kvcache_ref(q, k_cache, v_cache, used, table, causal=True, alibi_slopes=slopes)
+    base, base_lse = attention_kvcache_ref(q, k_cache, v_cache, used, table, causal=True, upcast=False,
+                                           alibi_slopes=slopes)
+    check_accuracy("out", out, ref, base)
+    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
 
 
 def test_alibi_gradcheck_and_forward_ad():

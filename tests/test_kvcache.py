@@ -146,7 +146,7 @@ def test_kvcache_argument_types(change, match):
 
 def test_kvcache_flash_attn_keywords():
     """flash-attn's keywords port unchanged at their defaults (return_softmax_lse is return_lse);
-    the features behind them raise NotImplementedError naming them, but for softcap, which runs."""
+    softcap and alibi_slopes run."""
     args = _args()
     want, want_lse = flash_attn_ext.flash_attn_with_kvcache(**args, return_lse=True)
     out, lse = flash_attn_ext.flash_attn_with_kvcache(
@@ -154,8 +154,9 @@ def test_kvcache_flash_attn_keywords():
         rotary_interleaved=False, alibi_slopes=None, return_softmax_lse=True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     # (rotary_cos / rotary_sin / cache_batch_idx / cache_leftpad run: tests/test_kvcache_rotary.py)
-    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache with alibi_slopes is not supported yet"):
-        flash_attn_ext.flash_attn_with_kvcache(**args, alibi_slopes=torch.ones(2))
+    # alibi_slopes runs (tests/test_alibi.py); another shape is a RuntimeError naming it.
+    with pytest.raises(RuntimeError, match="alibi_slopes has dtype Float and shape \\[3\\]"):
+        flash_attn_ext.flash_attn_with_kvcache(**args, alibi_slopes=torch.ones(3))
     # softcap runs (tests/test_softcap.py); a negative one is a ValueError naming it.
     assert not torch.equal(flash_attn_ext.flash_attn_with_kvcache(**args, softcap=30.0), want)
     with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):

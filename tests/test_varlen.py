@@ -233,24 +233,29 @@ PAGED_DEVICES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param
 @pytest.mark.parametrize("device,dtype", PAGED_DEVICES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [(-1, -1), (6, 0)])
-@pytest.mark.parametrize("page_size,extras", [(16, {}), (32, {"softcap": 5.0}), (16, {"sinks": True})])
+@pytest.mark.parametrize("page_size,extras", [(16, {}), (32, {"softcap": 5.0}), (16, {"sinks": True}),
+                                               (16, {"alibi": True})])
 def test_paged_varlen_matches_each_sequence(device, dtype, causal, window, page_size, extras, poison_empty):
     """flash_attn_varlen_func with block_table (flash-attn's paged varlen: chunked prefill against
     a serving engine's cache): each sequence's out and LSE within the accuracy rule of the float64
     reference on its keys alone (bottom-right causal / window per sequence, GQA, zero-length q and
-    k sequences, softcap, sinks); the cache rows past each sequence's keys are NaN and never reach
-    the output; return_attn_probs gives flash-attn's triple."""
+    k sequences, softcap, sinks, ALiBi (per-sequence slopes)); the cache rows past each sequence's
+    keys are NaN and never reach the output; return_attn_probs gives flash-attn's triple."""
+    if extras.get("alibi") and window[0] >= 0:
+        pytest.skip("ALiBi has no sliding-window twin (refused: tests/test_alibi.py)")
     lens_q, lens_k = [3, 0, 9, 1, 17, 4], [10, 5, 9, 0, 70, 2]
     q, kc, vc, table, k, v, cu_q, cu_k = _paged_case(lens_q, lens_k, 4, 2, 64, dtype, page_size, device)
     kw = dict(causal=causal, window_size=window, softcap=extras.get("softcap", 0.0),
               sinks=torch.randn(4, device=device) if extras.get("sinks") else None)
+    if extras.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(len(lens_q), 4, device=device)
     out, lse, s_dmask = flash_attn_ext.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, max(lens_q), max(lens_k),
                                                               block_table=table, return_attn_probs=True, **kw)
     assert s_dmask is None
     ref = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window, sinks=kw["sinks"],
-                               softcap=kw["softcap"])
+                               softcap=kw["softcap"], alibi_slopes=kw.get("alibi_slopes"))
     base = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window, sinks=kw["sinks"],
-                                softcap=kw["softcap"], upcast=False)
+                                softcap=kw["softcap"], upcast=False, alibi_slopes=kw.get("alibi_slopes"))
     check_accuracy("paged varlen out", out, ref[0], base[0])
     check_accuracy("paged varlen lse", lse, ref[1], base[1])
 

@@ -83,7 +83,10 @@ struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBloc
 // kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd_splitkv
 // picks): its masked tiles check the left bound too. The kernel without it is the causal mask's code.
 // kSoftcap: logit soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores).
-template <typename Traits, bool kLocal = false, bool kSoftcap = false>
+// kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): every S tile gains slope * |i + off - j| before
+// the mask, the slope and query i of each of the thread's two packed rows (their heads differ:
+// GQA packing) read once.
+template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kAlibi = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_splitkv_kernel(const Flash_fwd_params params, const __grid_constant__ KvTmaMaps maps) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -160,11 +163,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // layer, common/mask.cuh, on the row's query): a key j is visible iff start <= j < limit
   // (start 0 without a left bound: the kLocal twin only compares it).
   int limit[2], start[2];
+  // ALiBi: the row's query i + off (off = seqlen_k - seqlen_q) and its head's slope in score units
+  // (common/mask.cuh: alibi_slope); packed row r is query r / ratio of head bidhk * ratio + r % ratio.
+  [[maybe_unused]] int alibi_q[2];
+  [[maybe_unused]] float alibi_s[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int q = w.query(w.m0 + lane / 4 + 8 * h);
+    const int r = w.m0 + lane / 4 + 8 * h;
+    const int q = w.query(r);
     limit[h] = w.mask.key_limit(q);
     start[h] = kLocal ? w.mask.key_start(q) : 0;
+    if constexpr (kAlibi) {
+      alibi_q[h] = q + w.mask.seqlen_k - w.mask.seqlen_q;
+      alibi_s[h] = alibi_slope(params, w.seq.bidb, w.bidhk * w.ratio + r % w.ratio);
+    }
   }
 
   // Per-lane ldmatrix addresses (primitives/ldmatrix.cuh recipes), relative to the tile bases.
@@ -241,6 +253,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // this branch (every row's key limit is <= seqlen_k) and the -inf replaces the value.
     // (Soft-capping first: softmax.cuh; tanh keeps a NaN a NaN, which the mask then replaces.)
     if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
+    if constexpr (kAlibi) {  // + slope * |i + off - j|, the key j of s[0][ni][e] as the mask's below
+      const int key0 = (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4);
+#pragma unroll
+      for (int ni = 0; ni < kNAtoms; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float dist = float(alibi_q[e / 2] - (key0 + ni * 8 + (e % 2)));
+          s[0][ni][e] = fmaf(alibi_s[e / 2], fabsf(dist), s[0][ni][e]);
+        }
+    }
     if (w.template tile_needs_mask<kLocal>(w.n_begin + t)) {
       const int key0 = (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4);
 #pragma unroll
@@ -388,23 +410,27 @@ void launch_fwd_splitkv(Flash_fwd_params& params, cudaStream_t stream) {
   }
   // All of the unified L1 / shared memory as shared memory, so kMinBlocks CTAs fit an SM (the
   // K/V copies bypass L1: cp.async.cg; only the block table goes through it). Once per device,
-  // for every twin (a sliding window's left bound, soft-capping: launch_utils.h pick_twin).
+  // for every twin (a sliding window's left bound, soft-capping: launch_utils.h pick_twin; ALiBi).
   static std::atomic<uint64_t> carveout_set{0};  // bit i: done on device i
   int device = 0;
   FLASH_CHECK_CUDA(cudaGetDevice(&device));
   const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
   if (bit == 0 || !(carveout_set.load(std::memory_order_relaxed) & bit)) {
     for (auto twin : {flash_fwd_splitkv_kernel<Traits, false, false>, flash_fwd_splitkv_kernel<Traits, true, false>,
-                      flash_fwd_splitkv_kernel<Traits, false, true>, flash_fwd_splitkv_kernel<Traits, true, true>}) {
+                      flash_fwd_splitkv_kernel<Traits, false, true>, flash_fwd_splitkv_kernel<Traits, true, true>,
+                      flash_fwd_splitkv_kernel<Traits, false, false, true>}) {
       FLASH_CHECK_CUDA(cudaFuncSetAttribute(twin, cudaFuncAttributePreferredSharedMemoryCarveout,
                                             cudaSharedmemCarveoutMaxShared));
     }
     carveout_set.fetch_or(bit, std::memory_order_relaxed);
   }
-  launch_1d(pick_twin(params,
-                      [](auto local, auto softcap) {
-                        return &flash_fwd_splitkv_kernel<Traits, decltype(local)::value, decltype(softcap)::value>;
-                      }),
+  // The call's twin (ALiBi's has neither a window's left bound nor softcap: the API refuses those).
+  launch_1d(params.alibi_slopes_ptr != nullptr
+                ? &flash_fwd_splitkv_kernel<Traits, false, false, true>
+                : pick_twin(params,
+                            [](auto local, auto softcap) {
+                              return &flash_fwd_splitkv_kernel<Traits, decltype(local)::value, decltype(softcap)::value>;
+                            }),
             SplitKvWork<Traits::kBlockM, Traits::kBlockN>::grid_size(params), Traits::kThreads, Traits::kSmemBytes,
             "split-KV forward", params.d_rounded, stream, params, maps);
 }
