@@ -68,6 +68,20 @@ def test_alibi_matches_reference(device, shape, causal, per_batch, poison_empty,
             lambda upcast: attention_ref(q, k, v, None, causal, upcast=upcast, alibi_slopes=slopes))
 
 
+@CUDA
+@pytest.mark.parametrize("shape", [(1, 128, 8192, 2, 1, 128), (2, 2048, 2048, 9, 9, 96)])
+def test_alibi_long_rows(shape, poison_empty, arch_path):
+    """The ALiBi twins of the sm90 path's long tile rows (FwdLongTile: d128, dense non-causal, >= 8192
+    keys; DkvLongTile: d96, 2048 x 2048 with >= 2 CTAs per SM) against the float64 reference."""
+    b, sq, sk, h, hk, d = shape
+    require_hdim(d)
+    slopes = _slopes(h, b, "cuda")
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.bfloat16, "cuda")
+    check_fwd_bwd(q, k, v,
+                  lambda: flash_attn_ext.flash_attn_func(q, k, v, alibi_slopes=slopes, return_lse=True),
+                  lambda upcast: attention_ref(q, k, v, None, False, upcast=upcast, alibi_slopes=slopes))
+
+
 @pytest.mark.parametrize("device", _devices())
 def test_alibi_with_sinks_window_right_and_negative_scale(device, poison_empty, arch_path):
     """ALiBi beside what it combines with: attention sinks, a window's right bound, a negative
