@@ -121,11 +121,12 @@ def test_varlen_alibi(device, causal, d, poison_empty, arch_path):
 @pytest.mark.parametrize("page_size", [0, 16])
 @pytest.mark.parametrize("seqlen_q, ratio", [(1, 8), (3, 4), (20, 1)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_kvcache_alibi(device, page_size, seqlen_q, ratio, num_splits, poison_empty):
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_alibi(device, page_size, seqlen_q, ratio, num_splits, causal, poison_empty):
     """flash_attn_with_kvcache with (batch, nheads) slopes: decode and a chunk, GQA packing (the
     split-KV kernel's packed rows are (query, head) pairs: each row its head's slope), an append,
-    contiguous and paged caches, split or not, causal; against the reference on the cache after the
-    append (the sequence's keys: cache_seqlens[b] + seqlen_new)."""
+    contiguous and paged caches, split or not, causal or not; against the reference on the cache
+    after the append (the sequence's keys: cache_seqlens[b] + seqlen_new)."""
     from test_kvcache import make_cache
     from flash_attn_ext.reference import attention_kvcache_ref
 
@@ -140,14 +141,43 @@ def test_kvcache_alibi(device, page_size, seqlen_q, ratio, num_splits, poison_em
     k_new, v_new = (torch.randn(batch, seqlen_new, nheads_k, d, dtype=dtype, device=device) for _ in range(2))
     slopes = _slopes(nheads, batch, device)
     out, lse = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
-                                                      block_table=table, causal=True, num_splits=num_splits,
+                                                      block_table=table, causal=causal, num_splits=num_splits,
                                                       alibi_slopes=slopes, return_lse=True)
     used = cache_seqlens + seqlen_new
-    ref, ref_lse = attention_kvcache_ref(q, k_cache, v_cache, used, table, causal=True, alibi_slopes=slopes)
-    base, base_lse = attention_kvcache_ref(q, k_cache, v_cache, used, table, causal=True, upcast=False,
+    ref, ref_lse = attention_kvcache_ref(q, k_cache, v_cache, used, table, causal=causal, alibi_slopes=slopes)
+    base, base_lse = attention_kvcache_ref(q, k_cache, v_cache, used, table, causal=causal, upcast=False,
                                            alibi_slopes=slopes)
     check_accuracy("out", out, ref, base)
     check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_kvcache_alibi_leftpad_and_cache_batch_idx(device, poison_empty):
+    """A left-padded cache counts its keys from the leftpad (the bias's j and the sequence's key count
+    both), and with cache_batch_idx the slopes follow q's sequence, not the cache entry."""
+    from test_kvcache import make_cache
+
+    batch, seqlen_cache, nheads, nheads_k, d = 3, 64, 8, 2, 64
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    k_cache, v_cache, _ = make_cache(batch, seqlen_cache, nheads_k, d, dtype)
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    q = torch.randn(batch, 3, nheads, d, dtype=dtype, device=device)
+    slopes = _slopes(nheads, batch, device)
+    cache_seqlens = torch.tensor([20, 40, 64], dtype=torch.int32, device=device)
+    leftpad = torch.tensor([0, 7, 30], dtype=torch.int32, device=device)
+    out = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                                 cache_leftpad=leftpad, causal=True, alibi_slopes=slopes)
+    idx = torch.tensor([2, 0, 1], dtype=torch.int32, device=device)
+    out_idx = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens[idx.long()],
+                                                     cache_batch_idx=idx, alibi_slopes=slopes)
+    cases = [(out, b, slice(int(leftpad[b]), int(cache_seqlens[b])), True) for b in range(batch)]
+    cases += [(out_idx, b, slice(0, int(cache_seqlens[idx[b]])), False) for b in range(batch)]
+    for got, b, keys, causal in cases:
+        entry = b if got is out else int(idx[b])
+        kb, vb = k_cache[entry, keys][None], v_cache[entry, keys][None]
+        ref, _ = attention_ref(q[b:b + 1], kb, vb, None, causal, alibi_slopes=slopes[b])
+        base, _ = attention_ref(q[b:b + 1], kb, vb, None, causal, upcast=False, alibi_slopes=slopes[b])
+        check_accuracy("out", got[b:b + 1], ref, base)
 
 
 def test_alibi_gradcheck_and_forward_ad():
