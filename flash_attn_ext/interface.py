@@ -630,6 +630,10 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     seq, row = seq.long(), row.long().clamp_(0, max_seqlen_q - 1)
     # CUDA (values unchecked): a longer sequence cut, as varlen's; a decreasing cu_seqlens_k: no keys.
     cache_seqlens = lens_k.clamp(min=0, max=max_seqlen_k).to(torch.int32)
+    # A left bound that hides no key of any sequence (each has at most max_seqlen_k keys) is none, as
+    # the varlen op's own normalization (the KV-cache op would judge it by the pages' capacity).
+    if window[0] >= max_seqlen_k - 1:
+        window = (-1, window[1])
     out_p, lse_p = torch.ops.flash_attn_ext.fwd_kvcache(
         padded, k_cache, v_cache, None, None, cache_seqlens, block_table, scale, causal, 0, *window, sinks, None,
         softcap, alibi_slopes)

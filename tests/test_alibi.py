@@ -180,6 +180,21 @@ def test_kvcache_alibi_leftpad_and_cache_batch_idx(device, poison_empty):
         check_accuracy("out", got[b:b + 1], ref, base)
 
 
+def test_paged_varlen_alibi_with_a_window_that_hides_nothing():
+    """Paged varlen judges a window's left bound by max_seqlen_k, as the varlen op does (not by the
+    pages' capacity): one that hides no key runs with ALiBi, the same output as without it."""
+    from test_varlen import _paged_case
+
+    lens_q, lens_k = [5, 9], [20, 33]
+    q, kc, vc, table, k, v, cu_q, cu_k = _paged_case(lens_q, lens_k, 4, 2, 32, torch.float32, 16, "cpu")
+    slopes = _slopes(4, 2)
+    args = (q, kc, vc, cu_q, cu_k, max(lens_q), max(lens_k))
+    want = flash_attn_ext.flash_attn_varlen_func(*args, causal=True, block_table=table, alibi_slopes=slopes)
+    got = flash_attn_ext.flash_attn_varlen_func(*args, causal=True, block_table=table, alibi_slopes=slopes,
+                                                window_size=(max(lens_k) - 1, 0))
+    assert torch.equal(got, want)
+
+
 def test_alibi_gradcheck_and_forward_ad():
     """float64 gradcheck (reverse and forward mode) through the op with (batch, nheads) slopes; the
     slopes themselves get no gradient (as flash-attn's), so slopes that require grad are refused."""
