@@ -6,7 +6,8 @@ tiles per CTA (O staged in the V ring) and the varlen forward's dynamic walk; pa
 sequences (forward and backward); KV-cache decode steps (contiguous and paged, append, split-KV
 with the combine); every other dense case, one varlen and two KV-cache cases with attention sinks
 (float32 per head: the forward's sink load and share, the combine's extra partial, d sinks from
-the backward's workspace); attention dropout (dense d64-d256 and varlen); for compute-sanitizer
+the backward's workspace); attention dropout (dense d64-d256 and varlen); ALiBi (dense d64-d256,
+KV-cache split and paged); for compute-sanitizer
 memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
 
 import torch
@@ -61,6 +62,16 @@ for force_sm80 in paths:
     out = flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, 0.3, causal=True)
     out.backward(torch.randn_like(out))
     assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+    # ALiBi (every kernel's kAlibi twin): slopes per head or per (batch, head), ragged causal GQA.
+    for headdim, causal, (sq, sk), per_batch in ((64, True, (77, 145), False), (128, False, (130, 70), True),
+                                                 (192, True, (150, 150), True), (256, False, (70, 130), False)):
+        q = torch.randn(2, sq, 4, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(2, sk, 2, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        slopes = torch.rand(2, 4, device="cuda") if per_batch else torch.rand(4, device="cuda")
+        out = flash_attn_ext.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes)
+        out.backward(torch.randn_like(out))
+        assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
 flash_attn_ext.force_sm80_path(False)
 # The forward alone with several tiles per CTA where O is staged in the V ring (the sm90 forward at
 # d192 / d256: 420 tiles), causal tiles without keys between tiles with keys; d96's three
@@ -99,6 +110,10 @@ with torch.no_grad():
         out = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
                                                      block_table=table, causal=True, num_splits=num_splits,
                                                      sinks=torch.randn(8, device="cuda") if seqlen_q == 3 else None)
+        assert torch.isfinite(out).all()
+        out = flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens + 2,
+                                                     block_table=table, causal=True, num_splits=num_splits,
+                                                     alibi_slopes=torch.rand(b, 8, device="cuda"))
         assert torch.isfinite(out).all()
 torch.cuda.synchronize()
 print("sanitize case ok")
