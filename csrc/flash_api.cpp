@@ -318,7 +318,8 @@ Tensor check_alibi(const c10::optional<Tensor>& alibi_slopes, const Tensor& q, i
                               softcap != 0.0     ? "softcap > 0"
                               : dropout_p != 0.0 ? "dropout_p > 0"
                                                  : "a sliding window's left bound that hides keys (0 <= "
-                                                   "window_size[0] < seqlen_k - 1)",
+                                                   "window_size[0] < seqlen_k - 1; a KV cache's seqlen_k: its "
+                                                   "capacity, the keys in use being known on the device only)",
                               " is not supported; ALiBi runs with causal or full attention (a window's right bound, "
                               "sinks, GQA)");
   return a.contiguous();

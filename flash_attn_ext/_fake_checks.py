@@ -180,7 +180,8 @@ def check_alibi(alibi_slopes, q, batch: int, nheads: int, softmax_scale: float, 
     left = 0 <= window_size_left < seqlen_k - 1
     if left or softcap != 0.0 or dropout_p != 0.0:
         what = ("softcap > 0" if softcap != 0.0 else "dropout_p > 0" if dropout_p != 0.0
-                else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1)")
+                else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1; a KV "
+                "cache's seqlen_k: its capacity, the keys in use being known on the device only)")
         raise NotImplementedError(f"flash_attn_ext: alibi_slopes with {what} is not supported; ALiBi runs with causal "
                                   "or full attention (a window's right bound, sinks, GQA)")
 

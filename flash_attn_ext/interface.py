@@ -135,10 +135,14 @@ def flash_attn_func(
             alibi_slopes): None, or float32 slopes of shape (nheads,) or (batch, nheads) on q's
             device; the logit of query i and key j gets -slope[b, h] * |i + seqlen_k - seqlen_q - j|
             (bottom-right aligned, as causal), so softmax_lse is that of the biased logits.
-            Fixed slopes: no gradient (as flash-attn), so slopes that require grad (with grad
-            enabled) raise NotImplementedError. Not with softcap, dropout_p > 0 or a window's left
-            bound (NotImplementedError); softmax_scale = 0 raises ValueError; another dtype, shape
-            or device: RuntimeError naming alibi_slopes; not a tensor: TypeError.
+            Fixed slopes in reverse mode: no gradient (as flash-attn), so slopes that require grad
+            (with grad enabled) raise NotImplementedError; forward mode (torch.func.jvp, forward_ad
+            dual slopes) carries their tangent. Not with softcap,
+            dropout_p > 0 or a window's left bound that hides keys (window_size[0] < seqlen_k - 1;
+            NotImplementedError); softmax_scale = 0 raises ValueError; another dtype, shape or
+            device: RuntimeError naming alibi_slopes; not a tensor: TypeError. The values are not
+            checked (that would need a host sync): a NaN slope gives that head NaN outputs, and
+            slope * distance beyond float32's range (~3.4e38) undefined ones.
             (``reference.alibi_bias`` materialises the bias.)
         deterministic: flash-attn's keyword, accepted as any bool, or None (the backward is always
             deterministic: no atomics, with dropout too).
@@ -171,8 +175,8 @@ def flash_attn_func(
             dropout_p outside [0, 1).
         NotImplementedError: forward-mode AD through the backward pass (e.g. torch.func.hessian);
             nested (jagged) tensors (pack them and call flash_attn_varlen_func); dropout_p > 0 or
-            alibi_slopes with softcap > 0 or a window's left bound, dropout_p > 0 with
-            alibi_slopes, dropout_p > 0 under forward-mode AD; alibi_slopes that require grad.
+            alibi_slopes with softcap > 0 or a window's left bound (that hides keys), dropout_p > 0
+            with alibi_slopes, dropout_p > 0 under forward-mode AD; alibi_slopes that require grad.
         TypeError: q, k or v not a torch.Tensor; causal or return_lse that is not a bool (or
             0 / 1); softmax_scale that is not a real number, or a tensor that requires grad (the
             scale gets no gradient); window_size that is not a pair of ints; dropout_p or softcap
@@ -361,10 +365,9 @@ def _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic,
     softcap = _softcap(softcap)
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError("flash_attn_ext: alibi_slopes must be a float32 tensor of shape (nheads,) or (batch, nheads), "
-                        f"or None; got {type(alibi_slopes).__name__}")
-    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError("flash_attn_ext: alibi_slopes that require grad: the kernels give the slopes no "
-                                  "gradient (fixed slopes, as flash-attn's); pass alibi_slopes.detach()")
+                        f"or None; got {type(alibi_slopes).__name__} (e.g. torch.tensor(slopes, "
+                        "dtype=torch.float32, device=q.device))")
+    ops._fixed_alibi(alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled())
     if deterministic is not None:  # None: flash-attn < 2.7 took it (as False); the backward is always deterministic
         _as_bool("deterministic", deterministic)
     return softcap, _as_bool("return_attn_probs", return_attn_probs), dropout
@@ -906,7 +909,9 @@ def flash_attn_with_kvcache(
         alibi_slopes: ALiBi, as ``flash_attn_func``'s: (nheads,) or (batch, nheads) float32 (row b
             for q's sequence b), the logit of query i and cache row j minus slope * |i + n_b -
             seqlen_q - j| with n_b the sequence's keys (cache_seqlens[b] + seqlen_new, less a
-            cache_leftpad, whose rows are then counted from it), every split alike.
+            cache_leftpad, whose rows are then counted from it), every split alike. A window's
+            left bound is judged against the cache's capacity (the keys in use are on the device):
+            one below capacity - 1 is refused even where the cached keys are fewer.
         return_softmax_lse: flash-attn's keyword: True is return_lse=True.
 
     Returns:

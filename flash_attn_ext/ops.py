@@ -35,7 +35,8 @@ kept with probability 1 - p and scaled by 1 / (1 - p), the mask a function of rn
 offset) int64 (2,) on q's device, which a backward op takes from its forward; fwd_kvcache has none)
 and, last, ``alibi_slopes=None`` (ALiBi, Press et al. 2022: float32 (nheads,) or (batch, nheads)
 slopes, the logit of query i, key j minus slope * |i + seqlen_k - seqlen_q - j|; a backward op takes
-its forward's; fwd_kvcache has none):
+its forward's; fwd_kvcache takes it after softcap; slopes that require grad: NotImplementedError,
+forward mode carries their tangent):
   forward(q, k, v, softmax_scale, causal) -> (out, softmax_lse, softmax_stats)
       q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim), BSHD with a
       contiguous last dim; out: q's shape, contiguous; softmax_lse: (batch, nheads, seqlen_q)
@@ -164,14 +165,15 @@ def _backward_fake(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softm
 
 def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, window_size_left: int = -1,
                   window_size_right: int = -1, sinks=None, sinks_t=None, softcap: float = 0.0,
-                  alibi_slopes=None) -> torch.Tensor:
+                  alibi_slopes=None, alibi_t=None) -> torch.Tensor:
     """Tangent of ``out`` (forward-mode derivative) of ``out = softmax(c Q K^T) V``.
 
     With S = c Q K^T (masked entries -inf: causal, sliding window), P = softmax(S) row-wise, O = P V:
         dS = c (dQ K^T + Q dK^T),  dP = P * (dS - rowsum(P * dS)),  dO = dP V + P dV.
     With logit soft-capping (``softcap`` > 0) the logits are softcap * t, t = tanh(c Q K^T / softcap),
-    and dS gains the factor (1 - t^2). ALiBi (``alibi_slopes``, reference.alibi_bias) adds a constant to
-    the logits: P changes, dS does not.
+    and dS gains the factor (1 - t^2). ALiBi (``alibi_slopes``, reference.alibi_bias) adds a bias linear
+    in the slopes to the logits: P changes, and the slopes' tangent ``alibi_t`` (their shape, or None)
+    adds alibi_bias(alibi_t) to the logits' tangent.
     With attention sinks (``sinks`` (nheads,), tangent ``sinks_t`` or None) the softmax runs over
     one more column per row, the head's sink with value 0 and tangent sinks_t[h]; its P column
     enters rowsum(P * dS) only.
@@ -183,12 +185,12 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     shapes) or None (zero). Returns the tangent of out: q's shape and dtype. Autocast is
     disabled inside (the float32 products stay float32).
     """
-    if q_t is None and k_t is None and v_t is None and sinks_t is None:
+    if q_t is None and k_t is None and v_t is None and sinks_t is None and alibi_t is None:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if q.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):  # keep the float32 matmuls float32
             return attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale, causal, window_size_left,
-                                 window_size_right, sinks, sinks_t, softcap, alibi_slopes)
+                                 window_size_right, sinks, sinks_t, softcap, alibi_slopes, alibi_t)
     B, Sq, H, D = q.shape
     Sk, Hk = k.shape[1], k.shape[2]
     G = H // Hk
@@ -237,10 +239,15 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
     sink_term = None  # rowsum's sink column: P_sink * sinks_t
     if sinks_t is not None and p_sink is not None:
         sink_term = p_sink * sinks_t.to(cdt).reshape(1, Hk, G, 1, 1)
-    if ds is not None or sink_term is not None:
-        if ds is not None and dcap is not None:
-            ds = ds * dcap
-        pds = p * (ds * softmax_scale) if ds is not None else torch.zeros_like(p)
+    dlogit = None  # the logits' tangent
+    if ds is not None:
+        dlogit = (ds * dcap if dcap is not None else ds) * softmax_scale
+    if alibi_t is not None:
+        bias_t = alibi_bias(alibi_t.to(q.device), B, H, Sq, Sk, cdt)
+        bias_t = bias_t.reshape(bias_t.shape[0], Hk, G, Sq, Sk)
+        dlogit = bias_t if dlogit is None else dlogit + bias_t
+    if dlogit is not None or sink_term is not None:
+        pds = p * dlogit if dlogit is not None else torch.zeros_like(p)
         rowsum = pds.sum(dim=-1, keepdim=True)
         if sink_term is not None:
             rowsum = rowsum + sink_term
@@ -304,6 +311,7 @@ class FlashAttnFunction(torch.autograd.Function):
         ctx.has_sinks = sinks is not None
         ctx.has_rng_state = rng_state is not None
         ctx.has_alibi = alibi_slopes is not None
+        _fixed_alibi(ctx.has_alibi and ctx.needs_input_grad[11])
         out, softmax_lse, softmax_stats = output
         # The same tensors, in the same order, for both modes: the generated vmap rule keeps one
         # list of batch dims for the saved tensors (two different lists broke reverse over vmap).
@@ -349,7 +357,7 @@ class FlashAttnFunction(torch.autograd.Function):
         sinks = saved[6] if ctx.has_sinks else None
         sinks_t = scalar_tangents[4] if ctx.has_sinks else None
         out_t = attention_jvp(q, k, v, q_t, k_t, v_t, ctx.softmax_scale, ctx.causal, *ctx.window, sinks, sinks_t,
-                              ctx.softcap, _saved_alibi(ctx, saved, 6))
+                              ctx.softcap, _saved_alibi(ctx, saved, 6), scalar_tangents[8] if ctx.has_alibi else None)
         return out_t, None, None
 
 
@@ -363,6 +371,19 @@ def _no_dropout_jvp(dropout_p):
     if dropout_p:
         raise NotImplementedError("flash_attn_ext: forward-mode AD (jvp, jacfwd, forward_ad dual tensors) with "
                                   "dropout_p > 0 is not supported; use reverse mode (backward), or dropout_p=0")
+
+
+_ALIBI_GRAD_MSG = ("flash_attn_ext: alibi_slopes that require grad: the kernels give the slopes no gradient "
+                   "(fixed slopes, as flash-attn's; forward mode does carry their tangent); pass "
+                   "alibi_slopes.detach()")
+
+
+def _fixed_alibi(needs_grad: bool) -> None:
+    """Slopes that require grad are refused (the public entries before the call, the ops' Functions
+    in setup_context): reverse mode would give them None. Forward mode carries their tangent
+    (attention_jvp's alibi_t)."""
+    if needs_grad:
+        raise NotImplementedError(_ALIBI_GRAD_MSG)
 
 
 def _input_grads(num_inputs, qkv_grads, sinks_index, dsinks):
@@ -641,8 +662,8 @@ fwd_kvcache = torch.ops.flash_attn_ext.fwd_kvcache
 varlen_forward.__doc__ = varlen_forward.default.__doc__ = """\
 varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, window_size_left: int = -1,
-               window_size_right: int = -1, sinks=None, softcap: float = 0.0)
-               -> (out, softmax_lse, softmax_stats)
+               window_size_right: int = -1, sinks=None, softcap: float = 0.0, dropout_p: float = 0.0,
+               rng_state=None, alibi_slopes=None) -> (out, softmax_lse, softmax_stats)
 
 forward on packed variable-length sequences (FlashAttention-2, Dao 2023, Alg. 1, one sequence per
 (batch) entry of the grid). q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim);
@@ -652,17 +673,20 @@ d256 causal, picks the tile row; on CUDA not checked, a longer sequence is cut t
 rows / keys). Returns out (q's shape), softmax_lse (nheads,
 total_q) float32 natural log, softmax_stats (2, nheads, total_q) float32. Each sequence gives what
 forward gives on it alone (causal and the window bottom-right per sequence; a sequence without
-keys: out 0, lse +inf, or the sink with sinks (forward's); softcap as forward's). Rows outside every sequence:
+keys: out 0, lse +inf, or the sink with sinks (forward's); softcap, dropout_p / rng_state (sequence
+b's mask that of batch b) and alibi_slopes ((batch, nheads): row b for sequence b) as forward's).
+Rows outside every sequence:
 unspecified on CUDA, 0 / +inf on CPU. Raises RuntimeError
 naming the argument for bad shapes, dtypes, devices; on CPU also for cu_seqlens that decrease,
 leave the tensors or exceed max_seqlen (on CUDA those values are not read on the host: no sync)."""
 varlen_backward.__doc__ = varlen_backward.default.__doc__ = """\
 varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, softmax_stats=None, window_size_left=-1,
-                window_size_right=-1, sinks=None, softcap=0.0) -> (dq, dk, dv)
+                window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None,
+                alibi_slopes=None) -> (dq, dk, dv)
 
 Gradients of varlen_forward (FlashAttention-2 Alg. 2 per sequence; deterministic, no atomics;
-softcap: the forward's).
+softcap, dropout_p / rng_state and alibi_slopes: the forward's).
 Shapes as varlen_forward's inputs and outputs; returns dq, dk, dv like q, k, v."""
 fwd_kvcache.__doc__ = fwd_kvcache.default.__doc__ = """\
 fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale: float,
@@ -773,6 +797,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         ctx.has_sinks = sinks is not None
         ctx.has_rng_state = rng_state is not None
         ctx.has_alibi = alibi_slopes is not None
+        _fixed_alibi(ctx.has_alibi and ctx.needs_input_grad[15])
         saved = ((q, k, v, out, softmax_lse, softmax_stats, cu_seqlens_q, cu_seqlens_k)
                  + ((sinks,) if ctx.has_sinks else ()) + ((alibi_slopes,) if ctx.has_alibi else ())
                  + ((rng_state,) if ctx.has_rng_state else ()))
@@ -818,6 +843,10 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         sinks_t = scalar_tangents[8] if ctx.has_sinks else None
         max_seqlen_q, max_seqlen_k, softmax_scale, causal = ctx.args
         alibi_slopes = _saved_alibi(ctx, saved, 8)
+        alibi_t = scalar_tangents[12] if ctx.has_alibi else None
+
+        def per_sequence(slopes, b):  # (nheads,) serve every sequence; (batch, nheads): row b
+            return slopes if slopes is None or slopes.dim() == 1 else slopes[b]
         out_t = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for b in range(len(cq) - 1):
@@ -829,8 +858,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
                 out_t[q0:q1] = attention_jvp(seq(q, q0, q1), seq(k, k0, k1), seq(v, k0, k1), seq(q_t, q0, q1),
                                              seq(k_t, k0, k1), seq(v_t, k0, k1), softmax_scale, causal, *ctx.window,
                                              sinks, sinks_t, ctx.softcap,
-                                             None if alibi_slopes is None or alibi_slopes.dim() == 1
-                                             else alibi_slopes[b])[0]
+                                             per_sequence(alibi_slopes, b), per_sequence(alibi_t, b))[0]
         return out_t, None, None
 
 
@@ -889,7 +917,8 @@ _lib.impl("fwd_kvcache", _fwd_kvcache_autograd, "Autograd")
 backward_dsinks = torch.ops.flash_attn_ext.backward_dsinks
 backward_dsinks.__doc__ = backward_dsinks.default.__doc__ = """\
 backward_dsinks(dout, q, k, v, out, softmax_lse, softmax_scale, causal, softmax_stats, window_size_left,
-                window_size_right, sinks, softcap=0.0) -> (dq, dk, dv, dsinks)
+                window_size_right, sinks, softcap=0.0, dropout_p=0.0, rng_state=None, alibi_slopes=None)
+                -> (dq, dk, dv, dsinks)
 
 backward with attention sinks (required, (nheads,) float32), also returning their gradient dsinks
 ((nheads,) float32): -sum_{b,i} exp(sinks[h] - LSE_i) D_i (FlashAttention-2 Alg. 2's D =

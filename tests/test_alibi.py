@@ -212,6 +212,51 @@ def test_alibi_gradcheck_and_forward_ad():
         f(q, k, v)
 
 
+def test_alibi_learnable_slopes_refused_on_the_raw_ops():
+    """Slopes that require grad are refused by the raw ops too (dense and varlen), not given None."""
+    q, k, v = make_qkv(1, 6, 6, 2, 2, 16, torch.float32)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    learnable = _slopes(2).requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="alibi_slopes that require grad"):
+        torch.ops.flash_attn_ext.forward(q, k, v, 0.25, False, alibi_slopes=learnable)
+    with pytest.raises(NotImplementedError, match="alibi_slopes that require grad"):
+        torch.ops.flash_attn_ext.varlen_forward(q[0], k[0], v[0], cu, cu, 6, 6, 0.25, False, alibi_slopes=learnable)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi_forward_mode_tangents(per_batch):
+    """Forward mode carries the slopes' tangent (the bias is linear in them): torch.func.jvp and
+    forward_ad dual slopes match the float64 reference's jvp (attention_ref, float64 slopes of the
+    same values), dense and varlen; the varlen tangent of q equals the dense one per sequence with
+    (nheads,) and (batch, nheads) slopes (it once dropped (nheads,) slopes)."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    q, k, v = make_qkv(2, 7, 9, 4, 2, 16, torch.float64, requires_grad=False)
+    slopes = _slopes(4, 2) if per_batch else _slopes(4)
+    tangent = torch.randn_like(slopes)
+    cu_q, cu_k = torch.tensor([0, 7, 14], dtype=torch.int32), torch.tensor([0, 9, 18], dtype=torch.int32)
+
+    def dense(s, q=q):
+        return flash_attn_ext.flash_attn_func(q, k, v, causal=True, alibi_slopes=s)
+
+    def varlen(s, q=q):
+        return flash_attn_ext.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k,
+                                                     7, 9, causal=True, alibi_slopes=s).unflatten(0, (2, 7))
+
+    _, want = torch.func.jvp(lambda s: attention_ref(q, k, v, causal=True, alibi_slopes=s)[0], (slopes.double(),),
+                             (tangent.double(),))
+    _, got = torch.func.jvp(dense, (slopes,), (tangent,))
+    torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-6)
+    q_t = torch.randn_like(q)
+    with fwAD.dual_level():
+        for f in (dense, varlen):
+            got = fwAD.unpack_dual(f(fwAD.make_dual(slopes, tangent))).tangent
+            torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-6)
+        dense_q_t = fwAD.unpack_dual(dense(slopes, fwAD.make_dual(q, q_t))).tangent
+        varlen_q_t = fwAD.unpack_dual(varlen(slopes, fwAD.make_dual(q, q_t))).tangent
+    torch.testing.assert_close(varlen_q_t, dense_q_t, atol=1e-12, rtol=1e-12)
+
+
 def test_alibi_under_non_reentrant_checkpointing():
     """torch.utils.checkpoint(use_reentrant=False): the backward reads the saved slopes with the other
     saved tensors, once; gradients equal the plain call's (dense and varlen)."""
