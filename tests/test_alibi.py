@@ -212,6 +212,23 @@ def test_alibi_gradcheck_and_forward_ad():
         f(q, k, v)
 
 
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alibi_huge_finite_slopes_never_nan(device, dtype):
+    """Finite slopes whose bias overflows float32 (1e38 x distance) give no NaN: a key whose bias
+    overflows is invisible (-inf), a row whose every key overflows is one without keys (out 0, LSE
+    +inf), the others attend their nearest keys (the CPU twin once gave NaN rows: exp2(-inf - -inf))."""
+    if dtype == torch.float32 and device == "cuda":
+        pytest.skip("the CUDA kernels take 16-bit inputs")
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, 8, 3, 1, 1, 16, dtype, device, requires_grad=False)
+    out, lse = flash_attn_ext.flash_attn_func(q, k, v, alibi_slopes=torch.tensor([1e38], device=device),
+                                              return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    # Query i's nearest key is i - 5 (seqlen_k - seqlen_q = -5): rows 5..7 see it at distance 0.
+    torch.testing.assert_close(out[0, 5:, 0].float(), v[0, :, 0].float())
+
+
 def test_alibi_learnable_slopes_refused_on_the_raw_ops():
     """Slopes that require grad are refused by the raw ops too (dense and varlen), not given None."""
     q, k, v = make_qkv(1, 6, 6, 2, 2, 16, torch.float32)
