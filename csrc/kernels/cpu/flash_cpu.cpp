@@ -251,8 +251,9 @@ void fwd_impl(const Flash_fwd_params& p, Acc* max_acc, Acc* log2sum_acc) {
             }
           }
           // Every score so far -inf (ALiBi's bias past the type's range): P = 0, as the kernels'
-          // -inf max gives (exp2(-inf - -inf) would be NaN); a row left so is one without keys.
-          if (m_new == neg_inf) continue;
+          // -inf max gives (exp2(-inf - -inf) would be NaN); a row left so is one without keys. (A
+          // NaN score leaves std::max's m at -inf too: it goes on, to reach the output.)
+          if (m_new == neg_inf && std::all_of(s + c0, s + c1, [&](Acc x) { return x == neg_inf; })) continue;
           // Alg. 1 line 10: P~ = exp2(S - m_new), l_new = exp2(m_old - m_new) l_old + rowsum(P~).
           const Acc alpha = std::exp2(m_row[i] - m_new);  // 0 on the first visible tile
           Acc row_sum = 0;
