@@ -563,10 +563,10 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     queries), the pads' rows are computed and dropped (cost: batch * max_seqlen_q query rows
     instead of total_q). Gather and scatter indices come from cu_seqlens_q on the device: no host
     sync. Returns (out (total_q, nheads, headdim), softmax_lse (nheads, total_q))."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)):
+    if ops._needs_autograd((q, k_cache, v_cache, sinks, alibi_slopes)):  # reverse mode, or forward mode's duals
         raise RuntimeError("flash_attn_ext: flash_attn_varlen_func with block_table (a paged K / V) is inference "
                            "only: no gradient (as flash-attn's); call it under torch.no_grad() or detach q, k, v "
-                           "(and sinks)")
+                           "(and sinks), and pass no forward-mode dual tensors")
     _check_tensors(block_table=block_table)
     _fake_checks.check_rank(q, "q", 3, "(total_q, nheads, headdim)")
     for name, t in (("k", k_cache), ("v", v_cache)):

@@ -153,7 +153,10 @@ class MultiheadFlashAttention(nn.Module):
 
     Differentiable in reverse and forward mode, and usable under torch.func transforms
     (``torch.func.functional_call`` with grad, vjp, jvp, jacrev, jacfwd, and
-    ``vmap(grad(...))`` for per-sample gradients): see ``flash_attn_ext.flash_attn_func``.
+    ``vmap(grad(...))`` for per-sample gradients): see ``flash_attn_ext.flash_attn_func``. A
+    ``key_padding_mask`` or an ``attn_mask`` other than the causal hint runs the varlen op, which
+    those transforms (vmap aside) refuse with NotImplementedError; reverse mode and
+    ``torch.autograd.forward_ad`` work there too.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,

@@ -224,6 +224,10 @@ def attention_jvp(q, k, v, q_t, k_t, v_t, softmax_scale: float, causal: bool, wi
         p_ext = torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)
         # A -inf sink is no sink: a row without keys then has P = 0 (softmax of all -inf is NaN).
         p_ext = torch.where(~has_key & (sink_col == float("-inf")), 0.0, p_ext)
+        # A +inf sink takes the whole row (P 0 on the keys, 1 on the sink; softmax gives inf - inf
+        # = NaN), as the forward and sinks_grad have it.
+        all_sink = torch.cat([torch.zeros_like(s), torch.ones_like(sink_col)], dim=-1)
+        p_ext = torch.where(sink_col == float("inf"), all_sink, p_ext)
         p, p_sink = p_ext[..., :Sk], p_ext[..., Sk:]
     else:
         # Rows that see no key: softmax of all -inf is NaN; by the op's convention P = 0 there.

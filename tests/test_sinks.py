@@ -1105,6 +1105,25 @@ def test_sinks_jvp_keyless_rows_with_a_minus_inf_sink():
     assert torch.isfinite(t).all() and torch.equal(t[:, :2], torch.zeros_like(t[:, :2]))
 
 
+def test_sinks_jvp_plus_inf_sink_is_zero():
+    """Forward-mode AD under a +inf sink (it takes every row: out 0): tangent 0, as reverse mode's
+    gradient, not NaN (softmax over [S, +inf] is inf - inf), dense (torch.func.jvp) and varlen
+    (forward_ad); the other head's tangent equals the dense one with a finite sink there."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    q = torch.randn(1, 3, 2, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 5, 2, 8, dtype=torch.float64), torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    s = torch.tensor([float("inf"), 0.5])
+    q_t = torch.randn_like(q)
+    _, t = torch.func.jvp(lambda q: flash_attn_ext.flash_attn_func(q, k, v, sinks=s), (q,), (q_t,))
+    assert torch.equal(t[..., 0, :], torch.zeros_like(t[..., 0, :])) and torch.isfinite(t).all()
+    cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
+    with fwAD.dual_level():
+        o = flash_attn_ext.flash_attn_varlen_func(fwAD.make_dual(q[0], q_t[0]), k[0], v[0], cu_q, cu_k, 3, 5, sinks=s)
+        tv = fwAD.unpack_dual(o).tangent
+    torch.testing.assert_close(tv, t[0], atol=1e-12, rtol=0)
+
+
 def test_sinks_plus_inf_sink_gradient_is_zero():
     """A +inf sink takes every row (out 0, D = 0): its gradient is 0 (the limit), not inf * 0 = NaN,
     on the fused op and on the torch formula (vmap)."""

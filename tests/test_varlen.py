@@ -315,6 +315,9 @@ def test_paged_varlen_refusals():
         call(q, kc, vc.double(), cu_q, cu_k, 5, 20, block_table=table)
     with pytest.raises(RuntimeError, match="inference only.*and sinks"):
         call(q, kc, vc, cu_q, cu_k, 5, 20, block_table=table, sinks=torch.zeros(2, requires_grad=True))
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="inference only.*forward-mode dual"):
+        call(fwAD.make_dual(q, torch.randn_like(q)), kc, vc, cu_q, cu_k, 5, 20, block_table=table)
     # Under torch.compile the same value checks run in the graph (an in-graph assert on the CPU).
     f = torch.compile(lambda cu: call(q, kc, vc, cu, cu_k, 5, 20, block_table=table), fullgraph=True,
                       backend="aot_eager")
