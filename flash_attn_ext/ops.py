@@ -422,7 +422,8 @@ def sinks_grad(dout, out, softmax_lse, sinks, rows_valid=None, softmax_stats=Non
     outside every sequence, whose out the CUDA kernels leave unwritten, contribute nothing). Rows
     with D = 0 (out 0: no keys, or a +inf sink) contribute 0. A torch reduction: deterministic.
     Returns sinks' shape and dtype. Not differentiable here (SinksGradFunction refuses)."""
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    # The accumulation type of flash_api.cpp's sinks_grad_cpu: float64 for float32 / float64 outputs.
+    acc = torch.float64 if out.dtype in (torch.float32, torch.float64) else torch.float32
     D = (dout.to(acc) * out.to(acc)).sum(-1)                               # (..., nheads)
     s = sinks.to(acc)
     if softmax_stats is not None:
