@@ -130,6 +130,8 @@ class MultiheadFlashAttention(nn.Module):
             self-attention).
         rotary_base: the base of the rotary frequencies (theta_i = base^(-2i/headdim)).
         device, dtype: of the parameters.
+        batch_first: torch.nn.MultiheadAttention's keyword, accepted as True only (keyword-only; the
+            module is batch-first: ValueError otherwise).
         dropout: attention dropout probability in [0, 1) on the attention weights, in training mode
             only (torch.nn.MultiheadAttention's ``dropout``; keyword-only here; flash_attn_func's
             ``dropout_p``, or torch SDPA's with backend="torch_sdpa").
@@ -141,7 +143,12 @@ class MultiheadFlashAttention(nn.Module):
     ``in_proj_bias`` ((H + 2 Hk) * headdim,) or None; ``out_proj``: Linear(E, E).
 
     Raises (construction): ValueError when E is not divisible by H, H not by Hk, rotary with an
-    odd headdim, a headdim above 256 with the flash_attn_ext backend, or an unknown backend.
+    odd headdim, a headdim above 256 with the flash_attn_ext backend, an unknown backend, or
+    batch_first=False; TypeError for a num_kv_heads that is not an int (e.g. torch's positional
+    dropout).
+
+    Works as ``self_attn`` of torch.nn.TransformerEncoderLayer / TransformerDecoderLayer, in train
+    and eval mode (the encoder layer's fused eval fast path is declined: ``_qkv_same_embed_dim``).
 
     Differences from torch.nn.MultiheadAttention: always batch-first; dropout keyword-only; no add_bias_kv,
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
@@ -162,8 +169,16 @@ class MultiheadFlashAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
                  bias: bool = True, causal: bool = False, rotary: bool = False,
                  rotary_base: float = 10000.0, device=None, dtype=None, *,
-                 backend: str = "flash_attn_ext", window_size: tuple[int, int] = (-1, -1), dropout: float = 0.0):
+                 backend: str = "flash_attn_ext", window_size: tuple[int, int] = (-1, -1), dropout: float = 0.0,
+                 batch_first: bool = True):
         super().__init__()
+        if num_kv_heads is not None and (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int)):
+            raise TypeError(f"MultiheadFlashAttention: num_kv_heads (the third positional argument) must be an int "
+                            f"or None, got {num_kv_heads!r}; torch.nn.MultiheadAttention's third is dropout, "
+                            "which this module takes by keyword (dropout=...)")
+        if batch_first is not True:
+            raise ValueError("MultiheadFlashAttention is always batch-first ((batch, seq, embed_dim) inputs); got "
+                             f"batch_first={batch_first!r}: transpose the inputs instead")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if embed_dim % num_heads != 0:
             raise ValueError(f"MultiheadFlashAttention: embed_dim ({embed_dim}) must be divisible "
@@ -187,6 +202,9 @@ class MultiheadFlashAttention(nn.Module):
         self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
         self.dropout = _dropout_p(dropout, "dropout", "MultiheadFlashAttention")
         self.batch_first = True  # for code that inspects nn.MultiheadAttention's attribute
+        # torch.nn.TransformerEncoderLayer reads this in eval mode to choose its fused fast path,
+        # which takes in_proj_weight itself and would bypass this module: False keeps it calling ours.
+        self._qkv_same_embed_dim = False
         factory = {"device": device, "dtype": dtype}
         qkv_dim = (num_heads + 2 * num_kv_heads) * head_dim
         self.in_proj_weight = nn.Parameter(torch.empty(qkv_dim, embed_dim, **factory))

@@ -83,6 +83,38 @@ def test_mha_drop_in_for_torch_multihead_attention(bias, mode):
     check_accuracy(f"MultiheadFlashAttention {mode}", out, ref, base)
 
 
+@pytest.mark.parametrize("layer", ["encoder", "decoder"])
+@pytest.mark.parametrize("train", [True, False])
+def test_mha_as_self_attn_of_torch_transformer_layers(layer, train):
+    """MultiheadFlashAttention as ``self_attn`` of torch's Transformer layers, in train and eval mode
+    (the encoder layer's eval fast path reads ``_qkv_same_embed_dim``: it once raised AttributeError):
+    the layer's output meets the accuracy rule against torch's own layer (float64 reference)."""
+    torch.manual_seed(0)
+    cls = torch.nn.TransformerEncoderLayer if layer == "encoder" else torch.nn.TransformerDecoderLayer
+    ref_layer = cls(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    ours = copy.deepcopy(ref_layer)
+    ours.self_attn = MultiheadFlashAttention(64, 4, batch_first=True)
+    ours.self_attn.load_state_dict(ref_layer.self_attn.state_dict())
+    for m in (ref_layer, ours):
+        m.train(train)
+    x, memory = _randn(2, 10, 64, seed=1), _randn(2, 7, 64, seed=2)
+    args = (x,) if layer == "encoder" else (x, memory)
+    with torch.no_grad():
+        out = ours(*args)
+        ref = copy.deepcopy(ref_layer).double()(*(a.double() for a in args))
+        base = ref_layer(*args)
+    check_accuracy(f"{layer} layer (train={train})", out, ref, base)
+
+
+def test_mha_torch_positional_order_is_a_clear_error():
+    """torch.nn.MultiheadAttention(E, H, dropout) positionally: the third argument here is
+    num_kv_heads, so a float there is a TypeError that points at dropout=, not a division error."""
+    with pytest.raises(TypeError, match="num_kv_heads .* must be an int.*dropout="):
+        MultiheadFlashAttention(64, 4, 0.1)
+    with pytest.raises(ValueError, match="always batch-first"):
+        MultiheadFlashAttention(64, 4, batch_first=False)
+
+
 @pytest.mark.parametrize("kind", ["causal (L, S) bool", "causal (B H, L, S) float", "offset causal, cross",
                                   "packed, self", "with key padding"])
 def test_mha_attn_mask_matches_torch(kind):
