@@ -57,7 +57,7 @@ Masks (never ignored):
     mask (or a window's without the packing) and sdpa attends across the sequences; here, where
     the mask is None or has no padding, the packing is read as transformers' flash-attention
     path reads it: the collator's ``cu_seq_lens_*`` / ``max_length_*`` keywords, else
-    ``position_ids`` of a batch of one that do not run on by one (``_packed_from_kwargs``); a
+    ``position_ids`` of a batch of one that restart (``_packed_from_kwargs``); a
     padding mask is taken as is (that path unpads by it). Under torch.compile only the keywords
     (fullgraph works with them): restarting position_ids without them fail a device-side assert.
   * Any other pattern (a window the layer does not pass, per-head masks, additive biases)
@@ -102,9 +102,13 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
     the packing from these): the collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` /
     ``max_length_q`` / ``max_length_k`` when all four are given
     (DataCollatorWithFlattening(return_flash_attn_kwargs=True); taken as given), else
-    ``position_ids`` of shape (1, L), L = q_len = kv_len > 1: a sequence starts at position 0
-    and wherever a position is not the previous one + 1 (transformers' mask builder's rule,
-    find_packed_sequence_indices). Only for batch 1 (the flattened layout). The caller applies
+    ``position_ids`` of shape (1, L), L = q_len = kv_len > 1: a sequence starts at index 0 and
+    wherever a position does not exceed the previous one (a restart, as DataCollatorWithFlattening
+    writes, whatever the first position: transformers' flash-attention path cuts where positions
+    return to their minimum). A gap (positions that skip ahead, PoSE-style training) stays one
+    sequence, as that path and "sdpa" with a cache keep it (transformers' mask builder, used without
+    a cache, also cuts at gaps: its mask then says so and is taken). Only for batch 1 (the
+    flattened layout). The caller applies
     the packing where the mask (if any) has no padding. Returns (cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k), or None for one sequence.
 
@@ -126,7 +130,7 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
         return None
     flat = pos.reshape(-1)
     if torch.compiler.is_compiling():
-        packing = (flat.diff() != 1).any()
+        packing = (flat.diff() <= 0).any()
         if mask is not None:
             packing &= allowed_from_mask(mask).diagonal(dim1=-2, dim2=-1).all()  # and no padding
         masked.assert_in_graph(~packing, "flash_attn_ext attention: packed sequences (restarting position_ids) "
@@ -137,7 +141,7 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
     ref, seen_version, result = _POSITION_IDS_SEEN
     if ref is not None and ref() is pos and seen_version == version:
         return result
-    starts = torch.cat([flat.new_ones(1, dtype=torch.bool), flat.diff() != 1]).nonzero().flatten()  # a host sync
+    starts = torch.cat([flat.new_ones(1, dtype=torch.bool), flat.diff() <= 0]).nonzero().flatten()  # a host sync
     result = None
     if starts.numel() > 1:
         cu = torch.cat([starts, starts.new_full((1,), q_len)]).int()

@@ -1208,13 +1208,14 @@ def test_packed_batch_under_compile(arch, use_cache, name, count_calls):
 
 
 def test_position_ids_packing_rules(count_calls):
-    """Without a mask, position_ids that are one run on by one (a prompt, a shifted run) or a
-    batch of several rows leave the call dense; others pack, a sequence starting wherever a
-    position is not the previous + 1 (read once per tensor and version); a padding mask is taken
-    as is, a mask without padding takes the packing."""
+    """Without a mask, position_ids that are one run on by one (a prompt, a shifted run), that skip
+    ahead (PoSE-style gaps: one sequence, as transformers' flash-attention path and "sdpa" with a
+    cache take them; they were once cut) or a batch of several rows leave the call dense; others
+    pack, a sequence starting wherever a position does not exceed the previous one (read once per
+    tensor and version); a padding mask is taken as is, a mask without padding takes the packing."""
     m = _Module(True)
     q = _bhsd(1, 4, 8, 16, 48)
-    for pos in (torch.arange(8)[None], torch.arange(3, 11)[None]):
+    for pos in (torch.arange(8)[None], torch.arange(3, 11)[None], torch.tensor([[0, 1, 2, 3, 20, 21, 22, 23]])):
         count_calls.clear()
         out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
         assert count_calls == ["dense causal"]
@@ -1222,10 +1223,10 @@ def test_position_ids_packing_rules(count_calls):
     count_calls.clear()
     fx.flash_attn_ext_attention_forward(m, q2, q2, q2, None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2))
     assert count_calls == ["dense causal"]
-    # A sequence starts wherever a position is not the previous + 1 (transformers' mask builder's
-    # rule): a restart at the minimum (RoBERTa-like), a first chunk continuing a document, a gap.
+    # A sequence starts wherever a position does not exceed the previous one: a restart at the
+    # minimum (RoBERTa-like), a first chunk continuing a document, a restart after a gap.
     mask = _packed_mask([3, 5])[None, None]
-    for pos in ([[2, 3, 4, 2, 3, 4, 5, 6]], [[7, 8, 9, 0, 1, 2, 3, 4]], [[0, 1, 2, 5, 6, 7, 8, 9]]):
+    for pos in ([[2, 3, 4, 2, 3, 4, 5, 6]], [[7, 8, 9, 0, 1, 2, 3, 4]], [[0, 1, 5, 0, 1, 2, 7, 8]]):
         pos = torch.tensor(pos)
         count_calls.clear()
         out, _ = fx.flash_attn_ext_attention_forward(m, q, q, q, None, position_ids=pos)
