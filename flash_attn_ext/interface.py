@@ -89,8 +89,10 @@ def flash_attn_func(
             right, off = seqlen_k - seqlen_q (bottom-right aligned); -1 leaves that side unbounded
             (the default (-1, -1): full attention). With causal=True the right side is 0 whatever
             window_size[1] says (flash-attn's rule, so ``causal=True, window_size=(w, w)`` is
-            ``(w, 0)``). Rows whose window holds no key give out 0, LSE +inf, zero gradients. A
-            window that hides keys needs seqlen_q + seqlen_k <= 2^31 - 512 (RuntimeError).
+            ``(w, 0)``). Unlike flash-attn, a right bound >= seqlen_k stays a bound (flash-attn
+            drops it; they differ only where seqlen_q > seqlen_k + 1). Rows whose window holds no
+            key give out 0, LSE +inf, zero gradients. A window that hides keys needs seqlen_q +
+            seqlen_k <= 2^31 - 512 (RuntimeError).
         return_lse: also return the log-sum-exp.
         sinks: attention sinks (gpt-oss, "learnable sinks"; Xiao et al. 2024, "Efficient
             Streaming Language Models with Attention Sinks", as one logit per head): None, or
@@ -923,8 +925,10 @@ def flash_attn_with_kvcache(
         RuntimeError naming the argument for wrong shapes, dtypes, devices, a block_table or
         cache_seqlens of the wrong dtype or shape, k without v, num_splits outside [0, 128],
         an input that requires grad, a cache longer than 2^31 - 256 rows or seqlen_q * nheads /
-        nheads_k above 2^31 - 256. On CPU cache_seqlens[b] + seqlen_new past the cache and
-        block numbers outside [0, num_blocks) raise too; on CUDA they are not read on the host
+        nheads_k above 2^31 - 256. On CPU cache_seqlens[b] + seqlen_new past the cache, the
+        block numbers of the pages a sequence uses (those of its first cache_seqlens[b] +
+        seqlen_new rows) outside [0, num_blocks), and rotary positions past rotary_cos's rows
+        raise too; on CUDA they are not read on the host
         (no sync): cache rows past the cache are dropped from the append and the attention,
         and block numbers are trusted. TypeError: q / k_cache / v_cache not a torch.Tensor (k,
         v, block_table: a tensor or None), num_splits not an int, cache_seqlens not a tensor, an
@@ -963,6 +967,9 @@ def flash_attn_with_kvcache(
             raise RuntimeError("flash_attn_ext: cache_batch_idx with cache_leftpad is not supported; pass one of "
                                "them (index the cache's entries first, e.g. k_cache[cache_batch_idx])")
         block_table = _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache)
+    # A last dim of another stride copied contiguous first, as flash-attn's maybe_contiguous (the
+    # caches themselves are written in place: they must have one).
+    q, k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if rotary_cos is not None or rotary_sin is not None:
         _fake_checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 0, cache_leftpad)
         q, k = _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved, cache_seqlens, block_table, k_cache,
@@ -1009,8 +1016,9 @@ def _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved: bool, cache_s
     pairs (2c, 2c + 1) when ``interleaved`` (GPT-J), or (c, c + rotary_dim / 2) (GPT-NeoX), in
     float32 from the tables' values, rounded to q's dtype.
     Torch ops ahead of the kernel (not fused into it): new tensors, the caller's q and k unchanged.
-    Positions past the tables (only from cache_seqlens past the cache, which a CUDA call does not
-    check) read the last row instead of faulting."""
+    A position past the tables (cache_seqlens past the cache, or queries past the keys: seqlen_q >
+    seqlen_new with a full cache) raises on CPU (RuntimeError naming rotary_cos); a CUDA call does not
+    read cache_seqlens on the host (no sync) and reads the tables' last row there instead of faulting."""
     if rotary_cos is None or rotary_sin is None:
         raise RuntimeError("flash_attn_ext: rotary_cos and rotary_sin must be given together")
     if k is None:
@@ -1028,11 +1036,18 @@ def _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved: bool, cache_s
     if not 0 < rotary_dim <= q.shape[3] or rotary_dim % 16 != 0:
         raise RuntimeError(f"flash_attn_ext: rotary_cos has {rotary_cos.shape[1]} columns (rotary_dim / 2); expected "
                            f"rotary_dim a multiple of 16 and at most headdim = {q.shape[3]}")
-    if seqlen_ro < seqlen_cache:
+    if seqlen_ro < max(seqlen_cache, 1):
         raise RuntimeError(f"flash_attn_ext: rotary_cos has {seqlen_ro} rows (positions); expected at least the "
-                           f"cache's {seqlen_cache}")
-    start = cache_seqlens.to(torch.int64).clamp(0, seqlen_ro - 1)[:, None]
+                           f"cache's {seqlen_cache} and at least 1")
     q_per_token = causal or any(0 <= side < seqlen_cache for side in window)
+    if q.device.type == "cpu" and not torch.compiler.is_compiling() and q.shape[0] > 0:
+        # The values are on the host here: a position past the tables is an error, not a clamp.
+        last = int(cache_seqlens.max()) + max(k.shape[1], q.shape[1] if q_per_token else 1) - 1
+        if last >= seqlen_ro:
+            raise RuntimeError(f"flash_attn_ext: rotary position {last} (cache_seqlens[b] plus a new key's or query's "
+                               f"index) is past rotary_cos's {seqlen_ro} rows; pass tables covering every position "
+                               "rotated, or fewer queries than the cache has room for")
+    start = cache_seqlens.to(torch.int64).clamp(0, seqlen_ro - 1)[:, None]
 
     def rotate(x, positions):
         positions = positions.clamp(max=seqlen_ro - 1)

@@ -187,6 +187,12 @@ def _args():
     (lambda a: a.update(rotary_cos=torch.ones(40, 4), rotary_sin=torch.zeros(40, 4)), "a multiple of 16"),
     (lambda a: a.update(rotary_cos=torch.ones(40, 24), rotary_sin=torch.zeros(40, 24)), "at most headdim = 32"),
     (lambda a: a.update(rotary_cos=torch.ones(31, 8), rotary_sin=torch.zeros(31, 8)), "at least the cache's 32"),
+    # Queries past the keys with a nearly full cache: positions 30 + 11 = 41 past 40 rows (were clamped).
+    (lambda a: a.update(q=torch.randn(2, 12, 4, 32), cache_seqlens=torch.tensor([3, 30], dtype=torch.int32),
+                        causal=True), "rotary position 41 .* past rotary_cos's 40 rows"),
+    (lambda a: a.update(k_cache=torch.randn(2, 0, 2, 32), v_cache=torch.randn(2, 0, 2, 32), k=torch.randn(2, 0, 2, 32),
+                        v=torch.randn(2, 0, 2, 32), cache_seqlens=torch.zeros(2, dtype=torch.int32),
+                        rotary_cos=torch.ones(0, 8), rotary_sin=torch.zeros(0, 8)), "has 0 rows .* at least 1"),
     (lambda a: a.update(cache_seqlens=None), "need cache_seqlens"),                   # the op's own check first
     (lambda a: a.update(q=torch.randn(2, 1, 3, 32)), "nheads"),                       # likewise
     (lambda a: a.update(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32),
@@ -205,6 +211,19 @@ def test_kvcache_rotary_and_batch_idx_bad_input(change, match):
     with pytest.raises(RuntimeError, match=match):
         flash_attn_ext.flash_attn_with_kvcache(**args)
     assert torch.equal(args["k_cache"], before)  # refused before anything was written
+
+
+def test_kvcache_strided_last_dim_q_k_v_are_copied():
+    """q, k and v with a last dim of another stride are copied contiguous first (flash-attn's
+    maybe_contiguous; they were refused): the same results as contiguous copies."""
+    args = _args()
+    args.update(rotary_cos=None, rotary_sin=None)
+    strided = {n: torch.stack([args[n], args[n]], dim=-1)[..., 0] for n in ("q", "k", "v")}
+    assert all(t.stride(-1) == 2 for t in strided.values())
+    caches = {n: args[n].clone() for n in ("k_cache", "v_cache")}
+    want = flash_attn_ext.flash_attn_with_kvcache(**args)
+    got = flash_attn_ext.flash_attn_with_kvcache(**{**args, **strided, **caches})
+    assert torch.equal(got, want) and torch.equal(caches["k_cache"], args["k_cache"])
 
 
 def test_kvcache_rotary_identity_tables_change_nothing():
