@@ -1,9 +1,11 @@
 """Build flash_attn_ext._C through torch.utils.cpp_extension (ninja; MAX_JOBS respected).
 
 Environment variables (all optional):
-  FLASH_ATTN_EXT_CUDA_ARCHS  ';'-separated SM list, e.g. "80;90a" or "90". "90" means
-                             sm_90a (wgmma-capable). "none" (or "cpu") builds the CPU-only
-                             module. Default: the visible GPU's arch, else "80;90a".
+  FLASH_ATTN_EXT_CUDA_ARCHS  ';'-separated SM list, e.g. "80;90a", "90", "8.6", "sm_90a". "90"
+                             means sm_90a (wgmma-capable). "none" (or "cpu") builds the CPU-only
+                             module. Default: the visible GPU's arch, else "80;90a" (a CPU-only
+                             build, with a notice, without a CUDA torch or nvcc; when set by
+                             name, that is an error instead).
   FLASH_ATTN_EXT_HDIMS       ','-separated compiled head dims (subset of
                              32,64,96,128,192,256). Default: all. Narrow for dev builds.
   FLASH_ATTN_EXT_PTX         1 (default) embeds portable PTX (compute_80 or compute_90,
@@ -89,10 +91,13 @@ def parse_archs(torch):
     else:
         archs = ["80", "90a"]
     out = []
-    for a in archs:
-        a = a.replace(".", "").replace("sm_", "")
+    for given in archs:
+        a = given.replace(".", "").replace("sm_", "").replace("sm", "").replace("compute_", "")
         if a == "90":
             a = "90a"  # the Hopper path (wgmma, setmaxnreg) needs the arch-specific target
+        if not re.fullmatch(r"\d+a?", a):
+            sys.exit(f"FLASH_ATTN_EXT_CUDA_ARCHS: {given!r} is not an SM architecture; expected e.g. '80', '90a', "
+                     "'8.6', 'sm_90a' (';'-separated), or 'none' for the CPU-only module")
         if int(re.match(r"\d+", a).group()) < 80:
             sys.exit(f"FLASH_ATTN_EXT_CUDA_ARCHS: sm_{a} is below sm_80, which is not supported")
         out.append(a)
@@ -146,13 +151,22 @@ def build_extension():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     archs = parse_archs(torch)
-    hdims = sorted(int(h) for h in _env_list("FLASH_ATTN_EXT_HDIMS", [str(h) for h in ALL_HDIMS], ","))
-    bad = [h for h in hdims if h not in ALL_HDIMS]
+    hdims_given = _env_list("FLASH_ATTN_EXT_HDIMS", [str(h) for h in ALL_HDIMS], ",")
+    bad = [h for h in hdims_given if not h.isdigit() or int(h) not in ALL_HDIMS]
     if bad:
         sys.exit(f"FLASH_ATTN_EXT_HDIMS: {bad} not in {ALL_HDIMS}")
+    hdims = sorted(int(h) for h in hdims_given)
+    for name in ("FLASH_ATTN_EXT_PTX", "FLASH_ATTN_EXT_PTXAS_V"):
+        if os.environ.get(name, "").strip() not in ("", "0", "1"):
+            sys.exit(f"{name}: expected 0 or 1, got {os.environ[name]!r}")
     use_cuda = bool(archs) and torch.version.cuda is not None and cuda_home is not None
     if archs and not use_cuda:
         why = "torch is a CPU build" if torch.version.cuda is None else "no CUDA toolkit (nvcc) found"
+        if os.environ.get("FLASH_ATTN_EXT_CUDA_ARCHS", "").strip():
+            # Asked for by name: an error, not a CPU build that pip's quiet output would hide.
+            sys.exit(f"FLASH_ATTN_EXT_CUDA_ARCHS={os.environ['FLASH_ATTN_EXT_CUDA_ARCHS']} asks for CUDA kernels, "
+                     f"but {why}; install a CUDA build of torch and the CUDA toolkit (or set CUDA_HOME), or "
+                     "build the CPU-only module with FLASH_ATTN_EXT_CUDA_ARCHS=none")
         print(f"flash_attn_ext: building the CPU-only module ({why}); CUDA ops will be absent.")
         archs = []
     write_build_config(torch, archs, hdims, torch.version.cuda if use_cuda else "")
@@ -172,8 +186,8 @@ def build_extension():
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
         "-Xfatbin", "-compress-all",
-    ] + gencode_flags(archs, os.environ.get("FLASH_ATTN_EXT_PTX", "1") != "0")
-    if os.environ.get("FLASH_ATTN_EXT_PTXAS_V", "0") == "1":
+    ] + gencode_flags(archs, os.environ.get("FLASH_ATTN_EXT_PTX", "1").strip() != "0")
+    if os.environ.get("FLASH_ATTN_EXT_PTXAS_V", "0").strip() == "1":
         nvcc_flags += ["-Xptxas", "-v"]
     ext = CUDAExtension(
         "flash_attn_ext._C",

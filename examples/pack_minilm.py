@@ -7,9 +7,9 @@ weights, so the accuracy criterion is unaffected.
     python examples/pack_minilm.py .minilm
 """
 
+import argparse
 import os
 import shutil
-import sys
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -34,6 +34,6 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python examples/pack_minilm.py OUT_DIR")
-    main(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", help="the folder to write (created if missing)")
+    main(ap.parse_args().out_dir)

@@ -31,20 +31,50 @@ Submodules loaded on first use: nn, reference, benchmark, integrations, sdpa.
 """
 
 import importlib
+import importlib.util
+import os
+import warnings
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 __version__ = "0.1.0"
 
+_BUILD_HINT = ("Build it from the repository root with `pip install --no-build-isolation -e .` or `python setup.py "
+               "build_ext --inplace` (FLASH_ATTN_EXT_CUDA_ARCHS=none for a quick CPU-only build), using the same "
+               "torch that is installed now.")
 try:
     from . import _C
 except ImportError as e:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "flash_attn_ext._C (the compiled extension) could not be imported: " + str(e) + ". "
-        "Build it from the repository root with `pip install --no-build-isolation -e .` "
-        "(FLASH_ATTN_EXT_CUDA_ARCHS=none for a quick CPU-only build), using the same torch "
-        "that is installed now."
-    ) from e
+    if importlib.util.find_spec(__name__ + "._C") is None:
+        raise ImportError(f"flash_attn_ext._C (the compiled extension) is not built in {os.path.dirname(__file__)}. "
+                          + _BUILD_HINT) from None
+    raise ImportError("flash_attn_ext._C (the compiled extension) could not be loaded: " + str(e) + ". "
+                      + _BUILD_HINT) from e
+
+
+def _warn_if_sources_are_newer():
+    """A source tree (an editable or in-place build: csrc/ beside the package) whose C++/CUDA files
+    changed after _C was built: the compiled ops may not match this Python code (a new argument
+    shows as "expected at most N argument(s)" at the first call), so say so at import. Stats only
+    (~1 ms); csrc/generated/ is written by setup.py before compiling and is not counted."""
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    so = getattr(_C, "__file__", None)
+    if not so or not os.path.isdir(csrc):
+        return
+    built = os.path.getmtime(so)
+    for root, dirs, files in os.walk(csrc):
+        dirs[:] = [d for d in dirs if d != "generated"]
+        for f in files:
+            path = os.path.join(root, f)
+            if os.path.getmtime(path) > built:
+                warnings.warn(f"flash_attn_ext: {os.path.relpath(path, os.path.dirname(csrc))} changed after the "
+                              f"compiled extension ({so}) was built; rebuild it (`python setup.py build_ext "
+                              "--inplace` or `pip install --no-build-isolation -e .`), or the compiled ops may not "
+                              "match this code", stacklevel=3)
+                return
+
+
+_warn_if_sources_are_newer()
 
 from . import ops  # noqa: E402,F401  (fake kernels + autograd for the C++ ops)
 from .interface import (  # noqa: E402

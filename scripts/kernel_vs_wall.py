@@ -11,7 +11,6 @@ import argparse
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
 
 from flash_attn_ext import flash_attn_func
 
@@ -35,6 +34,7 @@ def main():
     ap.add_argument("--cases", default="64c,64,128,128c,192c,192,256c",
                     help="comma list of head dims, 'c' suffix for causal")
     args = ap.parse_args()
+    from triton.testing import do_bench  # after the arguments: --help runs without triton
     torch.manual_seed(0)
     for case in args.cases.split(","):
         d, causal = int(case.rstrip("c")), case.endswith("c")

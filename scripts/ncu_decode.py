@@ -8,7 +8,7 @@ driver, not a benchmark): GQA 32:8, hd128, bf16, seqlen_q 1, full contiguous cac
 state (H200, B1 8k: the split kernel wrote back 1.4 MB of it while reading 33.6 MB; 14.5 us
 against 13.9 us after ncu's own flush; docs/PERF_NOTES.md, 2026-12-04).
 """
-import sys
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +18,11 @@ from flash_attn_ext import flash_attn_with_kvcache
 
 
 def main():
-    flush = "--flush-zero" in sys.argv
-    cases = [a for a in sys.argv[1:] if a != "--flush-zero"] or ["B64xN8192", "B1xN8192"]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", nargs="*", default=["B64xN8192", "B1xN8192"], help="BxN decode cases")
+    ap.add_argument("--flush-zero", action="store_true", help="zero a 256 MB buffer before each step")
+    args = ap.parse_args()
+    flush, cases = args.flush_zero, args.cases
     buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda") if flush else None
     for case in cases:
         b, n = (int(x[1:]) for x in case.split("x"))

@@ -8,19 +8,21 @@ A case is BATCHxSEQLENxHEADSxHEADDIM, with a trailing c for causal.
         --section WarpStateStats python scripts/ncu_fwd.py ours 4x4096x16x128 4x4096x16x128c
     ncu --clock-control none --kernel-name 'regex:[Ff]lash' ... python scripts/ncu_fwd.py flash-attn4 ...
 """
-import sys
+import argparse
 
 import torch
 
 
 def main():
-    if len(sys.argv) < 3 or sys.argv[1] not in ("ours", "flash-attn4"):
-        sys.exit(__doc__)
-    if sys.argv[1] == "ours":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("impl", choices=["ours", "flash-attn4"])
+    ap.add_argument("cases", nargs="+", help="BATCHxSEQLENxHEADSxHEADDIM[c]")
+    args = ap.parse_args()
+    if args.impl == "ours":
         from flash_attn_ext import flash_attn_func
     else:
         from flash_attn.cute import flash_attn_func
-    for case in sys.argv[2:]:
+    for case in args.cases:
         causal = case.endswith("c")
         shape = tuple(int(x) for x in case.rstrip("c").split("x"))
         q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))

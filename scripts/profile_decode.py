@@ -8,8 +8,8 @@ the last kernel's end, the time the benchmark's events see. Medians over the cal
 
     python scripts/profile_decode.py B1xN8192 B1xN131072 B8xN32768 B64xN8192 B64xN32768xP16
 """
+import argparse
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,9 @@ def timeline(fn, reps=30):
 
 
 def main():
-    for case in sys.argv[1:] or ["B1xN8192", "B64xN8192"]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", nargs="*", default=["B1xN8192", "B64xN8192"], help="BxN decode cases")
+    for case in ap.parse_args().cases:
         calls, kv_bytes = make_case(case)
         for who, fn in calls.items():
             gap, span, kernels = timeline(fn)

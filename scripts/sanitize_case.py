@@ -10,10 +10,13 @@ the backward's workspace); attention dropout (dense d64-d256 and varlen); ALiBi 
 KV-cache split and paged); for compute-sanitizer
 memcheck / racecheck / synccheck (scripts/gpu_run.sh)."""
 
+import argparse
+
 import torch
 
 import flash_attn_ext
 
+argparse.ArgumentParser(description=__doc__).parse_args()  # --help before any CUDA work
 torch.manual_seed(0)
 paths = [False]
 if torch.cuda.get_device_capability() == (9, 0) and "90a" in flash_attn_ext.build_info()["cuda_archs"]:

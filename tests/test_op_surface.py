@@ -22,6 +22,28 @@ def test_build_info():
     assert isinstance(flash_attn_ext.__version__, str)
 
 
+def test_import_warns_when_sources_are_newer_than_the_build():
+    """A csrc/ file changed after _C was built (an in-place / editable build, sources pulled or
+    edited without a rebuild) is named at import, before a call fails with the dispatcher's
+    "expected at most N argument(s)"; sources older than the build give no warning."""
+    import warnings
+
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_ext.__file__))), "csrc")
+    if not os.path.isdir(csrc):
+        pytest.skip("an installed package without its source tree: nothing to compare")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_attn_ext._warn_if_sources_are_newer()  # the build under test is newer than its sources
+    path = os.path.join(csrc, "flash.h")
+    st = os.stat(path)
+    try:
+        os.utime(path, (st.st_atime, os.path.getmtime(flash_attn_ext._C.__file__) + 10))
+        with pytest.warns(UserWarning, match=r"csrc/flash.h changed after the compiled extension .* rebuild"):
+            flash_attn_ext._warn_if_sources_are_newer()
+    finally:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_opcheck_forward(causal, qkv_factory):
     q, k, v = qkv_factory(2, 37, 70, 4, 2, 32, torch.float32)

@@ -425,3 +425,18 @@ def test_sass_stats_turns_and_loops():
     (first, last, body), = sass_stats.loops(ins)
     assert (first, last) == (3, 10) and len(body) == 8
     assert sass_stats.loops(ins, min_hgmma=5) == []
+
+
+@pytest.mark.parametrize("script", sorted(
+    os.path.relpath(p, REPO) for d in ("scripts", "examples", "benchmarks")
+    for p in __import__("glob").glob(os.path.join(REPO, d, "*.py"))))
+def test_every_script_answers_help(script, tmp_path):
+    """`python <script> --help` prints its usage and exits 0 on a machine without a GPU, writing
+    nothing (examples/pack_minilm.py once wrote a model into a folder named --help; others crashed
+    on a missing triton, a CUDA call or their own argv parsing)."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, os.path.join(REPO, script), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage" in done.stdout.lower()
+    assert os.listdir(tmp_path) == []
