@@ -100,6 +100,14 @@ def _check_positive(flag: str, value, kind: str = "integer") -> None:
         raise BenchmarkError(f"{flag}: expected a positive {kind}, got {value}")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: ...)" only where there is one: a None default is device-dependent, and its
+    help text says what it becomes."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m flash_attn_ext.benchmark",
@@ -108,7 +116,7 @@ def make_parser() -> argparse.ArgumentParser:
                     "anchor sweep (bf16, hdim 64,128, causal both, seqlen 512..16384, 16k tokens, "
                     "nheads 2048/hdim, fwd and bwd); on CPU small sizes (fp32, hdim 64, seqlen "
                     "128..512, batch 2, 4 heads).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu")
     ap.add_argument("--dtype", default=None, help="comma list of bf16, fp16, fp32, fp64 "
                     "[cuda: bf16; cpu: fp32]")
