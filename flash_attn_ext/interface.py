@@ -579,6 +579,10 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
             raise RuntimeError(f"flash_attn_ext: with block_table, {name} must have a contiguous last dimension "
                                f"(stride(-1) == 1; the paged cache is read in place), got strides {t.stride()}")
     _fake_checks.check_devices_dtypes(q, k_cache, v_cache, "k", "v")
+    if v_cache.shape != k_cache.shape or k_cache.shape[-1] != q.shape[-1]:
+        raise RuntimeError(f"flash_attn_ext: with block_table, q has shape {tuple(q.shape)}, k {tuple(k_cache.shape)}, "
+                           f"v {tuple(v_cache.shape)}; expected k and v of one paged layout and one head dim with q "
+                           "(a v head dim of its own is not taken with block_table)")
     if q.shape[-1] % 8:
         raise RuntimeError(f"flash_attn_ext: with block_table, headdim must be a multiple of 8 (the paged caches "
                            f"are read in place, not padded), got {q.shape[-1]}")

@@ -313,6 +313,8 @@ def test_paged_varlen_refusals():
         call(q, torch.cat([kc, kc], dim=-1)[..., ::2], vc, cu_q, cu_k, 5, 20, block_table=table)
     with pytest.raises(RuntimeError, match="v has dtype torch.float64"):
         call(q, kc, vc.double(), cu_q, cu_k, 5, 20, block_table=table)
+    with pytest.raises(RuntimeError, match=r"with block_table, q has shape .* expected k and v of one paged layout"):
+        call(q, kc, vc[:, :, :, :16], cu_q, cu_k, 5, 20, block_table=table)     # named k / v, not k_cache / v_cache
     with pytest.raises(RuntimeError, match="inference only.*and sinks"):
         call(q, kc, vc, cu_q, cu_k, 5, 20, block_table=table, sinks=torch.zeros(2, requires_grad=True))
     import torch.autograd.forward_ad as fwAD
