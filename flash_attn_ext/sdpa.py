@@ -6,13 +6,14 @@ tile by tile with an online softmax (FlashAttention-2, Dao 2023, Alg. 1) so the 
 matrix is never materialised.
 
 What matches torch: argument names and defaults, BHSD shapes, ``is_causal`` semantics (top-left
-aligned, also when L != S), ``enable_gqa`` rules, autocast behaviour (under an enabled autocast
+aligned, also when L != S), ``enable_gqa`` rules (key and value of one head count), autocast behaviour (under an enabled autocast
 region the inputs other than float64 are cast to the autocast dtype, as torch does for this op).
 ``attn_mask`` (boolean, True = take part, or additive 0 / -inf) is taken when it is the same for
 every head and a pattern the kernels compute: key and/or query padding, causal (any diagonal
 offset, top-left included) with padding, sequences packed block-diagonally; it runs as at most
 two varlen calls (flash_attn_ext.masked, the Hugging Face integration's unpadding), and a row
-that sees no key gets 0 (torch: NaN or 0, by version and backend).
+that sees no key gets 0 (torch: NaN or 0, by version and backend; with a finite fill such as the
+dtype's minimum, which counts as masked from -32752 down, torch gives the values' mean).
 What is refused (clear error, never ignored): other masks (per head, additive biases, other
 patterns), ``attn_mask`` with ``is_causal=True`` (as torch), ``dropout_p`` outside [0, 1) (torch takes
 1.0), inputs that are not 4-D, and float32/float64 inputs on CUDA outside autocast (the CUDA kernels are
@@ -141,7 +142,8 @@ def scaled_dot_product_attention(
 
     Raises (before any kernel runs; messages name query/key/value and their BHSD shapes):
         NotImplementedError: an ``attn_mask`` of another pattern, per head, with bias values,
-            requiring grad or batched by vmap, or a nested (jagged) tensor.
+            requiring grad, carrying a forward-mode tangent or batched by vmap, or a nested (jagged)
+            tensor.
         ValueError: ``attn_mask`` with ``is_causal=True``, or not broadcastable to (batch,
             nheads, L, S); inputs not 4-D, mismatched batch/headdim/seqlen, head counts that torch would
             also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0), key/value
@@ -164,6 +166,12 @@ def scaled_dot_product_attention(
         if attn_mask.requires_grad:
             raise NotImplementedError("flash_attn_ext.scaled_dot_product_attention: attn_mask requires grad; gradients "
                                       "with respect to the mask are not computed (detach it, or use torch's SDPA)")
+        # A forward-mode dual (torch.func.jvp / jacfwd, forward_ad) does not require grad: its
+        # tangent would be dropped as silently.
+        if not torch.compiler.is_compiling() and torch.autograd.forward_ad.unpack_dual(attn_mask).tangent is not None:
+            raise NotImplementedError("flash_attn_ext.scaled_dot_product_attention: attn_mask carries a forward-mode "
+                                      "tangent (jvp, jacfwd, forward_ad); derivatives with respect to the mask are not "
+                                      "computed (pass a plain mask, or use torch's SDPA)")
         if not torch.compiler.is_compiling() and torch._C._functorch.is_batchedtensor(attn_mask):
             raise NotImplementedError("flash_attn_ext.scaled_dot_product_attention: vmap over attn_mask is not "
                                       "supported (vmap over query / key / value with one mask is)")

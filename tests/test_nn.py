@@ -455,6 +455,14 @@ def test_sdpa_attn_mask_edges():
     assert scaled_dot_product_attention(meta, meta, meta, attn_mask=keys[:, None, None, :].to("meta")).shape == meta.shape
     with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
         scaled_dot_product_attention(q, q, q, attn_mask=additive.clone().requires_grad_())
+    # A forward-mode tangent on the mask is refused too (its tangent was dropped silently: zeros).
+    with pytest.raises(NotImplementedError, match="attn_mask carries a forward-mode tangent"):
+        torch.func.jvp(lambda m: scaled_dot_product_attention(q, q, q, attn_mask=m), (additive,),
+                       (torch.randn_like(additive),))
+    with torch.autograd.forward_ad.dual_level(), \
+            pytest.raises(NotImplementedError, match="attn_mask carries a forward-mode tangent"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.autograd.forward_ad.make_dual(
+            additive, torch.randn_like(additive)))
     with pytest.raises(NotImplementedError, match="vmap over attn_mask"):
         torch.func.vmap(lambda m: scaled_dot_product_attention(q, q, q, attn_mask=m))(keys[:, None, None, None, :])
 
