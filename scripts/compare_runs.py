@@ -15,7 +15,10 @@ import os
 
 import pandas as pd
 
-KEYS = ["dtype", "hdim", "causal", "case", "mode"]
+KEYS = ["dtype", "hdim", "causal", "case", "config", "mode"]
+# The rest of a case's configuration, so GQA variants, token counts and head counts of one
+# (dtype, hdim, causal, seqlen) stay apart instead of pooling into one median.
+CONFIG_COLUMNS = ["gqa", "batch", "nheads", "nheads_k", "tokens", "n_seqs", "min_len"]
 
 
 def load(dirs, impl):
@@ -41,8 +44,12 @@ def load(dirs, impl):
                 case[decode] += dec["timing"].map(lambda t: " graph" if t == "graph" else "")
             speed[decode] = dec["tbps"]
         causal = df["causal"].astype(object).where(~decode, "-") if "causal" in df else "-"
+        config = pd.Series("", index=df.index)
+        for col in (c for c in CONFIG_COLUMNS if c in df):
+            values = pd.to_numeric(df[col], errors="coerce")
+            config += values.map(lambda x, col=col: "" if pd.isna(x) else f"{col}={int(x)} ")
         frames.append(pd.DataFrame({"dtype": df["dtype"], "hdim": df["hdim"], "causal": causal, "case": case,
-                                    "mode": df["mode"], "speed": speed, "run": i}))
+                                    "config": config.str.strip(), "mode": df["mode"], "speed": speed, "run": i}))
     runs = pd.concat(frames)
     grouped = runs.groupby(KEYS)["speed"]
     return pd.DataFrame({"median": grouped.median(), "spread": grouped.max() / grouped.min()})

@@ -11,8 +11,12 @@ and dtype run; issue 14, decode B1 Nk 8k >= 2.0, B1 128k >= 3.9, B8 32k >= 4.2, 
 (each timing the runs have, eager calls or CUDA graph replays, its own cells), paged (page 16, 64,
 256) >= 0.90x contiguous at B1 128k and B64 32k; issue 15, the backward at N = 8k: hdim 128 >= 430
 non-causal, >= 400 causal, hdim 64 >= 420, hdim 96 / 192 / 256 >= SDPA cuDNN. The issues ask for
-these on the H200: the device of each run is printed, and a cell measured on another GPU is no
-verdict on them. Several runs of one cell (rounds, repeated sweeps): their median.
+these on the H200: the device of each run is printed, runs of different GPUs are refused (their
+cells would pool), and verdicts from another GPU than the H200 are marked so. Only the issues'
+configuration counts: dense rows of 16384 tokens (batch x seqlen) and 2048 / hdim heads without GQA,
+decode rows of GQA 32:8 (a column a run lacks does not filter). A cell where ours' error exceeds
+twice standard attention's in the same run (the accuracy rule, on the benchmark's reduced problem)
+is WRONG, whatever its speed. Several runs of one cell (rounds, repeated sweeps): their median.
 """
 
 import argparse
@@ -28,12 +32,17 @@ PAGED_CASES = [(1, 131072), (64, 32768)]
 BWD_BARS = {(128, False): 430.0, (128, True): 400.0, (64, False): 420.0, (64, True): 420.0}
 
 
+ERR_FACTOR = 2.0  # the accuracy rule: ours' error <= 2 x standard attention's in the inputs' dtype
+ERR_ATOL = 1e-3   # slack for cells where standard attention happens to be near exact
+
+
 def load(dirs):
-    """All ok rows of the runs in `dirs`, and each run's device name."""
+    """All ok rows of the runs in `dirs` in the issues' configuration (anchor), and each run's
+    device name ("dir: name")."""
     frames, devices = [], []
     for d in dirs:
         df = pd.read_csv(os.path.join(d, "results.csv"))
-        frames.append(df[df["status"] == "ok"])
+        frames.append(anchor(df[df["status"] == "ok"]))
         env_path = os.path.join(d, "results.json")
         if os.path.exists(env_path):
             with open(env_path) as f:
@@ -42,7 +51,55 @@ def load(dirs):
     return pd.concat(frames, ignore_index=True), devices
 
 
+def anchor(df):
+    """The rows of the issues' configuration: dense (fwd / bwd) rows of 16384 tokens, 2048 / hdim
+    heads, no GQA; decode rows of GQA 32:8. A column the run lacks (or leaves empty) keeps the row."""
+    def num(col):
+        return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(float("nan"), index=df.index)
+
+    def ok(cond, col_values):
+        return cond | col_values.isna()
+
+    mode = df["mode"].astype(str) if "mode" in df else pd.Series("", index=df.index)
+    dense, dec = mode.isin(["fwd", "bwd", "fwd_bwd"]), mode == "decode"
+    gqa, batch, seqlen, nheads, nheads_k, hdim = (num(c) for c in ("gqa", "batch", "seqlen", "nheads", "nheads_k",
+                                                                   "hdim"))
+    keep = (~dense | (ok(gqa == 1, gqa) & ok(batch * seqlen == 16384, batch * seqlen)
+                      & ok(nheads * hdim == 2048, nheads * hdim)))
+    keep &= ~dec | (ok(nheads == 32, nheads) & ok(nheads_k == 8, nheads_k))
+    return df[keep]
+
+
+def mark_wrong(df):
+    """df with a bool column `wrong`: on ours' rows of a case (its keys as the CSV spells them)
+    where ours' error is above ERR_FACTOR x standard attention's + ERR_ATOL in the same rows' data;
+    False where a run has no error column or no standard row."""
+    df = df.assign(wrong=False)
+    if "err" not in df or "standard" not in set(df["impl"]):
+        return df
+    keys = [k for k in ("mode", "dtype", "hdim", "causal", "gqa", "seqlen", "batch", "nheads", "nheads_k",
+                        "seqlen_k", "page_size") if k in df]
+    spelled = df[keys].astype(str).apply(tuple, axis=1)
+    err = pd.to_numeric(df["err"], errors="coerce")
+    std = err[df["impl"] == "standard"].groupby(spelled[df["impl"] == "standard"]).max()
+    limit = spelled.map(std) * ERR_FACTOR + ERR_ATOL
+    df["wrong"] = (df["impl"] == OURS) & (err > limit)
+    return df
+
+
 def _speed(df, impl, metric, **keys):
+    """The median of `metric` over impl's rows of the cell `keys` (None if none), or "WRONG" where one
+    of those rows failed the accuracy rule (mark_wrong)."""
+    sel = _select(df, impl, **keys)
+    if sel is None:
+        return None
+    if "wrong" in sel and sel["wrong"].any():
+        return "WRONG"
+    vals = sel[metric].dropna()
+    return float(vals.median()) if len(vals) else None
+
+
+def _select(df, impl, **keys):
     sel = df[df["impl"] == impl]
     for k, v in keys.items():
         if k not in sel:
@@ -52,13 +109,15 @@ def _speed(df, impl, metric, **keys):
             sel = sel[(col.fillna(0) if k == "page_size" else col) == v]
         else:  # strings and bools, as the CSV spells them
             sel = sel[sel[k].astype(str) == str(v)]
-    vals = sel[metric].dropna()
-    return float(vals.median()) if len(vals) else None
+    return sel
 
 
 def _cell(rows, issue, cell, ours, peer=None, ratio_bar=None, bar=None):
-    """One row: ours against a peer's speed (ours / peer >= ratio_bar) or an absolute bar."""
-    if ours is None or (ratio_bar is not None and peer is None):
+    """One row: ours against a peer's speed (ours / peer >= ratio_bar) or an absolute bar; WRONG
+    where ours failed the accuracy rule in the cell (no speed counts then)."""
+    if ours == "WRONG":
+        rows.append((issue, cell, "-", "-", "-", "WRONG (error above 2x standard attention's)"))
+    elif ours is None or (ratio_bar is not None and peer is None):
         rows.append((issue, cell, "-", "-", "-", "not measured"))
     elif ratio_bar is not None:
         ratio = ours / peer
@@ -70,6 +129,7 @@ def _cell(rows, issue, cell, ours, peer=None, ratio_bar=None, bar=None):
 def bars(df):
     """The rows (issue, cell, ours, bar or peer, ratio, verdict) of every cell the issues name."""
     rows = []
+    df = mark_wrong(df)
     dense = df[df["mode"].isin(["fwd", "bwd"])] if "mode" in df else df.iloc[:0]
     dtypes = sorted(dense["dtype"].dropna().unique()) if len(dense) else ["bf16"]
     # Issue 13: the forward.
@@ -120,9 +180,15 @@ def main(argv=None):
     ap.add_argument("--all", action="store_true", help="also list the cells no run measured")
     args = ap.parse_args(argv)
     df, devices = load(args.dirs)
-    table = bars(df)
+    names = {line.split(": ", 1)[1] for line in devices}
     for line in devices:
         print("device of", line)
+    if len(names) > 1:
+        print(f"runs of different GPUs ({', '.join(sorted(names))}) would pool into one cell: pass one GPU's runs")
+        return 2
+    if names and not any("H200" in n for n in names):
+        print("NOTE: the issues ask for the H200; these verdicts are of another GPU")
+    table = bars(df)
     shown = table if args.all else table[table["verdict"] != "not measured"]
     if shown.empty:
         print("no cell of the issues' bars in these runs")

@@ -177,8 +177,10 @@ def test_failing_implementation_becomes_a_status(exc, status, mode):
 
 
 def test_measure_interleaved_rotates_and_reports_the_median(monkeypatch):
-    """--rounds: round r times the implementations in the order rotated by r; each row is the
-    median-time round's, with ms_spread = max / min; a failed implementation is not timed again."""
+    """--rounds: round r times the implementations in the order rotated by r // 2, reversed in odd
+    rounds (each gets other neighbours; a rotation alone left two implementations in one order);
+    each row is the median-time round's, with ms_spread = max / min; a failed implementation is not
+    timed again."""
     from flash_attn_ext.bench import timing
     script = {"a": [3.0, 1.0, 2.0], "b": [5.0, 5.5, 4.0], "c": [None]}
     order = []
@@ -193,7 +195,13 @@ def test_measure_interleaved_rotates_and_reports_the_median(monkeypatch):
     monkeypatch.setattr(timing, "measure", fake_measure)
     impls = [benchmark.Impl(name, None) for name in "abc"]
     out = benchmark.measure_interleaved(impls, None, "fwd", None, rounds=3)
-    assert order == ["a", "b", "c", "b", "a", "a", "b"]
+    assert order == ["a", "b", "c", "b", "a", "b", "a"]  # abc, cba (c failed), bca
+    order.clear()
+    script.update(a=[1.0, 1.0, 1.0, 1.0], b=[1.0, 1.0, 1.0, 1.0])
+    benchmark.measure_interleaved(impls[:2], None, "fwd", None, rounds=4)
+    assert order == ["a", "b", "b", "a", "b", "a", "a", "b"]
+    order.clear()
+    script.update(a=[3.0, 1.0, 2.0], b=[5.0, 5.5, 4.0])
     assert out["a"]["ms"] == 2.0 and out["a"]["tflops"] == 0.5 and out["a"]["ms_spread"] == 3.0
     assert out["b"]["ms"] == 5.0 and out["b"]["ms_spread"] == pytest.approx(5.5 / 4.0)
     assert out["c"]["status"] == "error" and math.isnan(out["c"]["ms_spread"])

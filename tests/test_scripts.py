@@ -3,6 +3,7 @@ scripts/gpu_ab_tune.sh) on synthetic tune_kernels.py outputs, scripts/compare_ru
 scripts/gpu_ab.sh) on synthetic benchmark results, and the -D flags benchmarks/tune_kernels.py
 compiles a variant with."""
 
+import json
 import os
 import subprocess
 import sys
@@ -440,3 +441,52 @@ def test_every_script_answers_help(script, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower()
     assert os.listdir(tmp_path) == []
+
+
+def test_issue_bars_anchor_device_and_accuracy(tmp_path):
+    """issue_bars counts only the issues' configuration (a GQA row or another token count does not
+    pool into the cell: a reviewer's synthetic run turned 500 / 550 into a PASS that way), marks a
+    cell WRONG where ours' error is above 2x standard attention's, and refuses runs of two GPUs."""
+    header = "dtype,hdim,causal,gqa,mode,impl,status,tflops,seqlen,batch,nheads,nheads_k,err\n"
+    rows = [
+        "bf16,64,False,1,fwd,flash_attn_ext,ok,500,4096,4,32,32,0.001",
+        "bf16,64,False,1,fwd,flash-attn4,ok,550,4096,4,32,32,0.001",
+        "bf16,64,False,4,fwd,flash_attn_ext,ok,700,4096,4,32,8,0.001",     # GQA: not the issue's cell
+        "bf16,64,False,1,fwd,flash_attn_ext,ok,900,4096,2,32,32,0.001",    # 8k tokens: likewise
+        "bf16,128,False,1,fwd,flash_attn_ext,ok,700,8192,2,16,16,0.5",     # fast but wrong
+        "bf16,128,False,1,fwd,flash-attn4,ok,650,8192,2,16,16,0.001",
+        "bf16,128,False,1,fwd,standard,ok,100,8192,2,16,16,0.002",
+    ]
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import issue_bars
+    finally:
+        sys.path.pop(0)
+    for name, device in (("a", "NVIDIA H200"), ("b", "NVIDIA H100 80GB HBM3")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.csv").write_text(header + "\n".join(rows) + "\n")
+        (tmp_path / name / "results.json").write_text(json.dumps({"environment": {"device_name": device}}))
+    df, _ = issue_bars.load([str(tmp_path / "a")])
+    verdict = issue_bars.bars(df).set_index("cell")["verdict"].to_dict()
+    assert verdict["fwd bf16 hd64 N=4096 / flash-attn4"] == "FAIL"          # 500 / 550, the GQA row left out
+    assert verdict["fwd bf16 hd128 N=8192 / flash-attn4"].startswith("WRONG")
+    assert issue_bars.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+
+
+def test_compare_runs_keeps_gqa_and_token_counts_apart(tmp_path):
+    """Rows of one (dtype, hdim, causal, seqlen, mode) with another GQA ratio or batch are separate
+    cases (they once pooled into one median, and the spread column showed the configurations'
+    difference as noise)."""
+    header = "dtype,hdim,causal,gqa,mode,impl,status,tflops,seqlen,batch\n"
+
+    def results(path, speeds):
+        path.mkdir()
+        rows = [f"bf16,128,False,{g},fwd,flash_attn_ext,ok,{t},4096,{b}\n" for (g, b), t in speeds.items()]
+        (path / "results.csv").write_text(header + "".join(rows))
+        return str(path)
+
+    old = results(tmp_path / "old", {(1, 4): 500.0, (4, 4): 700.0, (1, 2): 300.0})
+    new = results(tmp_path / "new", {(1, 4): 550.0, (4, 4): 700.0, (1, 2): 300.0})
+    r = _compare_runs(old, new)
+    assert r.returncode == 0, r.stderr
+    assert "over 3 cases: min 1.000, median 1.000, max 1.100" in r.stdout

@@ -323,7 +323,9 @@ def measure(impl: Impl, p: Problem, mode: str, timer: Timer) -> dict:
 def measure_interleaved(impls: list[Impl], p, mode: str, timer: Timer, rounds: int = 1,
                         before: Callable[[Impl, int], None] | None = None) -> dict[str, dict]:
     """measure() of every implementation on one case, ``rounds`` times, interleaved: round r times
-    them in the order rotated by r, so none always runs first or right after the same neighbour
+    them in the given order rotated by r // 2 and, in odd rounds, reversed (abc, cba, bca, acb, ...),
+    so none always runs first or right after the same neighbour (one round: the given order, ours
+    first)
     (GPU clocks and temperature drift over a case; one timed run of each moved single ratios by up
     to 6 % between runs on the H200). Returns {impl.name: row}: the implementation's median-time
     round (the lower median for an even count), with ``ms_spread`` = max / min ms over its rounds
@@ -334,8 +336,8 @@ def measure_interleaved(impls: list[Impl], p, mode: str, timer: Timer, rounds: i
     runs: dict[str, list[dict]] = {impl.name: [] for impl in impls}
     n = len(impls)
     for r in range(rounds):
-        for k in range(n):
-            impl = impls[(k + r) % n]
+        order = [impls[(k + r // 2) % n] for k in range(n)]
+        for impl in order[::-1] if r % 2 else order:
             done = runs[impl.name]
             if any(m["status"] != "ok" for m in done):
                 continue
