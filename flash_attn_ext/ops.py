@@ -59,7 +59,7 @@ import torch
 
 from . import _C  # noqa: F401  (defines the ops)
 from . import _fake_checks as _checks
-from .reference import alibi_bias, visible_mask
+from .reference import alibi_bias, alibi_of_sequence, visible_mask
 
 forward = torch.ops.flash_attn_ext.forward
 backward = torch.ops.flash_attn_ext.backward
@@ -849,9 +849,6 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
         max_seqlen_q, max_seqlen_k, softmax_scale, causal = ctx.args
         alibi_slopes = _saved_alibi(ctx, saved, 8)
         alibi_t = scalar_tangents[12] if ctx.has_alibi else None
-
-        def per_sequence(slopes, b):  # (nheads,) serve every sequence; (batch, nheads): row b
-            return slopes if slopes is None or slopes.dim() == 1 else slopes[b]
         out_t = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for b in range(len(cq) - 1):
@@ -863,7 +860,7 @@ class FlashAttnVarlenFunction(torch.autograd.Function):
                 out_t[q0:q1] = attention_jvp(seq(q, q0, q1), seq(k, k0, k1), seq(v, k0, k1), seq(q_t, q0, q1),
                                              seq(k_t, k0, k1), seq(v_t, k0, k1), softmax_scale, causal, *ctx.window,
                                              sinks, sinks_t, ctx.softcap,
-                                             per_sequence(alibi_slopes, b), per_sequence(alibi_t, b))[0]
+                                             alibi_of_sequence(alibi_slopes, b), alibi_of_sequence(alibi_t, b))[0]
         return out_t, None, None
 
 

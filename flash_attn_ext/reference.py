@@ -152,6 +152,12 @@ def attention_ref(
     return out, lse.float()
 
 
+def alibi_of_sequence(alibi_slopes, b: int):
+    """The slopes (or their tangents) sequence b of a varlen / KV-cache batch runs with alone: a
+    (nheads,) tensor serves every sequence, row b of a (batch, nheads) one; None stays None."""
+    return alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+
+
 def alibi_bias(alibi_slopes: torch.Tensor, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
                dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """ALiBi's bias (Press et al. 2022; flash-attn's alibi_slopes), (batch or 1, nheads, seqlen_q,
@@ -255,9 +261,7 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
             lses.append(torch.full((q.shape[1], q0 - covered), float("inf"), device=q.device))
         o, lse = attention_ref(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0),
                                softmax_scale, causal, upcast, ref_dtype, window_size, sinks, softcap, dropout_p,
-                               rng_state, b,
-                               None if alibi_slopes is None else alibi_slopes if alibi_slopes.dim() == 1
-                               else alibi_slopes[b])
+                               rng_state, b, alibi_of_sequence(alibi_slopes, b))
         outs.append(o[0])
         lses.append(lse[0])
         covered = q1
@@ -290,9 +294,9 @@ def attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=None, block_table=N
         else:
             kb, vb = k_cache[b], v_cache[b]
         n = kb.shape[0] if cache_seqlens is None else int(cache_seqlens[b])
-        slopes = None if alibi_slopes is None else alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
         o, lse = attention_ref(q[b:b + 1], kb[:n].unsqueeze(0), vb[:n].unsqueeze(0), softmax_scale, causal,
-                               upcast, ref_dtype, window_size, sinks, softcap, alibi_slopes=slopes)
+                               upcast, ref_dtype, window_size, sinks, softcap,
+                               alibi_slopes=alibi_of_sequence(alibi_slopes, b))
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 0), torch.cat(lses, 0)

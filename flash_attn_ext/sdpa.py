@@ -6,8 +6,9 @@ tile by tile with an online softmax (FlashAttention-2, Dao 2023, Alg. 1) so the 
 matrix is never materialised.
 
 What matches torch: argument names and defaults, BHSD shapes, ``is_causal`` semantics (top-left
-aligned, also when L != S), ``enable_gqa`` rules (key and value of one head count), autocast behaviour (under an enabled autocast
-region the inputs other than float64 are cast to the autocast dtype, as torch does for this op).
+aligned, also when L != S), ``enable_gqa`` rules (key and value of one head count), autocast
+behaviour (under an enabled autocast region the inputs other than float64 are cast to the autocast
+dtype, as torch does for this op).
 ``attn_mask`` (boolean, True = take part, or additive 0 / -inf) is taken when it is the same for
 every head and a pattern the kernels compute: key and/or query padding, causal (any diagonal
 offset, top-left included) with padding, sequences packed block-diagonally; it runs as at most

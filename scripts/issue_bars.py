@@ -16,7 +16,8 @@ cells would pool), and verdicts from another GPU than the H200 are marked so. On
 configuration counts: dense rows of 16384 tokens (batch x seqlen) and 2048 / hdim heads without GQA,
 decode rows of GQA 32:8 (a column a run lacks does not filter). A cell where ours' error exceeds
 twice standard attention's in the same run (the accuracy rule, on the benchmark's reduced problem;
-only where the run has an ok row of the `standard` peer) is WRONG, whatever its speed. Several runs of one cell (rounds, repeated sweeps): their median.
+only where the run has an ok row of the `standard` peer) is WRONG, whatever its speed. Several runs
+of one cell (rounds, repeated sweeps): their median.
 """
 
 import argparse
