@@ -209,7 +209,7 @@ def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     nor the output's other columns, and autograd takes the gradients back through the pad.
     Returns (q, k, v, the output's head dim: v's); ``_cut`` cuts the output back. The ops
     themselves take neither (a clear error names the argument)."""
-    q, k, v = (t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = _maybe_contiguous(q, k, v)
     if min(q.dim(), k.dim(), v.dim()) < 3:
         return q, k, v, v.shape[-1] if v.dim() else 0  # the op's rank check names the argument
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -222,6 +222,12 @@ def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     d = -(-max(d_qk, d_v) // 8) * 8
     q, k, v = (t if t.shape[-1] == d else torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
     return q, k, v, d_v
+
+
+def _maybe_contiguous(*tensors):
+    """flash-attn's maybe_contiguous: each tensor whose last dimension has a stride other than 1
+    copied contiguous (None and 0-d tensors as they are)."""
+    return tuple(t if t is None or t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 def _cut(out: torch.Tensor, d: int) -> torch.Tensor:
@@ -971,9 +977,8 @@ def flash_attn_with_kvcache(
             raise RuntimeError("flash_attn_ext: cache_batch_idx with cache_leftpad is not supported; pass one of "
                                "them (index the cache's entries first, e.g. k_cache[cache_batch_idx])")
         block_table = _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache)
-    # A last dim of another stride copied contiguous first, as flash-attn's maybe_contiguous (the
-    # caches themselves are written in place: they must have one).
-    q, k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # The caches are written in place: they must have a contiguous last dim; q, k, v are copied.
+    q, k, v = _maybe_contiguous(q, k, v)
     if rotary_cos is not None or rotary_sin is not None:
         _fake_checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 0, cache_leftpad)
         q, k = _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved, cache_seqlens, block_table, k_cache,
