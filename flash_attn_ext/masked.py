@@ -49,6 +49,18 @@ def assert_in_graph(ok: torch.Tensor, msg: str) -> None:
     torch._assert_async(ok, msg)
 
 
+def refuse_mask_derivatives(mask: torch.Tensor, who: str, way_out: str) -> None:
+    """An attention mask is a constant here (no derivative is computed for it): one that requires
+    grad, or carries a forward-mode tangent (torch.func.jvp / jacfwd, forward_ad duals, which do
+    not require grad), is refused rather than given none. ``who``: "<entry>: <argument>"."""
+    if mask.requires_grad:
+        raise NotImplementedError(f"{who} requires grad; gradients with respect to the mask are not computed "
+                                  f"({way_out})")
+    if not torch.compiler.is_compiling() and torch.autograd.forward_ad.unpack_dual(mask).tangent is not None:
+        raise NotImplementedError(f"{who} carries a forward-mode tangent (jvp, jacfwd, forward_ad); derivatives "
+                                  f"with respect to the mask are not computed ({way_out})")
+
+
 def allowed_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Boolean 'may attend' tensor from a boolean or additive float mask (0 = attend, <= BLOCKED =
     masked; anything else is a bias: MaskNotSupported, eagerly, or a device-side assert under

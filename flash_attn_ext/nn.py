@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .interface import _dropout_p, _window, flash_attn_func
-from .masked import MaskNotSupported, allowed_from_mask, assert_in_graph, masked_attention
+from .masked import MaskNotSupported, allowed_from_mask, assert_in_graph, masked_attention, refuse_mask_derivatives
 from .reference import visible_mask
 from .sdpa import _autocast_and_check_dtype
 
@@ -371,9 +371,7 @@ class MultiheadFlashAttention(nn.Module):
             raise NotImplementedError(
                 f"MultiheadFlashAttention: {name} with a sliding window in a non-causal call is not supported; "
                 f"pass {name}=None or use backend='torch_sdpa'")
-        if mask.requires_grad:
-            raise NotImplementedError(f"MultiheadFlashAttention: {name} requires grad; gradients with respect to "
-                                      "it are not computed (detach it)")
+        refuse_mask_derivatives(mask, f"MultiheadFlashAttention: {name}", "pass a plain (detached) mask")
         if mask.dtype == torch.bool:
             return ~mask
         try:

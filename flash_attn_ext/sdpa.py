@@ -164,15 +164,10 @@ def scaled_dot_product_attention(
             raise TypeError(
                 "flash_attn_ext.scaled_dot_product_attention: attn_mask must be a bool or floating "
                 f"tensor, got {attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__}")
-        if attn_mask.requires_grad:
-            raise NotImplementedError("flash_attn_ext.scaled_dot_product_attention: attn_mask requires grad; gradients "
-                                      "with respect to the mask are not computed (detach it, or use torch's SDPA)")
-        # A forward-mode dual (torch.func.jvp / jacfwd, forward_ad) does not require grad: its
-        # tangent would be dropped as silently.
-        if not torch.compiler.is_compiling() and torch.autograd.forward_ad.unpack_dual(attn_mask).tangent is not None:
-            raise NotImplementedError("flash_attn_ext.scaled_dot_product_attention: attn_mask carries a forward-mode "
-                                      "tangent (jvp, jacfwd, forward_ad); derivatives with respect to the mask are not "
-                                      "computed (pass a plain mask, or use torch's SDPA)")
+        from .masked import refuse_mask_derivatives
+
+        refuse_mask_derivatives(attn_mask, "flash_attn_ext.scaled_dot_product_attention: attn_mask",
+                                "pass a plain (detached) mask, or use torch's SDPA")
         if not torch.compiler.is_compiling() and torch._C._functorch.is_batchedtensor(attn_mask):
             raise NotImplementedError("flash_attn_ext.scaled_dot_product_attention: vmap over attn_mask is not "
                                       "supported (vmap over query / key / value with one mask is)")

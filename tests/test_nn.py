@@ -829,3 +829,17 @@ def test_sdpa_all_masked_forward_ad_tangent_is_zero():
         out = scaled_dot_product_attention(fwAD.make_dual(q, torch.randn_like(q)), k, v, attn_mask=mask)
         tangent = fwAD.unpack_dual(out).tangent
     assert tangent is not None and torch.equal(tangent, torch.zeros_like(tangent))
+
+
+def test_mha_mask_derivatives_are_refused():
+    """MultiheadFlashAttention's key_padding_mask / attn_mask are constants: one that requires grad or
+    carries a forward-mode tangent is refused (masked.refuse_mask_derivatives, shared with the SDPA
+    drop-in), not given no derivative."""
+    m = MultiheadFlashAttention(32, 4)
+    x = _randn(2, 6, 32, seed=3)
+    kpm = torch.zeros(2, 6)
+    kpm[0, 4:] = float("-inf")
+    with pytest.raises(NotImplementedError, match="key_padding_mask requires grad"):
+        m(x, x, x, key_padding_mask=kpm.clone().requires_grad_())
+    with pytest.raises(NotImplementedError, match="key_padding_mask carries a forward-mode tangent"):
+        torch.func.jvp(lambda k: m(x, x, x, key_padding_mask=k)[0], (kpm,), (torch.randn_like(kpm),))
