@@ -58,6 +58,16 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// Box at coordinates (c0..c3) of `map` fetched into L2 only (no shared memory, no barrier): a hint
+// that a later tma_load_4d of the same box finds its lines on chip or on their way.
+__device__ __forceinline__ void tma_prefetch_l2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                                   uint64_t l2_policy) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile.L2::cache_hint [%0, {%1, %2, %3, %4}], %5;\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "l"(l2_policy)
+               : "memory");
+}
+
 // L2 eviction priorities of TMA reads (createpolicy): Q is read once per CTA (evict first), K/V
 // by every Q tile of the head (evict last).
 __device__ __forceinline__ uint64_t l2_policy_evict_first() {

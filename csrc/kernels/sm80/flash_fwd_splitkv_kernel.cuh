@@ -106,14 +106,51 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const uint32_t sQ = Traits::kTma ? sRing + 2 * kStages * kTileBytes : smem_base;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const SplitKvWork<kBlockM, kBlockN> w(params);
+  using Work = SplitKvWork<kBlockM, kBlockN>;
+  const int4 coords = Work::decode(params);  // (sequence, kv head, row tile, split): blockIdx.x alone
+  // Evict-first only where no other CTA reads these K/V rows (one packed row tile per kv head).
+  const uint64_t kv_policy =
+      l2_policy_stream(Traits::kEvictFirst && Work::num_row_tiles(params) == 1, params.kv_stream_exceeds_l2);
+
+  // ---- Launch latency. A decode step's split grid is one short wave (B1 x Nk 8k: 8 key tiles per
+  // CTA), so the chain before its first K/V bytes land is a good part of its span: cache_seqlens
+  // (the key range depends on it), then the tensor maps, then the tile itself, each a DRAM round
+  // trip after the benchmark's flush. Before reading cache_seqlens: let the combine grid launch
+  // (it waits for this grid's end before it reads: grid_dependency_wait; its CTAs launch once
+  // every CTA of this grid has run this, so they never keep one of ours from an SM), fetch the
+  // maps into the TMA unit, and, for a contiguous cache without a left pad or window, prefetch
+  // into L2 the first kSpecTiles key tiles this split gets if the cache is full (a decode step's
+  // usual case; otherwise up to kSpecTiles x 2 x kBlockN x d x 2 bytes per CTA read for nothing).
+  // H100, decode as CUDA graphs, against none of this: B1 x Nk 8k +2.4 % with one tile, +2.0 % with
+  // two, +-0 with the maps and the launch alone; B1 128k, B8 32k, B64 8k / 32k within +-0.4 %
+  // (docs/PERF_NOTES.md, 2026-12-06, twenty-seventh session).
+  grid_dependency_launch_dependents();
+  if constexpr (Traits::kTma) {
+    constexpr int kSpecTiles = 1;
+    if (tid == 0) {
+      tma_prefetch_map(&maps.k);
+      tma_prefetch_map(&maps.v);
+      if (kSpecTiles > 0 && !kLocal && params.block_table == nullptr && params.leftpad_k == nullptr) {
+        const int n_cap = ceil_div(params.seqlen_k, kBlockN);
+        const int n_spec = int(int64_t(coords.w) * n_cap / params.num_splits);
+        const int n_spec_end = int(int64_t(coords.w + 1) * n_cap / params.num_splits);
+#pragma unroll
+        for (int t = 0; t < kSpecTiles; ++t) {
+          if (n_spec + t >= n_spec_end) break;
+#pragma unroll
+          for (int cb = 0; cb < Traits::kHeadDimPad / 64; ++cb) {
+            tma_prefetch_l2_4d(&maps.k, 64 * cb, (n_spec + t) * kBlockN, coords.y, coords.x, kv_policy);
+            tma_prefetch_l2_4d(&maps.v, 64 * cb, (n_spec + t) * kBlockN, coords.y, coords.x, kv_policy);
+          }
+        }
+      }
+    }
+  }
+
+  const Work w(params, coords);
   const int n_tiles = w.n_end > w.n_begin ? w.n_end - w.n_begin : 0;
   const float scale_log2 = params.scale_softmax_log2;
   const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
-  // Evict-first only where no other CTA reads these K/V rows (one packed row tile per kv head).
-  const uint64_t kv_policy =
-      l2_policy_stream(Traits::kEvictFirst && SplitKvWork<kBlockM, kBlockN>::num_row_tiles(params) == 1,
-                       params.kv_stream_exceeds_l2);
   const uint32_t bar0 = smem_u32addr(&stage_full[0]);
 
   // K and V tiles of step t (0-based within the split) into ring buffer t % kStages.
@@ -291,9 +328,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
     }
   }
-
-  // The combine kernel (num_splits > 1) may launch now; it waits for this grid's end to read.
-  grid_dependency_launch_dependents();
 
   // ---- Merge the warps' partials (the combine rule on the warps' key slices), over the ring.
   cp_async_wait<0>();
