@@ -15,9 +15,9 @@ these on the H200: the device of each run is printed, runs of different GPUs are
 cells would pool), and verdicts from another GPU than the H200 are marked so. Only the issues'
 configuration counts: dense rows of 16384 tokens (batch x seqlen) and 2048 / hdim heads without GQA,
 decode rows of GQA 32:8 (a column a run lacks does not filter). A cell where ours' error exceeds
-twice standard attention's in the same run (the accuracy rule, on the benchmark's reduced problem;
-only where the run has an ok row of the `standard` peer) is WRONG, whatever its speed. Several runs
-of one cell (rounds, repeated sweeps): their median.
+twice standard attention's in the same run (the accuracy rule, on a slice of the benchmark's timed
+call; only where the run has an ok row of the `standard` peer) is WRONG, whatever its speed.
+Several runs of one cell (rounds, repeated sweeps): their median.
 """
 
 import argparse

@@ -172,7 +172,7 @@ def test_failing_implementation_becomes_a_status(exc, status, mode):
     row = benchmark.measure(benchmark.Impl("broken", _raising(exc)), p, mode, timer)
     assert row["status"] == status
     assert math.isnan(row["ms"]) and math.isnan(row["tflops"])
-    errs = benchmark.measure_errors([benchmark.Impl("broken", _raising(exc))], p, True, 1 << 20)
+    errs = benchmark.measure_errors([benchmark.Impl("broken", _raising(exc))], p, True, 1 << 20, 2)
     assert math.isnan(errs["broken"]["err_out"]) and status in errs["broken"]["err_note"]
 
 
@@ -615,3 +615,149 @@ def test_decode_and_varlen_cli_cuda_smoke(tmp_path):
 def test_peer_named_twice_is_measured_once():
     args = cli.make_parser().parse_args(["--device", "cpu", "--peers", "standard,sdpa-math,standard"])
     assert cli.resolve_args(args).peers == ["standard", "sdpa-math"]
+
+
+# ---- errors on the timed call -----------------------------------------------------------------
+
+def test_error_slice_is_the_reference_of_those_rows():
+    """err_slice: set 0's batch item 0 (decode: the first 2 sequences, a paged cache's pages
+    alone; varlen: every sequence) and first KV heads with their query heads; the float64
+    reference of the slice is the slice of the whole problem's reference, gradients included
+    (batch items and KV-head groups do not interact)."""
+    cpu = torch.device("cpu")
+    close = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    p = benchmark.Problem.make(3, 24, 6, 3, 16, True, torch.float32, cpu, n_sets=2)
+    s = p.err_slice(2)
+    assert (s.batch, s.nheads, s.nheads_k, len(s.sets)) == (1, 4, 2, 1)
+    q, k, v, dout = p.sets[0]
+    assert all(torch.equal(a, b) for a, b in zip(s.sets[0], (q[:1, :, :4], k[:1, :, :2], v[:1, :, :2],
+                                                             dout[:1, :, :4])))
+    (out, grads), (full_out, full_grads) = (benchmark.reference_chunked(x, True) for x in (s, p))
+    close(out, full_out[:1, :, :4])
+    for g, full in zip(grads, full_grads):
+        close(g, full[:1, :, :g.shape[2]])
+    d = benchmark.DecodeProblem.make(3, 40, 4, 2, 8, 16, torch.float32, cpu, cuda_graph=True)
+    ds = d.err_slice(1)
+    assert (ds.batch, ds.nheads, ds.nheads_k, ds.cuda_graph) == (2, 2, 1, False)
+    assert ds.sets[0][1].shape == (6, 16, 1, 8) and ds.block_table.shape == (2, 3)
+    assert torch.equal(ds.block_table.flatten().argsort(), d.block_table[:2].flatten().argsort())
+    for part, full in zip(ds.contiguous_cache(), d.contiguous_cache()):
+        assert torch.equal(part, full[:2, :, :1])
+    close(benchmark.reference_chunked(ds, False)[0], benchmark.reference_chunked(d, False)[0][:2, :, :2])
+    vp = benchmark.VarlenProblem.make([10, 20, 7], 4, 2, 16, True, torch.float32, cpu)
+    vs = vp.err_slice(1)
+    assert vs.sets[0][0].shape == (37, 2, 16) and vs.sets[0][1].shape == (37, 1, 16)
+    (out, grads), (full_out, full_grads) = (benchmark.reference_chunked(x, True) for x in (vs, vp))
+    close(out, full_out[:, :2])
+    for g, full in zip(grads, full_grads):
+        close(g, full[:, :g.shape[1]])
+
+
+def _wrong_beyond_the_slice(f, rows=None):
+    """``f`` (an entry called with q, k, v first) with its output doubled at index 0 of dim 0
+    (batch item 0; varlen: the first token) where the call is larger than the errors' slice at
+    --err-kv-heads 2: more than 2 KV heads or (``rows``) more than ``rows`` rows in dim 0. Right
+    on a problem of the slice's shape alone, which is all the errors used to see."""
+    def fn(q, k, v, *args, **kwargs):
+        out = f(q, k, v, *args, **kwargs)
+        if k.shape[-2] > 2 or (rows is not None and q.shape[0] > rows):
+            w = torch.ones(out.shape[0], *[1] * (out.dim() - 1), dtype=out.dtype)
+            w[0] = 2.0
+            out = out * w
+        return out
+
+    return fn
+
+
+@pytest.mark.parametrize("shape", [
+    ["--batch", "2", "--nheads", "2", "--gqa", "1", "--decode-cases", "B3xN40", "--decode-heads", "4:2"],
+    ["--batch", "1", "--nheads", "4", "--gqa", "1,2", "--decode-cases", "B1xN40", "--decode-heads", "8:4"],
+])
+def test_errors_are_those_of_the_timed_call(shape, tmp_path, monkeypatch):
+    """An implementation right on small grids but wrong on batch item 0 of a larger call (batch
+    over 1, decode over 2 sequences, more KV heads than --err-kv-heads) reports that error: the
+    errors come from the timed problem's own call, not from a reduced problem of their own."""
+    import flash_attn_ext
+    from flash_attn_ext.bench import peers
+
+    monkeypatch.setattr(peers, "_load_ours", lambda: peers._keyword_call(
+        _wrong_beyond_the_slice(flash_attn_ext.flash_attn_func, rows=1)))
+    monkeypatch.setattr(flash_attn_ext, "flash_attn_with_kvcache",
+                        _wrong_beyond_the_slice(_fake_kvcache, rows=2), raising=False)
+    monkeypatch.setattr(flash_attn_ext, "flash_attn_varlen_func", _wrong_beyond_the_slice(_fake_varlen),
+                        raising=False)
+    argv = ["--device", "cpu", "--dtype", "fp32", "--hdim", "32", "--seqlen", "32", "--causal", "false",
+            "--mode", "fwd,bwd,decode,varlen_fwd,varlen_bwd", "--peers", "standard", "--err-kv-heads", "2",
+            "--page-size", "0,16", "--decode-hdim", "32", *VARLEN_ARGS, "--rep-ms", "1", "--warmup-ms", "1",
+            "--threads", "1", "--no-progress", "--no-plots", *shape, "--out", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    df = pd.read_csv(tmp_path / "results.csv", keep_default_na=False, na_values=[""])
+    ours = df[df["impl"] == OURS]
+    n_gqa = len(shape[5].split(","))
+    assert len(ours) == n_gqa * (2 + 2) + 2 and (ours["status"] == "ok").all()  # dense, varlen; decode
+    for r in ours.itertuples():
+        rows = {"decode": 2, "varlen_fwd": math.inf, "varlen_bwd": math.inf}.get(r.mode, 1)
+        wrong = r.nheads_k > 2 or (rows < math.inf and r.batch > rows)
+        assert (r.err > 0.1) if wrong else (r.err < 1e-4), (r.mode, r.batch, r.nheads_k, r.err)
+    assert (df[df["impl"] == "standard"]["err"].dropna() < 1e-4).all()
+
+
+@pytest.mark.parametrize("exc, fallback", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB"), True),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes"),
+     True),
+    (ValueError("headdim must be a multiple of 8"), False),
+])
+def test_errors_on_the_reduced_problem_where_the_full_call_is_out_of_memory(exc, fallback):
+    """A full call that fails for memory (peers.classify: OOM): that implementation's errors come
+    from the slice's inputs alone, and err_note says so; any other failure stays that status."""
+    def fn(q, k, v, softmax_scale, causal):
+        if q.shape[0] > 1:
+            raise exc
+        return benchmark.standard_attention(q, k, v, softmax_scale, causal)
+
+    p = benchmark.Problem.make(2, 16, 4, 2, 32, True, torch.float32, torch.device("cpu"))
+    impls = [benchmark.Impl("big", fn), benchmark.Impl("std", benchmark.standard_attention)]
+    e = benchmark.measure_errors(impls, p, True, None, 1)
+    assert e["std"]["err_note"] == "" and e["std"]["err_grad"] < 1e-5
+    if fallback:
+        assert e["big"]["err_note"] == "errors on reduced problem: full call OOM"
+        assert e["big"]["err_out"] < 1e-5 and e["big"]["err_grad"] < 1e-5
+    else:
+        assert math.isnan(e["big"]["err_out"]) and e["big"]["err_note"].startswith("error: ValueError")
+
+
+def test_fallback_notes_in_the_results(tmp_path, monkeypatch):
+    """The standard peer out of memory at the timed size (its rows OOM): its errors from the
+    reduced problem, noted; inputs that do not fit: every implementation's errors from a reduced
+    problem made on its own, noted."""
+    from flash_attn_ext.bench import peers
+
+    def standard_small_only(q, k, v, softmax_scale, causal):
+        if q.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return benchmark.standard_attention(q, k, v, softmax_scale, causal)
+
+    monkeypatch.setattr(peers, "standard_attention", standard_small_only)
+    argv = ["--device", "cpu", "--dtype", "fp32", "--hdim", "32", "--seqlen", "32", "--batch", "2",
+            "--nheads", "4", "--causal", "true", "--mode", "fwd,bwd", "--peers", "standard", "--rep-ms", "1",
+            "--warmup-ms", "1", "--threads", "1", "--no-progress", "--no-plots"]
+    assert benchmark.main([*argv, "--out", str(tmp_path / "a")]) == 0
+    df = pd.read_csv(tmp_path / "a" / "results.csv", keep_default_na=False, na_values=[""])
+    std, ours = df[df["impl"] == "standard"], df[df["impl"] == OURS]
+    assert (std["status"] == "OOM").all() and (std["err"] < 1e-5).all()
+    assert (std["err_note"] == "errors on reduced problem: full call OOM").all()
+    assert (ours["status"] == "ok").all() and ours["err_note"].isna().all() and (ours["err"] < 1e-4).all()
+
+    make = benchmark.Problem.make.__func__
+
+    def make_small_only(cls, batch, *args, **kwargs):
+        if batch > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return make(cls, batch, *args, **kwargs)
+
+    monkeypatch.setattr(benchmark.Problem, "make", classmethod(make_small_only))
+    assert benchmark.main([*argv, "--out", str(tmp_path / "b")]) == 0
+    df = pd.read_csv(tmp_path / "b" / "results.csv", keep_default_na=False, na_values=[""])
+    assert (df["status"] == "OOM").all() and df["note"].str.startswith("inputs: ").all()
+    assert (df["err_note"] == "errors on reduced problem: inputs OOM").all() and (df["err"] < 1e-4).all()

@@ -1,13 +1,24 @@
 """err_out, err_grad: max |x - ref| of the output / of dq, dk, dv (the largest of the three)
 against attention_ref in float64, computed one KV-head group at a time. The CLI measures them on
-a reduced problem of the same seqlen (batch 1, --err-kv-heads KV heads); ``standard`` is the
-"torch same-dtype math" baseline of the accuracy criterion.
+the timed problem's own call: each implementation runs once on the timed problem's first input
+set (its forward, and backward where gradients are needed), and a slice of its output and
+gradients is compared with the reference of the same slice of the inputs (the problem's
+``err_slice``): batch item 0 (decode: the first min(batch, 2) sequences; varlen: every
+sequence), the first --err-kv-heads KV heads and their query heads (whole GQA groups, so dk and
+dv of those heads are complete). Batch items and KV-head groups do not interact, so the slice
+of the call is exactly the call's result on those rows: the errors are those of the kernel
+configuration that is timed (its grid, split-KV and scheduling choices), at the reference cost
+of the slice alone. ``standard`` is the "torch same-dtype math" baseline of the accuracy
+criterion, measured the same way.
+
+An implementation whose full call fails for memory (status OOM) is measured on the reduced
+problem instead: the slice's inputs alone (batch 1, --err-kv-heads KV heads), with err_note
+"errors on reduced problem: full call OOM". Inputs that do not fit at all are measured on a
+reduced problem of that shape made on its own (sweeps).
 
 Decode: the reference reads the cache gathered through the block table (so a paged result is
-checked against the same keys); the reduced problem keeps seqlen_k, the page size and GQA ratio,
-batch min(batch, 2), --err-kv-heads KV heads; its cost grows with seqlen_k only, so every case
-gets one. Varlen: the reference runs each sequence alone; the reduced problem keeps every
-sequence length, --err-kv-heads KV heads.
+checked against the same keys); its cost grows with seqlen_k only, so every case gets one.
+Varlen: the reference runs each sequence alone.
 """
 
 from __future__ import annotations
@@ -70,23 +81,44 @@ def reference_chunked(p: Problem, need_grad: bool):
 
 
 def _maxdiff(a: torch.Tensor, ref: torch.Tensor) -> float:
-    d = (a.double() - ref)
+    """max |a - ref| over the reference's slice of ``a``: its first ref.shape[0] rows (batch
+    items, or tokens) and first ref.shape[-2] heads; NaN where any is NaN."""
+    part = a[:ref.shape[0], ..., :ref.shape[-2], :]
+    if part.shape != ref.shape:
+        raise ValueError(f"result of shape {tuple(a.shape)} has no slice {tuple(ref.shape)}")
+    d = (part.double() - ref)
     if torch.isnan(d).any():
         return float("nan")
     return d.abs().max().item()
 
 
-def measure_errors(impls: list[Impl], p: Problem, need_grad: bool, ref_max_seqlen: int) -> dict:
-    """{impl name: {"err_out", "err_grad", "err_note"}} on the (reduced) problem ``p`` (a
-    Problem, DecodeProblem or VarlenProblem); ``ref_max_seqlen`` None: no limit."""
+def _compare(impl: Impl, p: Problem, need_grad: bool, ref: tuple, r: dict) -> None:
+    """One call of ``impl`` on the first input set of ``p`` (forward, and backward with
+    ``need_grad``): err_out / err_grad of its output and gradients against ``ref`` (out, grads:
+    reference_chunked of a slice of ``p``, or of all of it) into ``r``."""
+    q, k, v, dout = p.inputs(grad=need_grad)
+    out = p.bind(impl)(q, k, v)
+    r["err_out"] = _maxdiff(out, ref[0])
+    if need_grad:
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        r["err_grad"] = max(_maxdiff(g, gr) for g, gr in zip(grads, ref[1]))
+
+
+def measure_errors(impls: list[Impl], p: Problem, need_grad: bool, ref_max_seqlen: int,
+                   err_kv: int) -> dict:
+    """{impl name: {"err_out", "err_grad", "err_note"}} of each implementation's call on the
+    problem ``p`` (a Problem, DecodeProblem or VarlenProblem) over ``p.err_slice(err_kv)``; a
+    call that fails for memory: on that slice alone (module docstring). ``ref_max_seqlen`` None:
+    no limit."""
     nan = float("nan")
     result = {i.name: {"err_out": nan, "err_grad": nan, "err_note": ""} for i in impls}
     if ref_max_seqlen is not None and p.seqlen > ref_max_seqlen:
         for r in result.values():
             r["err_note"] = f"reference skipped: seqlen > {ref_max_seqlen} (--ref-max-seqlen)"
         return result
+    reduced = p.err_slice(err_kv)
     try:
-        ref_out, ref_grads = reference_chunked(p, need_grad)
+        ref = reference_chunked(reduced, need_grad)
     except Exception as e:
         status, note = classify(e)
         for r in result.values():
@@ -98,18 +130,15 @@ def measure_errors(impls: list[Impl], p: Problem, need_grad: bool, ref_max_seqle
         if impl.skips(p.seqlen):
             r["err_note"] = "skipped"
             continue
-
-        def body():
-            q, k, v, dout = p.inputs(grad=need_grad)
-            out = p.bind(impl)(q, k, v)
-            r["err_out"] = _maxdiff(out, ref_out)
-            if need_grad:
-                grads = torch.autograd.grad(out, (q, k, v), dout)
-                r["err_grad"] = max(_maxdiff(g, gr) for g, gr in zip(grads, ref_grads))
-
-        failure = run_guarded(impl, p.device, body)
+        note, failure = "", run_guarded(impl, p.device, lambda: _compare(impl, p, need_grad, ref, r))
+        if failure is not None and failure[0] == "OOM":  # the full call does not fit: the slice alone
+            note = f"errors on reduced problem: full call {failure[0]}"
+            failure = run_guarded(impl, p.device,
+                                  lambda: _compare(impl, reduced, need_grad, ref, r))
         if failure is not None:
-            r.update(err_out=nan, err_grad=nan, err_note=f"{failure[0]}: {failure[1]}")
-    del ref_out, ref_grads
+            r.update(err_out=nan, err_grad=nan)
+            note = "; ".join(filter(None, (note, f"{failure[0]}: {failure[1]}")))
+        r["err_note"] = note
+    del ref, reduced
     free_memory(p.device)
     return result

@@ -1,6 +1,7 @@
 """The cases' inputs and the work they count: one class per problem shape, each with ``sets`` of
 (q, k, v, dout) rotated between timed calls, ``inputs``, ``bind`` (an implementation's call with
-the case's other arguments bound) and ``rates`` (its metric over a median time):
+the case's other arguments bound), ``rates`` (its metric over a median time) and ``err_slice``
+(the rows and heads of the first input set that the errors are checked on, bench.accuracy):
 
     Problem         dense BSHD (batch, seqlen, nheads, headdim); modes fwd, bwd, fwd_bwd.
                     TFLOP/s by the standard count (flash_attn_ext.reference.attention_flops):
@@ -91,6 +92,20 @@ class _Heads:
     device: torch.device
     softmax_scale: float
 
+    def _set0_slice(self, err_kv: int, q_rows: int | None, kv_rows: int | None, kv=None) -> dict:
+        """The ``nheads``, ``nheads_k`` and ``sets`` (dataclasses.replace's fields) of set 0 cut to
+        the first ``err_kv`` KV heads and their query heads (whole GQA groups), and to the first
+        ``q_rows`` rows of q / dout and ``kv_rows`` of k / v (dim 0; None: every row), as
+        contiguous copies; ``kv``: (k, v) to cut instead of set 0's. At most every KV head."""
+        q, k, v, dout = self.sets[0]
+        k, v = kv if kv is not None else (k, v)
+        err_kv = min(err_kv, self.nheads_k)
+        hq = err_kv * (self.nheads // self.nheads_k)
+        cut = lambda t, rows, h: None if t is None else t[:rows, ..., :h, :].contiguous()
+        sets = [(cut(q, q_rows, hq), cut(k, kv_rows, err_kv), cut(v, kv_rows, err_kv),
+                 cut(dout, q_rows, hq))]
+        return dict(nheads=hq, nheads_k=err_kv, sets=sets)
+
 
 @dataclasses.dataclass
 class Problem(_Heads):
@@ -133,6 +148,11 @@ class Problem(_Heads):
         flops = attention_flops(self.batch, self.nheads, self.seqlen, self.seqlen, self.headdim,
                                 self.causal, mode)
         return {"tflops": flops / (ms * 1e-3) / 1e12}
+
+    def err_slice(self, err_kv: int) -> "Problem":
+        """The rows of set 0 the errors are checked on, as a problem of their own (batch 1,
+        ``err_kv`` KV heads): batch item 0, the first ``err_kv`` KV heads and their query heads."""
+        return dataclasses.replace(self, batch=1, **self._set0_slice(err_kv, 1, 1))
 
 
 @dataclasses.dataclass
@@ -208,6 +228,23 @@ class DecodeProblem(_Heads):
     def rates(self, mode: str, ms: float) -> dict:
         return {"tbps": self.kv_bytes() / (ms * 1e-3) / 1e12}
 
+    def err_slice(self, err_kv: int) -> "DecodeProblem":
+        """The rows of set 0 the errors are checked on, as a problem of their own (eager calls):
+        the first min(batch, 2) sequences, the first ``err_kv`` KV heads and their query heads; a
+        paged cache keeps those sequences' pages alone, in the same relative order (the block
+        table renumbered)."""
+        nb = min(self.batch, 2)
+        _, k, v, _ = self.sets[0]
+        table = self.block_table
+        if table is not None:
+            pages, order = table[:nb].flatten().long().sort()
+            table = torch.empty_like(pages)
+            table[order] = torch.arange(len(pages), device=pages.device)
+            k, v, table = k[pages], v[pages], table.view(nb, -1).to(torch.int32)
+        part = self._set0_slice(err_kv, nb, None if table is not None else nb, kv=(k, v))
+        return dataclasses.replace(self, batch=nb, cache_seqlens=self.cache_seqlens[:nb],
+                                   block_table=table, cuda_graph=False, **part)
+
 
 @dataclasses.dataclass
 class VarlenProblem(_Heads):
@@ -252,6 +289,11 @@ class VarlenProblem(_Heads):
     def rates(self, mode: str, ms: float) -> dict:
         flops = varlen_flops(self.seqlens, self.seqlens, self.nheads, self.headdim, self.causal, mode)
         return {"tflops": flops / (ms * 1e-3) / 1e12}
+
+    def err_slice(self, err_kv: int) -> "VarlenProblem":
+        """The rows of set 0 the errors are checked on, as a problem of their own: every
+        sequence, the first ``err_kv`` KV heads and their query heads."""
+        return dataclasses.replace(self, **self._set0_slice(err_kv, None, None))
 
 
 def script_args(ap, seqlen: str, rep_ms: float, rounds: int | None = 3) -> None:

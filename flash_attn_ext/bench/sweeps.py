@@ -6,8 +6,10 @@ list as it is measured (so an interrupted run still has the rows so far).
     run_varlen   varlen: (dtype, hdim, causal, gqa) x modes varlen_fwd / varlen_bwd, each with the
                  ours-dense comparison row (flash_attn_func on as many tokens, varlen_dense_shape)
 
-Each case's errors come from a reduced problem (accuracy); its inputs that do not fit give every
-implementation the status of that failure instead of a number.
+Each case's errors come from each implementation's call on the timed problem's first input set,
+compared over a slice of it (batch item 0, --err-kv-heads KV heads; accuracy), before the timing;
+its inputs that do not fit give every implementation the status of that failure instead of a
+number, and errors from a reduced problem of the slice's shape made on its own (err_note says so).
 """
 
 from __future__ import annotations
@@ -83,10 +85,6 @@ def run_sweep(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
             where = f"{case['dtype']} d={hdim} causal={causal} gqa={gqa} N={seqlen}"
             progress.set_postfix_str(f"{where}: errors")
             err_kv = min(nheads_k, args.err_kv_heads)
-            small = Problem.make(1, seqlen, err_kv * gqa, err_kv, hdim, causal, dtype,
-                                 sweep.device, seed=args.seed + 1)
-            errors = measure_errors(impls, small, need_grad, args.ref_max_seqlen)
-            del small
             n_sets = input_sets_needed(batch, seqlen, nheads, nheads_k, hdim, dtype, l2) \
                 if sweep.device.type == "cuda" else 1
             try:
@@ -96,6 +94,9 @@ def run_sweep(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
             except Exception as e:  # the inputs themselves do not fit
                 p, p_status = None, classify(e)
                 free_memory(sweep.device, collect=True)
+            errors = _errors(impls, p, p_status, lambda: Problem.make(
+                1, seqlen, err_kv * gqa, err_kv, hdim, causal, dtype, sweep.device,
+                seed=args.seed + 1), need_grad, args.ref_max_seqlen, err_kv)
             for mode in modes:
                 ms = _measured(impls, p, mode, timer, args, progress, f"{where} {mode}", p_status)
                 for impl in impls:
@@ -120,6 +121,20 @@ def _measured(impls: list[Impl], p, mode: str, timer: Timer, args, progress, whe
         progress.set_postfix_str(f"{where} {impl.name}{of}")
 
     return measure_interleaved(impls, p, mode, timer, rounds, before)
+
+
+def _errors(impls: list[Impl], p, p_status, reduced, need_grad: bool, ref_max_seqlen,
+            err_kv: int) -> dict:
+    """measure_errors on the timed problem ``p`` over its slice of ``err_kv`` KV heads; where its
+    inputs did not fit (p None, ``p_status``), on ``reduced()`` (a problem of the slice's shape
+    with inputs of its own), each err_note saying so."""
+    if p is not None:
+        return measure_errors(impls, p, need_grad, ref_max_seqlen, err_kv)
+    errors = measure_errors(impls, reduced(), need_grad, ref_max_seqlen, err_kv)
+    why = f"errors on reduced problem: inputs {p_status[0]}"
+    for e in errors.values():
+        e["err_note"] = f"{why}; {e['err_note']}" if e["err_note"] else why
+    return errors
 
 
 def _head_configs(sweep: Sweep):
@@ -171,10 +186,6 @@ def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
                                 mode="decode", timing="graph" if sweep.decode_graph else "eager")
                     where = f"decode {case['dtype']} d={hdim} B={batch} Nk={seqlen_k} page={page}"
                     progress.set_postfix_str(f"{where}: errors")
-                    small = DecodeProblem.make(min(batch, 2), seqlen_k, err_kv * gqa, err_kv, hdim,
-                                               page, dtype, sweep.device, seed=args.seed + 1)
-                    errors = measure_errors(impls, small, False, None)
-                    del small
                     elem = torch.empty((), dtype=dtype).element_size()
                     kv_bytes = decode_kv_bytes(batch, seqlen_k, nheads_k, hdim, elem)
                     n_sets = sets_for_bytes(kv_bytes, l2) if cuda else 1
@@ -183,6 +194,9 @@ def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
                         n_sets=n_sets, seed=args.seed, cuda_graph=sweep.decode_graph))
                     if p is None:
                         free_memory(sweep.device, collect=True)
+                    errors = _errors(impls, p, p_status, lambda: DecodeProblem.make(
+                        min(batch, 2), seqlen_k, err_kv * gqa, err_kv, hdim, page, dtype,
+                        sweep.device, seed=args.seed + 1), False, None, err_kv)
                     ms = _measured(impls, p, "decode", timer, args, progress, where, p_status, "tbps")
                     for impl in impls:
                         m, e = ms[impl.name], errors[impl.name]
@@ -218,10 +232,6 @@ def run_varlen(sweep: Sweep, args, impls: list[Impl], dense: Impl, timer: Timer,
         where = f"varlen {case['dtype']} d={hdim} causal={causal} gqa={gqa}"
         progress.set_postfix_str(f"{where}: errors")
         err_kv = min(nheads_k, args.err_kv_heads)
-        small = VarlenProblem.make(seqlens, err_kv * gqa, err_kv, hdim, causal, dtype,
-                                   sweep.device, seed=args.seed + 1)
-        errors = measure_errors(impls, small, need_grad, args.ref_max_seqlen)
-        del small
         sets = lambda b, n: input_sets_needed(b, n, nheads, nheads_k, hdim, dtype, l2) \
             if cuda else 1
         n_sets, n_dense = sets(1, total), sets(dense_batch, dense_seqlen)
@@ -233,6 +243,9 @@ def run_varlen(sweep: Sweep, args, impls: list[Impl], dense: Impl, timer: Timer,
             sweep.device, n_sets=n_dense, seed=args.seed))
         if p is None or dense_p is None:
             free_memory(sweep.device, collect=True)
+        errors = _errors(impls, p, p_status, lambda: VarlenProblem.make(
+            seqlens, err_kv * gqa, err_kv, hdim, causal, dtype, sweep.device, seed=args.seed + 1),
+            need_grad, args.ref_max_seqlen, err_kv)
         for mode in modes:
             ms = _measured(impls, p, mode, timer, args, progress, f"{where} {mode}", p_status)
             for impl in impls:
