@@ -620,37 +620,76 @@ def test_peer_named_twice_is_measured_once():
 # ---- errors on the timed call -----------------------------------------------------------------
 
 def test_error_slice_is_the_reference_of_those_rows():
-    """err_slice: set 0's batch item 0 (decode: the first 2 sequences, a paged cache's pages
-    alone; varlen: every sequence) and first KV heads with their query heads; the float64
-    reference of the slice is the slice of the whole problem's reference, gradients included
-    (batch items and KV-head groups do not interact)."""
+    """err_slice / err_index: set 0's first and last batch items (decode: sequences, a paged
+    cache's pages alone; varlen: every sequence) and KV heads, the first err_kv - 1 and the last,
+    with their query heads (query head h of KV head h // group); the float64 reference of the
+    slice is the whole problem's reference at those indices, gradients included (batch items and
+    KV-head groups do not interact)."""
     cpu = torch.device("cpu")
     close = lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     p = benchmark.Problem.make(3, 24, 6, 3, 16, True, torch.float32, cpu, n_sets=2)
     s = p.err_slice(2)
-    assert (s.batch, s.nheads, s.nheads_k, len(s.sets)) == (1, 4, 2, 1)
+    rows, kv_heads, q_heads = p.err_index(2)
+    assert (rows, kv_heads, q_heads) == ([0, 2], [0, 2], [0, 1, 4, 5])
+    assert (s.batch, s.nheads, s.nheads_k, len(s.sets)) == (2, 4, 2, 1)
     q, k, v, dout = p.sets[0]
-    assert all(torch.equal(a, b) for a, b in zip(s.sets[0], (q[:1, :, :4], k[:1, :, :2], v[:1, :, :2],
-                                                             dout[:1, :, :4])))
+    pick = lambda t, heads: t[rows][:, :, heads]
+    assert all(torch.equal(a, b) for a, b in zip(s.sets[0], (pick(q, q_heads), pick(k, kv_heads),
+                                                             pick(v, kv_heads), pick(dout, q_heads))))
     (out, grads), (full_out, full_grads) = (benchmark.reference_chunked(x, True) for x in (s, p))
-    close(out, full_out[:1, :, :4])
-    for g, full in zip(grads, full_grads):
-        close(g, full[:1, :, :g.shape[2]])
+    close(out, pick(full_out, q_heads))
+    for g, full, heads in zip(grads, full_grads, (q_heads, kv_heads, kv_heads)):
+        close(g, pick(full, heads))
+    assert p.err_index(5) == ([0, 2], [0, 1, 2], list(range(6)))  # at most every KV head
+    assert benchmark.Problem.make(1, 8, 4, 4, 16, False, torch.float32, cpu).err_index(1) == ([0], [3], [3])
     d = benchmark.DecodeProblem.make(3, 40, 4, 2, 8, 16, torch.float32, cpu, cuda_graph=True)
     ds = d.err_slice(1)
+    assert d.err_index(1) == ([0, 2], [1], [2, 3])
     assert (ds.batch, ds.nheads, ds.nheads_k, ds.cuda_graph) == (2, 2, 1, False)
     assert ds.sets[0][1].shape == (6, 16, 1, 8) and ds.block_table.shape == (2, 3)
-    assert torch.equal(ds.block_table.flatten().argsort(), d.block_table[:2].flatten().argsort())
+    assert torch.equal(ds.block_table.flatten().argsort(), d.block_table[[0, 2]].flatten().argsort())
     for part, full in zip(ds.contiguous_cache(), d.contiguous_cache()):
-        assert torch.equal(part, full[:2, :, :1])
-    close(benchmark.reference_chunked(ds, False)[0], benchmark.reference_chunked(d, False)[0][:2, :, :2])
+        assert torch.equal(part, full[[0, 2]][:, :, 1:])
+    close(benchmark.reference_chunked(ds, False)[0], benchmark.reference_chunked(d, False)[0][[0, 2]][:, :, 2:])
     vp = benchmark.VarlenProblem.make([10, 20, 7], 4, 2, 16, True, torch.float32, cpu)
     vs = vp.err_slice(1)
+    assert vp.err_index(1) == (None, [1], [2, 3])
     assert vs.sets[0][0].shape == (37, 2, 16) and vs.sets[0][1].shape == (37, 1, 16)
     (out, grads), (full_out, full_grads) = (benchmark.reference_chunked(x, True) for x in (vs, vp))
-    close(out, full_out[:, :2])
+    close(out, full_out[:, 2:])
     for g, full in zip(grads, full_grads):
-        close(g, full[:, :g.shape[1]])
+        close(g, full[:, -g.shape[1]:])
+
+
+@pytest.mark.parametrize("where", ["last row", "last head"])
+def test_errors_see_the_end_of_the_grid(where):
+    """An implementation wrong only on the last batch item (decode: sequence) or the last query
+    head of the call (a grid or 32-bit offset overflow at scale) reports a large error: the errors'
+    slice holds the first and the last of each (err_index), not the first ones alone."""
+    cpu = torch.device("cpu")
+
+    def wrong_at_the_end(fn):
+        def f(q, k, v, *args):
+            out = fn(q, k, v, *args).clone()
+            if where == "last row":
+                out[-1] = 0
+            else:
+                out[..., -1, :] = 0
+            return out
+
+        return f
+
+    cases = [(benchmark.Problem.make(4, 32, 8, 4, 16, True, torch.float32, cpu), "dense"),
+             (benchmark.DecodeProblem.make(5, 48, 8, 4, 16, 16, torch.float32, cpu), "decode"),
+             (benchmark.DecodeProblem.make(5, 48, 8, 4, 16, 0, torch.float32, cpu), "decode")]
+    if where == "last head":
+        cases.append((benchmark.VarlenProblem.make([9, 30, 17], 8, 4, 16, True, torch.float32, cpu),
+                      "varlen"))
+    for p, family in cases:
+        ours = benchmark.build_impls([], cpu, None, family=family)[0][0]
+        impls = [ours, benchmark.Impl("wrong", wrong_at_the_end(ours.fn))]
+        e = benchmark.measure_errors(impls, p, False, None, 2)
+        assert e[ours.name]["err_out"] < 1e-4 and e["wrong"]["err_out"] > 0.1, (family, e)
 
 
 def _wrong_beyond_the_slice(f, rows=None):
@@ -712,7 +751,7 @@ def test_errors_on_the_reduced_problem_where_the_full_call_is_out_of_memory(exc,
     """A full call that fails for memory (peers.classify: OOM): that implementation's errors come
     from the slice's inputs alone, and err_note says so; any other failure stays that status."""
     def fn(q, k, v, softmax_scale, causal):
-        if q.shape[0] > 1:
+        if q.shape[2] > 2:  # more query heads than the errors' slice: the full call
             raise exc
         return benchmark.standard_attention(q, k, v, softmax_scale, causal)
 
@@ -727,6 +766,21 @@ def test_errors_on_the_reduced_problem_where_the_full_call_is_out_of_memory(exc,
         assert math.isnan(e["big"]["err_out"]) and e["big"]["err_note"].startswith("error: ValueError")
 
 
+def test_failed_fallback_is_not_noted_as_errors_on_the_reduced_problem():
+    """A full call out of memory whose fallback (the slice alone) fails too: NaN errors, and the
+    note says both failures without claiming errors on the reduced problem."""
+    def fn(q, k, v, softmax_scale, causal):
+        if q.shape[2] > 2:  # more query heads than the errors' slice: the full call
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        raise ValueError("headdim must be a multiple of 8")
+
+    p = benchmark.Problem.make(3, 16, 4, 2, 32, True, torch.float32, torch.device("cpu"))
+    e = benchmark.measure_errors([benchmark.Impl("big", fn)], p, True, None, 1)["big"]
+    assert math.isnan(e["err_out"]) and math.isnan(e["err_grad"])
+    assert e["err_note"] == ("full call OOM; on the reduced problem error: ValueError: headdim must be a "
+                             "multiple of 8")
+
+
 def test_fallback_notes_in_the_results(tmp_path, monkeypatch):
     """The standard peer out of memory at the timed size (its rows OOM): its errors from the
     reduced problem, noted; inputs that do not fit: every implementation's errors from a reduced
@@ -734,7 +788,7 @@ def test_fallback_notes_in_the_results(tmp_path, monkeypatch):
     from flash_attn_ext.bench import peers
 
     def standard_small_only(q, k, v, softmax_scale, causal):
-        if q.shape[0] > 1:
+        if q.shape[2] > 2:  # more query heads than the errors' slice: the full call
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
         return benchmark.standard_attention(q, k, v, softmax_scale, causal)
 

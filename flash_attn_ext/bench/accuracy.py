@@ -3,16 +3,18 @@ against attention_ref in float64, computed one KV-head group at a time. The CLI 
 the timed problem's own call: each implementation runs once on the timed problem's first input
 set (its forward, and backward where gradients are needed), and a slice of its output and
 gradients is compared with the reference of the same slice of the inputs (the problem's
-``err_slice``): batch item 0 (decode: the first min(batch, 2) sequences; varlen: every
-sequence), the first --err-kv-heads KV heads and their query heads (whole GQA groups, so dk and
-dv of those heads are complete). Batch items and KV-head groups do not interact, so the slice
+``err_slice``, at the indices of its ``err_index``): the first and last batch items (decode:
+sequences; varlen: every sequence), --err-kv-heads KV heads, the first ones and the last, and
+their query heads (whole GQA groups, so dk and dv of those heads are complete). The last batch
+item and KV head are where the end of a large grid is (a launch-size or 32-bit offset overflow
+shows there, not at index 0). Batch items and KV-head groups do not interact, so the slice
 of the call is exactly the call's result on those rows: the errors are those of the kernel
 configuration that is timed (its grid, split-KV and scheduling choices), at the reference cost
 of the slice alone. ``standard`` is the "torch same-dtype math" baseline of the accuracy
 criterion, measured the same way.
 
 An implementation whose full call fails for memory (status OOM) is measured on the reduced
-problem instead: the slice's inputs alone (batch 1, --err-kv-heads KV heads), with err_note
+problem instead: the slice's inputs alone (batch <= 2, --err-kv-heads KV heads), with err_note
 "errors on reduced problem: full call OOM". Inputs that do not fit at all are measured on a
 reduced problem of that shape made on its own (sweeps).
 
@@ -80,10 +82,15 @@ def reference_chunked(p: Problem, need_grad: bool):
     return out, grads
 
 
-def _maxdiff(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |a - ref| over the reference's slice of ``a``: its first ref.shape[0] rows (batch
-    items, or tokens) and first ref.shape[-2] heads; NaN where any is NaN."""
-    part = a[:ref.shape[0], ..., :ref.shape[-2], :]
+def _maxdiff(a: torch.Tensor, ref: torch.Tensor, rows=None, heads=None) -> float:
+    """max |a - ref| over the reference's slice of ``a``: its rows ``rows`` of dim 0 (batch
+    items, or tokens; None: every row) and heads ``heads`` of dim -2 (None: every head); NaN
+    where any is NaN."""
+    part = a
+    if rows is not None:
+        part = part.index_select(0, torch.tensor(rows, device=a.device))
+    if heads is not None:
+        part = part.index_select(part.dim() - 2, torch.tensor(heads, device=a.device))
     if part.shape != ref.shape:
         raise ValueError(f"result of shape {tuple(a.shape)} has no slice {tuple(ref.shape)}")
     d = (part.double() - ref)
@@ -92,16 +99,19 @@ def _maxdiff(a: torch.Tensor, ref: torch.Tensor) -> float:
     return d.abs().max().item()
 
 
-def _compare(impl: Impl, p: Problem, need_grad: bool, ref: tuple, r: dict) -> None:
+def _compare(impl: Impl, p: Problem, need_grad: bool, ref: tuple, r: dict, index=None) -> None:
     """One call of ``impl`` on the first input set of ``p`` (forward, and backward with
     ``need_grad``): err_out / err_grad of its output and gradients against ``ref`` (out, grads:
-    reference_chunked of a slice of ``p``, or of all of it) into ``r``."""
+    reference_chunked of ``p.err_slice``, or of all of ``p``) into ``r``. ``index``: ``p``'s
+    err_index, where ``ref`` is that of its slice (None: of all of ``p``)."""
+    rows, kv_heads, q_heads = index if index is not None else (None, None, None)
     q, k, v, dout = p.inputs(grad=need_grad)
     out = p.bind(impl)(q, k, v)
-    r["err_out"] = _maxdiff(out, ref[0])
+    r["err_out"] = _maxdiff(out, ref[0], rows, q_heads)
     if need_grad:
         grads = torch.autograd.grad(out, (q, k, v), dout)
-        r["err_grad"] = max(_maxdiff(g, gr) for g, gr in zip(grads, ref[1]))
+        r["err_grad"] = max(_maxdiff(g, gr, rows, h)
+                            for g, gr, h in zip(grads, ref[1], (q_heads, kv_heads, kv_heads)))
 
 
 def measure_errors(impls: list[Impl], p: Problem, need_grad: bool, ref_max_seqlen: int,
@@ -116,7 +126,7 @@ def measure_errors(impls: list[Impl], p: Problem, need_grad: bool, ref_max_seqle
         for r in result.values():
             r["err_note"] = f"reference skipped: seqlen > {ref_max_seqlen} (--ref-max-seqlen)"
         return result
-    reduced = p.err_slice(err_kv)
+    reduced, index = p.err_slice(err_kv), p.err_index(err_kv)
     try:
         ref = reference_chunked(reduced, need_grad)
     except Exception as e:
@@ -130,14 +140,16 @@ def measure_errors(impls: list[Impl], p: Problem, need_grad: bool, ref_max_seqle
         if impl.skips(p.seqlen):
             r["err_note"] = "skipped"
             continue
-        note, failure = "", run_guarded(impl, p.device, lambda: _compare(impl, p, need_grad, ref, r))
+        note, failure = "", run_guarded(impl, p.device,
+                                        lambda: _compare(impl, p, need_grad, ref, r, index))
         if failure is not None and failure[0] == "OOM":  # the full call does not fit: the slice alone
-            note = f"errors on reduced problem: full call {failure[0]}"
             failure = run_guarded(impl, p.device,
                                   lambda: _compare(impl, reduced, need_grad, ref, r))
+            note = "errors on reduced problem: full call OOM" if failure is None else \
+                "full call OOM; on the reduced problem"
         if failure is not None:
             r.update(err_out=nan, err_grad=nan)
-            note = "; ".join(filter(None, (note, f"{failure[0]}: {failure[1]}")))
+            note = " ".join(filter(None, (note, f"{failure[0]}: {failure[1]}")))
         r["err_note"] = note
     del ref, reduced
     free_memory(p.device)

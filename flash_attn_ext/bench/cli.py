@@ -179,9 +179,10 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ref-max-seqlen", type=int, default=16384,
                     help="errors vs the float64 reference are computed up to this seqlen")
     ap.add_argument("--err-kv-heads", type=int, default=2,
-                    help="KV heads (with their query heads) of the slice of the timed call the errors "
-                         "are measured on: its batch item 0 (decode: first 2 sequences; varlen: "
-                         "all), or of the reduced problem of that shape where the call does not fit")
+                    help="KV heads (the first N - 1 and the last, with their query heads) of the "
+                         "slice of the timed call the errors are measured on, with its first and "
+                         "last batch items (decode: sequences; varlen: all), or of the reduced "
+                         "problem of that shape where the call does not fit")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU: torch.set_num_threads (fewer threads than busy cores gives steadier "
                          "times on a shared machine) [torch's default]")

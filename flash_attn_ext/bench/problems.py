@@ -1,7 +1,8 @@
 """The cases' inputs and the work they count: one class per problem shape, each with ``sets`` of
 (q, k, v, dout) rotated between timed calls, ``inputs``, ``bind`` (an implementation's call with
 the case's other arguments bound), ``rates`` (its metric over a median time) and ``err_slice``
-(the rows and heads of the first input set that the errors are checked on, bench.accuracy):
+/ ``err_index`` (the rows and heads of the first input set that the errors are checked on,
+bench.accuracy):
 
     Problem         dense BSHD (batch, seqlen, nheads, headdim); modes fwd, bwd, fwd_bwd.
                     TFLOP/s by the standard count (flash_attn_ext.reference.attention_flops):
@@ -92,19 +93,45 @@ class _Heads:
     device: torch.device
     softmax_scale: float
 
-    def _set0_slice(self, err_kv: int, q_rows: int | None, kv_rows: int | None, kv=None) -> dict:
+    def err_heads(self, err_kv: int) -> tuple[list[int], list[int]]:
+        """(KV heads, query heads) the errors are checked on: ``err_kv`` KV heads (at most every
+        one), the first ``err_kv - 1`` and the last, so that the end of the grid (where a launch-
+        size or 32-bit offset overflow shows) is checked as well as its start; with their query
+        heads, whole GQA groups (query head h belongs to KV head h // (nheads / nheads_k))."""
+        n = min(err_kv, self.nheads_k)
+        kv = [*range(n - 1), self.nheads_k - 1]
+        g = self.nheads // self.nheads_k
+        return kv, [j * g + i for j in kv for i in range(g)]
+
+    def err_index(self, err_kv: int) -> tuple:
+        """(rows, KV heads, query heads) of the timed call's result that the errors are checked
+        on (rows: indices into dim 0, None: every row); ``err_slice`` holds those of the inputs."""
+        return (self.err_rows(), *self.err_heads(err_kv))
+
+    def _set0_slice(self, err_kv: int, q_rows: list | None, kv_rows: list | None, kv=None) -> dict:
         """The ``nheads``, ``nheads_k`` and ``sets`` (dataclasses.replace's fields) of set 0 cut to
-        the first ``err_kv`` KV heads and their query heads (whole GQA groups), and to the first
-        ``q_rows`` rows of q / dout and ``kv_rows`` of k / v (dim 0; None: every row), as
-        contiguous copies; ``kv``: (k, v) to cut instead of set 0's. At most every KV head."""
+        the KV heads of ``err_heads`` and their query heads, and to the rows ``q_rows`` of q /
+        dout and ``kv_rows`` of k / v (indices into dim 0; None: every row), as copies; ``kv``:
+        (k, v) to cut instead of set 0's."""
         q, k, v, dout = self.sets[0]
         k, v = kv if kv is not None else (k, v)
-        err_kv = min(err_kv, self.nheads_k)
-        hq = err_kv * (self.nheads // self.nheads_k)
-        cut = lambda t, rows, h: None if t is None else t[:rows, ..., :h, :].contiguous()
-        sets = [(cut(q, q_rows, hq), cut(k, kv_rows, err_kv), cut(v, kv_rows, err_kv),
-                 cut(dout, q_rows, hq))]
-        return dict(nheads=hq, nheads_k=err_kv, sets=sets)
+        kv_heads, q_heads = self.err_heads(err_kv)
+
+        def cut(t, rows, heads):
+            if t is None:
+                return None
+            if rows is not None:
+                t = t.index_select(0, torch.tensor(rows, device=t.device))
+            return t.index_select(t.dim() - 2, torch.tensor(heads, device=t.device)).contiguous()
+
+        sets = [(cut(q, q_rows, q_heads), cut(k, kv_rows, kv_heads), cut(v, kv_rows, kv_heads),
+                 cut(dout, q_rows, q_heads))]
+        return dict(nheads=len(q_heads), nheads_k=len(kv_heads), sets=sets)
+
+
+def _first_and_last(n: int) -> list[int]:
+    """Indices 0 and n - 1 (one index where n is 1): the batch items the errors are checked on."""
+    return sorted({0, n - 1})
 
 
 @dataclasses.dataclass
@@ -149,10 +176,15 @@ class Problem(_Heads):
                                 self.causal, mode)
         return {"tflops": flops / (ms * 1e-3) / 1e12}
 
+    def err_rows(self) -> list[int]:
+        """The batch items the errors are checked on: the first and the last."""
+        return _first_and_last(self.batch)
+
     def err_slice(self, err_kv: int) -> "Problem":
-        """The rows of set 0 the errors are checked on, as a problem of their own (batch 1,
-        ``err_kv`` KV heads): batch item 0, the first ``err_kv`` KV heads and their query heads."""
-        return dataclasses.replace(self, batch=1, **self._set0_slice(err_kv, 1, 1))
+        """The rows of set 0 the errors are checked on (err_index), as a problem of their own:
+        the first and last batch items, ``err_kv`` KV heads (err_heads) and their query heads."""
+        rows = self.err_rows()
+        return dataclasses.replace(self, batch=len(rows), **self._set0_slice(err_kv, rows, rows))
 
 
 @dataclasses.dataclass
@@ -228,21 +260,26 @@ class DecodeProblem(_Heads):
     def rates(self, mode: str, ms: float) -> dict:
         return {"tbps": self.kv_bytes() / (ms * 1e-3) / 1e12}
 
+    def err_rows(self) -> list[int]:
+        """The sequences the errors are checked on: the first and the last."""
+        return _first_and_last(self.batch)
+
     def err_slice(self, err_kv: int) -> "DecodeProblem":
-        """The rows of set 0 the errors are checked on, as a problem of their own (eager calls):
-        the first min(batch, 2) sequences, the first ``err_kv`` KV heads and their query heads; a
-        paged cache keeps those sequences' pages alone, in the same relative order (the block
-        table renumbered)."""
-        nb = min(self.batch, 2)
+        """The rows of set 0 the errors are checked on (err_index), as a problem of their own
+        (eager calls): the first and last sequences, ``err_kv`` KV heads (err_heads) and their
+        query heads; a paged cache keeps those sequences' pages alone, in the same relative order
+        (the block table renumbered)."""
+        rows = self.err_rows()
+        nb, at = len(rows), torch.tensor(rows, device=self.cache_seqlens.device)
         _, k, v, _ = self.sets[0]
         table = self.block_table
         if table is not None:
-            pages, order = table[:nb].flatten().long().sort()
+            pages, order = table[at].flatten().long().sort()
             table = torch.empty_like(pages)
             table[order] = torch.arange(len(pages), device=pages.device)
             k, v, table = k[pages], v[pages], table.view(nb, -1).to(torch.int32)
-        part = self._set0_slice(err_kv, nb, None if table is not None else nb, kv=(k, v))
-        return dataclasses.replace(self, batch=nb, cache_seqlens=self.cache_seqlens[:nb],
+        part = self._set0_slice(err_kv, rows, None if table is not None else rows, kv=(k, v))
+        return dataclasses.replace(self, batch=nb, cache_seqlens=self.cache_seqlens[at],
                                    block_table=table, cuda_graph=False, **part)
 
 
@@ -290,9 +327,13 @@ class VarlenProblem(_Heads):
         flops = varlen_flops(self.seqlens, self.seqlens, self.nheads, self.headdim, self.causal, mode)
         return {"tflops": flops / (ms * 1e-3) / 1e12}
 
+    def err_rows(self) -> None:
+        """Every token (every sequence) is checked."""
+        return None
+
     def err_slice(self, err_kv: int) -> "VarlenProblem":
-        """The rows of set 0 the errors are checked on, as a problem of their own: every
-        sequence, the first ``err_kv`` KV heads and their query heads."""
+        """The rows of set 0 the errors are checked on (err_index), as a problem of their own:
+        every sequence, ``err_kv`` KV heads (err_heads) and their query heads."""
         return dataclasses.replace(self, **self._set0_slice(err_kv, None, None))
 
 

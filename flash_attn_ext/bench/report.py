@@ -51,19 +51,19 @@ DECODE_TEXT = ("Decode (KV cache): seqlen_q = 1 against a full cache (cache_seql
                "paged KV page size (contig: one contiguous cache; SDPA has no paged entry: n/a); "
                "ours = flash_attn_with_kvcache(num_splits=0); ours/<peer> = ratio of TB/s; "
                "ours/contig = ours at this page size / ours contiguous; err = max |out - float64 "
-               "reference| over the timed call's first min(B, 2) sequences and first KV heads.")
+               "reference| over the timed call's first and last sequences and KV heads.")
 VARLEN_TEXT = ("Varlen: {n_seqs} sequences of seeded mixed lengths {lens} ({tokens} tokens), "
                "q and k alike; TFLOP/s on the real per-sequence work (sum of 4*L^2*hdim*heads, "
                "halved when causal; varlen_bwd = the backward alone, 2.5x); ours-dense = "
                "flash_attn_func at {dense} with the same heads (the dense op on as many tokens, "
                "with its own work); SDPA has no varlen entry; ours/<peer> = ratio of TFLOP/s; "
                "err = max |x - float64 reference| (out for varlen_fwd, max of dq/dk/dv for "
-               "varlen_bwd) over the timed call's first KV heads, the reference of each sequence "
-               "alone.")
+               "varlen_bwd) over the timed call's first and last KV heads, the reference of each "
+               "sequence alone.")
 DENSE_TEXT = ("TFLOP/s by the standard count (fwd 4*B*H*N^2*d, halved when causal; bwd 2.5x, "
               "fwd_bwd 3.5x); ours/<peer> = ratio of TFLOP/s (> 1: ours faster); err = max |x - "
               "float64 reference| (out for fwd, max of dq/dk/dv otherwise) over the timed call's "
-              "batch item 0 and first KV heads.")
+              "first and last batch items and KV heads.")
 
 
 def require_deps():

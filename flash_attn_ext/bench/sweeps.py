@@ -7,9 +7,10 @@ list as it is measured (so an interrupted run still has the rows so far).
                  ours-dense comparison row (flash_attn_func on as many tokens, varlen_dense_shape)
 
 Each case's errors come from each implementation's call on the timed problem's first input set,
-compared over a slice of it (batch item 0, --err-kv-heads KV heads; accuracy), before the timing;
-its inputs that do not fit give every implementation the status of that failure instead of a
-number, and errors from a reduced problem of the slice's shape made on its own (err_note says so).
+compared over a slice of it (first and last batch items, --err-kv-heads KV heads; accuracy),
+before the timing; its inputs that do not fit give every implementation the status of that
+failure instead of a number, and errors from a reduced problem of the slice's shape made on its
+own (err_note says so).
 """
 
 from __future__ import annotations
