@@ -17,8 +17,8 @@
 // the CTA). The groups' partial sums then add up in shared memory. Summation order is fixed
 // (within a group by s, then by g): the result is deterministic.
 // Launched as a programmatic dependent of the split kernel on sm_90+ (kernels/launch_utils.h):
-// its CTAs start while the split kernel's last CTAs finish and wait (grid_dependency_wait) before
-// the first read.
+// its CTAs may start once every split CTA has started (the split kernel triggers first thing)
+// and wait (grid_dependency_wait) for the split grid's end before the first read.
 #pragma once
 
 #include <cuda_bf16.h>

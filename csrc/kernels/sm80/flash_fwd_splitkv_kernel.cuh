@@ -23,8 +23,9 @@
 // has landed when the barrier of stage t % kStages completes its phase (t / kStages) & 1 (each
 // thread waits on it: no second CTA barrier). K/V reads carry an L2 evict-first policy
 // (kEvictFirst) where no other CTA reads the same rows (one row tile).
-// After the loop the CTA lets the combine kernel launch (programmatic dependent launch, sm_90+:
-// common/combine_kernel.cuh), which then waits for this grid's end before its first read.
+// Each CTA's first statement lets the combine kernel launch (programmatic dependent launch,
+// sm_90+: common/combine_kernel.cuh), which then waits for this grid's end before its first read;
+// TMA rows then prefetch the split's first key tile into L2 before reading cache_seqlens (below).
 #pragma once
 
 #include <atomic>
@@ -112,15 +113,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const uint64_t kv_policy =
       l2_policy_stream(Traits::kEvictFirst && Work::num_row_tiles(params) == 1, params.kv_stream_exceeds_l2);
 
-  // ---- Launch latency. A decode step's split grid is one short wave (B1 x Nk 8k: 8 key tiles per
-  // CTA), so the chain before its first K/V bytes land is a good part of its span: cache_seqlens
+  // ---- Launch latency. A small decode step's split grid is one short wave (B1 x Nk 8k: 128 CTAs of
+  // 8 key tiles), so the chain before its first K/V bytes land is a good part of its span: cache_seqlens
   // (the key range depends on it), then the tensor maps, then the tile itself, each a DRAM round
   // trip after the benchmark's flush. Before reading cache_seqlens: let the combine grid launch
   // (it waits for this grid's end before it reads: grid_dependency_wait; its CTAs launch once
   // every CTA of this grid has run this, so they never keep one of ours from an SM), fetch the
-  // maps into the TMA unit, and, for a contiguous cache without a left pad or window, prefetch
-  // into L2 the first kSpecTiles key tiles this split gets if the cache is full (a decode step's
-  // usual case; otherwise up to kSpecTiles x 2 x kBlockN x d x 2 bytes per CTA read for nothing).
+  // maps into the TMA unit, and, for a contiguous cache without a left pad or a window's left
+  // bound, prefetch into L2 the first kSpecTiles key tiles this split gets if the cache is full (a
+  // decode step's usual case; otherwise up to kSpecTiles x 2 x kBlockN x d x 2 bytes per CTA read
+  // for nothing).
   // H100, decode as CUDA graphs, against none of this: B1 x Nk 8k +2.4 % with one tile, +2.0 % with
   // two, +-0 with the maps and the launch alone; B1 128k, B8 32k, B64 8k / 32k within +-0.4 %
   // (docs/PERF_NOTES.md, 2026-12-06, twenty-seventh session).
