@@ -63,7 +63,7 @@ FLASH_HOST_DEVICE Philox4 philox4x32_10(Philox4 c, uint32_t k0, uint32_t k1) {
 struct DropoutRng {
   uint32_t key0 = 0, key1 = 0, offset = 0, threshold = 0;
 
-  FLASH_HOST_DEVICE DropoutRng() = default;
+  DropoutRng() = default;  // host and device alike (a defaulted constructor takes no annotation)
   // rng_state: (seed, offset) as two int64 (the op's rng_state tensor).
   FLASH_HOST_DEVICE DropoutRng(const int64_t* rng_state, uint32_t threshold_) : threshold(threshold_) {
     const uint64_t seed = uint64_t(rng_state[0]), off = uint64_t(rng_state[1]);
