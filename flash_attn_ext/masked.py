@@ -144,7 +144,7 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
         torch._dynamo.graph_break(
             msg="flash_attn_ext: a sliding-window layer with an attention mask reads the sequence sizes on the "
                 "host, which torch.compile(fullgraph=True) cannot trace; compile without fullgraph (a graph "
-                "break per such call)")
+                "break per such call), or load the model with attn_implementation=\"sdpa\"")
     return plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional)(q, k, v, scaling, sinks, softcap, dropout_p)
 
 
