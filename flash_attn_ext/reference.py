@@ -152,6 +152,12 @@ def attention_ref(
     return out, lse.float()
 
 
+def alibi_geometric_slopes(nheads: int, device=None) -> torch.Tensor:
+    """ALiBi's slopes for ``nheads`` heads (Press et al. 2022, section 3): 2^(-8 (h + 1) / nheads)
+    for head h, (nheads,) float32 (the paper's sequence for a power-of-2 head count)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / nheads) for h in range(nheads)], device=device)
+
+
 def alibi_of_sequence(alibi_slopes, b: int):
     """The slopes (or their tangents) sequence b of a varlen / KV-cache batch runs with alone: a
     (nheads,) tensor serves every sequence, row b of a (batch, nheads) one; None stays None."""

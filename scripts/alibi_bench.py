@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import flash_attn_ext
 from flash_attn_ext.bench.problems import dense_cases, script_args
 from flash_attn_ext.bench.timing import feature_cost_table, script_timer
-from flash_attn_ext.reference import alibi_bias, causal_mask
+from flash_attn_ext.reference import alibi_bias, alibi_geometric_slopes, causal_mask
 
 
 def main(argv=None):
@@ -26,14 +26,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     device, dtype, timer = script_timer(args)
     biases = {}  # (nheads, N, causal) -> the SDPA peer's attn_mask
+    slopes = {}  # nheads -> the slopes (made once, outside the timed calls)
 
-    def slopes(h):
-        return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device=device)
+    def slopes_of(h):
+        if h not in slopes:
+            slopes[h] = alibi_geometric_slopes(h, device)
+        return slopes[h]
 
     def sdpa(q, k, v, causal):
         h, n = q.shape[2], q.shape[1]
         if (h, n, causal) not in biases:
-            bias = alibi_bias(slopes(h), 1, h, n, n, q.dtype)
+            bias = alibi_bias(slopes_of(h), 1, h, n, n, q.dtype)
             if causal:
                 bias = bias.masked_fill(~causal_mask(n, n, device), float("-inf"))
             biases.clear()  # one at a time: (1, H, N, N)
@@ -45,7 +48,7 @@ def main(argv=None):
 
     impls = {"ours": lambda q, k, v, causal: flash_attn_ext.flash_attn_func(q, k, v, causal=causal),
              "ours alibi": lambda q, k, v, causal: flash_attn_ext.flash_attn_func(q, k, v, causal=causal,
-                                                                                  alibi_slopes=slopes(q.shape[2]))}
+                                                                                  alibi_slopes=slopes_of(q.shape[2]))}
     if device.type == "cuda":
         impls["SDPA efficient alibi"] = sdpa
     print(f"{dtype}, {device}; {args.rounds} alternated rounds, medians")

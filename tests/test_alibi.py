@@ -14,7 +14,7 @@ import torch
 import flash_attn_ext
 from accuracy import check_accuracy
 from conftest import VARLEN_LENS_K, VARLEN_LENS_Q, check_fwd_bwd, make_qkv, make_varlen_qkv, require_hdim
-from flash_attn_ext.reference import alibi_bias, attention_ref, attention_varlen_ref
+from flash_attn_ext.reference import alibi_bias, alibi_geometric_slopes, attention_ref, attention_varlen_ref
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -30,7 +30,7 @@ def _dtypes(device):
 def _slopes(nheads, batch=None, device="cpu"):
     """ALiBi's geometric slopes 2^(-8 (h + 1) / nheads) (the paper's, section 3), per batch row
     scaled differently when ``batch`` is given, so a wrong row would show."""
-    base = torch.tensor([2.0 ** (-8.0 * (h + 1) / nheads) for h in range(nheads)])
+    base = alibi_geometric_slopes(nheads)
     if batch is not None:
         base = base * torch.linspace(0.5, 1.5, batch).view(-1, 1)
     return base.float().to(device)
