@@ -49,10 +49,14 @@ struct SplitKvWork {
     // Split s gets tiles n_block_min + [s n / S, (s + 1) n / S) of the n = n_block_max -
     // n_block_min: sizes differ by at most one tile, and every split has work while n >= S.
     const int n = n_block_max - n_block_min;
-    n_begin = n_block_min + int(int64_t(split) * n / num_splits);
-    n_end = n_block_min + int(int64_t(split + 1) * n / num_splits);
+    n_begin = n_block_min + split_first_tile(split, num_splits, n);
+    n_end = n_block_min + split_first_tile(split + 1, num_splits, n);
     n_block_unmasked = max(mask.key_limit(query(m0)), 0) / kBlockN;
     n_block_unmasked_lo = ceil_div(mask.key_start(q_last), kBlockN);  // 0 without a left bound
+  }
+  // The first of split s's tiles among n tiles cut into num_splits ranges (s = num_splits: n).
+  __device__ __forceinline__ static int split_first_tile(int s, int num_splits, int n) {
+    return int(int64_t(s) * n / num_splits);
   }
   __device__ __forceinline__ static int4 decode(const Flash_fwd_params& p) {
     const int row_tiles = num_row_tiles(p);

@@ -120,29 +120,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // (it waits for this grid's end before it reads: grid_dependency_wait; its CTAs launch once
   // every CTA of this grid has run this, so they never keep one of ours from an SM), fetch the
   // maps into the TMA unit, and, for a contiguous cache without a left pad or a window's left
-  // bound, prefetch into L2 the first kSpecTiles key tiles this split gets if the cache is full (a
-  // decode step's usual case; otherwise up to kSpecTiles x 2 x kBlockN x d x 2 bytes per CTA read
-  // for nothing).
+  // bound, prefetch into L2 the first key tile this split gets if the cache is full (a decode
+  // step's usual case; otherwise one K/V tile pair per CTA read for nothing).
   // H100, decode as CUDA graphs, against none of this: B1 x Nk 8k +2.4 % with one tile, +2.0 % with
   // two, +-0 with the maps and the launch alone; B1 128k, B8 32k, B64 8k / 32k within +-0.4 %
   // (docs/PERF_NOTES.md, 2026-12-06, twenty-seventh session).
   grid_dependency_launch_dependents();
   if constexpr (Traits::kTma) {
-    constexpr int kSpecTiles = 1;
     if (tid == 0) {
       tma_prefetch_map(&maps.k);
       tma_prefetch_map(&maps.v);
-      if (kSpecTiles > 0 && !kLocal && params.block_table == nullptr && params.leftpad_k == nullptr) {
+      if (!kLocal && params.block_table == nullptr && params.leftpad_k == nullptr) {
+        // The split's first tile among those of a full cache (Work's ranges with seqlen_k = capacity).
         const int n_cap = ceil_div(params.seqlen_k, kBlockN);
-        const int n_spec = int(int64_t(coords.w) * n_cap / params.num_splits);
-        const int n_spec_end = int(int64_t(coords.w + 1) * n_cap / params.num_splits);
-#pragma unroll
-        for (int t = 0; t < kSpecTiles; ++t) {
-          if (n_spec + t >= n_spec_end) break;
+        const int n_spec = Work::split_first_tile(coords.w, params.num_splits, n_cap);
+        if (n_spec < Work::split_first_tile(coords.w + 1, params.num_splits, n_cap)) {
 #pragma unroll
           for (int cb = 0; cb < Traits::kHeadDimPad / 64; ++cb) {
-            tma_prefetch_l2_4d(&maps.k, 64 * cb, (n_spec + t) * kBlockN, coords.y, coords.x, kv_policy);
-            tma_prefetch_l2_4d(&maps.v, 64 * cb, (n_spec + t) * kBlockN, coords.y, coords.x, kv_policy);
+            tma_prefetch_l2_4d(&maps.k, 64 * cb, n_spec * kBlockN, coords.y, coords.x, kv_policy);
+            tma_prefetch_l2_4d(&maps.v, 64 * cb, n_spec * kBlockN, coords.y, coords.x, kv_policy);
           }
         }
       }
