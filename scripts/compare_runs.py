@@ -25,7 +25,7 @@ def load(dirs, impl):
     """Median and spread (max / min) over `dirs` of impl's speed per case: TFLOP/s of dense and
     varlen rows (a varlen case named by its longest sequence, a dense one by its seqlen), TB/s of
     decode rows (a case named by batch, cache length, page size and, for CUDA graph replays,
-    "graph"; causal "-")."""
+    "graph", for a ragged cache (--decode-fill < 1) "fill F"; causal "-")."""
     frames = []
     for i, d in enumerate(dirs):
         df = pd.read_csv(os.path.join(d, "results.csv"))
@@ -42,6 +42,9 @@ def load(dirs, impl):
                             + " page" + dec["page_size"].fillna(0).astype("Int64").astype(str))
             if "timing" in dec:  # CUDA graph replays (--decode-graph) are another case than eager calls
                 case[decode] += dec["timing"].map(lambda t: " graph" if t == "graph" else "")
+            if "fill" in dec:  # a ragged cache (--decode-fill < 1) is another case than a full one
+                fill = pd.to_numeric(dec["fill"], errors="coerce").fillna(1.0)
+                case[decode] += fill.map(lambda f: "" if f == 1.0 else f" fill{f:g}")
             speed[decode] = dec["tbps"]
         causal = df["causal"].astype(object).where(~decode, "-") if "causal" in df else "-"
         config = pd.Series("", index=df.index)

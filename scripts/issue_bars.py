@@ -14,9 +14,11 @@ non-causal, >= 400 causal, hdim 64 >= 420, hdim 96 / 192 / 256 >= SDPA cuDNN. Th
 these on the H200: the device of each run is printed, runs of different GPUs are refused (their
 cells would pool), and verdicts from another GPU than the H200 are marked so. Only the issues'
 configuration counts: dense rows of 16384 tokens (batch x seqlen) and 2048 / hdim heads without GQA,
-decode rows of GQA 32:8 (a column a run lacks does not filter). A cell where ours' error exceeds
-twice standard attention's in the same run (the accuracy rule, on a slice of the benchmark's timed
-call; only where the run has an ok row of the `standard` peer) is WRONG, whatever its speed.
+decode rows of GQA 32:8 against a full cache (fill 1.0: a --decode-fill < 1 run's ragged rows read
+fewer bytes and are another problem; a column a run lacks does not filter). A cell where ours'
+error exceeds twice standard attention's in the same run (the accuracy rule, on a slice of the
+benchmark's timed call; only where the run has an ok row of the `standard` peer) is WRONG, whatever
+its speed.
 Several runs of one cell (rounds, repeated sweeps): their median.
 """
 
@@ -54,7 +56,8 @@ def load(dirs):
 
 def anchor(df):
     """The rows of the issues' configuration: dense (fwd / bwd) rows of 16384 tokens, 2048 / hdim
-    heads, no GQA; decode rows of GQA 32:8. A column the run lacks (or leaves empty) keeps the row."""
+    heads, no GQA; decode rows of GQA 32:8 and a full cache (fill 1.0, --decode-fill). A column the
+    run lacks (or leaves empty: runs before --decode-fill had full caches only) keeps the row."""
     def num(col):
         return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(float("nan"), index=df.index)
 
@@ -63,11 +66,11 @@ def anchor(df):
 
     mode = df["mode"].astype(str) if "mode" in df else pd.Series("", index=df.index)
     dense, dec = mode.isin(["fwd", "bwd", "fwd_bwd"]), mode == "decode"
-    gqa, batch, seqlen, nheads, nheads_k, hdim = (num(c) for c in ("gqa", "batch", "seqlen", "nheads", "nheads_k",
-                                                                   "hdim"))
+    gqa, batch, seqlen, nheads, nheads_k, hdim, fill = (num(c) for c in ("gqa", "batch", "seqlen", "nheads",
+                                                                         "nheads_k", "hdim", "fill"))
     keep = (~dense | (ok(gqa == 1, gqa) & ok(batch * seqlen == 16384, batch * seqlen)
                       & ok(nheads * hdim == 2048, nheads * hdim)))
-    keep &= ~dec | (ok(nheads == 32, nheads) & ok(nheads_k == 8, nheads_k))
+    keep &= ~dec | (ok(nheads == 32, nheads) & ok(nheads_k == 8, nheads_k) & ok(fill == 1.0, fill))
     return df[keep]
 
 
@@ -79,7 +82,7 @@ def mark_wrong(df):
     if "err" not in df or "standard" not in set(df["impl"]):
         return df
     keys = [k for k in ("mode", "dtype", "hdim", "causal", "gqa", "seqlen", "batch", "nheads", "nheads_k",
-                        "seqlen_k", "page_size") if k in df]
+                        "seqlen_k", "fill", "page_size") if k in df]
     spelled = df[keys].astype(str).apply(tuple, axis=1)
     err = pd.to_numeric(df["err"], errors="coerce")
     std = err[df["impl"] == "standard"].groupby(spelled[df["impl"] == "standard"]).max()

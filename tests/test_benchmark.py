@@ -138,6 +138,9 @@ def test_cli_cuda_tiny(tmp_path):
     (["--device", "cpu", "--decode-heads", "32"], "--decode-heads"),
     (["--device", "cpu", "--decode-hdim", "60"], "--decode-hdim"),
     (["--device", "cpu", "--decode-graph"], "--decode-graph"),
+    (["--device", "cpu", "--decode-fill", "0"], "--decode-fill"),
+    (["--device", "cpu", "--decode-fill", "1.5"], "--decode-fill"),
+    (["--device", "cpu", "--decode-fill", "nan"], "--decode-fill"),
     (["--device", "cpu", "--varlen-lens", "1024,128"], "--varlen-lens"),
     (["--device", "cpu", "--varlen-lens", "128"], "--varlen-lens"),
     (["--device", "cpu", "--varlen-seqs", "64", "--varlen-lens", "128,1024",
@@ -815,3 +818,245 @@ def test_fallback_notes_in_the_results(tmp_path, monkeypatch):
     df = pd.read_csv(tmp_path / "b" / "results.csv", keep_default_na=False, na_values=[""])
     assert (df["status"] == "OOM").all() and df["note"].str.startswith("inputs: ").all()
     assert (df["err_note"] == "errors on reduced problem: inputs OOM").all() and (df["err"] < 1e-4).all()
+
+
+# ---- interleaved groups: a decode case's page sizes, a varlen case's dense twin -----------------
+
+class _Progress:
+    """A stand-in for the tqdm bar the sweeps report to."""
+
+    def set_postfix_str(self, text):
+        pass
+
+    def update(self, n):
+        pass
+
+
+def _no_errors(impls, p, *args):
+    nan = float("nan")
+    return {i.name: {"err_out": nan, "err_grad": nan, "err_note": ""} for i in impls}
+
+
+def _decode_sweep(pages, graph=False, fill=1.0):
+    return benchmark.Sweep(torch.device("cpu"), [torch.float32], [16], [False], [32], [1], ["decode"], [],
+                           None, 1, 2, decode_cases=[(2, 48)], page_sizes=pages, decode_heads=(4, 2),
+                           decode_hdims=[16], decode_graph=graph, decode_fill=fill)
+
+
+def test_decode_page_sizes_are_timed_in_one_interleaved_group(monkeypatch):
+    """Issue 14's bar reads ours/contig: ours on every page size of one (batch, Nk) is timed in the
+    same rounds (one measure_group: every round times every page size, ours at each first), not in
+    a group per page size at another time (drift between groups biased the ratio); the rows stay
+    one per (page size, implementation) in the old order."""
+    from flash_attn_ext.bench import sweeps, timing
+    seen = []
+
+    def fake_measure(impl, p, mode, timer):
+        seen.append((impl.name, p.page_size))
+        return {"status": "ok", "note": "", "ms": 1.0 + len(seen), "tbps": 1.0, "peak_mem_mib": 0.0}
+
+    monkeypatch.setattr(timing, "measure", fake_measure)
+    monkeypatch.setattr(sweeps, "measure_errors", _no_errors)
+    impls = [benchmark.Impl(OURS, None), benchmark.Impl("peer", None)]
+    pages, rounds = [0, 16, 32], 3
+    args = type("Args", (), dict(seed=0, err_kv_heads=2, rounds=rounds))()
+    rows = benchmark.run_decode(_decode_sweep(pages), args, impls, None, _Progress())
+    everything = sorted((i.name, page) for i in impls for page in pages)
+    n = len(everything)
+    assert len(seen) == rounds * n
+    for r in range(rounds):  # each round: every implementation at every page size
+        assert sorted(seen[r * n:(r + 1) * n]) == everything, (r, seen)
+    assert seen[:3] == [(OURS, 0), (OURS, 16), (OURS, 32)]  # round 0: ours at each page size first
+    assert [(r["page_size"], r["impl"]) for r in rows] == [(page, i.name) for page in pages for i in impls]
+    # Each row is its own entry's median round (the fake ms grows with each call).
+    calls = {key: [i + 2.0 for i, k in enumerate(seen) if k == key] for key in set(seen)}
+    for r in rows:
+        assert r["ms"] == sorted(calls[(r["impl"], r["page_size"])])[1]
+
+
+def test_decode_group_shares_one_kv_allocation():
+    """make_group: one problem per page size over one K/V allocation (a group takes one problem's
+    memory), each paged problem's cache the rows of that allocation its own block table names."""
+    cpu = torch.device("cpu")
+    contig, p16, p32 = benchmark.DecodeProblem.make_group(2, 40, 4, 2, 8, [0, 16, 32], torch.float32, cpu,
+                                                          n_sets=2)
+    for i in range(2):
+        k0, k16, k32 = (p.sets[i][1] for p in (contig, p16, p32))
+        assert k0.untyped_storage().data_ptr() == k16.untyped_storage().data_ptr() == k32.untyped_storage().data_ptr()
+        assert contig.sets[i][0] is p16.sets[i][0]  # q
+        assert k0.shape == (2, 40, 2, 8) and k16.shape == (2 * 3, 16, 2, 8) and k32.shape == (2 * 2, 32, 2, 8)
+    assert p16.block_table.shape == (2, 3) and sorted(p16.block_table.flatten().tolist()) == list(range(6))
+    assert contig.block_table is None and contig.cache_seqlens is p16.cache_seqlens
+    rows = p32.sets[1][1].reshape(-1, 2, 8)  # the whole allocation of set 1 (the largest cache), a key a row
+    assert rows.shape[0] == max(2 * 40, 2 * 3 * 16, 2 * 2 * 32)
+    for p, size in ((p16, 16), (p32, 32)):
+        kc, _ = p.contiguous_cache(1)
+        b, j = 1, 37
+        assert torch.equal(kc[b, j], rows[p.block_table[b, j // size] * size + j % size])
+
+
+def test_decode_group_graph_mode_captures_each_page_size(monkeypatch):
+    """--decode-graph with the grouped page sizes: each (implementation, page size) measurement
+    captures graphs of its own problem's input sets (_graph_replays gets that page size's cache)."""
+    from flash_attn_ext.bench import sweeps, timing
+    captured = []
+
+    def fake_replays(f, sets, next_index):
+        captured.append(tuple(sets[0][1].shape))
+        return lambda: sets[next_index()]
+
+    monkeypatch.setattr(timing, "_graph_replays", fake_replays)
+    monkeypatch.setattr(sweeps, "measure_errors", _no_errors)
+    impl = benchmark.Impl(OURS, lambda q, k, v, lens, table, scale: q)
+    args = type("Args", (), dict(seed=0, err_kv_heads=2, rounds=2))()
+    timer = benchmark.Timer(torch.device("cpu"), warmup_ms=1, rep_ms=1)
+    rows = benchmark.run_decode(_decode_sweep([0, 16], graph=True), args, [impl], timer, _Progress())
+    assert [r["timing"] for r in rows] == ["graph", "graph"] and all(r["status"] == "ok" for r in rows)
+    # rounds 0 and 1 (reversed): contiguous, paged, paged, contiguous
+    assert captured == [(2, 48, 2, 16), (2 * 3, 16, 2, 16), (2 * 3, 16, 2, 16), (2, 48, 2, 16)]
+
+
+def test_varlen_row_and_its_dense_twin_in_one_interleaved_group(monkeypatch):
+    """ours on the varlen batch and ours-dense (the same work, dense) are timed in the same rounds
+    (ours-dense right after ours in round 0), each row with its own problem's count."""
+    from flash_attn_ext.bench import sweeps, timing
+    seen = []
+
+    def fake_measure(impl, p, mode, timer):
+        seen.append((impl.name, type(p).__name__, mode))
+        row = {"status": "ok", "note": "", "ms": 2.0, "peak_mem_mib": 0.0}
+        row.update(p.rates(mode, 2.0))
+        return row
+
+    monkeypatch.setattr(timing, "measure", fake_measure)
+    monkeypatch.setattr(sweeps, "measure_errors", _no_errors)
+    sweep = benchmark.Sweep(torch.device("cpu"), [torch.float32], [16], [False], [32], [1],
+                            ["varlen_fwd", "varlen_bwd"], [], None, 1, 2, varlen_seqs=3, varlen_tokens=96,
+                            varlen_lens=(16, 64), varlen_dense_seqlen=32)
+    impls = [benchmark.Impl(OURS, None), benchmark.Impl("peer", None)]
+    dense = benchmark.Impl(benchmark.OURS_DENSE, None)
+    args = type("Args", (), dict(seed=0, err_kv_heads=2, rounds=2, ref_max_seqlen=None))()
+    rows = benchmark.run_varlen(sweep, args, impls, dense, None, _Progress())
+    names = [OURS, benchmark.OURS_DENSE, "peer"]
+    for mode_index, mode in enumerate(("varlen_fwd", "varlen_bwd")):
+        for r in range(2):
+            chunk = seen[(2 * mode_index + r) * 3:(2 * mode_index + r + 1) * 3]
+            assert sorted(name for name, _, _ in chunk) == sorted(names), chunk
+            assert {m for _, _, m in chunk} == {mode}
+        assert [name for name, _, _ in seen[6 * mode_index:6 * mode_index + 2]] == names[:2]  # round 0
+    assert {(n, kind) for n, kind, _ in seen} == {(OURS, "VarlenProblem"), ("peer", "VarlenProblem"),
+                                                 (benchmark.OURS_DENSE, "Problem")}
+    by = {(r["mode"], r["impl"]): r for r in rows}
+    for mode in ("varlen_fwd", "varlen_bwd"):
+        d = by[(mode, benchmark.OURS_DENSE)]  # the dense count of its base mode
+        base = mode[len("varlen_"):]
+        assert d["tflops"] == pytest.approx(attention_flops(3, 2, 32, 32, 16, False, base) / 2e-3 / 1e12)
+        assert (d["batch"], d["seqlen"]) == (3, 32)
+
+
+# ---- --decode-fill: ragged caches -------------------------------------------------------------------
+
+def test_decode_lengths():
+    """--decode-fill F: lengths at the midpoints of B strata of [F*Nk - w, F*Nk + w], w = min(F, 1 - F)
+    * Nk, in a seeded order, at least 1; F = 1 is the full cache."""
+    assert benchmark.decode_lengths(5, 300, 1.0, seed=3) == [300] * 5
+    lens = benchmark.decode_lengths(4, 1000, 0.5, seed=0)
+    assert sorted(lens) == [125, 375, 625, 875] and sum(lens) == 0.5 * 4 * 1000
+    assert sorted(benchmark.decode_lengths(4, 1000, 0.5, seed=1)) == sorted(lens)
+    assert benchmark.decode_lengths(4, 1000, 0.5, seed=0) == lens  # deterministic
+    assert sorted(benchmark.decode_lengths(2, 1000, 0.8)) == [700, 900]  # w = 0.2 * Nk
+    assert benchmark.decode_lengths(1, 1000, 0.3) == [300]
+    assert benchmark.decode_lengths(3, 100, 0.001) == [1, 1, 1]
+    many = benchmark.decode_lengths(64, 32768, 0.25, seed=0)
+    assert min(many) >= 1 and max(many) <= 16384 and len(set(many)) == 64
+    assert sum(many) / 64 == pytest.approx(0.25 * 32768, abs=1)
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="fill"):
+            benchmark.decode_lengths(2, 64, bad)
+
+
+def test_ragged_decode_bytes_count_the_used_lengths():
+    cpu = torch.device("cpu")
+    for page in (0, 16):
+        p = benchmark.DecodeProblem.make(3, 40, 4, 2, 8, page, torch.float32, cpu, fill=0.5, seed=2)
+        lens = benchmark.decode_lengths(3, 40, 0.5, seed=2)
+        assert p.cache_seqlens.tolist() == lens and sum(lens) < 3 * 40 and p.fill == 0.5
+        assert p.kv_bytes() == 2 * sum(lens) * 2 * 8 * 4
+        assert p.rates("decode", 0.5)["tbps"] == pytest.approx(2 * sum(lens) * 2 * 8 * 4 / 0.5e-3 / 1e12)
+        full = benchmark.DecodeProblem.make(3, 40, 4, 2, 8, page, torch.float32, cpu)
+        assert full.kv_bytes() == benchmark.decode_kv_bytes(3, 40, 2, 8, 4)
+
+
+def _brute_decode(p, b, n):
+    """Sequence b's output over its first n keys alone, float64, from the gathered cache."""
+    q = p.sets[0][0][b, 0].double()                       # (H, d)
+    k, v = (t[b, :n].double() for t in p.contiguous_cache())
+    g = p.nheads // p.nheads_k
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (n, H, d)
+    s = torch.einsum("hd,nhd->hn", q, k) * p.softmax_scale
+    return torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("page", [0, 16])
+def test_ragged_decode_reference_reads_only_the_used_keys(page):
+    """The float64 reference of a ragged problem (and of its error slice) is that of each
+    sequence's used keys alone; an implementation that attends to the whole cache is far off, one
+    that honours cache_seqlens (and the masked dense peers) exact."""
+    from flash_attn_ext.bench import peers
+    from flash_attn_ext.bench.accuracy import reference_chunked
+
+    cpu = torch.device("cpu")
+    p = benchmark.DecodeProblem.make(5, 40, 8, 4, 16, page, torch.float32, cpu, fill=0.4)
+    lens = p.cache_seqlens.tolist()
+    assert len(set(lens)) > 1 and max(lens) < 40
+    ref, _ = reference_chunked(p, False)
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(ref[b, 0], _brute_decode(p, b, n))
+    rows, _, q_heads = p.err_index(2)
+    part = p.err_slice(2)
+    assert part.cache_seqlens.tolist() == [lens[r] for r in rows]
+    torch.testing.assert_close(reference_chunked(part, False)[0], ref[rows][:, :, q_heads])
+    exact = peers._ours_decode(_fake_kvcache)
+    whole = lambda q, k, v, lens, table, scale: exact(q, k, v, torch.full_like(lens, 40), table, scale)
+    impls = [benchmark.Impl(OURS, exact), benchmark.Impl("whole-cache", whole)]
+    if page == 0:
+        more, _ = benchmark.build_impls(["sdpa-math", "standard"], cpu, None, ours=exact, family="decode")
+        impls += more[1:]
+    errs = benchmark.measure_errors(impls, p, False, None, 2)
+    assert errs[OURS]["err_out"] < 1e-5 and errs["whole-cache"]["err_out"] > 1e-2
+    for name in ("sdpa-math", "standard")[:2 if page == 0 else 0]:
+        assert errs[name]["err_out"] < 1e-5, (name, errs[name])
+
+
+def test_ragged_decode_pipeline_cpu(tmp_path, monkeypatch, capsys):
+    """--decode-fill 0.5 end to end: rows carry fill 0.5, TB/s counts the used lengths' bytes, the
+    masked dense peers are measured on the contiguous cache, and the table shows the fill column
+    and says the cache is ragged; a full run has neither."""
+    import flash_attn_ext
+
+    monkeypatch.setattr(flash_attn_ext, "flash_attn_with_kvcache", _fake_kvcache, raising=False)
+    argv = ["--device", "cpu", "--dtype", "fp32", "--mode", "decode", "--peers", "sdpa-math,standard",
+            "--rep-ms", "1", "--warmup-ms", "1", "--threads", "1", "--no-progress", "--no-plots", *DECODE_ARGS]
+    assert benchmark.main([*argv, "--decode-fill", "0.5", "--out", str(tmp_path / "f")]) == 0
+    out = capsys.readouterr().out
+    df = pd.read_csv(tmp_path / "f" / "results.csv", keep_default_na=False, na_values=[""])
+    assert (df["fill"] == 0.5).all() and len(df) == 2 * 2 * 3
+    ok = df[df["status"] == "ok"]
+    assert set(ok["impl"]) == {OURS, "sdpa-math", "standard"}
+    assert (ok[ok["impl"] != OURS]["page_size"] == 0).all()
+    assert (ok["err"] < 1e-4).all(), ok[["impl", "err"]]
+    for r in ok.itertuples():
+        used = sum(benchmark.decode_lengths(r.batch, r.seqlen_k, 0.5, seed=0))
+        assert r.kv_gb * 1e9 == pytest.approx(2 * used * r.nheads_k * r.hdim * 4)
+        assert r.tbps == pytest.approx(2 * used * r.nheads_k * r.hdim * 4 / (r.ms * 1e-3) / 1e12, rel=1e-6)
+    env = json.loads((tmp_path / "f" / "results.json").read_text())["environment"]
+    assert env["decode_fill"] == 0.5
+    head = next(ln for ln in out.splitlines() if ln.startswith("| dtype"))
+    assert "| fill |" in head.replace("  ", " ") or " fill " in head
+    assert "against a ragged cache, fill F (--decode-fill)" in out
+    assert benchmark.main([*argv, "--out", str(tmp_path / "full")]) == 0
+    out = capsys.readouterr().out
+    head = next(ln for ln in out.splitlines() if ln.startswith("| dtype"))
+    assert " fill " not in head and "against a full cache" in out
+    full = pd.read_csv(tmp_path / "full" / "results.csv", keep_default_na=False, na_values=[""])
+    assert (full["fill"] == 1.0).all()

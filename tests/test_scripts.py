@@ -145,20 +145,25 @@ def test_compare_runs_keys_decode_rows_by_batch_cache_and_page(tmp_path):
     assert "over 4 cases: min 0.500, median 1.000, max 1.100" in r.stdout
 
 
-def test_compare_runs_keeps_graph_and_eager_decode_apart(tmp_path):
-    """Decode rows timed as CUDA graph replays (timing graph) are other cases than eager ones."""
-    header = "dtype,hdim,causal,mode,impl,status,tflops,tbps,seqlen,batch,seqlen_k,page_size,timing\n"
+@pytest.mark.parametrize("column, old_rows, new_rows, case", [
+    ("timing", [("eager", 1.0), ("graph", 2.0)], [("eager", 1.5), ("graph", 2.0)], "B1 Nk8192 page0 graph"),
+    ("fill", [("1.0", 2.0), ("0.5", 1.0)], [("", 2.0), ("0.5", 1.5)], "B1 Nk8192 page0 fill0.5"),
+])
+def test_compare_runs_keeps_graph_and_ragged_decode_apart(tmp_path, column, old_rows, new_rows, case):
+    """Decode rows timed as CUDA graph replays (timing graph) are other cases than eager ones, and
+    rows of a ragged cache (--decode-fill < 1) other cases than full-cache ones (fill 1.0, or empty:
+    runs before the flag)."""
+    header = f"dtype,hdim,causal,mode,impl,status,tflops,tbps,seqlen,batch,seqlen_k,page_size,{column}\n"
 
-    def results(path, rows):  # rows = [(timing, TB/s)] of ours at B1 Nk8192 contiguous
+    def results(path, rows):  # rows = [(timing or fill, TB/s)] of ours at B1 Nk8192 contiguous
         path.mkdir()
-        lines = [header] + [f"bf16,128,,decode,flash_attn_ext,ok,,{tb},,1,8192,0,{t}\n" for t, tb in rows]
+        lines = [header] + [f"bf16,128,,decode,flash_attn_ext,ok,,{tb},,1,8192,0,{x}\n" for x, tb in rows]
         (path / "results.csv").write_text("".join(lines))
         return str(path)
 
-    r = _compare_runs(results(tmp_path / "old", [("eager", 1.0), ("graph", 2.0)]),
-                      results(tmp_path / "new", [("eager", 1.5), ("graph", 2.0)]))
+    r = _compare_runs(results(tmp_path / "old", old_rows), results(tmp_path / "new", new_rows))
     assert r.returncode == 0, r.stderr
-    assert "B1 Nk8192 page0 graph" in r.stdout and "over 2 cases: min 1.000, median 1.250, max 1.500" in r.stdout
+    assert case in r.stdout and "over 2 cases: min 1.000, median 1.250, max 1.500" in r.stdout
 
 
 def test_compare_runs_without_common_cases_fails(tmp_path):
@@ -176,6 +181,26 @@ def _tune_kernels():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _issue_bars():
+    """scripts/issue_bars.py as a module."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import issue_bars
+    finally:
+        sys.path.pop(0)
+    return issue_bars
+
+
+def _issue_bars_table(path, header, rows):
+    """issue_bars' table of one synthetic run (results.csv of ``header`` and ``rows``, written in
+    ``path``), indexed by cell."""
+    path.mkdir()
+    (path / "results.csv").write_text(header + "\n".join(rows) + "\n")
+    issue_bars = _issue_bars()
+    df, _ = issue_bars.load([str(path)])
+    return issue_bars.bars(df).set_index("cell")
 
 
 def test_issue_bars_verdicts(tmp_path):
@@ -199,15 +224,7 @@ def test_issue_bars_verdicts(tmp_path):
         "bf16,96,True,bwd,flash_attn_ext,ok,380,,8192,,,,",
         "bf16,96,True,bwd,sdpa-cudnn,ok,400,,8192,,,,",             # 0.95: FAIL
     ]
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "results.csv").write_text(header + "\n".join(rows) + "\n")
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    try:
-        import issue_bars
-    finally:
-        sys.path.pop(0)
-    df, _ = issue_bars.load([str(tmp_path / "run")])
-    table = issue_bars.bars(df).set_index("cell")
+    table = _issue_bars_table(tmp_path / "run", header, rows)
     verdict = table["verdict"].to_dict()
     assert verdict["fwd bf16 hd64 N=4096 / flash-attn4"] == "PASS"
     assert verdict["fwd bf16 hd64 N=4096 / sdpa-cudnn"] == "FAIL"
@@ -457,11 +474,7 @@ def test_issue_bars_anchor_device_and_accuracy(tmp_path):
         "bf16,128,False,1,fwd,flash-attn4,ok,650,8192,2,16,16,0.001",
         "bf16,128,False,1,fwd,standard,ok,100,8192,2,16,16,0.002",
     ]
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    try:
-        import issue_bars
-    finally:
-        sys.path.pop(0)
+    issue_bars = _issue_bars()
     for name, device in (("a", "NVIDIA H200"), ("b", "NVIDIA H100 80GB HBM3")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.csv").write_text(header + "\n".join(rows) + "\n")
@@ -490,3 +503,29 @@ def test_compare_runs_keeps_gqa_and_token_counts_apart(tmp_path):
     r = _compare_runs(old, new)
     assert r.returncode == 0, r.stderr
     assert "over 3 cases: min 1.000, median 1.000, max 1.100" in r.stdout
+
+
+def test_issue_bars_counts_only_full_cache_decode_rows(tmp_path):
+    """Issue 14's cells are of a full cache: a --decode-fill < 1 run's rows (fewer bytes read, another
+    problem) never pool into them, contiguous or paged; rows of runs before the fill column (or with
+    it empty) count as full."""
+    header = "dtype,hdim,gqa,nheads,nheads_k,mode,impl,status,tbps,batch,seqlen_k,page_size,timing,fill,seqlen\n"
+    rows = [
+        "bf16,128,4,32,8,decode,flash_attn_ext,ok,1.50,1,8192,0,eager,1.0",     # full: FAIL (< 2.0)
+        "bf16,128,4,32,8,decode,flash_attn_ext,ok,9.00,1,8192,0,eager,0.5",     # ragged: left out
+        "bf16,128,4,32,8,decode,flash_attn_ext,ok,9.00,1,8192,0,eager,0.5",
+        "bf16,128,4,32,8,decode,flash_attn_ext,ok,4.00,64,32768,0,eager,1.0",   # contiguous, full
+        "bf16,128,4,32,8,decode,flash_attn_ext,ok,3.00,64,32768,16,eager,1.0",  # 0.75: FAIL
+        "bf16,128,4,32,8,decode,flash_attn_ext,ok,8.00,64,32768,16,eager,0.5",  # ragged: left out
+        "bf16,128,4,32,8,decode,flash_attn_ext,ok,8.00,64,32768,16,eager,0.5",
+        "bf16,128,4,32,8,decode,flash_attn_ext,ok,1.00,64,32768,64,eager,0.25",  # only ragged: not measured
+        "bf16,128,4,32,8,decode,flash_attn_ext,ok,4.40,64,8192,0,eager,",        # empty fill: full, PASS
+    ]
+    table = _issue_bars_table(tmp_path / "run", header, rows)
+    verdict = table["verdict"].to_dict()
+    assert verdict["decode eager B1 Nk=8192"] == "FAIL" and table.loc["decode eager B1 Nk=8192", "ours"] == "1.50"
+    assert verdict["decode eager B64 Nk=32768 page 16 / contiguous"] == "FAIL"
+    assert table.loc["decode eager B64 Nk=32768 page 16 / contiguous", "ratio"] == "0.750"
+    assert verdict["decode eager B64 Nk=32768 page 64 / contiguous"] == "not measured"
+    assert verdict["decode eager B64 Nk=8192"] == "PASS"
+

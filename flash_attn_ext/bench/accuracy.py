@@ -19,7 +19,9 @@ problem instead: the slice's inputs alone (batch <= 2, --err-kv-heads KV heads),
 reduced problem of that shape made on its own (sweeps).
 
 Decode: the reference reads the cache gathered through the block table (so a paged result is
-checked against the same keys); its cost grows with seqlen_k only, so every case gets one.
+checked against the same keys), each sequence's used keys alone (its first cache_seqlens[b]: a
+ragged cache, --decode-fill < 1, is checked against the keys it uses); its cost grows with
+seqlen_k only, so every case gets one.
 Varlen: the reference runs each sequence alone.
 """
 
@@ -57,11 +59,17 @@ def _reference_bshd(q, k, v, dout, softmax_scale, causal, need_grad):
 
 def reference_chunked(p: Problem, need_grad: bool):
     """The float64 reference of the problem's first input set: (out, (dq, dk, dv) or None),
-    shaped like the implementation's output and gradients. A DecodeProblem has no gradients;
-    a VarlenProblem is computed one sequence at a time."""
+    shaped like the implementation's output and gradients. A DecodeProblem has no gradients and
+    is computed one sequence at a time over its used keys (cache_seqlens); a VarlenProblem one
+    sequence at a time."""
     if isinstance(p, DecodeProblem):
         k, v = p.contiguous_cache(0)
-        return _reference_bshd(p.sets[0][0], k, v, None, p.softmax_scale, False, False)[0], None
+        q = p.sets[0][0]
+        out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+        for b, n in enumerate(p.cache_seqlens.tolist()):  # sequence b: its first n keys alone
+            out[b:b + 1] = _reference_bshd(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], None,
+                                           p.softmax_scale, False, False)[0]
+        return out, None
     q, k, v, dout = p.sets[0]
     if not isinstance(p, VarlenProblem):
         return _reference_bshd(q, k, v, dout, p.softmax_scale, p.causal, need_grad)

@@ -137,7 +137,8 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peers", default=",".join(ALL_PEERS),
                     help="comma list of peers to compare against (or 'none')")
     dec = ap.add_argument_group("decode (--mode decode): one query token per sequence against a "
-                                "full KV cache; GQA heads from --decode-heads, dtype from --dtype")
+                                "KV cache (full, or filled to --decode-fill); GQA heads from "
+                                "--decode-heads, dtype from --dtype")
     dec.add_argument("--decode-cases", default=None,
                      help=f"comma list of B<batch>xN<seqlen_k> [cuda: {DECODE_CASES}; --quick: "
                           "B1xN131072,B64xN32768; cpu: B1xN256,B2xN1024]")
@@ -146,6 +147,12 @@ def make_parser() -> argparse.ArgumentParser:
                           "[cuda: 0,16,64,256; --quick: 0,64; cpu: 0,16]")
     dec.add_argument("--decode-heads", default=None, help="NHEADS:NHEADS_K [cuda: 32:8; cpu: 8:2]")
     dec.add_argument("--decode-hdim", default=None, help="comma list of head dims [cuda: 128; cpu: 64]")
+    dec.add_argument("--decode-fill", type=float, default=1.0,
+                     help="F in (0, 1]: the mean fraction of the cache each batch uses. Sequence "
+                          "lengths (cache_seqlens) spread evenly over [F*Nk - w, F*Nk + w], "
+                          "w = min(F, 1 - F)*Nk, at least 1, in a seeded order (1: every sequence "
+                          "uses all Nk keys; batch 1: F*Nk); TB/s counts the K+V bytes of the used "
+                          "lengths; rows carry fill F")
     dec.add_argument("--decode-graph", action="store_true",
                      help="time every implementation's decode step as the replay of a CUDA graph "
                           "(captured per input set, L2 flushed before each replay), as serving "
@@ -257,12 +264,15 @@ def _resolve_decode(args, sweep: Sweep, cuda: bool) -> None:
     quick = "B1xN131072,B64xN32768" if args.quick else DECODE_CASES
     sweep.decode_cases = _decode_cases(args.decode_cases or (quick if cuda else "B1xN256,B2xN1024"))
     pages = ("0,64" if args.quick else "0,16,64,256") if cuda else "0,16"
-    sweep.page_sizes = _page_sizes(args.page_size or pages)
+    sweep.page_sizes = list(dict.fromkeys(_page_sizes(args.page_size or pages)))  # each once
     sweep.decode_heads = _heads_pair(args.decode_heads or ("32:8" if cuda else "8:2"))
     sweep.decode_hdims = _int_list("--decode-hdim", args.decode_hdim or ("128" if cuda else "64"))
     bad = [h for h in sweep.decode_hdims if h % 8 or h > 256]
     if bad:
         raise BenchmarkError(f"--decode-hdim: expected multiples of 8 up to 256, got {bad}")
+    if not 0.0 < args.decode_fill <= 1.0:
+        raise BenchmarkError(f"--decode-fill: expected a fraction in (0, 1], got {args.decode_fill}")
+    sweep.decode_fill = args.decode_fill
     if args.decode_graph and not cuda:
         raise BenchmarkError("--decode-graph: CUDA graphs need a CUDA device (this run is on the CPU)")
     sweep.decode_graph = args.decode_graph
@@ -327,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     env = report.environment(sweep.device, timer, sys.argv[1:] if argv is None else list(argv))
     if args.rounds > 1:
         env["timer"] += f"; median of {args.rounds} interleaved rounds per (case, implementation)"
+    if impls.get("decode"):
+        env["decode_fill"] = sweep.decode_fill
     if impls.get("varlen"):
         env["varlen_dense"] = "batch {} x seqlen {}".format(*varlen_dense_shape(sweep))
 

@@ -16,8 +16,11 @@ Two more families of cases have their own call shapes (``build_impls(..., family
              or paged (num_blocks, page_size, nheads_k, headdim) with block_table (batch,
              blocks per sequence) int32 (None when contiguous):
         flash_attn_ext   flash_attn_ext.flash_attn_with_kvcache(..., num_splits=0)
-        sdpa-*, standard the dense call on the whole cache (every case fills the cache:
-                         cache_seqlens = seqlen_k); contiguous only, 'n/a' for a paged cache
+        sdpa-*, standard the dense call on the whole cache; a ragged cache (some
+                         cache_seqlens[b] < seqlen_k, --decode-fill < 1) with a key mask
+                         (keys past each sequence's length masked out: the same result, every
+                         key read), 'n/a' where the backend has no masked kernel; contiguous
+                         only, 'n/a' for a paged cache
         flash-attn, flash-attn3
                          flash_attn.flash_attn_with_kvcache (block_table) /
                          flash_attn_interface.flash_attn_with_kvcache (page_table)
@@ -101,10 +104,13 @@ def _make_sdpa(backend_name: str):
 
     backend = getattr(SDPBackend, backend_name)
 
-    def fn(q, k, v, softmax_scale, causal):
-        gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+    def fn(q, k, v, softmax_scale, causal, key_mask=None):
+        """``key_mask``: (batch, seqlen_k) bool, True for the keys each batch item attends to."""
+        kw = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+        if key_mask is not None:
+            kw["attn_mask"] = key_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), is_causal=causal,
-                                             scale=softmax_scale, **gqa)
+                                             scale=softmax_scale, **kw)
         return out.transpose(1, 2)
 
     return fn, (lambda: sdpa_kernel(backend))
@@ -113,9 +119,10 @@ def _make_sdpa(backend_name: str):
 _MASKS: dict = {}
 
 
-def standard_attention(q, k, v, softmax_scale, causal):
+def standard_attention(q, k, v, softmax_scale, causal, key_mask=None):
     """Plain PyTorch attention in the inputs' dtype (Vaswani et al. 2017, eq. 1): materialises
-    the (seqlen_q, seqlen_k) scores and probabilities; K/V heads repeated for GQA."""
+    the (seqlen_q, seqlen_k) scores and probabilities; K/V heads repeated for GQA. ``key_mask``:
+    (batch, seqlen_k) bool, True for the keys each batch item attends to (None: every key)."""
     qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
     if q.shape[2] != k.shape[2]:
         kt = kt.repeat_interleave(q.shape[2] // k.shape[2], dim=1)
@@ -129,6 +136,8 @@ def standard_attention(q, k, v, softmax_scale, causal):
             j = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
             _MASKS[key] = j > i + (k.shape[1] - q.shape[1])
         scores = scores.masked_fill(_MASKS[key], float("-inf"))
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vt).transpose(1, 2)
 
@@ -158,14 +167,42 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+_KEY_MASK: list = []  # [(cache_seqlens, seqlen_k, mask or None)]: the last one built
+
+
+def decode_key_mask(cache_seqlens: torch.Tensor, seqlen_k: int) -> torch.Tensor | None:
+    """(batch, seqlen_k) bool, True for the keys sequence b uses (j < cache_seqlens[b]), or None
+    where every sequence uses the whole cache. Kept for the last ``cache_seqlens`` tensor (held, so
+    that its identity stands for its values; the benchmark never writes one), so that a timed call
+    (or a captured CUDA graph) reuses the mask its problem's first call built: the mask is not
+    part of the attention cost, and building it syncs."""
+    if _KEY_MASK and _KEY_MASK[0][0] is cache_seqlens and _KEY_MASK[0][1] == seqlen_k:
+        return _KEY_MASK[0][2]
+    mask = torch.arange(seqlen_k, device=cache_seqlens.device)[None, :] < cache_seqlens[:, None].long()
+    mask = None if bool(mask.all()) else mask
+    _KEY_MASK[:] = [(cache_seqlens, seqlen_k, mask)]
+    return mask
+
+
 def _decode_from_dense(dense_fn: Callable) -> Callable:
-    """A decode ``fn`` over a dense ``fn(q, k, v, softmax_scale, causal)``: attention of the one
-    query row over the whole contiguous cache (the benchmark fills every cache: cache_seqlens =
-    seqlen_k, so no key past it exists; causal bottom-right is then no mask)."""
+    """A decode ``fn`` over a dense ``fn(q, k, v, softmax_scale, causal, key_mask=None)``:
+    attention of the one query row over the contiguous cache, every key where every sequence uses
+    the whole cache (causal bottom-right is then no mask), else with the key mask of the used
+    lengths (decode_key_mask: the same result as reading each sequence's used keys alone, though
+    the dense call reads them all); 'n/a' where the backend has no kernel with a mask."""
     def fn(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale):
         if block_table is not None:
             raise NotApplicable("contiguous cache only (no paged KV entry)")
-        return dense_fn(q, k_cache, v_cache, softmax_scale, False)
+        mask = decode_key_mask(cache_seqlens, k_cache.shape[1])
+        if mask is None:
+            return dense_fn(q, k_cache, v_cache, softmax_scale, False)
+        try:
+            return dense_fn(q, k_cache, v_cache, softmax_scale, False, key_mask=mask)
+        except RuntimeError as e:
+            if classify(e)[0] == "n/a":
+                raise NotApplicable("no kernel for this case with a key mask (ragged cache, "
+                                    "--decode-fill < 1)") from e
+            raise
 
     return fn
 

@@ -7,9 +7,13 @@ bench.accuracy):
     Problem         dense BSHD (batch, seqlen, nheads, headdim); modes fwd, bwd, fwd_bwd.
                     TFLOP/s by the standard count (flash_attn_ext.reference.attention_flops):
                     forward 4*B*H*N^2*d, halved when causal; bwd 2.5x, fwd_bwd 3.5x.
-    DecodeProblem   one decode step (seqlen_q = 1) against a full KV cache, contiguous or paged;
-                    mode decode. TB/s = K+V bytes read, 2*B*Nk*nheads_k*d*elem (decode_kv_bytes;
-                    q, out and the block table are not counted).
+    DecodeProblem   one decode step (seqlen_q = 1) against a KV cache, contiguous or paged, full
+                    (every sequence uses all Nk keys) or ragged (--decode-fill F < 1: each
+                    sequence uses the first cache_seqlens[b] keys, decode_lengths); mode decode.
+                    TB/s = K+V bytes read, 2*(sum of the used lengths)*nheads_k*d*elem (full:
+                    2*B*Nk*nheads_k*d*elem, decode_kv_bytes; q, out and the block table are not
+                    counted). The page sizes of one (batch, Nk) are made together (make_group),
+                    sharing one K/V allocation, so that they are timed in one interleaved group.
     VarlenProblem   packed sequences (total, nheads, d) with cu_seqlens; modes varlen_fwd and
                     varlen_bwd (the backward alone). TFLOP/s on the real work: the dense count of
                     each sequence alone, summed (varlen_flops), so no padding is counted.
@@ -41,8 +45,26 @@ def base_mode(mode: str) -> str:
 
 
 def decode_kv_bytes(batch: int, seqlen_k: int, nheads_k: int, headdim: int, elem_size: int) -> int:
-    """Bytes of K and V one decode step reads: 2 * batch * seqlen_k * nheads_k * headdim * elem."""
+    """Bytes of K and V one decode step reads: 2 * batch * seqlen_k * nheads_k * headdim * elem
+    (a full cache; a ragged one reads those of its used lengths' sum, DecodeProblem.kv_bytes)."""
     return 2 * batch * seqlen_k * nheads_k * headdim * elem_size
+
+
+def decode_lengths(batch: int, seqlen_k: int, fill: float = 1.0, seed: int = 0) -> list[int]:
+    """The used cache length of each of ``batch`` sequences (cache_seqlens) for a cache of
+    ``seqlen_k`` keys filled to ``fill`` (--decode-fill F, 0 < F <= 1) on average: the lengths are
+    spread evenly over [F*Nk - w, F*Nk + w], w = min(F, 1 - F) * Nk (the widest interval of mean
+    F*Nk inside the cache), one at the midpoint of each of ``batch`` equal strata, rounded, at
+    least 1, in an order shuffled by ``seed``. F = 1: every sequence uses the whole cache (Nk);
+    batch 1: round(F*Nk); F = 0.5: spread over 1..Nk. The mean is F*Nk up to the rounding, whatever
+    the seed, so TB/s of one fill compare across seeds and batch sizes."""
+    if not 0.0 < fill <= 1.0:
+        raise ValueError(f"fill: expected a fraction in (0, 1], got {fill}")
+    mean, half = fill * seqlen_k, min(fill, 1.0 - fill) * seqlen_k
+    spread = [mean - half + (i + 0.5) * 2 * half / batch for i in range(batch)]
+    lengths = [min(seqlen_k, max(1, round(x))) for x in spread]
+    order = torch.randperm(batch, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [lengths[i] for i in order]
 
 
 def varlen_flops(seqlens_q, seqlens_k, nheads: int, headdim: int, causal: bool,
@@ -172,8 +194,9 @@ class Problem(_Heads):
         return lambda q, k, v: impl.fn(q, k, v, self.softmax_scale, self.causal)
 
     def rates(self, mode: str, ms: float) -> dict:
+        """TFLOP/s of ``mode`` (a varlen mode: its base mode, for the ours-dense twin)."""
         flops = attention_flops(self.batch, self.nheads, self.seqlen, self.seqlen, self.headdim,
-                                self.causal, mode)
+                                self.causal, base_mode(mode))
         return {"tflops": flops / (ms * 1e-3) / 1e12}
 
     def err_rows(self) -> list[int]:
@@ -192,10 +215,11 @@ class DecodeProblem(_Heads):
     """One decode step: ``sets`` of (q, k_cache, v_cache, None), q (batch, 1, nheads, headdim);
     the cache contiguous (batch, seqlen_k, nheads_k, headdim) (page_size 0) or paged
     (batch * blocks, page_size, nheads_k, headdim) with ``block_table`` (batch, blocks) int32, a
-    seeded random permutation of the blocks (as a serving cache scatters them). Every sequence
-    uses the whole cache: ``cache_seqlens`` = seqlen_k (int32, (batch,)). ``cuda_graph``: time
-    each step as the replay of a CUDA graph captured per input set (``--decode-graph``), as
-    serving engines run decode steps, instead of an eager call."""
+    seeded random permutation of the blocks (as a serving cache scatters them). Sequence b uses
+    the first ``cache_seqlens[b]`` keys (int32, (batch,)): decode_lengths of ``fill`` (1.0: the
+    whole cache, seqlen_k each); the cache holds seqlen_k keys per sequence either way.
+    ``cuda_graph``: time each step as the replay of a CUDA graph captured per input set
+    (``--decode-graph``), as serving engines run decode steps, instead of an eager call."""
 
     METRIC = "tbps"
     causal = False  # seqlen_q = 1 against the whole cache: bottom-right causal masks nothing
@@ -207,28 +231,48 @@ class DecodeProblem(_Heads):
     block_table: torch.Tensor | None
     sets: list
     cuda_graph: bool = False
+    fill: float = 1.0
 
     @classmethod
     def make(cls, batch, seqlen_k, nheads, nheads_k, headdim, page_size, dtype, device, n_sets=1,
-             seed=0, cuda_graph=False):
+             seed=0, cuda_graph=False, fill=1.0) -> "DecodeProblem":
+        """One page size's problem (make_group of that page size alone)."""
+        return cls.make_group(batch, seqlen_k, nheads, nheads_k, headdim, [page_size], dtype, device,
+                              n_sets, seed, cuda_graph, fill)[0]
+
+    @classmethod
+    def make_group(cls, batch, seqlen_k, nheads, nheads_k, headdim, page_sizes, dtype, device,
+                   n_sets=1, seed=0, cuda_graph=False, fill=1.0) -> list["DecodeProblem"]:
+        """One problem per page size of ``page_sizes`` (0: contiguous), all of one (batch,
+        seqlen_k), made together so that they are timed in one interleaved group (bench.sweeps):
+        they share q and cache_seqlens, and each input set's K and V are one allocation of the
+        largest cache's rows, viewed as (batch, seqlen_k, ...) by the contiguous problem and as
+        (batch * blocks, page_size, ...) by each paged one (with its own seeded block table), so
+        that a group takes the memory of one problem."""
         g = torch.Generator(device=device).manual_seed(seed)
-        blocks = -(-seqlen_k // page_size) if page_size else 0
-        cache_shape = (batch * blocks, page_size) if page_size else (batch, seqlen_k)
-        sets = []
+        pages = list(dict.fromkeys(page_sizes))
+        blocks = {p: -(-seqlen_k // p) if p else 0 for p in pages}
+        shapes = {p: (batch * blocks[p], p) if p else (batch, seqlen_k) for p in pages}
+        rows = max(math.prod(shape) for shape in shapes.values())
+        stored = []
         for _ in range(n_sets):
             q = torch.randn(batch, 1, nheads, headdim, dtype=dtype, device=device, generator=g)
-            k = torch.randn(*cache_shape, nheads_k, headdim, dtype=dtype, device=device, generator=g)
-            v = torch.randn(*cache_shape, nheads_k, headdim, dtype=dtype, device=device, generator=g)
-            sets.append((q, k, v, None))
-        block_table = None
-        if page_size:
-            block_table = torch.randperm(batch * blocks, generator=g, device=device)
-            block_table = block_table.view(batch, blocks).to(torch.int32)
-        cache_seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-        return cls(nheads=nheads, nheads_k=nheads_k, headdim=headdim, dtype=dtype, device=device,
-                   softmax_scale=1.0 / math.sqrt(headdim), batch=batch, seqlen_k=seqlen_k,
-                   page_size=page_size, cache_seqlens=cache_seqlens, block_table=block_table, sets=sets,
-                   cuda_graph=cuda_graph)
+            k = torch.randn(rows, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            v = torch.randn(rows, nheads_k, headdim, dtype=dtype, device=device, generator=g)
+            stored.append((q, k, v))
+        tables = {p: torch.randperm(batch * blocks[p], generator=g, device=device)
+                  .view(batch, blocks[p]).to(torch.int32) for p in pages if p}
+        cache_seqlens = torch.tensor(decode_lengths(batch, seqlen_k, fill, seed), dtype=torch.int32,
+                                     device=device)
+        problems = {}
+        for p in pages:
+            n, shape = math.prod(shapes[p]), (*shapes[p], nheads_k, headdim)
+            sets = [(q, k[:n].view(shape), v[:n].view(shape), None) for q, k, v in stored]
+            problems[p] = cls(nheads=nheads, nheads_k=nheads_k, headdim=headdim, dtype=dtype,
+                              device=device, softmax_scale=1.0 / math.sqrt(headdim), batch=batch,
+                              seqlen_k=seqlen_k, page_size=p, cache_seqlens=cache_seqlens,
+                              block_table=tables.get(p), sets=sets, cuda_graph=cuda_graph, fill=fill)
+        return [problems[p] for p in page_sizes]
 
     @property
     def seqlen(self) -> int:
@@ -241,7 +285,8 @@ class DecodeProblem(_Heads):
 
     def contiguous_cache(self, i: int = 0) -> tuple:
         """(k, v) of set ``i`` as (batch, seqlen_k, nheads_k, headdim): the paged cache gathered
-        through the block table (for the reference)."""
+        through the block table (for the reference; sequence b's keys past cache_seqlens[b] are
+        there but unused)."""
         _, k, v, _ = self.sets[i]
         if self.block_table is None:
             return k, v
@@ -254,8 +299,11 @@ class DecodeProblem(_Heads):
                                        self.softmax_scale)
 
     def kv_bytes(self) -> int:
+        """Bytes of K and V the step reads: each sequence's used keys (cache_seqlens), summed
+        (decode_kv_bytes of one sequence that long)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return decode_kv_bytes(self.batch, self.seqlen_k, self.nheads_k, self.headdim, elem)
+        used = int(self.cache_seqlens.sum())
+        return decode_kv_bytes(1, used, self.nheads_k, self.headdim, elem)
 
     def rates(self, mode: str, ms: float) -> dict:
         return {"tbps": self.kv_bytes() / (ms * 1e-3) / 1e12}

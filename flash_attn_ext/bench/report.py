@@ -10,9 +10,12 @@ ours/<peer>: flash_attn_ext TFLOP/s divided by the peer's TFLOP/s (> 1: flash_at
 Decode and varlen rows (modes decode, varlen_fwd, varlen_bwd) share results.csv / .json (columns
 of the other families empty) and get their own tables in summary.md and on stdout, before the
 dense table (which stays last), and their own summary_decode.csv / summary_varlen.csv; no plots.
-Decode: TB/s of K+V read, ours/<peer> the TB/s ratio, ours/contig ours at this page size over
-ours on the contiguous cache. Varlen: TFLOP/s on the real work; ours-dense is flash_attn_func on
-as many tokens at batch tokens/S x seqlen S (--varlen-dense-seqlen), same heads.
+Decode: TB/s of K+V read (the used lengths' bytes where --decode-fill < 1; the table then has
+a fill column and its text says how the lengths are drawn), ours/<peer> the TB/s ratio,
+ours/contig ours at this page size over ours on the contiguous cache (timed in the same
+interleaved rounds, bench.sweeps). Varlen: TFLOP/s on the real work; ours-dense is
+flash_attn_func on as many tokens at batch tokens/S x seqlen S (--varlen-dense-seqlen), same
+heads, timed in the same interleaved rounds as the varlen case.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from flash_attn_ext.bench.peers import OURS, OURS_DENSE, BenchmarkError
 from flash_attn_ext.bench.timing import Timer, l2_bytes
 
 CASE_KEYS = ["dtype", "hdim", "causal", "gqa", "seqlen", "batch", "nheads", "nheads_k", "mode"]
-DECODE_KEYS = ["dtype", "hdim", "gqa", "nheads", "nheads_k", "batch", "seqlen_k", "page_size", "mode"]
+DECODE_KEYS = ["dtype", "hdim", "gqa", "nheads", "nheads_k", "batch", "seqlen_k", "fill", "page_size",
+               "mode"]
 VARLEN_KEYS = ["dtype", "hdim", "causal", "gqa", "nheads", "nheads_k", "n_seqs", "tokens",
                "min_len", "max_len", "mode"]
 FAMILY_KEYS = {"dense": CASE_KEYS, "decode": DECODE_KEYS, "varlen": VARLEN_KEYS}
@@ -46,11 +50,20 @@ def family(mode: str) -> str:
     return "decode" if mode == "decode" else "varlen" if mode.startswith("varlen") else "dense"
 
 
-DECODE_TEXT = ("Decode (KV cache): seqlen_q = 1 against a full cache (cache_seqlens = Nk for every "
-               "sequence); TB/s = K+V bytes read (2*B*Nk*nheads_k*hdim*elem) / median time; page: "
+DECODE_CACHE = {
+    "full": "a full cache (cache_seqlens = Nk for every sequence); TB/s = K+V bytes read "
+            "(2*B*Nk*nheads_k*hdim*elem) / median time",
+    "ragged": "a ragged cache, fill F (--decode-fill): sequence lengths (cache_seqlens) spread "
+              "evenly over [F*Nk - w, F*Nk + w], w = min(F, 1 - F)*Nk, in a seeded order, mean "
+              "F*Nk; TB/s = K+V bytes of the used lengths (2*sum(cache_seqlens)*nheads_k*hdim*elem) "
+              "/ median time; SDPA and standard attend with a key mask (they read the whole cache, "
+              "n/a where the backend has no masked kernel)",
+}
+DECODE_TEXT = ("Decode (KV cache): seqlen_q = 1 against {cache}; page: "
                "paged KV page size (contig: one contiguous cache; SDPA has no paged entry: n/a); "
                "ours = flash_attn_with_kvcache(num_splits=0); ours/<peer> = ratio of TB/s; "
-               "ours/contig = ours at this page size / ours contiguous; err = max |out - float64 "
+               "ours/contig = ours at this page size / ours contiguous (each case's page sizes "
+               "timed in the same interleaved rounds); err = max |out - float64 "
                "reference| over the timed call's first and last sequences and KV heads.")
 VARLEN_TEXT = ("Varlen: {n_seqs} sequences of seeded mixed lengths {lens} ({tokens} tokens), "
                "q and k alike; TFLOP/s on the real per-sequence work (sum of 4*L^2*hdim*heads, "
@@ -187,9 +200,17 @@ def _shown_and_ratio_peers(df, impl_names, num):
     return shown, [n for n in shown if n != OURS and n in num and num[n].notna().any()]
 
 
+def decode_text(df) -> str:
+    """DECODE_TEXT for the decode rows ``df``: a full cache, or a ragged one where some row's fill
+    (--decode-fill) is below 1."""
+    ragged = "fill" in df and (df["fill"].fillna(1.0) < 1.0).any()
+    return DECODE_TEXT.format(cache=DECODE_CACHE["ragged" if ragged else "full"])
+
+
 def decode_table(df, impl_names: list[str]):
-    """The decode table: case, timing (eager or graph), TB/s of each implementation, ours' ms,
-    ours/peer for every peer, ours/contig, and ours' max error."""
+    """The decode table: case (with fill where some row's is below 1), timing (eager or graph),
+    TB/s of each implementation, ours' ms, ours/peer for every peer, ours/contig, and ours' max
+    error."""
     import pandas as pd
 
     _, wide = summarize(df, impl_names, "decode")
@@ -201,6 +222,8 @@ def decode_table(df, impl_names: list[str]):
                       "heads": [f"{a}:{b}" for a, b in zip(wide["nheads"], wide["nheads_k"])],
                       "batch": wide["batch"], "Nk": wide["seqlen_k"],
                       "page": wide["page_size"].map(lambda x: "contig" if x == 0 else str(x))})
+    if (wide["fill"] < 1.0).any():  # a ragged cache (--decode-fill): not the full-cache rows
+        t.insert(5, "fill", wide["fill"].map(lambda x: f"{x:g}"))
     if "timing" in df:  # eager calls or CUDA graph replays (--decode-graph)
         t["timing"] = df.drop_duplicates(DECODE_KEYS).set_index(DECODE_KEYS)["timing"].reindex(index).to_numpy()
     for n in shown:
@@ -377,7 +400,7 @@ def write_outputs(rows: list[dict], impl_names, env: dict, notes: list[str],
         paths[name] = os.path.join(out_dir, name)
         summary.to_csv(paths[name], index=False)
         if fam == "decode":
-            sections.append(DECODE_TEXT + "\n\n" + to_markdown(decode_table(fdf, names)))
+            sections.append(decode_text(fdf) + "\n\n" + to_markdown(decode_table(fdf, names)))
         elif fam == "varlen":
             sections.append(varlen_text(fdf, env) + "\n\n" + to_markdown(varlen_table(fdf, names)))
         else:

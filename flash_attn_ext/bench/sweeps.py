@@ -6,6 +6,12 @@ list as it is measured (so an interrupted run still has the rows so far).
     run_varlen   varlen: (dtype, hdim, causal, gqa) x modes varlen_fwd / varlen_bwd, each with the
                  ours-dense comparison row (flash_attn_func on as many tokens, varlen_dense_shape)
 
+Interleaved groups (timing.measure_group, --rounds): a dense case's implementations; a decode
+(dtype, hdim, B x Nk)'s implementations at every page size (ours at each page size first, then
+each peer at each page size), so that ours/contig divides timings of the same rounds; a varlen
+case and mode's implementations and its ours-dense row (second, after ours), so that
+ours/ours-dense does too.
+
 Each case's errors come from each implementation's call on the timed problem's first input set,
 compared over a slice of it (first and last batch items, --err-kv-heads KV heads; accuracy),
 before the timing; its inputs that do not fit give every implementation the status of that
@@ -22,10 +28,10 @@ import torch
 from flash_attn_ext.bench import report
 from flash_attn_ext.bench.accuracy import measure_errors
 from flash_attn_ext.bench.peers import Impl, classify, free_memory
-from flash_attn_ext.bench.problems import (DecodeProblem, Problem, VarlenProblem, base_mode,
-                                           decode_kv_bytes, input_sets_needed, mixed_lengths,
+from flash_attn_ext.bench.problems import (DecodeProblem, Problem, VarlenProblem, decode_kv_bytes,
+                                           decode_lengths, input_sets_needed, mixed_lengths,
                                            sets_for_bytes)
-from flash_attn_ext.bench.timing import Timer, l2_bytes, measure_interleaved, unmeasured
+from flash_attn_ext.bench.timing import Timer, l2_bytes, measure_group, unmeasured
 
 DENSE_MODES = ("fwd", "bwd", "fwd_bwd")
 VARLEN_MODES = ("varlen_fwd", "varlen_bwd")
@@ -53,6 +59,7 @@ class Sweep:
     decode_heads: tuple = (32, 8)
     decode_hdims: list = dataclasses.field(default_factory=list)
     decode_graph: bool = False
+    decode_fill: float = 1.0
     varlen_seqs: int = 64
     varlen_tokens: int = 16384
     varlen_lens: tuple = (128, 1024)
@@ -111,17 +118,30 @@ def run_sweep(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
 
 def _measured(impls: list[Impl], p, mode: str, timer: Timer, args, progress, where: str,
               p_status, metric: str = "tflops") -> dict[str, dict]:
-    """{impl.name: row} of one case and mode: measure_interleaved over ``--rounds`` rounds, or
+    """{impl.name: row} of one case and mode: one interleaved group over ``--rounds`` rounds, or
     every implementation's status row where the inputs did not fit (p is None)."""
-    if p is None:
-        return {impl.name: unmeasured(p_status[0], "inputs: " + p_status[1], metric) for impl in impls}
+    return _measured_group([(impl.name, impl, p, p_status, impl.name) for impl in impls], mode,
+                           timer, args, progress, where, metric)
+
+
+def _measured_group(entries: list[tuple], mode: str, timer: Timer, args, progress, where: str,
+                    metric: str) -> dict:
+    """{key: row} of ``entries`` (key, impl, problem, its status, label), timed as one interleaved
+    group (timing.measure_group) over ``--rounds`` rounds; an entry whose problem's inputs did not
+    fit (problem None, status (status, note)) gets that status row instead."""
     rounds = getattr(args, "rounds", 1)
+    labels = {key: label for key, _, _, _, label in entries}
+    out = {key: unmeasured(status[0], "inputs: " + status[1], metric)
+           for key, _, p, status, _ in entries if p is None}
 
-    def before(impl, r):
+    def before(key, r):
         of = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
-        progress.set_postfix_str(f"{where} {impl.name}{of}")
+        progress.set_postfix_str(f"{where} {labels[key]}{of}")
 
-    return measure_interleaved(impls, p, mode, timer, rounds, before)
+    group = [(key, impl, p) for key, impl, p, _, _ in entries if p is not None]
+    if group:
+        out.update(measure_group(group, mode, timer, rounds, before))
+    return {key: out[key] for key, _, _, _, _ in entries}
 
 
 def _errors(impls: list[Impl], p, p_status, reduced, need_grad: bool, ref_max_seqlen,
@@ -168,8 +188,11 @@ def _make_or_status(make):
 def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
                rows: list | None = None) -> list[dict]:
     """Every (dtype, decode hdim, decode case, page size) x implementation: one row each, mode
-    decode, with tbps (K+V bytes read / median time), kv_gb and timing (eager calls, or graph:
-    replays of CUDA graphs, --decode-graph); appended to ``rows``."""
+    decode, with fill (--decode-fill), tbps (K+V bytes of the used lengths read / median time),
+    kv_gb and timing (eager calls, or graph: replays of CUDA graphs, --decode-graph); appended to
+    ``rows``. The page sizes of one (dtype, hdim, case) are made together (DecodeProblem.make_group,
+    one K/V allocation) and timed as one interleaved group, ours at every page size first; their
+    errors come before (each page size's own call and reference)."""
     rows = [] if rows is None else rows
     if not sweep.modes_of("decode") or not impls:
         return rows
@@ -178,42 +201,53 @@ def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
     nheads, nheads_k = sweep.decode_heads
     gqa = nheads // nheads_k
     err_kv = min(nheads_k, args.err_kv_heads)
+    fill, pages = sweep.decode_fill, list(dict.fromkeys(sweep.page_sizes))
     for dtype in sweep.dtypes:
         for hdim in sweep.decode_hdims:
             for batch, seqlen_k in sweep.decode_cases:
-                for page in sweep.page_sizes:
-                    case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, gqa=gqa, nheads=nheads,
-                                nheads_k=nheads_k, batch=batch, seqlen_k=seqlen_k, page_size=page,
-                                mode="decode", timing="graph" if sweep.decode_graph else "eager")
-                    where = f"decode {case['dtype']} d={hdim} B={batch} Nk={seqlen_k} page={page}"
-                    progress.set_postfix_str(f"{where}: errors")
-                    elem = torch.empty((), dtype=dtype).element_size()
-                    kv_bytes = decode_kv_bytes(batch, seqlen_k, nheads_k, hdim, elem)
-                    n_sets = sets_for_bytes(kv_bytes, l2) if cuda else 1
-                    p, p_status = _make_or_status(lambda: DecodeProblem.make(
-                        batch, seqlen_k, nheads, nheads_k, hdim, page, dtype, sweep.device,
-                        n_sets=n_sets, seed=args.seed, cuda_graph=sweep.decode_graph))
-                    if p is None:
-                        free_memory(sweep.device, collect=True)
-                    errors = _errors(impls, p, p_status, lambda: DecodeProblem.make(
+                case = dict(dtype=DTYPE_NAMES[dtype], hdim=hdim, gqa=gqa, nheads=nheads,
+                            nheads_k=nheads_k, batch=batch, seqlen_k=seqlen_k)
+                rest = dict(mode="decode", timing="graph" if sweep.decode_graph else "eager", fill=fill)
+                where = f"decode {case['dtype']} d={hdim} B={batch} Nk={seqlen_k}"
+                where += f" fill={fill:g}" if fill < 1 else ""
+                progress.set_postfix_str(f"{where}: inputs")
+                elem = torch.empty((), dtype=dtype).element_size()
+                used = sum(decode_lengths(batch, seqlen_k, fill, seed=args.seed))
+                kv_bytes = decode_kv_bytes(1, used, nheads_k, hdim, elem)
+                n_sets = sets_for_bytes(kv_bytes, l2) if cuda else 1
+                group, status = _make_or_status(lambda: DecodeProblem.make_group(
+                    batch, seqlen_k, nheads, nheads_k, hdim, pages, dtype, sweep.device,
+                    n_sets=n_sets, seed=args.seed, cuda_graph=sweep.decode_graph, fill=fill))
+                if group is None:
+                    group = [None] * len(pages)
+                    free_memory(sweep.device, collect=True)
+                errors = {}
+                for page, p in zip(pages, group):
+                    progress.set_postfix_str(f"{where} page={page}: errors")
+                    errors[page] = _errors(impls, p, status, lambda page=page: DecodeProblem.make(
                         min(batch, 2), seqlen_k, err_kv * gqa, err_kv, hdim, page, dtype,
-                        sweep.device, seed=args.seed + 1), False, None, err_kv)
-                    ms = _measured(impls, p, "decode", timer, args, progress, where, p_status, "tbps")
+                        sweep.device, seed=args.seed + 1, fill=fill), False, None, err_kv)
+                entries = [((page, impl.name), impl, p, status, f"page={page} {impl.name}")
+                           for impl in impls for page, p in zip(pages, group)]  # ours first
+                ms = _measured_group(entries, "decode", timer, args, progress, where, "tbps")
+                for page in pages:
                     for impl in impls:
-                        m, e = ms[impl.name], errors[impl.name]
-                        rows.append({**case, "impl": impl.name, **m, "kv_gb": kv_bytes / 1e9,
-                                     "n_input_sets": n_sets, "err_out": e["err_out"],
-                                     "err": e["err_out"], "err_note": e["err_note"]})
+                        m, e = ms[(page, impl.name)], errors[page][impl.name]
+                        rows.append({**case, "page_size": page, **rest, "impl": impl.name, **m,
+                                     "kv_gb": kv_bytes / 1e9, "n_input_sets": n_sets,
+                                     "err_out": e["err_out"], "err": e["err_out"],
+                                     "err_note": e["err_note"]})
                         progress.update(1)
-                    del p
-                    free_memory(sweep.device)
+                del group
+                free_memory(sweep.device)
     return rows
 
 
 def run_varlen(sweep: Sweep, args, impls: list[Impl], dense: Impl, timer: Timer, progress,
                rows: list | None = None) -> list[dict]:
     """Every (dtype, hdim, causal, gqa) x varlen mode x implementation, plus the ``dense`` row
-    (flash_attn_func on as many tokens, varlen_dense_shape): one row each, with tflops on the
+    (flash_attn_func on as many tokens, varlen_dense_shape, in the same interleaved group as the
+    implementations, right after ours; its mode's base mode): one row each, with tflops on the
     real per-sequence work; appended to ``rows``."""
     rows = [] if rows is None else rows
     modes = sweep.modes_of("varlen")
@@ -248,13 +282,14 @@ def run_varlen(sweep: Sweep, args, impls: list[Impl], dense: Impl, timer: Timer,
             seqlens, err_kv * gqa, err_kv, hdim, causal, dtype, sweep.device, seed=args.seed + 1),
             need_grad, args.ref_max_seqlen, err_kv)
         for mode in modes:
-            ms = _measured(impls, p, mode, timer, args, progress, f"{where} {mode}", p_status)
+            entries = [(impl.name, impl, p, p_status, impl.name) for impl in impls]
+            entries.insert(1, (dense.name, dense, dense_p, dense_status, dense.name))  # after ours
+            ms = _measured_group(entries, mode, timer, args, progress, f"{where} {mode}", "tflops")
             for impl in impls:
                 rows.append(_timed_row(case, mode, impl, ms[impl.name], n_sets, errors[impl.name],
                                        fwd_mode="varlen_fwd"))
                 progress.update(1)
-            m = _measured([dense], dense_p, base_mode(mode), timer, args, progress, f"{where} {mode}",
-                          dense_status)[dense.name]
+            m = ms[dense.name]
             shape = f"flash_attn_func at batch {dense_batch} x seqlen {dense_seqlen}"
             m["note"] = f"{shape}; {m['note']}" if m["note"] else shape
             nan = float("nan")

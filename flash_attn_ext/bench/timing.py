@@ -8,9 +8,12 @@ a CUDA graph of the call per input set instead (_graph_replays), so the host's c
 a microseconds-long call is not timed.
 tflops / tbps: the problem's count of work (problems: TFLOP/s, or TB/s of K+V read for decode)
 over the median time.
-Rounds (measure_interleaved, ``--rounds R``): every implementation of a case measured R times,
-round r in the order rotated by r; each row is the implementation's median-time round, with
-ms_spread = max / min ms over its rounds.
+Rounds (measure_group, measure_interleaved, ``--rounds R``): every entry of a group (an
+implementation on a problem) measured R times, round r in the given order rotated by r // 2 and
+reversed in odd rounds; each row is the entry's median-time round, with ms_spread = max / min ms
+over its rounds. A group is one case's implementations (dense), one decode (batch, Nk)'s
+implementations at every page size (so ours/contig compares timings of the same rounds), one
+varlen case's implementations and its ours-dense twin (bench.sweeps).
 timed_from / timed_to: the local wall-clock time around the timing of the row's round (format
 ``YYYY/MM/DD HH:MM:SS.ffffff``, nvidia-smi's timestamp), so that a log of SM clock and power
 (``scripts/gpu_run.sh``'s clocks.csv) can be joined to each implementation's timing
@@ -320,38 +323,55 @@ def measure(impl: Impl, p: Problem, mode: str, timer: Timer) -> dict:
     return row
 
 
-def measure_interleaved(impls: list[Impl], p, mode: str, timer: Timer, rounds: int = 1,
-                        before: Callable[[Impl, int], None] | None = None) -> dict[str, dict]:
-    """measure() of every implementation on one case, ``rounds`` times, interleaved: round r times
-    them in the given order rotated by r // 2 and, in odd rounds, reversed (abc, cba, bca, acb, ...),
-    so none always runs first or right after the same neighbour (one round: the given order, ours
-    first)
+def measure_group(entries: list[tuple], mode: str, timer: Timer, rounds: int = 1,
+                  before: Callable[[object, int], None] | None = None) -> dict:
+    """measure() of every entry ``(key, impl, problem)`` of one group, ``rounds`` times,
+    interleaved: round r times them in the given order rotated by r // 2 and, in odd rounds,
+    reversed (abc, cba, bca, acb, ...), so none always runs first or right after the same
+    neighbour (one round: the given order)
     (GPU clocks and temperature drift over a case; one timed run of each moved single ratios by up
-    to 6 % between runs on the H200). Returns {impl.name: row}: the implementation's median-time
-    round (the lower median for an even count), with ``ms_spread`` = max / min ms over its rounds
-    (1.0 for one). An implementation with a round that is not ok gets that round's row (ms_spread
-    NaN) and is not timed again. ``before(impl, round)``: called before each measurement (progress)."""
+    to 6 % between runs on the H200). Every round times every entry, so the ratio of two entries of
+    one group (the same implementation on two problems: a paged decode cache and the contiguous
+    one, a varlen batch and its dense twin) is not biased by drift between groups. Returns {key:
+    row}: the entry's median-time round (the lower median for an even count), with ``ms_spread``
+    = max / min ms over its rounds (1.0 for one). An entry with a round that is not ok gets that
+    round's row (ms_spread NaN) and is not timed again. ``before(key, round)``: called before each
+    measurement (progress)."""
     if rounds < 1:
         raise ValueError(f"rounds: expected a positive integer, got {rounds}")
-    runs: dict[str, list[dict]] = {impl.name: [] for impl in impls}
-    n = len(impls)
+    runs: dict = {key: [] for key, _, _ in entries}
+    if len(runs) != len(entries):
+        raise ValueError("measure_group: two entries with one key")
+    n = len(entries)
     for r in range(rounds):
-        order = [impls[(k + r // 2) % n] for k in range(n)]
-        for impl in order[::-1] if r % 2 else order:
-            done = runs[impl.name]
+        order = [entries[(k + r // 2) % n] for k in range(n)]
+        for key, impl, p in order[::-1] if r % 2 else order:
+            done = runs[key]
             if any(m["status"] != "ok" for m in done):
                 continue
             if before is not None:
-                before(impl, r)
+                before(key, r)
             done.append(measure(impl, p, mode, timer))
     out = {}
-    for impl in impls:
-        done = runs[impl.name]
+    for key, _, _ in entries:
+        done = runs[key]
         if any(m["status"] != "ok" for m in done):
             row = next(m for m in done if m["status"] != "ok")
-            out[impl.name] = {**row, "ms_spread": float("nan")}
+            out[key] = {**row, "ms_spread": float("nan")}
             continue
         ordered = sorted(done, key=lambda m: m["ms"])
         row = ordered[(len(ordered) - 1) // 2]
-        out[impl.name] = {**row, "ms_spread": ordered[-1]["ms"] / ordered[0]["ms"]}
+        out[key] = {**row, "ms_spread": ordered[-1]["ms"] / ordered[0]["ms"]}
     return out
+
+
+def measure_interleaved(impls: list[Impl], p, mode: str, timer: Timer, rounds: int = 1,
+                        before: Callable[[Impl, int], None] | None = None) -> dict[str, dict]:
+    """measure_group of every implementation on one case (one problem ``p``), keyed by
+    implementation name: ``rounds`` interleaved rounds, round r in the given order rotated by
+    r // 2 and reversed in odd rounds (one round: the given order, ours first); each row the
+    implementation's median-time round with ``ms_spread``. ``before(impl, round)``: called before
+    each measurement (progress)."""
+    by_name = {impl.name: impl for impl in impls}
+    return measure_group([(impl.name, impl, p) for impl in impls], mode, timer, rounds,
+                         None if before is None else lambda name, r: before(by_name[name], r))
