@@ -916,6 +916,74 @@ def test_decode_group_graph_mode_captures_each_page_size(monkeypatch):
     assert captured == [(2, 48, 2, 16), (2 * 3, 16, 2, 16), (2 * 3, 16, 2, 16), (2, 48, 2, 16)]
 
 
+class _MaskBuilds(list):
+    """A stand-in for peers._KEY_MASK that records each build of a decode key mask (eager, or
+    inside a simulated CUDA graph capture, where its host sync would raise on CUDA)."""
+
+    capturing = False
+
+    def __init__(self):
+        super().__init__()
+        self.builds = []
+
+    def __setitem__(self, index, value):
+        self.builds.append("capture" if _MaskBuilds.capturing else "eager")
+        if _MaskBuilds.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing (simulated)")
+        super().__setitem__(index, value)
+
+
+def _capturing_replays(f, sets, next_index):
+    """timing._graph_replays without CUDA: the eager call of each set, then each set's call again
+    as the 'capture' (a build of the key mask there fails as on CUDA)."""
+    for q, k, v, _ in sets:
+        f(q, k, v)
+    _MaskBuilds.capturing = True
+    try:
+        for q, k, v, _ in sets:
+            f(q, k, v)
+    finally:
+        _MaskBuilds.capturing = False
+    return lambda: sets[next_index()]
+
+
+@pytest.mark.parametrize("fill", [1.0, 0.5])
+def test_decode_key_mask_is_built_before_any_capture(monkeypatch, fill):
+    """--decode-graph: the masked peers' key mask (decode_key_mask syncs on its first build) is
+    built once per group, in an eager call before any timing (the errors), and every page size's
+    timed call, graph capture included, reuses it: all page sizes share one cache_seqlens."""
+    from flash_attn_ext.bench import peers, timing
+    builds = _MaskBuilds()
+    monkeypatch.setattr(peers, "_KEY_MASK", builds)
+    monkeypatch.setattr(timing, "_graph_replays", _capturing_replays)
+    impls, _ = benchmark.build_impls(["standard", "sdpa-math"], torch.device("cpu"), None, family="decode")
+    args = type("Args", (), dict(seed=0, err_kv_heads=2, rounds=3))()
+    timer = benchmark.Timer(torch.device("cpu"), warmup_ms=1, rep_ms=1)
+    rows = benchmark.run_decode(_decode_sweep([0, 16], graph=True, fill=fill), args, impls, timer, _Progress())
+    assert {(r["impl"], r["page_size"]): r["status"] for r in rows} == {
+        (OURS, 0): "ok", ("standard", 0): "ok", ("sdpa-math", 0): "ok",
+        (OURS, 16): "ok", ("standard", 16): "n/a", ("sdpa-math", 16): "n/a"}
+    assert builds.builds == ["eager"]
+
+
+def test_decode_key_mask_cold_is_built_in_the_eager_memory_call(monkeypatch):
+    """Without an errors pass first, the mask's first build is measure()'s eager peak-memory call,
+    still before the capture; the input sets (n_sets > 1) share the problem's cache_seqlens."""
+    from flash_attn_ext.bench import peers, timing
+    builds = _MaskBuilds()
+    monkeypatch.setattr(peers, "_KEY_MASK", builds)
+    monkeypatch.setattr(timing, "_graph_replays", _capturing_replays)
+    impls, _ = benchmark.build_impls(["standard"], torch.device("cpu"), None, family="decode")
+    group = benchmark.DecodeProblem.make_group(4, 64, 4, 2, 16, [0, 16], torch.float32, torch.device("cpu"),
+                                               n_sets=3, cuda_graph=True, fill=0.5)
+    assert group[0].cache_seqlens is group[1].cache_seqlens
+    timer = benchmark.Timer(torch.device("cpu"), warmup_ms=1, rep_ms=1)
+    out = benchmark.measure_group([((p.page_size, i.name), i, p) for i in impls for p in group], "decode",
+                                  timer, rounds=2)
+    assert out[(0, "standard")]["status"] == "ok" and out[(16, "standard")]["status"] == "n/a"
+    assert builds.builds == ["eager"]
+
+
 def test_varlen_row_and_its_dense_twin_in_one_interleaved_group(monkeypatch):
     """ours on the varlen batch and ours-dense (the same work, dense) are timed in the same rounds
     (ours-dense right after ours in round 0), each row with its own problem's count."""
