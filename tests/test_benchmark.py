@@ -1043,6 +1043,22 @@ def test_decode_lengths():
             benchmark.decode_lengths(2, 64, bad)
 
 
+def test_decode_input_sets_cap_the_whole_caches():
+    """A ragged decode group rotates input sets by the bytes a call reads, but never allocates more
+    than MAX_DECODE_CACHE_BYTES of whole caches (B64 x Nk 32k d128 bf16: 8 GiB a cache; at fill
+    0.01 the read bytes alone asked for 3 sets, 24 GiB)."""
+    from flash_attn_ext.bench import problems
+    l2 = 50 * 2**20
+    full = problems.decode_kv_bytes(64, 32768, 8, 128, 2)
+    used = problems.decode_kv_bytes(1, int(0.01 * 64 * 32768), 8, 128, 2)
+    assert problems.sets_for_bytes(used, l2) == 3
+    sets = problems.decode_input_sets(used, full, l2)
+    assert sets == 2 and sets * full <= problems.MAX_DECODE_CACHE_BYTES
+    small = problems.decode_kv_bytes(1, 8192, 8, 128, 2)  # a full B1 8k cache: rotation as before
+    assert problems.decode_input_sets(small, small, l2) == problems.sets_for_bytes(small, l2) > 1
+    assert problems.decode_input_sets(10**12, 10**12, l2) == 1  # a cache past the cap: one set
+
+
 def test_ragged_decode_bytes_count_the_used_lengths():
     cpu = torch.device("cpu")
     for page in (0, 16):

@@ -424,3 +424,16 @@ def sets_for_bytes(nbytes: int, l2_bytes: int) -> int:
     if nbytes >= 4 * l2_bytes:
         return 1
     return min(MAX_INPUT_SETS, math.ceil(4 * l2_bytes / max(nbytes, 1)))
+
+
+# Bytes the rotated K/V caches of one decode group may take together (every set allocates the
+# whole cache, whatever --decode-fill reads of it).
+MAX_DECODE_CACHE_BYTES = 16 * 2**30
+
+
+def decode_input_sets(used_bytes: int, cache_bytes: int, l2_bytes: int) -> int:
+    """Input sets of a decode group: sets_for_bytes of the K/V bytes a call reads (``used_bytes``),
+    but no more than fit MAX_DECODE_CACHE_BYTES of whole caches (``cache_bytes`` each; at least
+    one): a ragged cache reads little of a large allocation, and the L2 is flushed before every
+    timed call anyway."""
+    return max(1, min(sets_for_bytes(used_bytes, l2_bytes), MAX_DECODE_CACHE_BYTES // max(cache_bytes, 1)))

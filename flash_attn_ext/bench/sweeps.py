@@ -29,8 +29,8 @@ from flash_attn_ext.bench import report
 from flash_attn_ext.bench.accuracy import measure_errors
 from flash_attn_ext.bench.peers import Impl, classify, free_memory
 from flash_attn_ext.bench.problems import (DecodeProblem, Problem, VarlenProblem, decode_kv_bytes,
-                                           decode_lengths, input_sets_needed, mixed_lengths,
-                                           sets_for_bytes)
+                                           decode_input_sets, decode_lengths, input_sets_needed,
+                                           mixed_lengths)
 from flash_attn_ext.bench.timing import Timer, l2_bytes, measure_group, unmeasured
 
 DENSE_MODES = ("fwd", "bwd", "fwd_bwd")
@@ -214,7 +214,8 @@ def run_decode(sweep: Sweep, args, impls: list[Impl], timer: Timer, progress,
                 elem = torch.empty((), dtype=dtype).element_size()
                 used = sum(decode_lengths(batch, seqlen_k, fill, seed=args.seed))
                 kv_bytes = decode_kv_bytes(1, used, nheads_k, hdim, elem)
-                n_sets = sets_for_bytes(kv_bytes, l2) if cuda else 1
+                cache_bytes = decode_kv_bytes(batch, seqlen_k, nheads_k, hdim, elem)
+                n_sets = decode_input_sets(kv_bytes, cache_bytes, l2) if cuda else 1
                 group, status = _make_or_status(lambda: DecodeProblem.make_group(
                     batch, seqlen_k, nheads, nheads_k, hdim, pages, dtype, sweep.device,
                     n_sets=n_sets, seed=args.seed, cuda_graph=sweep.decode_graph, fill=fill))
