@@ -147,7 +147,8 @@ def bars(df):
         fwd = dense[(dense["mode"] == "fwd") & (dense["dtype"] == dtype)]
         for hdim in sorted(set(fwd["hdim"].dropna().astype(int)) | {64, 96, 128, 192, 256}):
             for causal in (False, True):
-                ns = sorted({int(n) for n in fwd[fwd["hdim"] == hdim]["seqlen"].dropna() if n >= 1024}) or [1024]
+                seqlens = fwd[fwd["hdim"] == hdim]["seqlen"].dropna() if "seqlen" in fwd else ()
+                ns = sorted({int(n) for n in seqlens if n >= 1024}) or [1024]
                 for n in ns:
                     k = dict(mode="fwd", dtype=dtype, hdim=hdim, causal=causal, seqlen=n)
                     _cell(rows, 13, f"fwd {dtype} hd{hdim}{' causal' if causal else ''} N={n} / sdpa-cudnn",

@@ -244,6 +244,23 @@ def test_issue_bars_verdicts(tmp_path):
     assert "issue 14: 3 of 5 measured cells pass" in r.stdout and "issue 13: 1 of 3" in r.stdout, r.stdout
 
 
+def test_issue_bars_decode_only_run(tmp_path):
+    """A run of --mode decode alone (its results.csv has no dense columns: no seqlen, no causal)
+    gives issue 14's cells and leaves the dense ones not measured (it raised KeyError 'seqlen')."""
+    header = "dtype,hdim,gqa,nheads,nheads_k,batch,seqlen_k,page_size,mode,timing,fill,impl,status,tbps\n"
+    rows = ["bf16,128,4,32,8,1,8192,0,decode,graph,1.0,flash_attn_ext,ok,2.10",
+            "bf16,128,4,32,8,1,8192,16,decode,graph,1.0,flash_attn_ext,ok,1.80"]
+    table = _issue_bars_table(tmp_path / "run", header, rows)
+    verdict = table["verdict"].to_dict()
+    assert verdict["decode graph B1 Nk=8192"] == "PASS"
+    assert verdict["fwd bf16 hd64 N=4096 / flash-attn4"] == "not measured"
+    assert verdict["bwd bf16 hd64 N=8192"] == "not measured"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "issue_bars.py"), str(tmp_path / "run")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "issue 14: 1 of 1 measured cells pass" in r.stdout, r.stdout
+
+
 def test_tune_variant_defines_fill_sm90_backward_defaults():
     """dkv90 / dq90 variants get every optional template argument (split 1, roles 0, tma 1, stages 2,
     dq90's min CTAs / SM 1) as a -D flag, the given ones kept; sm80 kinds keep their own defaults in
