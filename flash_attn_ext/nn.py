@@ -154,8 +154,8 @@ class MultiheadFlashAttention(nn.Module):
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
     matmul); ``need_weights`` must be False (attention weights are never materialised);
     ``key_padding_mask`` and ``attn_mask`` (the same for every head) run as unpadded varlen calls
-    where they form padding, causal + padding or packed patterns (``forward``; not with a sliding
-    window in a non-causal call); with ``is_causal=True``, ``attn_mask`` is torch's causal hint
+    where they form padding, causal + padding or packed patterns (``forward``; in a non-causal
+    call with a sliding window, padding under a symmetric window (w, w) only); with ``is_causal=True``, ``attn_mask`` is torch's causal hint
     (checked, also under torch.compile) — otherwise a clear error.
 
     Differentiable in reverse and forward mode, and usable under torch.func transforms
@@ -234,11 +234,20 @@ class MultiheadFlashAttention(nn.Module):
             if allowed is None:
                 return flash_attn_func(q, k, v, dropout_p, causal=causal, window_size=self.window_size)
             # A mask: the unpadded varlen calls of the masked path (flash_attn_ext.masked), with the
-            # module's causal mask (and a causal window's left bound).
-            mask = allowed & visible_mask(Lq, Lk, causal, *self.window_size, device=q.device)
+            # module's causal mask (and a causal window's left bound), or a symmetric window (w, w)
+            # of a non-causal call as a bidirectional window (masked.bidirectional_window_plan).
+            left, right = self.window_size
+            bidirectional = not causal and (left, right) != (-1, -1)
+            if bidirectional and (left != right or Lq != Lk):
+                raise NotImplementedError(
+                    f"MultiheadFlashAttention: a key_padding_mask / attn_mask with a sliding window in a non-causal "
+                    f"call needs a symmetric window (w, w) and seqlen_q == seqlen_k, got window_size "
+                    f"{self.window_size}, seqlen_q {Lq}, seqlen_k {Lk}; pass the masks as None or use "
+                    "backend='torch_sdpa'")
+            mask = allowed & visible_mask(Lq, Lk, causal, left, right, device=q.device)
             try:
-                return masked_attention(q, k, v, mask, None, self.window_size[0] if causal else -1,
-                                        dropout_p=dropout_p)
+                return masked_attention(q, k, v, mask, None, left if causal or bidirectional else -1,
+                                        bidirectional=bidirectional, dropout_p=dropout_p)
             except MaskNotSupported as e:
                 raise NotImplementedError(
                     f"MultiheadFlashAttention: with this key_padding_mask / attn_mask and the module's causal mask or "
@@ -271,8 +280,10 @@ class MultiheadFlashAttention(nn.Module):
                 with True = padding (the key is ignored), or float with 0 = attend and -inf =
                 ignored. The call then runs as the masked path's unpadded varlen calls (at most
                 two; a few host syncs; under torch.compile a static-shape form) with the
-                module's causal mask and a causal window; a query that sees no key gets
-                attention 0 (its output: out_proj's bias).
+                module's causal mask and a causal window, or a non-causal call's symmetric
+                window (w, w) (three calls: masked.bidirectional_window_plan; seqlen_q ==
+                seqlen_k); a query that sees no key gets attention 0 (its output: out_proj's
+                bias).
             need_weights: must be False.
             attn_mask: None, or in torch.nn.MultiheadAttention's conventions: bool with True =
                 not allowed to attend, or float with 0 / -inf. With is_causal=True, the causal
@@ -293,10 +304,10 @@ class MultiheadFlashAttention(nn.Module):
             (out, None): out (batch, seqlen_q, embed_dim) in the activations' dtype.
         Raises:
             NotImplementedError: need_weights=True; with is_causal=True an attn_mask other than
-                the causal hint (compiled: see attn_mask); a key_padding_mask / attn_mask with a
-                window in a non-causal call, of another pattern (e.g. real keys not one run per
-                batch element in a causal call), differing per head, with values other than 0 /
-                -inf, or requiring grad.
+                the causal hint (compiled: see attn_mask); a key_padding_mask / attn_mask (flash_attn_ext
+                backend) with an asymmetric window in a non-causal call or seqlen_q != seqlen_k
+                there, of another pattern (e.g. real keys not one run per batch element),
+                differing per head, with values other than 0 / -inf, or requiring grad.
             TypeError: key_padding_mask / attn_mask neither bool nor floating.
             RuntimeError: under torch.compile on CPU, an attn_mask whose values are not causal
                 (with is_causal) or differ per head, or a mask not of the static form's pattern.
@@ -327,11 +338,11 @@ class MultiheadFlashAttention(nn.Module):
         causal = self.causal or is_causal
         allowed = None
         if key_padding_mask is not None:
-            allowed = self._keys(key_padding_mask, query.shape[0], seqlen_k, causal)[:, None, None, :]
+            allowed = self._keys(key_padding_mask, query.shape[0], seqlen_k)[:, None, None, :]
         if attn_mask is not None and is_causal:
             self._check_causal_hint(attn_mask, query.shape[1], seqlen_k)
         elif attn_mask is not None:
-            am = self._attn_mask(attn_mask, query.shape[0], query.shape[1], seqlen_k, causal)
+            am = self._attn_mask(attn_mask, query.shape[0], query.shape[1], seqlen_k)
             allowed = am if allowed is None else allowed & am
 
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -361,16 +372,12 @@ class MultiheadFlashAttention(nn.Module):
         out = out.reshape(out.shape[0], out.shape[1], H * D)
         return self.out_proj(out), None
 
-    def _allowed(self, mask: torch.Tensor, name: str, causal: bool) -> torch.Tensor:
+    def _allowed(self, mask: torch.Tensor, name: str) -> torch.Tensor:
         """Bool "may attend" from one of torch.nn.MultiheadAttention's masks (``name``): bool with
         True = not allowed, or float with 0 = attend and -inf (or a dtype's minimum) = not."""
         if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
             raise TypeError(f"MultiheadFlashAttention: {name} must be a bool (True = not allowed) or floating "
                             f"(0 / -inf) tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
-        if self.window_size != (-1, -1) and not causal:
-            raise NotImplementedError(
-                f"MultiheadFlashAttention: {name} with a sliding window in a non-causal call is not supported; "
-                f"pass {name}=None or use backend='torch_sdpa'")
         refuse_mask_derivatives(mask, f"MultiheadFlashAttention: {name}", "pass a plain (detached) mask")
         if mask.dtype == torch.bool:
             return ~mask
@@ -379,17 +386,16 @@ class MultiheadFlashAttention(nn.Module):
         except MaskNotSupported as e:
             raise NotImplementedError(f"MultiheadFlashAttention: {name}: {e}") from None
 
-    def _keys(self, key_padding_mask: torch.Tensor, batch: int, seqlen_k: int, causal: bool) -> torch.Tensor:
+    def _keys(self, key_padding_mask: torch.Tensor, batch: int, seqlen_k: int) -> torch.Tensor:
         """(batch, seqlen_k) bool, True for the keys that take part, from torch.nn.MultiheadAttention's
         key_padding_mask: bool with True = padding (ignored), or float with 0 = attend and -inf
         (or the dtype's minimum) = ignored."""
         if tuple(getattr(key_padding_mask, "shape", ())) != (batch, seqlen_k):
             raise ValueError(f"MultiheadFlashAttention: key_padding_mask must be (batch={batch}, seqlen_k={seqlen_k}), "
                              f"got {tuple(getattr(key_padding_mask, 'shape', ()))}")
-        return self._allowed(key_padding_mask, "key_padding_mask", causal)
+        return self._allowed(key_padding_mask, "key_padding_mask")
 
-    def _attn_mask(self, attn_mask: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int,
-                   causal: bool) -> torch.Tensor:
+    def _attn_mask(self, attn_mask: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
         """(batch or 1, 1, seqlen_q, seqlen_k) bool, True where a query may see a key, from
         torch.nn.MultiheadAttention's attn_mask (without is_causal): (seqlen_q, seqlen_k) or
         (batch * num_heads, seqlen_q, seqlen_k), bool with True = not allowed, or float additive
@@ -398,7 +404,7 @@ class MultiheadFlashAttention(nn.Module):
         if tuple(getattr(attn_mask, "shape", ())) not in shapes:
             raise ValueError(f"MultiheadFlashAttention: attn_mask must be {shapes[0]} or {shapes[1]} (as "
                              f"torch.nn.MultiheadAttention's), got {tuple(getattr(attn_mask, 'shape', ()))}")
-        allowed = self._allowed(attn_mask, "attn_mask", causal)
+        allowed = self._allowed(attn_mask, "attn_mask")
         if allowed.dim() == 2:
             return allowed[None, None]
         allowed = allowed.view(batch, self.num_heads, seqlen_q, seqlen_k)

@@ -296,8 +296,11 @@ def test_mha_errors_are_clear():
         m(x, key_padding_mask=torch.zeros(8, dtype=torch.bool))
     with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
         m(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.int64))
-    with pytest.raises(NotImplementedError, match="key_padding_mask with a sliding window in a non-causal"):
-        MultiheadFlashAttention(64, 2, window_size=(2, 2))(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match=r"non-causal call needs a symmetric window \(w, w\).*\(2, 1\)"):
+        MultiheadFlashAttention(64, 2, window_size=(2, 1))(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="seqlen_q == seqlen_k, got window_size .2, 2., seqlen_q 8, seqlen_k 5"):
+        MultiheadFlashAttention(64, 2, window_size=(2, 2))(x, x[:, :5], x[:, :5],
+                                                           key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
     per_head = torch.zeros(2 * 2, 8, 8, dtype=torch.bool)
     per_head[1, :, 3] = True                                    # head 1 of element 0 does not see key 3
     with pytest.raises(NotImplementedError, match="attn_mask that differs per head"):
@@ -465,6 +468,39 @@ def test_sdpa_attn_mask_edges():
             additive, torch.randn_like(additive)))
     with pytest.raises(NotImplementedError, match="vmap over attn_mask"):
         torch.func.vmap(lambda m: scaled_dot_product_attention(q, q, q, attn_mask=m))(keys[:, None, None, None, :])
+
+
+@pytest.mark.parametrize("window", [0, 2, 5, 20])
+def test_mha_symmetric_window_with_key_padding_matches_torch_sdpa(window):
+    """A non-causal module with a symmetric sliding window (w, w) (a local-attention encoder,
+    ModernBERT's local layers) and a key_padding_mask: the masked path's bidirectional-window
+    calls (masked.bidirectional_window_plan) against the torch_sdpa backend's explicit mask, out
+    and gradients (input, weights) against float64, for no, right and left padding and an
+    element whose keys are all padding (its rows: attention 0, out_proj's bias)."""
+    ours, torch_mod = _module_pair(False, 2, False)
+    for m in (ours, torch_mod):
+        m.window_size = (window, window)
+    torch64 = copy.deepcopy(torch_mod).double()
+    L = 13
+    pos = torch.arange(L)
+    pad = torch.stack([pos >= L, pos >= L - 4, pos < 3, pos >= 0])         # none, right 4, left 3, all
+    x = _randn(4, L, 128, seed=51).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    xb = x.detach().clone().requires_grad_()
+    dout = _randn(4, L, 128, seed=52)
+    out = ours(x, key_padding_mask=pad)[0]
+    ref = torch64(x64, key_padding_mask=pad)[0]
+    base = torch_mod(xb, key_padding_mask=pad)[0]
+    rows = torch.isfinite(ref).all(-1)     # torch versions differ on rows that see no key: NaN or 0
+    assert rows[:3].all()
+    check_accuracy(f"window {window} out", out[rows], ref[rows], base[rows])
+    assert torch.allclose(out[3], ours.out_proj.bias.expand(L, -1))
+    out.backward(dout * rows[..., None])
+    ref.backward(torch.nan_to_num(dout.double() * rows[..., None]))
+    base.backward(dout * rows[..., None])
+    check_accuracy(f"window {window} dx", x.grad, torch.nan_to_num(x64.grad), torch.nan_to_num(xb.grad))
+    for (name, p), p64, pb in zip(ours.named_parameters(), torch64.parameters(), torch_mod.parameters()):
+        check_accuracy(f"window {window} d{name}", p.grad, torch.nan_to_num(p64.grad), torch.nan_to_num(pb.grad))
 
 
 def test_mha_key_padding_mask_edges():
