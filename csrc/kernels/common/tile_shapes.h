@@ -24,12 +24,41 @@ struct FwdTileShape {
 //   kFastCopy   sm80: predicate-free whole-tile copies in the main loop
 //   kRoles      sm90: false for a row of this shape; Roles<row> sets it (below)
 //   kStages     sm90: Q / dO stages of the TMA ring (the cp.async twin uses two)
+// and, set by the wrappers below or by a table row itself (sm90 rows kernel only):
+//   kDpInS, kPSmem   DpInS<row>, PSmem<row> (below)
+//   kRoundedPt       dS^T = P^T o (dP^T - D) takes the Element-rounded P^T (dV's A operand) in the
+//                    twins without soft-capping and dropout, as a DpInS / PSmem row of the same head
+//                    dim computes it: set on the short row whose long row is one, so that a call on
+//                    either side of the rows' threshold gives the same bits
+//   kSoftcapDropout  the row runs the soft-capping and dropout twins; false: the dispatch keeps
+//                    those calls on the head dim's other row (and this row's twins are not compiled)
 template <int kBlockN_, int kBlockM_, int kSplit_ = 1, int kWarpRows_ = 16, bool kFastCopy_ = true, int kStages_ = 2>
 struct DkvTileShape {
   static constexpr int kBlockN = kBlockN_, kBlockM = kBlockM_, kSplit = kSplit_, kWarpRows = kWarpRows_;
   static constexpr bool kFastCopy = kFastCopy_;
   static constexpr int kStages = kStages_;
   static constexpr bool kRoles = false;
+  static constexpr bool kDpInS = false, kPSmem = false, kRoundedPt = false, kSoftcapDropout = true;
+};
+
+// Register diets of the sm90 dK/dV rows kernel (sm90/flash_bwd_dkv_kernel.cuh) for rows of three
+// warpgroups (384 threads at one CTA per SM: 168 registers per thread), where dK and dV (d / 2
+// fp32 registers each), S^T, dP^T (kBlockM / 2 each) and P^T, dS^T (kBlockM / 4 each as 16-bit A
+// operands) do not all fit (d96, 64-query tiles: ~190 with the addresses):
+//   DpInS<row>  dP^T is issued into S^T's registers once P^T has been converted to its 16-bit A
+//               operands: S^T and dP^T never live at once (dS^T then takes the rounded P^T);
+//   PSmem<row>  P^T goes through a swizzled shared tile per warpgroup, dV += P^T dO reads it as an
+//               SS product, dS^T reloads it (ldmatrix): P^T's registers are free while dP^T and
+//               the products are in flight (+ kBlockN * kBlockM * 2 bytes of shared memory).
+// Neither applies to the dropout twins (which keep the plain code: dS^T needs P^T and dP^T at once
+// there); kSplit must be 1.
+template <typename Shape>
+struct DpInS : Shape {
+  static constexpr bool kDpInS = true;
+};
+template <typename Shape>
+struct PSmem : Shape {
+  static constexpr bool kPSmem = true;
 };
 
 // dQ: one CTA per Q tile of kBlockM rows (resident), K/V tiles of kBlockN rows streamed.

@@ -21,6 +21,15 @@
 // kSplit > 1 cuts Q_i into parts of kPart rows whose S^T and dP^T products are all issued first
 // (the production table uses 1: the tuning harness measured 2 slower, docs/PERF_NOTES.md).
 //
+// Rows of three warpgroups (d96's long row, 192 keys: 168 registers per thread) cannot hold all of
+// the above at once (~190), so their twins (not dropout's) take register diets (tile_shapes.h):
+//   DpInS  S^T alone first; once P^T is in its A operands, dP^T = V_j dO_i^T into S^T's registers,
+//          and dS^T from the Element-rounded P^T;
+//   PSmem  P^T stored (stmatrix) into a swizzled tile per warpgroup, fenced for the async proxy,
+//          the warpgroup's four warps meeting at a named barrier; dV_j += P^T dO_i as an SS wgmma
+//          (A = P^T K-major, as K_j for S^T); dS^T reloads P^T's bits (ldmatrix) a k16 step at a time.
+// Per Q tile then: S^T -> P^T -> [P^T to shared] -> dP^T, dV issued -> dS^T -> dK issued.
+//
 // Accumulator bookkeeping (thread = 128 wg + 32 w + 4 g + t): S^T acc[h][j][e] of part h holds
 //   K row n = n0 + 64 wg + 16 w + g + 8 (e / 2),  Q row m = m0 + h kPart + 8 j + 2 t + (e % 2),
 // so hi, lo and D are one float2 per n8 block j. Masks, tile ranges, ragged edges and GQA are
@@ -39,23 +48,40 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
   using Base = BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64>;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDimPad, Base::kHeadDimMma, typename Base::TileQ, typename Base::TileKV;
   static constexpr int kSplit = Tile::kSplit, kStages = Tile::kStages;
-  // Shared layout (1024-byte aligned): sK, sV, then kStages x (sQ, sdO), then kStages x (hi, lo, D)
-  // of kBlockM floats each, then the stages' full and empty mbarriers (BwdStages).
+  // PSmem rows (common/tile_shapes.h): each warpgroup's P^T (its 64 K rows x kBlockM queries, the
+  // A operand of dV += P^T dO) in a swizzled tile of its own, K-major as K_j is for S^T.
+  using TileP = SwizzledTile<64, kBlockM>;
+  static constexpr int kPBytes = Tile::kPSmem ? Base::kWarpGroups * TileP::kBytes : 0;
+  // Shared layout (1024-byte aligned): sK, sV, then kStages x (sQ, sdO), then the warpgroups' P^T
+  // tiles (PSmem rows; none else), then kStages x (hi, lo, D) of kBlockM floats each, then the
+  // stages' full and empty mbarriers (BwdStages).
   static constexpr int kStatBytes = kStages * kBlockM * 4;
   using Regions = SmemRegions<TileKV::kBytes, TileKV::kBytes, kStages * TileQ::kBytes, kStages * TileQ::kBytes,
-                              kStatBytes, kStatBytes, kStatBytes, 2 * kStages * 8>;
+                              kPBytes, kStatBytes, kStatBytes, kStatBytes, 2 * kStages * 8>;
   static constexpr int kOffV = Regions::offset(1), kOffQ = Regions::offset(2), kOffDO = Regions::offset(3),
-                       kOffHi = Regions::offset(4), kOffLo = Regions::offset(5), kOffDsum = Regions::offset(6),
-                       kOffBar = Regions::offset(7);
+                       kOffP = Regions::offset(4), kOffHi = Regions::offset(5), kOffLo = Regions::offset(6),
+                       kOffDsum = Regions::offset(7), kOffBar = Regions::offset(8);
   static constexpr int kSmemBytes = Regions::kBytes + 1024;  // + alignment slack
+  // The register diets of common/tile_shapes.h in the kernel's twin: not in the dropout twins
+  // (dS^T = P^T o (Z o dP^T rp - D) is formed before Z o P^T, so P^T and dP^T live at once there).
+  static constexpr bool dp_in_s(bool dropout) { return Tile::kDpInS && !dropout; }
+  static constexpr bool p_smem(bool dropout) { return Tile::kPSmem && !dropout; }
   // dS^T from the Element-rounded P^T (as the sm80 kernel's kPRounded) where the fp32 P^T
-  // (kBlockM / 2 registers) would not fit next to dP^T and the dK/dV accumulators.
-  static constexpr bool kPRounded = kBlockM >= 128;
+  // (kBlockM / 2 registers) would not fit next to dP^T and the dK/dV accumulators, where it is gone
+  // (DpInS: its registers hold dP^T; PSmem: dS^T reloads the rounded copy), and in the short row's
+  // twins that must give the bits of such a long row (kRoundedPt, tile_shapes.h).
+  static constexpr bool p_rounded(bool softcap, bool dropout) {
+    return kBlockM >= 128 || dp_in_s(dropout) || p_smem(dropout) || (Tile::kRoundedPt && !softcap && !dropout);
+  }
   // dS^T as one packed bf16 multiply of the rounded P^T and bf16(dP^T - D): bf16 has fp32's range,
   // so the extra rounding cannot overflow. Not for fp16: a dP^T - D past 65504 (large dO, e.g.
   // under loss scaling) would round to inf and turn P^T = 0 into NaN; fp16 multiplies in fp32.
-  static constexpr bool kPackedDs = kPRounded && std::is_same<Element, __nv_bfloat16>::value;
+  static constexpr bool packed_ds(bool softcap, bool dropout) {
+    return p_rounded(softcap, dropout) && std::is_same<Element, __nv_bfloat16>::value;
+  }
   static_assert(kBlockN % 64 == 0 && kBlockM % 16 == 0, "64 K rows per warpgroup, k16 steps of Q rows");
+  static_assert(kSplit == 1 || !(Tile::kDpInS || Tile::kPSmem), "the register diets take whole Q tiles (kSplit 1)");
+  static_assert(!Tile::kPSmem || kBlockM % 64 == 0, "P^T tiles are whole 64-column swizzle blocks");
   static_assert(kBlockM / kSplit == 64 || kBlockM / kSplit == 128, "a part's S^T is one m64nNk16 wgmma wide");
   static_assert(kHeadDimMma == 64 || kHeadDimMma == 96 || kHeadDimMma == 128,
                 "dK/dV are one m64nNk16 wgmma wide (N = d, or d padded)");
@@ -83,6 +109,12 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
   constexpr int kHeadDimPad = T::kHeadDimPad;                      // shared tiles' columns
   constexpr int kHeadDimMma = T::kHeadDimMma;                      // dK's and dV's columns (smem_layout.cuh)
   constexpr int kNBlkP = kPart / 8, kNBlkD = kHeadDimMma / 8;     // n8 blocks of a part's S^T, of dK / dV
+  // This twin's register diets (common/tile_shapes.h: DpInS, PSmem) and dS^T's form (the traits).
+  constexpr bool kDpInS = T::dp_in_s(kDropout), kPSmem = T::p_smem(kDropout);
+  constexpr bool kPRounded = T::p_rounded(kSoftcap, kDropout), kPackedDs = T::packed_ds(kSoftcap, kDropout);
+  // Named barrier 1 + wg: warpgroup wg's P^T tile written (PSmem; 0 is __syncthreads, the
+  // stages wait on mbarriers: no other named barrier in this kernel).
+  constexpr int kPtStoredBarrier = 1;
 
   unsigned char* smem = aligned_dynamic_smem();
   const uint32_t smem_addr = smem_u32addr(smem);
@@ -94,6 +126,11 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
   // Thread = 128 wg + 32 warp_wg + 4 g + t (see the header).
   const int tid = threadIdx.x, wg = warpgroup_index(tid), tid_wg = tid % 128, warp_wg = tid_wg / 32;
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
+  // PSmem: this warpgroup's P^T tile (T::TileP), and where this lane's stmatrix / ldmatrix address
+  // of k16 step kk points: row 16 warp_wg + lane % 16, column 16 kk + 8 (lane / 16) (ldmatrix.cuh's
+  // A-fragment recipe: warp w stores and reloads its own 16 K rows).
+  const uint32_t sP = smem_addr + T::kOffP + wg * T::TileP::kBytes;
+  auto p_frag_addr = [&](int kk) { return sP + T::TileP::offset(16 * warp_wg + lane % 16, 16 * kk + 8 * (lane / 16)); };
 
   // This CTA's key block, batch, kv head and the Q tiles that see the block (kernels/common/work.cuh).
   const DkvWork<kBlockM, kBlockN> w(params);
@@ -134,6 +171,120 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
     // Varlen by TMA: the rows of a sequence's last Q tile past its end, zeroed (smem_layout.cuh).
     if (kTma && params.cu_seqlens_q != nullptr) {
       zero_stage_tail<TileQ, kBlockM, kHeadDimPad, kThreads>(sQ, sdO, w.seq.seqlen_q - m0, tid);
+    }
+
+    if constexpr (kDpInS || kPSmem) {
+      // The register diets (common/tile_shapes.h; kSplit 1: the whole Q tile is one part). Three
+      // warpgroups leave 168 registers per thread; dK and dV take 96 at d96, S^T and dP^T 32 each,
+      // P^T and dS^T 16 each as A operands: ~190 with the addresses if all were live at once.
+      // Alg. 2 line 11 (transposed): S^T = K_j Q_i^T; line 14, dP^T = V_j dO_i^T, now unless it
+      // goes into S^T's registers (DpInS), which it can once P^T is out of them (below).
+      float acc_s[kNBlkP][4];
+      [[maybe_unused]] float acc_dp_own[kNBlkP][4];
+      auto& acc_dp = kDpInS ? acc_s : acc_dp_own;
+      auto issue_dp = [&] {
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          Wgmma<Element, kPart>::template ss<0>(flat(acc_dp), TileKV::desc_k_major(sV, 64 * wg, kk),
+                                                TileQ::desc_k_major(sdO, 0, kk), kk > 0);
+        }
+        wgmma_commit();
+      };
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        Wgmma<Element, kPart>::template ss<0>(flat(acc_s), TileKV::desc_k_major(sK, 64 * wg, kk),
+                                              TileQ::desc_k_major(sQ, 0, kk), kk > 0);
+      }
+      wgmma_commit();
+      if constexpr (!kDpInS) issue_dp();
+      stages.refill(it + 1 - stages.kStages, w.n_iter, tid, load_q_tile);  // as below: under the products
+
+      const bool needs_mask = w.template needs_mask<kLocal>(it);
+      const int key0 = w.n0 + 64 * wg + 16 * warp_wg + g;
+      wgmma_wait<kDpInS ? 0 : 1>();  // S^T is done (dP^T, if issued, may still run)
+      [[maybe_unused]] SoftcapGrad<float[kNBlkP][4]> dt;
+      if constexpr (kSoftcap) {
+        softcap_scores(acc_s, params.softcap_prescale);
+        dt.set(acc_s);
+      }
+      if constexpr (kAlibi) {
+        w.mask.template add_alibi<true>(acc_s, w.n0 + 64 * wg + 16 * warp_wg, m0, alibi_slope(params, w.seq.bidb, w.head(it)));
+      }
+      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2), then its Element A operands.
+      recompute_pt<kLocal>(acc_s, w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, 0, key0, t);
+      uint32_t a_p[kPart / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[kk], acc_s, kk);
+      if constexpr (kPSmem) {
+        // P^T into this warpgroup's tile, each warp its own 16 K rows. The tile's last reader, the
+        // previous iteration's dV product, completed at that iteration's wgmma_wait<0> (every
+        // warp waits before it gets here), so the overwrite is safe; then the stores are made
+        // visible to the async proxy that the wgmma reads through.
+#pragma unroll
+        for (int kk = 0; kk < kPart / 16; ++kk) stmatrix_x4(p_frag_addr(kk), a_p[kk]);
+        fence_proxy_async();
+      }
+      if constexpr (kDpInS) {  // Alg. 2 line 14 into S^T's registers: P^T is out of them
+        wgmma_fence();
+        issue_dp();
+      }
+      // Alg. 2 line 13: dV_j += P^T dO_i.
+      if constexpr (kPSmem) {
+        named_barrier_sync(kPtStoredBarrier + wg, 128);  // the warpgroup's four warps stored their rows
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kPart / 16; ++kk) {
+          // A = P^T K-major as K_j is for S^T (M: the warpgroup's 64 K rows, K: 16 queries), B = dO_i N-major.
+          Wgmma<Element, kHeadDimMma>::template ss<1>(flat(acc_dv), T::TileP::desc_k_major(sP, 0, kk),
+                                                      TileQ::desc_mn_major(sdO, kk), 1);
+        }
+        wgmma_commit();
+      } else {
+        wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dv), a_p, [&](int kk) { return TileQ::desc_mn_major(sdO, kk); });
+      }
+
+      // Alg. 2 line 15: dS^T = P^T o (dP^T - D) from the rounded P^T (reloaded by PSmem: the bits the
+      // tile holds are a_p's), one k16 step of A operands at a time (4 registers of P^T live).
+      wgmma_wait<1>();  // dP^T is done (dV may still run)
+      uint32_t a_ds[kPart / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kPart / 16; ++kk) {
+        uint32_t p[4];
+        if constexpr (kPSmem) {
+          ldmatrix_x4(p, p_frag_addr(kk));
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) p[i] = a_p[kk][i];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // p[i]: row g + 8 (i % 2) of n8 block j = 2 kk + i / 2
+          const int j = 2 * kk + i / 2, r = i % 2;
+          const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + 8 * j + 2 * t);
+          float2 d = make_float2(acc_dp[j][2 * r] - dsum2.x, acc_dp[j][2 * r + 1] - dsum2.y);
+          if constexpr (kPackedDs) {  // as the rows below: one packed multiply, 1 - t^2 first
+            if constexpr (kSoftcap) {
+              const float2 c = dt.pair(2 * j + r);
+              d = make_float2(d.x * c.x, d.y * c.y);
+            }
+            a_ds[kk][i] = mul2<Element>(p[i], pack2<Element>(d.x, d.y));
+          } else {  // fp16: in fp32, 1 - t^2 last
+            const float2 pf = unpack2<Element>(p[i]);
+            d = make_float2(pf.x * d.x, pf.y * d.y);
+            if constexpr (kSoftcap) {
+              const float2 c = dt.pair(2 * j + r);
+              d = make_float2(d.x * c.x, d.y * c.y);
+            }
+            a_ds[kk][i] = pack2<Element>(d.x, d.y);
+          }
+        }
+      }
+
+      // Alg. 2 line 17: dK_j += dS^T Q_i.
+      wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dk), a_ds, [&](int kk) { return TileQ::desc_mn_major(sQ, kk); });
+      wgmma_wait<0>();     // (also: no product reads this warpgroup's P^T tile when the next iteration writes it)
+      stages.release(it);  // this thread is done with the stage
+      continue;
     }
 
     // Alg. 2 lines 11 and 14 (transposed), all issued up front: for each of the kSplit parts of
@@ -213,7 +364,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows. With kPRounded, P^T
       // lives only as its Element A operands (the fp32 copy is dead while dP^T is pending).
       wgmma_wait<2 * kSplit - 1>();  // dP^T_h is done
-      if constexpr (T::kPackedDs) {
+      if constexpr (kPackedDs) {
         // dS^T = P^T o bf16(dP^T - D): one packed multiply per two elements, no unpacking. The
         // register a_p[..][(j % 2) * 2 + r] holds row r (g or g + 8) of n8 block j.
 #pragma unroll
@@ -236,7 +387,7 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
           const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {  // r: row g (e = 0,1) or g + 8 (e = 2,3)
-            const float2 p = T::kPRounded ? unpack2<Element>(a_p[h][j / 2][(j % 2) * 2 + r])
+            const float2 p = kPRounded ? unpack2<Element>(a_p[h][j / 2][(j % 2) * 2 + r])
                                           : make_float2(acc_s[h][j][2 * r], acc_s[h][j][2 * r + 1]);
             acc_dp[h][j][2 * r] = p.x * (acc_dp[h][j][2 * r] - dsum2.x);
             acc_dp[h][j][2 * r + 1] = p.y * (acc_dp[h][j][2 * r + 1] - dsum2.y);
