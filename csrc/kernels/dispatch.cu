@@ -289,7 +289,10 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
           const int64_t mean_seqlen_k = varlen ? params.total_k / batch : params.seqlen_k;
           bool dkv_long = false;  // long sequences: the long-query dK/dV row where the head dim has one
           if constexpr (contains(kSm90BwdDkvLongHdims, kHeadDim)) {
-            dkv_long = sm90_bwd_long_rows_enabled() &&
+            // A row without soft-capping and dropout twins (d96's) leaves those calls to DkvTile.
+            const bool twin = sm90::DkvLongTile<kHeadDim>::kSoftcapDropout ||
+                              (params.softcap <= 0.f && params.dropout_p <= 0.0);
+            dkv_long = sm90_bwd_long_rows_enabled() && twin &&
                        sm90::dkv_long_rows(mean_seqlen_q, mean_seqlen_k, batch * params.h_k, params.num_sms,
                                            sm90::DkvLongTile<kHeadDim>::kBlockN, sm90::dkv_long_min_seqlen(kHeadDim));
             if (dkv_long) run_mha_bwd_dkv_long_<Element, kHeadDim>(Sm90{}, params, stream);

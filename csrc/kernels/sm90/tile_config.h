@@ -10,9 +10,11 @@
 // kStages stages.
 //
 // Registers per thread (fp32 accumulators): dK/dV kernel d/2 * 2 (dK, dV) + kDkvBlockM/2 * 2
-// (S^T, dP^T) + kDkvBlockM/4 (P^T, dS^T as 16-bit A operands); dQ kernel d/2 + kDqBlockN/2 * 2 +
-// kDqBlockN/4. Shared memory, 16-bit elements:
+// (S^T, dP^T) + kDkvBlockM/4 (P^T, dS^T as 16-bit A operands), less with the register diets of
+// common/tile_shapes.h (DpInS: one of S^T, dP^T; PSmem: no P^T across the products); dQ kernel d/2 +
+// kDqBlockN/2 * 2 + kDqBlockN/4. Shared memory, 16-bit elements (d: the padded 64-column width):
 //   dkv = 2 * kDkvBlockN * d * 2 B + kStages * (2 * kDkvBlockM * d * 2 B + 12 * kDkvBlockM B)
+//         (+ kDkvBlockN * kDkvBlockM * 2 B for P^T in PSmem rows)
 //   dq  = 2 * kDqBlockM  * d * 2 B + kStages *  2 * kDqBlockN  * d * 2 B
 #pragma once
 
@@ -92,7 +94,12 @@ template <> struct DqTile<128> : DqTileShape<128, 128> { static constexpr bool k
 // their cp.async twins, which strides TMA cannot describe run (varlen calls did until
 // smem_layout.cuh's zero_stage_tail), 8-19 % slower). 2026-12-01, the dK/dV refill under
 // the S^T / dP^T products: 447 / 486 / 521, causal 368 / 463 / 502.
-template <> struct DkvTile<96>  : DkvTileShape< 64,   64,    1,   16,   true,    2> { static constexpr bool kSupported = true; };
+// kRoundedPt: dS^T from the rounded P^T in the twins DkvLongTile<96> runs (its rows need it, below),
+// so both rows keep giving the same bits.
+template <> struct DkvTile<96>  : DkvTileShape< 64,   64,    1,   16,   true,    2> {
+  static constexpr bool kSupported = true;
+  static constexpr bool kRoundedPt = true;
+};
 template <> struct DqTile<96>   : DqTileShape<128, 128> { static constexpr bool kSupported = true; };
 template <> struct DkvTile<192> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
 template <> struct DkvTile<256> : Roles<DkvTileShape<64, 64>> { static constexpr bool kSupported = true; };
@@ -115,12 +122,27 @@ template <> struct DqTile<256>  : Roles<DqTileShape<64, 64>> { static constexpr 
 // smaller (+2.1-3.4 %, another machine). Both timed in one session (twenty-first, scripts/gpu_ab.sh,
 // 3 rounds, bf16 hd64 backward 8k / 16k, causal both): three stages over two 0.993-1.007, median
 // 1.000: two stages kept.
-// d96 / d128: the 128-key rows that were DkvTile's until 2026-12-04 (two warpgroups of 64 K rows,
-// one CTA per SM; d128 four stages, d96 three), within +-3 % of the 64-key row at 8192 and 16384
-// queries and 13 % ahead at d96 non-causal 16384.
+// d128: the 128-key row that was DkvTile's until 2026-12-04 (two warpgroups of 64 K rows, one CTA
+// per SM, four stages), within +-3 % of the 64-key row at 8192 and 16384 queries.
+// d96: 192 keys on three warpgroups of 64 K rows (384 threads, 168 registers per thread at one CTA
+// per SM), 64-query tiles, two stages, with both register diets of tile_shapes.h (DpInS: dP^T in
+// S^T's registers; PSmem: P^T through a shared tile per warpgroup, dV as an SS product): 158-168
+// registers, no spills; ~190 would be needed with S^T, dP^T, P^T and dS^T live beside dK and dV.
+// Each warpgroup's softmax math then runs under two others' products, and a Q / dO tile serves
+// 192 keys. Shared memory: K, V 2 x 48 KB (128-column tiles), 2 stages of Q, dO 64 KB, P^T 3 x 8 KB,
+// statistics 1.5 KB: 185.5 KB. Tune harness (twenty-eighth session, H100, bf16, one binary,
+// sustained 300 ms x 3 rounds, per-kernel matmul TFLOP/s at N = 4k / 8k / 16k; docs/PERF_NOTES.md),
+// the best of the 64 x 64 row and the previous long row (64 x 128, 3 stages) -> this row:
+// non-causal 511.8 -> 504.9 / 513.7 -> 533.5 / 523.9 -> 540.1, causal 452.4 -> 460.9 / 485.1 ->
+// 498.6 / 506.0 -> 523.5; at 2k causal 449 -> 403 (one run): dkv_long_min_seqlen is 4096. Its
+// soft-capping twins spill (46-84 bytes) and its dropout twins serialize their wgmmas on 168
+// registers, so those calls stay on DkvTile<96> (kSoftcapDropout = false; dispatch.cu).
 template <int kHeadDim> struct DkvLongTile { static constexpr bool kSupported = false; };
 template <> struct DkvLongTile<64>  : DkvTileShape<128, 128, 1> { static constexpr bool kSupported = true; };
-template <> struct DkvLongTile<96>  : DkvTileShape<128,  64, 1, 16, true, 3> { static constexpr bool kSupported = true; };
+template <> struct DkvLongTile<96>  : PSmem<DpInS<DkvTileShape<192, 64, 1, 16, true, 2>>> {
+  static constexpr bool kSupported = true;
+  static constexpr bool kSoftcapDropout = false;
+};
 template <> struct DkvLongTile<128> : DkvTileShape<128,  64, 1, 16, true, 4> { static constexpr bool kSupported = true; };
 
 // Whether a backward call takes DkvLongTile for its dK/dV kernel: at least min_seqlen queries and
@@ -134,8 +156,10 @@ template <> struct DkvLongTile<128> : DkvTileShape<128,  64, 1, 16, true, 4> { s
 // 0.986 / 1.018 / 1.023 (4096); d96 1.003 / 1.013 / 1.018 and 0.973 / 0.999 / 1.016, in a second
 // run at 2k / 4k / 8k 1.025 / 1.023 / 1.019 and 1.017 / 1.009 / 1.034 (2048); d128 0.994 / 0.986 /
 // 1.000 and 0.976 / 0.992 / 1.010 (8192, where the tune harness had it within 3 %). Varlen packs of
-// two 16384-token sequences: d96 +2.8 / +3.5 %, d128 +0.6 / +3.1 %. Either row gives the same bits.
-constexpr int dkv_long_min_seqlen(int head_dim) { return head_dim == 64 ? 4096 : head_dim == 96 ? 2048 : 8192; }
+// two 16384-token sequences: d96 +2.8 / +3.5 %, d128 +0.6 / +3.1 % (the 128-key d96 row then). d96's
+// 192-key row (twenty-eighth session, above): ahead of the short row's best from 4096 on, at 2048
+// causal 10 % behind, so 4096 (its end-to-end A/B is still to run). Either row gives the same bits.
+constexpr int dkv_long_min_seqlen(int head_dim) { return head_dim == 64 ? 4096 : head_dim == 96 ? 4096 : 8192; }
 inline bool dkv_long_rows(int64_t mean_seqlen_q, int64_t mean_seqlen_k, int64_t batch_kv_heads, int num_sms,
                           int long_block_n, int min_seqlen) {
   const int64_t long_ctas = (mean_seqlen_k + long_block_n - 1) / long_block_n * batch_kv_heads;
