@@ -467,12 +467,15 @@ def test_backward_many_heads(causal, poison_empty):
 
 
 # ---- The long-query dK/dV rows (sm90/tile_config.h: DkvLongTile, chosen by dkv_long_rows): calls
-# whose sequences hold at least 4096 (d64), 2048 (d96) or 8192 (d128) queries and keys on average
-# (dense: seqlen_q / seqlen_k; varlen: total / batch) run the sm90 dK/dV kernel on 128-key tiles
-# (two warpgroups per CTA sharing each Q / dO tile) instead of DkvTile's 64-key tiles. Every K row's
-# sum over the Q tiles keeps its order, so both rows give the same bits: a packed call whose means
-# fall on the other side of the minimum is the dense call's bitwise twin (the varlen kernels equal
-# the dense ones bit for bit: tests/test_varlen_cuda.py).
+# whose sequences hold at least 4096 (d64, d96) or 8192 (d128) queries and keys on average (dense:
+# seqlen_q / seqlen_k; varlen: total / batch) run the sm90 dK/dV kernel on 128-key tiles (d64,
+# d128: two warpgroups per CTA sharing each Q / dO tile) or 192-key tiles (d96: three warpgroups,
+# P^T through shared memory) instead of DkvTile's 64-key tiles. Every K row's sum over the Q tiles
+# keeps its order, and d96's short row forms dS^T from the rounded P^T as its long row does, so
+# both rows give the same bits: a packed call whose means fall on the other side of the minimum is
+# the dense call's bitwise twin (the varlen kernels equal the dense ones bit for bit:
+# tests/test_varlen_cuda.py). d96's long row has no soft-capping and dropout twins: those calls run
+# DkvTile at any length.
 
 
 def _sm90_rows(fn, kernel):
@@ -529,20 +532,22 @@ def _dense_backward_rows(b, sq, sk, nheads, nheads_k, headdim, dtype, scale, cau
 
 
 # (batch, nheads, nheads_k, seqlen_q, seqlen_k): the long row where both lengths are at least the head
-# dim's minimum (dkv_long_min_seqlen: d64 4096, d96 2048, d128 8192) and its grid has >= 2 CTAs per
-# SM (ceil(seqlen_k / 128) * batch * nheads_k); 8192 x 8200 (causal offset 8) and 8400 x 8192
-# (offset -208) make the CTA's upper 64 key rows visit one fully masked Q tile more than its lower
-# ones; 8000 x 9000 is too short at d128, 4000 x 4100 at d64 (4100 x 4096 is not); batch 1 MQA at
-# 8192 keys has 64 long CTAs.
+# dim's minimum (dkv_long_min_seqlen: d64 4096, d96 4096, d128 8192) and its grid has >= 2 CTAs per
+# SM (ceil(seqlen_k / kBlockN) * batch * nheads_k, kBlockN 128, d96 192); 8192 x 8200 (causal
+# offset 8) and 8400 x 8192 (offset -208) make the CTA's upper 64 key rows visit one fully masked Q
+# tile more than its lower ones; 8000 x 9000 is too short at d128, 4000 x 4100 at d64 and d96 (4100 x
+# 4096 is not); batch 1 MQA at 8192 keys has 64 (d96: 43) long CTAs.
 LONG_ROW_CASES = [(2, 8, 4, 8192, 8192), (2, 8, 4, 8192, 8200), (2, 8, 4, 8400, 8192), (2, 8, 4, 8000, 9000),
                   (1, 2, 1, 8192, 8192), (4, 8, 4, 4100, 4096), (4, 8, 4, 4000, 4100)]
 
 
-def _dkv_long_rows(headdim, mean_seqlen_q, mean_seqlen_k, batch_kv_heads, num_sms):
-    """sm90/tile_config.h's dkv_long_rows (with dkv_long_min_seqlen), restated, and the knob."""
-    min_seqlen = {64: 4096, 96: 2048}.get(headdim, 8192)
-    long_ctas = -(-mean_seqlen_k // 128) * batch_kv_heads
+def _dkv_long_rows(headdim, mean_seqlen_q, mean_seqlen_k, batch_kv_heads, num_sms, softcap_or_dropout=False):
+    """sm90/tile_config.h's dkv_long_rows (with dkv_long_min_seqlen and DkvLongTile's kBlockN),
+    restated, the knob, and d96's long row taking no soft-capping or dropout call (dispatch.cu)."""
+    min_seqlen = {64: 4096, 96: 4096}.get(headdim, 8192)
+    long_ctas = -(-mean_seqlen_k // (192 if headdim == 96 else 128)) * batch_kv_heads
     return (min(mean_seqlen_q, mean_seqlen_k) >= min_seqlen and long_ctas >= 2 * num_sms
+            and not (headdim == 96 and softcap_or_dropout)
             and os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") != "0")
 
 
@@ -588,11 +593,11 @@ def test_backward_long_query_rows(dtype, headdim, causal, case, bwd_path, poison
         assert torch.equal(_packed(a), b[:n]), f"{name}: the long-query row and the short row disagree"
 
 
-@pytest.mark.parametrize("headdim, lens", [(64, (4096, 4200)), (96, (2048, 2100)), (128, (8192, 8300))],
+@pytest.mark.parametrize("headdim, lens", [(64, (4096, 4200)), (96, (4096, 4200)), (128, (8192, 8300))],
                          ids=["d64", "d96", "d128"])
 def test_backward_long_rows_varlen(headdim, lens, bwd_path, poison_empty):
     """A varlen call of long sequences takes the long-query dK/dV row by its means (two sequences
-    at and past the head dim's minimum, 16 / 8 heads: 272-1040 long CTAs), with the bits of the same
+    at and past the head dim's minimum, 16 / 8 heads: 352-1040 long CTAs), with the bits of the same
     sequences alone (at d64 / d96 each alone has fewer than 2 long CTAs per SM on 132 SMs and runs
     the short row)."""
     require_hdim(headdim, exact=True)
@@ -611,6 +616,30 @@ def test_backward_long_rows_varlen(headdim, lens, bwd_path, poison_empty):
     assert rows == ({"DkvLongTile" if long_rows else "DkvTile"} if _sm90_backward_runs(bwd_path) else set()), rows
     for i, name in enumerate(("dq", "dk", "dv")):
         assert torch.equal(torch.cat([_packed(g[i]) for g in dense]), varlen[i]), f"{name}: packed and alone disagree"
+
+
+@pytest.mark.parametrize("twin", ["plain", "window", "alibi", "softcap", "dropout"])
+def test_backward_long_rows_d96_twins(twin, bwd_path, poison_empty):
+    """d96's long dK/dV row (192 keys, three warpgroups) runs the plain, window and ALiBi calls of
+    its sizes, but has no soft-capping and dropout twins (they spill or serialize on three
+    warpgroups): those calls run DkvTile (dispatch.cu) at any length. 2 x 4096 x 4096, 16 / 8 heads:
+    352 long CTAs, >= 2 per SM up to 176 SMs. The gradients are finite (accuracy: tests/test_window.py,
+    test_alibi.py, test_dropout.py's long-row cells)."""
+    require_hdim(96, exact=True)
+    if bwd_path == "sm80":
+        pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 4096, 4096, 16, 8, 96, torch.bfloat16))
+    kwargs = {"plain": {}, "window": {"window_size": (300, 100)}, "softcap": {"softcap": 5.0},
+              "dropout": {"dropout_p": 0.17},
+              "alibi": {"alibi_slopes": torch.rand(2, 16, device="cuda", dtype=torch.float32) * 0.1}}[twin]
+    dout = _rand(*q.shape, dtype=q.dtype)
+    grads = []
+    rows = _sm90_rows(lambda: grads.extend(torch.autograd.grad(flash_attn_ext.flash_attn_func(q, k, v, **kwargs),
+                                                                (q, k, v), dout)), "flash_bwd_dkv")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    long_rows = _dkv_long_rows(96, 4096, 4096, 2 * 8, num_sms, softcap_or_dropout=twin in ("softcap", "dropout"))
+    assert rows == ({"DkvLongTile" if long_rows else "DkvTile"} if _sm90_backward_runs(bwd_path) else set()), rows
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 # ---- The short-sequence dQ rows (sm90/tile_config.h: DqShortTile, chosen by dq_short_rows): at d96

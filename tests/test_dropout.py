@@ -135,18 +135,24 @@ def test_dropout_matches_reference(device, shape, causal, p, poison_empty, arch_
     _dropout_case(device, shape, causal, p, _dtypes(device))
 
 
-# Shapes that take the sm90 path's long rows: the forward's FwdLongTile (d128, dense non-causal, >= 8192
-# keys) and the backward's DkvLongTile (d96: >= 2048 queries and keys per sequence, >= 2 of its
-# 128-key CTAs per SM); CUDA only (the CPU reference would take minutes).
-_LONG_ROW_CELLS = [(1, 128, 8192, 2, 1, 128), (2, 2048, 2048, 9, 9, 96)]
+# Shapes of the sm90 path's long rows: the forward's FwdLongTile (d128, dense non-causal, >= 8192
+# keys) and the backward's DkvLongTile (d96: >= 4096 queries and keys per sequence, >= 2 of its
+# 192-key CTAs per SM: 264 here), which has no dropout twin: there the dropout call runs DkvTile
+# (dispatch.cu); CUDA only (the CPU reference would take minutes).
+_LONG_ROW_CELLS = [(1, 128, 8192, 2, 1, 128), (2, 4096, 4096, 6, 6, 96)]
 
 
 @CUDA
 @pytest.mark.parametrize("shape", _LONG_ROW_CELLS)
 def test_dropout_long_rows(shape, poison_empty, arch_path):
-    """The dropout twins of the long tile rows against the float64 reference, as
-    test_dropout_matches_reference (bf16, non-causal: the long forward row's condition)."""
-    _dropout_case("cuda", shape, False, 0.17, [torch.bfloat16])
+    """The dropout twins at the long tile rows' sizes against the float64 reference, as
+    test_dropout_matches_reference (bf16, non-causal: the long forward row's condition); at d96 the
+    kernel names show the short dK/dV row ran."""
+    from test_cuda_backward import _sm90_backward_runs, _sm90_rows
+
+    rows = _sm90_rows(lambda: _dropout_case("cuda", shape, False, 0.17, [torch.bfloat16]), "flash_bwd_dkv")
+    if shape[-1] == 96 and _sm90_backward_runs(arch_path):
+        assert rows == {"DkvTile"}, rows
 
 
 def _dropout_case(device, shape, causal, p, dtypes):
