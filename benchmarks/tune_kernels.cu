@@ -114,10 +114,16 @@ static TuneRegistrar tune_reg({0, HD, "fwd BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2)
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
                                  flash::sm80::launch_fwd<flash::sm80::FwdKernelTraits<Bf16, HD, flash::FwdTileShape<A1, A2, A3, A4, A5>>>(p, s);
                                }});
-#elif KIND == 1 && defined(TUNE_SM90)  // A3..A6 always given (tune_kernels.py fills in the defaults)
-static TuneRegistrar tune_reg({1, HD, "dkv90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3) " roles=" TUNE_STR(A4) " tma=" TUNE_STR(A5) " stages=" TUNE_STR(A6),
+#elif KIND == 1 && defined(TUNE_SM90)  // A3..A7 always given (tune_kernels.py fills in the defaults)
+// A7: the rows kernel's register diets and dS^T form (common/tile_shapes.h), bits 1 DpInS, 2 PSmem,
+// 4 kRoundedPt (d96's production: long row 3, short row 4).
+template <typename Shape, int kBits>
+struct TuneDkvRow : Shape {
+  static constexpr bool kDpInS = (kBits & 1) != 0, kPSmem = (kBits & 2) != 0, kRoundedPt = (kBits & 4) != 0;
+};
+static TuneRegistrar tune_reg({1, HD, "dkv90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " split=" TUNE_STR(A3) " roles=" TUNE_STR(A4) " tma=" TUNE_STR(A5) " stages=" TUNE_STR(A6) " diet=" TUNE_STR(A7),
                                [](flash::Flash_bwd_params& p, cudaStream_t s) {
-                                 TUNE_LAUNCH_BWD90(dkv, (flash::DkvTileShape<A2, A1, A3, 16, true, A6>), A4, A5);
+                                 TUNE_LAUNCH_BWD90(dkv, (TuneDkvRow<flash::DkvTileShape<A2, A1, A3, 16, true, A6>, A7>), A4, A5);
                                }});
 #elif KIND == 2 && defined(TUNE_SM90)  // A3..A6 always given
 static TuneRegistrar tune_reg({2, HD, "dq90 BM=" TUNE_STR(A1) " BN=" TUNE_STR(A2) " roles=" TUNE_STR(A3) " tma=" TUNE_STR(A4) " stages=" TUNE_STR(A5) " minB=" TUNE_STR(A6),

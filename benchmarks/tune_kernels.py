@@ -8,7 +8,9 @@ A VARIANT is KIND:HDIM:ARGS with KIND fwd, dkv, dq (sm80 path), dkv90, dq90 (sm9
     fwd:128:128,32,4,false,2     FwdTileShape<BLOCK_M, BLOCK_N, warps, Q-in-regs, min CTAs/SM>
     dkv:128:64,128,1             DkvTileShape of BLOCK_M, BLOCK_N, colsplit[, warp rows[, fast copy 0|1]]
     dq:128:128,64                DqTileShape<BLOCK_M, BLOCK_N[, warp rows[, fast copy 0|1]]>
-    dkv90:128:64,128             sm90 DkvTileShape of BLOCK_M, BLOCK_N[, split[, roles 0|1[, tma 0|1[, stages]]]]
+    dkv90:128:64,128             sm90 DkvTileShape of BLOCK_M, BLOCK_N[, split[, roles 0|1[, tma 0|1[, stages[,
+                                 diet]]]]] (diet: bits 1 DpInS, 2 PSmem, 4 rounded P^T in dS^T, default 0;
+                                 d96's production rows: 64,192,1,0,1,2,3 and 64,64,1,0,1,2,4)
     dq90:128:128,64              sm90 DqTileShape<BLOCK_M, BLOCK_N[, roles 0|1[, tma 0|1[, stages[, min
                                  CTAs/SM]]]]> (roles 1: the Roles<> kernels,
                                  flash_bwd_{dkv,dq}_roles_kernel.cuh, 64 x 64 tiles; tma 0: the
@@ -46,8 +48,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "benchmarks", "tune_kernels.cu")
 # Values of the optional template arguments the .cu side does not default itself (sm90 backward:
-# split 1, roles 0, tma 1, stages 2; dq: roles 0, tma 1, stages 2).
-DEFAULTS = {"dkv90": ["", "", "1", "0", "1", "2"], "dq90": ["", "", "0", "1", "2", "1"]}
+# split 1, roles 0, tma 1, stages 2, diet 0; dq: roles 0, tma 1, stages 2).
+DEFAULTS = {"dkv90": ["", "", "1", "0", "1", "2", "0"], "dq90": ["", "", "0", "1", "2", "1"]}
 KINDS = {"fwd": 0, "dkv": 1, "dq": 2, "fwd90": 0, "dkv90": 1, "dq90": 2, "splitkv": 3}  # kind -> output compared
 DEFAULT = [
     "fwd:64:128,64,4,false,2", "fwd:128:128,32,4,false,2",
@@ -69,7 +71,7 @@ def variant_defines(spec):
     # No commas inside -D values: nvcc splits option values at commas.
     kind, hdim, args = spec.split(":")
     a = args.split(",")
-    n_args = {"fwd": (5, 5), "dkv": (3, 5), "dq": (2, 4), "fwd90": (2, 2), "dkv90": (2, 6), "dq90": (2, 6),
+    n_args = {"fwd": (5, 5), "dkv": (3, 5), "dq": (2, 4), "fwd90": (2, 2), "dkv90": (2, 7), "dq90": (2, 6),
               "splitkv": (4, 7)}[kind]
     if not n_args[0] <= len(a) <= n_args[1]:  # (required, allowed)
         sys.exit(f"variant {spec}: {kind} takes {n_args[0]} to {n_args[1]} template arguments")

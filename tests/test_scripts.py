@@ -263,19 +263,20 @@ def test_issue_bars_decode_only_run(tmp_path):
 
 def test_tune_variant_defines_fill_sm90_backward_defaults():
     """dkv90 / dq90 variants get every optional template argument (split 1, roles 0, tma 1, stages 2,
-    dq90's min CTAs / SM 1) as a -D flag, the given ones kept; sm80 kinds keep their own defaults in
-    the .cu file; too many arguments is an error naming the kind."""
+    dkv90's diet 0, dq90's min CTAs / SM 1) as a -D flag, the given ones kept; sm80 kinds keep their
+    own defaults in the .cu file; too many arguments is an error naming the kind."""
     tk = _tune_kernels()
     dkv = tk.variant_defines("dkv90:256:64,64,1,1")
-    assert dkv[-6:] == ["-DA1=64", "-DA2=64", "-DA3=1", "-DA4=1", "-DA5=1", "-DA6=2"] and "-DTUNE_SM90" in dkv
+    assert dkv[-7:] == ["-DA1=64", "-DA2=64", "-DA3=1", "-DA4=1", "-DA5=1", "-DA6=2", "-DA7=0"] and "-DTUNE_SM90" in dkv
+    assert tk.variant_defines("dkv90:96:64,192,1,0,1,2,3")[-1] == "-DA7=3"  # d96's long row: DpInS + PSmem
     assert tk.variant_defines("dq90:128:128,64")[-6:] == ["-DA1=128", "-DA2=64", "-DA3=0", "-DA4=1", "-DA5=2",
                                                           "-DA6=1"]
     assert tk.variant_defines("dq90:256:64,64,1,0")[-4:] == ["-DA3=1", "-DA4=0", "-DA5=2", "-DA6=1"]
     assert tk.variant_defines("dq90:128:128,64,0,1,3")[-2] == "-DA5=3"
     assert tk.variant_defines("dq90:64:64,64,0,1,2,3")[-1] == "-DA6=3"  # d64's production min CTAs / SM
     assert tk.variant_defines("dkv:128:64,128,1")[-1] == "-DA3=1"  # nothing appended
-    with pytest.raises(SystemExit, match="dkv90 takes 2 to 6"):
-        tk.variant_defines("dkv90:256:64,64,1,1,1,3,1")
+    with pytest.raises(SystemExit, match="dkv90 takes 2 to 7"):
+        tk.variant_defines("dkv90:256:64,64,1,1,1,3,1,0")
 
 
 def test_gpu_ab_tune_prebuilt_sides(tmp_path):
