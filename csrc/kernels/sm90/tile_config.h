@@ -134,8 +134,9 @@ template <> struct DqTile<256>  : Roles<DqTileShape<64, 64>> { static constexpr 
 // sustained 300 ms x 3 rounds, per-kernel matmul TFLOP/s at N = 4k / 8k / 16k; docs/PERF_NOTES.md),
 // the best of the 64 x 64 row and the previous long row (64 x 128, 3 stages) -> this row:
 // non-causal 511.8 -> 504.9 / 513.7 -> 533.5 / 523.9 -> 540.1, causal 452.4 -> 460.9 / 485.1 ->
-// 498.6 / 506.0 -> 523.5; at 2k causal 449 -> 403 (one run): dkv_long_min_seqlen is 4096. Its
-// soft-capping twins spill (46-84 bytes) and its dropout twins serialize their wgmmas on 168
+// 498.6 / 506.0 -> 523.5 (the previous long row with 3 stages: 522.6 at non-causal 4k); at 2k
+// (one run) causal 449 -> 403, non-causal 518 -> 535: dkv_long_min_seqlen is 4096. Its soft-capping
+// twins spill (64-72 bytes) and its dropout twins serialize their wgmmas (C7512) and spill on 168
 // registers, so those calls stay on DkvTile<96> (kSoftcapDropout = false; dispatch.cu).
 template <int kHeadDim> struct DkvLongTile { static constexpr bool kSupported = false; };
 template <> struct DkvLongTile<64>  : DkvTileShape<128, 128, 1> { static constexpr bool kSupported = true; };
@@ -157,8 +158,9 @@ template <> struct DkvLongTile<128> : DkvTileShape<128,  64, 1, 16, true, 4> { s
 // run at 2k / 4k / 8k 1.025 / 1.023 / 1.019 and 1.017 / 1.009 / 1.034 (2048); d128 0.994 / 0.986 /
 // 1.000 and 0.976 / 0.992 / 1.010 (8192, where the tune harness had it within 3 %). Varlen packs of
 // two 16384-token sequences: d96 +2.8 / +3.5 %, d128 +0.6 / +3.1 % (the 128-key d96 row then). d96's
-// 192-key row (twenty-eighth session, above): ahead of the short row's best from 4096 on, at 2048
-// causal 10 % behind, so 4096 (its end-to-end A/B is still to run). Either row gives the same bits.
+// 192-key row (twenty-eighth session's harness, above): +2-4 % over the previous rows' best at 8k
+// and 16k and causal 4k (non-causal 4k -1 %), but 10 % behind at causal 2k, so 4096 (its end-to-end
+// A/B is still to run). Either row gives the same bits.
 constexpr int dkv_long_min_seqlen(int head_dim) { return head_dim == 64 ? 4096 : head_dim == 96 ? 4096 : 8192; }
 inline bool dkv_long_rows(int64_t mean_seqlen_q, int64_t mean_seqlen_k, int64_t batch_kv_heads, int num_sms,
                           int long_block_n, int min_seqlen) {
