@@ -208,8 +208,9 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
         softcap_scores(acc_s, params.softcap_prescale);
         dt.set(acc_s);
       }
-      if constexpr (kAlibi) {
-        w.mask.template add_alibi<true>(acc_s, w.n0 + 64 * wg + 16 * warp_wg, m0, alibi_slope(params, w.seq.bidb, w.head(it)));
+      if constexpr (kAlibi) {  // S^T + ALiBi's bias of this iteration's query head (mask.cuh)
+        w.mask.template add_alibi<true>(acc_s, w.n0 + 64 * wg + 16 * warp_wg, m0,
+                                        alibi_slope(params, w.seq.bidb, w.head(it)));
       }
       // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2), then its Element A operands.
       recompute_pt<kLocal>(acc_s, w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, 0, key0, t);
@@ -241,7 +242,8 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
         }
         wgmma_commit();
       } else {
-        wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dv), a_p, [&](int kk) { return TileQ::desc_mn_major(sdO, kk); });
+        wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dv), a_p,
+                                              [&](int kk) { return TileQ::desc_mn_major(sdO, kk); });
       }
 
       // Alg. 2 line 15: dS^T = P^T o (dP^T - D) from the rounded P^T (reloaded by PSmem: the bits the
@@ -281,8 +283,9 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       }
 
       // Alg. 2 line 17: dK_j += dS^T Q_i.
-      wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dk), a_ds, [&](int kk) { return TileQ::desc_mn_major(sQ, kk); });
-      wgmma_wait<0>();     // (also: no product reads this warpgroup's P^T tile when the next iteration writes it)
+      wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dk), a_ds,
+                                            [&](int kk) { return TileQ::desc_mn_major(sQ, kk); });
+      wgmma_wait<0>();     // (so no product reads the P^T tile when the next iteration writes it)
       stages.release(it);  // this thread is done with the stage
       continue;
     }
