@@ -28,10 +28,12 @@ struct FwdTileShape {
 //   kDpInS, kPSmem   DpInS<row>, PSmem<row> (below)
 //   kRoundedPt       dS^T = P^T o (dP^T - D) takes the Element-rounded P^T (dV's A operand) in the
 //                    twins without soft-capping and dropout, as a DpInS / PSmem row of the same head
-//                    dim computes it: set on the short row whose long row is one, so that a call on
-//                    either side of the rows' threshold gives the same bits
-//   kSoftcapDropout  the row runs the soft-capping and dropout twins; false: the dispatch keeps
-//                    those calls on the head dim's other row (and this row's twins are not compiled)
+//                    dim computes it: set on the short row whose long row is one (and on a row
+//                    between them), so that a call on either side of the rows' thresholds gives
+//                    the same bits
+//   kSoftcapDropout  the row runs the soft-capping and dropout twins; false: the dispatch leaves
+//                    those calls to the head dim's next row down (and this row's twins are not
+//                    compiled)
 template <int kBlockN_, int kBlockM_, int kSplit_ = 1, int kWarpRows_ = 16, bool kFastCopy_ = true, int kStages_ = 2>
 struct DkvTileShape {
   static constexpr int kBlockN = kBlockN_, kBlockM = kBlockM_, kSplit = kSplit_, kWarpRows = kWarpRows_;

@@ -94,8 +94,8 @@ template <> struct DqTile<128> : DqTileShape<128, 128> { static constexpr bool k
 // their cp.async twins, which strides TMA cannot describe run (varlen calls did until
 // smem_layout.cuh's zero_stage_tail), 8-19 % slower). 2026-12-01, the dK/dV refill under
 // the S^T / dP^T products: 447 / 486 / 521, causal 368 / 463 / 502.
-// kRoundedPt: dS^T from the rounded P^T in the twins DkvLongTile<96> runs (its rows need it, below),
-// so both rows keep giving the same bits.
+// kRoundedPt: dS^T from the rounded P^T in the twins DkvLongTile<96> runs (its rows need it, below;
+// DkvMidTile<96> takes it too), so d96's three rows keep giving the same bits.
 template <> struct DkvTile<96>  : DkvTileShape< 64,   64,    1,   16,   true,    2> {
   static constexpr bool kSupported = true;
   static constexpr bool kRoundedPt = true;
@@ -146,21 +146,45 @@ template <> struct DkvLongTile<96>  : PSmem<DpInS<DkvTileShape<192, 64, 1, 16, t
 };
 template <> struct DkvLongTile<128> : DkvTileShape<128,  64, 1, 16, true, 4> { static constexpr bool kSupported = true; };
 
-// Whether a backward call takes DkvLongTile for its dK/dV kernel: at least min_seqlen queries and
-// keys per sequence (dkv_long_min_seqlen; a dense call's seqlen_q / seqlen_k, a varlen call's
-// total_q / batch and total_k / batch: its max_seqlen says little about a packed batch) and at
-// least two CTAs of it per SM (its CTAs are one per SM, DkvTile's two: the measured grids had
-// >= 1,000 long CTAs; MQA at batch 1 and 8192 keys would leave half of an H200's SMs without one).
-// The minimum per head dim, end to end (2026-12-04, fourteenth session: a build whose rule starts
-// at 1024, the benchmark with FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS=0 and unset, 2 rounds each, bf16,
-// long / short row at N = 1k / 2k / 4k, non-causal and causal): d64 0.987 / 1.004 / 1.022 and
-// 0.986 / 1.018 / 1.023 (4096); d96 1.003 / 1.013 / 1.018 and 0.973 / 0.999 / 1.016, in a second
-// run at 2k / 4k / 8k 1.025 / 1.023 / 1.019 and 1.017 / 1.009 / 1.034 (2048); d128 0.994 / 0.986 /
-// 1.000 and 0.976 / 0.992 / 1.010 (8192, where the tune harness had it within 3 %). Varlen packs of
-// two 16384-token sequences: d96 +2.8 / +3.5 %, d128 +0.6 / +3.1 % (the 128-key d96 row then). d96's
-// 192-key row (twenty-eighth session's harness, above): +2-4 % over the previous rows' best at 8k
-// and 16k and causal 4k (non-causal 4k -1 %), but 10 % behind at causal 2k, so 4096 (its end-to-end
-// A/B is still to run). Either row gives the same bits.
+// Middle lengths at d96 (sm90/flash_bwd_dkv_mid_launch.cuh; dispatch.cu takes it by dkv_long_rows
+// with this row's kBlockN and kDkvMidMinSeqlen, where DkvLongTile is not taken): the 128-key row
+// that was DkvLongTile<96>'s until the 192-key row (two warpgroups of 64 K rows sharing each
+// 64-query Q / dO tile, one CTA per SM, three stages), so that calls of 2048..4095 queries and keys
+// keep it: its gain over the short row from 2048 is the fourteenth session's (below: 1.013 / 0.999
+// at 2k, a second run 1.025 / 1.017), and with it gone the twenty-ninth session's end-to-end A/B
+// against main (H100, bf16 d96 backward; the 192-key row from 4096) read 2k -3.7 % / causal -1.8 %
+// (those calls on the short row), against 4k +6.4 / +4.3 %, 8k +2.1 / +1.5 %, 16k +7.4 / +6.5 %.
+// From 4096 it takes the calls whose grid has fewer than 2 of DkvLongTile<96>'s 192-key CTAs per SM
+// but 2 of these, and the soft-capping and dropout calls (DkvLongTile<96> has no such twins; here
+// they are main's long-row twins, SASS unchanged). kRoundedPt as DkvTile<96>: dS^T from the rounded
+// P^T in the plain / window / ALiBi twins, the fp32 P^T in the soft-capping and dropout twins (as
+// DkvTile<96>'s), so all three rows give the same bits. ptxas (sm_90a, bf16 / fp16, TMA / cp.async
+// twins): 191-253 registers of 255, no spills, no serialized wgmmas (C7512 / C7515), the
+// soft-capping and dropout twins included.
+template <int kHeadDim> struct DkvMidTile { static constexpr bool kSupported = false; };
+template <> struct DkvMidTile<96> : DkvTileShape<128, 64, 1, 16, true, 3> {
+  static constexpr bool kSupported = true;
+  static constexpr bool kRoundedPt = true;
+};
+constexpr int kDkvMidMinSeqlen = 2048;
+
+// Whether a backward call takes DkvLongTile (or, with its numbers, DkvMidTile) for its dK/dV
+// kernel: at least min_seqlen queries and keys per sequence (dkv_long_min_seqlen, kDkvMidMinSeqlen;
+// a dense call's seqlen_q / seqlen_k, a varlen call's total_q / batch and total_k / batch: its
+// max_seqlen says little about a packed batch) and at least two CTAs of it per SM (its CTAs are one
+// per SM, DkvTile's two: the measured grids had >= 1,000 long CTAs; MQA at batch 1 and 8192 keys
+// would leave half of an H200's SMs without one). The minimum per head dim, end to end (2026-12-04,
+// fourteenth session: a build whose rule starts at 1024, the benchmark with
+// FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS=0 and unset, 2 rounds each, bf16, long / short row at N = 1k /
+// 2k / 4k, non-causal and causal): d64 0.987 / 1.004 / 1.022 and 0.986 / 1.018 / 1.023 (4096); d96
+// 1.003 / 1.013 / 1.018 and 0.973 / 0.999 / 1.016, in a second run at 2k / 4k / 8k 1.025 / 1.023 /
+// 1.019 and 1.017 / 1.009 / 1.034 (2048); d128 0.994 / 0.986 / 1.000 and 0.976 / 0.992 / 1.010
+// (8192, where the tune harness had it within 3 %). Varlen packs of two 16384-token sequences: d96
+// +2.8 / +3.5 %, d128 +0.6 / +3.1 % (the 128-key d96 row then). d96's 192-key row (twenty-eighth
+// session's harness, above): +2-4 % over the previous rows' best at 8k and 16k and causal 4k
+// (non-causal 4k -1 %), but 10 % behind at causal 2k, so 4096 (end to end: DkvMidTile's comment
+// above), the 128-key row keeping 2048..4095 (DkvMidTile). Every row of a head dim gives the same
+// bits.
 constexpr int dkv_long_min_seqlen(int head_dim) { return head_dim == 64 ? 4096 : head_dim == 96 ? 4096 : 8192; }
 inline bool dkv_long_rows(int64_t mean_seqlen_q, int64_t mean_seqlen_k, int64_t batch_kv_heads, int num_sms,
                           int long_block_n, int min_seqlen) {
