@@ -55,6 +55,10 @@ def test_sm90_files_only_in_builds_with_sm90a(manifest):
     assert "csrc/kernels/sm90/instantiations/flash_bwd_dkv_long_hdim64_fp16_sm90.cu" in with_90a
     assert "csrc/kernels/sm90/instantiations/flash_bwd_dkv_long_hdim128_bf16_sm90.cu" in with_90a
     assert not any("bwd_dkv_long" in p for p in sm80_only)
+    # and its middle-length row (d96 only)
+    assert "csrc/kernels/sm90/instantiations/flash_bwd_dkv_mid_hdim96_bf16_sm90.cu" in manifest.sources(["90a"], [96])
+    assert not any("bwd_dkv_mid" in p for p in with_90a)
+    assert not any("bwd_dkv_mid" in p for p in manifest.sources(["80"], [96]))
     # and the sm90 dQ kernel's short-sequence row (d128; d96 too, not in this build's head dims)
     assert "csrc/kernels/sm90/instantiations/flash_bwd_dq_short_hdim128_bf16_sm90.cu" in with_90a
     assert not any("bwd_dq_short_hdim64" in p or "bwd_dq_short_hdim96" in p for p in with_90a)
@@ -82,6 +86,8 @@ def test_config_macros_follow_the_build(manifest):
     assert macro(manifest.config_macros(["90a"], [64]), "FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS") == []
     assert macro(text, "FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS") == [64, 128]
     assert macro(manifest.config_macros(["90a"], [192]), "FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS") == []
+    assert macro(text, "FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS") == []
+    assert macro(manifest.config_macros(["90a"], [64, 96]), "FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS") == [96]
     assert macro(text, "FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS") == [128]
     assert macro(manifest.config_macros(["90a"], [64]), "FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS") == []
     assert macro(text, "FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS") == [128]
@@ -91,7 +97,8 @@ def test_config_macros_follow_the_build(manifest):
     for name in ("FLASH_ATTN_EXT_SM90_FWD_HDIMS", "FLASH_ATTN_EXT_SM90_BWD_HDIMS",
                  "FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS", "FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS",
                  "FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS", "FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS",
-                 "FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS", "FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS"):
+                 "FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS", "FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS",
+                 "FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS"):
         assert macro(text, name) == []
 
 
@@ -99,7 +106,8 @@ def test_every_manifest_row_has_a_tile_row(manifest):
     tables = {arch: _read(f"csrc/kernels/{arch}/tile_config.h") for arch in manifest.MANIFEST}
     struct = {"fwd": "FwdTile", "bwd_dkv": "DkvTile", "bwd_dq": "DqTile", "fwd_splitkv": "SplitKvTile",
               "fwd_sm80": "Sm80FwdTile", "fwd_long": "FwdLongTile", "fwd_short": "FwdShortTile",
-              "bwd_dkv_long": "DkvLongTile", "bwd_dq_short": "DqShortTile", "fwd_splitkv_small": "SplitKvSmallTile"}
+              "bwd_dkv_long": "DkvLongTile", "bwd_dkv_mid": "DkvMidTile", "bwd_dq_short": "DqShortTile",
+              "fwd_splitkv_small": "SplitKvSmallTile"}
     for arch, (_, _, kinds) in manifest.MANIFEST.items():
         for kind, hdims in kinds.items():
             for hdim in hdims:

@@ -52,6 +52,9 @@ FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_short_, Flash_fwd_params)
 // The sm90 dK/dV kernel with its long-query tile row (sm90/tile_config.h: DkvLongTile;
 // sm90/flash_bwd_dkv_long_launch.cuh).
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dkv_long_, Flash_bwd_params)
+// The sm90 dK/dV kernel with its middle-length tile row (sm90/tile_config.h: DkvMidTile;
+// sm90/flash_bwd_dkv_mid_launch.cuh).
+FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dkv_mid_, Flash_bwd_params)
 // The sm90 dQ kernel with its short-sequence tile row (sm90/tile_config.h: DqShortTile;
 // sm90/flash_bwd_dq_short_launch.cuh).
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dq_short_, Flash_bwd_params)
