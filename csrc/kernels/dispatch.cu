@@ -8,8 +8,8 @@
 // dtype); setup.py writes the subset this build compiles into csrc/generated/build_config.h as
 // X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS,
 // FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS, FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS, FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS,
-// FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS, FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS,
-// FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS) and the flag
+// FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS, FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS,
+// FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS, FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS) and the flag
 // FLASH_ATTN_EXT_WITH_SM90, read here only.
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches:
@@ -54,6 +54,7 @@ constexpr int kSm90FwdSm80Hdims[] = {FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS(FLASH_AT
 constexpr int kSm90FwdLongHdims[] = {FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90FwdShortHdims[] = {FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90BwdDkvLongHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
+constexpr int kSm90BwdDkvMidHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90BwdDqShortHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90SplitKvSmallHdims[] = {FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 #undef FLASH_ATTN_EXT_LIST_ITEM
@@ -87,7 +88,8 @@ bool sm90_short_causal_enabled() {
 }
 
 // FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS=0 (read once) keeps every sm90 dK/dV call on DkvTile, the
-// long-query row (sm90/tile_config.h: DkvLongTile) unused. Either row gives the same bits.
+// long-query and middle-length rows (sm90/tile_config.h: DkvLongTile, DkvMidTile) unused. Every
+// row gives the same bits.
 bool sm90_bwd_long_rows_enabled() {
   static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS");
   return enabled;
@@ -287,17 +289,26 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
           const int64_t batch = std::max(params.b, 1);
           const int64_t mean_seqlen_q = varlen ? params.total_q / batch : params.seqlen_q;
           const int64_t mean_seqlen_k = varlen ? params.total_k / batch : params.seqlen_k;
-          bool dkv_long = false;  // long sequences: the long-query dK/dV row where the head dim has one
+          // dK/dV: the long-query row, else the middle-length row (d96), where the head dim has one
+          // and the call's lengths and grid take it, else DkvTile. A row without soft-capping and
+          // dropout twins (d96's long row) leaves those calls to the next row down.
+          const bool plain_twin = params.softcap <= 0.f && params.dropout_p <= 0.0;
+          bool dkv_long = false, dkv_mid = false;
           if constexpr (contains(kSm90BwdDkvLongHdims, kHeadDim)) {
-            // A row without soft-capping and dropout twins (d96's) leaves those calls to DkvTile.
-            const bool twin = sm90::DkvLongTile<kHeadDim>::kSoftcapDropout ||
-                              (params.softcap <= 0.f && params.dropout_p <= 0.0);
-            dkv_long = sm90_bwd_long_rows_enabled() && twin &&
+            using Long = sm90::DkvLongTile<kHeadDim>;
+            dkv_long = sm90_bwd_long_rows_enabled() && (Long::kSoftcapDropout || plain_twin) &&
                        sm90::dkv_long_rows(mean_seqlen_q, mean_seqlen_k, batch * params.h_k, params.num_sms,
-                                           sm90::DkvLongTile<kHeadDim>::kBlockN, sm90::dkv_long_min_seqlen(kHeadDim));
+                                           Long::kBlockN, sm90::dkv_long_min_seqlen(kHeadDim));
             if (dkv_long) run_mha_bwd_dkv_long_<Element, kHeadDim>(Sm90{}, params, stream);
           }
-          if (!dkv_long) run_mha_bwd_dkv_<Element, kHeadDim>(Sm90{}, params, stream);
+          if constexpr (contains(kSm90BwdDkvMidHdims, kHeadDim)) {
+            using Mid = sm90::DkvMidTile<kHeadDim>;
+            dkv_mid = !dkv_long && sm90_bwd_long_rows_enabled() && (Mid::kSoftcapDropout || plain_twin) &&
+                      sm90::dkv_long_rows(mean_seqlen_q, mean_seqlen_k, batch * params.h_k, params.num_sms,
+                                          Mid::kBlockN, sm90::kDkvMidMinSeqlen);
+            if (dkv_mid) run_mha_bwd_dkv_mid_<Element, kHeadDim>(Sm90{}, params, stream);
+          }
+          if (!dkv_long && !dkv_mid) run_mha_bwd_dkv_<Element, kHeadDim>(Sm90{}, params, stream);
           bool dq_short = false;  // short sequences: the short dQ row where the head dim has one
           if constexpr (contains(kSm90BwdDqShortHdims, kHeadDim)) {
             dq_short = sm90_bwd_dq_short_enabled() &&
