@@ -69,12 +69,13 @@ def test_alibi_matches_reference(device, shape, causal, per_batch, poison_empty,
 
 
 @CUDA
-@pytest.mark.parametrize("shape", [(1, 128, 8192, 2, 1, 128), (2, 4096, 4096, 9, 9, 96)])
+@pytest.mark.parametrize("shape", [(1, 128, 8192, 2, 1, 128), (2, 4096, 4096, 9, 9, 96), (2, 2048, 2048, 9, 9, 96)])
 def test_alibi_long_rows(shape, poison_empty, arch_path):
     """The ALiBi twins of the sm90 path's long tile rows (FwdLongTile: d128, dense non-causal, >= 8192
-    keys; DkvLongTile: d96, 4096 x 4096 with >= 2 of its 192-key CTAs per SM: 396) against the
-    float64 reference; at d96 the kernel names show the long dK/dV row ran."""
-    from test_cuda_backward import _dkv_long_rows, _sm90_backward_runs, _sm90_rows
+    keys; DkvLongTile: d96, 4096 x 4096 with >= 2 of its 192-key CTAs per SM: 396; DkvMidTile: d96,
+    2048 x 2048, 288 of its 128-key CTAs) against the float64 reference; at d96 the kernel names show
+    the dK/dV row that ran."""
+    from test_cuda_backward import _dkv_row, _sm90_backward_runs, _sm90_rows
 
     b, sq, sk, h, hk, d = shape
     require_hdim(d)
@@ -84,8 +85,7 @@ def test_alibi_long_rows(shape, poison_empty, arch_path):
         q, k, v, lambda: flash_attn_ext.flash_attn_func(q, k, v, alibi_slopes=slopes, return_lse=True),
         lambda upcast: attention_ref(q, k, v, None, False, upcast=upcast, alibi_slopes=slopes)), "flash_bwd_dkv")
     if d == 96 and _sm90_backward_runs(arch_path):
-        long_rows = _dkv_long_rows(d, sq, sk, b * hk, torch.cuda.get_device_properties(0).multi_processor_count)
-        assert rows == {"DkvLongTile" if long_rows else "DkvTile"}, rows
+        assert rows == {_dkv_row(d, sq, sk, b * hk, torch.cuda.get_device_properties(0).multi_processor_count)}, rows
 
 
 @pytest.mark.parametrize("device", _devices())

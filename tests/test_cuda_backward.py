@@ -470,16 +470,18 @@ def test_backward_many_heads(causal, poison_empty):
 # whose sequences hold at least 4096 (d64, d96) or 8192 (d128) queries and keys on average (dense:
 # seqlen_q / seqlen_k; varlen: total / batch) run the sm90 dK/dV kernel on 128-key tiles (d64,
 # d128: two warpgroups per CTA sharing each Q / dO tile) or 192-key tiles (d96: three warpgroups,
-# P^T through shared memory) instead of DkvTile's 64-key tiles. Every K row's sum over the Q tiles
-# keeps its order, and d96's short row forms dS^T from the rounded P^T as its long row does, so
-# both rows give the same bits: a packed call whose means fall on the other side of the minimum is
-# the dense call's bitwise twin (the varlen kernels equal the dense ones bit for bit:
-# tests/test_varlen_cuda.py). d96's long row has no soft-capping and dropout twins: those calls run
-# DkvTile at any length.
+# P^T through shared memory) instead of DkvTile's 64-key tiles; d96 calls from 2048 that the long
+# row does not take (shorter, a smaller grid, soft-capping or dropout: no such long-row twins) run
+# the middle-length row (DkvMidTile: 128-key tiles on two warpgroups) where its own grid has >= 2
+# CTAs per SM. Every K row's sum over the Q tiles keeps its order, and d96's three rows form dS^T
+# from the same P^T (the rounded one but in the soft-capping and dropout twins), so the rows give
+# the same bits: a packed call whose means fall on the other side of the minimum is the dense
+# call's bitwise twin (the varlen kernels equal the dense ones bit for bit:
+# tests/test_varlen_cuda.py).
 
 
 def _sm90_rows(fn, kernel):
-    """The tile rows (their struct names: DkvTile, DkvLongTile, DqTile, DqShortTile) of the sm90
+    """The tile rows (their struct names: DkvTile, DkvLongTile, DkvMidTile, DqTile, DqShortTile) of the sm90
     `kernel` ("flash_bwd_dkv" or "flash_bwd_dq") launches of fn(), from the torch.profiler kernel
     names, which carry the row's type; empty on the sm80 path."""
     from torch.profiler import ProfilerActivity, profile
@@ -490,7 +492,7 @@ def _sm90_rows(fn, kernel):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if f"{kernel}_" in e.name and "sm90" in e.name]
     # The row's template argument, demangled ("DkvTile<128>") or not ("7DkvTileILi128E").
-    return {re.search(r"(DkvLongTile|DkvTile|DqShortTile|DqTile)(?=<|I)", n).group(1) for n in names}
+    return {re.search(r"(DkvLongTile|DkvMidTile|DkvTile|DqShortTile|DqTile)(?=<|I)", n).group(1) for n in names}
 
 
 def _sm90_backward_runs(path):
@@ -533,22 +535,31 @@ def _dense_backward_rows(b, sq, sk, nheads, nheads_k, headdim, dtype, scale, cau
 
 # (batch, nheads, nheads_k, seqlen_q, seqlen_k): the long row where both lengths are at least the head
 # dim's minimum (dkv_long_min_seqlen: d64 4096, d96 4096, d128 8192) and its grid has >= 2 CTAs per
-# SM (ceil(seqlen_k / kBlockN) * batch * nheads_k, kBlockN 128, d96 192); 8192 x 8200 (causal
-# offset 8) and 8400 x 8192 (offset -208) make the CTA's upper 64 key rows visit one fully masked Q
-# tile more than its lower ones; 8000 x 9000 is too short at d128, 4000 x 4100 at d64 and d96 (4100 x
-# 4096 is not); batch 1 MQA at 8192 keys has 64 (d96: 43) long CTAs.
+# SM (ceil(seqlen_k / kBlockN) * batch * nheads_k, kBlockN 128, d96 192), else at d96 the middle
+# row from 2048 (kBlockN 128); 8192 x 8200 (causal offset 8) and 8400 x 8192 (offset -208) make the
+# CTA's upper 64 key rows visit one fully masked Q tile more than its lower ones; 8000 x 9000 is too
+# short at d128, 4000 x 4100 at d64 and d96 (4100 x 4096 is not; d96: the middle row), 2040 x 2100
+# for d96's middle row (2048 x 2100 is not: 272 middle CTAs); batch 1 MQA at 8192 keys has 64 (d96:
+# 43 long, 64 middle) CTAs: the short row.
 LONG_ROW_CASES = [(2, 8, 4, 8192, 8192), (2, 8, 4, 8192, 8200), (2, 8, 4, 8400, 8192), (2, 8, 4, 8000, 9000),
-                  (1, 2, 1, 8192, 8192), (4, 8, 4, 4100, 4096), (4, 8, 4, 4000, 4100)]
+                  (1, 2, 1, 8192, 8192), (4, 8, 4, 4100, 4096), (4, 8, 4, 4000, 4100), (4, 8, 4, 2048, 2100),
+                  (4, 8, 4, 2040, 2100)]
 
 
-def _dkv_long_rows(headdim, mean_seqlen_q, mean_seqlen_k, batch_kv_heads, num_sms, softcap_or_dropout=False):
-    """sm90/tile_config.h's dkv_long_rows (with dkv_long_min_seqlen and DkvLongTile's kBlockN),
-    restated, the knob, and d96's long row taking no soft-capping or dropout call (dispatch.cu)."""
-    min_seqlen = {64: 4096, 96: 4096}.get(headdim, 8192)
-    long_ctas = -(-mean_seqlen_k // (192 if headdim == 96 else 128)) * batch_kv_heads
-    return (min(mean_seqlen_q, mean_seqlen_k) >= min_seqlen and long_ctas >= 2 * num_sms
-            and not (headdim == 96 and softcap_or_dropout)
-            and os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") != "0")
+def _dkv_row(headdim, mean_seqlen_q, mean_seqlen_k, batch_kv_heads, num_sms, softcap_or_dropout=False):
+    """The sm90 dK/dV row dispatch.cu picks ("DkvLongTile", "DkvMidTile" or "DkvTile"), restated:
+    sm90/tile_config.h's dkv_long_rows with DkvLongTile's numbers (dkv_long_min_seqlen, kBlockN),
+    d96's long row taking no soft-capping or dropout call, then at d96 with DkvMidTile's (2048, 128
+    keys), and the knob (both off)."""
+    def rule(min_seqlen, block_n):
+        ctas = -(-mean_seqlen_k // block_n) * batch_kv_heads
+        return min(mean_seqlen_q, mean_seqlen_k) >= min_seqlen and ctas >= 2 * num_sms
+    if os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") == "0":
+        return "DkvTile"
+    if rule({64: 4096, 96: 4096}.get(headdim, 8192), 192 if headdim == 96 else 128) and not (
+            headdim == 96 and softcap_or_dropout):
+        return "DkvLongTile"
+    return "DkvMidTile" if headdim == 96 and rule(2048, 128) else "DkvTile"
 
 
 @pytest.mark.parametrize("case", LONG_ROW_CASES, ids=lambda c: "b{}h{}hk{}_{}x{}".format(*c))
@@ -556,10 +567,10 @@ def _dkv_long_rows(headdim, mean_seqlen_q, mean_seqlen_k, batch_kv_heads, num_sm
 @pytest.mark.parametrize("headdim", [64, 96, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_backward_long_query_rows(dtype, headdim, causal, case, bwd_path, poison_empty):
-    """GQA 2:1: the dispatch takes the long-query dK/dV row exactly where dkv_long_rows says (dense:
-    seqlen_q and seqlen_k), its gradients are within the rule (d96 / d128: the first case), and
-    where it took the long row they are the bits of the same sequences in a varlen call packed with
-    short ones (the means below the minimum: the short row)."""
+    """GQA 2:1: the dispatch takes the long-query (or d96's middle-length) dK/dV row exactly where
+    dkv_long_rows says (dense: seqlen_q and seqlen_k), its gradients are within the rule (d96 / d128:
+    the first case), and where it took the long or middle row they are the bits of the same
+    sequences in a varlen call packed with short ones (the means below the minimum: the short row)."""
     require_hdim(headdim, exact=True)
     if bwd_path == "sm80":
         pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
@@ -570,13 +581,12 @@ def test_backward_long_query_rows(dtype, headdim, causal, case, bwd_path, poison
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sm90 = _sm90_backward_runs(bwd_path)
-    expect = lambda *means: ({"DkvLongTile" if _dkv_long_rows(headdim, *means, num_sms) else "DkvTile"}
-                             if sm90 else set())
+    expect = lambda *means: {_dkv_row(headdim, *means, num_sms)} if sm90 else set()
     group, dense, rows = dense_call(batch, seqlen_q, seqlen_k)
     assert rows == expect(seqlen_q, seqlen_k, batch * nheads_k), rows
     if headdim == 64 or case == LONG_ROW_CASES[0]:
         _check_grads(*group[:4], causal, dense)
-    if rows != {"DkvLongTile"}:
+    if rows in ({"DkvTile"}, set()):
         return
 
     # The same sequences packed with 16 short ones (a varlen call decides by total / batch), on the
@@ -590,16 +600,16 @@ def test_backward_long_query_rows(dtype, headdim, causal, case, bwd_path, poison
                                  seqs * nheads_k) == {"DkvTile"}, varlen_rows
     rows_q, rows_k = batch * seqlen_q, batch * seqlen_k
     for name, a, b, n in zip(("dq", "dk", "dv"), dense, varlen, (rows_q, rows_k, rows_k)):
-        assert torch.equal(_packed(a), b[:n]), f"{name}: the long-query row and the short row disagree"
+        assert torch.equal(_packed(a), b[:n]), f"{name}: the {rows} row and the short row disagree"
 
 
-@pytest.mark.parametrize("headdim, lens", [(64, (4096, 4200)), (96, (4096, 4200)), (128, (8192, 8300))],
-                         ids=["d64", "d96", "d128"])
+@pytest.mark.parametrize("headdim, lens", [(64, (4096, 4200)), (96, (4096, 4200)), (96, (2048, 2100)),
+                                           (128, (8192, 8300))], ids=["d64", "d96", "d96_mid", "d128"])
 def test_backward_long_rows_varlen(headdim, lens, bwd_path, poison_empty):
-    """A varlen call of long sequences takes the long-query dK/dV row by its means (two sequences
-    at and past the head dim's minimum, 16 / 8 heads: 352-1040 long CTAs), with the bits of the same
-    sequences alone (at d64 / d96 each alone has fewer than 2 long CTAs per SM on 132 SMs and runs
-    the short row)."""
+    """A varlen call of long sequences takes the long-query (d96 at 2048: the middle-length) dK/dV
+    row by its means (two sequences at and past the minimum, 16 / 8 heads: 272-1040 CTAs), with the
+    bits of the same sequences alone (on 132 SMs each alone has fewer than 2 CTAs of the row per SM
+    and runs the short row, but d96's 4200 x 4200: the middle-length row, 264 CTAs)."""
     require_hdim(headdim, exact=True)
     if bwd_path == "sm80":
         pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
@@ -612,34 +622,59 @@ def test_backward_long_rows_varlen(headdim, lens, bwd_path, poison_empty):
     varlen = []
     rows = _sm90_rows(lambda: varlen.extend(_varlen_backward_of_dense(groups, scale, causal)), "flash_bwd_dkv")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    long_rows = _dkv_long_rows(headdim, sum(lens) // 2, sum(lens) // 2, 2 * 8, num_sms)
-    assert rows == ({"DkvLongTile" if long_rows else "DkvTile"} if _sm90_backward_runs(bwd_path) else set()), rows
+    expected = {_dkv_row(headdim, sum(lens) // 2, sum(lens) // 2, 2 * 8, num_sms)}
+    assert rows == (expected if _sm90_backward_runs(bwd_path) else set()), rows
     for i, name in enumerate(("dq", "dk", "dv")):
         assert torch.equal(torch.cat([_packed(g[i]) for g in dense]), varlen[i]), f"{name}: packed and alone disagree"
 
 
+_KNOB_OFF_TWIN_SCRIPT = """
+import sys, torch, flash_attn_ext
+q, k, v, dout, kwargs = torch.load(sys.argv[1])
+q, k, v = (t.requires_grad_() for t in (q, k, v))
+torch.manual_seed(0)  # the dropout call's rng_state, as in the test
+torch.save(torch.autograd.grad(flash_attn_ext.flash_attn_func(q, k, v, **kwargs), (q, k, v), dout), sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("seqlen", [2048, 4096])
 @pytest.mark.parametrize("twin", ["plain", "window", "alibi", "softcap", "dropout"])
-def test_backward_long_rows_d96_twins(twin, bwd_path, poison_empty):
-    """d96's long dK/dV row (192 keys, three warpgroups) runs the plain, window and ALiBi calls of
-    its sizes, but has no soft-capping and dropout twins (they spill or serialize on three
-    warpgroups): those calls run DkvTile (dispatch.cu) at any length. 2 x 4096 x 4096, 16 / 8 heads:
-    352 long CTAs, >= 2 per SM up to 176 SMs. The gradients are finite (accuracy: tests/test_window.py,
-    test_alibi.py, test_dropout.py's long-row cells)."""
+def test_backward_long_rows_d96_twins(twin, seqlen, bwd_path, tmp_path, poison_empty):
+    """d96's dK/dV rows per twin: from 4096 queries and keys the long row (192 keys, three
+    warpgroups) runs the plain, window and ALiBi calls, but has no soft-capping and dropout twins
+    (they spill or serialize on three warpgroups); from 2048 the middle-length row (128 keys, two
+    warpgroups) runs the others, soft-capping and dropout at any length (dispatch.cu). Each call
+    gives the bits of the same call on DkvTile (a subprocess with FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS=0,
+    read once per process; the same rng_state). 4 x 2048 or 2 x 4096, 16 / 8 heads: 512 middle
+    CTAs, 352 long ones at 4096, >= 2 per SM up to 176 SMs."""
     require_hdim(96, exact=True)
     if bwd_path == "sm80":
-        pytest.skip("the long-query row is a row of the sm90 dK/dV kernel")
-    q, k, v = (t.requires_grad_() for t in _qkv(2, 4096, 4096, 16, 8, 96, torch.bfloat16))
+        pytest.skip("the long-query rows are rows of the sm90 dK/dV kernel")
+    batch = 4 if seqlen == 2048 else 2
+    q, k, v = _qkv(batch, seqlen, seqlen, 16, 8, 96, torch.bfloat16)
     kwargs = {"plain": {}, "window": {"window_size": (300, 100)}, "softcap": {"softcap": 5.0},
               "dropout": {"dropout_p": 0.17},
-              "alibi": {"alibi_slopes": torch.rand(2, 16, device="cuda", dtype=torch.float32) * 0.1}}[twin]
+              "alibi": {"alibi_slopes": torch.rand(batch, 16, device="cuda", dtype=torch.float32) * 0.1}}[twin]
     dout = _rand(*q.shape, dtype=q.dtype)
+    torch.save((q, k, v, dout, kwargs), tmp_path / "in.pt")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     grads = []
-    rows = _sm90_rows(lambda: grads.extend(torch.autograd.grad(flash_attn_ext.flash_attn_func(q, k, v, **kwargs),
-                                                                (q, k, v), dout)), "flash_bwd_dkv")
+
+    def call():
+        torch.manual_seed(0)
+        grads.extend(torch.autograd.grad(flash_attn_ext.flash_attn_func(q, k, v, **kwargs), (q, k, v), dout))
+
+    rows = _sm90_rows(call, "flash_bwd_dkv")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    long_rows = _dkv_long_rows(96, 4096, 4096, 2 * 8, num_sms, softcap_or_dropout=twin in ("softcap", "dropout"))
-    assert rows == ({"DkvLongTile" if long_rows else "DkvTile"} if _sm90_backward_runs(bwd_path) else set()), rows
+    expected = _dkv_row(96, seqlen, seqlen, batch * 8, num_sms, softcap_or_dropout=twin in ("softcap", "dropout"))
+    assert rows == ({expected} if _sm90_backward_runs(bwd_path) else set()), rows
     assert all(torch.isfinite(g).all() for g in grads)
+    env = dict(os.environ, FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS="0")
+    r = subprocess.run([sys.executable, "-c", _KNOB_OFF_TWIN_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name, a, b in zip(("dq", "dk", "dv"), grads, torch.load(tmp_path / "out.pt")):
+        assert torch.equal(a, b), f"{name}: the {expected} row and DkvTile disagree ({twin})"
 
 
 # ---- The short-sequence dQ rows (sm90/tile_config.h: DqShortTile, chosen by dq_short_rows): at d96

@@ -137,9 +137,10 @@ def test_dropout_matches_reference(device, shape, causal, p, poison_empty, arch_
 
 # Shapes of the sm90 path's long rows: the forward's FwdLongTile (d128, dense non-causal, >= 8192
 # keys) and the backward's DkvLongTile (d96: >= 4096 queries and keys per sequence, >= 2 of its
-# 192-key CTAs per SM: 264 here), which has no dropout twin: there the dropout call runs DkvTile
-# (dispatch.cu); CUDA only (the CPU reference would take minutes).
-_LONG_ROW_CELLS = [(1, 128, 8192, 2, 1, 128), (2, 4096, 4096, 6, 6, 96)]
+# 192-key CTAs per SM: 264 here), which has no dropout twin: there the dropout call runs
+# DkvMidTile (d96 from 2048 with >= 2 of its 128-key CTAs per SM: 384 and 288 here; dispatch.cu);
+# CUDA only (the CPU reference would take minutes).
+_LONG_ROW_CELLS = [(1, 128, 8192, 2, 1, 128), (2, 4096, 4096, 6, 6, 96), (2, 2048, 2048, 9, 9, 96)]
 
 
 @CUDA
@@ -147,12 +148,14 @@ _LONG_ROW_CELLS = [(1, 128, 8192, 2, 1, 128), (2, 4096, 4096, 6, 6, 96)]
 def test_dropout_long_rows(shape, poison_empty, arch_path):
     """The dropout twins at the long tile rows' sizes against the float64 reference, as
     test_dropout_matches_reference (bf16, non-causal: the long forward row's condition); at d96 the
-    kernel names show the short dK/dV row ran."""
-    from test_cuda_backward import _sm90_backward_runs, _sm90_rows
+    kernel names show the dK/dV row that ran."""
+    from test_cuda_backward import _dkv_row, _sm90_backward_runs, _sm90_rows
 
+    b, sq, sk, h, hk, d = shape
     rows = _sm90_rows(lambda: _dropout_case("cuda", shape, False, 0.17, [torch.bfloat16]), "flash_bwd_dkv")
-    if shape[-1] == 96 and _sm90_backward_runs(arch_path):
-        assert rows == {"DkvTile"}, rows
+    if d == 96 and _sm90_backward_runs(arch_path):
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert rows == {_dkv_row(d, sq, sk, b * hk, num_sms, softcap_or_dropout=True)}, rows
 
 
 def _dropout_case(device, shape, causal, p, dtypes):

@@ -289,14 +289,15 @@ def test_window_cuda_sm90_forward_rows(arch_path, poison_empty):
 
 @cuda
 @pytest.mark.parametrize("case", [(64, 4, 4096, 4096, True, (300, 0)), (96, 4, 4096, 4200, False, (100, 50)),
-                                  (128, 1, 8192, 8192, False, (500, 200))], ids=lambda c: f"d{c[0]}_{c[2]}x{c[3]}")
+                                  (96, 5, 2048, 2100, False, (100, 50)), (128, 1, 8192, 8192, False, (500, 200))],
+                         ids=lambda c: f"d{c[0]}_{c[2]}x{c[3]}")
 def test_window_cuda_backward_long_rows(arch_path, poison_empty, case):
     """The sm90 backward's long-query dK/dV row (tile_config.h's dkv_long_rows, from 4096 / 4096 /
     8192 queries and keys at d64 / d96 / d128; 128 keys per CTA on two warpgroups, d96 192 on three,
-    P^T through shared memory) with a window, whose warpgroups' key rows see different query ranges,
-    against the reference; the kernel names show the row ran (GQA 2:1; >= 2 long CTAs per SM up to
-    170 SMs)."""
-    from test_cuda_backward import _sm90_backward_runs, _sm90_rows
+    P^T through shared memory) and d96's middle-length row (from 2048, 128 keys on two warpgroups)
+    with a window, whose warpgroups' key rows see different query ranges, against the reference; the
+    kernel names show the row ran (GQA 2:1; >= 2 CTAs of the row per SM up to 170 SMs)."""
+    from test_cuda_backward import _dkv_row, _sm90_backward_runs, _sm90_rows
 
     d, b, sq, sk, causal, window = case
     require_hdim(d, exact=True)
@@ -304,10 +305,8 @@ def test_window_cuda_backward_long_rows(arch_path, poison_empty, case):
         make_qkv(b, sq, sk, 16, 8, d, torch.bfloat16, device="cuda")
     rows = _sm90_rows(lambda: check_fwd_bwd(q, k, v, lambda: _run(q, k, v, causal, window),
                                             _ref(q, k, v, causal, window)), "flash_bwd_dkv")
-    long_ctas = -(-sk // (192 if d == 96 else 128)) * b * k.shape[2]  # DkvLongTile's kBlockN
-    long_rows = (_sm90_backward_runs(arch_path) and long_ctas >= 2 * torch.cuda.get_device_properties(0).multi_processor_count
-                 and os.environ.get("FLASH_ATTN_EXT_SM90_BWD_LONG_ROWS") != "0")
-    assert rows == ({"DkvLongTile"} if long_rows else {"DkvTile"} if _sm90_backward_runs(arch_path) else set()), rows
+    expected = {_dkv_row(d, sq, sk, b * k.shape[2], torch.cuda.get_device_properties(0).multi_processor_count)}
+    assert rows == (expected if _sm90_backward_runs(arch_path) else set()), rows
 
 
 @cuda
