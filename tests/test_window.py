@@ -8,7 +8,6 @@ accuracy rule (tests/accuracy.py), the CPU ones in CI, the CUDA ones on each arc
 (conftest.py: arch_path; on sm_90 "auto" runs windowed calls on the sm90 kernels).
 """
 
-import os
 import re
 
 import pytest
