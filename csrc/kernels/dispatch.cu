@@ -110,6 +110,22 @@ bool sm90_splitkv_small_enabled() {
   return enabled;
 }
 
+// FLASH_ATTN_EXT_SPLITKV_SPLITS=N (read once; a tuning knob, 1 <= N <= kMaxSplits): every kvcache
+// call whose num_splits is 0 (the heuristic's) runs N splits, on the small row where it pays
+// (splitkv_small_row_for), with the combine after when N > 1. Unset or 0: the heuristic.
+int splitkv_forced_splits() {
+  static const int forced = [] {
+    const char* e = std::getenv("FLASH_ATTN_EXT_SPLITKV_SPLITS");
+    const int n = e == nullptr ? 0 : std::atoi(e);
+    if (n < 0 || n > kMaxSplits) {
+      throw std::runtime_error("flash_attn_ext: FLASH_ATTN_EXT_SPLITKV_SPLITS must be in [0, " +
+                               std::to_string(kMaxSplits) + "], got '" + e + "'");
+    }
+    return n;
+  }();
+  return forced;
+}
+
 // FLASH_ATTN_EXT_BWD_CONCURRENT=0 (read once) runs the backward's dK/dV and dQ kernels one after
 // the other on the caller's stream instead of side by side (kernels/bwd_fork.h).
 bool bwd_concurrent_enabled() {
@@ -391,8 +407,9 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
     run_append_kv<Element>(params, stream);
     params.sm90_path = select_arch(params.arch) == ArchPath::kSm90;  // the split-KV TMA rows' condition
     if constexpr (contains(kSm90SplitKvSmallHdims, kHeadDim)) {
-      if (params.num_splits == 1 && splitkv_small_row_for<kHeadDim>(params)) {
+      if ((params.num_splits == 1 || splitkv_forced_splits() > 0) && splitkv_small_row_for<kHeadDim>(params)) {
         run_mha_fwd_splitkv_small_<Element, kHeadDim>(Sm90{}, params, stream);
+        if (params.num_splits > 1) run_splitkv_combine<Element>(params, stream);
         return;
       }
     }
@@ -453,6 +470,7 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
     default: break;
   }
 #undef FLASH_ATTN_EXT_CASE
+  if (splitkv_forced_splits() > 0) return splitkv_forced_splits();
   if (small_row) return 1;  // the small row runs the grid unsplit, in one round
   return num_splits_for_row(params, block_n, smem, min_blocks);
 }
