@@ -12,6 +12,8 @@ outputs and split accumulators are allocated NaN-filled (poison_empty) where the
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -415,6 +417,48 @@ def test_kvcache_small_row(dtype, causal, poison_empty):
             assert not small(case(in_band))
         finally:
             flash_attn_ext.force_sm80_path(previous)
+
+
+_FORCED_SPLITS_SCRIPT = """
+import sys, torch, flash_attn_ext
+q, kc, vc, seqlens = torch.load(sys.argv[1])
+from torch.profiler import ProfilerActivity, profile
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_lse=True)
+    torch.cuda.synchronize()
+torch.save((out, lse, [e.name for e in prof.events() if "flash" in e.name]), sys.argv[2])
+"""
+
+
+def test_kvcache_forced_splits_knob(tmp_path):
+    """FLASH_ATTN_EXT_SPLITKV_SPLITS=N (a tuning knob, read once: a subprocess) replaces the
+    heuristic's split count: on the small row's grid (test_kvcache_small_row's band) it runs the
+    small row with N splits and the combine, exact against the reference; out of range it is a
+    clear error naming the knob."""
+    require_hdim(128, exact=True)
+    if not _sm90_path() or os.environ.get("FLASH_ATTN_EXT_SM90_SPLITKV_SMALL") == "0":
+        pytest.skip("the small split-KV row runs on the sm90 path only")
+    nheads_k, ratio, d, capacity = 8, 4, 128, 1024
+    batch = 4 * torch.cuda.get_device_properties(0).multi_processor_count // nheads_k
+    gen = torch.Generator().manual_seed(8)
+    lens = torch.randint(0, capacity + 1, (batch,), generator=gen).tolist()
+    lens[:3] = [0, 1, capacity]
+    q = torch.randn(batch, 1, nheads_k * ratio, d, device="cuda", dtype=torch.bfloat16)
+    kc, vc, _ = _make_cache(lens, capacity, nheads_k, d, torch.bfloat16)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    torch.save((q, kc, vc, seqlens), tmp_path / "in.pt")
+    for value, ok in (("3", True), ("129", False)):
+        env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_SPLITS=value)
+        r = subprocess.run([sys.executable, "-c", _FORCED_SPLITS_SCRIPT, str(tmp_path / "in.pt"),
+                            str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)
+        if not ok:
+            assert r.returncode != 0 and "FLASH_ATTN_EXT_SPLITKV_SPLITS must be in [0, 128], got '129'" in r.stderr
+            continue
+        assert r.returncode == 0, r.stderr[-2000:]
+        out, lse, names = torch.load(tmp_path / "out.pt")
+        assert any("SplitKvSmallTile<128>" in n for n in names), names
+        assert any("splitkv_combine" in n for n in names), names
+        _check(q, kc, vc, None, lens, False, out, lse)
 
 
 # ---- Caches larger than twice the L2 (the launch's estimate from the capacity): the TMA row's

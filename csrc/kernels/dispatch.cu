@@ -116,12 +116,14 @@ bool sm90_splitkv_small_enabled() {
 int splitkv_forced_splits() {
   static const int forced = [] {
     const char* e = std::getenv("FLASH_ATTN_EXT_SPLITKV_SPLITS");
-    const int n = e == nullptr ? 0 : std::atoi(e);
-    if (n < 0 || n > kMaxSplits) {
+    if (e == nullptr || *e == '\0') return 0;
+    char* end = nullptr;
+    const long n = std::strtol(e, &end, 10);
+    if (*end != '\0' || n < 0 || n > kMaxSplits) {
       throw std::runtime_error("flash_attn_ext: FLASH_ATTN_EXT_SPLITKV_SPLITS must be in [0, " +
                                std::to_string(kMaxSplits) + "], got '" + e + "'");
     }
-    return n;
+    return int(n);
   }();
   return forced;
 }
