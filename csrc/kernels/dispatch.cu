@@ -112,7 +112,8 @@ bool sm90_splitkv_small_enabled() {
 
 // FLASH_ATTN_EXT_SPLITKV_SPLITS=N (read once; a tuning knob, 1 <= N <= kMaxSplits): every kvcache
 // call whose num_splits is 0 (the heuristic's) runs N splits, on the small row where it pays
-// (splitkv_small_row_for), with the combine after when N > 1. Unset or 0: the heuristic.
+// (splitkv_small_row_for), with the combine after when N > 1 (set, a call's explicit num_splits
+// takes the small row there too). Unset or 0: the heuristic.
 int splitkv_forced_splits() {
   static const int forced = [] {
     const char* e = std::getenv("FLASH_ATTN_EXT_SPLITKV_SPLITS");

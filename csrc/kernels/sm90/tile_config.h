@@ -153,7 +153,8 @@ template <> struct DkvLongTile<128> : DkvTileShape<128,  64, 1, 16, true, 4> { s
 // keep it: its gain over the short row from 2048 is the fourteenth session's (below: 1.013 / 0.999
 // at 2k, a second run 1.025 / 1.017), and with it gone the twenty-ninth session's end-to-end A/B
 // against main (H100, bf16 d96 backward; the 192-key row from 4096) read 2k -3.7 % / causal -1.8 %
-// (those calls on the short row), against 4k +6.4 / +4.3 %, 8k +2.1 / +1.5 %, 16k +7.4 / +6.5 %.
+// (those calls on the short row), against 4k +6.4 / +4.3 %, 8k +2.1 / +1.5 %, 16k +7.4 / +6.5 %;
+// with this row back, 2k against main 1.024 / 0.984 (the same row, P^T now rounded; spreads 1-4 %).
 // From 4096 it takes the calls whose grid has fewer than 2 of DkvLongTile<96>'s 192-key CTAs per SM
 // but 2 of these, and the soft-capping and dropout calls (DkvLongTile<96> has no such twins; here
 // they are main's long-row twins, SASS unchanged). kRoundedPt as DkvTile<96>: dS^T from the rounded
