@@ -76,6 +76,7 @@ struct DqTileShape {
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kStages = kStages_;
   static constexpr bool kRoles = false;
+  static constexpr bool kSoftcapDropout = true;  // as DkvTileShape's: every dQ row runs every twin
 };
 
 // An sm90 backward row (DkvTileShape / DqTileShape) whose kernel splits the work between its two

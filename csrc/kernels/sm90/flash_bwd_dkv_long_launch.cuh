@@ -5,31 +5,16 @@
 // sm_90a only.
 #pragma once
 
-#include <stdexcept>
-
 #include "kernels/sm90/flash_bwd_dkv_kernel.cuh"
 
 namespace flash {
 
 template <typename Element, int kHeadDim>
 void run_mha_bwd_dkv_long_(Sm90, Flash_bwd_params& params, cudaStream_t stream) {
-  using Tile = sm90::DkvLongTile<kHeadDim>;
-  if constexpr (Tile::kSoftcapDropout) {
-    sm90::launch_bwd_dkv<Element, kHeadDim, Tile>(params, stream);
-  } else {
-    // A row without soft-capping and dropout twins (d96: they spill or serialize on three
-    // warpgroups): the dispatch keeps those calls on DkvTile, and their twins of this row are not
-    // compiled.
-    pick_attention_twin(params, [&](auto local, auto softcap, auto dropout, auto alibi) {
-      if constexpr (decltype(softcap)::value || decltype(dropout)::value) {
-        throw std::runtime_error("flash_attn_ext: the long-query dK/dV row has no soft-capping or dropout twin");
-      } else {
-        sm90::launch_bwd_dkv_twin<Element, kHeadDim, Tile, decltype(local)::value, false, false,
-                                  decltype(alibi)::value>(params, stream, true);
-      }
-      return 0;
-    });
-  }
+  // A row without soft-capping and dropout twins (d96's: they spill or serialize on three
+  // warpgroups; kSoftcapDropout false) has those twins not compiled: the dispatch keeps such calls
+  // on another row (launch_bwd_dkv, smem_layout.cuh, throws if one came).
+  sm90::launch_bwd_dkv<Element, kHeadDim, sm90::DkvLongTile<kHeadDim>>(params, stream);
 }
 
 }  // namespace flash

@@ -456,8 +456,13 @@ __device__ __forceinline__ float (&flat(float (&acc)[kNBlk][4]))[kNBlk * 4] {
   template <typename Element, int kHeadDim, typename Tile>                                                      \
   void launch_bwd_##kind(Flash_bwd_params& params, cudaStream_t stream, bool allow_tma = true) {                \
     pick_attention_twin(params, [&](auto local, auto softcap, auto dropout, auto alibi) {                       \
-      launch_bwd_##kind##_twin<Element, kHeadDim, Tile, decltype(local)::value, decltype(softcap)::value,       \
-                               decltype(dropout)::value, decltype(alibi)::value>(params, stream, allow_tma);    \
+      constexpr bool kSoftcap = decltype(softcap)::value, kDropout = decltype(dropout)::value;                 \
+      if constexpr ((kSoftcap || kDropout) && !Tile::kSoftcapDropout) {                                         \
+        throw std::runtime_error("flash_attn_ext: this " what " row has no soft-capping or dropout twin");     \
+      } else {                                                                                                  \
+        launch_bwd_##kind##_twin<Element, kHeadDim, Tile, decltype(local)::value, kSoftcap, kDropout,           \
+                                 decltype(alibi)::value>(params, stream, allow_tma);                            \
+      }                                                                                                         \
       return 0;                                                                                                 \
     });                                                                                                         \
   }                                                                                                             \
