@@ -63,9 +63,6 @@ def test_sm90_files_only_in_builds_with_sm90a(manifest):
     assert "csrc/kernels/sm90/instantiations/flash_bwd_dq_short_hdim128_bf16_sm90.cu" in with_90a
     assert not any("bwd_dq_short_hdim64" in p or "bwd_dq_short_hdim96" in p for p in with_90a)
     assert not any("bwd_dq_short" in p for p in sm80_only)
-    # and the split-KV kernel's small sm_90 row (d128)
-    assert "csrc/kernels/sm90/instantiations/flash_fwd_splitkv_small_hdim128_bf16_sm90.cu" in with_90a
-    assert not any("fwd_splitkv_small" in p for p in sm80_only)
 
 
 def test_config_macros_follow_the_build(manifest):
@@ -90,15 +87,12 @@ def test_config_macros_follow_the_build(manifest):
     assert macro(manifest.config_macros(["90a"], [64, 96]), "FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS") == [96]
     assert macro(text, "FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS") == [128]
     assert macro(manifest.config_macros(["90a"], [64]), "FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS") == []
-    assert macro(text, "FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS") == [128]
-    assert macro(manifest.config_macros(["90a"], [64]), "FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS") == []
     text = manifest.config_macros(["80"], [64, 128])
     assert "FLASH_ATTN_EXT_WITH_SM90" not in text
     for name in ("FLASH_ATTN_EXT_SM90_FWD_HDIMS", "FLASH_ATTN_EXT_SM90_BWD_HDIMS",
                  "FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS", "FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS",
                  "FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS", "FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS",
-                 "FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS", "FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS",
-                 "FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS"):
+                 "FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS", "FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS"):
         assert macro(text, name) == []
 
 
@@ -106,8 +100,7 @@ def test_every_manifest_row_has_a_tile_row(manifest):
     tables = {arch: _read(f"csrc/kernels/{arch}/tile_config.h") for arch in manifest.MANIFEST}
     struct = {"fwd": "FwdTile", "bwd_dkv": "DkvTile", "bwd_dq": "DqTile", "fwd_splitkv": "SplitKvTile",
               "fwd_sm80": "Sm80FwdTile", "fwd_long": "FwdLongTile", "fwd_short": "FwdShortTile",
-              "bwd_dkv_long": "DkvLongTile", "bwd_dkv_mid": "DkvMidTile", "bwd_dq_short": "DqShortTile",
-              "fwd_splitkv_small": "SplitKvSmallTile"}
+              "bwd_dkv_long": "DkvLongTile", "bwd_dkv_mid": "DkvMidTile", "bwd_dq_short": "DqShortTile"}
     for arch, (_, _, kinds) in manifest.MANIFEST.items():
         for kind, hdims in kinds.items():
             for hdim in hdims:

@@ -58,9 +58,6 @@ FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dkv_mid_, Flash_bwd_params)
 // The sm90 dQ kernel with its short-sequence tile row (sm90/tile_config.h: DqShortTile;
 // sm90/flash_bwd_dq_short_launch.cuh).
 FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_bwd_dq_short_, Flash_bwd_params)
-// The split-KV kernel with its small sm_90 row (sm90/tile_config.h: SplitKvSmallTile;
-// sm90/flash_fwd_splitkv_small_launch.cuh).
-FLASH_LAUNCH_TEMPLATE(Sm90, run_mha_fwd_splitkv_small_, Flash_fwd_params)
 #undef FLASH_LAUNCH_TEMPLATE
 
 }  // namespace flash

@@ -9,7 +9,7 @@
 // X-macros (FLASH_ATTN_EXT_HDIMS, FLASH_ATTN_EXT_SM90_FWD_HDIMS, FLASH_ATTN_EXT_SM90_BWD_HDIMS,
 // FLASH_ATTN_EXT_SM90_FWD_SM80_HDIMS, FLASH_ATTN_EXT_SM90_FWD_LONG_HDIMS, FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS,
 // FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS, FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS,
-// FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS, FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS) and the flag
+// FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS) and the flag
 // FLASH_ATTN_EXT_WITH_SM90, read here only.
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches:
@@ -56,7 +56,6 @@ constexpr int kSm90FwdShortHdims[] = {FLASH_ATTN_EXT_SM90_FWD_SHORT_HDIMS(FLASH_
 constexpr int kSm90BwdDkvLongHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DKV_LONG_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90BwdDkvMidHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DKV_MID_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 constexpr int kSm90BwdDqShortHdims[] = {FLASH_ATTN_EXT_SM90_BWD_DQ_SHORT_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
-constexpr int kSm90SplitKvSmallHdims[] = {FLASH_ATTN_EXT_SM90_SPLITKV_SMALL_HDIMS(FLASH_ATTN_EXT_LIST_ITEM) 0};
 #undef FLASH_ATTN_EXT_LIST_ITEM
 
 template <int N>
@@ -102,18 +101,9 @@ bool sm90_bwd_dq_short_enabled() {
   return enabled;
 }
 
-// FLASH_ATTN_EXT_SM90_SPLITKV_SMALL=0 (read once) keeps every kvcache call on the production
-// split-KV row (sm80/tile_config.h: SplitKvTile), the small row (sm90/tile_config.h:
-// SplitKvSmallTile) unused.
-bool sm90_splitkv_small_enabled() {
-  static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SM90_SPLITKV_SMALL");
-  return enabled;
-}
-
 // FLASH_ATTN_EXT_SPLITKV_SPLITS=N (read once; a tuning knob, 1 <= N <= kMaxSplits): every kvcache
-// call whose num_splits is 0 (the heuristic's) runs N splits, on the small row where it pays
-// (splitkv_small_row_for), with the combine after when N > 1 (set, a call's explicit num_splits
-// takes the small row there too). Unset or 0: the heuristic.
+// call whose num_splits is 0 (the heuristic's) runs N splits, with the combine after when N > 1.
+// Unset or 0: the heuristic.
 int splitkv_forced_splits() {
   static const int forced = [] {
     const char* e = std::getenv("FLASH_ATTN_EXT_SPLITKV_SPLITS");
@@ -346,25 +336,6 @@ void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream) {
   });
 }
 
-// Whether a kvcache call runs unsplit on the small split-KV row (sm90/tile_config.h:
-// SplitKvSmallTile): the sm90 path, a head dim that has the row, and the row's rule
-// (common/splitkv_heuristic.h: splitkv_small_row_pays). Shapes only: the heuristic and the launch
-// agree without a device sync.
-namespace {
-template <int kHeadDim>
-bool splitkv_small_row_for(const Flash_fwd_params& params) {
-  if constexpr (contains(kSm90SplitKvSmallHdims, kHeadDim)) {
-    using Row = sm80::SplitKvTile<kHeadDim>;
-    using Small = sm90::SplitKvSmallTile<kHeadDim>;
-    return sm90_splitkv_small_enabled() && select_arch(params.arch) == ArchPath::kSm90 &&
-           splitkv_small_row_pays(params, Row::smem_bytes(kHeadDim), Row::kMinBlocks, Small::smem_bytes(kHeadDim),
-                                  Small::kMinBlocks);
-  } else {
-    return false;
-  }
-}
-}  // namespace
-
 // ---- KV cache (flash_attn_with_kvcache): append, split-KV forward, combine; three launches on
 // `stream`, every check before the first (the append writes the cache in place).
 //   1. knew / vnew into the cache at cache_seqlens[b] + i        (common/append_kv.cuh)
@@ -409,13 +380,6 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
     }
     run_append_kv<Element>(params, stream);
     params.sm90_path = select_arch(params.arch) == ArchPath::kSm90;  // the split-KV TMA rows' condition
-    if constexpr (contains(kSm90SplitKvSmallHdims, kHeadDim)) {
-      if ((params.num_splits == 1 || splitkv_forced_splits() > 0) && splitkv_small_row_for<kHeadDim>(params)) {
-        run_mha_fwd_splitkv_small_<Element, kHeadDim>(Sm90{}, params, stream);
-        if (params.num_splits > 1) run_splitkv_combine<Element>(params, stream);
-        return;
-      }
-    }
     run_mha_fwd_splitkv_<Element, kHeadDim>(Sm80{}, params, stream);
     if (params.num_splits > 1) run_splitkv_combine<Element>(params, stream);
   });
@@ -456,17 +420,14 @@ Sm90FwdSchedule sm90_fwd_schedule(const Flash_fwd_params& params) {
 }
 
 // FlashDecoding's split choice from shapes alone (common/splitkv_heuristic.h: the rule), with the
-// production split-KV row of the head dim (sm80/tile_config.h: SplitKvTile); 1 where the call runs
-// on the small row (splitkv_small_row_for).
+// split-KV row of the head dim (sm80/tile_config.h: SplitKvTile).
 int num_splits_heuristic(const Flash_fwd_params& params) {
   int block_n = 64, smem = 0, min_blocks = 1;
-  bool small_row = false;
 #define FLASH_ATTN_EXT_CASE(d)                                  \
   case d:                                                       \
     block_n = sm80::SplitKvTile<d>::kBlockN;                    \
     smem = sm80::SplitKvTile<d>::smem_bytes(d);                 \
     min_blocks = sm80::SplitKvTile<d>::kMinBlocks;              \
-    small_row = splitkv_small_row_for<d>(params);               \
     break;
   switch (params.d_rounded) {
     FLASH_ATTN_EXT_HDIMS(FLASH_ATTN_EXT_CASE)
@@ -474,7 +435,6 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
   }
 #undef FLASH_ATTN_EXT_CASE
   if (splitkv_forced_splits() > 0) return splitkv_forced_splits();
-  if (small_row) return 1;  // the small row runs the grid unsplit, in one round
   return num_splits_for_row(params, block_n, smem, min_blocks);
 }
 

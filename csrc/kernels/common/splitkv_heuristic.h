@@ -47,6 +47,11 @@ inline int splitkv_smem_per_sm(int arch) {
 // sliding window's span: more splits get no keys), and >= 8 key tiles per split (a split's
 // prologue, merge and the combine must pay for themselves: B1 Nk 8k ran at 1.57 TB/s with 48
 // splits of 2-3 tiles, 1.67 with 16 of 8). docs/PERF_NOTES.md has the sweeps.
+// One row for every grid: a smaller sm_90 row (32-key tiles, two warps, four CTAs per SM) that ran
+// the grids filling 95-100 % of its slots unsplit in one round (B64 x GQA 8 kv heads) was 0.7 %
+// faster on full caches at Nk 8k, 0.4 % slower at 32k, and 11-16 % slower on caches half full on
+// average (ragged: a one-round grid cannot even out the lengths; H200, CUDA graph replays,
+// 2026-12-06, docs/PERF_NOTES.md), so it was removed.
 // CTAs of the unsplit grid (sequence, kv head, 16-row packed tile), and the GPU's CTA slots.
 inline int64_t splitkv_unsplit_ctas(const Flash_fwd_params& params) {
   const int64_t ratio = std::max(params.h / std::max(params.h_k, 1), 1);
@@ -55,22 +60,6 @@ inline int64_t splitkv_unsplit_ctas(const Flash_fwd_params& params) {
 inline int64_t splitkv_slots(const Flash_fwd_params& params, int smem_bytes, int min_blocks) {
   const int per_sm = std::max(1, std::min(min_blocks, splitkv_smem_per_sm(params.arch) / (smem_bytes + 1024)));
   return int64_t(params.num_sms) * per_sm;
-}
-
-// Whether a call runs unsplit on a smaller split-KV row (small_*: sm90/tile_config.h,
-// SplitKvSmallTile) instead of the production row: its unsplit grid is more than the production
-// row's slots (which would split it or run a second round) and fills at least 95 % of the small
-// row's slots in one round (every SM streaming; measured at B64 x GQA 8 kv heads, 512 of 528 slots:
-// H200 numbers in sm90/tile_config.h; a lower fill leaves SMs with a CTA less than others, where
-// the production row's splits balance better by the model above: not measured). Contiguous caches
-// only: a paged cache's short pages ran slower on the small row.
-inline bool splitkv_small_row_pays(const Flash_fwd_params& params, int smem_bytes, int min_blocks,
-                                   int small_smem_bytes, int small_min_blocks) {
-  if (params.block_table != nullptr) return false;
-  // An empty grid (b, h_k or seqlen_q <= 0: ctas <= 0) or no SMs known (slots 0) fails the bounds.
-  const int64_t ctas = splitkv_unsplit_ctas(params);
-  const int64_t small_slots = splitkv_slots(params, small_smem_bytes, small_min_blocks);
-  return ctas > splitkv_slots(params, smem_bytes, min_blocks) && ctas <= small_slots && 20 * ctas >= 19 * small_slots;
 }
 
 inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks) {

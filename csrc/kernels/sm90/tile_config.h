@@ -314,26 +314,5 @@ inline bool fwd_short_causal(bool causal, int seqlen_q) {
 template <int kHeadDim> struct Sm80FwdTile { static constexpr bool kSupported = false; };
 template <> struct Sm80FwdTile<128> : FwdTileShape<128,   64,    4,  false,    2> { static constexpr bool kSupported = true; };
 
-// The split-KV kernel (sm80/flash_fwd_splitkv_kernel.cuh) on a smaller row for decode grids the
-// production row (sm80/tile_config.h: SplitKvTile) cannot run in one round: 32-key TMA tiles, two
-// warps, three stages (55 KB of shared memory), four CTAs per SM where SplitKvTile<128> fits three.
-// A grid of more (sequence, kv head, row tile) CTAs than the production row's slots that fills
-// 95-100 % of this row's runs here unsplit, in one round (common/splitkv_heuristic.h: splitkv_small_row_pays),
-// as cuDNN runs its decode kernel unsplit there; elsewhere the production row is faster. Tune
-// harness (H200, GQA 32:8, one query, L2 zero-flushed, split kernel + combine, TB/s; 2026-12-04):
-// B64 Nk 8k (512 CTAs) 4.36 at the production row's 3 splits -> 4.43 unsplit here, B64 32k 4.56
-// -> 4.57; outside the band the production row wins: B128 8k 4.55 / 4.49, B32 8k 4.29 / 4.26,
-// B8 32k 4.21 / 2.98, B1 8k 1.66 / 1.51, paged 16-row pages B64 8k 4.30 / 4.26 (so paged caches
-// keep the production row). End to end (python -m flash_attn_ext.benchmark --mode decode, one build,
-// FLASH_ATTN_EXT_SM90_SPLITKV_SMALL=0 and unset alternated three times): B64 8k 4.27 -> 4.34
-// (cuDNN 4.34 in the same runs), the other cells 0.998-1.003. Compiled for sm_90a only (the
-// manifest's fwd_splitkv_small kind, sm90/flash_fwd_splitkv_small_launch.cuh); calls TMA cannot
-// describe run its cp.async twin.
-//                                                BLOCK_N warps stages Q-in-regs minCTAs evict-first TMA
-template <int kHeadDim> struct SplitKvSmallTile { static constexpr bool kSupported = false; };
-template <> struct SplitKvSmallTile<128> : SplitKvTileShape< 32,   2,    3,    false,    4,     true,    true> {
-  static constexpr bool kSupported = true;
-};
-
 }  // namespace sm90
 }  // namespace flash
