@@ -381,7 +381,7 @@ torch.save((out, lse, [e.name for e in prof.events() if "flash" in e.name]), sys
 
 def test_kvcache_forced_splits_knob(tmp_path):
     """FLASH_ATTN_EXT_SPLITKV_SPLITS=N (a tuning knob, read once: a subprocess) replaces the
-    heuristic's split count: a grid the heuristic runs unsplit (one round of the production row)
+    heuristic's split count: a grid the heuristic runs unsplit (2 x SMs (sequence, kv head) CTAs)
     runs N splits and the combine, exact against the reference; out of range it is a clear error
     naming the knob."""
     require_hdim(128, exact=True)

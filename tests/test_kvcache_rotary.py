@@ -458,8 +458,8 @@ def test_kvcache_leftpad_long_caches(device, dtype, d, causal, window, seqlen_q,
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kvcache_leftpad_decode_batch_cuda():
-    """A batch-64 GQA decode (32:8, hd128: the grid the sm90 split-KV small row is chosen for on an
-    H100 / H200) with a leftpad per sequence."""
+    """A batch-64 GQA decode (32:8, hd128: 512 CTAs, split by the heuristic on an H100 / H200) with
+    a leftpad per sequence."""
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(300, 512, (64,), generator=g)
     pads = (torch.rand(64, generator=g) * lens).long()
