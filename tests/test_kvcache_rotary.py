@@ -458,7 +458,7 @@ def test_kvcache_leftpad_long_caches(device, dtype, d, causal, window, seqlen_q,
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kvcache_leftpad_decode_batch_cuda():
-    """A batch-64 GQA decode (32:8, hd128: 512 CTAs, split by the heuristic on an H100 / H200) with
+    """A batch-64 GQA decode (32:8, hd128: 512 CTAs, unsplit at this capacity of 8 key tiles) with
     a leftpad per sequence."""
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(300, 512, (64,), generator=g)
