@@ -216,9 +216,10 @@ def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     if k.shape[-1] != d_qk:
         raise RuntimeError(f"flash_attn_ext: k has headdim {k.shape[-1]} but q has {d_qk}; expected equal (v's may "
                            "differ)")
-    if not (0 < d_qk <= 256 and 0 < d_v <= 256):
-        raise RuntimeError(f"flash_attn_ext: headdim {d_qk if not 0 < d_qk <= 256 else d_v} is not supported; "
-                           "expected 1..256 (one that is not a multiple of 8 runs zero-padded)")
+    for name, d in (("q", d_qk), ("v", d_v)):
+        if not 0 < d <= 256:
+            raise RuntimeError(f"flash_attn_ext: headdim {d} ({name}.size(-1)) is not supported; expected 1..256 "
+                               "(one that is not a multiple of 8 runs zero-padded)")
     d = -(-max(d_qk, d_v) // 8) * 8
     q, k, v = (t if t.shape[-1] == d else torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
     return q, k, v, d_v

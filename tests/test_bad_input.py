@@ -597,9 +597,17 @@ def test_padding_leaves_the_other_checks_to_their_messages():
 @pytest.mark.parametrize("d", [0, 257, 264])
 def test_head_dims_outside_1_to_256_name_the_range(d):
     """The flash_attn_* functions take head dims 1..256 (padding the ones the kernels do not take):
-    outside that range the error gives that range, not the kernels' multiples of 8."""
+    outside that range the error gives that range, not the kernels' multiples of 8, and names the
+    tensor (q's, or v's where only the values' head dim is out of range)."""
     q = torch.randn(1, 4, 2, d)
-    with pytest.raises(RuntimeError, match=rf"headdim {d} is not supported; expected 1..256"):
+    with pytest.raises(RuntimeError, match=rf"headdim {d} \(q.size\(-1\)\) is not supported; expected 1..256"):
         flash_attn_ext.flash_attn_func(q, q, q)
-    with pytest.raises(RuntimeError, match=rf"headdim {d} is not supported; expected 1..256"):
+    with pytest.raises(RuntimeError, match=rf"headdim {d} \(q.size\(-1\)\) is not supported; expected 1..256"):
         flash_attn_ext.flash_attn_varlen_func(q[0], q[0], q[0], *[torch.tensor([0, 4], dtype=torch.int32)] * 2, 4, 4)
+    # Values may have another head dim than q / k (multi-head latent attention): the error names v.
+    qk = torch.randn(1, 4, 2, 16)
+    with pytest.raises(RuntimeError, match=rf"headdim {d} \(v.size\(-1\)\) is not supported; expected 1..256"):
+        flash_attn_ext.flash_attn_func(qk, qk, q)
+    with pytest.raises(RuntimeError, match=rf"headdim {d} \(v.size\(-1\)\) is not supported; expected 1..256"):
+        flash_attn_ext.flash_attn_varlen_func(qk[0], qk[0], q[0], *[torch.tensor([0, 4], dtype=torch.int32)] * 2,
+                                              4, 4)

@@ -1184,6 +1184,21 @@ def test_cpu_backward_refuses_statistics_of_another_forward():
         ops.backward(torch.randn_like(o4), qq, qq, qq, o4, lse4, 1.0, False, st4, -1, -1, ss)
 
 
+@pytest.mark.parametrize("change", ["causal", "softmax_scale", "window_size"])
+def test_cpu_backward_statistics_message_names_the_mask_and_scale(change):
+    """Statistics of a causal forward given to a non-causal backward (or another softmax_scale or
+    window): the refusal lists those arguments among the ones to match, and does not offer
+    softmax_stats=None as the way out (that skips the check; the gradients would still be another
+    attention's)."""
+    ops = torch.ops.flash_attn_ext
+    q = torch.randn(1, 4, 2, 16)
+    o, lse, st = ops.forward(q, q, q, 0.25, True)
+    args = {"causal": (0.25, False, -1, -1), "softmax_scale": (0.5, True, -1, -1),
+            "window_size": (0.25, True, 1, 0)}[change]
+    with pytest.raises(RuntimeError, match=r"softmax_scale, causal, window_size.*does not make other arguments right"):
+        ops.backward(torch.randn_like(o), q, q, q, o, lse, args[0], args[1], st, args[2], args[3])
+
+
 def test_backward_dsinks_needs_sinks_on_cpu_and_meta():
     ops = torch.ops.flash_attn_ext
     q = torch.randn(1, 3, 2, 8)

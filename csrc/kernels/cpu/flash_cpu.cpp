@@ -380,9 +380,10 @@ void bwd_impl(const Flash_bwd_params& p) {
       if (std::isnan(hi) || std::isnan(lo) || std::isnan(given_hi) || std::isnan(given_lo)) continue;  // NaN inputs
       if (!same(hi, given_hi) || !same(lo, given_lo)) {
         throw std::runtime_error(
-            "flash_attn_ext: softmax_stats do not match this backward's q, k, sinks, softcap and alibi_slopes (the "
-            "float32 / float64 CPU backward recomputes them): pass the forward's own softmax_stats and the sinks, "
-            "softcap and alibi_slopes it was given, or softmax_stats=None to use softmax_lse as given");
+            "flash_attn_ext: softmax_stats do not match this backward's arguments (the float32 / float64 CPU "
+            "backward recomputes them): pass the q, k, softmax_scale, causal, window_size, sinks, softcap and "
+            "alibi_slopes of the forward that returned them (the backward must see the forward's attention; "
+            "softmax_stats=None skips this check, it does not make other arguments right)");
       }
     }
   }
