@@ -103,8 +103,10 @@ backward(dout, q, k, v, out, softmax_lse, softmax_scale: float, causal: bool, so
 
 Gradients of forward by recomputation (FlashAttention-2, Dao 2023, Algorithm 2: a preprocess, then
 separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's shape; the other
-tensors as forward's inputs and outputs; softmax_stats: forward's third output (autograd passes
-it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). On CPU, float32 and
+tensors as forward's inputs and outputs, and every other argument the forward's own (softmax_scale,
+causal, the window, sinks, softcap, dropout, alibi_slopes: the backward recomputes that attention;
+other values give another attention's gradients, unchecked on CUDA); softmax_stats: forward's third
+output (autograd passes it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). On CPU, float32 and
 float64 inputs recompute the statistics in float64 from q and k when softmax_stats is given (so it
 must be this forward's own, sinks, softcap and alibi_slopes included: a RuntimeError when they do not match the recompute;
 pass softmax_lse alone for statistics merged over chunks of K/V). sinks: the forward's (the CUDA kernels need them not: out and softmax_lse hold the sink; the
