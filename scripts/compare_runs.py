@@ -46,7 +46,7 @@ def load(dirs, impl):
                 fill = pd.to_numeric(dec["fill"], errors="coerce").fillna(1.0)
                 case[decode] += fill.map(lambda f: "" if f == 1.0 else f" fill{f:g}")
             speed[decode] = dec["tbps"]
-        causal = df["causal"].astype(object).where(~decode, "-") if "causal" in df else "-"
+        causal = df["causal"].astype(str).where(~decode, "-") if "causal" in df else "-"  # sortable with "-"
         config = pd.Series("", index=df.index)
         for col in (c for c in CONFIG_COLUMNS if c in df):
             values = pd.to_numeric(df[col], errors="coerce")
@@ -75,7 +75,9 @@ def main():
     ratio = table["new/old"]
     if ratio.notna().sum() == 0:
         raise SystemExit("compare_runs: no case of flash_attn_ext measured ok on both sides")
-    print(f"\nnew/old over {len(ratio)} cases: min {ratio.min():.3f}, median {ratio.median():.3f}, "
+    both = int(ratio.notna().sum())
+    one_side = f" ({len(ratio) - both} more measured on one side only)" if both < len(ratio) else ""
+    print(f"\nnew/old over {both} cases{one_side}: min {ratio.min():.3f}, median {ratio.median():.3f}, "
           f"max {ratio.max():.3f}")
 
 

@@ -14,8 +14,9 @@ non-causal, >= 400 causal, hdim 64 >= 420, hdim 96 / 192 / 256 >= SDPA cuDNN. Th
 these on the H200: the device of each run is printed, runs of different GPUs are refused (their
 cells would pool), and verdicts from another GPU than the H200 are marked so. Only the issues'
 configuration counts: dense rows of 16384 tokens (batch x seqlen) and 2048 / hdim heads without GQA,
-decode rows of GQA 32:8 against a full cache (fill 1.0: a --decode-fill < 1 run's ragged rows read
-fewer bytes and are another problem; a column a run lacks does not filter). A cell where ours'
+decode rows of bf16, GQA 32:8 against a full cache (fill 1.0: a --decode-fill < 1 run's ragged rows
+read fewer bytes and are another problem; a column a run lacks does not filter). A cell where ours
+failed (status error or OOM) in a run is FAILED; a peer's failure leaves its cells not measured. A cell where ours'
 error exceeds twice standard attention's in the same run (the accuracy rule, on a slice of the
 benchmark's timed call; only where the run has an ok row of the `standard` peer) is WRONG, whatever
 its speed.
@@ -35,17 +36,19 @@ PAGED_CASES = [(1, 131072), (64, 32768)]
 BWD_BARS = {(128, False): 430.0, (128, True): 400.0, (64, False): 420.0, (64, True): 420.0}
 
 
+FAILED_STATUSES = ("error", "OOM")  # ours' statuses that fail a cell (n/a, skipped: not measured)
 ERR_FACTOR = 2.0  # the accuracy rule: ours' error <= 2 x standard attention's in the inputs' dtype
 ERR_ATOL = 1e-3   # slack for cells where standard attention happens to be near exact
 
 
 def load(dirs):
-    """All ok rows of the runs in `dirs` in the issues' configuration (anchor), and each run's
-    device name ("dir: name")."""
+    """The rows of the runs in `dirs` in the issues' configuration (anchor): every ok row, and ours'
+    failed ones (error, OOM: a FAILED cell); and each run's device name ("dir: name")."""
     frames, devices = [], []
     for d in dirs:
         df = pd.read_csv(os.path.join(d, "results.csv"))
-        frames.append(anchor(df[df["status"] == "ok"]))
+        failed = (df["impl"] == OURS) & df["status"].isin(FAILED_STATUSES)
+        frames.append(anchor(df[(df["status"] == "ok") | failed]))
         env_path = os.path.join(d, "results.json")
         if os.path.exists(env_path):
             with open(env_path) as f:
@@ -56,7 +59,7 @@ def load(dirs):
 
 def anchor(df):
     """The rows of the issues' configuration: dense (fwd / bwd) rows of 16384 tokens, 2048 / hdim
-    heads, no GQA; decode rows of GQA 32:8 and a full cache (fill 1.0, --decode-fill). A column the
+    heads, no GQA; decode rows of bf16, GQA 32:8 and a full cache (fill 1.0, --decode-fill). A column the
     run lacks (or leaves empty: runs before --decode-fill had full caches only) keeps the row."""
     def num(col):
         return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(float("nan"), index=df.index)
@@ -70,7 +73,9 @@ def anchor(df):
                                                                          "nheads_k", "hdim", "fill"))
     keep = (~dense | (ok(gqa == 1, gqa) & ok(batch * seqlen == 16384, batch * seqlen)
                       & ok(nheads * hdim == 2048, nheads * hdim)))
-    keep &= ~dec | (ok(nheads == 32, nheads) & ok(nheads_k == 8, nheads_k) & ok(fill == 1.0, fill))
+    dtype = df["dtype"].astype(str) if "dtype" in df else pd.Series("bf16", index=df.index)
+    keep &= ~dec | (ok(nheads == 32, nheads) & ok(nheads_k == 8, nheads_k) & ok(fill == 1.0, fill)
+                    & (dtype == "bf16"))
     return df[keep]
 
 
@@ -92,11 +97,14 @@ def mark_wrong(df):
 
 
 def _speed(df, impl, metric, **keys):
-    """The median of `metric` over impl's rows of the cell `keys` (None if none), or "WRONG" where one
-    of those rows failed the accuracy rule (mark_wrong)."""
+    """The median of `metric` over impl's ok rows of the cell `keys` (None if none), "FAILED" where
+    one of ours' rows there failed (load: error, OOM), or "WRONG" where one of them failed the
+    accuracy rule (mark_wrong)."""
     sel = _select(df, impl, **keys)
     if sel is None:
         return None
+    if "status" in sel and (sel["status"] != "ok").any():
+        return "FAILED"
     if "wrong" in sel and sel["wrong"].any():
         return "WRONG"
     vals = sel[metric].dropna()
@@ -121,7 +129,9 @@ def _cell(rows, issue, cell, ours, peer=None, ratio_bar=None, bar=None):
     where ours failed the accuracy rule in the cell (no speed counts then)."""
     if ours == "WRONG":
         rows.append((issue, cell, "-", "-", "-", "WRONG (error above 2x standard attention's)"))
-    elif ours is None or (ratio_bar is not None and peer is None):
+    elif ours == "FAILED":
+        rows.append((issue, cell, "-", "-", "-", "FAIL (ours: error or OOM in a run)"))
+    elif ours is None or (ratio_bar is not None and (peer is None or isinstance(peer, str))):  # peer FAILED too
         rows.append((issue, cell, "-", "-", "-", "not measured"))
     elif ratio_bar is not None:
         ratio = ours / peer

@@ -148,12 +148,54 @@ def test_cli_cuda_tiny(tmp_path):
     (["--device", "cpu", "--varlen-seqs", "0"], "--varlen-seqs"),
     (["--device", "cpu", "--varlen-dense-seqlen", "-1"], "--varlen-dense-seqlen"),
     (["--device", "cpu", "--rounds", "0"], "--rounds"),
+    (["--device", "cpu", "--page-size", "0,24"], "--page-size"),
+    (["--device", "cpu", "--varlen-dense-seqlen", "1000"], "--varlen-dense-seqlen"),  # 512 varlen tokens
+    (["--device", "cpu", "--rep-ms", "inf"], "--rep-ms"),
+    (["--device", "cpu", "--warmup-ms", "nan"], "--warmup-ms"),
 ])
 def test_bad_flag_names_the_flag(argv, flag, tmp_path, capsys):
     assert benchmark.main([*argv, "--out", str(tmp_path), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert flag in err, err
     assert not (tmp_path / "results.csv").exists()
+
+
+def test_out_that_is_a_file_is_refused_before_the_sweep(tmp_path, capsys):
+    """--out naming an existing file: a flag error at once, not a traceback after the sweep."""
+    f = tmp_path / "taken"
+    f.write_text("")
+    assert benchmark.main(["--device", "cpu", "--seqlen", "16", "--hdim", "32", "--mode", "fwd", "--peers", "none",
+                           "--out", str(f), "--no-progress"]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_values_given_twice_are_measured_once(tmp_path):
+    """A list flag naming a value twice (or two spellings of one: fp32 / float32, N1k / N1024) runs
+    that case once; the tables key rows by these values (a repeated one crashed the report after
+    the sweep, losing every result). --varlen-lens MIN,MAX may be equal."""
+    run_cli(["--device", "cpu", "--dtype", "fp32,float32", "--hdim", "32,32", "--seqlen", "32,32", "--batch", "1",
+             "--nheads", "4", "--gqa", "2,2", "--mode", "fwd,decode,varlen_fwd", "--causal", "false",
+             "--decode-cases", "B1xN1k,B1xN1024", "--page-size", "0,0,16", "--decode-hdim", "32,32",
+             "--varlen-seqs", "2", "--varlen-tokens", "128", "--varlen-lens", "64,64", "--varlen-dense-seqlen", "64",
+             "--peers", "none", "--rep-ms", "1", "--warmup-ms", "1", "--threads", "1", "--no-plots",
+             "--no-progress"], tmp_path)
+    df = pd.read_csv(tmp_path / "results.csv", keep_default_na=False, na_values=[""])
+    assert len(df[df["mode"] == "fwd"]) == 1
+    assert sorted(df[df["mode"] == "decode"]["page_size"]) == [0, 16]
+    assert set(df[df["mode"] == "decode"]["seqlen_k"]) == {1024}
+    assert len(df[(df["mode"] == "varlen_fwd") & (df["impl"] == OURS)]) == 1
+
+
+def test_cpu_timer_warms_up_for_warmup_ms():
+    """The CPU timer spends --warmup-ms in untimed calls before the timed ones (it made one)."""
+    import time as _time
+    calls = []
+
+    def fn():
+        calls.append(1)
+        _time.sleep(0.002)
+    benchmark.Timer(torch.device("cpu"), warmup_ms=40, rep_ms=4, min_reps=5)(fn)
+    assert len(calls) >= 15, len(calls)  # ~20 warm-up calls of 2 ms, then 5 timed
 
 
 def _raising(exc):

@@ -166,6 +166,21 @@ def test_compare_runs_keeps_graph_and_ragged_decode_apart(tmp_path, column, old_
     assert case in r.stdout and "over 2 cases: min 1.000, median 1.250, max 1.500" in r.stdout
 
 
+def test_compare_runs_counts_only_cases_of_both_sides(tmp_path):
+    """The summary line counts the cases measured on both sides and names the rest; dense rows
+    (causal True / False) beside decode rows ("-") sort without pandas' unorderable warning."""
+    header = "dtype,hdim,causal,mode,impl,status,tflops,tbps,seqlen,batch,seqlen_k,page_size\n"
+    dense = "bf16,128,True,fwd,flash_attn_ext,ok,{},,4096,,,\n"
+    for side, tf, extra in (("old", 500.0, ["bf16,128,,decode,flash_attn_ext,ok,,2.0,,1,8192,0\n"]),
+                            ("new", 550.0, ["bf16,128,False,fwd,flash_attn_ext,ok,300.0,,1024,,,\n"])):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "results.csv").write_text("".join([header, dense.format(tf)] + extra))
+    r = _compare_runs(str(tmp_path / "old"), str(tmp_path / "new"))
+    assert r.returncode == 0, r.stderr
+    assert "over 1 cases (2 more measured on one side only): min 1.100" in r.stdout, r.stdout
+    assert "RuntimeWarning" not in r.stderr, r.stderr
+
+
 def test_compare_runs_without_common_cases_fails(tmp_path):
     old = _bench_results(tmp_path / "old", [(64, "fwd", "flash_attn_ext", 400.0, 4096)])
     new = _bench_results(tmp_path / "new", [(128, "fwd", "flash_attn_ext", 440.0, 4096)])
@@ -259,6 +274,30 @@ def test_issue_bars_decode_only_run(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "issue 14: 1 of 1 measured cells pass" in r.stdout, r.stdout
+
+
+def test_issue_bars_failures_and_decode_dtype(tmp_path):
+    """Ours failing a cell (error / OOM) is FAIL, not "not measured"; a failed contiguous row leaves
+    its paged ratios not measured; decode cells are the issue's bf16 (an fp32 row of the same case
+    was pooled into the median); a peer's failure still leaves its cells not measured."""
+    header = "dtype,hdim,gqa,nheads,nheads_k,batch,seqlen_k,page_size,mode,timing,fill,impl,status,tbps\n"
+    rows = ["bf16,128,4,32,8,1,8192,0,decode,graph,1.0,flash_attn_ext,ok,2.10",
+            "fp32,128,4,32,8,1,8192,0,decode,graph,1.0,flash_attn_ext,ok,0.10",
+            "bf16,128,4,32,8,1,131072,0,decode,graph,1.0,flash_attn_ext,error,",
+            "bf16,128,4,32,8,1,131072,16,decode,graph,1.0,flash_attn_ext,ok,3.80",
+            "bf16,128,4,32,8,8,32768,0,decode,graph,1.0,flash_attn_ext,OOM,",
+            "bf16,128,4,32,8,64,8192,0,decode,graph,1.0,flash_attn_ext,n/a,"]
+    table = _issue_bars_table(tmp_path / "run", header, rows)
+    verdict = table["verdict"].to_dict()
+    assert verdict["decode graph B1 Nk=8192"] == "PASS" and table.loc["decode graph B1 Nk=8192", "ours"] == "2.10"
+    assert verdict["decode graph B1 Nk=131072"].startswith("FAIL (ours")
+    assert verdict["decode graph B8 Nk=32768"].startswith("FAIL (ours")
+    assert verdict["decode graph B64 Nk=8192"] == "not measured"  # n/a: e.g. a head dim outside the build
+    assert verdict["decode graph B1 Nk=131072 page 16 / contiguous"] == "not measured"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "issue_bars.py"), str(tmp_path / "run")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "issue 14: 1 of 3 measured cells pass" in r.stdout, r.stdout
 
 
 def test_tune_variant_defines_fill_sm90_backward_defaults():

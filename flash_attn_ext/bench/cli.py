@@ -10,6 +10,8 @@ varlen); a family whose flash_attn_ext entry this build lacks is skipped with a 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 import signal
 import sys
@@ -34,14 +36,16 @@ DTYPES = {
 }
 
 
-def _int_list(flag: str, text: str) -> list[int]:
+def _int_list(flag: str, text: str, unique: bool = True) -> list[int]:
+    """Positive integers; with ``unique`` a value given twice is measured once (the tables key
+    their rows by these values)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise BenchmarkError(f"{flag}: expected a comma-separated list of integers, got {text!r}")
     if not values or any(x <= 0 for x in values):
         raise BenchmarkError(f"{flag}: expected positive integers, got {text!r}")
-    return values
+    return list(dict.fromkeys(values)) if unique else values
 
 
 def _choice_list(flag: str, text: str, choices) -> list[str]:
@@ -72,7 +76,7 @@ def _decode_cases(text: str) -> list[tuple[int, int]]:
             raise BenchmarkError(f"--decode-cases: expected a comma-separated list of "
                                  f"B<batch>xN<seqlen_k> (e.g. B1xN8192,B64xN32k), got {text!r}")
         cases.append((int(m[1]), int(m[2]) * (1024 if m[3] else 1)))
-    return cases
+    return list(dict.fromkeys(cases))  # B1xN1k and B1xN1024: one case
 
 
 def _page_sizes(text: str) -> list[int]:
@@ -80,10 +84,10 @@ def _page_sizes(text: str) -> list[int]:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
-    if not values or any(x < 0 for x in values):
-        raise BenchmarkError(f"--page-size: expected a comma-separated list of page sizes >= 0 "
-                             f"(0: contiguous cache), got {text!r}")
-    return values
+    if not values or any(x < 0 or x % 16 for x in values):
+        raise BenchmarkError(f"--page-size: expected a comma-separated list of 0 (contiguous cache) "
+                             f"or page sizes that are multiples of 16 (the paged kernels'), got {text!r}")
+    return list(dict.fromkeys(values))  # each once
 
 
 def _heads_pair(text: str) -> tuple[int, int]:
@@ -95,9 +99,9 @@ def _heads_pair(text: str) -> tuple[int, int]:
 
 
 def _check_positive(flag: str, value, kind: str = "integer") -> None:
-    """BenchmarkError naming ``flag`` unless ``value`` is None or > 0."""
-    if value is not None and value <= 0:
-        raise BenchmarkError(f"{flag}: expected a positive {kind}, got {value}")
+    """BenchmarkError naming ``flag`` unless ``value`` is None or finite and > 0."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise BenchmarkError(f"{flag}: expected a positive finite {kind}, got {value}")
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -143,7 +147,7 @@ def make_parser() -> argparse.ArgumentParser:
                      help=f"comma list of B<batch>xN<seqlen_k> [cuda: {DECODE_CASES}; --quick: "
                           "B1xN131072,B64xN32768; cpu: B1xN256,B2xN1024]")
     dec.add_argument("--page-size", default=None,
-                     help="comma list of paged-KV page sizes, 0 = contiguous cache "
+                     help="comma list of paged-KV page sizes (multiples of 16), 0 = contiguous cache "
                           "[cuda: 0,16,64,256; --quick: 0,64; cpu: 0,16]")
     dec.add_argument("--decode-heads", default=None, help="NHEADS:NHEADS_K [cuda: 32:8; cpu: 8:2]")
     dec.add_argument("--decode-hdim", default=None, help="comma list of head dims [cuda: 128; cpu: 64]")
@@ -182,9 +186,11 @@ def make_parser() -> argparse.ArgumentParser:
                          "even count the faster middle one; results.csv ms_spread: max / min over the "
                          "rounds; a failed round's status wins) [1]")
     ap.add_argument("--slow-max-seqlen", type=int, default=4096,
-                    help="sdpa-math is skipped above this seqlen (it takes seconds per call)")
+                    help="sdpa-math is skipped above this seqlen (decode: seqlen_k; it materializes "
+                         "the scores and GQA's repeated K/V: seconds per dense call)")
     ap.add_argument("--ref-max-seqlen", type=int, default=16384,
-                    help="errors vs the float64 reference are computed up to this seqlen")
+                    help="errors vs the float64 reference are computed up to this seqlen (dense and "
+                         "varlen; decode's, on a slice of at most 2 sequences, always)")
     ap.add_argument("--err-kv-heads", type=int, default=2,
                     help="KV heads (the first N - 1 and the last, with their query heads) of the "
                          "slice of the timed call the errors are measured on, with its first and "
@@ -218,7 +224,8 @@ def resolve_args(args: argparse.Namespace) -> Sweep:
     """Fill device-dependent defaults and check every flag (BenchmarkError names the flag)."""
     device = _device(args.device)
     cuda = device.type == "cuda"
-    dtypes = [DTYPES[x] for x in _choice_list("--dtype", args.dtype or ("bf16" if cuda else "fp32"), DTYPES)]
+    dtypes = list(dict.fromkeys(DTYPES[x] for x in _choice_list("--dtype", args.dtype or ("bf16" if cuda else "fp32"),
+                                                                DTYPES)))  # fp32,float32: once
     if cuda and any(d in (torch.float32, torch.float64) for d in dtypes):
         raise BenchmarkError("--dtype: flash_attn_ext on CUDA supports bf16 and fp16 only")
     if args.quick:
@@ -253,6 +260,8 @@ def resolve_args(args: argparse.Namespace) -> Sweep:
     _check_positive("--rounds", args.rounds)
     _check_positive("--threads", args.threads)
     _check_positive("--err-kv-heads", args.err_kv_heads)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise BenchmarkError(f"--out: {args.out!r} exists and is not a directory")
     sweep = Sweep(device, dtypes, hdims, _causal_list(args.causal), seqlens, gqas, modes, peers,
                   tokens, batch, nheads)
     _resolve_decode(args, sweep, cuda)
@@ -264,7 +273,7 @@ def _resolve_decode(args, sweep: Sweep, cuda: bool) -> None:
     quick = "B1xN131072,B64xN32768" if args.quick else DECODE_CASES
     sweep.decode_cases = _decode_cases(args.decode_cases or (quick if cuda else "B1xN256,B2xN1024"))
     pages = ("0,64" if args.quick else "0,16,64,256") if cuda else "0,16"
-    sweep.page_sizes = list(dict.fromkeys(_page_sizes(args.page_size or pages)))  # each once
+    sweep.page_sizes = _page_sizes(args.page_size or pages)
     sweep.decode_heads = _heads_pair(args.decode_heads or ("32:8" if cuda else "8:2"))
     sweep.decode_hdims = _int_list("--decode-hdim", args.decode_hdim or ("128" if cuda else "64"))
     bad = [h for h in sweep.decode_hdims if h % 8 or h > 256]
@@ -284,7 +293,7 @@ def _resolve_varlen(args, sweep: Sweep, cuda: bool) -> None:
         _check_positive(flag, value)
     seqs = args.varlen_seqs or (64 if cuda else 4)
     tokens = args.varlen_tokens or (16384 if cuda else 512)
-    lens = _int_list("--varlen-lens", args.varlen_lens or ("128,1024" if cuda else "64,256"))
+    lens = _int_list("--varlen-lens", args.varlen_lens or ("128,1024" if cuda else "64,256"), unique=False)
     if len(lens) != 2 or lens[0] > lens[1]:
         raise BenchmarkError(f"--varlen-lens: expected MIN,MAX with MIN <= MAX, got {args.varlen_lens!r}")
     if not seqs * lens[0] <= tokens <= seqs * lens[1]:
@@ -292,6 +301,9 @@ def _resolve_varlen(args, sweep: Sweep, cuda: bool) -> None:
                              f"{lens[0]}..{lens[1]} (--varlen-seqs, --varlen-lens)")
     sweep.varlen_seqs, sweep.varlen_tokens, sweep.varlen_lens = seqs, tokens, tuple(lens)
     sweep.varlen_dense_seqlen = args.varlen_dense_seqlen or (1024 if cuda else 256)
+    if sweep.varlen_dense_seqlen > tokens:
+        raise BenchmarkError(f"--varlen-dense-seqlen: {sweep.varlen_dense_seqlen} is longer than the varlen batch's "
+                             f"{tokens} tokens (--varlen-tokens); the ours-dense row runs as many tokens as it")
 
 
 class Interrupted(BaseException):

@@ -2,7 +2,7 @@
 
 ms: median wall time of one call. CUDA: ``triton.testing.do_bench(return_mode="median")``, which
 flushes L2 before each timed call, or (without triton) CUDA events around each call after a
-warm-up with the same L2 flush. CPU: ``time.perf_counter`` median. Each call takes the next of
+warm-up with the same L2 flush. CPU: ``time.perf_counter`` median after warmup_ms of calls. Each call takes the next of
 the problem's rotated input sets; a decode problem with ``cuda_graph`` (``--decode-graph``) replays
 a CUDA graph of the call per input set instead (_graph_replays), so the host's cost of issuing
 a microseconds-long call is not timed.
@@ -80,8 +80,10 @@ class Timer:
 
     def _cpu(self, fn):
         t0 = time.perf_counter()
-        fn()  # warm-up, also the estimate
+        fn()  # the first warm-up call, also the estimate
         est = max(time.perf_counter() - t0, 1e-6) * 1e3
+        for _ in range(min(1000, int(self.warmup_ms / est)) - 1):  # the rest of warmup_ms
+            fn()
         reps = max(self.min_reps, min(1000, int(self.rep_ms / est)))
         times = []
         for _ in range(reps):
