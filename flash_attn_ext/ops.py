@@ -106,8 +106,8 @@ separate dK/dV and dQ kernels; no atomics, bitwise deterministic). dout: out's s
 tensors as forward's inputs and outputs, and every other argument the forward's own (softmax_scale,
 causal, the window, sinks, softcap, dropout, alibi_slopes: the backward recomputes that attention;
 other values give another attention's gradients, unchecked on CUDA); softmax_stats: forward's third
-output (autograd passes it), without which P is recomputed from softmax_lse (exact up to |LSE| ~ 700). On CPU, float32 and
-float64 inputs recompute the statistics in float64 from q and k when softmax_stats is given (so it
+output (autograd passes it), without which P is recomputed from softmax_lse (exact up to |LSE| ~
+700). On CPU, float32 and float64 inputs recompute the statistics in float64 from q and k when softmax_stats is given (so it
 must be this forward's own, sinks, softcap and alibi_slopes included: a RuntimeError when they do not match the recompute;
 pass softmax_lse alone for statistics merged over chunks of K/V). sinks: the forward's (the CUDA kernels need them not: out and softmax_lse hold the sink; the
 CPU float32 / float64 recompute adds them; backward_dsinks, the same op with sinks required, also

@@ -16,10 +16,10 @@ cells would pool), and verdicts from another GPU than the H200 are marked so. On
 configuration counts: dense rows of 16384 tokens (batch x seqlen) and 2048 / hdim heads without GQA,
 decode rows of bf16, GQA 32:8 against a full cache (fill 1.0: a --decode-fill < 1 run's ragged rows
 read fewer bytes and are another problem; a column a run lacks does not filter). A cell where ours
-failed (status error or OOM) in a run is FAILED; a peer's failure leaves its cells not measured. A cell where ours'
-error exceeds twice standard attention's in the same run (the accuracy rule, on a slice of the
-benchmark's timed call; only where the run has an ok row of the `standard` peer) is WRONG, whatever
-its speed.
+failed (status error or OOM) in a run FAILs; a peer's failure leaves its cells not measured. A cell
+where ours' error exceeds twice standard attention's in the same run (the accuracy rule, on a slice
+of the benchmark's timed call; only where the run has an ok row of the `standard` peer) is WRONG,
+whatever its speed.
 Several runs of one cell (rounds, repeated sweeps): their median.
 """
 

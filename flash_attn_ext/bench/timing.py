@@ -2,10 +2,10 @@
 
 ms: median wall time of one call. CUDA: ``triton.testing.do_bench(return_mode="median")``, which
 flushes L2 before each timed call, or (without triton) CUDA events around each call after a
-warm-up with the same L2 flush. CPU: ``time.perf_counter`` median after warmup_ms of calls. Each call takes the next of
-the problem's rotated input sets; a decode problem with ``cuda_graph`` (``--decode-graph``) replays
-a CUDA graph of the call per input set instead (_graph_replays), so the host's cost of issuing
-a microseconds-long call is not timed.
+warm-up with the same L2 flush. CPU: ``time.perf_counter`` median, after warmup_ms of untimed
+calls. Each call takes the next of the problem's rotated input sets; a decode problem with
+``cuda_graph`` (``--decode-graph``) replays a CUDA graph of the call per input set instead
+(_graph_replays), so the host's cost of issuing a microseconds-long call is not timed.
 tflops / tbps: the problem's count of work (problems: TFLOP/s, or TB/s of K+V read for decode)
 over the median time.
 Rounds (measure_group, measure_interleaved, ``--rounds R``): every entry of a group (an
