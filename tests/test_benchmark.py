@@ -160,6 +160,16 @@ def test_bad_flag_names_the_flag(argv, flag, tmp_path, capsys):
     assert not (tmp_path / "results.csv").exists()
 
 
+def test_gqa_is_checked_only_where_a_mode_uses_it():
+    """--gqa shapes the dense and varlen sweeps; decode takes its heads from --decode-heads, so a
+    decode-only run does not refuse a --gqa the dense heads would not divide."""
+    parse = cli.make_parser().parse_args
+    sweep = cli.resolve_args(parse(["--device", "cpu", "--mode", "decode", "--gqa", "3"]))
+    assert sweep.decode_heads == (8, 2)
+    with pytest.raises(benchmark.BenchmarkError, match="--gqa"):
+        cli.resolve_args(parse(["--device", "cpu", "--mode", "decode,varlen_fwd", "--gqa", "3"]))
+
+
 def test_out_that_is_a_file_is_refused_before_the_sweep(tmp_path, capsys):
     """--out naming an existing file: a flag error at once, not a traceback after the sweep."""
     f = tmp_path / "taken"

@@ -250,7 +250,7 @@ def resolve_args(args: argparse.Namespace) -> Sweep:
     _check_positive("--nheads", nheads)
     if nheads is None and not cuda:
         nheads = 4
-    for h in hdims:
+    for h in hdims if any(report.family(m) != "decode" for m in modes) else ():  # decode: --decode-heads
         nh = nheads if nheads is not None else max(1, 2048 // h)
         for r in gqas:
             if nh % r:
