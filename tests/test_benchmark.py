@@ -170,6 +170,19 @@ def test_gqa_is_checked_only_where_a_mode_uses_it():
         cli.resolve_args(parse(["--device", "cpu", "--mode", "decode,varlen_fwd", "--gqa", "3"]))
 
 
+def test_flags_of_a_family_not_run_are_noted():
+    """Flags that shape only a family no --mode runs (decode cases in a dense run, seqlens in a
+    decode run) give a note saying they were ignored; a family that runs gets none."""
+    parse = cli.make_parser().parse_args
+    args = parse(["--device", "cpu", "--mode", "fwd", "--decode-cases", "B1xN64", "--page-size", "16",
+                  "--varlen-seqs", "3"])
+    notes = cli.unused_flag_notes(args, cli.resolve_args(args))
+    assert notes == ["--decode-cases, --page-size ignored: no decode mode in --mode",
+                     "--varlen-seqs ignored: no varlen mode in --mode"], notes
+    args = parse(["--device", "cpu", "--mode", "decode", "--seqlen", "64", "--decode-cases", "B1xN64"])
+    assert cli.unused_flag_notes(args, cli.resolve_args(args)) == ["--seqlen ignored: no dense mode in --mode"]
+
+
 def test_out_that_is_a_file_is_refused_before_the_sweep(tmp_path, capsys):
     """--out naming an existing file: a flag error at once, not a traceback after the sweep."""
     f = tmp_path / "taken"

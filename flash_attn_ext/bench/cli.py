@@ -306,6 +306,28 @@ def _resolve_varlen(args, sweep: Sweep, cuda: bool) -> None:
                              f"{tokens} tokens (--varlen-tokens); the ours-dense row runs as many tokens as it")
 
 
+# The flags that shape one family's cases alone (their dest names), and the family.
+FAMILY_FLAGS = {
+    "dense": ("seqlen", "tokens", "batch"),
+    "decode": ("decode_cases", "page_size", "decode_heads", "decode_hdim", "decode_fill", "decode_graph"),
+    "varlen": ("varlen_seqs", "varlen_tokens", "varlen_lens", "varlen_dense_seqlen"),
+}
+
+
+def unused_flag_notes(args: argparse.Namespace, sweep: Sweep) -> list[str]:
+    """A note for each flag given (not at its default) whose family no requested mode runs, so
+    that `--mode fwd --decode-cases ...` says the cases were not run instead of ignoring them."""
+    defaults = make_parser().parse_args([])
+    notes = []
+    for fam, dests in FAMILY_FLAGS.items():
+        if sweep.modes_of(fam):
+            continue
+        given = ["--" + d.replace("_", "-") for d in dests if getattr(args, d) != getattr(defaults, d)]
+        if given:
+            notes.append(f"{', '.join(given)} ignored: no {fam} mode in --mode")
+    return notes
+
+
 class Interrupted(BaseException):
     """SIGTERM (e.g. from ``timeout``) during the sweep: the rows so far are still written. A
     BaseException, like KeyboardInterrupt, so that no ``except Exception`` (run_guarded turning
@@ -332,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                 notes += fam_notes
         if impls.get("varlen"):
             dense = ours_dense_impl()
+        notes += unused_flag_notes(args, sweep)
         notes = list(dict.fromkeys(notes))  # a peer missing for several families: one note
     except BenchmarkError as e:
         print(f"error: {e}", file=sys.stderr)
