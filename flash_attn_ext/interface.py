@@ -227,8 +227,11 @@ def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def _maybe_contiguous(*tensors):
     """flash-attn's maybe_contiguous: each tensor whose last dimension has a stride other than 1
-    copied contiguous (None and 0-d tensors as they are)."""
-    return tuple(t if t is None or t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in tensors)
+    copied contiguous (None and 0-d tensors as they are). A clone, not ``.contiguous()``, which
+    returns a tensor torch already calls contiguous as it is, stride included: an empty one, or one
+    whose last dimension has size 1 (the ops require stride(-1) == 1 regardless)."""
+    return tuple(t if t is None or t.dim() == 0 or t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
+                 for t in tensors)
 
 
 def _cut(out: torch.Tensor, d: int) -> torch.Tensor:

@@ -577,7 +577,7 @@ def _fold(t, bdim, batch_size, at=0, contiguous_last=True):
         t = t.movedim(bdim, at)
     t = t.flatten(at, at + 1)
     if contiguous_last and t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
-        t = t.contiguous()
+        t = t.clone(memory_format=torch.contiguous_format)  # .contiguous() keeps an empty tensor's strides
     return t
 
 

@@ -30,7 +30,7 @@ import torch
 
 from . import _C
 from ._fake_checks import MAX_HEADDIM as _MAX_HEADDIM
-from .interface import _check_tensors, _dropout_p, _scale, flash_attn_func
+from .interface import _check_tensors, _dropout_p, _maybe_contiguous, _scale, flash_attn_func
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -112,8 +112,8 @@ def scaled_dot_product_attention(
             masked), on query's device, not requiring grad. Taken where the allowed positions of
             each batch element form padding (of keys and/or queries), causal attention with a
             diagonal offset plus padding (top-left ``tril``, bottom-right, left / right
-            padding), or block-diagonal packed sequences (each block causal or full); a row that
-            sees no key gets 0. Reads sizes on the host (a few syncs per call); under
+            padding), or block-diagonal packed sequences (every block causal, or every block
+            full); a row that sees no key gets 0. Reads sizes on the host (a few syncs per call); under
             torch.compile padding and causal + padding (one run of real rows and keys per batch
             element) run in a static-shape form, the pattern checked on the device (a
             RuntimeError / device-side assert otherwise).
@@ -236,8 +236,10 @@ def scaled_dot_product_attention(
         # gradients: empty zeros).
         return query.new_zeros((B, 0, L, Ev)) + 0 * (query.sum() + key.sum() + value.sum())
     # As torch: a last dim with a stride other than 1 is copied to a contiguous tensor (the
-    # kernels read rows of headdim contiguous elements); every other stride is used as is.
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    # kernels read rows of headdim contiguous elements; interface._maybe_contiguous, which also
+    # copies the empty and size-1 ones .contiguous() would return as they are); every other
+    # stride is used as is.
+    query, key, value = _maybe_contiguous(query, key, value)
 
     # BHSD -> BSHD: views, no copy (the op takes any strides with a contiguous last dim).
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

@@ -611,3 +611,24 @@ def test_head_dims_outside_1_to_256_name_the_range(d):
     with pytest.raises(RuntimeError, match=rf"headdim {d} \(v.size\(-1\)\) is not supported; expected 1..256"):
         flash_attn_ext.flash_attn_varlen_func(qk[0], qk[0], q[0], *[torch.tensor([0, 4], dtype=torch.int32)] * 2,
                                               4, 4)
+
+
+@pytest.mark.parametrize("case", ["empty", "headdim1"])
+def test_stride_of_a_last_dim_torch_calls_contiguous_is_copied_too(case):
+    """Tensors torch calls contiguous although their last stride is not 1 (an empty one; one whose
+    last dimension has size 1) are copied like any other (`.contiguous()` returned them as they
+    were and the op refused their stride), in flash_attn_func and the SDPA drop-in; torch's SDPA
+    takes them."""
+    if case == "empty":
+        q = torch.randn(0, 5, 2, 8, 2)[..., 0]                  # BSHD (0, 5, 2, 8), strides (.., 2)
+        k = v = torch.randn(0, 7, 2, 8)
+    else:
+        q = torch.randn(1, 1, 1, 8).permute(0, 3, 1, 2)         # BSHD (1, 8, 1, 1): stride(-1) == 8
+        k = v = torch.randn(1, 4, 1, 1)
+    assert q.is_contiguous() and q.stride(-1) != 1
+    out = flash_attn_ext.flash_attn_func(q, k, v)
+    ref = flash_attn_ext.flash_attn_func(q.clone(memory_format=torch.contiguous_format), k, v)
+    assert out.shape == ref.shape and torch.equal(out, ref)
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))         # BHSD for the SDPA drop-in
+    sdpa = flash_attn_ext.scaled_dot_product_attention(qb, kb, vb)
+    torch.testing.assert_close(sdpa, torch.nn.functional.scaled_dot_product_attention(qb, kb, vb))
