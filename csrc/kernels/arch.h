@@ -13,8 +13,9 @@ namespace flash {
 // Runs on every SM >= 8.0 (sm_80, 86, 89, 90, and newer through PTX).
 struct Sm80 {};
 
-// Hopper-native path: wgmma (warpgroup MMA from swizzled shared memory); the backward loads by
-// cp.async, the forward by TMA on mbarriers with warp specialization. sm_90a machine code only
+// Hopper-native path: wgmma (warpgroup MMA from swizzled shared memory); tiles by TMA on mbarriers
+// (the forward with warp specialization; the backward falls back to cp.async where TMA cannot
+// describe the inputs). sm_90a machine code only
 // (built when FLASH_ATTN_EXT_CUDA_ARCHS has 90a); the kernels and head dims of the manifest's sm90 row.
 struct Sm90 {};
 

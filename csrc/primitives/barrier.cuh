@@ -41,14 +41,6 @@ __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
       : "memory");
 }
 
-// `count` arrivals at once (sm_90), e.g. one thread arriving on behalf of its warpgroup's warps.
-__device__ __forceinline__ void mbarrier_arrive_count(uint32_t bar, uint32_t count) {
-  asm volatile(
-      "{\n.reg .b64 state;\nmbarrier.arrive.release.cta.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
-      "r"(count)
-      : "memory");
-}
-
 // One arrival that also announces `bytes` of transactions (TMA copies completing on this barrier):
 // the phase completes when the arrivals and those bytes have all landed.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -56,22 +48,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t
       "{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.release.cta.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
       "r"(bytes)
       : "memory");
-}
-
-// True once the phase of parity `parity` of the barrier has completed (acquire: the data that
-// phase guarded, e.g. a TMA tile, is visible afterwards); false after the hardware's wait window.
-__device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
 }
 
 // Clock cycles after which a blocked mbarrier_wait traps ("unspecified launch failure" at the
@@ -83,7 +59,7 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar, uint32_t parity)
 #endif
 
 // Blocks until the phase of parity `parity` of the barrier has completed. The spin loop is PTX
-// (a C++ loop around mbarrier_try_wait costs the forward kernel registers, and spills); the clock
+// (a C++ loop around a try_wait that returns a bool cost the forward kernel registers, and spills); the clock
 // is read only once the first try failed.
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   if constexpr (FLASH_ATTN_EXT_MBARRIER_TIMEOUT_CYCLES > 0) {

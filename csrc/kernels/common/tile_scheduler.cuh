@@ -24,7 +24,7 @@
 //     sixth of the CTAs would get only the light tiles and the rest only full ones.
 //   - top-aligned partial tile (m_shift): a causal call whose seqlen_q is not a multiple of kBlockM
 //     (dense, no sliding window, paired units, a kernel with per-warpgroup key ranges: hdim 64,
-//     96, 192, 256) has its tiles start kBlockM - seqlen_q % kBlockM rows
+//     96, 192, 256, and the short causal rows of d128 / d256) has its tiles start kBlockM - seqlen_q % kBlockM rows
 //     (rounded down to whole warpgroups of 64: a TMA store of a box above row 0 is an illegal
 //     instruction, so such warpgroups store nothing and no box may cross row 0) before row 0, so the partial tile holds the first rows, which see the fewest keys, instead
 //     of the last ones, which see the most (with the warpgroup key ranges, its warpgroups without

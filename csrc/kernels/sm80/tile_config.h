@@ -21,7 +21,8 @@
 // warp P is rounded to the element type before dP.
 // Fast copy (predicate-free whole-tile cp.async in the main loop) is off where the kernel sits at
 // 255 registers and the second copy loop pushed spills into the main loop (dK/dV d32-d128); d96 and
-// d192 have no fast path (12 and 24 chunks per row do not divide the thread count).
+// d192 have no fast path whatever their flag says (12 and 24 chunks per row do not divide the thread
+// count: primitives/tile_copy.cuh compiles the branch out).
 // Shared memory (rows padded by 16 B), fp16/bf16:
 //   dkv = (2 kBlockN + 4 kBlockM) * (d + 8) * 2 B + 24 kBlockM B,  dq = (2 kBlockM + 4 kBlockN) * (d + 8) * 2 B
 // Every row fits sm_80's 163 KB (asserted in the launch templates); kBlockM of the backward
@@ -75,8 +76,9 @@ template <> struct DqTile<256> : DqTileShape< 64,  32,    16,    true> {};
 // cache): memory-bound, so a row is sized by bytes in flight per SM, not by FLOPs. 4 warps, each
 // kBlockN / 4 keys of every tile (16 or 32). A tile carries ~32 KB of K+V (d64: 128 keys, d128:
 // 64), kStages tiles in flight per CTA while it waits (kStages - 1 while it computes); with
-// d <= 128 a CTA fits 99 KB (the sm_86/89 opt-in limit) and three fit an H100/H200 SM (228 KB),
-// so several CTAs per SM hide each other's pipeline fill and merge. K/V reads are L2 evict-first
+// d <= 128 a CTA fits 99 KB (the sm_86/89 opt-in limit) and three fit an H100/H200 SM (228 KB;
+// d96's 81 KB CTAs two, as its row says), so several CTAs per SM hide each other's pipeline fill
+// and merge. K/V reads are L2 evict-first
 // (read once: they replace their own lines, not other data or dirty lines). d128 measured on the
 // H200 (`python benchmarks/tune_kernels.py splitkv:128:...`, issue 14's decode cases, TB/s B1 8k /
 // B1 128k / B8 32k / B64 8k / B64 32k; docs/PERF_NOTES.md): this row with cp.async 1.57 / 3.52 /

@@ -32,7 +32,8 @@
 //        while O += P_{i-1} V still reads the first: FwdKernelTraits::kSoftmaxOrder, kDoubleBufferP).
 //        With 2-3 consumer warpgroups the warpgroups take turns issuing their GEMMs (named
 //        barriers, WarpgroupTurns), so one's softmax runs under another's products.
-//        d64 / d96 / d192 / d256 and d128's 144-key row (FwdKernelTraits::kWarpgroupKeyRanges): a
+//        d64 / d96 / d192 / d256, d128's 144-key row and the short causal rows
+//        (FwdKernelTraits::kWarpgroupKeyRanges): a
 //        warpgroup runs only the steps of the key blocks its own rows see (n_wg of the tile's
 //        steps: the causal diagonal, rows past seqlen_q, a window's left edge); for the tile's
 //        other steps (first n_block_max - n_top, last n_lo - n_block_min) it passes its turn and
@@ -151,7 +152,10 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kConsumerWGs = kBlockM / 64;
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;
-  // Registers per thread after setmaxnreg (HOPPER.md §1.1; 128 p + 128 c kConsumerWGs <= 65,536).
+  // Registers per thread after setmaxnreg (HOPPER.md §1.1; 128 p + 128 c kConsumerWGs <= 65,536,
+  // each a multiple of 8): FA3's splits, 24 / 240 for two consumer warpgroups and 32 / 160 for three
+  // (the producer warp issues TMA and walks the tile scheduler: 24-32 registers suffice; a third
+  // consumer leaves 160 each); one consumer (no row uses it) takes the rest of 56 / 256.
   static constexpr int kProducerRegs = kConsumerWGs == 1 ? 56 : kConsumerWGs == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 256 : kConsumerWGs == 2 ? 240 : 160;
   // Inter-warpgroup ping-pong (HOPPER.md §1.5): consumer warpgroups issue their GEMMs in turn, so
