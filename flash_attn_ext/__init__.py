@@ -74,7 +74,21 @@ def _warn_if_sources_are_newer():
                 return
 
 
+def _warn_if_torch_differs(built=None, running=None):
+    """A module built against another torch release than the one imported (e.g. by `pip install .`
+    without --no-build-isolation, which builds against the newest torch in a throwaway environment):
+    its C++ calls into libtorch are then unchecked, so say so at import. Public versions are
+    compared (the local part after '+', e.g. cu130, is not)."""
+    built = built if built is not None else str(_C.build_info().get("torch_version", ""))
+    running = running if running is not None else torch.__version__
+    if built and built.split("+")[0] != str(running).split("+")[0]:
+        warnings.warn(f"flash_attn_ext: the compiled extension was built against torch {built}, but torch {running} "
+                      "is imported; rebuild it with this torch (`pip install --no-build-isolation -e .`), or its "
+                      "ops may crash or misbehave", stacklevel=3)
+
+
 _warn_if_sources_are_newer()
+_warn_if_torch_differs()
 
 from . import ops  # noqa: E402,F401  (fake kernels + autograd for the C++ ops)
 from .interface import (  # noqa: E402

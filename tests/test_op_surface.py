@@ -44,6 +44,20 @@ def test_import_warns_when_sources_are_newer_than_the_build():
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def test_import_warns_when_built_against_another_torch():
+    """`pip install .` without --no-build-isolation builds against the newest torch in a throwaway
+    environment: the module then loads into another torch release, unchecked. Import says so; the
+    local version part (+cpu, +cu130) is not compared, and this build's own torch gives no warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_attn_ext._warn_if_torch_differs()
+        flash_attn_ext._warn_if_torch_differs("2.13.0+cu130", "2.13.0+cpu")
+    with pytest.warns(UserWarning, match=r"built against torch 2\.14\.1\+cu130, but torch 2\.13\.0 is imported"):
+        flash_attn_ext._warn_if_torch_differs("2.14.1+cu130", "2.13.0")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_opcheck_forward(causal, qkv_factory):
     q, k, v = qkv_factory(2, 37, 70, 4, 2, 32, torch.float32)
