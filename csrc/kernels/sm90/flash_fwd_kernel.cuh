@@ -324,60 +324,75 @@ struct WarpgroupTurns {
   }
 };
 
-// kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd picks):
-// the tiles' key ranges start at the window's first block. The kernel without it is the causal
-// mask's code alone (n_block_min = 0, no left-edge masks or tail skips). kSoftcap: logit
-// soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores on every S tile).
-// kDropout: attention dropout (params.dropout_p > 0; flash.h): after a step's softmax (l sums P
-// itself) P's dropped elements are zeroed before its P V (FlashAttention, Dao et al. 2022, Alg. 2
-// line 11: Z o P; the mask from primitives/philox.cuh), O scaled by 1 / (1 - p) in the epilogue; P
-// is converted after the softmax (no early, row-by-row conversion: kDoubleBufferP's). kAlibi: ALiBi
-// (params.alibi_slopes_ptr; flash.h): every S tile gains the bias before the mask (common/mask.cuh:
-// add_alibi).
-template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kDropout = false, bool kAlibi = false>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    flash_fwd_kernel(const __grid_constant__ Flash_fwd_params params, const __grid_constant__ FwdTmaMaps tma,
-                     const __grid_constant__ FwdTileScheduler<Traits::kBlockM> sched) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Element = typename Traits::Element;
+// One CTA of flash_fwd_kernel: what its warpgroups share (the call's parameters, tensor maps and
+// tile scheduler; the shared-memory map: Q / K / V buffers, mbarriers, the tile slot), the
+// prologue's barrier setup and the producer's role:
+//   init_barriers()  the mbarriers' setup (thread 0, before the CTA barrier)
+//   producer()       WG 0: the tile walk (static or dynamic); produce_tile(): one tile's TMA loads
+// The consumers' code is the rest of flash_fwd_kernel's body, which reads the shared state from
+// here (cta). Every member is __forceinline__: the kernel compiles as the one function it was.
+template <typename Traits, bool kLocal>
+struct FwdCta {
   using TileQ = typename Traits::TileQ;
   using TileKV = typename Traits::TileKV;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  constexpr int kHeadDimPad = Traits::kHeadDimPad;
-  constexpr int kStages = Traits::kStages;
-  constexpr int kQStages = Traits::kQStages;
-  constexpr int kNBlkN = kBlockN / 8;      // n8 blocks of S (keys)
-  constexpr int kNBlkD = Traits::kHeadDimMma / 8;  // n8 blocks of O (smem_layout.cuh: head_dim_mma)
-  constexpr int kConsumerWarps = 4 * Traits::kConsumerWGs;
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDimPad = Traits::kHeadDimPad;
+  static constexpr int kStages = Traits::kStages;
+  static constexpr int kQStages = Traits::kQStages;
+  static constexpr int kConsumerWarps = 4 * Traits::kConsumerWGs;
+  using Work = QTileWork<kBlockM, kBlockN>;
 
-  unsigned char* smem = aligned_dynamic_smem();
-  const uint32_t smem_addr = smem_u32addr(smem);
-  const uint32_t bar0 = smem_addr + Traits::kOffBar;
-  auto q_full = [&](int s) { return bar0 + 8 * (2 * s); };
-  auto q_empty = [&](int s) { return bar0 + 8 * (2 * s + 1); };
-  const uint32_t bar_kv = bar0 + 8 * (2 * kQStages);
-  auto k_full = [&](int s) { return bar_kv + 8 * (4 * s); };
-  auto k_empty = [&](int s) { return bar_kv + 8 * (4 * s + 1); };
-  auto v_full = [&](int s) { return bar_kv + 8 * (4 * s + 2); };
-  auto v_empty = [&](int s) { return bar_kv + 8 * (4 * s + 3); };
-  const uint32_t o_free = bar_kv + 8 * (4 * kStages);  // Traits::kStageOInV: the staged O was stored
-  auto sQ = [&](int s) { return smem_addr + s * TileQ::kBytes; };
-  auto sK = [&](int s) { return smem_addr + Traits::kOffK + s * TileKV::kBytes; };
-  auto sV = [&](int s) { return smem_addr + Traits::kOffV + s * TileKV::kBytes; };
+  // The dynamic walk's next tile (tile_scheduler.cuh: dynamic; -1: the walk is over; int32: tile
+  // indices are < 2^31), in s_varlen_tile's place, handed over on named barriers kTileFull /
+  // kTileEmpty of the producer warp and the consumer threads (ids past the turns' and the V
+  // tail's, see the consumers in flash_fwd_kernel). The slot is written and read by shared-memory
+  // atomics: the barriers order them, and compute-sanitizer racecheck, which reports a plain store
+  // and load ordered by these barriers as a race, sees no race between atomics.
+  static constexpr int kTileFull =
+      WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>::kBarrier + Traits::kConsumerWGs + 1;
+  static constexpr int kTileEmpty = kTileFull + 1;
+  static constexpr int kHandOverThreads = 32 + 128 * Traits::kConsumerWGs;
+  static_assert(kTileEmpty < 16, "16 named barriers per CTA");
 
-  const int tid = threadIdx.x;
-  const int wg = tid / 128;
-
+  const Flash_fwd_params& params;
+  const FwdTmaMaps& tma;
+  const FwdTileScheduler<kBlockM>& sched;
+  unsigned char* smem;
+  uint32_t smem_addr, bar0, bar_kv;
+  uint32_t o_free;  // Traits::kStageOInV: the staged O was stored
   // Varlen on a tight grid (one CTA per real tile, common/work.cuh: varlen_dense_index): warp 0
   // finds this CTA's tile in the dense numbering before the roles split and publishes it through
-  // the CTA barrier below; a CTA past every real tile leaves right after it.
-  int64_t& s_varlen_tile = *reinterpret_cast<int64_t*>(smem + Traits::kOffTileSlot);
-  if (sched.varlen_tight && tid < 32) {
-    const int64_t t = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q,
-                                                        params.seqlen_q, params.h, blockIdx.x);
-    if (tid == 0) s_varlen_tile = t;
-  }
-  if (tid == 0) {
+  // the CTA barrier (the kernel's prologue); a CTA past every real tile leaves right after it.
+  int64_t& s_varlen_tile;
+  int* tile_slot;  // the dynamic walk's (above), in the same place
+
+  __device__ __forceinline__ FwdCta(const Flash_fwd_params& params_, const FwdTmaMaps& tma_,
+                                    const FwdTileScheduler<kBlockM>& sched_)
+      : params(params_),
+        tma(tma_),
+        sched(sched_),
+        smem(aligned_dynamic_smem()),
+        smem_addr(smem_u32addr(smem)),
+        bar0(smem_addr + Traits::kOffBar),
+        bar_kv(bar0 + 8 * (2 * kQStages)),
+        o_free(bar_kv + 8 * (4 * kStages)),
+        s_varlen_tile(*reinterpret_cast<int64_t*>(smem + Traits::kOffTileSlot)),
+        tile_slot(reinterpret_cast<int*>(smem + Traits::kOffTileSlot)) {}
+
+  // The mbarriers (Traits::kNumBars) and the ring buffers (Traits' shared-memory layout).
+  __device__ __forceinline__ uint32_t q_full(int s) const { return bar0 + 8 * (2 * s); }
+  __device__ __forceinline__ uint32_t q_empty(int s) const { return bar0 + 8 * (2 * s + 1); }
+  __device__ __forceinline__ uint32_t k_full(int s) const { return bar_kv + 8 * (4 * s); }
+  __device__ __forceinline__ uint32_t k_empty(int s) const { return bar_kv + 8 * (4 * s + 1); }
+  __device__ __forceinline__ uint32_t v_full(int s) const { return bar_kv + 8 * (4 * s + 2); }
+  __device__ __forceinline__ uint32_t v_empty(int s) const { return bar_kv + 8 * (4 * s + 3); }
+  __device__ __forceinline__ uint32_t sQ(int s) const { return smem_addr + s * TileQ::kBytes; }
+  __device__ __forceinline__ uint32_t sK(int s) const { return smem_addr + Traits::kOffK + s * TileKV::kBytes; }
+  __device__ __forceinline__ uint32_t sV(int s) const { return smem_addr + Traits::kOffV + s * TileKV::kBytes; }
+
+  // Thread 0, before the CTA barrier: every ring's mbarriers with their arrival counts (the
+  // barrier protocol at the top of the file).
+  __device__ __forceinline__ void init_barriers() const {
 #pragma unroll
     for (int s = 0; s < kQStages; ++s) {
       mbarrier_init(q_full(s), 1);                 // the producer's arrive(.expect_tx)
@@ -393,32 +408,78 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (Traits::kStageOInV) mbarrier_init(o_free, kConsumerWarps);  // per consumer warp, after the store read
     mbarrier_init_fence();
   }
-  __syncthreads();  // the last CTA-wide barrier: the producer's other warps leave below
-  if (sched.varlen_tight && s_varlen_tile < 0) return;  // uniform over the CTA
 
-  // The producer and the consumers walk this CTA's tiles (common/tile_scheduler.cuh) in the same
-  // order and each decode them (QTileWork): no tile index passes through shared memory (but a
-  // varlen tight grid's, s_varlen_tile above).
-  // Both after their register reallocation (nothing live across setmaxnreg).
-  // No steps (n_block_max <= n_block_min, which a window alone never makes: key_start < key_limit
-  // wherever key_limit > 0): no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
-  // sequence without keys): no K/V, no Q load, but one Q-ring phase all the same (the consumers
-  // stage O = 0 through the buffer). A tile past its sequence's end: skipped by both sides.
-  // The dynamic walk's next tile (tile_scheduler.cuh: dynamic; -1: the walk is over; int32: tile
-  // indices are < 2^31), in s_varlen_tile's place, handed over on named barriers kTileFull /
-  // kTileEmpty of the producer warp and the consumer threads (ids past the turns' and the V
-  // tail's, see the consumers). The slot is written and read by shared-memory atomics: the
-  // barriers order them, and compute-sanitizer racecheck, which reports a plain store and load
-  // ordered by these barriers as a race, sees no race between atomics.
-  int* tile_slot = reinterpret_cast<int*>(smem + Traits::kOffTileSlot);
-  constexpr int kTileFull =
-      WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>::kBarrier + Traits::kConsumerWGs + 1;
-  constexpr int kTileEmpty = kTileFull + 1;
-  constexpr int kHandOverThreads = 32 + 128 * Traits::kConsumerWGs;
-  static_assert(kTileEmpty < 16, "16 named barriers per CTA");
-  if (wg == 0) {
-    // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread (warp 0's
-    // lane 0; in the dynamic walk its warp finds the tiles).
+  // ---- Producer, one tile's loads (lane 0 of warp 0): K_n and V_n of its steps, Q after the
+  // first key block. The ring positions run on across tiles (q_pipe, kv_pipe, o_pipe: the
+  // producer's, advanced here).
+  __device__ __forceinline__ void produce_tile(int tile, PipelineState<kQStages>& q_pipe,
+                                               PipelineState<kStages>& kv_pipe, PipelineState<1>& o_pipe,
+                                               const uint64_t evict_first, const uint64_t evict_last) const {
+    const int2 bm = Work::decode(tile, sched.m_div, sched.h_div);
+    const Work w(params, bm, sched.m_shift);
+    // Varlen: no work, no ring position (the consumers skip it too; the dynamic walk never hands
+    // such a tile over).
+    if (w.past_end()) return;
+    // Key blocks [n_block_min, n_block_max): n_steps steps (a sliding window's left bound: the
+    // tile's first row's first block; else 0).
+    const int n_block_max = w.n_block_max, n_steps = max(n_block_max - (kLocal ? w.n_block_min() : 0), 0);
+    const int bidb = w.seq.tma_batch(params);
+    // K_n or V_n of step i (n = n_block_max - 1 - i) into its buffer of the next ring stage,
+    // once the consumers released it (round 0 passes at once: fresh barriers), completing on its
+    // full barrier.
+    auto load_tile = [&](int i, uint32_t dst, const CUtensorMap* map, uint32_t full, uint32_t empty) {
+      const int n = n_block_max - 1 - i;
+      mbarrier_wait(empty, kv_pipe.phase(i) ^ 1);
+      mbarrier_arrive_expect_tx(full, TileKV::kBytes);
+#pragma unroll
+      for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+        tma_load_4d(dst + cb * TileKV::kColBlockBytes, map, full, 64 * cb, w.seq.k_tma_row(n * kBlockN), w.bidhk,
+                    bidb, evict_last);
+      }
+    };
+    auto load_k = [&](int i) { const int s = kv_pipe.stage(i); load_tile(i, sK(s), &tma.k, k_full(s), k_empty(s)); };
+    auto load_v = [&](int i) { const int s = kv_pipe.stage(i); load_tile(i, sV(s), &tma.v, v_full(s), v_empty(s)); };
+    // The first key block before Q: Q waits for the consumers to release the buffer (q_empty),
+    // K/V need not. With O staged in the V ring (kStageOInV), V_0 comes after Q and waits for
+    // the previous tile's O store to have read the ring (o_free; every tile takes one phase).
+    if (n_steps > 0) load_k(0);
+    if (!Traits::kStageOInV && n_steps > 0) load_v(0);
+    const int qs = q_pipe.stage();
+    mbarrier_wait(q_empty(qs), q_pipe.phase() ^ 1);
+    if (n_steps > 0) {
+      mbarrier_arrive_expect_tx(q_full(qs), TileQ::kBytes);
+#pragma unroll
+      for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+        tma_load_4d(sQ(qs) + cb * TileQ::kColBlockBytes, &tma.q, q_full(qs), 64 * cb, w.seq.q_tma_row(w.m0),
+                    w.bidh, bidb, evict_first);
+      }
+    } else {
+      // No key: hand the empty buffer over for O = 0. With O staged in the V ring, only once the
+      // previous tile's O store has read the ring: no V load orders this tile's O writes after
+      // that store, so the consumers' q_full wait must.
+      if constexpr (Traits::kStageOInV) mbarrier_wait(o_free, o_pipe.phase() ^ 1);
+      mbarrier_arrive(q_full(qs));
+    }
+    q_pipe.advance();
+    if constexpr (Traits::kStageOInV) {
+      if (n_steps > 0) {
+        mbarrier_wait(o_free, o_pipe.phase() ^ 1);
+        load_v(0);
+      }
+      o_pipe.advance();
+    }
+#pragma unroll 1
+    for (int i = 1; i < n_steps; ++i) {
+      load_k(i);
+      load_v(i);
+    }
+    kv_pipe.advance(n_steps);
+  }
+
+  // ---- Producer (FA2 Alg. 1 lines 4 and 7: load Q_i, then K_j, V_j), one thread (warp 0's
+  // lane 0; in the dynamic walk its warp finds the tiles). The whole of warpgroup 0 calls it, after
+  // the prologue; its other warps leave at once.
+  __device__ __forceinline__ void producer(const int tid) const {
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (tid < 32) {
       if (tid == 0) {
@@ -431,67 +492,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       PipelineState<kStages> kv_pipe;
       PipelineState<1> o_pipe;  // Traits::kStageOInV: one o_free phase per tile
       // One tile's loads (lane 0).
-      auto produce = [&](int tile) {
-        const int2 bm = QTileWork<kBlockM, kBlockN>::decode(tile, sched.m_div, sched.h_div);
-        const QTileWork<kBlockM, kBlockN> w(params, bm, sched.m_shift);
-        // Varlen: no work, no ring position (the consumers skip it too; the dynamic walk never hands
-        // such a tile over).
-        if (w.past_end()) return;
-        // Key blocks [n_block_min, n_block_max): n_steps steps (a sliding window's left bound: the
-        // tile's first row's first block; else 0).
-        const int n_block_max = w.n_block_max, n_steps = max(n_block_max - (kLocal ? w.n_block_min() : 0), 0);
-        const int bidb = w.seq.tma_batch(params);
-        // K_n or V_n of step i (n = n_block_max - 1 - i) into its buffer of the next ring stage,
-        // once the consumers released it (round 0 passes at once: fresh barriers), completing on its
-        // full barrier.
-        auto load_tile = [&](int i, uint32_t dst, const CUtensorMap* map, uint32_t full, uint32_t empty) {
-          const int n = n_block_max - 1 - i;
-          mbarrier_wait(empty, kv_pipe.phase(i) ^ 1);
-          mbarrier_arrive_expect_tx(full, TileKV::kBytes);
-#pragma unroll
-          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-            tma_load_4d(dst + cb * TileKV::kColBlockBytes, map, full, 64 * cb, w.seq.k_tma_row(n * kBlockN), w.bidhk,
-                        bidb, evict_last);
-          }
-        };
-        auto load_k = [&](int i) { const int s = kv_pipe.stage(i); load_tile(i, sK(s), &tma.k, k_full(s), k_empty(s)); };
-        auto load_v = [&](int i) { const int s = kv_pipe.stage(i); load_tile(i, sV(s), &tma.v, v_full(s), v_empty(s)); };
-        // The first key block before Q: Q waits for the consumers to release the buffer (q_empty),
-        // K/V need not. With O staged in the V ring (kStageOInV), V_0 comes after Q and waits for
-        // the previous tile's O store to have read the ring (o_free; every tile takes one phase).
-        if (n_steps > 0) load_k(0);
-        if (!Traits::kStageOInV && n_steps > 0) load_v(0);
-        const int qs = q_pipe.stage();
-        mbarrier_wait(q_empty(qs), q_pipe.phase() ^ 1);
-        if (n_steps > 0) {
-          mbarrier_arrive_expect_tx(q_full(qs), TileQ::kBytes);
-#pragma unroll
-          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-            tma_load_4d(sQ(qs) + cb * TileQ::kColBlockBytes, &tma.q, q_full(qs), 64 * cb, w.seq.q_tma_row(w.m0),
-                        w.bidh, bidb, evict_first);
-          }
-        } else {
-          // No key: hand the empty buffer over for O = 0. With O staged in the V ring, only once the
-          // previous tile's O store has read the ring: no V load orders this tile's O writes after
-          // that store, so the consumers' q_full wait must.
-          if constexpr (Traits::kStageOInV) mbarrier_wait(o_free, o_pipe.phase() ^ 1);
-          mbarrier_arrive(q_full(qs));
-        }
-        q_pipe.advance();
-        if constexpr (Traits::kStageOInV) {
-          if (n_steps > 0) {
-            mbarrier_wait(o_free, o_pipe.phase() ^ 1);
-            load_v(0);
-          }
-          o_pipe.advance();
-        }
-#pragma unroll 1
-        for (int i = 1; i < n_steps; ++i) {
-          load_k(i);
-          load_v(i);
-        }
-        kv_pipe.advance(n_steps);
-      };
+      auto produce = [&](int tile) { produce_tile(tile, q_pipe, kv_pipe, o_pipe, evict_first, evict_last); };
       if (!sched.dynamic) {
         if (tid == 0) {
           auto tiles = sched.begin();
@@ -566,6 +567,65 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
     }
+  }
+};
+
+// kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd picks):
+// the tiles' key ranges start at the window's first block. The kernel without it is the causal
+// mask's code alone (n_block_min = 0, no left-edge masks or tail skips). kSoftcap: logit
+// soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores on every S tile).
+// kDropout: attention dropout (params.dropout_p > 0; flash.h): after a step's softmax (l sums P
+// itself) P's dropped elements are zeroed before its P V (FlashAttention, Dao et al. 2022, Alg. 2
+// line 11: Z o P; the mask from primitives/philox.cuh), O scaled by 1 / (1 - p) in the epilogue; P
+// is converted after the softmax (no early, row-by-row conversion: kDoubleBufferP's). kAlibi: ALiBi
+// (params.alibi_slopes_ptr; flash.h): every S tile gains the bias before the mask (common/mask.cuh:
+// add_alibi).
+template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kDropout = false, bool kAlibi = false>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_fwd_kernel(const __grid_constant__ Flash_fwd_params params, const __grid_constant__ FwdTmaMaps tma,
+                     const __grid_constant__ FwdTileScheduler<Traits::kBlockM> sched) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // What runs where: after the prologue (warp 0: a varlen tight grid's tile; thread 0:
+  // FwdCta::init_barriers) and the CTA barrier, warpgroup 0 runs the producer, FwdCta::producer
+  // (TMA loads), and returns; the consumer warpgroups run the rest of this body (the tile walk,
+  // main loop and epilogue), with the shared state (barriers, buffers, tile slot) from cta.
+  using Element = typename Traits::Element;
+  using TileQ = typename Traits::TileQ;
+  using TileKV = typename Traits::TileKV;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kHeadDimPad = Traits::kHeadDimPad;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kQStages = Traits::kQStages;
+  constexpr int kNBlkN = kBlockN / 8;      // n8 blocks of S (keys)
+  constexpr int kNBlkD = Traits::kHeadDimMma / 8;  // n8 blocks of O (smem_layout.cuh: head_dim_mma)
+
+  using Cta = FwdCta<Traits, kLocal>;
+  const Cta cta(params, tma, sched);
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+
+  // Prologue. Varlen on a tight grid: warp 0 finds this CTA's tile (FwdCta::s_varlen_tile) and
+  // publishes it through the CTA barrier below; a CTA past every real tile leaves right after it.
+  if (sched.varlen_tight && tid < 32) {
+    const int64_t t = varlen_dense_index<kBlockM, true>(params.cu_seqlens_q, params.b, params.total_q,
+                                                        params.seqlen_q, params.h, blockIdx.x);
+    if (tid == 0) cta.s_varlen_tile = t;
+  }
+  if (tid == 0) cta.init_barriers();
+  __syncthreads();  // the last CTA-wide barrier: the producer's other warps leave below
+  if (sched.varlen_tight && cta.s_varlen_tile < 0) return;  // uniform over the CTA
+
+  // The producer and the consumers walk this CTA's tiles (common/tile_scheduler.cuh) in the same
+  // order and each decode them (QTileWork): no tile index passes through shared memory (but a
+  // varlen tight grid's, FwdCta::s_varlen_tile, and the dynamic walk's, FwdCta::tile_slot).
+  // Both after their register reallocation (nothing live across setmaxnreg).
+  // No steps (n_block_max <= n_block_min, which a window alone never makes: key_start < key_limit
+  // wherever key_limit > 0): no row of the tile sees a key (causal, seqlen_q > seqlen_k; varlen, a
+  // sequence without keys): no K/V, no Q load, but one Q-ring phase all the same (the consumers
+  // stage O = 0 through the buffer). A tile past its sequence's end: skipped by both sides.
+  if (wg == 0) {
+    cta.producer(tid);
     return;
   }
 
@@ -588,7 +648,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int cw = warpgroup_index(threadIdx.x) - 1;
   const Turns turns(cw);
   turns.prime();
-  if (sched.dynamic) named_barrier_arrive(kTileEmpty, kHandOverThreads);  // the slot is free (tile hand-over)
+  if (sched.dynamic) named_barrier_arrive(Cta::kTileEmpty, Cta::kHandOverThreads);  // the slot is free (tile hand-over)
   auto tiles = sched.begin();
 #pragma unroll 1
   for (int64_t tile_index;;) {
@@ -597,16 +657,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // static walks compute it. The index is opaque from here on: what derives from it is
     // recomputed in the epilogue instead of held live across the main loop.
     if (sched.dynamic) {
-      named_barrier_sync(kTileFull, kHandOverThreads);
+      named_barrier_sync(Cta::kTileFull, Cta::kHandOverThreads);
       int slot = 0;
-      if (threadIdx.x % 32 == 0) slot = atomicAdd(tile_slot, 0);  // one read per warp
+      if (threadIdx.x % 32 == 0) slot = atomicAdd(cta.tile_slot, 0);  // one read per warp
       tile_index = __shfl_sync(0xffffffffu, slot, 0);
       if (tile_index < 0) break;
-      named_barrier_arrive(kTileEmpty, kHandOverThreads);
+      named_barrier_arrive(Cta::kTileEmpty, Cta::kHandOverThreads);
     } else if (!tiles.next(sched, tile_index)) {
       break;
     }
-    int64_t tile = sched.varlen_tight ? s_varlen_tile : tile_index;  // varlen tight grid: its one tile
+    int64_t tile = sched.varlen_tight ? cta.s_varlen_tile : tile_index;  // varlen tight grid: its one tile
     asm volatile("" : "+l"(tile));
     const QTileWork<kBlockM, kBlockN> w(params, tile, sched.m_div, sched.h_div, sched.m_shift);
     // Varlen: a tile past its sequence's end, skipped by the producer too (the dynamic walk hands
@@ -618,7 +678,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     [[maybe_unused]] const uint32_t dropout_bh = DropoutRng::head_word(w.seq.bidb, params.h, w.bidh);
     [[maybe_unused]] const float alibi_slope_u = kAlibi ? alibi_slope(params, w.seq.bidb, w.bidh) : 0.f;
     const int qs = q_pipe.stage();
-    mbarrier_wait(q_full(qs), q_pipe.phase());
+    mbarrier_wait(cta.q_full(qs), q_pipe.phase());
     const int n_block_max = w.n_block_max, n_block_min = kLocal ? w.n_block_min() : 0;
     const int n_steps = max(n_block_max - n_block_min, 0);  // the tile's steps (key blocks)
     // This warpgroup's own key range where Traits::kWarpgroupKeyRanges (else the tile's): its 64
@@ -642,7 +702,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                               : Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked_lo(r0, 64, kBlockN)
                                                             : w.mask.n_block_unmasked_lo(w.m0, kBlockM, kBlockN);
     const int i0 = n_block_max - n_top;  // this warpgroup's first step
-    const uint32_t sQ_t = sQ(qs);
+    const uint32_t sQ_t = cta.sQ(qs);
     // Step i of the tile: S_i reads K at kv_pipe.stage(i), P_{i-1} V at kv_pipe.stage(i - 1).
     const PipelineState<kStages> kv_pipe = kv_next;
     kv_next.advance(n_steps);
@@ -659,12 +719,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto skip = [&](int i) {
       const int stage = kv_pipe.stage(i);
       turns.pass();
-      mbarrier_wait(k_full(stage), kv_pipe.phase(i));
+      mbarrier_wait(cta.k_full(stage), kv_pipe.phase(i));
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(k_empty(stage));
-      mbarrier_wait(v_full(stage), kv_pipe.phase(i));
+      if (lane == 0) mbarrier_arrive(cta.k_empty(stage));
+      mbarrier_wait(cta.v_full(stage), kv_pipe.phase(i));
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(v_empty(stage));
+      if (lane == 0) mbarrier_arrive(cta.v_empty(stage));
     };
 
     float acc_o[1][kNBlkD][4];  // FA2 Alg. 1 line 5: O = 0
@@ -698,8 +758,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           if (Traits::kStageOInV && (sched.persistent || sched.dynamic)) {
             named_barrier_sync(kVTailBarrier, kConsumerThreads);
           }
-          mbarrier_wait(v_full(kv_pipe.stage(0)), kv_pipe.phase(0));
-          zero_rows<TileKV, kHeadDimPad, kConsumerThreads>(sV(kv_pipe.stage(0)), keys_in_last, kBlockN,
+          mbarrier_wait(cta.v_full(kv_pipe.stage(0)), kv_pipe.phase(0));
+          zero_rows<TileKV, kHeadDimPad, kConsumerThreads>(cta.sV(kv_pipe.stage(0)), keys_in_last, kBlockN,
                                                            thread_index_opaque() - 128);
           fence_proxy_async();
           named_barrier_sync(kVTailBarrier, kConsumerThreads);
@@ -720,7 +780,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     auto release_q = [&] {
       if constexpr (Traits::kStageOInV) {
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(q_empty(qs));
+        if (lane == 0) mbarrier_arrive(cta.q_empty(qs));
       }
     };
     if (n_wg == 0) release_q();
@@ -738,15 +798,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       // Step 0 (key block n_top - 1, the last this warpgroup sees): S_0, its softmax and P_0 (O = 0 yet).
       turns.begin();
-      mbarrier_wait(k_full(kv_wg.stage(0)), kv_wg.phase(0));
+      mbarrier_wait(cta.k_full(kv_wg.stage(0)), kv_wg.phase(0));
       wgmma_fence();
-      gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, sK(kv_wg.stage(0)));
+      gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, cta.sK(kv_wg.stage(0)));
       wgmma_commit();
       turns.end();
       wgmma_wait<0>();
       wgmma_fence_operands(flat(s[0]));
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(k_empty(kv_wg.stage(0)));  // this warp is done with K
+      if (lane == 0) mbarrier_arrive(cta.k_empty(kv_wg.stage(0)));  // this warp is done with K
       if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
       if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + row0(), (n_top - 1) * kBlockN, alibi_slope_u);
       if (n_top - 1 >= n_unmasked || (kLocal && n_top - 1 < n_unmasked_lo)) {
@@ -773,21 +833,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
         // Alg. 1 line 8: S_i = Q K_n^T (unscaled: the scale goes into the softmax) ...
         turns.begin();
-        mbarrier_wait(k_full(stage), kv_wg.phase(i));
+        mbarrier_wait(cta.k_full(stage), kv_wg.phase(i));
         wgmma_fence();
-        gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, sK(stage));
+        gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, cta.sK(stage));
         wgmma_commit();
         // ... and line 10 of the previous step: O += P_{i-1} V_{n+1}.
-        mbarrier_wait(v_full(prev), kv_wg.phase(i - 1));
+        mbarrier_wait(cta.v_full(prev), kv_wg.phase(i - 1));
         wgmma_fence();
-        gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_in, sV(prev));
+        gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_in, cta.sV(prev));
         wgmma_commit();
         turns.end();
 
         wgmma_wait<1>();  // S_i is complete, O += P V still running
         wgmma_fence_operands(flat(s[0]));
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(k_empty(stage));  // this warp is done with K_n
+        if (lane == 0) mbarrier_arrive(cta.k_empty(stage));  // this warp is done with K_n
 
         // The mask (common/mask.cuh) only on tiles crossing the causal diagonal, a window's left edge
         // or the seqlen_k edge (a warpgroup-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S -
@@ -809,7 +869,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wgmma_fence_operands(p_in);  // p_in live up to here (the product read it)
         wgmma_fence_operands(flat(s[0]));
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(v_empty(prev));  // this warp is done with V_{n+1}
+        if (lane == 0) mbarrier_arrive(cta.v_empty(prev));  // this warp is done with V_{n+1}
         if (rescaled) decltype(softmax)::rescale_o(acc_o, alpha);
         if (!early) {
           drop(n);
@@ -822,16 +882,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int last = kv_wg.stage(n_wg - 1);
         release_q();  // the last S product (in the step before) is complete
         turns.begin();
-        mbarrier_wait(v_full(last), kv_wg.phase(n_wg - 1));
+        mbarrier_wait(cta.v_full(last), kv_wg.phase(n_wg - 1));
         wgmma_fence();
-        gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_last, sV(last));
+        gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_last, cta.sV(last));
         wgmma_commit();
         turns.end();
         wgmma_wait<0>();
         wgmma_fence_operands(flat(acc_o[0]));
         wgmma_fence_operands(p_last);
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(v_empty(last));
+        if (lane == 0) mbarrier_arrive(cta.v_empty(last));
       };
       if constexpr (Traits::kDoubleBufferP && !kDropout) {
         // Two steps per trip, so both buffers are fixed registers: P_i in p for even i, p2 for odd.
@@ -894,12 +954,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // previous tile's O store had read the ring (o_free), and the producer loads no further V
       // before this tile's o_free. A tile without keys has no V: its q_full came after o_free. The
       // buffer address is opaque per tile, as the thread index.
-      uint32_t sO_addr = Traits::kStageOInV ? smem_addr + Traits::kOffV : sQ(qs);
+      uint32_t sO_addr = Traits::kStageOInV ? cta.smem_addr + Traits::kOffV : cta.sQ(qs);
       asm volatile("" : "+r"(sO_addr));
       if (Traits::kStageOInV && wo.n_block_max > (kLocal ? wo.n_block_min() : 0)) {  // the tile had steps (V loads)
         PipelineState<kStages> last = kv_next;  // the tile's last key block: one position before the next tile's first
         last.advance(2 * kStages - 1);
-        mbarrier_wait(v_empty(last.stage()), last.phase());
+        mbarrier_wait(cta.v_empty(last.stage()), last.phase());
       }
       unsigned char* sO = static_cast<unsigned char*>(__cvta_shared_to_generic(sO_addr));
       store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(sO, acc_o[0], 64 * c, kDropout ? params.dropout_rp : 1.f,
@@ -934,7 +994,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // Each warp releases the buffer once its reads of it are done (warp 0: once the TMA store
       // has read the warpgroup's rows); the phase completes with the last warp's arrival.
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(Traits::kStageOInV ? o_free : q_empty(qs));
+      if (lane == 0) mbarrier_arrive(Traits::kStageOInV ? cta.o_free : cta.q_empty(qs));
     }
     q_pipe.advance();
   }
