@@ -157,6 +157,35 @@ struct AttnMask {
   __device__ __forceinline__ void add_alibi(float (&acc)[kNBlk][4], int row0, int col0, float slope_u) const {
     add_alibi<kKeyRows, 1, kNBlk>(reinterpret_cast<float (&)[1][kNBlk][4]>(acc), row0, col0, slope_u);
   }
+
+  // ---- One m16 slab of rows that are not consecutive queries (the split-KV kernel's packed GQA
+  // rows: packed row r is query r / ratio of its own head). The thread's two rows h = 0, 1 (lane / 4
+  // and lane / 4 + 8) come with what apply / add_alibi derive from a row index, computed once per
+  // CTA: limit[h] = key_limit(query), start[h] = key_start(query) (read with kLeft only); for ALiBi
+  // pos[h] = query + seqlen_k - seqlen_q and the head's slope[h]. s[0][ni][e] is row e / 2, key
+  // col_t + 8 ni + (e % 2), col_t being the thread's first key (the slab's first + 2 (lane % 4)).
+  template <bool kLeft, int kNAtoms>
+  __device__ __forceinline__ static void apply_rows(float (&s)[1][kNAtoms][4], const int (&limit)[2],
+                                                    const int (&start)[2], int col_t) {
+#pragma unroll
+    for (int ni = 0; ni < kNAtoms; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = col_t + ni * 8 + (e % 2);
+        if (key >= limit[e / 2] || (kLeft && key < start[e / 2])) s[0][ni][e] = -INFINITY;
+      }
+  }
+  template <int kNAtoms>
+  __device__ __forceinline__ static void add_alibi_rows(float (&s)[1][kNAtoms][4], const int (&pos)[2],
+                                                        const float (&slope)[2], int col_t) {
+#pragma unroll
+    for (int ni = 0; ni < kNAtoms; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float dist = float(pos[e / 2] - (col_t + ni * 8 + (e % 2)));
+        s[0][ni][e] = fmaf(slope[e / 2], fabsf(dist), s[0][ni][e]);
+      }
+  }
 };
 
 // ALiBi's slope of sequence (batch) b, head h in score units (flash.h: alibi_unit; 0 without ALiBi),

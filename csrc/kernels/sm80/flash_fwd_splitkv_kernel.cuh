@@ -195,11 +195,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   OnlineSoftmax<1> softmax;  // m = -inf, l = 0
 
   // Key ranges of this thread's two packed rows (lane / 4 and lane / 4 + 8 of the tile; the mask
-  // layer, common/mask.cuh, on the row's query): a key j is visible iff start <= j < limit
-  // (start 0 without a left bound: the kLocal twin only compares it).
+  // layer, common/mask.cuh, on the row's query; AttnMask::apply_rows applies them): a key j is
+  // visible iff start <= j < limit (start 0 without a left bound: the kLocal twin only compares it).
   int limit[2], start[2];
-  // ALiBi: the row's query i + off (off = seqlen_k - seqlen_q) and its head's slope in score units
-  // (common/mask.cuh: alibi_slope); packed row r is query r / ratio of head bidhk * ratio + r % ratio.
+  // ALiBi (AttnMask::add_alibi_rows): the row's query i + off (off = seqlen_k - seqlen_q) and its
+  // head's slope in score units (common/mask.cuh: alibi_slope); packed row r is query r / ratio of
+  // head bidhk * ratio + r % ratio.
   [[maybe_unused]] int alibi_q[2];
   [[maybe_unused]] float alibi_s[2];
 #pragma unroll
@@ -282,31 +283,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     }
 
     // The mask, only on tiles some row does not see whole (the causal diagonal, a window's left
-    // edge, the end of the sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row lane/4 + 8h, key
-    // key0 + 8 ni + 2 (lane % 4) + e. Past the sequence's keys S = 0 (cp.async zero-fills those K
+    // edge, the end of the sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row
+    // lane/4 + 8h, key key0 + 8 ni + 2 (lane % 4) + e. Past the sequence's keys S = 0 (cp.async zero-fills those K
     // rows) or anything, NaN included (TMA brings whole boxes): the tile holding them always takes
     // this branch (every row's key limit is <= seqlen_k) and the -inf replaces the value.
     // (Soft-capping first: softmax.cuh; tanh keeps a NaN a NaN, which the mask then replaces.)
     if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
-    if constexpr (kAlibi) {  // + slope * |i + off - j|, the key j of s[0][ni][e] as the mask's below
-      const int key0 = (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4);
-#pragma unroll
-      for (int ni = 0; ni < kNAtoms; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float dist = float(alibi_q[e / 2] - (key0 + ni * 8 + (e % 2)));
-          s[0][ni][e] = fmaf(alibi_s[e / 2], fabsf(dist), s[0][ni][e]);
-        }
+    // (The thread's first key is spelled out in each call: one variable for both changed the
+    // loop's register allocation; as written the SASS is the inline loops', byte for byte.)
+    if constexpr (kAlibi) {  // + slope |i + off - j|
+      AttnMask::add_alibi_rows(s, alibi_q, alibi_s, (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4));
     }
     if (w.template tile_needs_mask<kLocal>(w.n_begin + t)) {
-      const int key0 = (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4);
-#pragma unroll
-      for (int ni = 0; ni < kNAtoms; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + ni * 8 + (e % 2);
-          if (key >= limit[e / 2] || (kLocal && key < start[e / 2])) s[0][ni][e] = -INFINITY;
-        }
+      AttnMask::apply_rows<kLocal>(s, limit, start, (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4));
     }
 
     // Alg. 1 lines 9-10: m, P = exp2((S - m) c), l, O *= alpha (this warp's rows state).
