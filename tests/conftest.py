@@ -54,6 +54,12 @@ def require_hdim(d, exact=False):
         pytest.skip(f"head dim {d} is not covered by this build's CUDA head dims {compiled} (FLASH_ATTN_EXT_HDIMS)")
 
 
+def run_hdim(d):
+    """The compiled CUDA head dim a call of head dim ``d`` runs (dispatch.cu's rounded_headdim: the
+    smallest compiled one >= d), e.g. 128 for d96 in a build narrowed to 128."""
+    return min(h for h in compiled_hdims() if h >= d)
+
+
 def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cpu", requires_grad=True):
     """Fresh random BSHD q, k, v (standard normal, never zeros)."""
     def rnd(*shape):

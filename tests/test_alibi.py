@@ -13,7 +13,7 @@ import torch
 
 import flash_attn_ext
 from accuracy import check_accuracy
-from conftest import VARLEN_LENS_K, VARLEN_LENS_Q, check_fwd_bwd, make_qkv, make_varlen_qkv, require_hdim
+from conftest import VARLEN_LENS_K, VARLEN_LENS_Q, check_fwd_bwd, make_qkv, make_varlen_qkv, require_hdim, run_hdim
 from flash_attn_ext.reference import alibi_bias, alibi_geometric_slopes, attention_ref, attention_varlen_ref
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -85,7 +85,8 @@ def test_alibi_long_rows(shape, poison_empty, arch_path):
         q, k, v, lambda: flash_attn_ext.flash_attn_func(q, k, v, alibi_slopes=slopes, return_lse=True),
         lambda upcast: attention_ref(q, k, v, None, False, upcast=upcast, alibi_slopes=slopes)), "flash_bwd_dkv")
     if d == 96 and _sm90_backward_runs(arch_path):
-        assert rows == {_dkv_row(d, sq, sk, b * hk, torch.cuda.get_device_properties(0).multi_processor_count)}, rows
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert rows == {_dkv_row(run_hdim(d), sq, sk, b * hk, num_sms)}, rows
 
 
 @pytest.mark.parametrize("device", _devices())
