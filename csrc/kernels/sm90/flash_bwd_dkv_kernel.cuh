@@ -88,6 +88,220 @@ struct DkvKernelTraits : BwdTileTraits<kHeadDim, Tile, Tile::kBlockN / 64> {
   static_assert(128 % kBlockM == 0, "Q tiles must tile the 128-rounded workspaces");
 };
 
+// The rows kernel's self-contained steps (the kernel below calls them in Alg. 2's order). Each is
+// __forceinline__: the kernel compiles as the one function it was (SASS byte-identical to the
+// kernel with the steps written out). They declare no arrays of their own: the kernel does, and
+// passes them (a dS^T helper with its own P^T step array renumbered the DpInS / PSmem twins'
+// registers).
+
+// Alg. 2 line 8: dK_j = dV_j = 0 (this warpgroup's 64 rows x d).
+template <int kNBlkD>
+__device__ __forceinline__ void zero_dk_dv(float (&acc_dk)[kNBlkD][4], float (&acc_dv)[kNBlkD][4]) {
+#pragma unroll
+  for (int j = 0; j < kNBlkD; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
+  }
+}
+
+// acc = A B^T over the head dim's k16 steps, as one wgmma group (the caller fences first): A the
+// warpgroup's 64 rows of K_j or V_j (sA: S^T, dP^T), B the kNBlkP * 8 rows from q0 of Q_i or dO_i.
+template <typename Element, int kHeadDim, typename T, int kNBlkP>
+__device__ __forceinline__ void issue_kv_q_product(float (&acc)[kNBlkP][4], uint32_t sA, uint32_t sB, int wg, int q0) {
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    Wgmma<Element, kNBlkP * 8>::template ss<0>(flat(acc), T::TileKV::desc_k_major(sA, 64 * wg, kk),
+                                               T::TileQ::desc_k_major(sB, q0, kk), kk > 0);
+  }
+  wgmma_commit();
+}
+
+// Alg. 2 lines 11 and 14 (transposed), all issued up front: for each of the kSplit parts of the Q
+// tile (kPart rows), S^T = K_j Q_part^T and dP^T = V_j dO_part^T, a wgmma group each (S^T_h's,
+// then dP^T_h's). The tensor cores then have the later parts queued while this warpgroup does the
+// softmax math of the first.
+template <typename Element, int kHeadDim, typename T, int kSplit, int kNBlkP>
+__device__ __forceinline__ void issue_s_dp_parts(float (&acc_s)[kSplit][kNBlkP][4], float (&acc_dp)[kSplit][kNBlkP][4],
+                                                 uint32_t sK, uint32_t sV, uint32_t sQ, uint32_t sdO, int wg) {
+  wgmma_fence();
+#pragma unroll
+  for (int h = 0; h < kSplit; ++h) {
+    issue_kv_q_product<Element, kHeadDim, T>(acc_s[h], sK, sQ, wg, h * kNBlkP * 8);
+    issue_kv_q_product<Element, kHeadDim, T>(acc_dp[h], sV, sdO, wg, h * kNBlkP * 8);
+  }
+}
+
+// Alg. 2 line 12 for the part of the Q tile at m0 from tile column q0: P^T = exp2(S^T scale_log2 -
+// LSE_log2) in place (fp32; masked -> 0; smem_layout.cuh: recompute_pt), after soft-capping (S^T
+// -> t, and 1 - t^2 kept in dt for dS^T; softmax.cuh) and ALiBi's bias of iteration it's query
+// head (mask.cuh: add_alibi, the warpgroup's key rows).
+template <bool kLocal, bool kSoftcap, bool kAlibi, int kNBlkP, typename Work>
+__device__ __forceinline__ void recompute_part_pt(float (&acc_s)[kNBlkP][4], SoftcapGrad<float[kNBlkP][4]>& dt,
+                                                  const Work& w, const Flash_bwd_params& params, float softcap_prescale,
+                                                  bool precise, bool needs_mask, const float* sHi, const float* sLo,
+                                                  int it, int m0, int q0, int wg, int warp_wg, int key0, int t) {
+  if constexpr (kSoftcap) {
+    softcap_scores(acc_s, softcap_prescale);
+    dt.set(acc_s);
+  }
+  if constexpr (kAlibi) {
+    w.mask.template add_alibi<true>(acc_s, w.n0 + 64 * wg + 16 * warp_wg, m0 + q0,
+                                    alibi_slope(params, w.seq.bidb, w.head(it)));
+  }
+  recompute_pt<kLocal>(acc_s, w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, q0, key0, t);
+}
+
+// Alg. 2 line 13 or 17 from k16 step kk0 of the Q tile on: acc (dV_j or dK_j) += A B, A from
+// registers (P^T or dS^T), B = dO_i or Q_i at sB, N-major; one wgmma group.
+template <typename Element, typename T, int kNBlkD, int kKSteps>
+__device__ __forceinline__ void issue_rs_product(float (&acc)[kNBlkD][4], const uint32_t (&a)[kKSteps][4], uint32_t sB,
+                                                 int kk0) {
+  wgmma_rs_group<Element, kNBlkD * 8, 1>(flat(acc), a, [&](int kk) { return T::TileQ::desc_mn_major(sB, kk0 + kk); });
+}
+
+// Alg. 2 line 15 for the part of a Q tile from tile column q0: dS^T = P^T o (dP^T - D), D
+// broadcast along the K rows (sDsum: D of the tile's columns), softcap: times 1 - t^2 (dt), into
+// dS^T's A operands a_ds. With kPRounded, P^T lives only as its Element A operands a_p (the fp32
+// copy acc_s is dead while dP^T is pending).
+template <typename Element, bool kPackedDs, bool kPRounded, bool kSoftcap, int kNBlkP, int kKSteps, typename Dt>
+__device__ __forceinline__ void form_ds_part(uint32_t (&a_ds)[kKSteps][4], float (&acc_dp)[kNBlkP][4],
+                                             const uint32_t (&a_p)[kKSteps][4], const float (&acc_s)[kNBlkP][4],
+                                             const Dt& dt, const float* sDsum, int q0, int t) {
+  if constexpr (kPackedDs) {
+    // dS^T = P^T o bf16(dP^T - D): one packed multiply per two elements, no unpacking. The
+    // register a_p[..][(j % 2) * 2 + r] holds row r (g or g + 8) of n8 block j.
+#pragma unroll
+    for (int j = 0; j < kNBlkP; ++j) {
+      const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = (j % 2) * 2 + r;
+        float2 d = make_float2(acc_dp[j][2 * r] - dsum2.x, acc_dp[j][2 * r + 1] - dsum2.y);
+        if constexpr (kSoftcap) {  // times 1 - t^2 of elements (2r, 2r + 1) of block j
+          const float2 c = dt.pair(2 * j + r);
+          d = make_float2(d.x * c.x, d.y * c.y);
+        }
+        a_ds[j / 2][i] = mul2<Element>(a_p[j / 2][i], pack2<Element>(d.x, d.y));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kNBlkP; ++j) {
+      const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // r: row g (e = 0,1) or g + 8 (e = 2,3)
+        const float2 p = kPRounded ? unpack2<Element>(a_p[j / 2][(j % 2) * 2 + r])
+                                   : make_float2(acc_s[j][2 * r], acc_s[j][2 * r + 1]);
+        acc_dp[j][2 * r] = p.x * (acc_dp[j][2 * r] - dsum2.x);
+        acc_dp[j][2 * r + 1] = p.y * (acc_dp[j][2 * r + 1] - dsum2.y);
+        if constexpr (kSoftcap) {  // times 1 - t^2
+          const float2 c = dt.pair(2 * j + r);
+          acc_dp[j][2 * r] *= c.x;
+          acc_dp[j][2 * r + 1] *= c.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) acc_to_a_frag<kNBlkP, Element>(a_ds[kk], acc_dp, kk);
+  }
+}
+
+// Dropout (primitives/philox.cuh) on the part of the Q tile from tile column q0, once its P^T
+// (acc_s) and dP^T (acc_dp) are done: one pass per unit of the mask Z (key rows from key0, query
+// columns from col0) puts dS^T = P^T o (Z o dP^T rp - D) into acc_dp (Alg. 2 line 15: it needs P^T
+// itself) and Z o P^T into acc_s; then both become A operands, a_ds and a_p (dV's, line 13).
+template <typename Element, int kNBlkP, int kKSteps>
+__device__ __forceinline__ void dropout_part(uint32_t (&a_p)[kKSteps][4], uint32_t (&a_ds)[kKSteps][4],
+                                             float (&acc_s)[kNBlkP][4], float (&acc_dp)[kNBlkP][4],
+                                             const DropoutRng& dropout, const Flash_bwd_params& params, uint32_t bh,
+                                             int key0, int col0, const float* sDsum, int q0, int t) {
+  dropout.template for_each_kept<true, 1, kNBlkP>(bh, key0, col0, [&](int, int j, int e, bool kept) {
+    const float p = acc_s[j][e], dsum = sDsum[q0 + 8 * j + 2 * t + e % 2];
+    acc_dp[j][e] = p * ((kept ? acc_dp[j][e] * params.dropout_rp : 0.f) - dsum);
+    acc_s[j][e] = kept ? p : 0.f;
+  });
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    acc_to_a_frag<kNBlkP, Element>(a_ds[kk], acc_dp, kk);
+    acc_to_a_frag<kNBlkP, Element>(a_p[kk], acc_s, kk);
+  }
+}
+
+// The register diets' own steps (DpInS, PSmem: the traits; the kernel's diet branch).
+
+// PSmem: P^T (its A operands a_p) into the warpgroup's tile, each warp its own 16 K rows
+// (p_frag_addr(kk): this lane's stmatrix address of k16 step kk), the stores then made visible to
+// the async proxy that the wgmma reads through.
+template <int kKSteps, typename FragAddr>
+__device__ __forceinline__ void store_pt_tile(const uint32_t (&a_p)[kKSteps][4], FragAddr&& p_frag_addr) {
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) stmatrix_x4(p_frag_addr(kk), a_p[kk]);
+  fence_proxy_async();
+}
+
+// PSmem (Alg. 2 line 13 from shared memory): dV_j += P^T dO_i as SS wgmmas, A = P^T K-major in
+// the warpgroup's tile sP as K_j is for S^T (M: the warpgroup's 64 K rows, K: 16 queries), B = dO_i
+// N-major, once the warpgroup's four warps have stored their rows (named barrier `barrier`).
+template <typename Element, typename T, int kKSteps, int kNBlkD>
+__device__ __forceinline__ void issue_dv_from_pt_tile(float (&acc_dv)[kNBlkD][4], uint32_t sP, uint32_t sdO,
+                                                      int barrier) {
+  named_barrier_sync(barrier, 128);  // the warpgroup's four warps stored their rows
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    Wgmma<Element, kNBlkD * 8>::template ss<1>(flat(acc_dv), T::TileP::desc_k_major(sP, 0, kk),
+                                              T::TileQ::desc_mn_major(sdO, kk), 1);
+  }
+  wgmma_commit();
+}
+
+// The register diets' Alg. 2 line 15 at k16 step kk: dS^T = P^T o (dP^T - D) into the A operand
+// a_ds from p, the rounded P^T's A operand of the step; softcap: times 1 - t^2 (dt).
+template <typename Element, bool kPackedDs, bool kSoftcap, int kNBlkP, typename Dt>
+__device__ __forceinline__ void form_ds_step(uint32_t (&a_ds)[4], const uint32_t (&p)[4],
+                                             const float (&acc_dp)[kNBlkP][4], int kk, const Dt& dt, const float* sDsum,
+                                             int t) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // p[i]: row g + 8 (i % 2) of n8 block j = 2 kk + i / 2
+    const int j = 2 * kk + i / 2, r = i % 2;
+    const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + 8 * j + 2 * t);
+    float2 d = make_float2(acc_dp[j][2 * r] - dsum2.x, acc_dp[j][2 * r + 1] - dsum2.y);
+    if constexpr (kPackedDs) {  // as form_ds_part: one packed multiply, 1 - t^2 first
+      if constexpr (kSoftcap) {
+        const float2 c = dt.pair(2 * j + r);
+        d = make_float2(d.x * c.x, d.y * c.y);
+      }
+      a_ds[i] = mul2<Element>(p[i], pack2<Element>(d.x, d.y));
+    } else {  // fp16: in fp32, 1 - t^2 last
+      const float2 pf = unpack2<Element>(p[i]);
+      d = make_float2(pf.x * d.x, pf.y * d.y);
+      if constexpr (kSoftcap) {
+        const float2 c = dt.pair(2 * j + r);
+        d = make_float2(d.x * c.x, d.y * c.y);
+      }
+      a_ds[i] = pack2<Element>(d.x, d.y);
+    }
+  }
+}
+
+// Alg. 2 line 19: dK_j (times softmax_scale: S was scaled) and dV_j (dropout: times rp), staged
+// through the K/V tiles (no copy may still be writing them) for coalesced 16-byte stores.
+template <typename Element, typename T, bool kDropout, int kNBlkD, typename Work>
+__device__ __forceinline__ void store_dk_dv(const Work& w, const Flash_bwd_params& params, unsigned char* smem,
+                                            const float (&acc_dk)[kNBlkD][4], const float (&acc_dv)[kNBlkD][4],
+                                            int wg, int tid_wg, int tid) {
+  using TileKV = typename T::TileKV;
+  constexpr int kBlockN = T::kBlockN, kHeadDimPad = T::kHeadDimPad, kThreads = T::kThreads;
+  cp_async_wait<0>();
+  __syncthreads();
+  store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(smem, acc_dk, 64 * wg, float(params.scale_softmax), tid_wg);
+  store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg,
+                                                           kDropout ? params.dropout_rp : 1.f, tid_wg);
+  __syncthreads();
+  w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dk, smem, tid);
+  w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dv, smem + T::kOffV, tid);
+}
+
 // kLocal: the call has a sliding window's left bound (the launch picks: smem_layout.cuh,
 // FLASH_SM90_BWD_LAUNCH); without it the kernel is the causal mask's code alone. kSoftcap: logit
 // soft-capping (params.softcap > 0): S^T -> t first, dS^T times 1 - t^2 (softmax.cuh). kDropout:
@@ -145,13 +359,8 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
   stages.start(tid, maps, w.n_iter, load_q_tile,
                [&] { w.template copy_kv_tiles_async<Element, TileKV, kHeadDimPad, kThreads>(params, sK, sV, tid); });
 
-  // Alg. 2 line 8: dK_j = dV_j = 0 (this warpgroup's 64 rows x d).
   float acc_dk[kNBlkD][4], acc_dv[kNBlkD][4];
-#pragma unroll
-  for (int j = 0; j < kNBlkD; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
-  }
+  zero_dk_dv(acc_dk, acc_dv);  // Alg. 2 line 8
 
   const DropoutRng dropout = DropoutRng::of<kDropout>(params);
 
@@ -182,68 +391,37 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       float acc_s[kNBlkP][4];
       [[maybe_unused]] float acc_dp_own[kNBlkP][4];
       auto& acc_dp = kDpInS ? acc_s : acc_dp_own;
-      auto issue_dp = [&] {
-#pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-          Wgmma<Element, kPart>::template ss<0>(flat(acc_dp), TileKV::desc_k_major(sV, 64 * wg, kk),
-                                                TileQ::desc_k_major(sdO, 0, kk), kk > 0);
-        }
-        wgmma_commit();
-      };
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        Wgmma<Element, kPart>::template ss<0>(flat(acc_s), TileKV::desc_k_major(sK, 64 * wg, kk),
-                                              TileQ::desc_k_major(sQ, 0, kk), kk > 0);
-      }
-      wgmma_commit();
-      if constexpr (!kDpInS) issue_dp();
+      issue_kv_q_product<Element, kHeadDim, T>(acc_s, sK, sQ, wg, 0);
+      if constexpr (!kDpInS) issue_kv_q_product<Element, kHeadDim, T>(acc_dp, sV, sdO, wg, 0);
       stages.refill(it + 1 - stages.kStages, w.n_iter, tid, load_q_tile);  // as below: under the products
 
       const bool needs_mask = w.template needs_mask<kLocal>(it);
       const int key0 = w.n0 + 64 * wg + 16 * warp_wg + g;
       wgmma_wait<kDpInS ? 0 : 1>();  // S^T is done (dP^T, if issued, may still run)
+      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (soft-capping, ALiBi first), then its
+      // Element A operands.
       [[maybe_unused]] SoftcapGrad<float[kNBlkP][4]> dt;
-      if constexpr (kSoftcap) {
-        softcap_scores(acc_s, params.softcap_prescale);
-        dt.set(acc_s);
-      }
-      if constexpr (kAlibi) {  // S^T + ALiBi's bias of this iteration's query head (mask.cuh)
-        w.mask.template add_alibi<true>(acc_s, w.n0 + 64 * wg + 16 * warp_wg, m0,
-                                        alibi_slope(params, w.seq.bidb, w.head(it)));
-      }
-      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2), then its Element A operands.
-      recompute_pt<kLocal>(acc_s, w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, 0, key0, t);
+      recompute_part_pt<kLocal, kSoftcap, kAlibi>(acc_s, dt, w, params, params.softcap_prescale, precise, needs_mask,
+                                                  sHi, sLo, it, m0, 0, wg, warp_wg, key0, t);
       uint32_t a_p[kPart / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[kk], acc_s, kk);
       if constexpr (kPSmem) {
-        // P^T into this warpgroup's tile, each warp its own 16 K rows. The tile's last reader, the
-        // previous iteration's dV product, completed at that iteration's wgmma_wait<0> (every
-        // warp waits before it gets here), so the overwrite is safe; then the stores are made
-        // visible to the async proxy that the wgmma reads through.
-#pragma unroll
-        for (int kk = 0; kk < kPart / 16; ++kk) stmatrix_x4(p_frag_addr(kk), a_p[kk]);
-        fence_proxy_async();
+        // P^T into this warpgroup's tile. The tile's last reader, the previous iteration's dV
+        // product, completed at that iteration's wgmma_wait<0> (every warp waits before it gets
+        // here), so the overwrite is safe.
+        store_pt_tile(a_p, p_frag_addr);
       }
       if constexpr (kDpInS) {  // Alg. 2 line 14 into S^T's registers: P^T is out of them
         wgmma_fence();
-        issue_dp();
+        issue_kv_q_product<Element, kHeadDim, T>(acc_dp, sV, sdO, wg, 0);
       }
       // Alg. 2 line 13: dV_j += P^T dO_i.
       if constexpr (kPSmem) {
-        named_barrier_sync(kPtStoredBarrier + wg, 128);  // the warpgroup's four warps stored their rows
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kPart / 16; ++kk) {
-          // A = P^T K-major as K_j is for S^T (M: the warpgroup's 64 K rows, K: 16 queries), B = dO_i N-major.
-          Wgmma<Element, kHeadDimMma>::template ss<1>(flat(acc_dv), T::TileP::desc_k_major(sP, 0, kk),
-                                                      TileQ::desc_mn_major(sdO, kk), 1);
-        }
-        wgmma_commit();
+        issue_dv_from_pt_tile<Element, T, kPart / 16>(acc_dv, sP, sdO, kPtStoredBarrier + wg);
       } else {
-        wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dv), a_p,
-                                              [&](int kk) { return TileQ::desc_mn_major(sdO, kk); });
+        issue_rs_product<Element, T>(acc_dv, a_p, sdO, 0);
       }
 
       // Alg. 2 line 15: dS^T = P^T o (dP^T - D) from the rounded P^T (reloaded by PSmem: the bits the
@@ -259,57 +437,19 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
 #pragma unroll
           for (int i = 0; i < 4; ++i) p[i] = a_p[kk][i];
         }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // p[i]: row g + 8 (i % 2) of n8 block j = 2 kk + i / 2
-          const int j = 2 * kk + i / 2, r = i % 2;
-          const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + 8 * j + 2 * t);
-          float2 d = make_float2(acc_dp[j][2 * r] - dsum2.x, acc_dp[j][2 * r + 1] - dsum2.y);
-          if constexpr (kPackedDs) {  // as the rows below: one packed multiply, 1 - t^2 first
-            if constexpr (kSoftcap) {
-              const float2 c = dt.pair(2 * j + r);
-              d = make_float2(d.x * c.x, d.y * c.y);
-            }
-            a_ds[kk][i] = mul2<Element>(p[i], pack2<Element>(d.x, d.y));
-          } else {  // fp16: in fp32, 1 - t^2 last
-            const float2 pf = unpack2<Element>(p[i]);
-            d = make_float2(pf.x * d.x, pf.y * d.y);
-            if constexpr (kSoftcap) {
-              const float2 c = dt.pair(2 * j + r);
-              d = make_float2(d.x * c.x, d.y * c.y);
-            }
-            a_ds[kk][i] = pack2<Element>(d.x, d.y);
-          }
-        }
+        form_ds_step<Element, kPackedDs, kSoftcap>(a_ds[kk], p, acc_dp, kk, dt, sDsum, t);
       }
 
       // Alg. 2 line 17: dK_j += dS^T Q_i.
-      wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dk), a_ds,
-                                            [&](int kk) { return TileQ::desc_mn_major(sQ, kk); });
+      issue_rs_product<Element, T>(acc_dk, a_ds, sQ, 0);
       wgmma_wait<0>();     // (so no product reads the P^T tile when the next iteration writes it)
       stages.release(it);  // this thread is done with the stage
       continue;
     }
 
-    // Alg. 2 lines 11 and 14 (transposed), all issued up front: for each of the kSplit parts of
-    // the Q tile (kPart rows), S^T = K_j Q_part^T and dP^T = V_j dO_part^T. The tensor cores then
-    // have the later parts queued while this warpgroup does the softmax math of the first.
+    // Alg. 2 lines 11 and 14 (transposed) for every part of the Q tile, all issued up front.
     float acc_s[kSplit][kNBlkP][4], acc_dp[kSplit][kNBlkP][4];
-    wgmma_fence();
-#pragma unroll
-    for (int h = 0; h < kSplit; ++h) {
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        Wgmma<Element, kPart>::template ss<0>(flat(acc_s[h]), TileKV::desc_k_major(sK, 64 * wg, kk),
-                                              TileQ::desc_k_major(sQ, h * kPart, kk), kk > 0);
-      }
-      wgmma_commit();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        Wgmma<Element, kPart>::template ss<0>(flat(acc_dp[h]), TileKV::desc_k_major(sV, 64 * wg, kk),
-                                              TileQ::desc_k_major(sdO, h * kPart, kk), kk > 0);
-      }
-      wgmma_commit();
-    }
+    issue_s_dp_parts<Element, kHeadDim, T>(acc_s, acc_dp, sK, sV, sQ, sdO, wg);
     // Iteration it + 1 into the stage an earlier iteration released (kTma: the loader's wait and
     // copies run under the products just issued).
     stages.refill(it + 1 - stages.kStages, w.n_iter, tid, load_q_tile);
@@ -324,105 +464,40 @@ flash_bwd_dkv_kernel(const __grid_constant__ Flash_bwd_params params, const __gr
       // other products of the parts, and dV / dK of the earlier parts): S^T_h is done.
       wgmma_wait<2 * kSplit - 1>();
       const int q0 = h * kPart;  // first tile row of part h
-      // Soft-capping: S^T -> t, and 1 - t^2 kept for dS^T (softmax.cuh).
+      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0), soft-capping
+      // (1 - t^2 kept in dt for dS^T) and ALiBi first.
       [[maybe_unused]] SoftcapGrad<float[kNBlkP][4]> dt;
-      if constexpr (kSoftcap) {
-        softcap_scores(acc_s[h], softcap_prescale);
-        dt.set(acc_s[h]);
-      }
-      if constexpr (kAlibi) {  // S^T + ALiBi's bias of this iteration's query head (mask.cuh)
-        w.mask.template add_alibi<true>(acc_s[h], w.n0 + 64 * wg + 16 * warp_wg, m0 + q0,
-                                        alibi_slope(params, w.seq.bidb, w.head(it)));
-      }
-      // Alg. 2 line 12: P^T = exp2(S^T scale_log2 - LSE_log2) (fp32; masked -> 0; smem_layout.cuh).
-      recompute_pt<kLocal>(acc_s[h], w.mask, precise, needs_mask, params.scale_softmax_log2, sHi, sLo, m0, q0, key0, t);
+      recompute_part_pt<kLocal, kSoftcap, kAlibi>(acc_s[h], dt, w, params, softcap_prescale, precise, needs_mask, sHi,
+                                                  sLo, it, m0, q0, wg, warp_wg, key0, t);
       if constexpr (kDropout) {
-        // Dropout: dP^T_h first (no dV product in flight yet: 2 kSplit - 2 younger groups), then one
-        // pass per unit of the mask: dS^T into acc_dp, Z o P^T into acc_s; dV and dK then as below.
+        // Dropout: dP^T_h first (no dV product in flight yet: 2 kSplit - 2 younger groups), then
+        // dS^T and Z o P^T in one pass over the mask; dV and dK then as below.
         wgmma_wait<2 * kSplit - 2>();
         const uint32_t bh = DropoutRng::head_word(w.seq.bidb, params.h, w.head(it));
-        dropout.template for_each_kept<true, 1, kNBlkP>(bh, key0, m0 + q0 + 2 * t, [&](int, int j, int e, bool kept) {
-          const float p = acc_s[h][j][e], dsum = sDsum[q0 + 8 * j + 2 * t + e % 2];
-          acc_dp[h][j][e] = p * ((kept ? acc_dp[h][j][e] * params.dropout_rp : 0.f) - dsum);
-          acc_s[h][j][e] = kept ? p : 0.f;
-        });
-#pragma unroll
-        for (int kk = 0; kk < kPart / 16; ++kk) {
-          acc_to_a_frag<kNBlkP, Element>(a_ds[h][kk], acc_dp[h], kk);
-          acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
-        }
-        wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dv), a_p[h],
-                                              [&](int kk) { return TileQ::desc_mn_major(sdO, q0 / 16 + kk); });
-        wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dk), a_ds[h],
-                                              [&](int kk) { return TileQ::desc_mn_major(sQ, q0 / 16 + kk); });
+        dropout_part<Element>(a_p[h], a_ds[h], acc_s[h], acc_dp[h], dropout, params, bh, key0, m0 + q0 + 2 * t, sDsum,
+                              q0, t);
+        issue_rs_product<Element, T>(acc_dv, a_p[h], sdO, q0 / 16);
+        issue_rs_product<Element, T>(acc_dk, a_ds[h], sQ, q0 / 16);
         continue;
       }
 #pragma unroll
       for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_p[h][kk], acc_s[h], kk);
 
       // Alg. 2 line 13: dV_j += P^T dO_part.
-      wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dv), a_p[h],
-                                            [&](int kk) { return TileQ::desc_mn_major(sdO, q0 / 16 + kk); });
+      issue_rs_product<Element, T>(acc_dv, a_p[h], sdO, q0 / 16);
 
-      // Alg. 2 line 15: dS^T = P^T o (dP^T - D), D broadcast along the K rows. With kPRounded, P^T
-      // lives only as its Element A operands (the fp32 copy is dead while dP^T is pending).
+      // Alg. 2 line 15: dS^T = P^T o (dP^T - D).
       wgmma_wait<2 * kSplit - 1>();  // dP^T_h is done
-      if constexpr (kPackedDs) {
-        // dS^T = P^T o bf16(dP^T - D): one packed multiply per two elements, no unpacking. The
-        // register a_p[..][(j % 2) * 2 + r] holds row r (g or g + 8) of n8 block j.
-#pragma unroll
-        for (int j = 0; j < kNBlkP; ++j) {
-          const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int i = (j % 2) * 2 + r;
-            float2 d = make_float2(acc_dp[h][j][2 * r] - dsum2.x, acc_dp[h][j][2 * r + 1] - dsum2.y);
-            if constexpr (kSoftcap) {  // times 1 - t^2 of elements (2r, 2r + 1) of block j
-              const float2 c = dt.pair(2 * j + r);
-              d = make_float2(d.x * c.x, d.y * c.y);
-            }
-            a_ds[h][j / 2][i] = mul2<Element>(a_p[h][j / 2][i], pack2<Element>(d.x, d.y));
-          }
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < kNBlkP; ++j) {
-          const float2 dsum2 = *reinterpret_cast<const float2*>(sDsum + q0 + 8 * j + 2 * t);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {  // r: row g (e = 0,1) or g + 8 (e = 2,3)
-            const float2 p = kPRounded ? unpack2<Element>(a_p[h][j / 2][(j % 2) * 2 + r])
-                                          : make_float2(acc_s[h][j][2 * r], acc_s[h][j][2 * r + 1]);
-            acc_dp[h][j][2 * r] = p.x * (acc_dp[h][j][2 * r] - dsum2.x);
-            acc_dp[h][j][2 * r + 1] = p.y * (acc_dp[h][j][2 * r + 1] - dsum2.y);
-            if constexpr (kSoftcap) {  // times 1 - t^2
-              const float2 c = dt.pair(2 * j + r);
-              acc_dp[h][j][2 * r] *= c.x;
-              acc_dp[h][j][2 * r + 1] *= c.y;
-            }
-          }
-        }
-#pragma unroll
-        for (int kk = 0; kk < kPart / 16; ++kk) acc_to_a_frag<kNBlkP, Element>(a_ds[h][kk], acc_dp[h], kk);
-      }
+      form_ds_part<Element, kPackedDs, kPRounded, kSoftcap>(a_ds[h], acc_dp[h], a_p[h], acc_s[h], dt, sDsum, q0, t);
 
       // Alg. 2 line 17: dK_j += dS^T Q_part.
-      wgmma_rs_group<Element, kHeadDimMma, 1>(flat(acc_dk), a_ds[h],
-                                            [&](int kk) { return TileQ::desc_mn_major(sQ, q0 / 16 + kk); });
+      issue_rs_product<Element, T>(acc_dk, a_ds[h], sQ, q0 / 16);
     }
     wgmma_wait<0>();
     stages.release(it);  // this thread is done with the stage
   }
 
-  // Alg. 2 line 19: dK_j (times softmax_scale: S was scaled) and dV_j, staged through the K/V
-  // tiles (no copy may still be writing them) for coalesced 16-byte stores.
-  cp_async_wait<0>();
-  __syncthreads();
-  store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(smem, acc_dk, 64 * wg, float(params.scale_softmax), tid_wg);
-  store_acc_to_smem<kBlockN, kHeadDimPad, kNBlkD, Element>(smem + T::kOffV, acc_dv, 64 * wg,
-                                                           kDropout ? params.dropout_rp : 1.f, tid_wg);
-  __syncthreads();
-  w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dk, smem, tid);
-  w.template store_kv_tile<Element, TileKV, kHeadDimPad, kThreads>(params, params.dv, smem + T::kOffV, tid);
+  store_dk_dv<Element, T, kDropout>(w, params, smem, acc_dk, acc_dv, wg, tid_wg, tid);  // Alg. 2 line 19
 #endif
 }
 
