@@ -893,7 +893,9 @@ def flash_attn_with_kvcache(
         window_size: (left, right) sliding window against the same count, as
             ``flash_attn_func``'s (a decode step with window_size=(w - 1, 0) reads the last w
             cache rows only).
-        num_splits: 0 = chosen from the shapes; 1 = no split; up to 128.
+        num_splits: 0 = chosen from the shapes (sized for full caches: cache_seqlens is not read on
+            the host); 1 = no split; up to 128. Caches far from full, of mixed lengths, may run
+            faster with more splits than the shapes' choice.
         return_lse: also return softmax_lse.
         sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (the split-KV combine merges
             the sink as one more partial with O = 0; not differentiable here).
