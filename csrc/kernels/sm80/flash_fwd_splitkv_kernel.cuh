@@ -81,50 +81,28 @@ struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBloc
   static_assert(kSmemMergeBytes <= 2 * kStages * kTileBytes, "merge fits the ring");
 };
 
-// kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd_splitkv
-// picks): its masked tiles check the left bound too. The kernel without it is the causal mask's code.
-// kSoftcap: logit soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores).
-// kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): every S tile gains slope * |i + off - j| before
-// the mask, the slope and query i of each of the thread's two packed rows (their heads differ:
-// GQA packing) read once.
-template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kAlibi = false>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
-    flash_fwd_splitkv_kernel(const Flash_fwd_params params, const __grid_constant__ KvTmaMaps maps) {
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  using Element = typename Traits::Element;
-  using Tile = SmemTile<kHeadDim>;
-  constexpr int kNWarps = Traits::kNWarps, kThreads = Traits::kThreads, kStages = Traits::kStages;
-  constexpr int kNAtoms = Traits::kNAtoms, kDAtoms = Traits::kDAtoms, kWarpKeys = Traits::kWarpKeys;
-  using KvLayout = typename Traits::KvLayout;
-  constexpr int kPitchBytes = Traits::kPitch * int(sizeof(Element));
-  constexpr int kTileBytes = Traits::kTileBytes;
+// ---- The kernel's steps, in algorithm order (each inlined into flash_fwd_splitkv_kernel below).
+// The kernel's SASS is byte-identical to that of the single-function kernel these came from; two
+// rules kept it so (a break of either shifted the main loop's register allocation): a helper
+// declares no arrays of its own (the mma operand fragments are the kernel's, passed in), and an
+// address the inline code spelled in place (stage + kTileBytes) is spelled in place here too.
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t stage_full[kStages];  // the TMA ring's barriers (kTma)
-  const uint32_t smem_base = smem_u32addr(smem_raw);
-  // Stage s: K at sRing + 2s tiles, V after it.
-  const uint32_t sRing = Traits::kTma ? (smem_base + 1023u) & ~1023u : smem_base + Traits::kQBytes;
-  const uint32_t sQ = Traits::kTma ? sRing + 2 * kStages * kTileBytes : smem_base;
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  using Work = SplitKvWork<kBlockM, kBlockN>;
-  const int4 coords = Work::decode(params);  // (sequence, kv head, row tile, split): blockIdx.x alone
-  // Evict-first only where no other CTA reads these K/V rows (one packed row tile per kv head).
-  const uint64_t kv_policy =
-      l2_policy_stream(Traits::kEvictFirst && Work::num_row_tiles(params) == 1, params.kv_stream_exceeds_l2);
-
-  // ---- Launch latency. A small decode step's split grid is one short wave (B1 x Nk 8k: 128 CTAs of
-  // 8 key tiles), so the chain before its first K/V bytes land is a good part of its span: cache_seqlens
-  // (the key range depends on it), then the tensor maps, then the tile itself, each a DRAM round
-  // trip after the benchmark's flush. Before reading cache_seqlens: let the combine grid launch
-  // (it waits for this grid's end before it reads: grid_dependency_wait; its CTAs launch once
-  // every CTA of this grid has run this, so they never keep one of ours from an SM), fetch the
-  // maps into the TMA unit, and, for a contiguous cache without a left pad or a window's left
-  // bound, prefetch into L2 the first key tile this split gets if the cache is full (a decode
-  // step's usual case; otherwise one K/V tile pair per CTA read for nothing).
-  // H100, decode as CUDA graphs, against none of this: B1 x Nk 8k +2.4 % with one tile, +2.0 % with
-  // two, +-0 with the maps and the launch alone; B1 128k, B8 32k, B64 8k / 32k within +-0.4 %
-  // (docs/PERF_NOTES.md, 2026-12-06, twenty-seventh session).
+// Launch latency. A small decode step's split grid is one short wave (B1 x Nk 8k: 128 CTAs of
+// 8 key tiles), so the chain before its first K/V bytes land is a good part of its span: cache_seqlens
+// (the key range depends on it), then the tensor maps, then the tile itself, each a DRAM round
+// trip after the benchmark's flush. Before reading cache_seqlens: let the combine grid launch
+// (it waits for this grid's end before it reads: grid_dependency_wait; its CTAs launch once
+// every CTA of this grid has run this, so they never keep one of ours from an SM), fetch the
+// maps into the TMA unit, and, for a contiguous cache without a left pad or a window's left
+// bound, prefetch into L2 the first key tile this split gets if the cache is full (a decode
+// step's usual case; otherwise one K/V tile pair per CTA read for nothing).
+// H100, decode as CUDA graphs, against none of this: B1 x Nk 8k +2.4 % with one tile, +2.0 % with
+// two, +-0 with the maps and the launch alone; B1 128k, B8 32k, B64 8k / 32k within +-0.4 %
+// (docs/PERF_NOTES.md, 2026-12-06, twenty-seventh session).
+template <typename Traits, bool kLocal, typename Work>
+__device__ __forceinline__ void splitkv_launch_early(const Flash_fwd_params& params, const KvTmaMaps& maps,
+                                                     const int4 coords, const uint64_t kv_policy, const int tid) {
+  constexpr int kBlockN = Traits::kBlockN;
   grid_dependency_launch_dependents();
   if constexpr (Traits::kTma) {
     if (tid == 0) {
@@ -144,6 +122,268 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
     }
   }
+}
+
+// Prologue: the Q tile (FA2 Alg. 1 line 4) with tile 0, then tiles 1..kStages-2 (load_tile(t):
+// the K and V tiles of step t into ring buffer t % kStages).
+template <typename Traits, typename Work, typename LoadTile>
+__device__ __forceinline__ void splitkv_prologue(const Flash_fwd_params& params, const Work& w, const uint32_t sQ,
+                                                 const uint32_t bar0, const int n_tiles, const int tid,
+                                                 const LoadTile& load_tile) {
+  constexpr int kStages = Traits::kStages;
+  w.template copy_q_tile_async<typename Traits::Element, SmemTile<Traits::kHeadDim>, Traits::kHeadDim,
+                               Traits::kThreads>(params, sQ, tid);
+  if constexpr (Traits::kTma) {
+    cp_async_commit();  // Q alone: waited for before the loop
+    if (tid == 0) {
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) mbarrier_init(bar0 + st * 8, 1);  // thread 0's arrival + the bytes
+      mbarrier_init_fence();
+    }
+    __syncthreads();  // the barriers are initialized before any thread arrives
+  }
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < n_tiles) load_tile(t);
+    if constexpr (!Traits::kTma) cp_async_commit();
+  }
+  if constexpr (Traits::kTma) {
+    cp_async_wait<0>();  // Q landed (this thread's copies) ...
+    __syncthreads();     // ... everyone's
+  }
+}
+
+// Key ranges of this thread's two packed rows (lane / 4 and lane / 4 + 8 of the tile; the mask
+// layer, common/mask.cuh, on the row's query; AttnMask::apply_rows applies them): a key j is
+// visible iff start <= j < limit (start 0 without a left bound: the kLocal twin only compares it).
+// ALiBi (AttnMask::add_alibi_rows): the row's query i + off (off = seqlen_k - seqlen_q) and its
+// head's slope in score units (common/mask.cuh: alibi_slope); packed row r is query r / ratio of
+// head bidhk * ratio + r % ratio.
+template <bool kLocal, bool kAlibi, typename Work>
+__device__ __forceinline__ void splitkv_row_setup(const Flash_fwd_params& params, const Work& w, const int lane,
+                                                  int (&limit)[2], int (&start)[2], int (&alibi_q)[2],
+                                                  float (&alibi_s)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = w.m0 + lane / 4 + 8 * h;
+    const int q = w.query(r);
+    limit[h] = w.mask.key_limit(q);
+    start[h] = kLocal ? w.mask.key_start(q) : 0;
+    if constexpr (kAlibi) {
+      alibi_q[h] = q + w.mask.seqlen_k - w.mask.seqlen_q;
+      alibi_s[h] = alibi_slope(params, w.seq.bidb, w.bidhk * w.ratio + r % w.ratio);
+    }
+  }
+}
+
+// Pipeline step t: every warp is done with tile t - 1, so its buffer takes tile t + kStages - 1;
+// then wait until tile t has landed, for the whole CTA.
+template <typename Traits, typename LoadTile>
+__device__ __forceinline__ void splitkv_advance_ring(const int t, const int n_tiles, const uint32_t bar0,
+                                                     const LoadTile& load_tile) {
+  constexpr int kStages = Traits::kStages;
+  __syncthreads();  // every warp is done with tile t - 1: its buffer takes tile t + kStages - 1
+  if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
+  if constexpr (Traits::kTma) {
+    mbarrier_wait(bar0 + (t % kStages) * 8, (t / kStages) & 1);  // tile t landed, for everyone
+  } else {
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // tile t landed (this thread's copies) ...
+    __syncthreads();               // ... everyone's
+  }
+}
+
+// Q as the A operand of every k16 step of Q K^T into registers (kQInRegs), once Q has landed.
+template <typename Traits>
+__device__ __forceinline__ void splitkv_load_q_frags(uint32_t (&q_frag)[Traits::kQInRegs ? Traits::kQKSteps : 1][4],
+                                                     const uint32_t q_addr) {
+  if constexpr (Traits::kQInRegs) {
+    if constexpr (!Traits::kTma) {
+      cp_async_wait<Traits::kStages - 2>();  // Q (with tile 0) landed ...
+      __syncthreads();                       // ... for the whole CTA
+    }
+#pragma unroll
+    for (int kk = 0; kk < Traits::kQKSteps; ++kk) ldmatrix_x4(q_frag[kk], q_addr + kk * 32);
+  }
+}
+
+// TMA: the sequence's last tile: its rows past the visible keys came in whole boxes (anything,
+// NaN included): zero them in the V tile of the stage so that P = 0 there gives exact zeros in
+// P V (S masks them). The kernel passes the stage; the V tile's address is spelled here.
+template <typename Traits, typename Work>
+__device__ __forceinline__ void splitkv_zero_v_tail(const Work& w, const int t, const uint32_t stage, const int tid) {
+  constexpr int kBlockN = Traits::kBlockN;
+  if constexpr (Traits::kTma) {
+    const int rows_valid = w.seq.seqlen_k - (w.n_begin + t) * kBlockN;
+    if (rows_valid < kBlockN) {
+      zero_rows<typename Traits::KvLayout, Traits::kHeadDimPad, Traits::kThreads>(stage + Traits::kTileBytes,
+                                                                                  max(rows_valid, 0), kBlockN, tid);
+      fence_proxy_async();  // generic writes before any later async-proxy use of the buffer
+      __syncthreads();
+    }
+  }
+}
+
+// FA2 Alg. 1 line 8: S = Q K_t^T on the warp's kWarpKeys keys of the K tile at sK (unscaled; the
+// scale goes into the softmax, primitives/softmax.cuh). Q from registers (kQInRegs) or, per k16
+// step, from shared memory at q_addr; K rows of the warp's key slice at (k_row, k_col). a, b: the
+// A and B fragments of one mma, the kernel's arrays.
+template <typename Traits>
+__device__ __forceinline__ void splitkv_qk(float (&s)[1][Traits::kNAtoms][4],
+                                           const uint32_t (&q_frag)[Traits::kQInRegs ? Traits::kQKSteps : 1][4],
+                                           const uint32_t q_addr, const uint32_t sK, const int k_row, const int k_col,
+                                           uint32_t (&a)[1][4], uint32_t (&b)[4]) {
+  using Element = typename Traits::Element;
+  using KvLayout = typename Traits::KvLayout;
+  constexpr int kNAtoms = Traits::kNAtoms;
+#pragma unroll
+  for (int ni = 0; ni < kNAtoms; ++ni)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[0][ni][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kQKSteps; ++kk) {
+    if constexpr (Traits::kQInRegs) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[0][e] = q_frag[kk][e];
+    } else {
+      ldmatrix_x4(a[0], q_addr + kk * 32);
+    }
+#pragma unroll
+    for (int np = 0; np < kNAtoms / 2; ++np) {
+      ldmatrix_x4(b, sK + KvLayout::offset(k_row + np * 16, kk * 16 + k_col));
+      mma_m16n16k16<Element>(s, 2 * np, a, b);
+    }
+  }
+}
+
+// Soft-capping, ALiBi and the mask on S of step t (key tile n_begin + t). The mask runs only on
+// tiles some row does not see whole (the causal diagonal, a window's left edge, the end of the
+// sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row lane/4 + 8h, key key0 + 8 ni + 2 (lane % 4) + e.
+// Past the sequence's keys S = 0 (cp.async zero-fills those K rows) or anything, NaN included (TMA
+// brings whole boxes): the tile holding them always takes this branch (every row's key limit is
+// <= seqlen_k) and the -inf replaces the value. (Soft-capping first: softmax.cuh; tanh keeps a NaN
+// a NaN, which the mask then replaces.)
+// (The thread's first key is spelled out in each call: one variable for both changed the loop's
+// register allocation; as written the SASS is the inline loops', byte for byte.)
+template <typename Traits, bool kLocal, bool kSoftcap, bool kAlibi, typename Work>
+__device__ __forceinline__ void splitkv_mask_scores(float (&s)[1][Traits::kNAtoms][4], const Work& w, const int t,
+                                                    const int warp, const int lane, const int (&limit)[2],
+                                                    const int (&start)[2], const int (&alibi_q)[2],
+                                                    const float (&alibi_s)[2], const float softcap_prescale) {
+  constexpr int kBlockN = Traits::kBlockN, kWarpKeys = Traits::kWarpKeys;
+  if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
+  if constexpr (kAlibi) {  // + slope |i + off - j|
+    AttnMask::add_alibi_rows(s, alibi_q, alibi_s, (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4));
+  }
+  if (w.template tile_needs_mask<kLocal>(w.n_begin + t)) {
+    AttnMask::apply_rows<kLocal>(s, limit, start, (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4));
+  }
+}
+
+// FA2 Alg. 1 line 10: O += P V_t (the warp's key slice of the stage's V tile, rows from v_row). S's C
+// fragments of n8 atoms 2kk, 2kk+1 are the A fragment of k16 step kk (primitives/mma.cuh:
+// acc_to_a_frag). a, b: the A and B fragments of one mma, the kernel's arrays.
+template <typename Traits>
+__device__ __forceinline__ void splitkv_pv(float (&acc_o)[1][Traits::kDAtoms][4],
+                                           const float (&s)[1][Traits::kNAtoms][4],
+                                           const uint32_t stage, const int v_row, const int v_col, uint32_t (&a)[1][4],
+                                           uint32_t (&b)[4]) {
+  using Element = typename Traits::Element;
+  using KvLayout = typename Traits::KvLayout;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kPVSteps; ++kk) {
+    acc_to_a_frag<Traits::kNAtoms, Element>(a[0], s[0], kk);
+#pragma unroll
+    for (int dp = 0; dp < Traits::kDAtoms / 2; ++dp) {
+      ldmatrix_x4_trans(b, stage + Traits::kTileBytes + KvLayout::offset(v_row + kk * 16, dp * 16 + v_col));
+      mma_m16n16k16<Element>(acc_o, 2 * dp, a, b);
+    }
+  }
+}
+
+// m_w: the max this warp's P and O were taken against (-inf: no visible key); l_w its sum.
+// Then f_w = exp2((m_w - M) c) for the rows' max M over the warps: O_w *= f_w into shared memory
+// (sO [warp][16][kMergePitch], sMax and sSum [warp][16], over the ring); a barrier after each.
+template <typename Traits, typename Softmax>
+__device__ __forceinline__ void splitkv_merge_warps(float* sO, float* sMax, float* sSum, const Softmax& softmax,
+                                                    const float (&acc_o)[1][Traits::kDAtoms][4],
+                                                    const float scale_log2, const int warp, const int lane) {
+  constexpr int kBlockM = Traits::kBlockM, kNWarps = Traits::kNWarps, kDAtoms = Traits::kDAtoms;
+  const int g = lane / 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_allreduce_sum(softmax.row_sum[h]);
+    if (lane % 4 == 0) {
+      sMax[warp * kBlockM + g + 8 * h] = softmax.row_max[h];
+      sSum[warp * kBlockM + g + 8 * h] = l;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < kNWarps; ++v) m_all = fmaxf(m_all, sMax[v * kBlockM + g + 8 * h]);
+    const float m_w = sMax[warp * kBlockM + g + 8 * h];
+    const float f = m_w == -INFINITY ? 0.f : fast_exp2((m_w - m_all) * scale_log2);
+#pragma unroll
+    for (int di = 0; di < kDAtoms; ++di) {
+      float* p = sO + (warp * kBlockM + g + 8 * h) * Traits::kMergePitch + di * 8 + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(p) = make_float2(acc_o[0][di][2 * h] * f, acc_o[0][di][2 * h + 1] * f);
+    }
+  }
+  __syncthreads();
+}
+
+// FA2 Alg. 1 line 12-13's outputs for one 8-column chunk o (normalized) of packed row r, columns
+// col..col+7, and its LSE (log2 units; empty: the row saw no visible key). Several splits: the
+// partial O (float32) and LSE (-inf when empty) into the split accumulators (flash.h).
+template <typename Work>
+__device__ __forceinline__ void splitkv_store_partial(const Flash_fwd_params& params, const Work& w, const int r,
+                                                      const int col, const float (&o)[8], const float lse_log2,
+                                                      const bool empty) {
+  const int64_t ar = w.accum_row(params, r);
+  float* dst = params.oaccum_ptr + ar * params.d_rounded + col;
+  *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
+  *reinterpret_cast<float4*>(dst + 4) = make_float4(o[4], o[5], o[6], o[7]);
+  if (col == 0) params.softmax_lseaccum_ptr[ar] = empty ? -INFINITY : lse_log2 * 0.69314718055994530942f;
+}
+
+
+
+// kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd_splitkv
+// picks): its masked tiles check the left bound too. The kernel without it is the causal mask's code.
+// kSoftcap: logit soft-capping (params.softcap > 0; primitives/softmax.cuh: softcap_scores).
+// kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): every S tile gains slope * |i + off - j| before
+// the mask, the slope and query i of each of the thread's two packed rows (their heads differ:
+// GQA packing) read once.
+template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kAlibi = false>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    flash_fwd_splitkv_kernel(const Flash_fwd_params params, const __grid_constant__ KvTmaMaps maps) {
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using Element = typename Traits::Element;
+  using Tile = SmemTile<kHeadDim>;
+  constexpr int kNWarps = Traits::kNWarps, kThreads = Traits::kThreads, kStages = Traits::kStages;
+  constexpr int kNAtoms = Traits::kNAtoms, kDAtoms = Traits::kDAtoms, kWarpKeys = Traits::kWarpKeys;
+  constexpr int kPitchBytes = Traits::kPitch * int(sizeof(Element));
+  constexpr int kTileBytes = Traits::kTileBytes;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t stage_full[kStages];  // the TMA ring's barriers (kTma)
+  const uint32_t smem_base = smem_u32addr(smem_raw);
+  // Stage s: K at sRing + 2s tiles, V after it.
+  const uint32_t sRing = Traits::kTma ? (smem_base + 1023u) & ~1023u : smem_base + Traits::kQBytes;
+  const uint32_t sQ = Traits::kTma ? sRing + 2 * kStages * kTileBytes : smem_base;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  using Work = SplitKvWork<kBlockM, kBlockN>;
+  const int4 coords = Work::decode(params);  // (sequence, kv head, row tile, split): blockIdx.x alone
+  // Evict-first only where no other CTA reads these K/V rows (one packed row tile per kv head).
+  const uint64_t kv_policy =
+      l2_policy_stream(Traits::kEvictFirst && Work::num_row_tiles(params) == 1, params.kv_stream_exceeds_l2);
+
+  // ---- Launch latency: PDL, the tensor maps, the split's first key tile into L2.
+  splitkv_launch_early<Traits, kLocal, Work>(params, maps, coords, kv_policy, tid);
 
   const Work w(params, coords);
   const int n_tiles = w.n_end > w.n_begin ? w.n_end - w.n_begin : 0;
@@ -167,25 +407,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   };
 
   // ---- Prologue: the Q tile (FA2 Alg. 1 line 4) with tile 0, then tiles 1..kStages-2.
-  w.template copy_q_tile_async<Element, Tile, kHeadDim, kThreads>(params, sQ, tid);
-  if constexpr (Traits::kTma) {
-    cp_async_commit();  // Q alone: waited for before the loop
-    if (tid == 0) {
-#pragma unroll
-      for (int st = 0; st < kStages; ++st) mbarrier_init(bar0 + st * 8, 1);  // thread 0's arrival + the bytes
-      mbarrier_init_fence();
-    }
-    __syncthreads();  // the barriers are initialized before any thread arrives
-  }
-#pragma unroll
-  for (int t = 0; t < kStages - 1; ++t) {
-    if (t < n_tiles) load_tile(t);
-    if constexpr (!Traits::kTma) cp_async_commit();
-  }
-  if constexpr (Traits::kTma) {
-    cp_async_wait<0>();  // Q landed (this thread's copies) ...
-    __syncthreads();     // ... everyone's
-  }
+  splitkv_prologue<Traits>(params, w, sQ, bar0, n_tiles, tid, load_tile);
 
   float acc_o[1][kDAtoms][4];  // FA2 Alg. 1 line 5: O = 0 (this warp's key slice)
 #pragma unroll
@@ -194,26 +416,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     for (int e = 0; e < 4; ++e) acc_o[0][di][e] = 0.f;
   OnlineSoftmax<1> softmax;  // m = -inf, l = 0
 
-  // Key ranges of this thread's two packed rows (lane / 4 and lane / 4 + 8 of the tile; the mask
-  // layer, common/mask.cuh, on the row's query; AttnMask::apply_rows applies them): a key j is
-  // visible iff start <= j < limit (start 0 without a left bound: the kLocal twin only compares it).
+  // Per-row mask bounds and ALiBi terms of this thread's two packed rows.
   int limit[2], start[2];
-  // ALiBi (AttnMask::add_alibi_rows): the row's query i + off (off = seqlen_k - seqlen_q) and its
-  // head's slope in score units (common/mask.cuh: alibi_slope); packed row r is query r / ratio of
-  // head bidhk * ratio + r % ratio.
   [[maybe_unused]] int alibi_q[2];
   [[maybe_unused]] float alibi_s[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = w.m0 + lane / 4 + 8 * h;
-    const int q = w.query(r);
-    limit[h] = w.mask.key_limit(q);
-    start[h] = kLocal ? w.mask.key_start(q) : 0;
-    if constexpr (kAlibi) {
-      alibi_q[h] = q + w.mask.seqlen_k - w.mask.seqlen_q;
-      alibi_s[h] = alibi_slope(params, w.seq.bidb, w.bidhk * w.ratio + r % w.ratio);
-    }
-  }
+  splitkv_row_setup<kLocal, kAlibi>(params, w, lane, limit, start, alibi_q, alibi_s);
 
   // Per-lane ldmatrix addresses (primitives/ldmatrix.cuh recipes), relative to the tile bases.
   // Q as the A operand: row = lane % 16, col = (lane / 16) * 8.
@@ -225,95 +432,30 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int v_row = warp * kWarpKeys + lane % 16, v_col = (lane / 16) * 8;
 
   uint32_t q_frag[Traits::kQInRegs ? Traits::kQKSteps : 1][4];
-  if constexpr (Traits::kQInRegs) {
-    if constexpr (!Traits::kTma) {
-      cp_async_wait<kStages - 2>();  // Q (with tile 0) landed ...
-      __syncthreads();               // ... for the whole CTA
-    }
-#pragma unroll
-    for (int kk = 0; kk < Traits::kQKSteps; ++kk) ldmatrix_x4(q_frag[kk], q_addr + kk * 32);
-  }
+  splitkv_load_q_frags<Traits>(q_frag, q_addr);
 
   // ---- FA2 Alg. 1 lines 6-11 over this split's key tiles; each warp on its own key slice.
 #pragma unroll 1
   for (int t = 0; t < n_tiles; ++t) {
-    __syncthreads();  // every warp is done with tile t - 1: its buffer takes tile t + kStages - 1
-    if (t + kStages - 1 < n_tiles) load_tile(t + kStages - 1);
-    if constexpr (Traits::kTma) {
-      mbarrier_wait(bar0 + (t % kStages) * 8, (t / kStages) & 1);  // tile t landed, for everyone
-    } else {
-      cp_async_commit();
-      cp_async_wait<kStages - 1>();  // tile t landed (this thread's copies) ...
-      __syncthreads();               // ... everyone's
-    }
+    splitkv_advance_ring<Traits>(t, n_tiles, bar0, load_tile);  // tile t landed, for everyone
     const uint32_t stage = sRing + (t % kStages) * 2 * kTileBytes;
-    if constexpr (Traits::kTma) {
-      // The sequence's last tile: its rows past the visible keys came in whole boxes (anything,
-      // NaN included): zero them in V so that P = 0 there gives exact zeros in P V (S masks them).
-      const int rows_valid = w.seq.seqlen_k - (w.n_begin + t) * kBlockN;
-      if (rows_valid < kBlockN) {
-        zero_rows<KvLayout, Traits::kHeadDimPad, kThreads>(stage + kTileBytes, max(rows_valid, 0), kBlockN, tid);
-        fence_proxy_async();  // generic writes before any later async-proxy use of the buffer
-        __syncthreads();
-      }
-    }
+    splitkv_zero_v_tail<Traits>(w, t, stage, tid);  // TMA: V rows past the keys = 0
 
-    // Alg. 1 line 8: S = Q K_t^T on the warp's kWarpKeys keys (unscaled; the scale goes into the
-    // softmax, primitives/softmax.cuh).
+    // Alg. 1 line 8: S = Q K_t^T on the warp's kWarpKeys keys.
     float s[1][kNAtoms][4];
-#pragma unroll
-    for (int ni = 0; ni < kNAtoms; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][ni][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < Traits::kQKSteps; ++kk) {
-      uint32_t a[1][4];
-      if constexpr (Traits::kQInRegs) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[0][e] = q_frag[kk][e];
-      } else {
-        ldmatrix_x4(a[0], q_addr + kk * 32);
-      }
-#pragma unroll
-      for (int np = 0; np < kNAtoms / 2; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, stage + KvLayout::offset(k_row + np * 16, kk * 16 + k_col));
-        mma_m16n16k16<Element>(s, 2 * np, a, b);
-      }
-    }
+    uint32_t a[1][4], b[4];  // the A (Q) and B (K) fragments of one mma
+    splitkv_qk<Traits>(s, q_frag, q_addr, stage, k_row, k_col, a, b);
 
-    // The mask, only on tiles some row does not see whole (the causal diagonal, a window's left
-    // edge, the end of the sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row
-    // lane/4 + 8h, key key0 + 8 ni + 2 (lane % 4) + e. Past the sequence's keys S = 0 (cp.async zero-fills those K
-    // rows) or anything, NaN included (TMA brings whole boxes): the tile holding them always takes
-    // this branch (every row's key limit is <= seqlen_k) and the -inf replaces the value.
-    // (Soft-capping first: softmax.cuh; tanh keeps a NaN a NaN, which the mask then replaces.)
-    if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
-    // (The thread's first key is spelled out in each call: one variable for both changed the
-    // loop's register allocation; as written the SASS is the inline loops', byte for byte.)
-    if constexpr (kAlibi) {  // + slope |i + off - j|
-      AttnMask::add_alibi_rows(s, alibi_q, alibi_s, (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4));
-    }
-    if (w.template tile_needs_mask<kLocal>(w.n_begin + t)) {
-      AttnMask::apply_rows<kLocal>(s, limit, start, (w.n_begin + t) * kBlockN + warp * kWarpKeys + 2 * (lane % 4));
-    }
+    // Soft-capping, ALiBi, and the mask where some row does not see the whole tile.
+    splitkv_mask_scores<Traits, kLocal, kSoftcap, kAlibi>(s, w, t, warp, lane, limit, start, alibi_q, alibi_s,
+                                                          softcap_prescale);
 
     // Alg. 1 lines 9-10: m, P = exp2((S - m) c), l, O *= alpha (this warp's rows state).
     softmax.update(s, acc_o, scale_log2);
 
-    // Alg. 1 line 10: O += P V_t (the warp's key slice of V). S's C fragments of n8 atoms 2kk,
-    // 2kk+1 are the A fragment of k16 step kk (primitives/mma.cuh: acc_to_a_frag).
-#pragma unroll
-    for (int kk = 0; kk < Traits::kPVSteps; ++kk) {
-      uint32_t a[1][4];
-      acc_to_a_frag<kNAtoms, Element>(a[0], s[0], kk);
-#pragma unroll
-      for (int dp = 0; dp < kDAtoms / 2; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, stage + kTileBytes + KvLayout::offset(v_row + kk * 16, dp * 16 + v_col));
-        mma_m16n16k16<Element>(acc_o, 2 * dp, a, b);
-      }
-    }
+    // Alg. 1 line 10: O += P V_t (the warp's key slice of V).
+    uint32_t pa[1][4], vb[4];  // the A (P) and B (V) fragments of one mma
+    splitkv_pv<Traits>(acc_o, s, stage, v_row, v_col, pa, vb);
   }
 
   // ---- Merge the warps' partials (the combine rule on the warps' key slices), over the ring.
@@ -322,34 +464,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float* sO = reinterpret_cast<float*>(smem_raw + (sRing - smem_base));               // [warp][16][pitch]
   float* sMax = sO + kNWarps * kBlockM * Traits::kMergePitch;                         // [warp][16]
   float* sSum = sMax + kNWarps * kBlockM;                                             // [warp][16]
-  const int g = lane / 4;
-  // m_w: the max this warp's P and O were taken against (-inf: no visible key); l_w its sum.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = quad_allreduce_sum(softmax.row_sum[h]);
-    if (lane % 4 == 0) {
-      sMax[warp * kBlockM + g + 8 * h] = softmax.row_max[h];
-      sSum[warp * kBlockM + g + 8 * h] = l;
-    }
-  }
-  __syncthreads();
-  // f_w = exp2((m_w - M) c) for the rows' max M over the warps: O_w *= f_w into shared memory.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float m_all = -INFINITY;
-#pragma unroll
-    for (int v = 0; v < kNWarps; ++v) m_all = fmaxf(m_all, sMax[v * kBlockM + g + 8 * h]);
-    const float m_w = sMax[warp * kBlockM + g + 8 * h];
-    const float f = m_w == -INFINITY ? 0.f : fast_exp2((m_w - m_all) * scale_log2);
-#pragma unroll
-    for (int di = 0; di < kDAtoms; ++di) {
-      float* p = sO + (warp * kBlockM + g + 8 * h) * Traits::kMergePitch + di * 8 + 2 * (lane % 4);
-      *reinterpret_cast<float2*>(p) = make_float2(acc_o[0][di][2 * h] * f, acc_o[0][di][2 * h + 1] * f);
-    }
-  }
-  __syncthreads();
+  splitkv_merge_warps<Traits>(sO, sMax, sSum, softmax, acc_o, scale_log2, warp, lane);
 
-  // FA2 Alg. 1 lines 12-13 on the merged rows: O = sum_w f_w O_w / l, LSE = M c + log2 l (natural
+  // ---- FA2 Alg. 1 lines 12-13 on the merged rows: O = sum_w f_w O_w / l, LSE = M c + log2 l (natural
   // log out), one 8-column chunk of one packed row per thread and pass; rows >= R and columns >= d
   // are not written. A row with no visible key: O = 0, LSE +inf (-inf in the split accumulators).
   constexpr int kChunksPerRow = kHeadDim / 8;
@@ -382,11 +499,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     for (int e = 0; e < 8; ++e) o[e] *= inv_l;
     const float lse_log2 = fmaf(m_all, scale_log2, __log2f(l));
     if (split) {
-      const int64_t ar = w.accum_row(params, r);
-      float* dst = params.oaccum_ptr + ar * params.d_rounded + col;
-      *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<float4*>(dst + 4) = make_float4(o[4], o[5], o[6], o[7]);
-      if (col == 0) params.softmax_lseaccum_ptr[ar] = empty ? -INFINITY : lse_log2 * 0.69314718055994530942f;
+      splitkv_store_partial(params, w, r, col, o, lse_log2, empty);
     } else {
       // One split: the sink (flash.h: sinks_ptr) here; split calls add it in the combine.
       const int head = w.head(r), i = w.query(r);
