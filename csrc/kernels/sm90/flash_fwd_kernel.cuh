@@ -326,13 +326,22 @@ struct WarpgroupTurns {
 
 // One CTA of flash_fwd_kernel: what its warpgroups share (the call's parameters, tensor maps and
 // tile scheduler; the shared-memory map: Q / K / V buffers, mbarriers, the tile slot), the
-// prologue's barrier setup and the producer's role:
+// prologue's barrier setup, the producer's role and the consumers' self-contained steps:
 //   init_barriers()  the mbarriers' setup (thread 0, before the CTA barrier)
 //   producer()       WG 0: the tile walk (static or dynamic); produce_tile(): one tile's TMA loads
-// The consumers' code is the rest of flash_fwd_kernel's body, which reads the shared state from
-// here (cta). Every member is __forceinline__: the kernel compiles as the one function it was.
+//   consumers'       next_tile() (take_tile(): the dynamic walk's hand-over); per tile key_range(),
+//   steps            zero_o(), zero_rows_past_ends() (varlen), skip_step(); the main loop's
+//                    first_s(), issue_s_pv(), wait_pv(), to_p(), last_pv(); the epilogue's
+//                    store_lse(), o_staging(), wait_v_ring_free(), stage_o(), tma_store_o() /
+//                    store_o_rows(), release_o_buffer()
+// The consumers' tile walk, main loop (its step lambdas: the softmax, P's buffers, the turns) and
+// epilogue stay in flash_fwd_kernel's body, which calls these and reads the shared state from
+// here (cta). Every member is __forceinline__: the kernel compiles as the one function it was
+// (SASS byte-identical to the kernel with these steps inline: register allocation shifts when
+// larger parts, the whole main loop or epilogue, move into functions).
 template <typename Traits, bool kLocal>
 struct FwdCta {
+  using Element = typename Traits::Element;
   using TileQ = typename Traits::TileQ;
   using TileKV = typename Traits::TileKV;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -341,6 +350,13 @@ struct FwdCta {
   static constexpr int kQStages = Traits::kQStages;
   static constexpr int kConsumerWarps = 4 * Traits::kConsumerWGs;
   using Work = QTileWork<kBlockM, kBlockN>;
+  // The calling warp's first row inside the tile (mask, stats), read afresh where it is used.
+  __device__ __forceinline__ static int row0() { return thread_index_opaque() / 32 * 16 - 64; }
+  using Turns = WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>;
+  // Named barrier of all consumer warpgroups for a varlen tile's V rows past its keys (ids: 1..3
+  // the epilogue's, WarpgroupTurns::kBarrier.. the turns'; zero_v_tail).
+  static constexpr int kConsumerThreads = 128 * Traits::kConsumerWGs;
+  static constexpr int kVTailBarrier = Turns::kBarrier + Traits::kConsumerWGs;
 
   // The dynamic walk's next tile (tile_scheduler.cuh: dynamic; -1: the walk is over; int32: tile
   // indices are < 2^31), in s_varlen_tile's place, handed over on named barriers kTileFull /
@@ -348,8 +364,7 @@ struct FwdCta {
   // tail's, see the consumers in flash_fwd_kernel). The slot is written and read by shared-memory
   // atomics: the barriers order them, and compute-sanitizer racecheck, which reports a plain store
   // and load ordered by these barriers as a race, sees no race between atomics.
-  static constexpr int kTileFull =
-      WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>::kBarrier + Traits::kConsumerWGs + 1;
+  static constexpr int kTileFull = kVTailBarrier + 1;
   static constexpr int kTileEmpty = kTileFull + 1;
   static constexpr int kHandOverThreads = 32 + 128 * Traits::kConsumerWGs;
   static_assert(kTileEmpty < 16, "16 named barriers per CTA");
@@ -568,6 +583,310 @@ struct FwdCta {
       }
     }
   }
+
+  // ---- Consumers (flash_fwd_kernel's body runs their tile walk; every consumer thread calls
+  // these, per warp or warpgroup as said). The tile walk:
+
+  // The dynamic walk's next tile (the tile hand-over at the top): the index the producer warp left
+  // in the slot, the slot then handed back (kTileEmpty); false, the slot kept, where it is -1
+  // (the walk is over).
+  __device__ __forceinline__ bool take_tile(int64_t& tile) const {
+    named_barrier_sync(kTileFull, kHandOverThreads);
+    int slot = 0;
+    if (threadIdx.x % 32 == 0) slot = atomicAdd(tile_slot, 0);  // one read per warp
+    tile = __shfl_sync(0xffffffffu, slot, 0);
+    if (tile < 0) return false;
+    named_barrier_arrive(kTileEmpty, kHandOverThreads);
+    return true;
+  }
+
+  // The consumers' next tile: the dynamic walk's from the producer (take_tile), else the static
+  // walk's (tiles: sched.begin()); false: the walk is over.
+  template <typename Tiles>
+  __device__ __forceinline__ bool next_tile(Tiles& tiles, int64_t& tile_index) const {
+    if (sched.dynamic) return take_tile(tile_index);
+    return tiles.next(sched, tile_index);
+  }
+
+  // ---- Per tile, before its steps:
+
+  // Consumer warpgroup cw's own key range (Alg. 1 line 6's j, as the
+  // warpgroup's rows see it) where Traits::kWarpgroupKeyRanges (else the tile's, [n_block_min,
+  // n_block_max)): its 64 rows see keys of blocks [n_lo, n_top) only, so the tile's first
+  // n_block_max - n_top steps (the causal diagonal crosses the tile, or its rows lie past
+  // seqlen_q in the tile that ends the sequence) and its last n_lo - n_block_min ones (a sliding
+  // window's left edge) hold no key any of its rows sees: it skips them, passing its turns and
+  // releasing the stages. n_wg = n_top - n_lo steps of its own (0: it passes every turn). Blocks
+  // [n_unmasked_lo, n_unmasked) need no mask for its rows.
+  __device__ __forceinline__ void key_range(const Work& w, const int cw, const int n_block_max, const int n_block_min,
+                                            int& n_top, int& n_wg, int& n_unmasked, int& n_unmasked_lo) const {
+    const int r0 = w.m0 + 64 * cw;  // this warpgroup's first row
+    // (r0 < 0: a warpgroup above row 0 in the shifted first tile, FwdTileScheduler::m_shift, whole
+    // warpgroups: its rows are no rows, though with seqlen_k > seqlen_q their key range is not empty.)
+    const bool own_range = Traits::kWarpgroupKeyRanges && 64 * cw < w.rows_q && r0 >= 0;
+    n_top = !Traits::kWarpgroupKeyRanges ? n_block_max : own_range ? w.mask.n_block_max(r0, 64, kBlockN) : 0;
+    int n_lo = !kLocal || !Traits::kWarpgroupKeyRanges ? n_block_min : own_range ? w.mask.n_block_min(r0, kBlockN) : 0;
+    if (kLocal && n_top <= n_lo) n_top = n_lo = n_block_min;  // no key: every step skipped (at the front)
+    n_wg = n_top - n_lo;
+    n_unmasked = Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked(r0, kBlockN) : w.n_block_unmasked;
+    n_unmasked_lo = !kLocal                      ? 0
+                    : Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked_lo(r0, 64, kBlockN)
+                                                  : w.mask.n_block_unmasked_lo(w.m0, kBlockM, kBlockN);
+  }
+
+  // O's accumulators (float[1][head_dim_mma / 8][4], the accumulator
+  // layout at the top of the file) zeroed: FA2 Alg. 1 line 5, O = 0.
+  template <int kNBlkD>
+  __device__ __forceinline__ static void zero_o(float (&acc_o)[1][kNBlkD][4]) {
+#pragma unroll
+    for (int j = 0; j < kNBlkD; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[0][j][e] = 0.f;
+    }
+  }
+
+  // Varlen, before a tile's first step (n_steps > 0; every consumer thread): the rows its TMA
+  // boxes brought from past the sequence's end, zeroed where they would reach an output. sQ_t:
+  // the tile's Q buffer; cw: this thread's consumer warpgroup; kv_pipe: the tile's step 0.
+  __device__ __forceinline__ void zero_rows_past_ends(const Work& w, const uint32_t sQ_t, const int cw,
+                                                      const int n_block_max,
+                                                      const PipelineState<kStages>& kv_pipe) const {
+    // Q: the TMA box brought the next sequence's rows past this one's end. Those that share a
+    // warp with its last rows are zeroed, as a dense call's out-of-bounds fill leaves them: the
+    // online softmax decides rescales and the exact form per warp (or per warp and row index), so
+    // the tile then computes what the dense op computes on the sequence alone, bit for bit (rows
+    // in warps without a valid row feed only outputs that are never stored).
+    if (params.cu_seqlens_q != nullptr) zero_rows_past_end<TileQ, kHeadDimPad>(sQ_t, w.rows_q - 64 * cw, cw);
+    // V of the last key block (step 0): its rows past the sequence's keys are the next
+    // sequence's (or past cu_seqlens_k[-1]). P is 0 there, but 0 * NaN is NaN in P V, so they are
+    // zeroed as a dense call's out-of-bounds fill leaves them (K needs nothing: the mask sets S to
+    // -inf by select). Every consumer warpgroup reads the stage: they share the rows and meet on
+    // barrier kVTailBarrier, before the tile's first turn (no wait on WarpgroupTurns inside).
+    if (params.cu_seqlens_k != nullptr) zero_v_tail(w, n_block_max, kv_pipe);
+  }
+
+  // zero_rows_past_ends' V rows: those of the last key block's stage past the sequence's keys.
+  __device__ __forceinline__ void zero_v_tail(const Work& w, const int n_block_max,
+                                              const PipelineState<kStages>& kv_pipe) const {
+    const int keys_in_last = w.seq.seqlen_k - (n_block_max - 1) * kBlockN;  // uniform over the CTA
+    if (keys_in_last < kBlockN) {
+      // With O staged in the V ring, a CTA's previous tile stored O from these rows: every
+      // consumer warp is past that store (the producer's o_free wait ordered this stage's V
+      // load after it). A consumers' barrier states it where compute-sanitizer racecheck sees
+      // it (with only the dynamic walk's kTileFull between them, it reported these writes
+      // against that store); one CTA per tile has no previous tile.
+      if (Traits::kStageOInV && (sched.persistent || sched.dynamic)) {
+        named_barrier_sync(kVTailBarrier, kConsumerThreads);
+      }
+      mbarrier_wait(v_full(kv_pipe.stage(0)), kv_pipe.phase(0));
+      zero_rows<TileKV, kHeadDimPad, kConsumerThreads>(sV(kv_pipe.stage(0)), keys_in_last, kBlockN,
+                                                       thread_index_opaque() - 128);
+      fence_proxy_async();
+      named_barrier_sync(kVTailBarrier, kConsumerThreads);
+    }
+  }
+
+  // Step i of a tile skipped (no row of this warpgroup sees its key block; kv_pipe: the tile's
+  // step 0): the turn passes on at once, and the stage is released once it has landed (an
+  // arrival before that would count towards the stage's previous use).
+  __device__ __forceinline__ void skip_step(const Turns& turns, const PipelineState<kStages>& kv_pipe, const int i,
+                                            const int lane) const {
+    const int stage = kv_pipe.stage(i);
+    turns.pass();
+    mbarrier_wait(k_full(stage), kv_pipe.phase(i));
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(k_empty(stage));
+    mbarrier_wait(v_full(stage), kv_pipe.phase(i));
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(v_empty(stage));
+  }
+
+  // ---- The main loop's steps (FA2 Alg. 1 lines 8-10; FA3's intra-warpgroup overlap, the kernel's
+  // step lambdas); s: S, p_*: P as A fragments, acc_o: O (the accumulator layout at the top):
+
+  // Step 0 of consumer warpgroup cw's steps, Alg. 1 line 8: S = Q K^T of its first key block
+  // (ring position kv_wg; Q in sQ_t) in its turn, complete on return, and this warp's release of
+  // the K stage.
+  template <int kNBlkN>
+  __device__ __forceinline__ void first_s(float (&s)[1][kNBlkN][4], const Turns& turns,
+                                          const PipelineState<kStages>& kv_wg, const uint32_t sQ_t, const int cw,
+                                          const int lane) const {
+    turns.begin();
+    mbarrier_wait(k_full(kv_wg.stage(0)), kv_wg.phase(0));
+    wgmma_fence();
+    gemm_qk<Element, TileQ, TileKV, Traits::kHeadDim>(s[0], sQ_t, 64 * cw, sK(kv_wg.stage(0)));
+    wgmma_commit();
+    turns.end();
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(s[0]));
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(k_empty(kv_wg.stage(0)));  // this warp is done with K
+  }
+
+  // Step i >= 1 of consumer warpgroup cw's steps (ring position kv_wg + i), its products in its
+  // turn: Alg. 1 line 8, S = Q K_n^T (unscaled: the scale goes into the softmax; Q in sQ_t), and
+  // line 10 of the previous step, O += P_{i-1} V_{n+1} (P_{i-1} in p_in), issued back to back. On
+  // return S is complete (and this warp has released the K stage), O += P V still running.
+  template <int kNBlkN, int kNBlkD, int kKSteps>
+  __device__ __forceinline__ void issue_s_pv(float (&s)[1][kNBlkN][4], float (&acc_o)[1][kNBlkD][4],
+                                             uint32_t (&p_in)[kKSteps][4], const Turns& turns,
+                                             const PipelineState<kStages>& kv_wg, const int i, const int stage,
+                                             const int prev, const uint32_t sQ_t, const int cw,
+                                             const int lane) const {
+    turns.begin();
+    mbarrier_wait(k_full(stage), kv_wg.phase(i));
+    wgmma_fence();
+    gemm_qk<Element, TileQ, TileKV, Traits::kHeadDim>(s[0], sQ_t, 64 * cw, sK(stage));
+    wgmma_commit();
+    mbarrier_wait(v_full(prev), kv_wg.phase(i - 1));
+    wgmma_fence();
+    gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_in, sV(prev));
+    wgmma_commit();
+    turns.end();
+    wgmma_wait<1>();  // S_i is complete, O += P V still running
+    wgmma_fence_operands(flat(s[0]));
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(k_empty(stage));  // this warp is done with K_n
+  }
+
+  // issue_s_pv's O += P_{i-1} V (V in ring stage prev) waited for: O and p_in are the thread's
+  // again (p_in live up to here: the product read it; S kept in registers across the wait), and
+  // this warp releases the V stage.
+  template <int kNBlkN, int kNBlkD, int kKSteps>
+  __device__ __forceinline__ void wait_pv(float (&acc_o)[1][kNBlkD][4], uint32_t (&p_in)[kKSteps][4],
+                                          float (&s)[1][kNBlkN][4], const int prev, const int lane) const {
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(acc_o[0]));
+    wgmma_fence_operands(p_in);
+    wgmma_fence_operands(flat(s[0]));
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(v_empty(prev));  // this warp is done with V_{n+1}
+  }
+
+  // P = S (after the softmax: exp2 values) as 16-bit wgmma A fragments, k16 step kk in p[kk]
+  // (FA2 Alg. 1 line 10's P, kept in registers for O += P V: FA3).
+  template <int kNBlkN, int kKSteps>
+  __device__ __forceinline__ static void to_p(uint32_t (&p)[kKSteps][4], float (&s)[1][kNBlkN][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
+  }
+
+  // The last of consumer warpgroup cw's n_wg steps, Alg. 1 line 10: O += P V of its last key
+  // block (P in p_last; ring position kv_wg + n_wg - 1) in its turn, complete on return, and this
+  // warp's release of the V stage.
+  template <int kNBlkD, int kKSteps>
+  __device__ __forceinline__ void last_pv(float (&acc_o)[1][kNBlkD][4], uint32_t (&p_last)[kKSteps][4],
+                                          const Turns& turns, const PipelineState<kStages>& kv_wg, const int n_wg,
+                                          const int lane) const {
+    const int last = kv_wg.stage(n_wg - 1);
+    turns.begin();
+    mbarrier_wait(v_full(last), kv_wg.phase(n_wg - 1));
+    wgmma_fence();
+    gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_last, sV(last));
+    wgmma_commit();
+    turns.end();
+    wgmma_wait<0>();
+    wgmma_fence_operands(flat(acc_o[0]));
+    wgmma_fence_operands(p_last);
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(v_empty(last));
+  }
+
+  // ---- Epilogue (Alg. 1 lines 12-13):
+
+  // Epilogue, Alg. 1 line 13: LSE (and its two parts: softmax_stats, flash.h) of the thread's two
+  // rows (accumulator layout at the top of the file), written by the rows' owners (lane % 4 == 0)
+  // as the sm80 kernel does. wo: the tile's decode.
+  __device__ __forceinline__ void store_lse(const Work& wo, const float (&lse)[2], const float (&row_max)[2],
+                                            const float (&row_log2sum)[2], const int lane) const {
+    if (lane % 4 == 0) {
+      const int64_t stat0 = wo.seq.stat_index(params, wo.bidh, wo.m0);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0() + lane / 4 + 8 * r;
+        if (row < wo.rows_q && wo.m0 + row >= 0) {  // (rows above row 0: the shifted first tile)
+          params.softmax_lse_ptr[stat0 + row] = lse[r];
+          if (params.row_max_ptr != nullptr) {
+            params.row_max_ptr[stat0 + row] = row_max[r];
+            params.row_log2sum_ptr[stat0 + row] = row_log2sum[r];
+          }
+        }
+      }
+    }
+  }
+
+  // Epilogue: the shared address of O's staging buffer for the tile whose Q is in stage qs, a
+  // Q-tile layout (a consumer warpgroup c stages its rows 64 c + r 64 c * 128 bytes past rows r:
+  // whole swizzle atoms, so its rows are themselves a TMA box): the tile's Q buffer (its S
+  // products, the only readers, are complete; the Q tile landed before them), or with
+  // Traits::kStageOInV the V ring from its start. The address is opaque per tile, as the thread
+  // index.
+  __device__ __forceinline__ uint32_t o_staging(const int qs) const {
+    uint32_t sO_addr = Traits::kStageOInV ? smem_addr + Traits::kOffV : sQ(qs);
+    asm volatile("" : "+r"(sO_addr));
+    return sO_addr;
+  }
+
+  // Epilogue, Traits::kStageOInV: waits until the V ring is free for the tile's O. The ring is
+  // free once every consumer warp has released the tile's last key block (the stage's empty
+  // barrier completes the phase; the earlier stages were released before it): the tile's V loads
+  // came after the previous tile's O store had read the ring (o_free), and the producer loads no
+  // further V before this tile's o_free. A tile without keys has no V: its q_full came after
+  // o_free. wo: the tile's decode; kv_next: the next tile's first K/V ring position.
+  __device__ __forceinline__ void wait_v_ring_free(const Work& wo, const PipelineState<kStages>& kv_next) const {
+    if (wo.n_block_max > (kLocal ? wo.n_block_min() : 0)) {  // the tile had steps (V loads)
+      PipelineState<kStages> last = kv_next;  // the tile's last key block: one position before the next tile's first
+      last.advance(2 * kStages - 1);
+      mbarrier_wait(v_empty(last.stage()), last.phase());
+    }
+  }
+
+  // Epilogue, Alg. 1 line 12: O = acc_o * scale (acc_o already divided by l: OnlineSoftmax::
+  // finalize; scale: dropout's 1 / (1 - p), else 1) as 16-bit values into consumer warpgroup c's
+  // 64 rows of the staging buffer (generic address sO, a Q-tile layout; tid_wg: the thread's index
+  // in the warpgroup), then the warpgroup's epilogue barrier: the rows are complete.
+  template <int kNBlkD>
+  __device__ __forceinline__ void stage_o(unsigned char* sO, float (&acc_o)[1][kNBlkD][4], const float scale,
+                                          const int c, const int tid_wg) const {
+    store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(sO, acc_o[0], 64 * c, scale, tid_wg);
+    // The generic-proxy writes before the async proxy's next use of the buffer (the TMA store,
+    // or the producer's next Q load).
+    fence_proxy_async();
+    named_barrier_sync(1 + c, 128);
+  }
+
+  // Epilogue, Alg. 1 line 12's store by TMA (FA3's epilogue; one thread): consumer warpgroup c's
+  // 64 rows of O, staged at sO_addr in a Q-tile layout, to the output; returns once the store has
+  // read them. wo: the tile's decode.
+  __device__ __forceinline__ void tma_store_o(const Work& wo, const uint32_t sO_addr, const int c) const {
+#pragma unroll
+    for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
+      if (wo.m0 + 64 * c < 0) break;  // a warpgroup above row 0 (the shifted first tile): nothing to store
+      tma_store_4d(&tma.o, sO_addr + cb * TileQ::kColBlockBytes + 64 * c * 128, 64 * cb,
+                   wo.seq.q_tma_row(wo.m0 + 64 * c), wo.bidh, wo.seq.tma_batch(params));
+    }
+    tma_store_commit();
+    tma_store_wait_read<0>();
+  }
+
+  // Epilogue, Alg. 1 line 12's store by 16-byte stores (primitives/tile_copy.cuh; every thread of
+  // warpgroup c, tid_wg its index there): the warpgroup's rows of O inside the sequence, staged at
+  // sO (generic address) in a Q-tile layout. wo: the tile's decode.
+  __device__ __forceinline__ void store_o_rows(const Work& wo, unsigned char* sO, const int c,
+                                               const int tid_wg) const {
+    store_tile<TileQ, 64, kHeadDimPad, 128>(wo.seq.template q_row<Element>(params.o, wo.bidh, wo.m0 + 64 * c),
+                                            params.o.row_stride, sO + 64 * c * 128, wo.rows_q - 64 * c, params.d,
+                                            tid_wg);
+    fence_proxy_async();  // these generic reads before the producer's next TMA write
+  }
+
+  // Epilogue, last: this warp's release of O's staging buffer (the tile's Q buffer, stage qs, or
+  // with Traits::kStageOInV the V ring: o_free) once its reads of it are done (warp 0: once the
+  // TMA store has read the warpgroup's rows); the phase completes with the last warp's arrival.
+  __device__ __forceinline__ void release_o_buffer(const int qs, const int lane) const {
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(Traits::kStageOInV ? o_free : q_empty(qs));
+  }
 };
 
 // kLocal: the call has a sliding window's left bound (params.window_left >= 0; launch_fwd picks):
@@ -588,12 +907,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // What runs where: after the prologue (warp 0: a varlen tight grid's tile; thread 0:
   // FwdCta::init_barriers) and the CTA barrier, warpgroup 0 runs the producer, FwdCta::producer
   // (TMA loads), and returns; the consumer warpgroups run the rest of this body (the tile walk,
-  // main loop and epilogue), with the shared state (barriers, buffers, tile slot) from cta.
+  // main loop and epilogue, their steps FwdCta's), with the shared state (barriers, buffers, tile
+  // slot) from cta.
   using Element = typename Traits::Element;
-  using TileQ = typename Traits::TileQ;
-  using TileKV = typename Traits::TileKV;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  constexpr int kHeadDimPad = Traits::kHeadDimPad;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
   constexpr int kQStages = Traits::kQStages;
   constexpr int kNBlkN = kBlockN / 8;      // n8 blocks of S (keys)
@@ -634,12 +951,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float scale_log2 = params.scale_softmax_log2;
   const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
   const DropoutRng dropout = DropoutRng::of<kDropout>(params);
-  using Turns = WarpgroupTurns<Traits::kConsumerWGs, Traits::kPingPong>;
-  // Named barrier of all consumer warpgroups for a varlen tile's V rows past its keys (ids: 1..3
-  // the epilogue's, Turns::kBarrier.. the turns').
-  constexpr int kConsumerThreads = 128 * Traits::kConsumerWGs;
-  constexpr int kVTailBarrier = Turns::kBarrier + Traits::kConsumerWGs;
-  static_assert(kVTailBarrier < 16, "16 named barriers per CTA");
+  using Turns = typename Cta::Turns;
   PipelineState<kQStages> q_pipe;
   PipelineState<kStages> kv_next;  // the K/V ring position of the next tile's first key block
   // This thread's consumer warpgroup, warp-uniform (read once): the turns' barrier ids and the Q
@@ -656,16 +968,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // the buffer). The dynamic walk hands the index over on kTileFull (-1: the walk is over); the
     // static walks compute it. The index is opaque from here on: what derives from it is
     // recomputed in the epilogue instead of held live across the main loop.
-    if (sched.dynamic) {
-      named_barrier_sync(Cta::kTileFull, Cta::kHandOverThreads);
-      int slot = 0;
-      if (threadIdx.x % 32 == 0) slot = atomicAdd(cta.tile_slot, 0);  // one read per warp
-      tile_index = __shfl_sync(0xffffffffu, slot, 0);
-      if (tile_index < 0) break;
-      named_barrier_arrive(Cta::kTileEmpty, Cta::kHandOverThreads);
-    } else if (!tiles.next(sched, tile_index)) {
-      break;
-    }
+    if (!cta.next_tile(tiles, tile_index)) break;
     int64_t tile = sched.varlen_tight ? cta.s_varlen_tile : tile_index;  // varlen tight grid: its one tile
     asm volatile("" : "+l"(tile));
     const QTileWork<kBlockM, kBlockN> w(params, tile, sched.m_div, sched.h_div, sched.m_shift);
@@ -681,26 +984,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     mbarrier_wait(cta.q_full(qs), q_pipe.phase());
     const int n_block_max = w.n_block_max, n_block_min = kLocal ? w.n_block_min() : 0;
     const int n_steps = max(n_block_max - n_block_min, 0);  // the tile's steps (key blocks)
-    // This warpgroup's own key range where Traits::kWarpgroupKeyRanges (else the tile's): its 64
-    // rows see keys of blocks [n_lo, n_top) only, so the tile's first n_block_max - n_top steps
-    // (the causal diagonal crosses the tile, or its rows lie past seqlen_q in the tile that ends
-    // the sequence) and its last n_lo - n_block_min ones (a sliding window's left edge) hold no key
-    // any of its rows sees: it skips them, passing its turns and releasing the stages. n_wg = n_top
-    // - n_lo steps of its own (0: it passes every turn). Blocks [n_unmasked_lo, n_unmasked) need
-    // no mask for its rows.
-    const int r0 = w.m0 + 64 * cw;  // this warpgroup's first row
-    // (r0 < 0: a warpgroup above row 0 in the shifted first tile, FwdTileScheduler::m_shift, whole
-    // warpgroups: its rows are no rows, though with seqlen_k > seqlen_q their key range is not empty.)
-    const bool own_range = Traits::kWarpgroupKeyRanges && 64 * cw < w.rows_q && r0 >= 0;
-    int n_top = !Traits::kWarpgroupKeyRanges ? n_block_max : own_range ? w.mask.n_block_max(r0, 64, kBlockN) : 0;
-    int n_lo = !kLocal || !Traits::kWarpgroupKeyRanges ? n_block_min : own_range ? w.mask.n_block_min(r0, kBlockN) : 0;
-    if (kLocal && n_top <= n_lo) n_top = n_lo = n_block_min;  // no key: every step skipped (at the front)
-    const int n_wg = n_top - n_lo;
-    const int n_unmasked =
-        Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked(r0, kBlockN) : w.n_block_unmasked;
-    const int n_unmasked_lo = !kLocal                      ? 0
-                              : Traits::kWarpgroupKeyRanges ? w.mask.n_block_unmasked_lo(r0, 64, kBlockN)
-                                                            : w.mask.n_block_unmasked_lo(w.m0, kBlockM, kBlockN);
+    // This warpgroup's own key blocks [n_top - n_wg, n_top) (key_range): the tile's first
+    // n_block_max - n_top steps and its last ones past n_wg are skipped; blocks [n_unmasked_lo,
+    // n_unmasked) need no mask for its rows.
+    int n_top, n_wg, n_unmasked, n_unmasked_lo;
+    cta.key_range(w, cw, n_block_max, n_block_min, n_top, n_wg, n_unmasked, n_unmasked_lo);
     const int i0 = n_block_max - n_top;  // this warpgroup's first step
     const uint32_t sQ_t = cta.sQ(qs);
     // Step i of the tile: S_i reads K at kv_pipe.stage(i), P_{i-1} V at kv_pipe.stage(i - 1).
@@ -710,67 +998,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // of %tid.x): the compiler would otherwise hoist the row- and thread-derived mask, stats and
     // store terms out of the tile loop and keep them live (spilled) across the main loop.
     const int lane = thread_index_opaque() % 32;
-    // The warp's first row inside the tile (mask, stats), read afresh where it is used.
-    auto row0 = [] { return thread_index_opaque() / 32 * 16 - 64; };
 
-    // Step i skipped (no row of this warpgroup sees its key block): the turn passes on at once,
-    // and the stage is released once it has landed (an arrival before that would count towards
-    // the stage's previous use).
-    auto skip = [&](int i) {
-      const int stage = kv_pipe.stage(i);
-      turns.pass();
-      mbarrier_wait(cta.k_full(stage), kv_pipe.phase(i));
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(cta.k_empty(stage));
-      mbarrier_wait(cta.v_full(stage), kv_pipe.phase(i));
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(cta.v_empty(stage));
-    };
-
-    float acc_o[1][kNBlkD][4];  // FA2 Alg. 1 line 5: O = 0
-#pragma unroll
-    for (int j = 0; j < kNBlkD; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[0][j][e] = 0.f;
-    }
+    float acc_o[1][kNBlkD][4];
+    Cta::zero_o(acc_o);  // FA2 Alg. 1 line 5: O = 0
     OnlineSoftmax<1, ExactForm::kSecondLoop, Traits::kSoftmaxOrder> softmax;  // m = -inf, l = 0 (softmax.cuh)
 
     if (n_steps > 0) {
-      // Varlen: the TMA box brought the next sequence's rows past this one's end. Those that share
-      // a warp with its last rows are zeroed, as a dense call's out-of-bounds fill leaves them: the
-      // online softmax decides rescales and the exact form per warp (or per warp and row index),
-      // so the tile then computes what the dense op computes on the sequence alone, bit for bit
-      // (rows in warps without a valid row feed only outputs that are never stored).
-      if (params.cu_seqlens_q != nullptr) zero_rows_past_end<TileQ, kHeadDimPad>(sQ_t, w.rows_q - 64 * cw, cw);
-      // Varlen, V of the last key block (step 0): its rows past the sequence's keys are the next
-      // sequence's (or past cu_seqlens_k[-1]). P is 0 there, but 0 * NaN is NaN in P V, so they are
-      // zeroed as a dense call's out-of-bounds fill leaves them (K needs nothing: the mask sets S
-      // to -inf by select). Every consumer warpgroup reads the stage: they share the rows and meet
-      // on barrier kVTailBarrier, before the tile's first turn (no wait on WarpgroupTurns inside).
-      if (params.cu_seqlens_k != nullptr) {
-        const int keys_in_last = w.seq.seqlen_k - (n_block_max - 1) * kBlockN;  // uniform over the CTA
-        if (keys_in_last < kBlockN) {
-          // With O staged in the V ring, a CTA's previous tile stored O from these rows: every
-          // consumer warp is past that store (the producer's o_free wait ordered this stage's V
-          // load after it). A consumers' barrier states it where compute-sanitizer racecheck sees
-          // it (with only the dynamic walk's kTileFull between them, it reported these writes
-          // against that store); one CTA per tile has no previous tile.
-          if (Traits::kStageOInV && (sched.persistent || sched.dynamic)) {
-            named_barrier_sync(kVTailBarrier, kConsumerThreads);
-          }
-          mbarrier_wait(cta.v_full(kv_pipe.stage(0)), kv_pipe.phase(0));
-          zero_rows<TileKV, kHeadDimPad, kConsumerThreads>(cta.sV(kv_pipe.stage(0)), keys_in_last, kBlockN,
-                                                           thread_index_opaque() - 128);
-          fence_proxy_async();
-          named_barrier_sync(kVTailBarrier, kConsumerThreads);
-        }
-      }
+      cta.zero_rows_past_ends(w, sQ_t, cw, n_block_max, kv_pipe);  // varlen: Q and V rows past the sequence
 
       // Steps before i0 (key blocks no row of this warpgroup sees) are skipped. A warpgroup without
       // keys (n_wg = 0) passes the tile's last turn too, and its rows get O = 0, LSE = +inf. (Steps
       // past its range at a window's left edge: after its own, below.)
 #pragma unroll 1
-      for (int i = 0; i < i0; ++i) skip(i);
+      for (int i = 0; i < i0; ++i) cta.skip_step(turns, kv_pipe, i, lane);
       if (n_wg == 0) turns.pass();
     }
     // O staged in the V ring (Traits::kStageOInV): the Q buffer's last readers are this
@@ -797,64 +1037,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       kv_wg.advance(i0);
 
       // Step 0 (key block n_top - 1, the last this warpgroup sees): S_0, its softmax and P_0 (O = 0 yet).
-      turns.begin();
-      mbarrier_wait(cta.k_full(kv_wg.stage(0)), kv_wg.phase(0));
-      wgmma_fence();
-      gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, cta.sK(kv_wg.stage(0)));
-      wgmma_commit();
-      turns.end();
-      wgmma_wait<0>();
-      wgmma_fence_operands(flat(s[0]));
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(cta.k_empty(kv_wg.stage(0)));  // this warp is done with K
+      cta.first_s(s, turns, kv_wg, sQ_t, cw, lane);
       if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
-      if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + row0(), (n_top - 1) * kBlockN, alibi_slope_u);
+      if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + Cta::row0(), (n_top - 1) * kBlockN, alibi_slope_u);
       if (n_top - 1 >= n_unmasked || (kLocal && n_top - 1 < n_unmasked_lo)) {
-        w.mask.template apply<kLocal>(s, w.m0 + row0(), (n_top - 1) * kBlockN);
+        w.mask.template apply<kLocal>(s, w.m0 + Cta::row0(), (n_top - 1) * kBlockN);
       }
       softmax.update(s, acc_o, scale_log2);
       // Dropout (kDropout): Z o P of key block n, the row sums l above being of P itself.
       auto drop = [&](int n) {
         if constexpr (kDropout) {
           dropout.template for_each_kept<false, 1, kNBlkN>(
-              dropout_bh, w.m0 + row0() + lane / 4, n * kBlockN + 2 * (lane % 4),
+              dropout_bh, w.m0 + Cta::row0() + lane / 4, n * kBlockN + 2 * (lane % 4),
               [&](int, int nb, int e, bool kept) { s[0][nb][e] = kept ? s[0][nb][e] : 0.f; });
         }
       };
       drop(n_top - 1);
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p[kk], s[0], kk);
+      Cta::to_p(p, s);
 
       // Step i of the loop (i >= 1, key block n = n_top - 1 - i): S_i, then O += P_{i-1} V
       // from p_in; P_i into p_out. early (Traits::kDoubleBufferP, p_out != p_in): P_i is converted
       // row by row inside the softmax while O += P_{i-1} V still reads p_in; else after that product.
       auto step = [&](int i, uint32_t (&p_in)[kBlockN / 16][4], uint32_t (&p_out)[kBlockN / 16][4], bool early) {
         const int n = n_top - 1 - i, stage = kv_wg.stage(i), prev = kv_wg.stage(i - 1);
-
-        // Alg. 1 line 8: S_i = Q K_n^T (unscaled: the scale goes into the softmax) ...
-        turns.begin();
-        mbarrier_wait(cta.k_full(stage), kv_wg.phase(i));
-        wgmma_fence();
-        gemm_qk<Element, TileQ, TileKV, kHeadDim>(s[0], sQ_t, 64 * cw, cta.sK(stage));
-        wgmma_commit();
-        // ... and line 10 of the previous step: O += P_{i-1} V_{n+1}.
-        mbarrier_wait(cta.v_full(prev), kv_wg.phase(i - 1));
-        wgmma_fence();
-        gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_in, cta.sV(prev));
-        wgmma_commit();
-        turns.end();
-
-        wgmma_wait<1>();  // S_i is complete, O += P V still running
-        wgmma_fence_operands(flat(s[0]));
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(cta.k_empty(stage));  // this warp is done with K_n
+        // Alg. 1 line 8: S_i = Q K_n^T, and line 10 of the previous step: O += P_{i-1} V_{n+1}.
+        cta.issue_s_pv(s, acc_o, p_in, turns, kv_wg, i, stage, prev, sQ_t, cw, lane);
 
         // The mask (common/mask.cuh) only on tiles crossing the causal diagonal, a window's left edge
         // or the seqlen_k edge (a warpgroup-uniform branch); then Alg. 1 lines 9-10: m, P = exp2((S -
         // m) c), l; alpha for O. (Soft-capping or ALiBi's bias first: softmax.cuh, mask.cuh.)
         if constexpr (kSoftcap) softcap_scores(s, softcap_prescale);
-        if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + row0(), n * kBlockN, alibi_slope_u);
-        if (n >= n_unmasked || (kLocal && n < n_unmasked_lo)) w.mask.template apply<kLocal>(s, w.m0 + row0(), n * kBlockN);
+        if constexpr (kAlibi) w.mask.template add_alibi<false>(s, w.m0 + Cta::row0(), n * kBlockN, alibi_slope_u);
+        if (n >= n_unmasked || (kLocal && n < n_unmasked_lo)) w.mask.template apply<kLocal>(s, w.m0 + Cta::row0(), n * kBlockN);
         float alpha[2];
         bool rescaled;
         if (early) {
@@ -864,34 +1078,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           rescaled = softmax.update_deferred(s, scale_log2, alpha);
         }
 
-        wgmma_wait<0>();  // O += P_{i-1} V complete: O and p_in are ours again
-        wgmma_fence_operands(flat(acc_o[0]));
-        wgmma_fence_operands(p_in);  // p_in live up to here (the product read it)
-        wgmma_fence_operands(flat(s[0]));
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(cta.v_empty(prev));  // this warp is done with V_{n+1}
+        cta.wait_pv(acc_o, p_in, s, prev, lane);  // O += P_{i-1} V complete: O and p_in are ours again
         if (rescaled) decltype(softmax)::rescale_o(acc_o, alpha);
         if (!early) {
           drop(n);
-#pragma unroll
-          for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<kNBlkN, Element>(p_out[kk], s[0], kk);
+          Cta::to_p(p_out, s);
         }
       };
       // The last step's O += P V (key block n_lo; then the tail skips, which read no Q).
       auto last_pv = [&](uint32_t (&p_last)[kBlockN / 16][4]) {
-        const int last = kv_wg.stage(n_wg - 1);
         release_q();  // the last S product (in the step before) is complete
-        turns.begin();
-        mbarrier_wait(cta.v_full(last), kv_wg.phase(n_wg - 1));
-        wgmma_fence();
-        gemm_pv<Element, Traits::kHeadDimMma, TileKV>(acc_o[0], p_last, cta.sV(last));
-        wgmma_commit();
-        turns.end();
-        wgmma_wait<0>();
-        wgmma_fence_operands(flat(acc_o[0]));
-        wgmma_fence_operands(p_last);
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(cta.v_empty(last));
+        cta.last_pv(acc_o, p_last, turns, kv_wg, n_wg, lane);
       };
       if constexpr (Traits::kDoubleBufferP && !kDropout) {
         // Two steps per trip, so both buffers are fixed registers: P_i in p for even i, p2 for odd.
@@ -917,7 +1114,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // every warpgroup takes the tile's n_steps + 1 turns and releases every stage.
       if constexpr (kLocal) {
 #pragma unroll 1
-        for (int i = i0 + n_wg; i < n_steps; ++i) skip(i);
+        for (int i = i0 + n_wg; i < n_steps; ++i) cta.skip_step(turns, kv_pipe, i, lane);
       }
     }
 
@@ -931,70 +1128,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int c = tid_e / 128 - 1, tid_wg = tid_e % 128, lane = tid_e % 32;
       float lse[2], row_max[2], row_log2sum[2];
       softmax.finalize(acc_o, scale_log2, sink, lse, row_max, row_log2sum);
-      if (lane % 4 == 0) {
-        const int64_t stat0 = wo.seq.stat_index(params, wo.bidh, wo.m0);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = row0() + lane / 4 + 8 * r;
-          if (row < wo.rows_q && wo.m0 + row >= 0) {  // (rows above row 0: the shifted first tile)
-            params.softmax_lse_ptr[stat0 + row] = lse[r];
-            if (params.row_max_ptr != nullptr) {
-              params.row_max_ptr[stat0 + row] = row_max[r];
-              params.row_log2sum_ptr[stat0 + row] = row_log2sum[r];
-            }
-          }
-        }
-      }
-      // O through this warpgroup's own 64 rows of a Q-tile layout (rows 64 c + r lie 64 c * 128
-      // bytes past rows r: whole swizzle atoms, so the rows are themselves a TMA box): the tile's Q
-      // buffer (its S products, the only readers, are complete; the Q tile landed before them), or
-      // with Traits::kStageOInV the V ring from its start. The ring is free once every consumer
-      // warp has released the tile's last key block (the stage's empty barrier completes the
-      // phase; the earlier stages were released before it): the tile's V loads came after the
-      // previous tile's O store had read the ring (o_free), and the producer loads no further V
-      // before this tile's o_free. A tile without keys has no V: its q_full came after o_free. The
-      // buffer address is opaque per tile, as the thread index.
-      uint32_t sO_addr = Traits::kStageOInV ? cta.smem_addr + Traits::kOffV : cta.sQ(qs);
-      asm volatile("" : "+r"(sO_addr));
-      if (Traits::kStageOInV && wo.n_block_max > (kLocal ? wo.n_block_min() : 0)) {  // the tile had steps (V loads)
-        PipelineState<kStages> last = kv_next;  // the tile's last key block: one position before the next tile's first
-        last.advance(2 * kStages - 1);
-        mbarrier_wait(cta.v_empty(last.stage()), last.phase());
-      }
+      cta.store_lse(wo, lse, row_max, row_log2sum, lane);
+      // O through this warpgroup's own 64 rows of its staging buffer (FwdCta::o_staging), with
+      // Traits::kStageOInV once the V ring is free (wait_v_ring_free).
+      const uint32_t sO_addr = cta.o_staging(qs);
+      if constexpr (Traits::kStageOInV) cta.wait_v_ring_free(wo, kv_next);
       unsigned char* sO = static_cast<unsigned char*>(__cvta_shared_to_generic(sO_addr));
-      store_acc_to_smem<kBlockM, kHeadDimPad, kNBlkD, Element>(sO, acc_o[0], 64 * c, kDropout ? params.dropout_rp : 1.f,
-                                                               tid_wg);
-      // The generic-proxy writes before the async proxy's next use of the buffer (the TMA store,
-      // or the producer's next Q load).
-      fence_proxy_async();
-      named_barrier_sync(1 + c, 128);
+      cta.stage_o(sO, acc_o, kDropout ? params.dropout_rp : 1.f, c, tid_wg);
       if (params.cu_seqlens_q == nullptr || wo.rows_q - 64 * c >= 64) {
         // Dense (FA3's epilogue), and a varlen warpgroup whose 64 rows all lie inside its sequence
         // (their box stays there): one thread stores the warpgroup's 64 rows by TMA (rows past
         // seqlen_q and columns past d are clipped by the tensor map) and waits until the store
         // has read them; the other warps go on at once.
-        if (tid_wg == 0) {
-#pragma unroll
-          for (int cb = 0; cb < kHeadDimPad / 64; ++cb) {
-            if (wo.m0 + 64 * c < 0) break;  // a warpgroup above row 0 (the shifted first tile): nothing to store
-            tma_store_4d(&tma.o, sO_addr + cb * TileQ::kColBlockBytes + 64 * c * 128, 64 * cb,
-                         wo.seq.q_tma_row(wo.m0 + 64 * c), wo.bidh, wo.seq.tma_batch(params));
-          }
-          tma_store_commit();
-          tma_store_wait_read<0>();
-        }
+        if (tid_wg == 0) cta.tma_store_o(wo, sO_addr, c);
       } else {
         // Varlen, the warpgroup that holds the sequence's end: a box would run into the next
         // sequence's rows; 16-byte stores of the rows inside this one (primitives/tile_copy.cuh).
-        store_tile<TileQ, 64, kHeadDimPad, 128>(wo.seq.template q_row<Element>(params.o, wo.bidh, wo.m0 + 64 * c),
-                                                params.o.row_stride, sO + 64 * c * 128, wo.rows_q - 64 * c, params.d,
-                                                tid_wg);
-        fence_proxy_async();  // these generic reads before the producer's next TMA write
+        cta.store_o_rows(wo, sO, c, tid_wg);
       }
-      // Each warp releases the buffer once its reads of it are done (warp 0: once the TMA store
-      // has read the warpgroup's rows); the phase completes with the last warp's arrival.
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(Traits::kStageOInV ? cta.o_free : cta.q_empty(qs));
+      cta.release_o_buffer(qs, lane);
     }
     q_pipe.advance();
   }
