@@ -78,24 +78,17 @@ template <> struct DqTile<256> : DqTileShape< 64,  32,    16,    true> {};
 // 64), kStages tiles in flight per CTA while it waits (kStages - 1 while it computes); with
 // d <= 128 a CTA fits 99 KB (the sm_86/89 opt-in limit) and three fit an H100/H200 SM (228 KB;
 // d96's 81 KB CTAs two, as its row says), so several CTAs per SM hide each other's pipeline fill
-// and merge. K/V reads are L2 evict-first
-// (read once: they replace their own lines, not other data or dirty lines). d128 measured on the
-// H200 (`python benchmarks/tune_kernels.py splitkv:128:...`, issue 14's decode cases, TB/s B1 8k /
-// B1 128k / B8 32k / B64 8k / B64 32k; docs/PERF_NOTES.md): this row with cp.async 1.57 / 3.52 /
-// 3.76 / 3.86 / 4.10; without evict-first 1.39 / 3.27 / 3.49 / 3.57 / 3.66; 3-4 stages, 32- or
-// 128-key tiles, 2 or 8 warps: within 3 % or slower. 2026-12-01 (harness, total with the combine):
-// cp.async 1.65 / 3.47 / 3.70 / 3.79 / 4.01, per-row bulk copies (cp.async.bulk, 1.7 L2 sectors per
-// request into the padded rows) 1.41 / 3.52 / 3.73 / 3.90 / 4.10, TMA boxes into 128-byte-swizzled
-// tiles (sm_90; sm_80 builds and calls TMA cannot describe run the cp.async twin) 1.67 / 3.66 /
-// 3.92 / 3.98 / 4.09, with the maps' L2 promotion at 128 bytes 1.68 / 3.68 / 3.98 / 4.14 / 4.38
-// (paged, 16-row pages: B1 128k 3.30 -> 3.51, B64 32k 3.97 -> 4.33), and with a quarter of the
-// lines evict-first where the reads exceed twice the L2 (params.kv_stream_exceeds_l2) 1.66 / 3.80 /
-// 4.15 / 4.27 / 4.46. d64 (the same cases, half
-// the bytes) cp.async 0.71 / 2.93 / 3.30 / 3.48 / 3.88, TMA 0.96 / 3.19 / 3.65 / 3.89 / 4.28; d256
-// cp.async 2.08 / 3.70 / 3.90 / 4.08 / 4.23, TMA 2.22 / 3.99 / 4.18 / 4.37 / 4.55. d32 / d96 / d192
-// (cp.async; TMA would pad their tiles to 64-column blocks): by analogy, not measured. Shared memory = (16 + 2 kStages kBlockN) (d + 8) 2 B (a TMA row: the larger of
-// that and its swizzled ring + 1 KB of alignment): d32 61 KB, d64 74 KB, d96 81 KB, d128 72 KB,
-// d192 106 KB, d256 140 KB.
+// and merge. K/V reads are L2 evict-first (read once: they replace their own lines, not other data
+// or dirty lines), a quarter of the lines only where the reads exceed twice the L2
+// (params.kv_stream_exceeds_l2). On sm_90 the d64 / d128 / d256 rows load by TMA boxes into
+// 128-byte-swizzled tiles, with the maps' L2 promotion at 128 bytes (sm_80 builds, and inputs TMA
+// cannot describe, run the cp.async twin): with the evict-first quarter, issue 14's decode cases
+// +1-13 % over cp.async at d128; 3-4 stages, 32- or 128-key tiles, 2 or 8 warps, per-row bulk
+// copies: within 3 % or slower. d32 / d96 / d192 keep cp.async (TMA would pad their tiles to
+// 64-column blocks; by analogy, not measured). Numbers: docs/PERF_NOTES.md, "Tile-table logs".
+// Shared memory = (16 + 2 kStages kBlockN) (d + 8) 2 B (a TMA row: the larger of that and its
+// swizzled ring + 1 KB of alignment): d32 61 KB, d64 74 KB, d96 81 KB, d128 72 KB, d192 106 KB,
+// d256 140 KB.
 template <int kHeadDim> struct SplitKvTile;
 
 //                                              BLOCK_N warps stages Q-in-regs minCTAs evict-first TMA
