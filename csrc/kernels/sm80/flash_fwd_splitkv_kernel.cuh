@@ -176,8 +176,8 @@ __device__ __forceinline__ void splitkv_row_setup(const Flash_fwd_params& params
   }
 }
 
-// Pipeline step t: every warp is done with tile t - 1, so its buffer takes tile t + kStages - 1;
-// then wait until tile t has landed, for the whole CTA.
+// FA2 Alg. 1 line 7 (load K_t, V_t) as a pipeline: every warp is done with tile t - 1, so its
+// buffer takes tile t + kStages - 1; then wait until tile t has landed, for the whole CTA.
 template <typename Traits, typename LoadTile>
 __device__ __forceinline__ void splitkv_advance_ring(const int t, const int n_tiles, const uint32_t bar0,
                                                      const LoadTile& load_tile) {
@@ -193,7 +193,8 @@ __device__ __forceinline__ void splitkv_advance_ring(const int t, const int n_ti
   }
 }
 
-// Q as the A operand of every k16 step of Q K^T into registers (kQInRegs), once Q has landed.
+// Alg. 1 line 4's Q as the A operand of every k16 step of Q K^T, into registers (kQInRegs), once
+// Q has landed.
 template <typename Traits>
 __device__ __forceinline__ void splitkv_load_q_frags(uint32_t (&q_frag)[Traits::kQInRegs ? Traits::kQKSteps : 1][4],
                                                      const uint32_t q_addr) {
@@ -258,7 +259,8 @@ __device__ __forceinline__ void splitkv_qk(float (&s)[1][Traits::kNAtoms][4],
 
 // Soft-capping, ALiBi and the mask on S of step t (key tile n_begin + t). The mask runs only on
 // tiles some row does not see whole (the causal diagonal, a window's left edge, the end of the
-// sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row lane/4 + 8h, key key0 + 8 ni + 2 (lane % 4) + e.
+// sequence's keys; a CTA-uniform branch): s[0][ni][2h + e] is packed row lane/4 + 8h, key
+// (n_begin + t) kBlockN + warp kWarpKeys + 2 (lane % 4) + 8 ni + e.
 // Past the sequence's keys S = 0 (cp.async zero-fills those K rows) or anything, NaN included (TMA
 // brings whole boxes): the tile holding them always takes this branch (every row's key limit is
 // <= seqlen_k) and the -inf replaces the value. (Soft-capping first: softmax.cuh; tanh keeps a NaN
@@ -301,8 +303,9 @@ __device__ __forceinline__ void splitkv_pv(float (&acc_o)[1][Traits::kDAtoms][4]
   }
 }
 
-// m_w: the max this warp's P and O were taken against (-inf: no visible key); l_w its sum.
-// Then f_w = exp2((m_w - M) c) for the rows' max M over the warps: O_w *= f_w into shared memory
+// The warps' merge (the header's combine rule over the warps' key slices), first half. m_w: the
+// max this warp's P and O were taken against (-inf: no visible key); l_w its sum. Then
+// f_w = exp2((m_w - M) c) for the rows' max M over the warps: O_w *= f_w into shared memory
 // (sO [warp][16][kMergePitch], sMax and sSum [warp][16], over the ring); a barrier after each.
 template <typename Traits, typename Softmax>
 __device__ __forceinline__ void splitkv_merge_warps(float* sO, float* sMax, float* sSum, const Softmax& softmax,
@@ -335,9 +338,9 @@ __device__ __forceinline__ void splitkv_merge_warps(float* sO, float* sMax, floa
   __syncthreads();
 }
 
-// FA2 Alg. 1 line 12-13's outputs for one 8-column chunk o (normalized) of packed row r, columns
-// col..col+7, and its LSE (log2 units; empty: the row saw no visible key). Several splits: the
-// partial O (float32) and LSE (-inf when empty) into the split accumulators (flash.h).
+// FA2 Alg. 1 lines 14-15 for several splits: one 8-column chunk o (normalized) of packed row r,
+// columns col..col+7, as the split's partial O (float32), and its LSE (given in log2 units, stored
+// as natural log; -inf when empty: the row saw no visible key) into the split accumulators (flash.h).
 template <typename Work>
 __device__ __forceinline__ void splitkv_store_partial(const Flash_fwd_params& params, const Work& w, const int r,
                                                       const int col, const float (&o)[8], const float lse_log2,

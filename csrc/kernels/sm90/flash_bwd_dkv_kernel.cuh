@@ -104,8 +104,9 @@ __device__ __forceinline__ void zero_dk_dv(float (&acc_dk)[kNBlkD][4], float (&a
   }
 }
 
-// acc = A B^T over the head dim's k16 steps, as one wgmma group (the caller fences first): A the
-// warpgroup's 64 rows of K_j or V_j (sA: S^T, dP^T), B the kNBlkP * 8 rows from q0 of Q_i or dO_i.
+// Alg. 2 line 11 or 14, transposed: S^T = K_j Q_i^T (sA = sK, sB = sQ) or dP^T = V_j dO_i^T
+// (sA = sV, sB = sdO), over the head dim's k16 steps as one wgmma group (the caller fences first):
+// A the warpgroup's 64 rows of K_j or V_j, B the kNBlkP * 8 rows from q0 of Q_i or dO_i.
 template <typename Element, int kHeadDim, typename T, int kNBlkP>
 __device__ __forceinline__ void issue_kv_q_product(float (&acc)[kNBlkP][4], uint32_t sA, uint32_t sB, int wg, int q0) {
 #pragma unroll
@@ -229,7 +230,8 @@ __device__ __forceinline__ void dropout_part(uint32_t (&a_p)[kKSteps][4], uint32
 
 // The register diets' own steps (DpInS, PSmem: the traits; the kernel's diet branch).
 
-// PSmem: P^T (its A operands a_p) into the warpgroup's tile, each warp its own 16 K rows
+// PSmem, the A operand of Alg. 2 line 13 (dV_j += P^T dO_i, then from shared memory): P^T (its A
+// operands a_p) into the warpgroup's tile, each warp its own 16 K rows
 // (p_frag_addr(kk): this lane's stmatrix address of k16 step kk), the stores then made visible to
 // the async proxy that the wgmma reads through.
 template <int kKSteps, typename FragAddr>

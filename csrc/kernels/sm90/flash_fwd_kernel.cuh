@@ -330,7 +330,8 @@ struct WarpgroupTurns {
 //   init_barriers()  the mbarriers' setup (thread 0, before the CTA barrier)
 //   producer()       WG 0: the tile walk (static or dynamic); produce_tile(): one tile's TMA loads
 //   consumers'       next_tile() (take_tile(): the dynamic walk's hand-over); per tile key_range(),
-//   steps            zero_o(), zero_rows_past_ends() (varlen), skip_step(); the main loop's
+//   steps            zero_o(), zero_rows_past_ends() (varlen; its V half zero_v_tail()),
+//                    skip_step(); the main loop's
 //                    first_s(), issue_s_pv(), wait_pv(), to_p(), last_pv(); the epilogue's
 //                    store_lse(), o_staging(), wait_v_ring_free(), stage_o(), tma_store_o() /
 //                    store_o_rows(), release_o_buffer()
@@ -360,8 +361,8 @@ struct FwdCta {
 
   // The dynamic walk's next tile (tile_scheduler.cuh: dynamic; -1: the walk is over; int32: tile
   // indices are < 2^31), in s_varlen_tile's place, handed over on named barriers kTileFull /
-  // kTileEmpty of the producer warp and the consumer threads (ids past the turns' and the V
-  // tail's, see the consumers in flash_fwd_kernel). The slot is written and read by shared-memory
+  // kTileEmpty of the producer warp and the consumer threads (ids past the turns' and
+  // kVTailBarrier, above). The slot is written and read by shared-memory
   // atomics: the barriers order them, and compute-sanitizer racecheck, which reports a plain store
   // and load ordered by these barriers as a race, sees no race between atomics.
   static constexpr int kTileFull = kVTailBarrier + 1;
@@ -424,9 +425,10 @@ struct FwdCta {
     mbarrier_init_fence();
   }
 
-  // ---- Producer, one tile's loads (lane 0 of warp 0): K_n and V_n of its steps, Q after the
-  // first key block. The ring positions run on across tiles (q_pipe, kv_pipe, o_pipe: the
-  // producer's, advanced here).
+  // ---- Producer, one tile's loads (lane 0 of warp 0; FA2 Alg. 1 lines 4 and 7): K_n and V_n of
+  // its steps, Q after the first key block. The ring positions run on across tiles (q_pipe,
+  // kv_pipe, o_pipe: the producer's, advanced here). evict_first / evict_last: the L2 policies of
+  // Q (read once) and K / V (read again by the head's other Q tiles).
   __device__ __forceinline__ void produce_tile(int tile, PipelineState<kQStages>& q_pipe,
                                                PipelineState<kStages>& kv_pipe, PipelineState<1>& o_pipe,
                                                const uint64_t evict_first, const uint64_t evict_last) const {
@@ -725,8 +727,10 @@ struct FwdCta {
 
   // Step i >= 1 of consumer warpgroup cw's steps (ring position kv_wg + i), its products in its
   // turn: Alg. 1 line 8, S = Q K_n^T (unscaled: the scale goes into the softmax; Q in sQ_t), and
-  // line 10 of the previous step, O += P_{i-1} V_{n+1} (P_{i-1} in p_in), issued back to back. On
-  // return S is complete (and this warp has released the K stage), O += P V still running.
+  // line 10 of the previous step, O += P_{i-1} V_{n+1} (P_{i-1} in p_in), issued back to back, with
+  // n = n_top - 1 - i the caller's key block; stage, prev: kv_wg.stage(i), kv_wg.stage(i - 1), the
+  // ring stages of K_n and V_{n+1}. On return S is complete (and this warp has released the K
+  // stage), O += P V still running.
   template <int kNBlkN, int kNBlkD, int kKSteps>
   __device__ __forceinline__ void issue_s_pv(float (&s)[1][kNBlkN][4], float (&acc_o)[1][kNBlkD][4],
                                              uint32_t (&p_in)[kKSteps][4], const Turns& turns,
@@ -792,11 +796,12 @@ struct FwdCta {
     if (lane == 0) mbarrier_arrive(v_empty(last));
   }
 
-  // ---- Epilogue (Alg. 1 lines 12-13):
+  // ---- Epilogue (Alg. 1 lines 12-15; O_i = diag(l)^-1 O_i and L_i = m + log l themselves are
+  // OnlineSoftmax::finalize's):
 
-  // Epilogue, Alg. 1 line 13: LSE (and its two parts: softmax_stats, flash.h) of the thread's two
-  // rows (accumulator layout at the top of the file), written by the rows' owners (lane % 4 == 0)
-  // as the sm80 kernel does. wo: the tile's decode.
+  // Epilogue, Alg. 1 line 15 (L_i of line 13): LSE (and its two parts: softmax_stats, flash.h) of
+  // the thread's two rows (accumulator layout at the top of the file), written by the rows' owners
+  // (lane % 4 == 0) as the sm80 kernel does. wo: the tile's decode.
   __device__ __forceinline__ void store_lse(const Work& wo, const float (&lse)[2], const float (&row_max)[2],
                                             const float (&row_log2sum)[2], const int lane) const {
     if (lane % 4 == 0) {
@@ -816,8 +821,8 @@ struct FwdCta {
   }
 
   // Epilogue: the shared address of O's staging buffer for the tile whose Q is in stage qs, a
-  // Q-tile layout (a consumer warpgroup c stages its rows 64 c + r 64 c * 128 bytes past rows r:
-  // whole swizzle atoms, so its rows are themselves a TMA box): the tile's Q buffer (its S
+  // Q-tile layout (consumer warpgroup c's rows 64 c + r lie 64 c * 128 bytes past rows r: whole
+  // swizzle atoms, so they are themselves a TMA box): the tile's Q buffer (its S
   // products, the only readers, are complete; the Q tile landed before them), or with
   // Traits::kStageOInV the V ring from its start. The address is opaque per tile, as the thread
   // index.
@@ -841,9 +846,9 @@ struct FwdCta {
     }
   }
 
-  // Epilogue, Alg. 1 line 12: O = acc_o * scale (acc_o already divided by l: OnlineSoftmax::
-  // finalize; scale: dropout's 1 / (1 - p), else 1) as 16-bit values into consumer warpgroup c's
-  // 64 rows of the staging buffer (generic address sO, a Q-tile layout; tid_wg: the thread's index
+  // Epilogue, O_i of Alg. 1 line 12 staged for line 14's write: O = acc_o * scale (acc_o already
+  // divided by l: OnlineSoftmax::finalize; scale: dropout's 1 / (1 - p), else 1) as 16-bit values
+  // into consumer warpgroup c's 64 rows of the staging buffer (generic address sO, a Q-tile layout; tid_wg: the thread's index
   // in the warpgroup), then the warpgroup's epilogue barrier: the rows are complete.
   template <int kNBlkD>
   __device__ __forceinline__ void stage_o(unsigned char* sO, float (&acc_o)[1][kNBlkD][4], const float scale,
@@ -855,7 +860,7 @@ struct FwdCta {
     named_barrier_sync(1 + c, 128);
   }
 
-  // Epilogue, Alg. 1 line 12's store by TMA (FA3's epilogue; one thread): consumer warpgroup c's
+  // Epilogue, Alg. 1 line 14 (write O_i) by TMA (FA3's epilogue; one thread): consumer warpgroup c's
   // 64 rows of O, staged at sO_addr in a Q-tile layout, to the output; returns once the store has
   // read them. wo: the tile's decode.
   __device__ __forceinline__ void tma_store_o(const Work& wo, const uint32_t sO_addr, const int c) const {
@@ -869,7 +874,7 @@ struct FwdCta {
     tma_store_wait_read<0>();
   }
 
-  // Epilogue, Alg. 1 line 12's store by 16-byte stores (primitives/tile_copy.cuh; every thread of
+  // Epilogue, Alg. 1 line 14 (write O_i) by 16-byte stores (primitives/tile_copy.cuh; every thread of
   // warpgroup c, tid_wg its index there): the warpgroup's rows of O inside the sequence, staged at
   // sO (generic address) in a Q-tile layout. wo: the tile's decode.
   __device__ __forceinline__ void store_o_rows(const Work& wo, unsigned char* sO, const int c,
@@ -985,7 +990,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int n_block_max = w.n_block_max, n_block_min = kLocal ? w.n_block_min() : 0;
     const int n_steps = max(n_block_max - n_block_min, 0);  // the tile's steps (key blocks)
     // This warpgroup's own key blocks [n_top - n_wg, n_top) (key_range): the tile's first
-    // n_block_max - n_top steps and its last ones past n_wg are skipped; blocks [n_unmasked_lo,
+    // n_block_max - n_top steps and its steps from i0 + n_wg on (a window's left edge) are skipped; blocks [n_unmasked_lo,
     // n_unmasked) need no mask for its rows.
     int n_top, n_wg, n_unmasked, n_unmasked_lo;
     cta.key_range(w, cw, n_block_max, n_block_min, n_top, n_wg, n_unmasked, n_unmasked_lo);
@@ -1085,7 +1090,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           Cta::to_p(p_out, s);
         }
       };
-      // The last step's O += P V (key block n_lo; then the tail skips, which read no Q).
+      // The last step's O += P V (key block n_top - n_wg; then the tail skips, which read no Q).
       auto last_pv = [&](uint32_t (&p_last)[kBlockN / 16][4]) {
         release_q();  // the last S product (in the step before) is complete
         cta.last_pv(acc_o, p_last, turns, kv_wg, n_wg, lane);
