@@ -83,7 +83,8 @@ import weakref
 
 import torch
 
-from .interface import _cut, _dropout_p, _kernel_layout, _softcap, flash_attn_func
+from ._args import _cut, _dropout_p, _kernel_layout, _softcap
+from .interface import flash_attn_func
 from . import masked
 from .masked import MaskNotSupported, allowed_from_mask, masked_attention
 from .sdpa import _autocast_and_check_dtype

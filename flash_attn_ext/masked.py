@@ -24,8 +24,9 @@ import weakref
 
 import torch
 
-from .interface import flash_attn_func, flash_attn_varlen_func
+from .interface import flash_attn_func
 from .ops import _needs_autograd
+from .varlen import flash_attn_varlen_func
 
 
 class MaskNotSupported(NotImplementedError):

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .interface import _dropout_p, _window, flash_attn_func
+from ._args import _dropout_p, _window
+from .interface import flash_attn_func
 from .masked import MaskNotSupported, allowed_from_mask, assert_in_graph, masked_attention, refuse_mask_derivatives
 from .reference import visible_mask
 from .sdpa import _autocast_and_check_dtype

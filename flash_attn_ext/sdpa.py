@@ -30,7 +30,8 @@ import torch
 
 from . import _C
 from ._fake_checks import MAX_HEADDIM as _MAX_HEADDIM
-from .interface import _check_tensors, _dropout_p, _maybe_contiguous, _scale, flash_attn_func
+from ._args import _check_tensors, _dropout_p, _maybe_contiguous, _scale
+from .interface import flash_attn_func
 
 __all__ = ["scaled_dot_product_attention"]
 
