@@ -189,6 +189,10 @@ struct Flash_fwd_params : public Qkv_params {
   bool kv_stream_exceeds_l2 = false;
   float* __restrict__ oaccum_ptr = nullptr;     // (num_splits, b, h, seqlen_q, d_rounded) float32
   float* __restrict__ softmax_lseaccum_ptr = nullptr;  // (num_splits, b, h, seqlen_q) float32
+  // The num_splits * b slots of the accumulators' first two dimensions shared out over the
+  // sequences by their lengths (common/splitkv_work.cuh: balanced splits; set by
+  // run_mha_fwd_kvcache for ragged-capable calls); false: sequence b's split s in slot s * batch + b.
+  bool balance_splits = false;
 
 };
 

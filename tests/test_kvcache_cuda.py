@@ -223,6 +223,32 @@ def test_kvcache_num_splits(d, causal, seqlen_q, paged, poison_empty):
         assert (out.double() - results[1][0].double()).abs().max().item() <= budget, num_splits
 
 
+@pytest.mark.parametrize("num_splits", [0, 2, 16, 64])
+@pytest.mark.parametrize("causal,seqlen_q", [(False, 1), (True, 3)])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_kvcache_balanced_splits(num_splits, causal, seqlen_q, page_size, poison_empty):
+    """Balanced splits (csrc/kernels/common/splitkv_work.cuh): the split CTAs of a batch whose
+    sequences differ in length are shared out by length on the device. Sixteen sequences from 0
+    keys to the full capacity; num_splits 64 gives the longest ones more than kMaxSplits units
+    (1 + 16 * 63 * 129 / W with W ~ 430: ~300), so their units past the cap run nothing; 0 is the
+    heuristic's count. Exact against the reference and within the rule of the unsplit result."""
+    require_hdim(128)
+    capacity, nheads_k, ratio, d = 8192, 2, 4, 128
+    lens = [8192, 0, 1, 5, 64, 65, 700, 0, 3000, 2, 128, 129, 8192, 17, 1000, 8191]
+    q = torch.randn(len(lens), seqlen_q, nheads_k * ratio, d, device="cuda", dtype=torch.bfloat16)
+    kc, vc, table = _make_cache(lens, capacity, nheads_k, d, torch.bfloat16, page_size=page_size)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                     causal=causal, num_splits=num_splits, return_lse=True)
+    ref, base = _check(q, kc, vc, table, lens, causal, out, lse)
+    out1, _ = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                    causal=causal, num_splits=1, return_lse=True)
+    budget = 2 * (base[0].double() - ref[0].double()).nan_to_num(0.0).abs().max().item() + 1e-5
+    assert (out.double() - out1.double()).abs().max().item() <= budget
+    for b in (1, 7):  # no keys: out 0, lse +inf
+        assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isinf(lse[b]).all()
+
+
 def test_kvcache_long_decode_gqa(poison_empty):
     """The issue's decode shape at test scale: GQA 32:8, hd128, bf16, one query, 16k keys, batch 2,
     contiguous and paged (page 16), heuristic splits."""

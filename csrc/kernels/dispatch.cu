@@ -119,6 +119,19 @@ int splitkv_forced_splits() {
   return forced;
 }
 
+// Balanced splits (common/splitkv_work.cuh) for a KV-cache call whose sequences may differ in length
+// (cache_seqlens given, more than one sequence, split): the split CTAs share the keys out by the
+// sequences' lengths on the device. Equal lengths get the unbalanced grid's splits exactly.
+// FLASH_ATTN_EXT_SPLITKV_BALANCE=0 (read once; an A/B knob) keeps every sequence at num_splits.
+bool splitkv_balance(const Flash_fwd_params& params) {
+  static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SPLITKV_BALANCE");
+  if (!enabled || params.cache_seqlens == nullptr || params.b < 2 || params.num_splits < 2) return false;
+  // The units' arithmetic in 64-bit integers: (U - b) W < 2^62 with W <= b (1 + ceil(seqlen_k / 64)).
+  const int64_t units = int64_t(params.b) * params.num_splits;
+  const int64_t max_weight = int64_t(params.b) * (1 + (int64_t(params.seqlen_k) + 63) / 64);
+  return units < (int64_t(1) << 30) && double(units - params.b) * double(max_weight) < 4.0e18;
+}
+
 // FLASH_ATTN_EXT_BWD_CONCURRENT=0 (read once) runs the backward's dK/dV and dQ kernels one after
 // the other on the caller's stream instead of side by side (kernels/bwd_fork.h).
 bool bwd_concurrent_enabled() {
@@ -380,6 +393,7 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
     }
     run_append_kv<Element>(params, stream);
     params.sm90_path = select_arch(params.arch) == ArchPath::kSm90;  // the split-KV TMA rows' condition
+    params.balance_splits = splitkv_balance(params);
     run_mha_fwd_splitkv_<Element, kHeadDim>(Sm80{}, params, stream);
     if (params.num_splits > 1) run_splitkv_combine<Element>(params, stream);
   });

@@ -25,11 +25,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 #include "flash.h"
 #include "kernels/common/seqlen.cuh"
+#include "kernels/common/splitkv_work.cuh"
 #include "kernels/launch_utils.h"
 #include "primitives/barrier.cuh"
 #include "primitives/mma.cuh"
@@ -54,10 +56,22 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float s_weight[kMaxSplits];
   __shared__ float s_max[kCombineWarps], s_sum[kCombineWarps];
   __shared__ float4 s_part[kCombineThreads];
+  __shared__ int64_t s_balance_warp[kCombineWarps];
+  __shared__ int3 s_balance_found;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t rows = int64_t(params.b) * params.h * params.seqlen_q;  // = split stride of the LSEs
-  const int64_t row = blockIdx.x;                                       // (b, head, i), i fastest
-  const int num_splits = params.num_splits;
+  const int64_t hs = int64_t(params.h) * params.seqlen_q;  // rows of one accumulator slot
+  const int64_t row = blockIdx.x;                           // (b, head, i), i fastest
+  const int bidb = int(row / hs);
+  // The row's splits and their slots (common/splitkv_work.cuh: unbalanced, split s of sequence b
+  // in slot s b_count + b; balanced, slots [C_b, C_b + count) from the same arithmetic as the split
+  // kernel's, on inputs only, so before the wait).
+  SplitSlots slots{bidb, params.b, params.num_splits};
+  if (params.balance_splits) {
+    const int3 r = balanced_units<kCombineThreads>(params, -1, bidb, s_balance_warp, &s_balance_found, tid);
+    slots = SplitSlots{r.y, 1, min(r.z - r.y, kMaxSplits)};
+  }
+  const int num_splits = slots.count;
+  const int64_t slot_row = slots.first * hs + row % hs;  // the row in split 0's slot
 
   // This thread's column chunk and split group.
   const int chunks = params.d / 4;                                  // float4 chunks of a row (d % 8 == 0)
@@ -65,8 +79,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int groups = kCombineThreads >> log_c;                      // G >= 2
   const int chunk = tid & ((1 << log_c) - 1), group = tid >> log_c;
   const bool col_ok = chunk < chunks;
-  const int64_t split_stride = rows * (params.d_rounded / 4);       // in float4
-  const float4* o_s = reinterpret_cast<const float4*>(params.oaccum_ptr + row * params.d_rounded) + chunk;
+  const int64_t split_stride = slots.step * hs * (params.d_rounded / 4);  // in float4
+  const float4* o_s = reinterpret_cast<const float4*>(params.oaccum_ptr + slot_row * params.d_rounded) + chunk;
 
   grid_dependency_wait();  // the split kernel's partials are complete and visible
 
@@ -79,7 +93,8 @@ __global__ void __launch_bounds__(kCombineThreads)
       x[u] = col_ok && s < num_splits ? __ldcs(o_s + s * split_stride) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   };
-  const float lse_s = tid < num_splits ? __ldcs(params.softmax_lseaccum_ptr + tid * rows + row) : -INFINITY;
+  const float lse_s =
+      tid < num_splits ? __ldcs(params.softmax_lseaccum_ptr + tid * slots.step * hs + slot_row) : -INFINITY;
   load_batch(0);
 
   // lse = M + log(sum_s exp(lse_s - M)), M = max_s lse_s: over the CTA (warp shuffles, then the
@@ -142,7 +157,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   // The groups' sums in order, into row (b, head, i) of out and softmax_lse (the views of
   // common/seqlen.cuh).
   if (group != 0) return;
-  const SeqInfo seq(params, int(bh / params.h));
+  const SeqInfo seq(params, bidb);
   if (col_ok) {
     float4 o = s_part[chunk];
     for (int g = 1; g < groups; ++g) {
@@ -163,7 +178,11 @@ template <typename Element>
 void run_splitkv_combine(const Flash_fwd_params& params, cudaStream_t stream) {
   const int64_t rows = int64_t(params.b) * params.h * params.seqlen_q;
   const int groups = kCombineThreads >> combine_log2_chunks(params.d);
-  const bool wide = (params.num_splits + groups - 1) / groups > 4;  // more than 4 splits per group
+  // Balanced splits: a sequence's split count reaches 1 + b (num_splits - 1) (kMaxSplits at most).
+  const int64_t max_count = params.balance_splits
+                                ? std::min<int64_t>(kMaxSplits, 1 + int64_t(params.b) * (params.num_splits - 1))
+                                : params.num_splits;
+  const bool wide = (max_count + groups - 1) / groups > 4;  // more than 4 splits per group
   launch_1d_dependent(params.arch >= 90,
                       wide ? flash_fwd_splitkv_combine_kernel<Element, 16> : flash_fwd_splitkv_combine_kernel<Element, 4>,
                       rows, kCombineThreads, 0, "split-KV combine", params.d_rounded, stream, params);

@@ -388,7 +388,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // ---- Launch latency: PDL, the tensor maps, the split's first key tile into L2.
   splitkv_launch_early<Traits, kLocal, Work>(params, maps, coords, kv_policy, tid);
 
-  const Work w(params, coords);
+  // ---- Balanced splits (common/splitkv_work.cuh): the sequence and split this CTA's unit stands for.
+  __shared__ int64_t s_balance_warp[kNWarps];
+  __shared__ int3 s_balance_found;
+  SplitSlots slots;
+  bool unit_empty;
+  const int4 unit = Work::template resolve<kThreads>(params, coords, slots, unit_empty, s_balance_warp,
+                                                     &s_balance_found, tid);
+  if (unit_empty) return;  // past its sequence's split cap: no keys, no partial (the combine reads none)
+  const Work w(params, unit, slots);
   const int n_tiles = w.n_end > w.n_begin ? w.n_end - w.n_begin : 0;
   const float scale_log2 = params.scale_softmax_log2;
   const float softcap_prescale = kSoftcap ? params.softcap_prescale : 0.f;
