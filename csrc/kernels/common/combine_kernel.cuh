@@ -3,7 +3,9 @@
 //   lse = log sum_s exp(lse_s),   out = sum_s exp(lse_s - lse) O_s,
 // where O_s is split s's output normalized over its own keys and lse_s its natural-log LSE (flash.h:
 // oaccum_ptr (num_splits, b, h, seqlen_q, d_rounded), softmax_lseaccum_ptr (num_splits, b, h,
-// seqlen_q), float32). A split without visible keys has lse_s = -inf: weight 0 (its O_s, written
+// seqlen_q), float32; split s of sequence b in slot s * b_count + b of the leading num_splits * b_count,
+// or, with balanced splits, the sequence's own count of splits in slots [C_b, C_b + count):
+// common/splitkv_work.cuh). A split without visible keys has lse_s = -inf: weight 0 (its O_s, written
 // as 0 by the split kernel, adds nothing). A row no split saw a key of: out = 0, lse = +inf (the
 // forward's contract). Exact up to float32 rounding: the weights sum to 1, every O_s is a convex
 // combination of V rows.
@@ -25,7 +27,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -178,11 +179,8 @@ template <typename Element>
 void run_splitkv_combine(const Flash_fwd_params& params, cudaStream_t stream) {
   const int64_t rows = int64_t(params.b) * params.h * params.seqlen_q;
   const int groups = kCombineThreads >> combine_log2_chunks(params.d);
-  // Balanced splits: a sequence's split count reaches 1 + b (num_splits - 1) (kMaxSplits at most).
-  const int64_t max_count = params.balance_splits
-                                ? std::min<int64_t>(kMaxSplits, 1 + int64_t(params.b) * (params.num_splits - 1))
-                                : params.num_splits;
-  const bool wide = (max_count + groups - 1) / groups > 4;  // more than 4 splits per group
+  // More than 4 splits per group (balanced splits: on average; a row with more loops over batches).
+  const bool wide = (params.num_splits + groups - 1) / groups > 4;
   launch_1d_dependent(params.arch >= 90,
                       wide ? flash_fwd_splitkv_combine_kernel<Element, 16> : flash_fwd_splitkv_combine_kernel<Element, 4>,
                       rows, kCombineThreads, 0, "split-KV combine", params.d_rounded, stream, params);
