@@ -184,14 +184,15 @@ def test_compare_runs_counts_only_cases_of_both_sides(tmp_path):
 
 def test_splitkv_sweep_smoke():
     """scripts/splitkv_sweep.sh runs end to end on the CPU (eager timing): one line per (round, fill,
-    split count) with every case's TB/s of ours."""
-    env = dict(os.environ, CASES="B1xN64,B2xN48", SPLITS="h", FILLS="1 0.5", ROUNDS="1", GRAPH="", REP_MS="1",
+    split count, balance knob) with every case's TB/s of ours."""
+    env = dict(os.environ, CASES="B1xN64,B2xN48", SPLITS="h", FILLS="1 0.5", BALANCE="1 0", ROUNDS="1", GRAPH="", REP_MS="1",
                WARMUP_MS="1", EXTRA="--decode-hdim 32 --decode-heads 4:2 --device cpu", PYTHON=sys.executable)
     r = subprocess.run(["bash", os.path.join(REPO, "scripts", "splitkv_sweep.sh")], capture_output=True, text=True,
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert [ln.split(":")[0] for ln in lines] == ["R1 F1 S=h", "R1 F0.5 S=h"], r.stdout
+    assert [ln.split(":")[0] for ln in lines] == ["R1 F1 S=h bal=1", "R1 F1 S=h bal=0", "R1 F0.5 S=h bal=1",
+                                                 "R1 F0.5 S=h bal=0"], r.stdout
     assert all(re.search(r"B1x64=[0-9.]+ B2x48=[0-9.]+$", ln) for ln in lines), r.stdout
 
 
