@@ -229,8 +229,9 @@ def test_kvcache_num_splits(d, causal, seqlen_q, paged, poison_empty):
 def test_kvcache_balanced_splits(num_splits, causal, seqlen_q, page_size, poison_empty):
     """Balanced splits (csrc/kernels/common/splitkv_work.cuh): the split CTAs of a batch whose
     sequences differ in length are shared out by length on the device. Sixteen sequences from 0
-    keys to the full capacity; num_splits 64 gives the longest ones more than kMaxSplits units
-    (1 + 16 * 63 * 129 / W with W ~ 430: ~300), so their units past the cap run nothing; 0 is the
+    keys to the full capacity. num_splits 2: threshold 22 tiles of 64 keys, the full sequences 6
+    splits, the empty ones none (the combine writes their zeros); 16: 2 tiles, 64 splits; 64: one
+    tile, and the full sequences at the kMaxSplits cap (128), 554 of the 1024 units idle; 0: the
     heuristic's count. Exact against the reference and within the rule of the unsplit result."""
     require_hdim(128)
     capacity, nheads_k, ratio, d = 8192, 2, 4, 128

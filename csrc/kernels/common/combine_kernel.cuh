@@ -4,7 +4,8 @@
 // where O_s is split s's output normalized over its own keys and lse_s its natural-log LSE (flash.h:
 // oaccum_ptr (num_splits, b, h, seqlen_q, d_rounded), softmax_lseaccum_ptr (num_splits, b, h,
 // seqlen_q), float32; split s of sequence b in slot s * b_count + b of the leading num_splits * b_count,
-// or, with balanced splits, the sequence's own count of splits in slots [C_b, C_b + count):
+// or, with balanced splits, the sequence's own count of splits (0 without keys) in slots
+// [C_b, C_b + count):
 // common/splitkv_work.cuh). A split without visible keys has lse_s = -inf: weight 0 (its O_s, written
 // as 0 by the split kernel, adds nothing). A row no split saw a key of: out = 0, lse = +inf (the
 // forward's contract). Exact up to float32 rounding: the weights sum to 1, every O_s is a convex
@@ -57,8 +58,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float s_weight[kMaxSplits];
   __shared__ float s_max[kCombineWarps], s_sum[kCombineWarps];
   __shared__ float4 s_part[kCombineThreads];
-  __shared__ int64_t s_balance_warp[kCombineWarps];
-  __shared__ int3 s_balance_found;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t hs = int64_t(params.h) * params.seqlen_q;  // rows of one accumulator slot
   const int64_t row = blockIdx.x;                           // (b, head, i), i fastest
@@ -68,8 +67,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   // kernel's, on inputs only, so before the wait).
   SplitSlots slots{bidb, params.b, params.num_splits};
   if (params.balance_splits) {
-    const int3 r = balanced_units<kCombineThreads>(params, -1, bidb, s_balance_warp, &s_balance_found, tid);
-    slots = SplitSlots{r.y, 1, min(r.z - r.y, kMaxSplits)};
+    const int3 r = balanced_units(params, -1, bidb);
+    slots = SplitSlots{r.y, 1, r.z};  // r.z = 0: a sequence without keys (out 0, lse +inf below)
   }
   const int num_splits = slots.count;
   const int64_t slot_row = slots.first * hs + row % hs;  // the row in split 0's slot

@@ -22,16 +22,20 @@ namespace flash {
 // twice as long, and a grid of one round waits for its longest sequence (a batch whose
 // cache_seqlens spread evenly over [0, Nk] ran 26 % below a full one at B8 Nk 32k, H100,
 // docs/PERF_NOTES.md). The host cannot read cache_seqlens without a sync, so the CTAs share the
-// work out themselves: the U = b S units (CTAs) of one (kv head, row tile) go to the sequences by
-// their keys, sequence b taking units [C_b, C_{b+1}) with
-//   C_b = b + floor((U - b_count) P_b / W),   w_b = 1 + ceil(keys_b / 64),   P_b = sum_{b' < b} w_b',
-// W = P_{b_count} (keys_b: the keys the sequence sees, at most a sliding window's span). Every
-// sequence gets at least one unit and the rest go by keys (FA3 decides per-sequence split counts on
-// the device too: its prepare-scheduler kernel); equal lengths give C_b = b S, the unbalanced grid
-// exactly. A sequence's splits are capped at kMaxSplits (the combine's limit): its units past the
-// cap run nothing. Split kernel and combine compute the same C_b from the same integers.
-// Host condition (dispatch.cu: splitkv_balance): b > 1, a cache_seqlens tensor, num_splits > 1 and
-// (U - b) W < 2^62 for every possible W.
+// work out themselves: the U = b S units (CTAs) of one (kv head, row tile) go to the sequences
+// as contiguous key ranges of at most T tiles of 64 keys, T the smallest threshold that needs no
+// more than U units (the minimal largest unit of any contiguous cut with <= U pieces):
+//   n_b = min(ceil(w_b / T), kMaxSplits),  sum_b n_b <= U,  w_b = ceil(keys_b / 64)
+// (keys_b: the keys sequence b sees, at most a sliding window's span; the cap is the combine's
+// limit), and sequence b takes units [C_b, C_b + n_b), C_b = sum_{b' < b} n_b'. Units past the
+// last run nothing; so does a sequence without keys (n_b = 0: the combine writes its zeros). T lies
+// in [ceil(W / U), ceil(2 W / U)] (W = sum w_b; at the top sum n_b <= W / T + b <= U / 2 + b <= U
+// for S >= 2): a binary search over it, each warp on its own (shuffles only, no shared memory or
+// barrier), in the split kernel and in the combine alike, from the same integers. Equal lengths
+// give n_b = ceil(w / ceil(w / S)) <= S units of ceil(w / S) tiles: the unbalanced largest split.
+// FA3 also picks per-sequence split counts on the device (its prepare-scheduler kernel).
+// Host condition (dispatch.cu: splitkv_balance): b > 1, a cache_seqlens tensor, num_splits > 1,
+// b <= 2^16 (the counts' sums in 32 bits).
 struct SplitSlots {
   int first;  // accumulator slot of the row's split 0 (flash.h: oaccum_ptr's leading dimension)
   int step;   // slots between its consecutive splits: b_count unbalanced (slot = split b_count + b), 1 balanced
@@ -39,49 +43,59 @@ struct SplitSlots {
   __device__ __forceinline__ int slot(int s) const { return first + s * step; }
 };
 
-__device__ __forceinline__ int64_t balance_weight(const Flash_fwd_params& p, int bidb) {
+// w_b: the 64-key tiles sequence b sees, and n_b for threshold t.
+__device__ __forceinline__ int balance_tiles(const Flash_fwd_params& p, int bidb) {
   int keys = SeqInfo::kv_seqlen_k(p, bidb);
   if (p.window_left >= 0) keys = min(keys, p.window_left + p.seqlen_q);
-  return 1 + (int64_t(keys) + 63) / 64;
+  return (keys + 63) / 64;
 }
+__device__ __forceinline__ int balance_count(int w, int t) { return min((w + t - 1) / t, kMaxSplits); }
 
-// Every thread of the CTA (kThreads of them) calls it with the same arguments; it returns (b, C_b,
-// C_{b+1}) of the sequence b that owns `unit` (unit >= 0), or of sequence `bidb` (unit < 0).
-// s_warp: kThreads / 32 int64 of shared memory, s_found one int3.
-template <int kThreads>
-__device__ __forceinline__ int3 balanced_units(const Flash_fwd_params& p, const int unit, const int bidb,
-                                               int64_t* s_warp, int3* s_found, const int tid) {
-  constexpr int kWarps = kThreads / 32;
-  const int warp = tid / 32, lane = tid % 32;
-  const int per = (p.b + kThreads - 1) / kThreads;  // this thread's sequences [b0, b1)
-  const int b0 = min(tid * per, p.b), b1 = min(b0 + per, p.b);
-  int64_t mine = 0;
-  for (int b = b0; b < b1; ++b) mine += balance_weight(p, b);
-  // Exclusive prefix of `mine` over the CTA (warp shuffles, then the warps' totals in order).
-  int64_t incl = mine;
+// Every lane of a full warp calls it with the same arguments. Returns (b, C_b, n_b) of the
+// sequence b whose units hold `unit` (unit >= 0; b = -1 for a unit no sequence has), or of
+// sequence `bidb` (unit < 0).
+__device__ __forceinline__ int3 balanced_units(const Flash_fwd_params& p, const int unit, const int bidb) {
+  const int lane = threadIdx.x % 32;
+  const int units = p.b * p.num_splits;
+  int64_t total = 0;  // W
+  for (int b = lane; b < p.b; b += 32) total += balance_tiles(p, b);
 #pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const int64_t y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  int64_t prefix = incl - mine, total = 0;
+  for (int o = 16; o >= 1; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+  if (total == 0) return make_int3(unit >= 0 ? -1 : bidb, 0, 0);  // no keys at all: no units
+  // sum_b n_b for threshold t, over the warp.
+  const auto units_for = [&](int t) {
+    int n = 0;
+    for (int b = lane; b < p.b; b += 32) n += balance_count(balance_tiles(p, b), t);
 #pragma unroll
-  for (int v = 0; v < kWarps; ++v) {
-    const int64_t t = s_warp[v];
-    if (v < warp) prefix += t;
-    total += t;
+    for (int o = 16; o >= 1; o /= 2) n += __shfl_xor_sync(0xffffffffu, n, o);
+    return n;
+  };
+  int lo = int((total + units - 1) / units), hi = int((2 * total + units - 1) / units);
+  if (units_for(lo) <= units) hi = lo;  // equal lengths end here
+  while (lo < hi) {                     // units_for(hi) <= units throughout
+    const int mid = lo + (hi - lo) / 2;
+    if (units_for(mid) <= units) hi = mid; else lo = mid + 1;
   }
-  const int64_t extra = int64_t(p.b) * (p.num_splits - 1);  // U - b_count
-  for (int b = b0; b < b1; ++b) {
-    const int lo = b + int(extra * prefix / total);
-    prefix += balance_weight(p, b);
-    const int hi = b + 1 + int(extra * prefix / total);
-    if (unit >= 0 ? (lo <= unit && unit < hi) : b == bidb) *s_found = make_int3(b, lo, hi);
+  // C_b: the counts' exclusive prefix in sequence order, 32 sequences at a time.
+  int base = 0;
+  for (int b0 = 0; b0 < p.b; b0 += 32) {
+    const int b = b0 + lane;
+    const int n = b < p.b ? balance_count(balance_tiles(p, b), lo) : 0;
+    int incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const int first = base + incl - n;
+    const unsigned hit = __ballot_sync(0xffffffffu, b < p.b && (unit >= 0 ? first <= unit && unit < first + n : b == bidb));
+    if (hit != 0) {
+      const int src = __ffs(hit) - 1;
+      return make_int3(b0 + src, __shfl_sync(0xffffffffu, first, src), __shfl_sync(0xffffffffu, n, src));
+    }
+    base += __shfl_sync(0xffffffffu, incl, 31);
   }
-  __syncthreads();
-  return *s_found;
+  return make_int3(-1, 0, 0);  // a unit past the last sequence's
 }
 
 template <int kBlockM, int kBlockN>
@@ -124,22 +138,20 @@ struct SplitKvWork {
     n_block_unmasked = max(mask.key_limit(query(m0)), 0) / kBlockN;
     n_block_unmasked_lo = ceil_div(mask.key_start(q_last), kBlockN);  // 0 without a left bound
   }
-  // decode()'s coordinates with blockIdx.x's unit resolved (balanced splits: every thread of the
-  // CTA calls it; unit_empty: a unit past its sequence's kMaxSplits cap, which runs nothing), and
-  // the slots of the row's partials.
-  template <int kThreads>
-  __device__ __forceinline__ static int4 resolve(const Flash_fwd_params& p, int4 c, SplitSlots& sl, bool& unit_empty,
-                                                 int64_t* s_warp, int3* s_found, int tid) {
+  // decode()'s coordinates with blockIdx.x's unit resolved (balanced splits: every lane of a
+  // full warp calls it; unit_empty: a unit no sequence has, which runs nothing), and the slots of
+  // the row's partials.
+  __device__ __forceinline__ static int4 resolve(const Flash_fwd_params& p, int4 c, SplitSlots& sl, bool& unit_empty) {
     unit_empty = false;
     if (!p.balance_splits) {
       sl = SplitSlots{c.x, p.b, p.num_splits};
       return c;
     }
     const int unit = c.x * p.num_splits + c.w;
-    const int3 r = balanced_units<kThreads>(p, unit, -1, s_warp, s_found, tid);
-    sl = SplitSlots{r.y, 1, min(r.z - r.y, kMaxSplits)};
-    unit_empty = unit - r.y >= sl.count;
-    return make_int4(r.x, c.y, c.z, unit - r.y);
+    const int3 r = balanced_units(p, unit, -1);
+    sl = SplitSlots{r.y, 1, r.z};
+    unit_empty = r.x < 0;
+    return make_int4(max(r.x, 0), c.y, c.z, unit - r.y);
   }
 
   // The first of split s's tiles among n tiles cut into num_splits ranges (s = num_splits: n).
