@@ -67,8 +67,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   // kernel's, on inputs only, so before the wait).
   SplitSlots slots{bidb, params.b, params.num_splits};
   if (params.balance_splits) {
-    const int3 r = balanced_units(params, -1, bidb);
-    slots = SplitSlots{r.y, 1, r.z};  // r.z = 0: a sequence without keys (out 0, lse +inf below)
+    slots = balanced_units(params, -1, bidb).slots;  // count 0: a sequence without keys (out 0, lse +inf below)
   }
   const int num_splits = slots.count;
   const int64_t slot_row = slots.first * hs + row % hs;  // the row in split 0's slot

@@ -9,6 +9,8 @@
 // read once per (sequence, kv head, row tile, split) instead of once per query head.
 #pragma once
 
+#include <climits>
+
 #include "flash.h"
 #include "kernels/common/mask.cuh"
 #include "kernels/common/paged_kv.cuh"
@@ -32,7 +34,9 @@ namespace flash {
 // in [ceil(W / U), ceil(2 W / U)] (W = sum w_b; at the top sum n_b <= W / T + b <= U / 2 + b <= U
 // for S >= 2): a binary search over it, each warp on its own (shuffles only, no shared memory or
 // barrier), in the split kernel and in the combine alike, from the same integers. Equal lengths
-// give n_b = ceil(w / ceil(w / S)) <= S units of ceil(w / S) tiles: the unbalanced largest split.
+// take the unbalanced grid (S splits each; the search would give ceil(w / ceil(w / S)) <= S
+// units of the same largest size) without the search: a full cache costs one pass over
+// cache_seqlens (H100: the search on full caches cost 0.5-2 %).
 // FA3 also picks per-sequence split counts on the device (its prepare-scheduler kernel).
 // Host condition (dispatch.cu: splitkv_balance): b > 1, a cache_seqlens tensor, num_splits > 1,
 // b <= 2^16 (the counts' sums in 32 bits).
@@ -51,17 +55,36 @@ __device__ __forceinline__ int balance_tiles(const Flash_fwd_params& p, int bidb
 }
 __device__ __forceinline__ int balance_count(int w, int t) { return min((w + t - 1) / t, kMaxSplits); }
 
-// Every lane of a full warp calls it with the same arguments. Returns (b, C_b, n_b) of the
-// sequence b whose units hold `unit` (unit >= 0; b = -1 for a unit no sequence has), or of
-// sequence `bidb` (unit < 0).
-__device__ __forceinline__ int3 balanced_units(const Flash_fwd_params& p, const int unit, const int bidb) {
+// The sequence a unit stands for, its split and the slots of that sequence's partials
+// (bidb = -1: a unit no sequence has).
+struct BalancedUnit {
+  int bidb, split;
+  SplitSlots slots;
+};
+
+// Every lane of a full warp calls it with the same arguments: the sequence owning `unit` (unit >=
+// 0: blockIdx.x's sequence * num_splits + split) or sequence `bidb`'s slots (unit < 0). Equal
+// lengths (every w_b the same, the benchmark's full caches) take the unbalanced grid itself, slots
+// and all, after one pass.
+__device__ __forceinline__ BalancedUnit balanced_units(const Flash_fwd_params& p, const int unit, const int bidb) {
   const int lane = threadIdx.x % 32;
   const int units = p.b * p.num_splits;
   int64_t total = 0;  // W
-  for (int b = lane; b < p.b; b += 32) total += balance_tiles(p, b);
+  int w_min = INT_MAX, w_max = 0;
+  for (int b = lane; b < p.b; b += 32) {
+    const int w = balance_tiles(p, b);
+    total += w, w_min = min(w_min, w), w_max = max(w_max, w);
+  }
 #pragma unroll
-  for (int o = 16; o >= 1; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
-  if (total == 0) return make_int3(unit >= 0 ? -1 : bidb, 0, 0);  // no keys at all: no units
+  for (int o = 16; o >= 1; o /= 2) {
+    total += __shfl_xor_sync(0xffffffffu, total, o);
+    w_min = min(w_min, __shfl_xor_sync(0xffffffffu, w_min, o));
+    w_max = max(w_max, __shfl_xor_sync(0xffffffffu, w_max, o));
+  }
+  if (w_min == w_max) {  // equal lengths (no keys at all included): the unbalanced grid
+    const int b = unit >= 0 ? unit / p.num_splits : bidb;
+    return BalancedUnit{b, unit >= 0 ? unit % p.num_splits : 0, SplitSlots{b, p.b, p.num_splits}};
+  }
   // sum_b n_b for threshold t, over the warp.
   const auto units_for = [&](int t) {
     int n = 0;
@@ -71,8 +94,8 @@ __device__ __forceinline__ int3 balanced_units(const Flash_fwd_params& p, const 
     return n;
   };
   int lo = int((total + units - 1) / units), hi = int((2 * total + units - 1) / units);
-  if (units_for(lo) <= units) hi = lo;  // equal lengths end here
-  while (lo < hi) {                     // units_for(hi) <= units throughout
+  if (units_for(lo) <= units) hi = lo;
+  while (lo < hi) {  // units_for(hi) <= units throughout
     const int mid = lo + (hi - lo) / 2;
     if (units_for(mid) <= units) hi = mid; else lo = mid + 1;
   }
@@ -91,11 +114,12 @@ __device__ __forceinline__ int3 balanced_units(const Flash_fwd_params& p, const 
     const unsigned hit = __ballot_sync(0xffffffffu, b < p.b && (unit >= 0 ? first <= unit && unit < first + n : b == bidb));
     if (hit != 0) {
       const int src = __ffs(hit) - 1;
-      return make_int3(b0 + src, __shfl_sync(0xffffffffu, first, src), __shfl_sync(0xffffffffu, n, src));
+      const int c = __shfl_sync(0xffffffffu, first, src);
+      return BalancedUnit{b0 + src, unit - c, SplitSlots{c, 1, __shfl_sync(0xffffffffu, n, src)}};
     }
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
-  return make_int3(-1, 0, 0);  // a unit past the last sequence's
+  return BalancedUnit{-1, 0, SplitSlots{0, 1, 0}};  // a unit past the last sequence's
 }
 
 template <int kBlockM, int kBlockN>
@@ -147,11 +171,10 @@ struct SplitKvWork {
       sl = SplitSlots{c.x, p.b, p.num_splits};
       return c;
     }
-    const int unit = c.x * p.num_splits + c.w;
-    const int3 r = balanced_units(p, unit, -1);
-    sl = SplitSlots{r.y, 1, r.z};
-    unit_empty = r.x < 0;
-    return make_int4(max(r.x, 0), c.y, c.z, unit - r.y);
+    const BalancedUnit r = balanced_units(p, c.x * p.num_splits + c.w, -1);
+    sl = r.slots;
+    unit_empty = r.bidb < 0;
+    return make_int4(max(r.bidb, 0), c.y, c.z, r.split);
   }
 
   // The first of split s's tiles among n tiles cut into num_splits ranges (s = num_splits: n).

@@ -93,10 +93,10 @@ struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBloc
 // trip after the benchmark's flush. Before reading cache_seqlens: let the combine grid launch
 // (it waits for this grid's end before it reads: grid_dependency_wait; its CTAs launch once
 // every CTA of this grid has run this, so they never keep one of ours from an SM), fetch the
-// maps into the TMA unit, and, for a contiguous cache without a left pad, a window's left bound
-// or balanced splits (whose unit's sequence comes from cache_seqlens), prefetch into L2 the first
-// key tile this split gets if the cache is full (a decode step's usual case; otherwise one K/V
-// tile pair per CTA read for nothing).
+// maps into the TMA unit, and, for a contiguous cache without a left pad or a window's left
+// bound, prefetch into L2 the first key tile this split gets if the cache is full (a decode
+// step's usual case, where balanced splits keep the unbalanced grid; otherwise one K/V tile pair
+// per CTA read for nothing).
 // H100, decode as CUDA graphs, against none of this: B1 x Nk 8k +2.4 % with one tile, +2.0 % with
 // two, +-0 with the maps and the launch alone; B1 128k, B8 32k, B64 8k / 32k within +-0.4 %
 // (docs/PERF_NOTES.md, 2026-12-06, twenty-seventh session).
@@ -109,7 +109,7 @@ __device__ __forceinline__ void splitkv_launch_early(const Flash_fwd_params& par
     if (tid == 0) {
       tma_prefetch_map(&maps.k);
       tma_prefetch_map(&maps.v);
-      if (!kLocal && params.block_table == nullptr && params.leftpad_k == nullptr && !params.balance_splits) {
+      if (!kLocal && params.block_table == nullptr && params.leftpad_k == nullptr) {
         // The split's first tile among those of a full cache (Work's ranges with seqlen_k = capacity).
         const int n_cap = ceil_div(params.seqlen_k, kBlockN);
         const int n_spec = Work::split_first_tile(coords.w, params.num_splits, n_cap);
