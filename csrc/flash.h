@@ -189,10 +189,12 @@ struct Flash_fwd_params : public Qkv_params {
   bool kv_stream_exceeds_l2 = false;
   float* __restrict__ oaccum_ptr = nullptr;     // (num_splits, b, h, seqlen_q, d_rounded) float32
   float* __restrict__ softmax_lseaccum_ptr = nullptr;  // (num_splits, b, h, seqlen_q) float32
-  // The num_splits * b slots of the accumulators' first two dimensions shared out over the
-  // sequences by their lengths (common/splitkv_work.cuh: balanced splits; set by
-  // run_mha_fwd_kvcache for ragged-capable calls); false: sequence b's split s in slot s * batch + b.
+  // Balanced splits (common/splitkv_work.cuh; plan_kvcache_splits sets both): the num_splits * b
+  // units (CTAs, and slots of the accumulators' first two dimensions) of a (kv head, row tile)
+  // shared out over the sequences by their lengths, splits_equal <= num_splits each when the lengths
+  // are equal (the unbalanced grid's count). false: sequence b's split s in slot s * batch + b.
   bool balance_splits = false;
+  int splits_equal = 1;
 
 };
 
@@ -265,6 +267,11 @@ Sm90FwdSchedule sm90_fwd_schedule(const Flash_fwd_params& params);
 // tile) CTAs already fill the GPU, else enough splits to fill it, at most kMaxSplits.
 constexpr int kMaxSplits = 128;
 int num_splits_heuristic(const Flash_fwd_params& params);
+// A KV-cache call's split plan (host arithmetic): num_splits (requested > 0, else the heuristic's),
+// and for a batch whose lengths may differ (cache_seqlens, b > 1) the balanced splits' grid:
+// num_splits = the units per sequence, splits_equal = the count of equal lengths. Defined in
+// csrc/kernels/dispatch.cu, which gives the rule.
+void plan_kvcache_splits(Flash_fwd_params& params, int requested);
 
 // Head dim the kernels run a user head dim `d` with (the smallest compiled one >= d), or 0 if
 // none compiled in this build covers it. One rule for the forward and the backward.

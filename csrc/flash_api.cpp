@@ -1415,7 +1415,11 @@ std::tuple<Tensor, Tensor> fwd_kvcache_cuda(const Tensor& q_in, const Tensor& k_
     params.num_blocks = int(ks.num_blocks);
   }
   // Nothing to split without output rows (nheads = 0 or seqlen_q = 0); the append still runs.
-  params.num_splits = out.numel() == 0 ? 1 : num_splits > 0 ? int(num_splits) : flash::num_splits_heuristic(params);
+  if (out.numel() == 0) {
+    params.num_splits = 1;
+  } else {
+    flash::plan_kvcache_splits(params, int(num_splits));
+  }
   Tensor oaccum, lseaccum;
   if (params.num_splits > 1 && s.seqlen_q > 0) {
     oaccum = torch::empty({params.num_splits, s.batch, s.nheads, s.seqlen_q, d_rounded}, q.options().dtype(at::kFloat));

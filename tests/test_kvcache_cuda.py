@@ -410,7 +410,9 @@ def test_kvcache_forced_splits_knob(tmp_path):
     """FLASH_ATTN_EXT_SPLITKV_SPLITS=N (a tuning knob, read once: a subprocess) replaces the
     heuristic's split count: a grid the heuristic runs unsplit (2 x SMs (sequence, kv head) CTAs)
     runs N splits and the combine, exact against the reference; out of range it is a clear error
-    naming the knob."""
+    naming the knob. FLASH_ATTN_EXT_SPLITKV_BALANCE=0 turns the balanced splits off (every
+    sequence N splits); by default the ragged batch gets a balanced grid of 2 units per sequence
+    even where the heuristic says 1, so the combine runs; out of [0, 8] it is a clear error."""
     require_hdim(128, exact=True)
     nheads_k, ratio, d, capacity = 8, 4, 128, 1024
     batch = 2 * torch.cuda.get_device_properties(0).multi_processor_count // nheads_k
@@ -421,17 +423,20 @@ def test_kvcache_forced_splits_knob(tmp_path):
     kc, vc, _ = _make_cache(lens, capacity, nheads_k, d, torch.bfloat16)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     torch.save((q, kc, vc, seqlens), tmp_path / "in.pt")
-    for value, ok in (("", True), ("3", True), ("129", False)):
-        env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_SPLITS=value)
+    for value, balance, ok, combine in (("", "0", True, False), ("3", "0", True, True), ("129", "0", False, None),
+                                        ("", "", True, True), ("", "9", False, None)):
+        env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_SPLITS=value, FLASH_ATTN_EXT_SPLITKV_BALANCE=balance)
         r = subprocess.run([sys.executable, "-c", _FORCED_SPLITS_SCRIPT, str(tmp_path / "in.pt"),
                             str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)
         if not ok:
-            assert r.returncode != 0 and "FLASH_ATTN_EXT_SPLITKV_SPLITS must be in [0, 128], got '129'" in r.stderr
+            message = ("FLASH_ATTN_EXT_SPLITKV_SPLITS must be in [0, 128], got '129'" if value else
+                       "FLASH_ATTN_EXT_SPLITKV_BALANCE must be in [0, 8], got '9'")
+            assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
             continue
         assert r.returncode == 0, r.stderr[-2000:]
         out, lse, names = torch.load(tmp_path / "out.pt")
         assert any("flash_fwd_splitkv_kernel" in n for n in names), names
-        assert any("splitkv_combine" in n for n in names) == (value == "3"), (value, names)
+        assert any("splitkv_combine" in n for n in names) == combine, (value, balance, names)
         _check(q, kc, vc, None, lens, False, out, lse)
 
 

@@ -119,17 +119,6 @@ int splitkv_forced_splits() {
   return forced;
 }
 
-// Balanced splits (common/splitkv_work.cuh) for a KV-cache call whose sequences may differ in length
-// (cache_seqlens given, more than one sequence, split): the split CTAs share the keys out by the
-// sequences' lengths on the device. Equal lengths get the unbalanced grid's splits exactly.
-// FLASH_ATTN_EXT_SPLITKV_BALANCE=0 (read once; an A/B knob) keeps every sequence at num_splits.
-bool splitkv_balance(const Flash_fwd_params& params) {
-  static const bool enabled = !env_set_to_zero("FLASH_ATTN_EXT_SPLITKV_BALANCE");
-  if (!enabled || params.cache_seqlens == nullptr || params.b < 2 || params.num_splits < 2) return false;
-  // The units' sums in 32-bit integers: b * kMaxSplits < 2^31.
-  return params.b <= (1 << 16);
-}
-
 // FLASH_ATTN_EXT_BWD_CONCURRENT=0 (read once) runs the backward's dK/dV and dQ kernels one after
 // the other on the caller's stream instead of side by side (kernels/bwd_fork.h).
 bool bwd_concurrent_enabled() {
@@ -358,6 +347,10 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
   if (params.num_splits < 1 || params.num_splits > kMaxSplits) {
     fail("num_splits must be in [1, " + std::to_string(kMaxSplits) + "], got " + std::to_string(params.num_splits));
   }
+  if (params.balance_splits && (params.num_splits < 2 || params.splits_equal < 1 ||
+                                params.splits_equal > params.num_splits || params.b > (1 << 16))) {
+    fail("balanced splits need 1 <= splits_equal <= num_splits, num_splits >= 2 and b <= 2^16 (plan_kvcache_splits)");
+  }
   if (params.num_splits > 1 && params.seqlen_q > 0 &&
       (params.oaccum_ptr == nullptr || params.softmax_lseaccum_ptr == nullptr)) {
     fail("num_splits > 1 needs the oaccum / softmax_lseaccum workspaces");
@@ -391,7 +384,6 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
     }
     run_append_kv<Element>(params, stream);
     params.sm90_path = select_arch(params.arch) == ArchPath::kSm90;  // the split-KV TMA rows' condition
-    params.balance_splits = splitkv_balance(params);
     run_mha_fwd_splitkv_<Element, kHeadDim>(Sm80{}, params, stream);
     if (params.num_splits > 1) run_splitkv_combine<Element>(params, stream);
   });
@@ -448,6 +440,34 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
 #undef FLASH_ATTN_EXT_CASE
   if (splitkv_forced_splits() > 0) return splitkv_forced_splits();
   return num_splits_for_row(params, block_n, smem, min_blocks);
+}
+
+// Balanced splits (common/splitkv_work.cuh) for a KV-cache call whose sequences may differ in length
+// (cache_seqlens given, b > 1): the split CTAs share the keys out by the sequences' lengths on the
+// device, and a full cache keeps the count S the shapes give (splits_equal). The grid has F S units
+// per sequence, at least 2 (F = FLASH_ATTN_EXT_SPLITKV_BALANCE, read once; default 2; 0: off, every
+// sequence S splits): a ragged batch then balances over more, smaller units, and one the heuristic
+// leaves unsplit (S = 1) can still be split where it is ragged (its units past the full-cache grid,
+// and the combine's rows of one split, do nothing). A requested num_splits is the units per
+// sequence itself. docs/PERF_NOTES.md (thirty-third session) has the sweep.
+void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
+  static const int factor = [] {
+    const char* e = std::getenv("FLASH_ATTN_EXT_SPLITKV_BALANCE");
+    if (e == nullptr || *e == '\0') return 2;
+    char* end = nullptr;
+    const long n = std::strtol(e, &end, 10);
+    if (*end != '\0' || n < 0 || n > 8) {
+      throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SPLITKV_BALANCE must be in [0, 8], got '") +
+                               e + "'");
+    }
+    return int(n);
+  }();
+  const int equal = requested > 0 ? requested : num_splits_heuristic(params);
+  params.num_splits = equal, params.splits_equal = equal, params.balance_splits = false;
+  if (factor == 0 || params.cache_seqlens == nullptr || params.b < 2 || params.b > (1 << 16)) return;
+  const int units = requested > 0 ? requested : std::min(kMaxSplits, std::max(2, factor * equal));
+  if (units < 2) return;
+  params.num_splits = units, params.balance_splits = true;
 }
 
 // Smallest compiled head dim >= d (the kernels zero-pad columns d..d_rounded), 0 if none.

@@ -68,6 +68,10 @@ __global__ void __launch_bounds__(kCombineThreads)
   SplitSlots slots{bidb, params.b, params.num_splits};
   if (params.balance_splits) {
     slots = balanced_units(params, -1, bidb).slots;  // count 0: a sequence without keys (out 0, lse +inf below)
+    if (slots.count == 1) {  // the split kernel wrote the row itself; the wait keeps this grid from ending first
+      grid_dependency_wait();
+      return;
+    }
   }
   const int num_splits = slots.count;
   const int64_t slot_row = slots.first * hs + row % hs;  // the row in split 0's slot

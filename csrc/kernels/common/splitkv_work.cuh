@@ -34,11 +34,13 @@ namespace flash {
 // in [ceil(W / U), ceil(2 W / U)] (W = sum w_b; at the top sum n_b <= W / T + b <= U / 2 + b <= U
 // for S >= 2): a binary search over it, each warp on its own (shuffles only, no shared memory or
 // barrier), in the split kernel and in the combine alike, from the same integers. Equal lengths
-// take the unbalanced grid (S splits each; the search would give ceil(w / ceil(w / S)) <= S
-// units of the same largest size) without the search: a full cache costs one pass over
-// cache_seqlens (H100: the search on full caches cost 0.5-2 %).
+// take the unbalanced grid of params.splits_equal splits each (the count the shapes give a full
+// cache; the host makes the grid larger, num_splits >= splits_equal, for ragged batches to
+// balance over) without the search, its units past that grid idle: a full cache costs one pass
+// over cache_seqlens (H100: the search on full caches cost 0.5-2 %). A sequence whose count is 1
+// writes its output itself (no partial); the combine skips it.
 // FA3 also picks per-sequence split counts on the device (its prepare-scheduler kernel).
-// Host condition (dispatch.cu: splitkv_balance): b > 1, a cache_seqlens tensor, num_splits > 1,
+// Host condition (dispatch.cu: plan_kvcache_splits): b > 1, a cache_seqlens tensor, num_splits > 1,
 // b <= 2^16 (the counts' sums in 32 bits).
 struct SplitSlots {
   int first;  // accumulator slot of the row's split 0 (flash.h: oaccum_ptr's leading dimension)
@@ -81,9 +83,11 @@ __device__ __forceinline__ BalancedUnit balanced_units(const Flash_fwd_params& p
     w_min = min(w_min, __shfl_xor_sync(0xffffffffu, w_min, o));
     w_max = max(w_max, __shfl_xor_sync(0xffffffffu, w_max, o));
   }
-  if (w_min == w_max) {  // equal lengths (no keys at all included): the unbalanced grid
-    const int b = unit >= 0 ? unit / p.num_splits : bidb;
-    return BalancedUnit{b, unit >= 0 ? unit % p.num_splits : 0, SplitSlots{b, p.b, p.num_splits}};
+  if (w_min == w_max) {  // equal lengths (no keys at all included): the unbalanced grid of splits_equal
+    const int se = p.splits_equal;
+    if (unit >= p.b * se) return BalancedUnit{-1, 0, SplitSlots{0, 1, 0}};
+    const int b = unit >= 0 ? unit / se : bidb;
+    return BalancedUnit{b, unit >= 0 ? unit % se : 0, SplitSlots{b, p.b, se}};
   }
   // sum_b n_b for threshold t, over the warp.
   const auto units_for = [&](int t) {

@@ -10,8 +10,9 @@
 // on its key slice), and the warps' partials merge once at the end through shared memory, like
 // the splits do in the combine kernel (common/combine_kernel.cuh):
 //   M = max_w m_w,  f_w = exp2((m_w - M) c),  l = sum_w f_w l_w,  O = sum_w f_w O_w / l.
-// num_splits == 1: the CTA writes out (Element) and softmax_lse; else its partial O (float32,
-// normalized) and LSE into the split accumulators (flash.h), LSE -inf for a split without keys.
+// One split (of its row: balanced splits give rows their own counts): the CTA writes out (Element)
+// and softmax_lse; else its partial O (float32, normalized) and LSE into the split accumulators
+// (flash.h), LSE -inf for a split without keys.
 //
 // Pipeline: a ring of kStages (K, V) tile pairs. Step t starts with a barrier (every warp is done
 // with tile t - 1), issues tile t + kStages - 1 into the buffer tile t - 1 used, and only then
@@ -111,13 +112,21 @@ __device__ __forceinline__ void splitkv_launch_early(const Flash_fwd_params& par
       tma_prefetch_map(&maps.v);
       if (!kLocal && params.block_table == nullptr && params.leftpad_k == nullptr) {
         // The split's first tile among those of a full cache (Work's ranges with seqlen_k = capacity).
+        // Balanced splits' full-cache grid: unit (sequence * num_splits + split) is split
+        // unit % splits_equal of sequence unit / splits_equal (common/splitkv_work.cuh).
+        int b = coords.x, s = coords.w, n_splits = params.num_splits;
+        if (params.balance_splits) {
+          const int unit = coords.x * params.num_splits + coords.w;
+          n_splits = params.splits_equal;
+          b = unit / n_splits, s = unit < params.b * n_splits ? unit % n_splits : n_splits;
+        }
         const int n_cap = ceil_div(params.seqlen_k, kBlockN);
-        const int n_spec = Work::split_first_tile(coords.w, params.num_splits, n_cap);
-        if (n_spec < Work::split_first_tile(coords.w + 1, params.num_splits, n_cap)) {
+        const int n_spec = Work::split_first_tile(s, n_splits, n_cap);
+        if (s < n_splits && n_spec < Work::split_first_tile(s + 1, n_splits, n_cap)) {
 #pragma unroll
           for (int cb = 0; cb < Traits::kHeadDimPad / 64; ++cb) {
-            tma_prefetch_l2_4d(&maps.k, 64 * cb, n_spec * kBlockN, coords.y, coords.x, kv_policy);
-            tma_prefetch_l2_4d(&maps.v, 64 * cb, n_spec * kBlockN, coords.y, coords.x, kv_policy);
+            tma_prefetch_l2_4d(&maps.k, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
+            tma_prefetch_l2_4d(&maps.v, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
           }
         }
       }
@@ -479,7 +488,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // log out), one 8-column chunk of one packed row per thread and pass; rows >= R and columns >= d
   // are not written. A row with no visible key: O = 0, LSE +inf (-inf in the split accumulators).
   constexpr int kChunksPerRow = kHeadDim / 8;
-  const bool split = params.num_splits > 1;
+  const bool split = w.num_splits > 1;  // the row's own count (balanced splits: 1 writes the output here)
 #pragma unroll 1
   for (int c = tid; c < kBlockM * kChunksPerRow; c += kThreads) {
     const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8, r = w.m0 + row;
