@@ -67,12 +67,10 @@ def flash_attn_with_kvcache(
         window_size: (left, right) sliding window against the same count, as
             ``flash_attn_func``'s (a decode step with window_size=(w - 1, 0) reads the last w
             cache rows only).
-        num_splits: 0 = chosen from the shapes and SM count (sized for full caches: cache_seqlens
-            is not read on the host); 1 = no split; up to 128. With cache_seqlens and batch > 1
-            the split CTAs are shared out over the sequences by their lengths on the device
-            (balanced splits: a longer sequence gets more splits, one without keys none, at most
-            128 each; equal lengths get the shapes' count each); a num_splits > 1 passed by hand
-            is then the mean per sequence.
+        num_splits: 0 = chosen from the shapes (sized for full caches: cache_seqlens is not read on
+            the host); 1 = no split; up to 128. Caches far from full, of mixed lengths, may run
+            faster with more splits than the shapes' choice (or with the experimental balanced
+            splits, README: FLASH_ATTN_EXT_SPLITKV_BALANCE).
         return_lse: also return softmax_lse.
         sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (the split-KV combine merges
             the sink as one more partial with O = 0; not differentiable here).

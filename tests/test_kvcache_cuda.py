@@ -223,6 +223,13 @@ def test_kvcache_num_splits(d, causal, seqlen_q, paged, poison_empty):
         assert (out.double() - results[1][0].double()).abs().max().item() <= budget, num_splits
 
 
+# Balanced splits are off unless FLASH_ATTN_EXT_SPLITKV_BALANCE is set (read once per process):
+# test_kvcache_balanced_suite runs this file's split tests again in a process with it set.
+BALANCED = os.environ.get("FLASH_ATTN_EXT_SPLITKV_BALANCE", "") not in ("", "0")
+
+
+@pytest.mark.skipif(not BALANCED, reason="needs FLASH_ATTN_EXT_SPLITKV_BALANCE set (read once per process); "
+                                         "test_kvcache_balanced_suite runs it in a process that sets it")
 @pytest.mark.parametrize("num_splits", [0, 2, 16, 64])
 @pytest.mark.parametrize("causal,seqlen_q", [(False, 1), (True, 3)])
 @pytest.mark.parametrize("page_size", [None, 64])
@@ -248,6 +255,21 @@ def test_kvcache_balanced_splits(num_splits, causal, seqlen_q, page_size, poison
     assert (out.double() - out1.double()).abs().max().item() <= budget
     for b in (1, 7):  # no keys: out 0, lse +inf
         assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isinf(lse[b]).all()
+
+
+@pytest.mark.skipif(BALANCED, reason="this process already runs the balanced splits")
+def test_kvcache_balanced_suite():
+    """The split-KV tests of this file (ragged lengths, empty sequences, every num_splits, paged,
+    appends, NaN past the keys, CUDA graphs, the kernels that run) again with the balanced splits
+    on (FLASH_ATTN_EXT_SPLITKV_BALANCE=2, a subprocess), test_kvcache_balanced_splits included."""
+    require_hdim(128)
+    env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_BALANCE="2")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", __file__, "-k",
+                        "balanced_splits or kvcache_forward or num_splits or paged or append or nan or graph "
+                        "or kernels_that_run or long_decode"],
+                       env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "needs FLASH_ATTN_EXT_SPLITKV_BALANCE set" not in r.stdout, r.stdout[-2000:]
 
 
 def test_kvcache_long_decode_gqa(poison_empty):
@@ -410,9 +432,9 @@ def test_kvcache_forced_splits_knob(tmp_path):
     """FLASH_ATTN_EXT_SPLITKV_SPLITS=N (a tuning knob, read once: a subprocess) replaces the
     heuristic's split count: a grid the heuristic runs unsplit (2 x SMs (sequence, kv head) CTAs)
     runs N splits and the combine, exact against the reference; out of range it is a clear error
-    naming the knob. FLASH_ATTN_EXT_SPLITKV_BALANCE=0 turns the balanced splits off (every
-    sequence N splits); by default the ragged batch gets a balanced grid of 2 units per sequence
-    even where the heuristic says 1, so the combine runs; out of [0, 8] it is a clear error."""
+    naming the knob. FLASH_ATTN_EXT_SPLITKV_BALANCE=2 gives the ragged batch a balanced grid of 2
+    units per sequence even where the heuristic says 1, so the combine runs; unset or 0, every
+    sequence gets the heuristic's count; out of [0, 8] it is a clear error."""
     require_hdim(128, exact=True)
     nheads_k, ratio, d, capacity = 8, 4, 128, 1024
     batch = 2 * torch.cuda.get_device_properties(0).multi_processor_count // nheads_k
@@ -423,8 +445,8 @@ def test_kvcache_forced_splits_knob(tmp_path):
     kc, vc, _ = _make_cache(lens, capacity, nheads_k, d, torch.bfloat16)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     torch.save((q, kc, vc, seqlens), tmp_path / "in.pt")
-    for value, balance, ok, combine in (("", "0", True, False), ("3", "0", True, True), ("129", "0", False, None),
-                                        ("", "", True, True), ("", "9", False, None)):
+    for value, balance, ok, combine in (("", "", True, False), ("3", "0", True, True), ("129", "0", False, None),
+                                        ("", "2", True, True), ("", "9", False, None)):
         env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_SPLITS=value, FLASH_ATTN_EXT_SPLITKV_BALANCE=balance)
         r = subprocess.run([sys.executable, "-c", _FORCED_SPLITS_SCRIPT, str(tmp_path / "in.pt"),
                             str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)

@@ -445,15 +445,17 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
 // Balanced splits (common/splitkv_work.cuh) for a KV-cache call whose sequences may differ in length
 // (cache_seqlens given, b > 1): the split CTAs share the keys out by the sequences' lengths on the
 // device, and a full cache keeps the count S the shapes give (splits_equal). The grid has F S units
-// per sequence, at least 2 (F = FLASH_ATTN_EXT_SPLITKV_BALANCE, read once; default 2; 0: off, every
-// sequence S splits): a ragged batch then balances over more, smaller units, and one the heuristic
-// leaves unsplit (S = 1) can still be split where it is ragged (its units past the full-cache grid,
-// and the combine's rows of one split, do nothing). A requested num_splits is the units per
-// sequence itself. docs/PERF_NOTES.md (thirty-third session) has the sweep.
+// per sequence, at least 2 (F = FLASH_ATTN_EXT_SPLITKV_BALANCE, read once, 1..8): a ragged batch then
+// balances over more, smaller units, and one the heuristic leaves unsplit (S = 1) can still be
+// split where it is ragged (its units past the full-cache grid, and the combine's rows of one
+// split, do nothing). A requested num_splits is the units per sequence itself. Off by default (F =
+// 0: every sequence S splits) until this form has run on a GPU: an earlier form (the search in
+// every CTA, grid S) ran ragged batches +10-18 % and full caches -0.5-2 % (H100,
+// docs/PERF_NOTES.md, thirty-third session).
 void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
   static const int factor = [] {
     const char* e = std::getenv("FLASH_ATTN_EXT_SPLITKV_BALANCE");
-    if (e == nullptr || *e == '\0') return 2;
+    if (e == nullptr || *e == '\0') return 0;
     char* end = nullptr;
     const long n = std::strtol(e, &end, 10);
     if (*end != '\0' || n < 0 || n > 8) {
