@@ -3,11 +3,11 @@
 //   lse = log sum_s exp(lse_s),   out = sum_s exp(lse_s - lse) O_s,
 // where O_s is split s's output normalized over its own keys and lse_s its natural-log LSE (flash.h:
 // oaccum_ptr (num_splits, b, h, seqlen_q, d_rounded), softmax_lseaccum_ptr (num_splits, b, h,
-// seqlen_q), float32; split s of sequence b in slot s * b_count + b of the leading num_splits * b_count,
-// or, with balanced splits, the sequence's own count of splits (0 without keys) in slots
-// [C_b, C_b + count):
-// common/splitkv_work.cuh). A split without visible keys has lse_s = -inf: weight 0 (its O_s, written
-// as 0 by the split kernel, adds nothing). A row no split saw a key of: out = 0, lse = +inf (the
+// seqlen_q), float32; split s of sequence b in slot s * b_count + b of the leading num_splits *
+// b_count, or, with balanced splits, the sequence's own count of splits (0 without keys; 1: the
+// split kernel wrote the row) in slots [C_b, C_b + count): common/splitkv_work.cuh). A split
+// without visible keys has lse_s = -inf: weight 0 (its O_s, written as 0 by the split kernel, adds
+// nothing). A row no split saw a key of: out = 0, lse = +inf (the
 // forward's contract). Exact up to float32 rounding: the weights sum to 1, every O_s is a convex
 // combination of V rows.
 //
