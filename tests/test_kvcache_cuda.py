@@ -230,19 +230,24 @@ BALANCED = os.environ.get("FLASH_ATTN_EXT_SPLITKV_BALANCE", "") not in ("", "0")
 
 @pytest.mark.skipif(not BALANCED, reason="needs FLASH_ATTN_EXT_SPLITKV_BALANCE set (read once per process); "
                                          "test_kvcache_balanced_suite runs it in a process that sets it")
+@pytest.mark.parametrize("lens_kind", ["ragged", "equal", "empty"])
 @pytest.mark.parametrize("num_splits", [0, 2, 16, 64])
 @pytest.mark.parametrize("causal,seqlen_q", [(False, 1), (True, 3)])
 @pytest.mark.parametrize("page_size", [None, 64])
-def test_kvcache_balanced_splits(num_splits, causal, seqlen_q, page_size, poison_empty):
+def test_kvcache_balanced_splits(lens_kind, num_splits, causal, seqlen_q, page_size, poison_empty):
     """Balanced splits (csrc/kernels/common/splitkv_work.cuh): the split CTAs of a batch whose
-    sequences differ in length are shared out by length on the device. Sixteen sequences from 0
-    keys to the full capacity. num_splits 2: threshold 22 tiles of 64 keys, the full sequences 6
-    splits, the empty ones none (the combine writes their zeros); 16: 2 tiles, 64 splits; 64: one
-    tile, and the full sequences at the kMaxSplits cap (128), 554 of the 1024 units idle; 0: the
-    heuristic's count. Exact against the reference and within the rule of the unsplit result."""
+    sequences differ in length are shared out by length on the device. "ragged": sixteen sequences
+    from 0 keys to the full capacity; num_splits 2: threshold 22 tiles of 64 keys, the full
+    sequences 6 splits, the empty ones none (the combine writes their zeros); 16: 2 tiles, 64
+    splits; 64: one tile, and the full sequences at the kMaxSplits cap (128), 554 of the 1024 units
+    idle. "equal": four sequences of 5000 keys, the unbalanced grid of the shapes' count (num_splits
+    0: the grid's units past it idle; the count 1 writes its output in the split kernel and the
+    combine skips it). "empty": no keys anywhere. Exact against the reference and within the rule
+    of the unsplit result; sequences without keys give out 0 and lse +inf."""
     require_hdim(128)
     capacity, nheads_k, ratio, d = 8192, 2, 4, 128
-    lens = [8192, 0, 1, 5, 64, 65, 700, 0, 3000, 2, 128, 129, 8192, 17, 1000, 8191]
+    lens = {"ragged": [8192, 0, 1, 5, 64, 65, 700, 0, 3000, 2, 128, 129, 8192, 17, 1000, 8191],
+            "equal": [5000] * 4, "empty": [0] * 3}[lens_kind]
     q = torch.randn(len(lens), seqlen_q, nheads_k * ratio, d, device="cuda", dtype=torch.bfloat16)
     kc, vc, table = _make_cache(lens, capacity, nheads_k, d, torch.bfloat16, page_size=page_size)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -253,21 +258,24 @@ def test_kvcache_balanced_splits(num_splits, causal, seqlen_q, page_size, poison
                                                     causal=causal, num_splits=1, return_lse=True)
     budget = 2 * (base[0].double() - ref[0].double()).nan_to_num(0.0).abs().max().item() + 1e-5
     assert (out.double() - out1.double()).abs().max().item() <= budget
-    for b in (1, 7):  # no keys: out 0, lse +inf
-        assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isinf(lse[b]).all()
+    for b, n in enumerate(lens):  # no keys: out 0, lse +inf
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b])) and (lse[b] == math.inf).all()
 
 
 @pytest.mark.skipif(BALANCED, reason="this process already runs the balanced splits")
 def test_kvcache_balanced_suite():
-    """The split-KV tests of this file (ragged lengths, empty sequences, every num_splits, paged,
-    appends, NaN past the keys, CUDA graphs, the kernels that run) again with the balanced splits
-    on (FLASH_ATTN_EXT_SPLITKV_BALANCE=2, a subprocess), test_kvcache_balanced_splits included."""
+    """The KV-cache GPU tests (this file's, the rotary / leftpad ones and the sinks') again with
+    the balanced splits on (FLASH_ATTN_EXT_SPLITKV_BALANCE=2, a subprocess from the repository's
+    root), test_kvcache_balanced_splits included."""
     require_hdim(128)
-    env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_BALANCE="2")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", __file__, "-k",
-                        "balanced_splits or kvcache_forward or num_splits or paged or append or nan or graph "
-                        "or kernels_that_run or long_decode"],
-                       env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_BALANCE="2",
+               PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    files = [os.path.join("tests", f) for f in ("test_kvcache_cuda.py", "test_kvcache_rotary.py", "test_sinks.py")]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *files, "-k",
+                        "kvcache and not forced_splits_knob and not balanced_suite"],
+                       env=env, capture_output=True, text=True, cwd=root, timeout=1200)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "needs FLASH_ATTN_EXT_SPLITKV_BALANCE set" not in r.stdout, r.stdout[-2000:]
 

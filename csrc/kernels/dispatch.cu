@@ -448,9 +448,10 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
 // per sequence, at least 2 (F = FLASH_ATTN_EXT_SPLITKV_BALANCE, read once, 1..8): a ragged batch then
 // balances over more, smaller units, and one the heuristic leaves unsplit (S = 1) can still be
 // split where it is ragged (its units past the full-cache grid, and the combine's rows of one
-// split, do nothing). A requested num_splits is the units per sequence itself. Off by default (F =
-// 0: every sequence S splits) until this form has run on a GPU: an earlier form (the search in
-// every CTA, grid S) ran ragged batches +10-18 % and full caches -0.5-2 % (H100,
+// split, do nothing). A requested num_splits is the units per sequence itself. The balanced kernels
+// are twins (kBalanced) of the plain split kernel and combine, whose code stays as it was. Off by
+// default (F = 0: every sequence S splits) until this form has run on a GPU: an earlier form (the
+// search in every CTA, grid S) ran ragged batches +10-18 % and full caches -0.5-2 % (H100,
 // docs/PERF_NOTES.md, thirty-third session).
 void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
   static const int factor = [] {
@@ -466,8 +467,17 @@ void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
   }();
   const int equal = requested > 0 ? requested : num_splits_heuristic(params);
   params.num_splits = equal, params.splits_equal = equal, params.balance_splits = false;
-  if (factor == 0 || params.cache_seqlens == nullptr || params.b < 2 || params.b > (1 << 16)) return;
-  const int units = requested > 0 ? requested : std::min(kMaxSplits, std::max(2, factor * equal));
+  // Not for the split kernel's twins with a window's left bound, soft-capping or ALiBi (the balanced
+  // twin is the plain one), nor for grids of two rounds and more unsplit (a prefill chunk: the
+  // heuristic's S = 1 outright there, and the hardware evens the CTAs out).
+  if (factor == 0 || params.cache_seqlens == nullptr || params.b < 2 || params.b > (1 << 16) ||
+      params.window_left >= 0 || params.softcap > 0.f || params.alibi_slopes_ptr != nullptr ||
+      splitkv_unsplit_ctas(params) > 2 * int64_t(params.num_sms)) {
+    return;
+  }
+  // A split of at least 8 tiles of 64 keys of a full cache, as the heuristic's rule.
+  const int max_units = int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(equal, int64_t(params.seqlen_k) / 512)));
+  const int units = requested > 0 ? requested : std::min(max_units, std::max(2, factor * equal));
   if (units < 2) return;
   params.num_splits = units, params.balance_splits = true;
 }

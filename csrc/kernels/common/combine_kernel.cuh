@@ -52,29 +52,31 @@ __host__ __device__ __forceinline__ int combine_log2_chunks(int d) {
   return log_c;
 }
 
-template <typename Element, int kBatch>
+// kBalanced: the balanced splits' twin (params.balance_splits): each row's slots and count from
+// balanced_units, computed on the inputs before the wait.
+template <typename Element, int kBatch, bool kBalanced = false>
 __global__ void __launch_bounds__(kCombineThreads)
     flash_fwd_splitkv_combine_kernel(const Flash_fwd_params params) {
   __shared__ float s_weight[kMaxSplits];
   __shared__ float s_max[kCombineWarps], s_sum[kCombineWarps];
   __shared__ float4 s_part[kCombineThreads];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t hs = int64_t(params.h) * params.seqlen_q;  // rows of one accumulator slot
-  const int64_t row = blockIdx.x;                           // (b, head, i), i fastest
-  const int bidb = int(row / hs);
-  // The row's splits and their slots (common/splitkv_work.cuh: unbalanced, split s of sequence b
-  // in slot s b_count + b; balanced, slots [C_b, C_b + count) from the same arithmetic as the split
-  // kernel's, on inputs only, so before the wait).
-  SplitSlots slots{bidb, params.b, params.num_splits};
-  if (params.balance_splits) {
-    slots = balanced_units(params, -1, bidb).slots;  // count 0: a sequence without keys (out 0, lse +inf below)
-    if (slots.count == 1) {  // the split kernel wrote the row itself; the wait keeps this grid from ending first
+  int64_t rows = int64_t(params.b) * params.h * params.seqlen_q;  // = split stride of the LSEs
+  const int64_t row = blockIdx.x;                                 // (b, head, i), i fastest
+  int num_splits = params.num_splits;
+  int64_t row0 = row;  // the row in split 0's accumulator slot
+  if constexpr (kBalanced) {
+    // Slots [C_b, C_b + count) of sequence b (common/splitkv_work.cuh), from the same arithmetic as
+    // the split kernel's on inputs only, so before the wait; consecutive slots h * seqlen_q rows apart.
+    const int64_t hs = int64_t(params.h) * params.seqlen_q;
+    const SplitSlots sl = balanced_units(params, -1, int(row / hs)).slots;
+    if (sl.count == 1) {  // the split kernel wrote the row itself; the wait keeps this grid from ending first
       grid_dependency_wait();
       return;
     }
+    num_splits = sl.count;  // 0: a sequence without keys (out 0, lse +inf below)
+    rows = hs, row0 = sl.first * hs + row % hs;
   }
-  const int num_splits = slots.count;
-  const int64_t slot_row = slots.first * hs + row % hs;  // the row in split 0's slot
 
   // This thread's column chunk and split group.
   const int chunks = params.d / 4;                                  // float4 chunks of a row (d % 8 == 0)
@@ -82,8 +84,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int groups = kCombineThreads >> log_c;                      // G >= 2
   const int chunk = tid & ((1 << log_c) - 1), group = tid >> log_c;
   const bool col_ok = chunk < chunks;
-  const int64_t split_stride = slots.step * hs * (params.d_rounded / 4);  // in float4
-  const float4* o_s = reinterpret_cast<const float4*>(params.oaccum_ptr + slot_row * params.d_rounded) + chunk;
+  const int64_t split_stride = rows * (params.d_rounded / 4);       // in float4
+  const float4* o_s = reinterpret_cast<const float4*>(params.oaccum_ptr + row0 * params.d_rounded) + chunk;
 
   grid_dependency_wait();  // the split kernel's partials are complete and visible
 
@@ -96,8 +98,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       x[u] = col_ok && s < num_splits ? __ldcs(o_s + s * split_stride) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   };
-  const float lse_s =
-      tid < num_splits ? __ldcs(params.softmax_lseaccum_ptr + tid * slots.step * hs + slot_row) : -INFINITY;
+  const float lse_s = tid < num_splits ? __ldcs(params.softmax_lseaccum_ptr + tid * rows + row0) : -INFINITY;
   load_batch(0);
 
   // lse = M + log(sum_s exp(lse_s - M)), M = max_s lse_s: over the CTA (warp shuffles, then the
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   // The groups' sums in order, into row (b, head, i) of out and softmax_lse (the views of
   // common/seqlen.cuh).
   if (group != 0) return;
-  const SeqInfo seq(params, bidb);
+  const SeqInfo seq(params, int(bh / params.h));
   if (col_ok) {
     float4 o = s_part[chunk];
     for (int g = 1; g < groups; ++g) {
@@ -183,9 +184,12 @@ void run_splitkv_combine(const Flash_fwd_params& params, cudaStream_t stream) {
   const int groups = kCombineThreads >> combine_log2_chunks(params.d);
   // More than 4 splits per group (balanced splits: on average; a row with more loops over batches).
   const bool wide = (params.num_splits + groups - 1) / groups > 4;
-  launch_1d_dependent(params.arch >= 90,
-                      wide ? flash_fwd_splitkv_combine_kernel<Element, 16> : flash_fwd_splitkv_combine_kernel<Element, 4>,
-                      rows, kCombineThreads, 0, "split-KV combine", params.d_rounded, stream, params);
+  const auto kernel = params.balance_splits
+                          ? (wide ? flash_fwd_splitkv_combine_kernel<Element, 16, true>
+                                  : flash_fwd_splitkv_combine_kernel<Element, 4, true>)
+                          : (wide ? flash_fwd_splitkv_combine_kernel<Element, 16> : flash_fwd_splitkv_combine_kernel<Element, 4>);
+  launch_1d_dependent(params.arch >= 90, kernel, rows, kCombineThreads, 0, "split-KV combine", params.d_rounded, stream,
+                      params);
 }
 
 }  // namespace flash

@@ -46,7 +46,6 @@ struct SplitSlots {
   int first;  // accumulator slot of the row's split 0 (flash.h: oaccum_ptr's leading dimension)
   int step;   // slots between its consecutive splits: b_count unbalanced (slot = split b_count + b), 1 balanced
   int count;  // its splits
-  __device__ __forceinline__ int slot(int s) const { return first + s * step; }
 };
 
 // w_b: the 64-key tiles sequence b sees, and n_b for threshold t.
@@ -126,13 +125,15 @@ __device__ __forceinline__ BalancedUnit balanced_units(const Flash_fwd_params& p
   return BalancedUnit{-1, 0, SplitSlots{0, 1, 0}};  // a unit past the last sequence's
 }
 
-template <int kBlockM, int kBlockN>
+// kBalanced: the balanced splits' twin (its own kernel instantiation, so the default kernels keep
+// their code); the slots then come from balanced_units.
+template <int kBlockM, int kBlockN, bool kBalanced = false>
 struct SplitKvWork {
   SeqInfo seq;      // seqlen_k: the keys this sequence sees (cache_seqlens[b] + seqlen_knew, capped; less a leftpad)
   AttnMask mask;    // causal / window: bottom-right aligned against seq.seqlen_k
   KvCacheRows kv;   // where its key rows live (contiguous or paged)
   int bidhk, ratio, split, num_splits;
-  SplitSlots slots;  // where the row's splits' partials go (num_splits = slots.count)
+  SplitSlots slots;  // kBalanced: where the row's splits' partials go (num_splits = slots.count)
   int m0;           // first packed row of the tile
   int rows;         // packed rows of the sequence, R = seqlen_q * ratio
   int n_begin, n_end;    // key tiles [n_begin, n_end) of this split (empty: n_begin >= n_end)
@@ -142,13 +143,17 @@ struct SplitKvWork {
   // of one (sequence, kv head, row tile) are neighbours.
   // Balanced splits (above): blockIdx.x's (sequence, split) pair names unit sequence * num_splits +
   // split of its (kv head, row tile) instead, resolve() finds the sequence and split that own it.
-  __device__ __forceinline__ SplitKvWork(const Flash_fwd_params& p, int4 c, SplitSlots sl)
+  __device__ __forceinline__ SplitKvWork(const Flash_fwd_params& p, int4 c, SplitSlots sl = {})
       : seq(p, c.x), mask(seq, p), kv(p, c.x) {
     bidhk = c.y;
     ratio = p.h_h_k_ratio;
     split = c.w;
-    slots = sl;
-    num_splits = sl.count;
+    if constexpr (kBalanced) {
+      slots = sl;
+      num_splits = sl.count;
+    } else {
+      num_splits = p.num_splits;
+    }
     m0 = c.z * kBlockM;
     rows = seq.seqlen_q * ratio;
     // Key tiles some valid row of the tile sees: from the key start of its first query to the
@@ -166,15 +171,10 @@ struct SplitKvWork {
     n_block_unmasked = max(mask.key_limit(query(m0)), 0) / kBlockN;
     n_block_unmasked_lo = ceil_div(mask.key_start(q_last), kBlockN);  // 0 without a left bound
   }
-  // decode()'s coordinates with blockIdx.x's unit resolved (balanced splits: every lane of a
-  // full warp calls it; unit_empty: a unit no sequence has, which runs nothing), and the slots of
-  // the row's partials.
+  // kBalanced: decode()'s coordinates with blockIdx.x's unit resolved (every lane of a full warp
+  // calls it; unit_empty: a unit no sequence has, which runs nothing), and the slots of the row's
+  // partials.
   __device__ __forceinline__ static int4 resolve(const Flash_fwd_params& p, int4 c, SplitSlots& sl, bool& unit_empty) {
-    unit_empty = false;
-    if (!p.balance_splits) {
-      sl = SplitSlots{c.x, p.b, p.num_splits};
-      return c;
-    }
     const BalancedUnit r = balanced_units(p, c.x * p.num_splits + c.w, -1);
     sl = r.slots;
     unit_empty = r.bidb < 0;
@@ -212,10 +212,13 @@ struct SplitKvWork {
     return n_block >= n_block_unmasked || (kLeft && n_block < n_block_unmasked_lo);
   }
 
-  // Row r of the split accumulators, (num_splits * b slots, h, seqlen_q) for the LSE and the same
-  // times d_rounded for O (flash.h: softmax_lseaccum_ptr, oaccum_ptr); this split's slot.
+  // Row r of the split accumulators, (num_splits, b, h, seqlen_q) for the LSE and the same times
+  // d_rounded for O (flash.h: softmax_lseaccum_ptr, oaccum_ptr); kBalanced: (num_splits * b slots,
+  // h, seqlen_q), this split's slot.
   __device__ __forceinline__ int64_t accum_row(const Flash_fwd_params& p, int r) const {
-    return (int64_t(slots.slot(split)) * p.h + head(r)) * p.seqlen_q + query(r);
+    if constexpr (kBalanced) return (int64_t(slots.first) + int64_t(split) * slots.step) * p.h * p.seqlen_q +
+                                    int64_t(head(r)) * p.seqlen_q + query(r);
+    return ((int64_t(split) * p.b + seq.bidb) * p.h + head(r)) * p.seqlen_q + query(r);
   }
 
   // cp.async of the tile's packed Q rows into the shared tile at sQ (Layout: the kernel's shared

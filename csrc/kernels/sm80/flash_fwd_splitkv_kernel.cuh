@@ -101,7 +101,7 @@ struct SplitKvKernelTraits : RowTraits<Element_, kHeadDim_, Config_> {  // kBloc
 // H100, decode as CUDA graphs, against none of this: B1 x Nk 8k +2.4 % with one tile, +2.0 % with
 // two, +-0 with the maps and the launch alone; B1 128k, B8 32k, B64 8k / 32k within +-0.4 %
 // (docs/PERF_NOTES.md, 2026-12-06, twenty-seventh session).
-template <typename Traits, bool kLocal, typename Work>
+template <typename Traits, bool kLocal, bool kBalanced, typename Work>
 __device__ __forceinline__ void splitkv_launch_early(const Flash_fwd_params& params, const KvTmaMaps& maps,
                                                      const int4 coords, const uint64_t kv_policy, const int tid) {
   constexpr int kBlockN = Traits::kBlockN;
@@ -112,21 +112,28 @@ __device__ __forceinline__ void splitkv_launch_early(const Flash_fwd_params& par
       tma_prefetch_map(&maps.v);
       if (!kLocal && params.block_table == nullptr && params.leftpad_k == nullptr) {
         // The split's first tile among those of a full cache (Work's ranges with seqlen_k = capacity).
-        // Balanced splits' full-cache grid: unit (sequence * num_splits + split) is split
-        // unit % splits_equal of sequence unit / splits_equal (common/splitkv_work.cuh).
-        int b = coords.x, s = coords.w, n_splits = params.num_splits;
-        if (params.balance_splits) {
-          const int unit = coords.x * params.num_splits + coords.w;
-          n_splits = params.splits_equal;
-          b = unit / n_splits, s = unit < params.b * n_splits ? unit % n_splits : n_splits;
-        }
         const int n_cap = ceil_div(params.seqlen_k, kBlockN);
-        const int n_spec = Work::split_first_tile(s, n_splits, n_cap);
-        if (s < n_splits && n_spec < Work::split_first_tile(s + 1, n_splits, n_cap)) {
+        if constexpr (kBalanced) {
+          // The balanced splits' full-cache grid: unit (sequence * num_splits + split) is split
+          // unit % splits_equal of sequence unit / splits_equal (common/splitkv_work.cuh).
+          const int unit = coords.x * params.num_splits + coords.w, n_splits = params.splits_equal;
+          const int b = unit / n_splits, s = unit % n_splits;
+          const int n_spec = Work::split_first_tile(s, n_splits, n_cap);
+          if (b < params.b && n_spec < Work::split_first_tile(s + 1, n_splits, n_cap)) {
 #pragma unroll
-          for (int cb = 0; cb < Traits::kHeadDimPad / 64; ++cb) {
-            tma_prefetch_l2_4d(&maps.k, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
-            tma_prefetch_l2_4d(&maps.v, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
+            for (int cb = 0; cb < Traits::kHeadDimPad / 64; ++cb) {
+              tma_prefetch_l2_4d(&maps.k, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
+              tma_prefetch_l2_4d(&maps.v, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
+            }
+          }
+        } else {
+          const int n_spec = Work::split_first_tile(coords.w, params.num_splits, n_cap);
+          if (n_spec < Work::split_first_tile(coords.w + 1, params.num_splits, n_cap)) {
+#pragma unroll
+            for (int cb = 0; cb < Traits::kHeadDimPad / 64; ++cb) {
+              tma_prefetch_l2_4d(&maps.k, 64 * cb, n_spec * kBlockN, coords.y, coords.x, kv_policy);
+              tma_prefetch_l2_4d(&maps.v, 64 * cb, n_spec * kBlockN, coords.y, coords.x, kv_policy);
+            }
           }
         }
       }
@@ -370,7 +377,9 @@ __device__ __forceinline__ void splitkv_store_partial(const Flash_fwd_params& pa
 // kAlibi: ALiBi (params.alibi_slopes_ptr; flash.h): every S tile gains slope * |i + off - j| before
 // the mask, the slope and query i of each of the thread's two packed rows (their heads differ:
 // GQA packing) read once.
-template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kAlibi = false>
+// kBalanced: the balanced splits' twin (params.balance_splits; common/splitkv_work.cuh), without a
+// window's left bound, soft-capping or ALiBi (plan_kvcache_splits does not balance those calls).
+template <typename Traits, bool kLocal = false, bool kSoftcap = false, bool kAlibi = false, bool kBalanced = false>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     flash_fwd_splitkv_kernel(const Flash_fwd_params params, const __grid_constant__ KvTmaMaps maps) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -389,20 +398,23 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const uint32_t sQ = Traits::kTma ? sRing + 2 * kStages * kTileBytes : smem_base;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  using Work = SplitKvWork<kBlockM, kBlockN>;
+  using Work = SplitKvWork<kBlockM, kBlockN, kBalanced>;
   const int4 coords = Work::decode(params);  // (sequence, kv head, row tile, split): blockIdx.x alone
   // Evict-first only where no other CTA reads these K/V rows (one packed row tile per kv head).
   const uint64_t kv_policy =
       l2_policy_stream(Traits::kEvictFirst && Work::num_row_tiles(params) == 1, params.kv_stream_exceeds_l2);
 
   // ---- Launch latency: PDL, the tensor maps, the split's first key tile into L2.
-  splitkv_launch_early<Traits, kLocal, Work>(params, maps, coords, kv_policy, tid);
+  splitkv_launch_early<Traits, kLocal, kBalanced, Work>(params, maps, coords, kv_policy, tid);
 
   // ---- Balanced splits (common/splitkv_work.cuh): the sequence and split this CTA's unit stands for.
-  SplitSlots slots;
-  bool unit_empty;
-  const int4 unit = Work::resolve(params, coords, slots, unit_empty);
-  if (unit_empty) return;  // no sequence's: no keys, no partial (the combine reads none)
+  SplitSlots slots{};
+  int4 unit = coords;
+  if constexpr (kBalanced) {
+    bool unit_empty;
+    unit = Work::resolve(params, coords, slots, unit_empty);
+    if (unit_empty) return;  // no sequence's: no keys, no partial (the combine reads none)
+  }
   const Work w(params, unit, slots);
   const int n_tiles = w.n_end > w.n_begin ? w.n_end - w.n_begin : 0;
   const float scale_log2 = params.scale_softmax_log2;
@@ -488,7 +500,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // log out), one 8-column chunk of one packed row per thread and pass; rows >= R and columns >= d
   // are not written. A row with no visible key: O = 0, LSE +inf (-inf in the split accumulators).
   constexpr int kChunksPerRow = kHeadDim / 8;
-  const bool split = w.num_splits > 1;  // the row's own count (balanced splits: 1 writes the output here)
+  // kBalanced: the row's own count (1: the output is written here, the combine skips the row).
+  const bool split = kBalanced ? w.num_splits > 1 : params.num_splits > 1;
 #pragma unroll 1
   for (int c = tid; c < kBlockM * kChunksPerRow; c += kThreads) {
     const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8, r = w.m0 + row;
@@ -570,14 +583,17 @@ void launch_fwd_splitkv(Flash_fwd_params& params, cudaStream_t stream) {
   if (bit == 0 || !(carveout_set.load(std::memory_order_relaxed) & bit)) {
     for (auto twin : {flash_fwd_splitkv_kernel<Traits, false, false>, flash_fwd_splitkv_kernel<Traits, true, false>,
                       flash_fwd_splitkv_kernel<Traits, false, true>, flash_fwd_splitkv_kernel<Traits, true, true>,
-                      flash_fwd_splitkv_kernel<Traits, false, false, true>}) {
+                      flash_fwd_splitkv_kernel<Traits, false, false, true>,
+                      flash_fwd_splitkv_kernel<Traits, false, false, false, true>}) {
       FLASH_CHECK_CUDA(cudaFuncSetAttribute(twin, cudaFuncAttributePreferredSharedMemoryCarveout,
                                             cudaSharedmemCarveoutMaxShared));
     }
     carveout_set.fetch_or(bit, std::memory_order_relaxed);
   }
-  // The call's twin (ALiBi's has neither a window's left bound nor softcap: the API refuses those).
-  launch_1d(params.alibi_slopes_ptr != nullptr
+  // The call's twin (ALiBi's has neither a window's left bound nor softcap: the API refuses those;
+  // the balanced one has none of the three: plan_kvcache_splits).
+  launch_1d(params.balance_splits            ? &flash_fwd_splitkv_kernel<Traits, false, false, false, true>
+            : params.alibi_slopes_ptr != nullptr
                 ? &flash_fwd_splitkv_kernel<Traits, false, false, true>
                 : pick_twin(params,
                             [](auto local, auto softcap) {
