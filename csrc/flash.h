@@ -187,14 +187,16 @@ struct Flash_fwd_params : public Qkv_params {
   // evict-first (primitives/cp_async.cuh: l2_policy_stream). Set for the TMA rows only (measured
   // there; the cp.async rows keep all lines evict-first).
   bool kv_stream_exceeds_l2 = false;
-  float* __restrict__ oaccum_ptr = nullptr;     // (num_splits, b, h, seqlen_q, d_rounded) float32
-  float* __restrict__ softmax_lseaccum_ptr = nullptr;  // (num_splits, b, h, seqlen_q) float32
   // Balanced splits (common/splitkv_work.cuh; plan_kvcache_splits sets both): the num_splits * b
   // units (CTAs, and slots of the accumulators' first two dimensions) of a (kv head, row tile)
   // shared out over the sequences by their lengths, splits_equal <= num_splits each when the lengths
   // are equal (the unbalanced grid's count). false: sequence b's split s in slot s * batch + b.
+  // Both sit in the padding before oaccum_ptr (splits_equal <= kMaxSplits: 16 bits), so the
+  // params' layout, and the code of every kernel that does not read them, is as before.
   bool balance_splits = false;
-  int splits_equal = 1;
+  int16_t splits_equal = 1;
+  float* __restrict__ oaccum_ptr = nullptr;     // (num_splits, b, h, seqlen_q, d_rounded) float32
+  float* __restrict__ softmax_lseaccum_ptr = nullptr;  // (num_splits, b, h, seqlen_q) float32
 
 };
 

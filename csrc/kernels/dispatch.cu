@@ -466,7 +466,7 @@ void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
     return int(n);
   }();
   const int equal = requested > 0 ? requested : num_splits_heuristic(params);
-  params.num_splits = equal, params.splits_equal = equal, params.balance_splits = false;
+  params.num_splits = equal, params.splits_equal = int16_t(equal), params.balance_splits = false;
   // Not for the split kernel's twins with a window's left bound, soft-capping or ALiBi (the balanced
   // twin is the plain one), nor for grids of two rounds and more unsplit (a prefill chunk: the
   // heuristic's S = 1 outright there, and the hardware evens the CTAs out).
