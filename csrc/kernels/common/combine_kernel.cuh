@@ -187,7 +187,8 @@ void run_splitkv_combine(const Flash_fwd_params& params, cudaStream_t stream) {
   const auto kernel = params.balance_splits
                           ? (wide ? flash_fwd_splitkv_combine_kernel<Element, 16, true>
                                   : flash_fwd_splitkv_combine_kernel<Element, 4, true>)
-                          : (wide ? flash_fwd_splitkv_combine_kernel<Element, 16> : flash_fwd_splitkv_combine_kernel<Element, 4>);
+                          : (wide ? flash_fwd_splitkv_combine_kernel<Element, 16>
+                                  : flash_fwd_splitkv_combine_kernel<Element, 4>);
   launch_1d_dependent(params.arch >= 90, kernel, rows, kCombineThreads, 0, "split-KV combine", params.d_rounded, stream,
                       params);
 }

@@ -25,15 +25,15 @@ namespace flash {
 // cache_seqlens spread evenly over [0, Nk] ran 26 % below a full one at B8 Nk 32k, H100,
 // docs/PERF_NOTES.md). The host cannot read cache_seqlens without a sync, so the CTAs share the
 // work out themselves: the U = b num_splits units (CTAs) of one (kv head, row tile) go to the
-// sequences as contiguous key ranges of at most T tiles of 64 keys, T the smallest threshold that needs no
-// more than U units (the minimal largest unit of any contiguous cut with <= U pieces):
+// sequences as contiguous key ranges of at most T tiles of 64 keys, T the smallest threshold that
+// needs no more than U units (the minimal largest unit of any contiguous cut with <= U pieces):
 //   n_b = min(ceil(w_b / T), kMaxSplits),  sum_b n_b <= U,  w_b = ceil(keys_b / 64)
 // (keys_b: the keys sequence b sees, at most a sliding window's span; the cap is the combine's
 // limit), and sequence b takes units [C_b, C_b + n_b), C_b = sum_{b' < b} n_b'. Units past the
 // last run nothing; so does a sequence without keys (n_b = 0: the combine writes its zeros). T lies
 // in [ceil(W / U), ceil(2 W / U)] (W = sum w_b; at the top sum n_b <= W / T + b <= U / 2 + b <= U
-// for num_splits >= 2): a binary search over it, each warp on its own (shuffles only, no shared memory or
-// barrier), in the split kernel and in the combine alike, from the same integers. Equal lengths
+// for num_splits >= 2): a binary search over it, each warp on its own (shuffles only, no shared
+// memory or barrier), in the split kernel and in the combine alike, from the same integers. Equal lengths
 // take the unbalanced grid of params.splits_equal splits each (the count the shapes give a full
 // cache; the host makes the grid larger, num_splits >= splits_equal, for ragged batches to
 // balance over) without the search, its units past that grid idle: a full cache costs one pass
@@ -114,7 +114,8 @@ __device__ __forceinline__ BalancedUnit balanced_units(const Flash_fwd_params& p
       if (lane >= o) incl += y;
     }
     const int first = base + incl - n;
-    const unsigned hit = __ballot_sync(0xffffffffu, b < p.b && (unit >= 0 ? first <= unit && unit < first + n : b == bidb));
+    const bool mine = b < p.b && (unit >= 0 ? first <= unit && unit < first + n : b == bidb);
+    const unsigned hit = __ballot_sync(0xffffffffu, mine);
     if (hit != 0) {
       const int src = __ffs(hit) - 1;
       const int c = __shfl_sync(0xffffffffu, first, src);
