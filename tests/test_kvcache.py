@@ -371,3 +371,60 @@ def test_num_splits_heuristic_h200_decode(tmp_path):
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
     got = {case: int(s) for case, s in zip(cases, out)}
     assert got == expected
+
+
+_BALANCE_DRIVER = r"""
+#include <cstdio>
+#include "kernels/common/splitkv_heuristic.h"
+#include "kernels/sm80/tile_config.h"
+int main() {  // per line: b seqlen_q seqlen_k window_left softcap factor requested
+  static const int lens = 0, slopes = 0;  // non-null cache_seqlens; alibi when "alibi" is 1
+  flash::Flash_fwd_params p{};
+  int alibi = 0;
+  while (std::scanf("%d %d %d %d %f %d %d %d", &p.b, &p.seqlen_q, &p.seqlen_k, &p.window_left, &p.softcap, &alibi,
+                    &p.num_splits, &p.num_blocks) == 8) {
+    p.arch = 90, p.num_sms = 132, p.h = 32, p.h_k = 8, p.d = p.d_rounded = 128;
+    p.cache_seqlens = p.b > 0 ? &lens : nullptr;
+    p.alibi_slopes_ptr = alibi ? reinterpret_cast<const float*>(&slopes) : nullptr;
+    if (p.b < 0) p.b = -p.b;
+    using Row = flash::sm80::SplitKvTile<128>;
+    const int equal = p.num_blocks > 0 ? p.num_blocks
+                                       : flash::num_splits_for_row(p, Row::kBlockN, Row::smem_bytes(128), Row::kMinBlocks);
+    std::printf("%d %d\n", equal, flash::balanced_splits_units(p, equal, p.num_blocks, p.num_splits));
+  }
+}
+"""
+
+
+def test_balanced_splits_units(tmp_path):
+    """The balanced splits' grid (csrc/kernels/common/splitkv_heuristic.h: balanced_splits_units;
+    FLASH_ATTN_EXT_SPLITKV_BALANCE = the factor F), host arithmetic compiled here: max(2, F S) units
+    per sequence for decode grids of at most two CTAs per SM unsplit (H200: 132 SMs, hd128 GQA
+    32:8), at most one per 512 keys of the capacity, a requested count as is; none (0) for one
+    sequence, no cache_seqlens, F = 0, a window's left bound, softcap, ALiBi, B64 (four rounds
+    unsplit) or a prefill chunk (seqlen_q 4096)."""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    src, exe = tmp_path / "balance.cpp", tmp_path / "balance"
+    src.write_text(_BALANCE_DRIVER)
+    subprocess.run([cxx, "-std=c++17", f"-I{csrc}", str(src), "-o", str(exe)], check=True)
+    # (b (negative: no cache_seqlens), seqlen_q, seqlen_k, window_left, softcap, alibi, F, requested):
+    # (the shapes' count S, units)
+    expected = {
+        (8, 1, 32768, -1, 0, 0, 2, 0): (2, 4), (8, 1, 32768, -1, 0, 0, 1, 0): (2, 2),
+        (8, 1, 32768, -1, 0, 0, 0, 0): (2, 0), (16, 1, 8192, -1, 0, 0, 2, 0): (1, 2),
+        (32, 1, 8192, -1, 0, 0, 2, 0): (1, 2), (4, 1, 32768, -1, 0, 0, 2, 0): (4, 8),
+        (2, 1, 32768, -1, 0, 0, 8, 0): (8, 64), (2, 1, 1024, -1, 0, 0, 2, 0): (2, 2),
+        (4, 1, 512, -1, 0, 0, 2, 0): (1, 0), (1, 1, 8192, -1, 0, 0, 2, 0): (16, 0),
+        (-8, 1, 32768, -1, 0, 0, 2, 0): (2, 0), (8, 1, 32768, 1023, 0, 0, 2, 0): (2, 0),
+        (8, 1, 32768, -1, 30, 0, 2, 0): (2, 0), (8, 1, 32768, -1, 0, 1, 2, 0): (2, 0),
+        (64, 1, 8192, -1, 0, 0, 2, 0): (3, 0), (8, 4096, 32768, -1, 0, 0, 2, 0): (1, 0),
+        (8, 1, 32768, -1, 0, 0, 2, 5): (5, 5), (8, 1, 32768, -1, 0, 0, 2, 1): (1, 0),
+    }
+    cases = list(expected)
+    stdin = "".join(" ".join(str(x) for x in c) + "\n" for c in cases)
+    out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.splitlines()
+    got = {case: tuple(int(x) for x in line.split()) for case, line in zip(cases, out)}
+    assert got == expected

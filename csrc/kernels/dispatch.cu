@@ -444,7 +444,8 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
 
 // Balanced splits (common/splitkv_work.cuh) for a KV-cache call whose sequences may differ in length
 // (cache_seqlens given, b > 1): the split CTAs share the keys out by the sequences' lengths on the
-// device, and a full cache keeps the count S the shapes give (splits_equal). The grid has F S units
+// device, and a full cache keeps the count S the shapes give (splits_equal). Where the call allows it
+// (splitkv_heuristic.h: balanced_splits_units, which CI tests on the host), the grid has F S units
 // per sequence, at least 2 (F = FLASH_ATTN_EXT_SPLITKV_BALANCE, read once, 1..8): a ragged batch then
 // balances over more, smaller units, and one the heuristic leaves unsplit (S = 1) can still be
 // split where it is ragged (its units past the full-cache grid, and the combine's rows of one
@@ -467,19 +468,8 @@ void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
   }();
   const int equal = requested > 0 ? requested : num_splits_heuristic(params);
   params.num_splits = equal, params.splits_equal = int16_t(equal), params.balance_splits = false;
-  // Not for the split kernel's twins with a window's left bound, soft-capping or ALiBi (the balanced
-  // twin is the plain one), nor for grids of two rounds and more unsplit (a prefill chunk: the
-  // heuristic's S = 1 outright there, and the hardware evens the CTAs out).
-  if (factor == 0 || params.cache_seqlens == nullptr || params.b < 2 || params.b > (1 << 16) ||
-      params.window_left >= 0 || params.softcap > 0.f || params.alibi_slopes_ptr != nullptr ||
-      splitkv_unsplit_ctas(params) > 2 * int64_t(params.num_sms)) {
-    return;
-  }
-  // A split of at least 8 tiles of 64 keys of a full cache, as the heuristic's rule.
-  const int max_units = int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(equal, int64_t(params.seqlen_k) / 512)));
-  const int units = requested > 0 ? requested : std::min(max_units, std::max(2, factor * equal));
-  if (units < 2) return;
-  params.num_splits = units, params.balance_splits = true;
+  const int units = balanced_splits_units(params, equal, requested, factor);  // splitkv_heuristic.h: the rule
+  if (units > 0) params.num_splits = units, params.balance_splits = true;
 }
 
 // Smallest compiled head dim >= d (the kernels zero-pad columns d..d_rounded), 0 if none.
