@@ -230,7 +230,7 @@ BALANCED = os.environ.get("FLASH_ATTN_EXT_SPLITKV_BALANCE", "") not in ("", "0")
 
 @pytest.mark.skipif(not BALANCED, reason="needs FLASH_ATTN_EXT_SPLITKV_BALANCE set (read once per process); "
                                          "test_kvcache_balanced_suite runs it in a process that sets it")
-@pytest.mark.parametrize("lens_kind", ["ragged", "equal", "empty"])
+@pytest.mark.parametrize("lens_kind", ["ragged", "equal", "equal_many", "empty"])
 @pytest.mark.parametrize("num_splits", [0, 2, 16, 64])
 @pytest.mark.parametrize("causal,seqlen_q", [(False, 1), (True, 3)])
 @pytest.mark.parametrize("page_size", [None, 64])
@@ -240,14 +240,17 @@ def test_kvcache_balanced_splits(lens_kind, num_splits, causal, seqlen_q, page_s
     from 0 keys to the full capacity; num_splits 2: threshold 22 tiles of 64 keys, the full
     sequences 6 splits, the empty ones none (the combine writes their zeros); 16: 2 tiles, 64
     splits; 64: one tile, and the full sequences at the kMaxSplits cap (128), 554 of the 1024 units
-    idle. "equal": four sequences of 5000 keys, the unbalanced grid of the shapes' count (num_splits
-    0: the grid's units past it idle; the count 1 writes its output in the split kernel and the
-    combine skips it). "empty": no keys anywhere. Exact against the reference and within the rule
-    of the unsplit result; sequences without keys give out 0 and lse +inf."""
+    idle. "equal": four sequences of 5000 keys, the unbalanced grid of the shapes' count.
+    "equal_many": 64 sequences of 1000 keys in 1024-row caches, whose 128 unsplit CTAs fill an
+    H100 / H200 in one round (the shapes' count 1): with num_splits 0 the grid has 2 units per
+    sequence, the second idle, and each sequence's one split writes its output in the split kernel
+    while the combine skips the row. "empty": no keys anywhere. Exact against the reference and
+    within the rule of the unsplit result; sequences without keys give out 0 and lse +inf."""
     require_hdim(128)
-    capacity, nheads_k, ratio, d = 8192, 2, 4, 128
+    nheads_k, ratio, d = 2, 4, 128
+    capacity = 1024 if lens_kind == "equal_many" else 8192
     lens = {"ragged": [8192, 0, 1, 5, 64, 65, 700, 0, 3000, 2, 128, 129, 8192, 17, 1000, 8191],
-            "equal": [5000] * 4, "empty": [0] * 3}[lens_kind]
+            "equal": [5000] * 4, "equal_many": [1000] * 64, "empty": [0] * 3}[lens_kind]
     q = torch.randn(len(lens), seqlen_q, nheads_k * ratio, d, device="cuda", dtype=torch.bfloat16)
     kc, vc, table = _make_cache(lens, capacity, nheads_k, d, torch.bfloat16, page_size=page_size)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
