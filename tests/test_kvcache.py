@@ -344,6 +344,18 @@ int main() {  // per line of stdin: arch num_sms b h h_k seqlen_q seqlen_k page_
 """
 
 
+def _compile_host_driver(tmp_path, name, source):
+    """`source` (C++ against csrc/'s host headers) built with the host compiler; skips without one."""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    src, exe = tmp_path / f"{name}.cpp", tmp_path / name
+    src.write_text(source)
+    subprocess.run([cxx, "-std=c++17", f"-I{csrc}", str(src), "-o", str(exe)], check=True)
+    return exe
+
+
 def test_num_splits_heuristic_h200_decode(tmp_path):
     """The choices on an H200 (132 SMs), hd128 GQA 32:8, one query, a full cache: the best (or
     within 1.1 % of the best) of 12 split counts measured with benchmarks/tune_kernels.py
@@ -352,13 +364,7 @@ def test_num_splits_heuristic_h200_decode(tmp_path):
     to whole CTAs per SM (B8: 2 -> 128 CTAs, not 3 -> 192); B64 (1.3 rounds unsplit) takes 3.
     Paged with pages shorter than a key tile (16 < 64 keys): every slot filled (one CTA per SM ran
     B1 128k / B8 32k / B16 8k at 0.65-0.69 of contiguous); pages of 64 / 256 as contiguous."""
-    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
-    csrc = Path(__file__).resolve().parents[1] / "csrc"
-    src, exe = tmp_path / "splits.cpp", tmp_path / "splits"
-    src.write_text(_SPLITS_DRIVER)
-    subprocess.run([cxx, "-std=c++17", f"-I{csrc}", str(src), "-o", str(exe)], check=True)
+    exe = _compile_host_driver(tmp_path, "splits", _SPLITS_DRIVER)
     expected = {  # (batch, seqlen_k, page_size): num_splits
         (1, 8192, 0): 16, (1, 131072, 0): 16, (2, 32768, 0): 8, (4, 32768, 0): 4, (8, 8192, 0): 2,
         (8, 32768, 0): 2, (16, 8192, 0): 1, (32, 8192, 0): 1, (48, 8192, 0): 1, (64, 8192, 0): 3,
@@ -403,13 +409,7 @@ def test_balanced_splits_units(tmp_path):
     32:8), at most one per 512 keys of the capacity, a requested count as is; none (0) for one
     sequence, no cache_seqlens, F = 0, a window's left bound, softcap, ALiBi, B64 (four rounds
     unsplit) or a prefill chunk (seqlen_q 4096)."""
-    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
-    csrc = Path(__file__).resolve().parents[1] / "csrc"
-    src, exe = tmp_path / "balance.cpp", tmp_path / "balance"
-    src.write_text(_BALANCE_DRIVER)
-    subprocess.run([cxx, "-std=c++17", f"-I{csrc}", str(src), "-o", str(exe)], check=True)
+    exe = _compile_host_driver(tmp_path, "balance", _BALANCE_DRIVER)
     # (b (negative: no cache_seqlens), seqlen_q, seqlen_k, window_left, softcap, alibi, F, requested):
     # (the shapes' count S, units)
     expected = {

@@ -104,18 +104,21 @@ bool sm90_bwd_dq_short_enabled() {
 // FLASH_ATTN_EXT_SPLITKV_SPLITS=N (read once; a tuning knob, 1 <= N <= kMaxSplits): every kvcache
 // call whose num_splits is 0 (the heuristic's) runs N splits, with the combine after when N > 1.
 // Unset or 0: the heuristic.
+// An integer knob in [0, hi]: 0 when unset or empty; anything else raises, naming the knob.
+int env_int_knob(const char* name, int hi) {
+  const char* e = std::getenv(name);
+  if (e == nullptr || *e == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(e, &end, 10);
+  if (*end != '\0' || n < 0 || n > hi) {
+    throw std::runtime_error(std::string("flash_attn_ext: ") + name + " must be in [0, " + std::to_string(hi) +
+                             "], got '" + e + "'");
+  }
+  return int(n);
+}
+
 int splitkv_forced_splits() {
-  static const int forced = [] {
-    const char* e = std::getenv("FLASH_ATTN_EXT_SPLITKV_SPLITS");
-    if (e == nullptr || *e == '\0') return 0;
-    char* end = nullptr;
-    const long n = std::strtol(e, &end, 10);
-    if (*end != '\0' || n < 0 || n > kMaxSplits) {
-      throw std::runtime_error("flash_attn_ext: FLASH_ATTN_EXT_SPLITKV_SPLITS must be in [0, " +
-                               std::to_string(kMaxSplits) + "], got '" + e + "'");
-    }
-    return int(n);
-  }();
+  static const int forced = env_int_knob("FLASH_ATTN_EXT_SPLITKV_SPLITS", kMaxSplits);
   return forced;
 }
 
@@ -455,17 +458,7 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
 // search in every CTA, grid S) ran ragged batches +10-18 % and full caches -0.5-2 % (H100,
 // docs/PERF_NOTES.md, thirty-third session).
 void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
-  static const int factor = [] {
-    const char* e = std::getenv("FLASH_ATTN_EXT_SPLITKV_BALANCE");
-    if (e == nullptr || *e == '\0') return 0;
-    char* end = nullptr;
-    const long n = std::strtol(e, &end, 10);
-    if (*end != '\0' || n < 0 || n > 8) {
-      throw std::runtime_error(std::string("flash_attn_ext: FLASH_ATTN_EXT_SPLITKV_BALANCE must be in [0, 8], got '") +
-                               e + "'");
-    }
-    return int(n);
-  }();
+  static const int factor = env_int_knob("FLASH_ATTN_EXT_SPLITKV_BALANCE", 8);
   const int equal = requested > 0 ? requested : num_splits_heuristic(params);
   params.num_splits = equal, params.splits_equal = int16_t(equal), params.balance_splits = false;
   const int units = balanced_splits_units(params, equal, requested, factor);  // splitkv_heuristic.h: the rule
