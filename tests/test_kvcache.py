@@ -405,17 +405,18 @@ int main() {  // per line: b seqlen_q seqlen_k window_left softcap factor reques
 def test_balanced_splits_units(tmp_path):
     """The balanced splits' grid (csrc/kernels/common/splitkv_heuristic.h: balanced_splits_units;
     FLASH_ATTN_EXT_SPLITKV_BALANCE = the factor F), host arithmetic compiled here: max(2, F S) units
-    per sequence for decode grids of at most two CTAs per SM unsplit (H200: 132 SMs, hd128 GQA
-    32:8), at most one per 512 keys of the capacity, a requested count as is; none (0) for one
-    sequence, no cache_seqlens, F = 0, a window's left bound, softcap, ALiBi, B64 (four rounds
-    unsplit) or a prefill chunk (seqlen_q 4096)."""
+    per sequence for decode grids of at most one CTA per SM unsplit (H200: 132 SMs, hd128 GQA
+    32:8: B16, not B17 or B32), at most one per 512 keys of the capacity, a requested count as is;
+    none (0) for one sequence, no cache_seqlens, F = 0, a window's left bound, softcap, ALiBi, B64
+    (four rounds unsplit) or a prefill chunk (seqlen_q 4096)."""
     exe = _compile_host_driver(tmp_path, "balance", _BALANCE_DRIVER)
     # (b (negative: no cache_seqlens), seqlen_q, seqlen_k, window_left, softcap, alibi, F, requested):
     # (the shapes' count S, units)
     expected = {
         (8, 1, 32768, -1, 0, 0, 2, 0): (2, 4), (8, 1, 32768, -1, 0, 0, 1, 0): (2, 2),
         (8, 1, 32768, -1, 0, 0, 0, 0): (2, 0), (16, 1, 8192, -1, 0, 0, 2, 0): (1, 2),
-        (32, 1, 8192, -1, 0, 0, 2, 0): (1, 2), (4, 1, 32768, -1, 0, 0, 2, 0): (4, 8),
+        (32, 1, 8192, -1, 0, 0, 2, 0): (1, 0), (4, 1, 32768, -1, 0, 0, 2, 0): (4, 8),
+        (16, 1, 1024, -1, 0, 0, 2, 0): (1, 2), (17, 1, 1024, -1, 0, 0, 2, 0): (2, 0),
         (2, 1, 32768, -1, 0, 0, 8, 0): (8, 64), (2, 1, 1024, -1, 0, 0, 2, 0): (2, 2),
         (4, 1, 512, -1, 0, 0, 2, 0): (1, 0), (1, 1, 8192, -1, 0, 0, 2, 0): (16, 0),
         (-8, 1, 32768, -1, 0, 0, 2, 0): (2, 0), (8, 1, 32768, 1023, 0, 0, 2, 0): (2, 0),

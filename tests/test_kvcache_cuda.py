@@ -441,14 +441,14 @@ torch.save((out, lse, [e.name for e in prof.events() if "flash" in e.name]), sys
 
 def test_kvcache_forced_splits_knob(tmp_path):
     """FLASH_ATTN_EXT_SPLITKV_SPLITS=N (a tuning knob, read once: a subprocess) replaces the
-    heuristic's split count: a grid the heuristic runs unsplit (2 x SMs (sequence, kv head) CTAs)
+    heuristic's split count: a grid the heuristic runs unsplit (one (sequence, kv head) CTA per SM)
     runs N splits and the combine, exact against the reference; out of range it is a clear error
     naming the knob. FLASH_ATTN_EXT_SPLITKV_BALANCE=2 gives the ragged batch a balanced grid of 2
     units per sequence even where the heuristic says 1, so the combine runs; unset or 0, every
     sequence gets the heuristic's count; out of [0, 8] it is a clear error."""
     require_hdim(128, exact=True)
     nheads_k, ratio, d, capacity = 8, 4, 128, 1024
-    batch = 2 * torch.cuda.get_device_properties(0).multi_processor_count // nheads_k
+    batch = torch.cuda.get_device_properties(0).multi_processor_count // nheads_k
     gen = torch.Generator().manual_seed(8)
     lens = torch.randint(0, capacity + 1, (batch,), generator=gen).tolist()
     lens[:3] = [0, 1, capacity]

@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   int64_t row0 = row;  // the row in split 0's accumulator slot
   if constexpr (kBalanced) {
     // Slots [C_b, C_b + count) of sequence b (common/splitkv_work.cuh), from the same arithmetic as
-    // the split kernel's on inputs only, so before the wait; consecutive slots h * seqlen_q rows apart.
+    // the split kernel's on inputs only, so before the wait; the rows by SplitSlots::row, as the
+    // split kernel stores them (consecutive splits step slots of h * seqlen_q rows apart).
     const int64_t hs = int64_t(params.h) * params.seqlen_q;
     const SplitSlots sl = balanced_units(params, -1, int(row / hs)).slots;
     if (sl.count == 1) {  // the split kernel wrote the row itself; the wait keeps this grid from ending first
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       return;
     }
     num_splits = sl.count;  // 0: a sequence without keys (out 0, lse +inf below)
-    rows = hs, row0 = sl.first * hs + row % hs;
+    row0 = sl.row(0, hs, row % hs), rows = sl.stride(hs);
   }
 
   // This thread's column chunk and split group.

@@ -100,13 +100,15 @@ inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int s
 // give a full cache, or the caller's `requested` > 0 as is; 0 where the call is not balanced:
 // factor 0, no cache_seqlens, one sequence (or more than 2^16), the split kernel's twins with a
 // window's left bound, softcap or ALiBi (the balanced twin is the plain one), and grids of more
-// than two CTAs per SM unsplit (a prefill chunk through the KV-cache call: the heuristic's 1
-// outright, the hardware evens the CTAs out, and the accumulators would be large). A full cache's
-// split keeps >= 8 tiles of 64 keys, as the heuristic's rule.
+// than one CTA per SM unsplit (a prefill chunk through the KV-cache call: the heuristic's 1
+// outright, the hardware evens the CTAs out, and the accumulators would be large; at B32 Nk 8k,
+// hd128 GQA 32:8, 1.9 CTAs per SM, the balanced grid ran full caches 4.6 % and caches half full on
+// average 2.3 % slower, H100, docs/PERF_NOTES.md, thirty-fourth session). A full cache's split
+// keeps >= 8 tiles of 64 keys, as the heuristic's rule.
 inline int balanced_splits_units(const Flash_fwd_params& params, int equal, int requested, int factor) {
   if (factor == 0 || params.cache_seqlens == nullptr || params.b < 2 || params.b > (1 << 16) ||
       params.window_left >= 0 || params.softcap > 0.f || params.alibi_slopes_ptr != nullptr ||
-      splitkv_unsplit_ctas(params) > 2 * int64_t(params.num_sms)) {
+      splitkv_unsplit_ctas(params) > int64_t(params.num_sms)) {
     return 0;
   }
   const int64_t max_units = std::min<int64_t>(kMaxSplits, std::max<int64_t>(equal, int64_t(params.seqlen_k) / 512));

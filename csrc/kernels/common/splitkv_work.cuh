@@ -46,6 +46,13 @@ struct SplitSlots {
   int first;  // accumulator slot of the row's split 0 (flash.h: oaccum_ptr's leading dimension)
   int step;   // slots between its consecutive splits: b_count unbalanced (slot = split b_count + b), 1 balanced
   int count;  // its splits
+  // The accumulator row of split `split` of the row at `r` within a slot of `slot_rows` = h *
+  // seqlen_q rows, and the rows between consecutive splits: the one address rule of the split
+  // kernel's stores and the combine's loads.
+  __device__ __forceinline__ int64_t stride(int64_t slot_rows) const { return int64_t(step) * slot_rows; }
+  __device__ __forceinline__ int64_t row(int split, int64_t slot_rows, int64_t r) const {
+    return int64_t(first) * slot_rows + split * stride(slot_rows) + r;
+  }
 };
 
 // w_b: the 64-key tiles sequence b sees, and n_b for threshold t.
@@ -217,8 +224,7 @@ struct SplitKvWork {
   // d_rounded for O (flash.h: softmax_lseaccum_ptr, oaccum_ptr); kBalanced: (num_splits * b slots,
   // h, seqlen_q), this split's slot.
   __device__ __forceinline__ int64_t accum_row(const Flash_fwd_params& p, int r) const {
-    if constexpr (kBalanced) return (int64_t(slots.first) + int64_t(split) * slots.step) * p.h * p.seqlen_q +
-                                    int64_t(head(r)) * p.seqlen_q + query(r);
+    if constexpr (kBalanced) return slots.row(split, int64_t(p.h) * p.seqlen_q, int64_t(head(r)) * p.seqlen_q + query(r));
     return ((int64_t(split) * p.b + seq.bidb) * p.h + head(r)) * p.seqlen_q + query(r);
   }
 
