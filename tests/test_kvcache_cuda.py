@@ -157,8 +157,12 @@ def _bits(t):
 @pytest.mark.parametrize("page_size", [None, 16, 64])
 @pytest.mark.parametrize("seqlen_new", [1, 5])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize("num_splits", [1, 0, 4])
 def test_kvcache_append(page_size, seqlen_new, causal, num_splits, poison_empty):
+    """num_splits 4 takes the balanced splits where they are on (test_kvcache_balanced_suite's
+    process): the appended keys in the lengths the kernels share out, 20 packed rows (two row
+    tiles) at seqlen_new 5, the first sequence's one key tile a row of one split, the contiguous
+    cache the TMA path on sm90."""
     d, dtype, nheads_k, ratio, capacity = 128, torch.bfloat16, 2, 4, 256
     require_hdim(d)
     lens = [0, 100, capacity - 2, capacity]  # the last two overflow: rows past the cache are dropped
