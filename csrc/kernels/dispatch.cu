@@ -454,9 +454,9 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
 // split where it is ragged (its units past the full-cache grid, and the combine's rows of one
 // split, do nothing). A requested num_splits is the units per sequence itself. The balanced kernels
 // are twins (kBalanced) of the plain split kernel and combine, whose code stays as it was. Off by
-// default (F = 0: every sequence S splits) until this form has run on a GPU: an earlier form (the
-// search in every CTA, grid S) ran ragged batches +10-18 % and full caches -0.5-2 % (H100,
-// docs/PERF_NOTES.md, thirty-third session).
+// default (F = 0: every sequence S splits) until the fix of its equal-lengths path has run on a
+// GPU: F = 2 ran lengths spread over [0, Nk] +14-23 % at B4 / B8 / B16 and full caches 0-1.3 %
+// slower (H100, hd128 GQA 32:8, docs/PERF_NOTES.md, thirty-fourth session).
 void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
   static const int factor = env_int_knob("FLASH_ATTN_EXT_SPLITKV_BALANCE", 8);
   const int equal = requested > 0 ? requested : num_splits_heuristic(params);
