@@ -113,27 +113,20 @@ __device__ __forceinline__ void splitkv_launch_early(const Flash_fwd_params& par
       if (!kLocal && params.block_table == nullptr && params.leftpad_k == nullptr) {
         // The split's first tile among those of a full cache (Work's ranges with seqlen_k = capacity).
         const int n_cap = ceil_div(params.seqlen_k, kBlockN);
+        // Its sequence b and split s of n_splits; balanced splits: the full-cache grid, where unit
+        // (sequence * num_splits + split) is split unit % splits_equal of sequence unit /
+        // splits_equal (common/splitkv_work.cuh), units past b * splits_equal idle.
+        int b = coords.x, s = coords.w, n_splits = params.num_splits;
         if constexpr (kBalanced) {
-          // The balanced splits' full-cache grid: unit (sequence * num_splits + split) is split
-          // unit % splits_equal of sequence unit / splits_equal (common/splitkv_work.cuh).
-          const int unit = coords.x * params.num_splits + coords.w, n_splits = params.splits_equal;
-          const int b = unit / n_splits, s = unit % n_splits;
-          const int n_spec = Work::split_first_tile(s, n_splits, n_cap);
-          if (b < params.b && n_spec < Work::split_first_tile(s + 1, n_splits, n_cap)) {
+          const int unit = coords.x * params.num_splits + coords.w;
+          n_splits = params.splits_equal, b = unit / n_splits, s = unit % n_splits;
+        }
+        const int n_spec = Work::split_first_tile(s, n_splits, n_cap);
+        if ((!kBalanced || b < params.b) && n_spec < Work::split_first_tile(s + 1, n_splits, n_cap)) {
 #pragma unroll
-            for (int cb = 0; cb < Traits::kHeadDimPad / 64; ++cb) {
-              tma_prefetch_l2_4d(&maps.k, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
-              tma_prefetch_l2_4d(&maps.v, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
-            }
-          }
-        } else {
-          const int n_spec = Work::split_first_tile(coords.w, params.num_splits, n_cap);
-          if (n_spec < Work::split_first_tile(coords.w + 1, params.num_splits, n_cap)) {
-#pragma unroll
-            for (int cb = 0; cb < Traits::kHeadDimPad / 64; ++cb) {
-              tma_prefetch_l2_4d(&maps.k, 64 * cb, n_spec * kBlockN, coords.y, coords.x, kv_policy);
-              tma_prefetch_l2_4d(&maps.v, 64 * cb, n_spec * kBlockN, coords.y, coords.x, kv_policy);
-            }
+          for (int cb = 0; cb < Traits::kHeadDimPad / 64; ++cb) {
+            tma_prefetch_l2_4d(&maps.k, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
+            tma_prefetch_l2_4d(&maps.v, 64 * cb, n_spec * kBlockN, coords.y, b, kv_policy);
           }
         }
       }
