@@ -169,8 +169,10 @@ def build_extension():
 
     archs = parse_archs(torch)
     given_home = os.environ.get("CUDA_HOME", "").strip()
-    if archs and given_home and not os.path.isfile(os.path.join(given_home, "bin", "nvcc")):
-        # torch's CUDA build takes CUDA_HOME as given: say so by name before it fails on bin/nvcc.
+    if archs and torch.version.cuda is not None and given_home and not os.path.isfile(
+            os.path.join(given_home, "bin", "nvcc")):
+        # torch's CUDA build takes CUDA_HOME as given: say so by name before it fails on bin/nvcc (a CPU
+        # torch builds the CPU-only module, below, whatever CUDA_HOME says).
         sys.exit(f"CUDA_HOME={given_home!r} has no bin/nvcc; point it at the CUDA toolkit, unset it (the "
                  "toolkit is then searched on PATH and in /usr/local/cuda*), or build the CPU-only module "
                  "with FLASH_ATTN_EXT_CUDA_ARCHS=none")

@@ -265,6 +265,20 @@ def check_sinks(sinks, nheads: int) -> None:
         _fail("sinks has shape ", _shape(sinks), "; expected (nheads,) = (", nheads, ",): one logit per query head")
 
 
+def check_max_seqlens(max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """The varlen ops' range of max_seqlen_q / max_seqlen_k (the user function checks it too, before
+    the op: a Python int past int64 would not reach the op's own check)."""
+    if not (0 <= max_seqlen_q <= MAX_SEQLEN and 0 <= max_seqlen_k <= MAX_SEQLEN):
+        _fail(f"max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = {MAX_SEQLEN}] (tile counts are "
+              f"int32), got {max_seqlen_q} and {max_seqlen_k}")
+
+
+def check_num_splits(num_splits: int) -> None:
+    """The KV-cache op's range of num_splits (the user function checks it too, before the op)."""
+    if not 0 <= num_splits <= MAX_SPLITS:
+        _fail(f"num_splits must be in [0, {MAX_SPLITS}] (0: chosen from the shapes), got {num_splits}")
+
+
 def check_cu_seqlens(cu, name: str, q) -> None:
     check_same_device(cu, name, q)
     if cu.dtype != torch.int32:
@@ -290,9 +304,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         _fail(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
               "expected equal (batch + 1 each)")
-    if not (0 <= max_seqlen_q <= MAX_SEQLEN and 0 <= max_seqlen_k <= MAX_SEQLEN):
-        _fail(f"max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = {MAX_SEQLEN}] (tile counts are "
-              f"int32), got {max_seqlen_q} and {max_seqlen_k}")
+    check_max_seqlens(max_seqlen_q, max_seqlen_k)
     if q.shape[0] > MAX_SEQLEN or k.shape[0] > MAX_SEQLEN:
         _fail(f"total_q and total_k must be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32), got "
               f"{q.shape[0]} and {k.shape[0]}")
@@ -387,5 +399,4 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
                 if t.stride(d) == 0 and t.shape[d] > 1:
                     _fail(name, f" has stride 0 in dim {d} (an expanded view): appending k / v would write one "
                           "cache row for several; pass a cache with its own storage per row")
-    if not 0 <= num_splits <= MAX_SPLITS:
-        _fail(f"num_splits must be in [0, {MAX_SPLITS}] (0: chosen from the shapes), got {num_splits}")
+    check_num_splits(num_splits)

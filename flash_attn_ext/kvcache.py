@@ -105,7 +105,8 @@ def flash_attn_with_kvcache(
             cache_leftpad, whose rows are then counted from it), every split alike. A window's
             left bound is judged against the cache's capacity (the keys in use are on the device):
             one below capacity - 1 is refused even where the cached keys are fewer.
-        return_softmax_lse: flash-attn's keyword: True is return_lse=True.
+        return_softmax_lse: flash-attn's keyword: True is return_lse=True (either one True
+            returns softmax_lse).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim). softmax_lse (if return_lse): (batch, nheads,
@@ -164,9 +165,11 @@ def flash_attn_with_kvcache(
         _fake_checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, 0, cache_leftpad)
         q, k = _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved, cache_seqlens, block_table, k_cache,
                                    causal, window)
+    num_splits = _as_int("num_splits", num_splits)
+    _fake_checks.check_num_splits(num_splits)
     out, softmax_lse = torch.ops.flash_attn_ext.fwd_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal,
-        _as_int("num_splits", num_splits), *window, _sinks(sinks), cache_leftpad, softcap, alibi_slopes)
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, num_splits, *window, _sinks(sinks),
+        cache_leftpad, softcap, alibi_slopes)
     return (out, softmax_lse) if want_lse else out
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._args import _dropout_p, _window
+from ._args import _as_bool, _dropout_p, _real, _window
 from .interface import flash_attn_func
 from .masked import MaskNotSupported, allowed_from_mask, assert_in_graph, masked_attention, refuse_mask_derivatives
 from .reference import visible_mask
@@ -35,11 +35,13 @@ class FlashAttention(nn.Module):
         causal: bottom-right aligned causal mask: query i sees key j <= i + seqlen_k - seqlen_q
             (the usual mask when seqlen_q == seqlen_k).
         window_size: (left, right) sliding window, as ``flash_attn_func``'s (default (-1, -1):
-            none; a causal model's window of w keys is (w - 1, 0)); checked here (TypeError /
-            RuntimeError naming it).
+            none; a causal model's window of w keys is (w - 1, 0)).
         dropout_p: attention dropout probability in [0, 1) applied in training mode only
             (``self.training``; flash_attn_func's ``dropout_p``; keyword-only; TypeError for a
             non-number, ValueError outside [0, 1), both naming it).
+        Every argument is checked here: a TypeError names one of the wrong type (softmax_scale
+        not a real number or None, causal not a bool, window_size not a pair of ints), a
+        RuntimeError a window side below -1.
 
     Forward:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with
@@ -57,9 +59,10 @@ class FlashAttention(nn.Module):
     def __init__(self, softmax_scale: float | None = None, causal: bool = False,
                  window_size: tuple[int, int] = (-1, -1), *, dropout_p: float = 0.0):
         super().__init__()
-        self.softmax_scale = softmax_scale
-        self.causal = causal
-        self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
+        # Checked now (TypeError / RuntimeError naming the argument), not at the first forward.
+        self.softmax_scale = None if softmax_scale is None else _real("softmax_scale", softmax_scale)
+        self.causal = _as_bool("causal", causal)
+        self.window_size = _window(window_size)
         self.dropout_p = _dropout_p(dropout_p, "dropout_p", "FlashAttention")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -146,7 +149,7 @@ class MultiheadFlashAttention(nn.Module):
     Raises (construction): ValueError when E is not divisible by H, H not by Hk, rotary with an
     odd headdim, a headdim above 256 with the flash_attn_ext backend, an unknown backend, or
     batch_first=False; TypeError for a num_kv_heads that is not an int (e.g. torch's positional
-    dropout).
+    dropout), causal or rotary not a bool, rotary_base not a real number.
 
     Works as ``self_attn`` of torch.nn.TransformerEncoderLayer / TransformerDecoderLayer, in train
     and eval mode (the encoder layer's fused eval fast path is declined: ``_qkv_same_embed_dim``).
@@ -198,7 +201,8 @@ class MultiheadFlashAttention(nn.Module):
                              "flash_attn_ext backend takes at most 256")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = head_dim
-        self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
+        self.causal, self.rotary = _as_bool("causal", causal), _as_bool("rotary", rotary)
+        self.rotary_base = _real("rotary_base", rotary_base)
         self.backend = backend
         self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
         self.dropout = _dropout_p(dropout, "dropout", "MultiheadFlashAttention")

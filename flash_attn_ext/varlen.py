@@ -49,7 +49,8 @@ def flash_attn_varlen_func(
     differently and agrees within the accuracy rule instead).
     Differentiable w.r.t. q, k, v: reverse mode (deterministic, no atomics) and forward mode
     through torch.autograd.forward_ad dual tensors (each sequence's jvp, materialising its
-    probabilities; a host read of cu_seqlens); torch.func transforms raise NotImplementedError.
+    probabilities; a host read of cu_seqlens); torch.func's grad, vjp, jvp, jacrev and jacfwd
+    raise NotImplementedError (vmap works).
 
     Args:
         q: (total_q, nheads, headdim). k, v: (total_k, nheads_k, headdim); nheads % nheads_k == 0.
@@ -115,6 +116,7 @@ def flash_attn_varlen_func(
     softcap, probs, dropout = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     args = (_as_int("max_seqlen_q", max_seqlen_q), _as_int("max_seqlen_k", max_seqlen_k),
             _scale("softmax_scale", softmax_scale, q))  # the scale from the caller's head dim
+    _fake_checks.check_max_seqlens(*args[:2])
     causal, window, sinks = _as_bool("causal", causal), _window(window_size), _sinks(sinks)
     if block_table is not None:
         if dropout > 0.0:
@@ -170,9 +172,6 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
         raise RuntimeError(f"flash_attn_ext: cu_seqlens_q has {batch + 1} entries, cu_seqlens_k "
                            f"{cu_seqlens_k.shape[0]}, block_table shape {tuple(block_table.shape)}; expected batch + "
                            f"1, batch + 1 and (batch, max_blocks) = ({batch}, max_blocks)")
-    if not (0 <= max_seqlen_q <= _fake_checks.MAX_SEQLEN and 0 <= max_seqlen_k <= _fake_checks.MAX_SEQLEN):
-        raise RuntimeError(f"flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256], got "
-                           f"{max_seqlen_q} and {max_seqlen_k}")
     total_q, nheads, d = q.shape
     lens_q, lens_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
     if block_table.dtype != torch.int32 or k_cache.shape[1] % 16:  # the KV-cache op's, before any early return

@@ -54,10 +54,23 @@ def test_a_known_arch_passes_the_target_check(tmp_path):
     assert "is not a target of" not in r.stderr, r.stderr[-2000:]
 
 
-def test_cuda_home_without_nvcc_is_named(tmp_path):
-    r = run_setup(tmp_path, CUDA_HOME=str(tmp_path / "nowhere"), FLASH_ATTN_EXT_CUDA_ARCHS="90a")
-    assert r.returncode != 0
-    assert "CUDA_HOME=" in r.stderr and "has no bin/nvcc" in r.stderr, r.stderr[-2000:]
+@pytest.mark.parametrize("archs", ["90a", None])
+def test_cuda_home_without_nvcc(tmp_path, archs):
+    """A CUDA_HOME without bin/nvcc: named, for a CUDA torch (which would build with it); a CPU
+    torch builds the CPU-only module whatever CUDA_HOME says, so only an explicit
+    FLASH_ATTN_EXT_CUDA_ARCHS stops it, by naming the CPU torch."""
+    import torch
+    env = {"CUDA_HOME": str(tmp_path / "nowhere")} | ({"FLASH_ATTN_EXT_CUDA_ARCHS": archs} if archs else {})
+    r = run_setup(tmp_path, **env)
+    if torch.version.cuda is not None:
+        assert r.returncode != 0
+        assert "CUDA_HOME=" in r.stderr and "has no bin/nvcc" in r.stderr, r.stderr[-2000:]
+    elif archs:
+        assert r.returncode != 0 and "has no bin/nvcc" not in r.stderr
+        assert "FLASH_ATTN_EXT_CUDA_ARCHS" in r.stderr and "torch is a CPU build" in r.stderr, r.stderr[-2000:]
+    else:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip().splitlines()[-1] == "flash_attn_ext"
 
 
 def test_cuda_home_is_not_needed_for_the_cpu_module(tmp_path):

@@ -104,6 +104,8 @@ def _args():
     (lambda a: a.update(cu_seqlens_k=torch.tensor([0, 3, 9], dtype=torch.int32)), r"cu_seqlens_k\[2\] = 9 is outside"),
     (lambda a: a.update(max_seqlen_q=4), "max_seqlen_q = 4"),
     (lambda a: a.update(max_seqlen_k=-1), "max_seqlen_q and max_seqlen_k must be in"),
+    # past int64 (the op's argument): the same message, by the user function before the op
+    (lambda a: a.update(max_seqlen_q=2**70), r"max_seqlen_q and max_seqlen_k must be in .* got 1180591620717411303424 and 5"),
     (lambda a: a.update(q=a["q"][None]), "q must be 3-D"),
     (lambda a: a.update(v=a["v"][:4]), "v has 4 rows but k has total_k = 8"),
     (lambda a: a.update(k=a["k"].double()), "k has dtype"),
@@ -153,6 +155,8 @@ def test_varlen_arguments_are_ints_and_fake_checks_max_seqlen():
     args["max_seqlen_q"] = -1
     with pytest.raises(RuntimeError, match="max_seqlen_q and max_seqlen_k must be in"):
         flash_attn_ext.flash_attn_varlen_func(**args)
+    with pytest.raises(RuntimeError, match="max_seqlen_q and max_seqlen_k must be in"):  # the op's fake checks
+        torch.ops.flash_attn_ext.varlen_forward(*args.values(), 0.25, False)
 
 
 def test_varlen_transforms_give_clear_errors():
