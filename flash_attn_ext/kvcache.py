@@ -69,8 +69,9 @@ def flash_attn_with_kvcache(
             cache rows only).
         num_splits: 0 = chosen from the shapes (sized for full caches: cache_seqlens is not read on
             the host); 1 = no split; up to 128. Caches far from full, of mixed lengths, may run
-            faster with more splits than the shapes' choice (or with the experimental balanced
-            splits, README: FLASH_ATTN_EXT_SPLITKV_BALANCE).
+            faster with more splits than the shapes' choice. A batch of mixed lengths with at
+            most one CTA per SM unsplit takes the balanced splits (the split CTAs shared out by
+            cache_seqlens on the device; README: FLASH_ATTN_EXT_SPLITKV_BALANCE).
         return_lse: also return softmax_lse.
         sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (the split-KV combine merges
             the sink as one more partial with O = 0; not differentiable here).

@@ -5,7 +5,7 @@
 # Needs a built tree (e.g. `STEPS=build HDIMS=128 bash scripts/gpu_run.sh` first).
 #
 #   CASES=B8xN32768,B64xN8192 SPLITS="h 6 8" FILLS="1 0.5" ROUNDS=2 bash scripts/splitkv_sweep.sh
-# BALANCE: values of FLASH_ATTN_EXT_SPLITKV_BALANCE to alternate (default "0", the library's: off;
+# BALANCE: values of FLASH_ATTN_EXT_SPLITKV_BALANCE to alternate (default "2", the library's;
 # "2 1 0" compares the balanced splits' grid factors 2 and 1 with every sequence at num_splits).
 # GRAPH: the timing flag (default --decode-graph; empty: eager calls, e.g. on the CPU).
 # EXTRA: more benchmark flags (e.g. "--decode-hdim 64 --decode-heads 8:2").
@@ -15,7 +15,7 @@ CASES=${CASES:-B8xN32768,B8xN8192,B4xN32768,B64xN8192}
 SPLITS=${SPLITS:-"h 6 8"}
 FILLS=${FILLS:-"1 0.5"}
 ROUNDS=${ROUNDS:-2}
-BALANCE=${BALANCE:-0}
+BALANCE=${BALANCE:-2}
 GRAPH=${GRAPH---decode-graph}
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

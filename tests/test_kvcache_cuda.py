@@ -159,8 +159,8 @@ def _bits(t):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 0, 4])
 def test_kvcache_append(page_size, seqlen_new, causal, num_splits, poison_empty):
-    """num_splits 4 takes the balanced splits where they are on (test_kvcache_balanced_suite's
-    process): the appended keys in the lengths the kernels share out, 20 packed rows (two row
+    """num_splits 4 takes the balanced splits (on by default; test_kvcache_unbalanced_suite runs
+    the plain ones): the appended keys in the lengths the kernels share out, 20 packed rows (two row
     tiles) at seqlen_new 5, the first sequence's one key tile a row of one split, the contiguous
     cache the TMA path on sm90."""
     d, dtype, nheads_k, ratio, capacity = 128, torch.bfloat16, 2, 4, 256
@@ -227,13 +227,13 @@ def test_kvcache_num_splits(d, causal, seqlen_q, paged, poison_empty):
         assert (out.double() - results[1][0].double()).abs().max().item() <= budget, num_splits
 
 
-# Balanced splits are off unless FLASH_ATTN_EXT_SPLITKV_BALANCE is set (read once per process):
-# test_kvcache_balanced_suite runs this file's split tests again in a process with it set.
-BALANCED = os.environ.get("FLASH_ATTN_EXT_SPLITKV_BALANCE", "") not in ("", "0")
+# Balanced splits are on unless FLASH_ATTN_EXT_SPLITKV_BALANCE=0 (read once per process):
+# test_kvcache_unbalanced_suite runs this file's split tests again in a process with it 0.
+BALANCED = os.environ.get("FLASH_ATTN_EXT_SPLITKV_BALANCE", "") != "0"
 
 
-@pytest.mark.skipif(not BALANCED, reason="needs FLASH_ATTN_EXT_SPLITKV_BALANCE set (read once per process); "
-                                         "test_kvcache_balanced_suite runs it in a process that sets it")
+@pytest.mark.skipif(not BALANCED, reason="FLASH_ATTN_EXT_SPLITKV_BALANCE=0 turns the balanced splits off in this "
+                                         "process (read once); the default process runs this test")
 @pytest.mark.parametrize("lens_kind", ["ragged", "equal", "equal_many", "empty"])
 @pytest.mark.parametrize("num_splits", [0, 2, 16, 64])
 @pytest.mark.parametrize("causal,seqlen_q", [(False, 1), (True, 3)])
@@ -270,21 +270,21 @@ def test_kvcache_balanced_splits(lens_kind, num_splits, causal, seqlen_q, page_s
             assert torch.equal(out[b], torch.zeros_like(out[b])) and (lse[b] == math.inf).all()
 
 
-@pytest.mark.skipif(BALANCED, reason="this process already runs the balanced splits")
-def test_kvcache_balanced_suite():
+@pytest.mark.skipif(not BALANCED, reason="this process already runs with the balanced splits off")
+def test_kvcache_unbalanced_suite():
     """The KV-cache GPU tests (this file's, the rotary / leftpad ones and the sinks') again with
-    the balanced splits on (FLASH_ATTN_EXT_SPLITKV_BALANCE=2, a subprocess from the repository's
-    root), test_kvcache_balanced_splits included."""
+    the balanced splits off (FLASH_ATTN_EXT_SPLITKV_BALANCE=0, a subprocess from the repository's
+    root): every sequence runs the shapes' split count, the plain split kernel and combine."""
     require_hdim(128)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_BALANCE="2",
+    env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_BALANCE="0",
                PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     files = [os.path.join("tests", f) for f in ("test_kvcache_cuda.py", "test_kvcache_rotary.py", "test_sinks.py")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *files, "-k",
-                        "kvcache and not forced_splits_knob and not balanced_suite"],
+                        "kvcache and not forced_splits_knob and not unbalanced_suite"],
                        env=env, capture_output=True, text=True, cwd=root, timeout=1200)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and "needs FLASH_ATTN_EXT_SPLITKV_BALANCE set" not in r.stdout, r.stdout[-2000:]
+    assert " passed" in r.stdout and "turns the balanced splits off" in r.stdout, r.stdout[-2000:]
 
 
 def test_kvcache_long_decode_gqa(poison_empty):
@@ -447,9 +447,10 @@ def test_kvcache_forced_splits_knob(tmp_path):
     """FLASH_ATTN_EXT_SPLITKV_SPLITS=N (a tuning knob, read once: a subprocess) replaces the
     heuristic's split count: a grid the heuristic runs unsplit (one (sequence, kv head) CTA per SM)
     runs N splits and the combine, exact against the reference; out of range it is a clear error
-    naming the knob. FLASH_ATTN_EXT_SPLITKV_BALANCE=2 gives the ragged batch a balanced grid of 2
-    units per sequence even where the heuristic says 1, so the combine runs; unset or 0, every
-    sequence gets the heuristic's count; out of [0, 8] it is a clear error."""
+    naming the knob. The balanced splits (FLASH_ATTN_EXT_SPLITKV_BALANCE unset, empty or 2: the
+    default factor 2) give the ragged batch a grid of 2 units per sequence even where the heuristic
+    says 1, so the combine runs; 0 gives every sequence the heuristic's count (here 1: no combine);
+    out of [0, 8] it is a clear error."""
     require_hdim(128, exact=True)
     nheads_k, ratio, d, capacity = 8, 4, 128, 1024
     batch = torch.cuda.get_device_properties(0).multi_processor_count // nheads_k
@@ -460,8 +461,8 @@ def test_kvcache_forced_splits_knob(tmp_path):
     kc, vc, _ = _make_cache(lens, capacity, nheads_k, d, torch.bfloat16)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     torch.save((q, kc, vc, seqlens), tmp_path / "in.pt")
-    for value, balance, ok, combine in (("", "", True, False), ("3", "0", True, True), ("129", "0", False, None),
-                                        ("", "2", True, True), ("", "9", False, None)):
+    for value, balance, ok, combine in (("", "0", True, False), ("3", "0", True, True), ("129", "0", False, None),
+                                        ("", "", True, True), ("", "2", True, True), ("", "9", False, None)):
         env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_SPLITS=value, FLASH_ATTN_EXT_SPLITKV_BALANCE=balance)
         r = subprocess.run([sys.executable, "-c", _FORCED_SPLITS_SCRIPT, str(tmp_path / "in.pt"),
                             str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)

@@ -104,10 +104,10 @@ bool sm90_bwd_dq_short_enabled() {
 // FLASH_ATTN_EXT_SPLITKV_SPLITS=N (read once; a tuning knob, 1 <= N <= kMaxSplits): every kvcache
 // call whose num_splits is 0 (the heuristic's) runs N splits, with the combine after when N > 1.
 // Unset or 0: the heuristic.
-// An integer knob in [0, hi]: 0 when unset or empty; anything else raises, naming the knob.
-int env_int_knob(const char* name, int hi) {
+// An integer knob in [0, hi]: `unset` when unset or empty; anything else raises, naming the knob.
+int env_int_knob(const char* name, int hi, int unset = 0) {
   const char* e = std::getenv(name);
-  if (e == nullptr || *e == '\0') return 0;
+  if (e == nullptr || *e == '\0') return unset;
   char* end = nullptr;
   const long n = std::strtol(e, &end, 10);
   if (*end != '\0' || n < 0 || n > hi) {
@@ -449,16 +449,16 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
 // (cache_seqlens given, b > 1): the split CTAs share the keys out by the sequences' lengths on the
 // device, and a full cache keeps the count S the shapes give (splits_equal). Where the call allows it
 // (splitkv_heuristic.h: balanced_splits_units, which CI tests on the host), the grid has F S units
-// per sequence, at least 2 (F = FLASH_ATTN_EXT_SPLITKV_BALANCE, read once, 1..8): a ragged batch then
-// balances over more, smaller units, and one the heuristic leaves unsplit (S = 1) can still be
-// split where it is ragged (its units past the full-cache grid, and the combine's rows of one
-// split, do nothing). A requested num_splits is the units per sequence itself. The balanced kernels
-// are twins (kBalanced) of the plain split kernel and combine, whose code stays as it was. Off by
-// default (F = 0: every sequence S splits) until the fix of its equal-lengths path has run on a
-// GPU: F = 2 ran lengths spread over [0, Nk] +14-23 % at B4 / B8 / B16 and full caches 0-1.3 %
-// slower (H100, hd128 GQA 32:8, docs/PERF_NOTES.md, thirty-fourth session).
+// per sequence, at least 2 (F = FLASH_ATTN_EXT_SPLITKV_BALANCE, read once, 0..8, default 2): a
+// ragged batch then balances over more, smaller units, and one the heuristic leaves unsplit
+// (S = 1) can still be split where it is ragged (its units past the full-cache grid, and the
+// combine's rows of one split, do nothing). A requested num_splits is the units per sequence
+// itself. The balanced kernels are twins (kBalanced) of the plain split kernel and combine, whose
+// code stays as it was (F = 0: every sequence S splits). F = 2 ran lengths spread over [0, Nk]
+// +13-23 % at B4 / B8 / B16 and full caches 0-1.7 % slower (H100, hd128 GQA 32:8,
+// docs/PERF_NOTES.md, thirty-fourth and thirty-fifth sessions).
 void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
-  static const int factor = env_int_knob("FLASH_ATTN_EXT_SPLITKV_BALANCE", 8);
+  static const int factor = env_int_knob("FLASH_ATTN_EXT_SPLITKV_BALANCE", 8, /*unset=*/2);
   const int equal = requested > 0 ? requested : num_splits_heuristic(params);
   params.num_splits = equal, params.splits_equal = int16_t(equal), params.balance_splits = false;
   const int units = balanced_splits_units(params, equal, requested, factor);  // splitkv_heuristic.h: the rule
