@@ -108,7 +108,8 @@ def _args(paged=False):
     (False, lambda a: a.update(k=torch.randn(2, 1, 3, 16), v=torch.randn(2, 1, 3, 16)), "k has shape"),
     (False, lambda a: a.update(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]), "k_cache has batch 1"),
     (False, lambda a: a.update(num_splits=129), "num_splits must be in"),
-    (False, lambda a: a.update(num_splits=2**70), r"num_splits must be in \[0, 128\] .*got 1180591620717411303424"),  # past int64
+    (False, lambda a: a.update(num_splits=2**70),  # past int64: the op's message, from the user function
+     r"num_splits must be in \[0, 128\] .*got 1180591620717411303424"),
     (True, lambda a: a.update(block_table=a["block_table"].long()), "block_table has dtype"),
     (True, lambda a: a.update(block_table=a["block_table"][:1]), "block_table has shape"),
     (True, lambda a: a["block_table"].fill_(99), r"block_table\[0, 0\] = 99 is outside"),

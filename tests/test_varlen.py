@@ -105,7 +105,8 @@ def _args():
     (lambda a: a.update(max_seqlen_q=4), "max_seqlen_q = 4"),
     (lambda a: a.update(max_seqlen_k=-1), "max_seqlen_q and max_seqlen_k must be in"),
     # past int64 (the op's argument): the same message, by the user function before the op
-    (lambda a: a.update(max_seqlen_q=2**70), r"max_seqlen_q and max_seqlen_k must be in .* got 1180591620717411303424 and 5"),
+    (lambda a: a.update(max_seqlen_q=2**70),
+     r"max_seqlen_q and max_seqlen_k must be in .* got 1180591620717411303424 and 5"),
     (lambda a: a.update(q=a["q"][None]), "q must be 3-D"),
     (lambda a: a.update(v=a["v"][:4]), "v has 4 rows but k has total_k = 8"),
     (lambda a: a.update(k=a["k"].double()), "k has dtype"),
