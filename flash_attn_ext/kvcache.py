@@ -68,10 +68,12 @@ def flash_attn_with_kvcache(
             ``flash_attn_func``'s (a decode step with window_size=(w - 1, 0) reads the last w
             cache rows only).
         num_splits: 0 = chosen from the shapes (sized for full caches: cache_seqlens is not read on
-            the host); 1 = no split; up to 128. Caches far from full, of mixed lengths, may run
-            faster with more splits than the shapes' choice. A batch of mixed lengths with at
-            most one CTA per SM unsplit takes the balanced splits (the split CTAs shared out by
-            cache_seqlens on the device; README: FLASH_ATTN_EXT_SPLITKV_BALANCE).
+            the host); 1 = no split; up to 128. Where the balanced splits apply (batch > 1,
+            cache_seqlens given, no window left bound, softcap or ALiBi, at most one CTA per SM
+            unsplit; README: FLASH_ATTN_EXT_SPLITKV_BALANCE, on by default) the split CTAs are
+            shared out by the sequences' lengths on the device, and a num_splits >= 2 is their
+            number per sequence (a long sequence gets more, an empty one none). Caches far from
+            full may run faster with more splits than the shapes' choice.
         return_lse: also return softmax_lse.
         sinks: attention sinks, (nheads,), as ``flash_attn_func``'s (the split-KV combine merges
             the sink as one more partial with O = 0; not differentiable here).

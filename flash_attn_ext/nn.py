@@ -149,7 +149,7 @@ class MultiheadFlashAttention(nn.Module):
     Raises (construction): ValueError when E is not divisible by H, H not by Hk, rotary with an
     odd headdim, a headdim above 256 with the flash_attn_ext backend, an unknown backend, or
     batch_first=False; TypeError for a num_kv_heads that is not an int (e.g. torch's positional
-    dropout), causal or rotary not a bool, rotary_base not a real number.
+    dropout), causal or rotary not a bool, rotary_base not a real number (with rotary).
 
     Works as ``self_attn`` of torch.nn.TransformerEncoderLayer / TransformerDecoderLayer, in train
     and eval mode (the encoder layer's fused eval fast path is declined: ``_qkv_same_embed_dim``).
@@ -202,7 +202,7 @@ class MultiheadFlashAttention(nn.Module):
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = head_dim
         self.causal, self.rotary = _as_bool("causal", causal), _as_bool("rotary", rotary)
-        self.rotary_base = _real("rotary_base", rotary_base)
+        self.rotary_base = _real("rotary_base", rotary_base) if self.rotary else rotary_base
         self.backend = backend
         self.window_size = _window(window_size)  # TypeError / RuntimeError now, not at the first forward
         self.dropout = _dropout_p(dropout, "dropout", "MultiheadFlashAttention")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Decode TB/s of ours under forced split counts (FLASH_ATTN_EXT_SPLITKV_SPLITS), each in its own
+# Decode TB/s of ours under forced split counts (FLASH_ATTN_EXT_SPLITKV_SPLITS; where the balanced
+# splits apply, BALANCE below, the count S they scale to F x S units per sequence), each in its own
 # process (the knob is read once), rounds x fills x splits alternated; one line per run:
 #   R<round> F<fill> S=<splits, h = the heuristic>: B<batch>x<seqlen_k>=<TB/s> ...
 # Needs a built tree (e.g. `STEPS=build HDIMS=128 bash scripts/gpu_run.sh` first).

@@ -227,9 +227,10 @@ def test_kvcache_num_splits(d, causal, seqlen_q, paged, poison_empty):
         assert (out.double() - results[1][0].double()).abs().max().item() <= budget, num_splits
 
 
-# Balanced splits are on unless FLASH_ATTN_EXT_SPLITKV_BALANCE=0 (read once per process):
-# test_kvcache_unbalanced_suite runs this file's split tests again in a process with it 0.
-BALANCED = os.environ.get("FLASH_ATTN_EXT_SPLITKV_BALANCE", "") != "0"
+# Balanced splits are on unless FLASH_ATTN_EXT_SPLITKV_BALANCE is 0 (read once per process, as an
+# integer: "00" and "+0" are 0 too; unset or empty: 2): test_kvcache_unbalanced_suite runs the
+# KV-cache tests again in a process with it 0.
+BALANCED = int(os.environ.get("FLASH_ATTN_EXT_SPLITKV_BALANCE", "").strip() or 2) != 0
 
 
 @pytest.mark.skipif(not BALANCED, reason="FLASH_ATTN_EXT_SPLITKV_BALANCE=0 turns the balanced splits off in this "
@@ -272,16 +273,18 @@ def test_kvcache_balanced_splits(lens_kind, num_splits, causal, seqlen_q, page_s
 
 @pytest.mark.skipif(not BALANCED, reason="this process already runs with the balanced splits off")
 def test_kvcache_unbalanced_suite():
-    """The KV-cache GPU tests (this file's, the rotary / leftpad ones and the sinks') again with
-    the balanced splits off (FLASH_ATTN_EXT_SPLITKV_BALANCE=0, a subprocess from the repository's
-    root): every sequence runs the shapes' split count, the plain split kernel and combine."""
+    """The KV-cache GPU tests (this file's, the rotary / leftpad ones, the sinks', the paged varlen
+    calls and the windowed KV-cache calls: every caller of the KV-cache op) again with the balanced
+    splits off (FLASH_ATTN_EXT_SPLITKV_BALANCE=0, a subprocess from the repository's root): every
+    sequence runs the shapes' split count, the plain split kernel and combine."""
     require_hdim(128)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_BALANCE="0",
                PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    files = [os.path.join("tests", f) for f in ("test_kvcache_cuda.py", "test_kvcache_rotary.py", "test_sinks.py")]
+    files = [os.path.join("tests", f) for f in ("test_kvcache_cuda.py", "test_kvcache_rotary.py", "test_sinks.py",
+                                                "test_varlen.py", "test_window.py")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *files, "-k",
-                        "kvcache and not forced_splits_knob and not unbalanced_suite"],
+                        "(kvcache or paged_varlen) and not forced_splits_knob and not unbalanced_suite"],
                        env=env, capture_output=True, text=True, cwd=root, timeout=1200)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "turns the balanced splits off" in r.stdout, r.stdout[-2000:]
@@ -462,8 +465,12 @@ def test_kvcache_forced_splits_knob(tmp_path):
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     torch.save((q, kc, vc, seqlens), tmp_path / "in.pt")
     for value, balance, ok, combine in (("", "0", True, False), ("3", "0", True, True), ("129", "0", False, None),
-                                        ("", "", True, True), ("", "2", True, True), ("", "9", False, None)):
-        env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_SPLITS=value, FLASH_ATTN_EXT_SPLITKV_BALANCE=balance)
+                                        ("", None, True, True), ("", "", True, True), ("", "2", True, True),
+                                        ("", "9", False, None)):
+        env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_SPLITS=value)
+        env.pop("FLASH_ATTN_EXT_SPLITKV_BALANCE", None)  # None: unset
+        if balance is not None:
+            env["FLASH_ATTN_EXT_SPLITKV_BALANCE"] = balance
         r = subprocess.run([sys.executable, "-c", _FORCED_SPLITS_SCRIPT, str(tmp_path / "in.pt"),
                             str(tmp_path / "out.pt")], env=env, capture_output=True, text=True)
         if not ok:

@@ -117,7 +117,8 @@ def test_mha_torch_positional_order_is_a_clear_error():
 
 def test_modules_check_their_arguments_at_construction():
     """A wrong type is a TypeError naming the argument when the module is built, not at its first
-    forward; the values kept are the checked ones (a 0-dim tensor scale as a float, 1 as True)."""
+    forward (rotary_base only with rotary); the values kept are the checked ones (a 0-dim tensor
+    scale as a float, 1 as True)."""
     for make, match in ((lambda: FlashAttention(softmax_scale="x"), "softmax_scale must be a real number"),
                         (lambda: FlashAttention(causal="x"), "causal must be a bool"),
                         (lambda: MultiheadFlashAttention(64, 4, causal="yes"), "causal must be a bool"),
@@ -128,6 +129,7 @@ def test_modules_check_their_arguments_at_construction():
             make()
     fa = FlashAttention(softmax_scale=torch.tensor(0.5), causal=1)
     assert fa.softmax_scale == 0.5 and type(fa.softmax_scale) is float and fa.causal is True
+    assert MultiheadFlashAttention(64, 4, rotary_base=None).rotary_base is None  # unused without rotary
 
 
 @pytest.mark.parametrize("kind", ["causal (L, S) bool", "causal (B H, L, S) float", "offset causal, cross",

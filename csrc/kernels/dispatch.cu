@@ -102,8 +102,8 @@ bool sm90_bwd_dq_short_enabled() {
 }
 
 // FLASH_ATTN_EXT_SPLITKV_SPLITS=N (read once; a tuning knob, 1 <= N <= kMaxSplits): every kvcache
-// call whose num_splits is 0 (the heuristic's) runs N splits, with the combine after when N > 1.
-// Unset or 0: the heuristic.
+// call whose num_splits is 0 (the heuristic's) runs N splits, with the combine after when N > 1
+// (where the balanced splits apply, N is their S: plan_kvcache_splits). Unset or 0: the heuristic.
 // An integer knob in [0, hi]: `unset` when unset or empty; anything else raises, naming the knob.
 int env_int_knob(const char* name, int hi, int unset = 0) {
   const char* e = std::getenv(name);
