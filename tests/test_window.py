@@ -360,8 +360,11 @@ def test_window_cuda_varlen_equals_dense(arch_path, causal):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("window", [(0, 0), (255, 0), (1000, -1), (-1, 2)], ids=str)
 @pytest.mark.parametrize("seqlen_q", [1, 7])
-def test_window_cuda_kvcache(paged, window, seqlen_q):
-    """Split-KV decode with a window against the reference, at 1 split and several, GQA 8:2."""
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_window_cuda_kvcache(paged, window, seqlen_q, causal):
+    """Split-KV decode with a window against the reference, at 1 split and several, GQA 8:2.
+    Non-causal keeps the right bound (causal clips it to 0): with seqlen_q 7, (-1, 2) is a right
+    bound alone, which the balanced splits take (no left bound)."""
     require_hdim(128, exact=True)
     batch, nheads, nheads_k, d, cap = 3, 8, 2, 128, 4096
     q = torch.randn(batch, seqlen_q, nheads, d, dtype=torch.bfloat16, device="cuda")
@@ -373,12 +376,12 @@ def test_window_cuda_kvcache(paged, window, seqlen_q):
         block_table = None
     v_cache = torch.randn_like(k_cache)
     cache_seqlens = torch.tensor([17, 2000, 4096], dtype=torch.int32, device="cuda")
-    ref = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, block_table, None, True, window_size=window)
-    base = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, block_table, None, True, upcast=False,
+    ref = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, block_table, None, causal, window_size=window)
+    base = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens, block_table, None, causal, upcast=False,
                                  window_size=window)
     for num_splits in (0, 1, 8):
         out, lse = flash_attn_ext.flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, causal=True,
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal,
             window_size=window, num_splits=num_splits, return_lse=True)
         check_accuracy("out", out, ref[0], base[0])
         check_accuracy("softmax_lse", lse, ref[1], base[1])
