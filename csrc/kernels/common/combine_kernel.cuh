@@ -64,7 +64,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   int64_t rows = int64_t(params.b) * params.h * params.seqlen_q;  // = split stride of the LSEs
   const int64_t row = blockIdx.x;                                 // (b, head, i), i fastest
   int num_splits = params.num_splits;
-  int64_t row0 = row;  // the row in split 0's accumulator slot
+  // The row in split 0's accumulator slot: plain splits, the split kernel's SplitSlots{b, b_count,
+  // S} (common/splitkv_work.cuh), whose row(0, h seqlen_q, r) is `row` and stride `rows`.
+  int64_t row0 = row;
   if constexpr (kBalanced) {
     // Slots [C_b, C_b + count) of sequence b (common/splitkv_work.cuh), from the same arithmetic as
     // the split kernel's on inputs only, so before the wait; the rows by SplitSlots::row, as the

@@ -141,7 +141,7 @@ struct SplitKvWork {
   AttnMask mask;    // causal / window: bottom-right aligned against seq.seqlen_k
   KvCacheRows kv;   // where its key rows live (contiguous or paged)
   int bidhk, ratio, split, num_splits;
-  SplitSlots slots;  // kBalanced: where the row's splits' partials go (num_splits = slots.count)
+  SplitSlots slots;  // where the row's splits' partials go (num_splits = slots.count)
   int m0;           // first packed row of the tile
   int rows;         // packed rows of the sequence, R = seqlen_q * ratio
   int n_begin, n_end;    // key tiles [n_begin, n_end) of this split (empty: n_begin >= n_end)
@@ -156,12 +156,9 @@ struct SplitKvWork {
     bidhk = c.y;
     ratio = p.h_h_k_ratio;
     split = c.w;
-    if constexpr (kBalanced) {
-      slots = sl;
-      num_splits = sl.count;
-    } else {
-      num_splits = p.num_splits;
-    }
+    // Plain splits: split s of sequence b in slot s b_count + b (flash.h: oaccum_ptr).
+    slots = kBalanced ? sl : SplitSlots{c.x, p.b, p.num_splits};
+    num_splits = slots.count;
     m0 = c.z * kBlockM;
     rows = seq.seqlen_q * ratio;
     // Key tiles some valid row of the tile sees: from the key start of its first query to the
@@ -220,12 +217,10 @@ struct SplitKvWork {
     return n_block >= n_block_unmasked || (kLeft && n_block < n_block_unmasked_lo);
   }
 
-  // Row r of the split accumulators, (num_splits, b, h, seqlen_q) for the LSE and the same times
-  // d_rounded for O (flash.h: softmax_lseaccum_ptr, oaccum_ptr); kBalanced: (num_splits * b slots,
-  // h, seqlen_q), this split's slot.
+  // Row r of the split accumulators, (num_splits * b slots, h, seqlen_q) for the LSE and the same
+  // times d_rounded for O (flash.h: softmax_lseaccum_ptr, oaccum_ptr), in this split's slot.
   __device__ __forceinline__ int64_t accum_row(const Flash_fwd_params& p, int r) const {
-    if constexpr (kBalanced) return slots.row(split, int64_t(p.h) * p.seqlen_q, int64_t(head(r)) * p.seqlen_q + query(r));
-    return ((int64_t(split) * p.b + seq.bidb) * p.h + head(r)) * p.seqlen_q + query(r);
+    return slots.row(split, int64_t(p.h) * p.seqlen_q, int64_t(head(r)) * p.seqlen_q + query(r));
   }
 
   // cp.async of the tile's packed Q rows into the shared tile at sQ (Layout: the kernel's shared
