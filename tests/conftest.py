@@ -1,5 +1,6 @@
 """Shared pytest setup: report header with the build facts, input factories, output poisoning."""
 
+import re
 import warnings
 
 import pytest
@@ -52,6 +53,18 @@ def require_hdim(d, exact=False):
         pytest.skip("flash_attn_ext was built without CUDA kernels")
     if (d not in compiled) if exact else not any(h >= d for h in compiled):
         pytest.skip(f"head dim {d} is not covered by this build's CUDA head dims {compiled} (FLASH_ATTN_EXT_HDIMS)")
+
+
+def kernel_bool_args(name: str) -> list[bool]:
+    """The trailing bool template arguments of a CUDA kernel's profiler name, demangled
+    (`..., true, false>(`) or not (`Lb1ELb0EEEv`), in order: the kernels' twin flags (e.g. the
+    split-KV kernel's kLocal, kSoftcap, kAlibi, kBalanced; the combine's kBalanced)."""
+    demangled = re.findall(r"((?:\b(?:true|false),\s*)*\b(?:true|false))>\s*\(", name)
+    if demangled:
+        return [f == "true" for f in re.findall(r"true|false", demangled[-1])]
+    mangled = re.findall(r"((?:Lb[01]E)+)EEv", name)
+    assert mangled, f"no bool template arguments in {name!r}"
+    return [f == "1" for f in re.findall(r"Lb([01])E", mangled[-1])]
 
 
 def run_hdim(d):

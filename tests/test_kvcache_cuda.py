@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import flash_attn_ext
-from conftest import require_hdim
+from conftest import kernel_bool_args, require_hdim
 from accuracy import check_accuracy
 from flash_attn_ext.reference import attention_kvcache_ref
 
@@ -259,16 +259,29 @@ def test_kvcache_balanced_splits(lens_kind, num_splits, causal, seqlen_q, page_s
     q = torch.randn(len(lens), seqlen_q, nheads_k * ratio, d, device="cuda", dtype=torch.bfloat16)
     kc, vc, table = _make_cache(lens, capacity, nheads_k, d, torch.bfloat16, page_size=page_size)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out, lse = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
-                                                     causal=causal, num_splits=num_splits, return_lse=True)
+
+    def run(splits):
+        return flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                      causal=causal, num_splits=splits, return_lse=True)
+
+    out, lse = run(num_splits)
     ref, base = _check(q, kc, vc, table, lens, causal, out, lse)
-    out1, _ = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
-                                                    causal=causal, num_splits=1, return_lse=True)
+    out1, _ = run(1)
     budget = 2 * (base[0].double() - ref[0].double()).nan_to_num(0.0).abs().max().item() + 1e-5
     assert (out.double() - out1.double()).abs().max().item() <= budget
     for b, n in enumerate(lens):  # no keys: out 0, lse +inf
         if n == 0:
             assert torch.equal(out[b], torch.zeros_like(out[b])) and (lse[b] == math.inf).all()
+    # The balanced twins ran (kBalanced: the last bool template argument of the split kernel and of
+    # the combine) where the host rule applies (splitkv_heuristic.h: balanced_splits_units): an
+    # unsplit grid of one CTA per (sequence, kv head) fits the SMs; num_splits=1 never.
+    balanced = len(lens) * nheads_k <= torch.cuda.get_device_properties(0).multi_processor_count
+    for splits, expect in ((num_splits, balanced), (1, False)):
+        names = [n for n in _kernel_names(lambda: run(splits)) if "splitkv" in n]
+        assert any("flash_fwd_splitkv_kernel" in n for n in names), names
+        assert all(kernel_bool_args(n)[-1] == expect for n in names), (splits, expect, names)
+        if expect or splits > 0:  # (unbalanced, the heuristic's count decides)
+            assert any("splitkv_combine" in n for n in names) == (expect or splits > 1), (splits, names)
 
 
 @pytest.mark.skipif(not BALANCED, reason="this process already runs with the balanced splits off")

@@ -15,7 +15,7 @@ import torch
 
 import flash_attn_ext
 from accuracy import check_accuracy
-from conftest import check_fwd_bwd, make_qkv, require_hdim
+from conftest import check_fwd_bwd, kernel_bool_args, make_qkv, require_hdim
 from flash_attn_ext.reference import attention_kvcache_ref, attention_ref, attention_varlen_ref, visible_mask
 
 # (left, right) windows: a diagonal band, left only, right only, both, a one-key window, and one
@@ -423,13 +423,7 @@ def _twin_flags(name: str) -> tuple[bool, bool]:
     (`Lb1ELb0EEEv`): the kernel's trailing bool template arguments are the twins' flags, kLocal and
     kSoftcap first, then any later twin's (kDropout: tests/test_dropout.py), except in the sm90
     backward kernels, whose first is kTma."""
-    demangled = re.findall(r"((?:\b(?:true|false),\s*)*\b(?:true|false))>\s*\(", name)
-    if demangled:
-        flags = [f == "true" for f in re.findall(r"true|false", demangled[-1])]
-    else:
-        mangled = re.findall(r"((?:Lb[01]E)+)EEv", name)
-        assert mangled, f"no bool template arguments in {name!r}"
-        flags = [f == "1" for f in re.findall(r"Lb([01])E", mangled[-1])]
+    flags = kernel_bool_args(name)
     if "sm90" in name and "bwd" in name:
         flags = flags[1:]  # kTma
     assert len(flags) >= 2, f"no (kLocal, kSoftcap) template arguments in {name!r}"
@@ -438,7 +432,7 @@ def _twin_flags(name: str) -> tuple[bool, bool]:
 
 def test_local_twin_parser():
     """_twin_flags reads (kLocal, kSoftcap), demangled or mangled, with or without kTma before them and
-    later twins' flags after them."""
+    later twins' flags after them; kernel_bool_args reads every trailing bool."""
     dkv = ("void flash::sm90::flash_bwd_dkv_kernel<__nv_bfloat16, 64, flash::sm90::DkvTile<64>, true, false, true>"
            "(flash::Flash_bwd_params, flash::sm90::BwdTmaMaps)")
     fwd = ("void flash::sm90::flash_fwd_kernel<flash::sm90::FwdKernelTraits<__nv_bfloat16, 128, "
@@ -453,6 +447,13 @@ def test_local_twin_parser():
     fwd3_mangled = "_ZN5flash4sm8016flash_fwd_kernelINS0_15FwdKernelTraitsI13__nv_bfloat16Li128EEELb1ELb0ELb0EEEvNS_16F"
     assert _twin_flags(dkv_mangled) == (True, False) and _twin_flags(fwd_mangled) == (False, True)
     assert _twin_flags(fwd3_mangled) == (True, False)
+    # kernel_bool_args (conftest) on the split-KV kernels' names (cuobjdump -symbols): kBalanced last.
+    split = ("_ZN5flash4sm8024flash_fwd_splitkv_kernelINS0_19SplitKvKernelTraitsI13__nv_bfloat16Li128ENS0_11SplitKvTile"
+             "ILi128EEEEELb0ELb0ELb0ELb1EEEvNS_16Flash_fwd_paramsENS_9KvTmaMapsE")
+    combine = "_ZN5flash32flash_fwd_splitkv_combine_kernelI13__nv_bfloat16Li16ELb1EEEvNS_16Flash_fwd_paramsE"
+    combine_demangled = "void flash::flash_fwd_splitkv_combine_kernel<__half, 4, false>(flash::Flash_fwd_params)"
+    assert kernel_bool_args(split) == [False, False, False, True] and kernel_bool_args(combine) == [True]
+    assert kernel_bool_args(combine_demangled) == [False]
 
 
 @cuda
