@@ -6,8 +6,15 @@
 #   TESTS="tests/test_cuda_forward.py" BENCH_ARGS="--hdim 128 --mode fwd" bash scripts/gpu_run.sh
 #   STEPS="build test sanitize" TESTS="tests/test_sm90_forward.py tests/test_cuda_forward.py" bash scripts/gpu_run.sh
 #   STEPS="build hf" HDIMS=128 bash scripts/gpu_run.sh   # scripts/hf_bench.py (HF_ARGS), not in the default STEPS
-# Bounds (seconds, 0 = none): TEST_TIMEOUT_S, SAN_S (each sanitizer), BENCH_S (each sweep),
-# BENCH3_S (the decode / varlen sweep; default BENCH_S).
+# Bounds (seconds, 0 = none; a benchmark's rc 124: timed out, 125: skipped): TEST_TIMEOUT_S, SAN_S (each sanitizer), BENCH_S (each sweep),
+# BENCH3_S (the decode / varlen sweep; default BENCH_S); and CALL_S (default 560), the whole
+# call's: every bounded step is cut to what is left of it, or skipped (said in the summary), so the
+# logs come back before the device tool's 600 s kill (a killed call returns nothing). Set it lower
+# when the call does other work first (e.g. unpacking FA4's libraries: ~20 s).
+# SHARD=i/n runs the i-th of n shards of the tests (tests/conftest.py: FLASH_ATTN_EXT_TEST_SHARD):
+# the whole GPU suite takes ~11 min on an H100 (2026-12-07), more than one call, so e.g.
+#   STEPS="build test" SHARD=1/3 bash scripts/gpu_run.sh; then STEPS=test SHARD=2/3, SHARD=3/3
+# in the next calls while the machine is warm (the build stays in place).
 # The bench step runs the dense sweep (BENCH_ARGS), then issue 14's decode (KV cache) and varlen
 # tables (BENCH3_ARGS; BENCH3_ARGS= skips it), the decode cases as CUDA graph replays
 # (DECODE_GRAPH_ARGS; empty skips), then BENCH2_ARGS if set.
@@ -34,6 +41,19 @@ if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX
 summary=()
 pack() { if [ -n "$DEST" ]; then printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"; tar czf "$DEST/gpu_out.tgz" -C "$PWD" gpu_out; fi; }
 t0=$(date +%s)
+CALL_S=${CALL_S:-560}
+# Seconds a step may run: its own bound ($1; 0 = none) cut to what is left of CALL_S less 30 s (the
+# interrupt's grace and the packing); -1 when under 20 s are left: the step is skipped.
+step_s() {
+  local own=${1:-0} left
+  [ "$CALL_S" = 0 ] && { echo "$own"; return; }
+  left=$(( CALL_S - ($(date +%s) - t0) - 30 ))
+  if [ "$left" -lt 20 ]; then echo -1
+  elif [ "$own" = 0 ] || [ "$own" -gt "$left" ]; then echo "$left"
+  else echo "$own"; fi
+}
+# "$@" under timeout with step_s's bound of its own bound $1: rc 124 timed out, 125 skipped.
+bounded() { local s; s=$(step_s "$1"); shift; [ "$s" -lt 0 ] && return 125; timeout "$s" "$@"; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')" | tee -a "$OUT/gpu.txt"
@@ -54,6 +74,7 @@ if [[ " $STEPS " == *" build "* ]]; then
   # C7515: ptxas serialized a kernel's wgmma (e.g. branches joining while a product is in flight):
   # every product then waits for the one before, a silent slowdown. Should be 0.
   summary+=("ptxas: $(grep -c 'C7515' "$OUT/build.log" || true) wgmma-serialization warnings (C7515; expected 0)")
+  pack
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [[ " $STEPS " == *" build "* ]]; then
@@ -78,18 +99,27 @@ $PY -c "import flash_attn_ext as f; print(f.build_info())" | tee -a "$OUT/gpu.tx
 
 if [[ " $STEPS " == *" test "* ]]; then
   TESTS=${TESTS:-tests}
-  # PYTEST_X= (empty) runs past the first failure; TEST_TIMEOUT_S bounds the step (0: none) by an
-  # interrupt (SIGINT), on which pytest stops and still lists the failures so far (a plain kill
-  # leaves only the progress dots), then a kill 20 s later.
-  timeout -s INT -k 20 "${TEST_TIMEOUT_S:-0}" $PY -m pytest ${PYTEST_X--x} -rfs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 \
-    | tee "$OUT/pytest.log" | tail -n 40
-  summary+=("pytest: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)")
+  [ -n "${SHARD:-}" ] && export FLASH_ATTN_EXT_TEST_SHARD=$SHARD
+  # PYTEST_X= (empty) runs past the first failure; the step's bound (TEST_TIMEOUT_S and CALL_S) ends
+  # it by an interrupt (SIGINT), on which pytest stops and still lists the failures so far (a plain
+  # kill leaves only the progress dots), then a kill 20 s later.
+  s=$(step_s "${TEST_TIMEOUT_S:-0}")
+  if [ "$s" -lt 0 ]; then
+    summary+=("pytest${SHARD:+ shard $SHARD}: skipped (CALL_S=$CALL_S spent)")
+  else
+    timeout -s INT -k 20 "$s" $PY -m pytest ${PYTEST_X--x} -rfs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 \
+      | tee "$OUT/pytest.log" | tail -n 40
+    interrupted=$(grep -q KeyboardInterrupt "$OUT/pytest.log" && echo " INTERRUPTED after ${s} s: not every test ran")
+    summary+=("pytest${SHARD:+ shard $SHARD}: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)$interrupted")
+  fi
   pack
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
   for tool in memcheck racecheck synccheck; do
-    timeout "${SAN_S:-0}" compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py \
+    s=$(step_s "${SAN_S:-0}")
+    if [ "$s" -lt 0 ]; then summary+=("compute-sanitizer $tool: skipped (CALL_S=$CALL_S spent)"); continue; fi
+    timeout "$s" compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_case.py \
       >"$OUT/sanitize_$tool.log" 2>&1
     rc=$?
     summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")
@@ -129,7 +159,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
     -lms 200 >"$OUT/clocks.csv" 2>/dev/null &
   smi_pid=$!
-  timeout "${BENCH_S:-0}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  bounded "${BENCH_S:-0}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
   summary+=("benchmark: rc=$? (bench.log, bench/)")
   pack
   # Decode (KV cache: issue 14's B x Nk cases, contiguous and paged) and varlen (64 mixed-length
@@ -141,7 +171,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
   # same two rotated rounds and keeps its median-time (here: faster) one.
   BENCH3_ARGS=${BENCH3_ARGS-"--no-progress --no-plots --mode decode,varlen_fwd,varlen_bwd --peers sdpa-flash,sdpa-cudnn,flash-attn4 --rep-ms 50 --warmup-ms 10 --rounds 2"}
   if [ -n "$BENCH3_ARGS" ]; then
-    timeout "${BENCH3_S:-${BENCH_S:-0}}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench3" $BENCH3_ARGS >"$OUT/bench3.log" 2>&1
+    bounded "${BENCH3_S:-${BENCH_S:-0}}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench3" $BENCH3_ARGS >"$OUT/bench3.log" 2>&1
     rc3=$?
     summary+=("benchmark decode/varlen: rc=$rc3 (bench3.log, bench3/)")
     pack
@@ -150,12 +180,12 @@ if [[ " $STEPS " == *" bench "* ]]; then
   # serving engines issue it, without the host's launch cost; DECODE_GRAPH_ARGS= skips it.
   DECODE_GRAPH_ARGS=${DECODE_GRAPH_ARGS-"--no-progress --no-plots --mode decode --decode-graph --peers sdpa-flash,sdpa-cudnn,flash-attn4 --rep-ms 50 --warmup-ms 10 --rounds 2"}
   if [ -n "$DECODE_GRAPH_ARGS" ]; then
-    timeout "${BENCH3_S:-${BENCH_S:-0}}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench_graph" $DECODE_GRAPH_ARGS >"$OUT/bench_graph.log" 2>&1
+    bounded "${BENCH3_S:-${BENCH_S:-0}}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench_graph" $DECODE_GRAPH_ARGS >"$OUT/bench_graph.log" 2>&1
     summary+=("benchmark decode as CUDA graphs: rc=$? (bench_graph.log, bench_graph/)")
     pack
   fi
   if [ -n "${BENCH2_ARGS:-}" ]; then  # a second sweep (e.g. fp16), kept apart
-    timeout "${BENCH_S:-0}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench2" $BENCH2_ARGS >"$OUT/bench2.log" 2>&1
+    bounded "${BENCH_S:-0}" $PY -m flash_attn_ext.benchmark --out "$OUT/bench2" $BENCH2_ARGS >"$OUT/bench2.log" 2>&1
     summary+=("benchmark 2: rc=$? (bench2.log, bench2/)")
     pack
   fi

@@ -1,5 +1,7 @@
-"""Shared pytest setup: report header with the build facts, input factories, output poisoning."""
+"""Shared pytest setup: report header with the build facts, input factories, output poisoning, test
+shards (FLASH_ATTN_EXT_TEST_SHARD)."""
 
+import os
 import re
 import warnings
 
@@ -13,6 +15,30 @@ def pytest_report_header(config):
     info = flash_attn_ext.build_info()
     cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (GPU tests skip)"
     return [f"flash_attn_ext {flash_attn_ext.__version__}: build_info={info}", f"torch {torch.__version__}, GPU: {cuda}"]
+
+
+SHARD_ENV = "FLASH_ATTN_EXT_TEST_SHARD"
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """(i, n) of a FLASH_ATTN_EXT_TEST_SHARD value "i/n", 1 <= i <= n; a clear error otherwise."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", value)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise pytest.UsageError(f"{SHARD_ENV} must be 'i/n' with 1 <= i <= n, got {value!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def pytest_collection_modifyitems(config, items):
+    """FLASH_ATTN_EXT_TEST_SHARD=i/n runs the i-th of n shards of the selected tests: every n-th
+    test in collection order from the i-th, so each shard holds a like mix of every file (the GPU
+    suite no longer fits one device call: scripts/gpu_run.sh's SHARD)."""
+    value = os.environ.get(SHARD_ENV, "")
+    if not value.strip():
+        return
+    i, n = parse_shard(value)
+    keep = [item for k, item in enumerate(items) if k % n == i - 1]
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i - 1])
+    items[:] = keep
 
 
 @pytest.fixture(autouse=True)

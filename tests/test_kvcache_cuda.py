@@ -294,6 +294,7 @@ def test_kvcache_unbalanced_suite():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, FLASH_ATTN_EXT_SPLITKV_BALANCE="0",
                PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env.pop("FLASH_ATTN_EXT_TEST_SHARD", None)  # (conftest: this process's shard; the rerun takes every test)
     files = [os.path.join("tests", f) for f in ("test_kvcache_cuda.py", "test_kvcache_rotary.py", "test_sinks.py",
                                                 "test_varlen.py", "test_window.py")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", *files, "-k",

@@ -601,3 +601,26 @@ def test_issue_bars_counts_only_full_cache_decode_rows(tmp_path):
     assert verdict["decode eager B64 Nk=32768 page 64 / contiguous"] == "not measured"
     assert verdict["decode eager B64 Nk=8192"] == "PASS"
 
+
+
+def test_test_shards_partition_the_selection():
+    """FLASH_ATTN_EXT_TEST_SHARD=i/n (tests/conftest.py; scripts/gpu_run.sh's SHARD): the shards of
+    a selection are disjoint and together are the whole selection; a malformed value is a usage
+    error naming the variable."""
+    def collect(shard):
+        env = {k: v for k, v in os.environ.items() if k != "FLASH_ATTN_EXT_TEST_SHARD"}
+        if shard is not None:
+            env["FLASH_ATTN_EXT_TEST_SHARD"] = shard
+        return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               os.path.join("tests", "test_transforms.py")], env=env, cwd=REPO, capture_output=True,
+                              text=True)
+
+    def ids(r):
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return [line for line in r.stdout.splitlines() if "::" in line]
+
+    whole = ids(collect(None))
+    shards = [ids(collect(f"{i}/2")) for i in (1, 2)]
+    assert len(whole) >= 4 and all(shards) and sorted(shards[0] + shards[1]) == sorted(whole)
+    bad = collect("3/2")
+    assert bad.returncode != 0 and "FLASH_ATTN_EXT_TEST_SHARD must be 'i/n'" in bad.stdout + bad.stderr
