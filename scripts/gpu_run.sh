@@ -12,7 +12,7 @@
 # logs come back before the device tool's 600 s kill (a killed call returns nothing). Set it lower
 # when the call does other work first (e.g. unpacking FA4's libraries: ~20 s).
 # SHARD=i/n runs the i-th of n shards of the tests (tests/conftest.py: FLASH_ATTN_EXT_TEST_SHARD):
-# the whole GPU suite takes ~11 min on an H100 (2026-12-07), more than one call, so e.g.
+# the whole GPU suite takes ~15 min on an H100 (2026-12-07), more than one call, so e.g.
 #   STEPS="build test" SHARD=1/3 bash scripts/gpu_run.sh; then STEPS=test SHARD=2/3, SHARD=3/3
 # in the next calls while the machine is warm (the build stays in place).
 # The bench step runs the dense sweep (BENCH_ARGS), then issue 14's decode (KV cache) and varlen
