@@ -146,10 +146,11 @@ class MultiheadFlashAttention(nn.Module):
     Parameters: ``in_proj_weight`` ((H + 2 Hk) * headdim, E): rows [Wq; Wk; Wv];
     ``in_proj_bias`` ((H + 2 Hk) * headdim,) or None; ``out_proj``: Linear(E, E).
 
-    Raises (construction): ValueError when E is not divisible by H, H not by Hk, rotary with an
-    odd headdim, a headdim above 256 with the flash_attn_ext backend, an unknown backend, or
-    batch_first=False; TypeError for a num_kv_heads that is not an int (e.g. torch's positional
-    dropout), causal or rotary not a bool, rotary_base not a real number (with rotary).
+    Raises (construction): ValueError when E or H is below 1, E is not divisible by H, H not by
+    Hk, rotary with an odd headdim, a headdim above 256 with the flash_attn_ext backend, an unknown
+    backend, or batch_first=False; TypeError for an E, H or num_kv_heads that is not an int (e.g.
+    torch's positional dropout as num_kv_heads), causal or rotary not a bool, rotary_base not a
+    real number (with rotary).
 
     Works as ``self_attn`` of torch.nn.TransformerEncoderLayer / TransformerDecoderLayer, in train
     and eval mode (the encoder layer's fused eval fast path is declined: ``_qkv_same_embed_dim``).
@@ -176,6 +177,11 @@ class MultiheadFlashAttention(nn.Module):
                  backend: str = "flash_attn_ext", window_size: tuple[int, int] = (-1, -1), dropout: float = 0.0,
                  batch_first: bool = True):
         super().__init__()
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MultiheadFlashAttention: {name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"MultiheadFlashAttention: {name} must be >= 1, got {value}")
         if num_kv_heads is not None and (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int)):
             raise TypeError(f"MultiheadFlashAttention: num_kv_heads (the third positional argument) must be an int "
                             f"or None, got {num_kv_heads!r}; torch.nn.MultiheadAttention's third is dropout, "

@@ -117,7 +117,7 @@ def test_mha_torch_positional_order_is_a_clear_error():
 
 def test_modules_check_their_arguments_at_construction():
     """A wrong type is a TypeError naming the argument when the module is built, not at its first
-    forward (rotary_base only with rotary); the values kept are the checked ones (a 0-dim tensor
+    forward (rotary_base only with rotary), a head count or width below 1 a ValueError; the values kept are the checked ones (a 0-dim tensor
     scale as a float, 1 as True)."""
     for make, match in ((lambda: FlashAttention(softmax_scale="x"), "softmax_scale must be a real number"),
                         (lambda: FlashAttention(causal="x"), "causal must be a bool"),
@@ -127,6 +127,13 @@ def test_modules_check_their_arguments_at_construction():
                          "rotary_base must be a real number")):
         with pytest.raises(TypeError, match=match):
             make()
+    for args, error, match in (((32, 4.0), TypeError, "num_heads must be an int, got 4.0"),
+                               ((32, True), TypeError, "num_heads must be an int, got True"),
+                               ((32.0, 4), TypeError, "embed_dim must be an int, got 32.0"),
+                               ((32, 0), ValueError, "num_heads must be >= 1, got 0"),
+                               ((0, 4), ValueError, "embed_dim must be >= 1, got 0")):
+        with pytest.raises(error, match=match):
+            MultiheadFlashAttention(*args)
     fa = FlashAttention(softmax_scale=torch.tensor(0.5), causal=1)
     assert fa.softmax_scale == 0.5 and type(fa.softmax_scale) is float and fa.causal is True
     assert MultiheadFlashAttention(64, 4, rotary_base=None).rotary_base is None  # unused without rotary
