@@ -102,12 +102,13 @@ if [[ " $STEPS " == *" test "* ]]; then
   [ -n "${SHARD:-}" ] && export FLASH_ATTN_EXT_TEST_SHARD=$SHARD
   # PYTEST_X= (empty) runs past the first failure; the step's bound (TEST_TIMEOUT_S and CALL_S) ends
   # it by an interrupt (SIGINT), on which pytest stops and still lists the failures so far (a plain
-  # kill leaves only the progress dots), then a kill 20 s later.
+  # kill leaves only the progress dots), then a kill 20 s later. pytest.log lists the 30 slowest
+  # tests (--durations): where the suite's time goes.
   s=$(step_s "${TEST_TIMEOUT_S:-0}")
   if [ "$s" -lt 0 ]; then
     summary+=("pytest${SHARD:+ shard $SHARD}: skipped (CALL_S=$CALL_S spent)")
   else
-    timeout -s INT -k 20 "$s" $PY -m pytest ${PYTEST_X--x} -rfs -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 \
+    timeout -s INT -k 20 "$s" $PY -m pytest ${PYTEST_X--x} -rfs --durations=30 -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 \
       | tee "$OUT/pytest.log" | tail -n 40
     interrupted=$(grep -q KeyboardInterrupt "$OUT/pytest.log" && echo " INTERRUPTED after ${s} s: not every test ran")
     summary+=("pytest${SHARD:+ shard $SHARD}: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)$interrupted")
