@@ -6,8 +6,8 @@
 #   TESTS="tests/test_cuda_forward.py" BENCH_ARGS="--hdim 128 --mode fwd" bash scripts/gpu_run.sh
 #   STEPS="build test sanitize" TESTS="tests/test_sm90_forward.py tests/test_cuda_forward.py" bash scripts/gpu_run.sh
 #   STEPS="build hf" HDIMS=128 bash scripts/gpu_run.sh   # scripts/hf_bench.py (HF_ARGS), not in the default STEPS
-# Bounds (seconds, 0 = none; a benchmark's rc 124: timed out, 125: skipped): TEST_TIMEOUT_S, SAN_S (each sanitizer), BENCH_S (each sweep),
-# BENCH3_S (the decode / varlen sweep; default BENCH_S); and CALL_S (default 560), the whole
+# Bounds (seconds, 0 = none; a benchmark's rc 124: timed out, 125: skipped): TEST_TIMEOUT_S, SAN_S
+# (each sanitizer), BENCH_S (each sweep), BENCH3_S (the decode / varlen sweep; default BENCH_S); and CALL_S (default 560), the whole
 # call's: every bounded step is cut to what is left of it, or skipped (said in the summary), so the
 # logs come back before the device tool's 600 s kill (a killed call returns nothing). Set it lower
 # when the call does other work first (e.g. unpacking FA4's libraries: ~20 s).

@@ -280,7 +280,7 @@ def test_kvcache_balanced_splits(lens_kind, num_splits, causal, seqlen_q, page_s
         names = [n for n in _kernel_names(lambda: run(splits)) if "splitkv" in n]
         assert any("flash_fwd_splitkv_kernel" in n for n in names), names
         assert all(kernel_bool_args(n)[-1] == expect for n in names), (splits, expect, names)
-        if expect or splits > 0:  # (unbalanced, the heuristic's count decides)
+        if expect or splits > 0:  # (unbalanced with num_splits 0, the heuristic's count decides)
             assert any("splitkv_combine" in n for n in names) == (expect or splits > 1), (splits, names)
 
 
