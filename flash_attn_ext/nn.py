@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._args import _as_bool, _dropout_p, _real, _window
+from ._args import _as_bool, _as_int, _dropout_p, _real, _window
 from .interface import flash_attn_func
 from .masked import MaskNotSupported, allowed_from_mask, assert_in_graph, masked_attention, refuse_mask_derivatives
 from .reference import visible_mask
@@ -177,9 +177,8 @@ class MultiheadFlashAttention(nn.Module):
                  backend: str = "flash_attn_ext", window_size: tuple[int, int] = (-1, -1), dropout: float = 0.0,
                  batch_first: bool = True):
         super().__init__()
+        embed_dim, num_heads = _as_int("embed_dim", embed_dim), _as_int("num_heads", num_heads)
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"MultiheadFlashAttention: {name} must be an int, got {value!r}")
             if value < 1:
                 raise ValueError(f"MultiheadFlashAttention: {name} must be >= 1, got {value}")
         if num_kv_heads is not None and (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int)):

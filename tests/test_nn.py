@@ -127,9 +127,9 @@ def test_modules_check_their_arguments_at_construction():
                          "rotary_base must be a real number")):
         with pytest.raises(TypeError, match=match):
             make()
-    for args, error, match in (((32, 4.0), TypeError, "num_heads must be an int, got 4.0"),
-                               ((32, True), TypeError, "num_heads must be an int, got True"),
-                               ((32.0, 4), TypeError, "embed_dim must be an int, got 32.0"),
+    for args, error, match in (((32, 4.0), TypeError, "num_heads must be an int, got float 4.0"),
+                               ((32, True), TypeError, "num_heads must be an int, got a bool"),
+                               ((32.0, 4), TypeError, "embed_dim must be an int, got float 32.0"),
                                ((32, 0), ValueError, "num_heads must be >= 1, got 0"),
                                ((0, 4), ValueError, "embed_dim must be >= 1, got 0")):
         with pytest.raises(error, match=match):
