@@ -1536,6 +1536,9 @@ TORCH_LIBRARY(flash_attn_ext, m) {
   // softcap: logit soft-capping (flash.h; check_softcap), 0.0 = none. dropout_p, rng_state: attention
   // dropout (flash.h; check_dropout), 0.0 = none; the forward and the backward of one call share rng_state.
   // alibi_slopes: ALiBi (flash.h; check_alibi), None = none; the forward and the backward share it.
+  // max_seqlen_q / max_seqlen_k are SymInt (the C++ kernels take int64_t): under torch.compile a value
+  // that changes between calls stays symbolic (one graph for every packed batch, not one per value),
+  // and one read from a tensor (.item(), capture_scalar_outputs) compiles with fullgraph=True.
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_size_left=-1, "
       "int window_size_right=-1, Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
@@ -1548,14 +1551,14 @@ TORCH_LIBRARY(flash_attn_ext, m) {
       "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, "
       "Tensor dv)");
   m.def(
-      "varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-      "int max_seqlen_k, float softmax_scale, bool causal, int window_size_left=-1, int window_size_right=-1, "
+      "varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_k, float softmax_scale, bool causal, int window_size_left=-1, int window_size_right=-1, "
       "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
       "Tensor? alibi_slopes=None) -> (Tensor out, "
       "Tensor softmax_lse, Tensor softmax_stats)");
   m.def(
       "varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
-      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, "
       "bool causal, Tensor? softmax_stats=None, int window_size_left=-1, int window_size_right=-1, "
       "Tensor? sinks=None, float softcap=0.0, float dropout_p=0.0, Tensor? rng_state=None, "
       "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, "

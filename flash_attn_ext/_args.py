@@ -161,6 +161,15 @@ def _as_int(name: str, value) -> int:
         raise TypeError(f"flash_attn_ext: {name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
+def _as_size(name: str, value):
+    """``value`` as ``_as_int`` takes it, or a ``torch.SymInt`` as is: a size the ops' schemas declare
+    SymInt (max_seqlen_q / max_seqlen_k), which torch.compile keeps symbolic instead of compiling
+    one graph per value (operator.index would specialize it)."""
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return value  # (torch.compile traces a varying int as an int: operator.index would guard on its value)
+    return _as_int(name, value)
+
+
 def _as_bool(name: str, value) -> bool:
     """``value`` as a Python bool (a bool, numpy.bool_, or an integer 0 / 1), or TypeError naming
     ``name``: a string such as ``'no'`` is not taken as true."""

@@ -28,6 +28,38 @@ def _fail(*parts) -> None:
     raise RuntimeError("flash_attn_ext: " + "".join(str(p) for p in parts))
 
 
+def _symbolic(a, b=False) -> bool:
+    """Whether a condition may be symbolic: torch.compile is tracing (Dynamo shows a SymBool as a
+    bool there), or one is a SymBool (fake tensors outside Dynamo, e.g. AOT's trace)."""
+    return isinstance(a, torch.SymBool) or isinstance(b, torch.SymBool) or torch.compiler.is_compiling()
+
+
+def _or(a, b):
+    """a or b for bools and SymBools (the varlen ops' SymInt max_seqlen_q / max_seqlen_k), without
+    making a SymBool a bool: that would guard on it, or fail for a size read from a tensor (.item())."""
+    return a | b if _symbolic(a, b) else a or b
+
+
+def _and(a, b):
+    """a and b for bools and SymBools, as _or."""
+    return a & b if _symbolic(a, b) else a and b
+
+
+def _require(ok, error: type, message: str, got=None) -> None:
+    """Raise error("flash_attn_ext: " + message + got()) unless ok. A symbolic ok goes to
+    torch._check_with: decided by a guard where torch.compile knows the sizes' values, else asserted
+    when the graph runs (its message leaves out got()). While Dynamo traces, torch._check without a
+    message (Dynamo of torch 2.11 traces no other form): a value that fails there is refused with
+    torch's generic message at compile time, or by the op's own check, message and all, at run time."""
+    if torch.compiler.is_compiling():
+        torch._check(ok)
+    elif isinstance(ok, torch.SymBool):
+        text = "flash_attn_ext: " + message
+        torch._check_with(error, ok, lambda: text)
+    elif not ok:
+        raise error("flash_attn_ext: " + message + (got() if got else ""))
+
+
 def _shape(t: torch.Tensor) -> list:
     return list(t.shape)
 
@@ -130,11 +162,12 @@ def check_window(window_size_left: int, window_size_right: int, causal: bool, se
     if window_size_right < -1:
         _fail("window_size_right must be -1 (no right bound) or >= 0, got ", window_size_right)
     causal = causal or window_size_right == 0  # a window (w, 0) is causal with left bound w
-    left = window_size_left >= 0 and window_size_left < seqlen_k - 1
-    right = not causal and window_size_right >= 0 and window_size_right < seqlen_q - 1
-    if (left or right) and seqlen_q + seqlen_k > MAX_WINDOWED_SEQLENS:
-        _fail("a sliding window needs seqlen_q + seqlen_k <= 2^31 - 512 = ", MAX_WINDOWED_SEQLENS,
-              " (the kernels' mask arithmetic is int32), got seqlen_q ", seqlen_q, " and seqlen_k ", seqlen_k)
+    # Each bound hides no key (row): none, or as wide as the sequence (a symbolic size: no guard).
+    no_left = _or(window_size_left < 0, window_size_left >= seqlen_k - 1)
+    no_right = _or(causal or window_size_right < 0, window_size_right >= seqlen_q - 1)
+    _require(_or(_and(no_left, no_right), seqlen_q + seqlen_k <= MAX_WINDOWED_SEQLENS), RuntimeError,
+             f"a sliding window needs seqlen_q + seqlen_k <= 2^31 - 512 = {MAX_WINDOWED_SEQLENS} (the kernels' "
+             "mask arithmetic is int32)", lambda: f", got seqlen_q {seqlen_q} and seqlen_k {seqlen_k}")
 
 
 def check_dropout(dropout_p: float, rng_state, q, window_size_left: int, causal: bool, seqlen_q, seqlen_k,
@@ -154,12 +187,12 @@ def check_dropout(dropout_p: float, rng_state, q, window_size_left: int, causal:
     if rng_state.dtype != torch.int64 or rng_state.dim() != 1 or rng_state.shape[0] != 2:
         raise ValueError(f"flash_attn_ext: rng_state has dtype {rng_state.dtype} and shape {list(rng_state.shape)}; "
                          "expected int64 of shape (2,): (seed, offset)")
-    left = 0 <= window_size_left < seqlen_k - 1
-    if left or softcap != 0.0:
-        what = ("softcap > 0" if softcap != 0.0
-                else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1)")
-        raise NotImplementedError(f"flash_attn_ext: dropout_p > 0 with {what} is not supported; dropout runs with "
-                                  "causal or full attention, without soft-capping")
+    no_left = _or(window_size_left < 0, window_size_left >= seqlen_k - 1)
+    what = ("softcap > 0" if softcap != 0.0
+            else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1)")
+    _require(_and(softcap == 0.0, no_left), NotImplementedError,
+             f"dropout_p > 0 with {what} is not supported; dropout runs with causal or full attention, "
+             "without soft-capping")
 
 
 def check_alibi(alibi_slopes, q, batch: int, nheads: int, softmax_scale: float, softcap: float, dropout_p: float,
@@ -177,13 +210,13 @@ def check_alibi(alibi_slopes, q, batch: int, nheads: int, softmax_scale: float, 
     if softmax_scale == 0.0:
         raise ValueError("flash_attn_ext: alibi_slopes with softmax_scale = 0 is not supported (the kernels add the "
                          "bias in units of the scaled score)")
-    left = 0 <= window_size_left < seqlen_k - 1
-    if left or softcap != 0.0 or dropout_p != 0.0:
-        what = ("softcap > 0" if softcap != 0.0 else "dropout_p > 0" if dropout_p != 0.0
-                else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1; a KV "
-                "cache's seqlen_k: its capacity, the keys in use being known on the device only)")
-        raise NotImplementedError(f"flash_attn_ext: alibi_slopes with {what} is not supported; ALiBi runs with causal "
-                                  "or full attention (a window's right bound, sinks, GQA)")
+    no_left = _or(window_size_left < 0, window_size_left >= seqlen_k - 1)
+    what = ("softcap > 0" if softcap != 0.0 else "dropout_p > 0" if dropout_p != 0.0
+            else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1; a KV "
+            "cache's seqlen_k: its capacity, the keys in use being known on the device only)")
+    _require(_and(softcap == 0.0 and dropout_p == 0.0, no_left), NotImplementedError,
+             f"alibi_slopes with {what} is not supported; ALiBi runs with causal or full attention (a "
+             "window's right bound, sinks, GQA)")
 
 
 def check_last_dims_scale(q, k, v, softmax_scale: float) -> None:
@@ -265,12 +298,15 @@ def check_sinks(sinks, nheads: int) -> None:
         _fail("sinks has shape ", _shape(sinks), "; expected (nheads,) = (", nheads, ",): one logit per query head")
 
 
-def check_max_seqlens(max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """The varlen ops' range of max_seqlen_q / max_seqlen_k (the user function checks it too, before
-    the op: a Python int past int64 would not reach the op's own check)."""
-    if not (0 <= max_seqlen_q <= MAX_SEQLEN and 0 <= max_seqlen_k <= MAX_SEQLEN):
-        _fail(f"max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = {MAX_SEQLEN}] (tile counts are "
-              f"int32), got {max_seqlen_q} and {max_seqlen_k}")
+def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
+    """The varlen ops' range of max_seqlen_q / max_seqlen_k, ints or SymInts (the user function checks
+    it too, before the op: a Python int past int64 would not reach the op's own check)."""
+    if type(max_seqlen_q) is int and type(max_seqlen_k) is int and not torch.compiler.is_compiling() and \
+            0 <= max_seqlen_q <= MAX_SEQLEN and 0 <= max_seqlen_k <= MAX_SEQLEN:
+        return  # the eager call's case, at its old cost
+    inside = _and(_and(max_seqlen_q >= 0, max_seqlen_q <= MAX_SEQLEN), _and(max_seqlen_k >= 0, max_seqlen_k <= MAX_SEQLEN))
+    _require(inside, RuntimeError, f"max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = {MAX_SEQLEN}] (tile "
+             "counts are int32)", lambda: f", got {max_seqlen_q} and {max_seqlen_k}")
 
 
 def check_num_splits(num_splits: int) -> None:

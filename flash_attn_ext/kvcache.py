@@ -45,7 +45,8 @@ def flash_attn_with_kvcache(
 
     Args:
         q: (batch, seqlen_q, nheads, headdim).
-        k_cache, v_cache: (batch, seqlen_cache, nheads_k, headdim), or paged (num_blocks,
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim) with batch_cache >= batch
+            (sequence b uses entry b, or cache_batch_idx[b]; flash-attn's), or paged (num_blocks,
             page_size, nheads_k, headdim) with ``block_table``; page_size a multiple of 16
             (16..256 typical). Written in place when k / v are given (16-byte aligned strides
             needed). nheads % nheads_k == 0; dtype float16 / bfloat16 on CUDA (CPU: also
@@ -162,6 +163,11 @@ def flash_attn_with_kvcache(
             raise RuntimeError("flash_attn_ext: cache_batch_idx with cache_leftpad is not supported; pass one of "
                                "them (index the cache's entries first, e.g. k_cache[cache_batch_idx])")
         block_table = _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache)
+    elif block_table is None and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape[0] > q.shape[0] \
+            and v_cache.dim() == 4 and v_cache.shape[0] == k_cache.shape[0]:
+        # flash-attn's contiguous cache of more entries than sequences: sequence b uses entry b (views:
+        # the append still writes in place).
+        k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
     # The caches are written in place: they must have a contiguous last dim; q, k, v are copied.
     q, k, v = _maybe_contiguous(q, k, v)
     if rotary_cos is not None or rotary_sin is not None:

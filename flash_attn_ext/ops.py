@@ -193,7 +193,7 @@ varlen_backward = torch.ops.flash_attn_ext.varlen_backward
 fwd_kvcache = torch.ops.flash_attn_ext.fwd_kvcache
 
 varlen_forward.__doc__ = varlen_forward.default.__doc__ = """\
-varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: SymInt, max_seqlen_k: SymInt,
                softmax_scale: float, causal: bool, window_size_left: int = -1,
                window_size_right: int = -1, sinks=None, softcap: float = 0.0, dropout_p: float = 0.0,
                rng_state=None, alibi_slopes=None) -> (out, softmax_lse, softmax_stats)
@@ -203,7 +203,7 @@ forward on packed variable-length sequences (FlashAttention-2, Dao 2023, Alg. 1,
 cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) on q's device, sequence b = rows [cu[b], cu[b+1]).
 max_seqlen_q / max_seqlen_k: >= every sequence's length (sizes the grid and, on sm90 at d128 /
 d256 causal, picks the tile row; on CUDA not checked, a longer sequence is cut to its first max_seqlen
-rows / keys). Returns out (q's shape), softmax_lse (nheads,
+rows / keys; SymInt: symbolic under torch.compile, no graph per value). Returns out (q's shape), softmax_lse (nheads,
 total_q) float32 natural log, softmax_stats (2, nheads, total_q) float32. Each sequence gives what
 forward gives on it alone (causal and the window bottom-right per sequence; a sequence without
 keys: out 0, lse +inf, or the sink with sinks (forward's); softcap, dropout_p / rng_state (sequence

@@ -9,7 +9,7 @@ import torch
 
 from . import _fake_checks
 from . import ops
-from ._args import (_as_bool, _as_int, _check_tensors, _cut, _dropout_args, _flash_attn_keywords, _kernel_layout,
+from ._args import (_as_bool, _as_size, _check_tensors, _cut, _dropout_args, _flash_attn_keywords, _kernel_layout,
                     _scale, _sinks, _unpack, _window, _with_attn_probs)
 
 
@@ -61,7 +61,12 @@ def flash_attn_varlen_func(
             at most total_q / total_k (e.g. ``F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))``).
             Zero-length sequences are allowed (a sequence without keys gives out 0, LSE +inf, or
             the head's sink with sinks).
-        max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence of each side.
+        max_seqlen_q, max_seqlen_k: Python ints >= the longest sequence of each side. Under
+            torch.compile they stay symbolic (SymInt in the ops' schemas): a value that changes
+            from batch to batch compiles one more graph after the first, not one per value, and
+            one read from a tensor (``int(seqlens.max().item())`` with
+            ``torch._dynamo.config.capture_scalar_outputs = True``) compiles with fullgraph=True
+            (its range then checked when the graph runs).
         Positional order after max_seqlen_k: flash-attn's (dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table);
             return_lse and sinks keyword-only. softmax_scale: default 1 / sqrt(headdim), as
@@ -114,7 +119,7 @@ def flash_attn_varlen_func(
     """
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     softcap, probs, dropout = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
-    args = (_as_int("max_seqlen_q", max_seqlen_q), _as_int("max_seqlen_k", max_seqlen_k),
+    args = (_as_size("max_seqlen_q", max_seqlen_q), _as_size("max_seqlen_k", max_seqlen_k),
             _scale("softmax_scale", softmax_scale, q))  # the scale from the caller's head dim
     _fake_checks.check_max_seqlens(*args[:2])
     causal, window, sinks = _as_bool("causal", causal), _window(window_size), _sinks(sinks)

@@ -1637,6 +1637,27 @@ def test_softcap_packed_sequences_and_traced_mask(softcap_calls):
     assert not torch.allclose(plain[rows], traced[rows])
 
 
+def test_packed_collator_keywords_compile_once_for_every_max_length():
+    """The collator's max_length_q / max_length_k (DataCollatorWithFlattening: Python ints that
+    change with every batch) stay symbolic under torch.compile: one graph more after the first
+    (torch's automatic dynamic), not one per value, fullgraph=True past the recompile limit; the
+    eager outputs, bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def attend(q, cu, max_length):
+        kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length, max_length_k=max_length)
+        return fx.flash_attn_ext_attention_forward(_Module(True), q, q, q, None, scaling=0.25, **kw)[0]
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, fullgraph=True, backend=counter)
+    for split in range(3, 13):  # 10 values of max_length, past the recompile limit of 8
+        q = _bhsd(1, 2, 24, 16, split)
+        cu = torch.tensor([0, split, 24], dtype=torch.int32)
+        assert torch.equal(compiled(q, cu, max(split, 24 - split)), attend(q, cu, max(split, 24 - split)))
+    assert counter.frame_count <= 2, counter.frame_count
+
+
 def _tiny_gemma2(softcap=2.0):
     """A random small Gemma 2 (alternating sliding-window (4) and full layers, GQA 4:2, head dim
     16), weights at std 0.2 and an attention logit cap of 2.0 (Gemma 2's is 50.0, which random

@@ -82,6 +82,33 @@ def test_kvcache_int_seqlens_and_whole_cache():
     assert torch.equal(full, dense) and torch.equal(as_int, dense)
 
 
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.float32),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_kvcache_larger_cache_uses_its_first_entries(device, dtype, backend):
+    """A contiguous cache of more entries than q's batch (a server's preallocated cache), without
+    cache_batch_idx: sequence b reads and appends to entry b, flash-attn's rule; the other entries
+    stay as they were. Eager and compiled, against the same call on the first entries alone."""
+    k_cache, v_cache = (t.to(device) for t in make_cache(3, 32, 2, 16, dtype)[:2])
+    q, k_new, v_new = (torch.randn(2, 2, h, 16).to(device, dtype) for h in (4, 2, 2))
+    seqlens = torch.tensor([5, 30], dtype=torch.int32, device=device)
+    k_first, v_first = k_cache[:2].clone(), v_cache[:2].clone()
+    ref = flash_attn_ext.flash_attn_with_kvcache(q, k_first, v_first, k_new, v_new, cache_seqlens=seqlens,
+                                                 causal=True)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    call = flash_attn_ext.flash_attn_with_kvcache
+    if backend:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True, backend=backend)
+    out = call(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=True)
+    assert torch.equal(out, ref)
+    assert torch.equal(kc[:2], k_first) and torch.equal(vc[:2], v_first)  # appended in place
+    assert torch.equal(kc[2], k_cache[2]) and torch.equal(vc[2], v_cache[2])  # untouched
+    with pytest.raises(RuntimeError, match="k_cache has batch 1 but q has batch 2"):  # fewer entries: refused
+        flash_attn_ext.flash_attn_with_kvcache(q, kc[:1], vc[:1], cache_seqlens=seqlens)
+
+
 def test_kvcache_no_keys_gives_zero_and_inf():
     k_cache, v_cache, _ = make_cache(2, 16, 1, 16, torch.float32)
     out, lse = flash_attn_ext.flash_attn_with_kvcache(torch.randn(2, 2, 1, 16), k_cache, v_cache,

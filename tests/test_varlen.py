@@ -147,6 +147,55 @@ def test_varlen_torch_compile_fullgraph(backend):
         torch.testing.assert_close(g, rg)
 
 
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.float32),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_varlen_max_seqlen_stays_symbolic_under_compile(device, dtype):
+    """max_seqlen_q / max_seqlen_k are SymInt in the ops' schemas and the Python checks leave them
+    symbolic: packed batches whose longest sequence changes every step compile once more after the
+    first (torch's automatic dynamic), not once per value (past the recompile limit, fullgraph=True
+    raised), fwd + bwd with a sliding window and ALiBi too; a value read from a tensor (.item(), as
+    transformers' _get_unpad_data does) compiles with fullgraph=True. The eager results, bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    slopes = torch.rand(2, device=device)
+
+    def case(lengths, requires_grad=True):
+        q, k, v, cu, _ = make_varlen(lengths, lengths, 2, 1, 16, dtype, requires_grad=False)
+        return (*(t.to(device).requires_grad_(requires_grad) for t in (q, k, v)), cu.to(device))
+
+    def step(q, k, v, cu, m, window, alibi):
+        return flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=True, window_size=window,
+                                                     alibi_slopes=alibi)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for i, split in enumerate(range(20, 32)):  # 12 values of max_seqlen, past the recompile limit of 8
+        lengths = [split, 64 - split]
+        window, alibi = [((-1, -1), None), ((9, 0), None), ((-1, -1), slopes)][i % 3]
+        q, k, v, cu = case(lengths)
+        args = (cu, max(lengths), window, alibi)
+        out = compiled(q, k, v, *args)
+        ref = step(q, k, v, *args)
+        assert torch.equal(out, ref)
+        for g, rg in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
+                         torch.autograd.grad(ref.square().sum(), (q, k, v))):
+            assert torch.equal(g, rg)
+    assert counter.frame_count <= 4, counter.frame_count  # a graph per (window, alibi) kind, not per value
+
+    def unpadded(q, k, v, seqlens):  # transformers' _get_unpad_data
+        cu = torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+        m = int(seqlens.max().item())
+        return flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=True, window_size=(3, 0))
+
+    q, k, v, _ = case([4, 6], requires_grad=False)
+    seqlens = torch.tensor([4, 6], dtype=torch.int32, device=device)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        out = torch.compile(unpadded, fullgraph=True, backend="aot_eager")(q, k, v, seqlens)
+    assert torch.equal(out, unpadded(q, k, v, seqlens))
+
+
 def test_varlen_arguments_are_ints_and_fake_checks_max_seqlen():
     args = _args()
     args["max_seqlen_q"] = 5.9
