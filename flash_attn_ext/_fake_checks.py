@@ -29,9 +29,9 @@ def _fail(*parts) -> None:
 
 
 def _symbolic(a, b=False) -> bool:
-    """Whether a condition may be symbolic: torch.compile is tracing (Dynamo shows a SymBool as a
-    bool there), or one is a SymBool (fake tensors outside Dynamo, e.g. AOT's trace)."""
-    return isinstance(a, torch.SymBool) or isinstance(b, torch.SymBool) or torch.compiler.is_compiling()
+    """Whether a condition may be symbolic: Dynamo is tracing this code (it shows a SymBool as a
+    bool there), or one is a SymBool (a fake kernel's SymInt sizes)."""
+    return isinstance(a, torch.SymBool) or isinstance(b, torch.SymBool) or torch.compiler.is_dynamo_compiling()
 
 
 def _or(a, b):
@@ -46,14 +46,15 @@ def _and(a, b):
 
 
 def _require(ok, error: type, message: str, got=None) -> None:
-    """Raise error("flash_attn_ext: " + message + got()) unless ok. A symbolic ok goes to
-    torch._check_with: decided by a guard where torch.compile knows the sizes' values, else asserted
-    when the graph runs (its message leaves out got()). While Dynamo traces, torch._check without a
-    message (Dynamo of torch 2.11 traces no other form): a value that fails there is refused with
-    torch's generic message at compile time, or by the op's own check, message and all, at run time."""
-    if torch.compiler.is_compiling():
-        torch._check(ok)
-    elif isinstance(ok, torch.SymBool):
+    """Raise error("flash_attn_ext: " + message + got()) unless ok. A SymBool ok (a fake kernel's
+    symbolic sizes) goes to torch._check_with: decided by a guard where torch.compile knows the
+    sizes' values (the message without got()), else asserted when the graph runs (torch's runtime
+    assert then names the expression, not this message). Code that Dynamo traces (the Python
+    entries' own checks) leaves the check to the op's fake kernel, which runs it when Dynamo
+    calls the op on fake tensors (Dynamo of torch 2.11 traces torch._check_with not at all)."""
+    if torch.compiler.is_dynamo_compiling():
+        return
+    if isinstance(ok, torch.SymBool):
         text = "flash_attn_ext: " + message
         torch._check_with(error, ok, lambda: text)
     elif not ok:

@@ -163,11 +163,16 @@ def flash_attn_with_kvcache(
             raise RuntimeError("flash_attn_ext: cache_batch_idx with cache_leftpad is not supported; pass one of "
                                "them (index the cache's entries first, e.g. k_cache[cache_batch_idx])")
         block_table = _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache)
-    elif block_table is None and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape[0] > q.shape[0] \
-            and v_cache.dim() == 4 and v_cache.shape[0] == k_cache.shape[0]:
-        # flash-attn's contiguous cache of more entries than sequences: sequence b uses entry b (views:
-        # the append still writes in place).
-        k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
+    elif block_table is None and q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4 \
+            and k_cache.shape[0] == v_cache.shape[0]:  # (caches of unequal batch: the op's shape check)
+        if k_cache.shape[0] < q.shape[0]:
+            raise RuntimeError(f"flash_attn_ext: k_cache and v_cache have batch {k_cache.shape[0]} but q has batch "
+                               f"{q.shape[0]}; expected at least batch cache entries (sequence b uses entry b), or "
+                               "pass cache_batch_idx / block_table")
+        if k_cache.shape[0] > q.shape[0] and k_cache.stride(0) != 0 and v_cache.stride(0) != 0:
+            # flash-attn's contiguous cache of more entries than sequences: sequence b uses entry b
+            # (views: the append still writes in place; an expanded cache keeps the op's refusal).
+            k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
     # The caches are written in place: they must have a contiguous last dim; q, k, v are copied.
     q, k, v = _maybe_contiguous(q, k, v)
     if rotary_cos is not None or rotary_sin is not None:

@@ -65,8 +65,9 @@ def flash_attn_varlen_func(
             torch.compile they stay symbolic (SymInt in the ops' schemas): a value that changes
             from batch to batch compiles one more graph after the first, not one per value, and
             one read from a tensor (``int(seqlens.max().item())`` with
-            ``torch._dynamo.config.capture_scalar_outputs = True``) compiles with fullgraph=True
-            (its range then checked when the graph runs).
+            ``torch._dynamo.config.capture_scalar_outputs = True``; not with block_table)
+            compiles with fullgraph=True, its range then checked when the graph runs (torch's
+            runtime assert names the expression, not this library's message).
         Positional order after max_seqlen_k: flash-attn's (dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table);
             return_lse and sinks keyword-only. softmax_scale: default 1 / sqrt(headdim), as
@@ -187,15 +188,19 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     compiling = torch.compiler.is_compiling()
     if cu_seqlens_q.device.type == "cpu" and (compiling or not torch._subclasses.fake_tensor.is_fake(cu_seqlens_q)):
         capacity = block_table.shape[1] * k_cache.shape[1]
+
+        def sized(name, value):  # traced, the name alone: Dynamo cannot format a symbolic size
+            return name if compiling else f"{name} = {value}"
+
         checks = [
             ((cu_seqlens_q[0] == 0) & (lens_q >= 0).all() & (cu_seqlens_q[-1] <= total_q)
              & (lens_q <= max_seqlen_q).all(),
-             f"cu_seqlens_q must start at 0, not decrease, end at most at total_q = {total_q}, with sequences of "
-             f"at most max_seqlen_q = {max_seqlen_q} queries"),
+             f"cu_seqlens_q must start at 0, not decrease, end at most at {sized('total_q', total_q)}, with "
+             f"sequences of at most {sized('max_seqlen_q', max_seqlen_q)} queries"),
             ((cu_seqlens_k[0] == 0) & (lens_k >= 0).all() & (lens_k <= max_seqlen_k).all() & (lens_k <= capacity).all(),
-             f"cu_seqlens_k must start at 0 and not decrease, with sequences of at most max_seqlen_k = "
-             f"{max_seqlen_k} keys that fit their block_table's {block_table.shape[1]} pages of "
-             f"{k_cache.shape[1]} rows"),
+             f"cu_seqlens_k must start at 0 and not decrease, with sequences of at most "
+             f"{sized('max_seqlen_k', max_seqlen_k)} keys that fit their block_table's "
+             + ("pages" if compiling else f"{block_table.shape[1]} pages of {k_cache.shape[1]} rows")),
         ]
         for ok, msg in checks:
             if compiling:

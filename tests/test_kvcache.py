@@ -105,8 +105,13 @@ def test_kvcache_larger_cache_uses_its_first_entries(device, dtype, backend):
     assert torch.equal(out, ref)
     assert torch.equal(kc[:2], k_first) and torch.equal(vc[:2], v_first)  # appended in place
     assert torch.equal(kc[2], k_cache[2]) and torch.equal(vc[2], v_cache[2])  # untouched
-    with pytest.raises(RuntimeError, match="k_cache has batch 1 but q has batch 2"):  # fewer entries: refused
-        flash_attn_ext.flash_attn_with_kvcache(q, kc[:1], vc[:1], cache_seqlens=seqlens)
+    with pytest.raises(RuntimeError, match="k_cache and v_cache have batch 1 but q has batch 2; expected at least"):
+        flash_attn_ext.flash_attn_with_kvcache(q, kc[:1], vc[:1], cache_seqlens=seqlens)  # fewer entries
+    with pytest.raises(RuntimeError, match="v_cache"):
+        flash_attn_ext.flash_attn_with_kvcache(q, kc, vc[:2], cache_seqlens=seqlens)  # unequal caches
+    one = kc[:1].expand(3, -1, -1, -1)  # an expanded cache: appending to entry 0 would change all three
+    with pytest.raises(RuntimeError, match="k_cache"):
+        flash_attn_ext.flash_attn_with_kvcache(q[:1], one, one.clone(), k_new[:1], v_new[:1], cache_seqlens=seqlens[:1])
 
 
 def test_kvcache_no_keys_gives_zero_and_inf():
@@ -133,7 +138,7 @@ def _args(paged=False):
     (False, lambda a: a.update(k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16), cache_seqlens=None),
      "need cache_seqlens"),
     (False, lambda a: a.update(k=torch.randn(2, 1, 3, 16), v=torch.randn(2, 1, 3, 16)), "k has shape"),
-    (False, lambda a: a.update(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]), "k_cache has batch 1"),
+    (False, lambda a: a.update(k_cache=a["k_cache"][:1], v_cache=a["v_cache"][:1]), "k_cache and v_cache have batch 1"),
     (False, lambda a: a.update(num_splits=129), "num_splits must be in"),
     (False, lambda a: a.update(num_splits=2**70),  # past int64: the op's message, from the user function
      r"num_splits must be in \[0, 128\] .*got 1180591620717411303424"),

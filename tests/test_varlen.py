@@ -196,6 +196,54 @@ def test_varlen_max_seqlen_stays_symbolic_under_compile(device, dtype):
     assert torch.equal(out, unpadded(q, k, v, seqlens))
 
 
+def test_compiled_checks_keep_their_messages():
+    """Under torch.compile a refused call still names the cause: the checks of a fake kernel run in
+    plain Python when Dynamo calls the op on fake tensors (a second engineer's review found that a
+    message-less torch._check there, taken on torch 2.13 where is_compiling() holds inside fake
+    kernels, turned every refusal into torch's 'Expected cond to be True'), with a static max_seqlen
+    and after it went symbolic."""
+    q = torch.randn(2, 8, 2, 16)
+    torch._dynamo.reset()
+    with pytest.raises(NotImplementedError, match="dropout_p > 0 with a sliding window's left bound"):
+        torch.compile(lambda q: flash_attn_ext.flash_attn_func(q, q, q, dropout_p=0.1, window_size=(2, 0)),
+                      backend="eager")(q)
+    with pytest.raises(NotImplementedError, match="alibi_slopes with a sliding window's left bound"):
+        torch.compile(lambda q: flash_attn_ext.flash_attn_func(q, q, q, alibi_slopes=torch.rand(2),
+                                                               window_size=(2, 0)), backend="eager")(q)
+    qv, cu = torch.randn(12, 2, 16), torch.tensor([0, 5, 12], dtype=torch.int32)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, cu, m: flash_attn_ext.flash_attn_varlen_func(q, q, q, cu, cu, m, 7),
+                      backend="eager", fullgraph=True)
+    for m in (7, 8):  # the second value makes max_seqlen_q symbolic
+        f(qv, cu, m)
+    with pytest.raises(Exception, match="max_seqlen_q and max_seqlen_k must be in"):
+        f(qv, cu, -1)
+
+
+def test_paged_varlen_max_seqlen_stays_symbolic_under_compile():
+    """Paged varlen (block_table) with max_seqlen changing every call compiles under fullgraph=True
+    without a graph per value (its in-graph value checks format no symbolic size), the eager bits."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    k_cache, v_cache = torch.randn(40, 16, 2, 16), torch.randn(40, 16, 2, 16)
+    table = torch.arange(9, dtype=torch.int32).reshape(3, 3)
+
+    def call(q, cu_q, cu_k, max_q, max_k):
+        return flash_attn_ext.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, causal=True,
+                                                     block_table=table)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(call, fullgraph=True, backend=counter)
+    for a in range(3, 12):  # 9 values
+        lens_q, lens_k = [a, 12 - a, 5], [a + 10, 20, 7]
+        cu_q = torch.tensor([0] + np.cumsum(lens_q).tolist(), dtype=torch.int32)
+        cu_k = torch.tensor([0] + np.cumsum(lens_k).tolist(), dtype=torch.int32)
+        q = torch.randn(sum(lens_q), 4, 16)
+        assert torch.equal(compiled(q, cu_q, cu_k, max(lens_q), max(lens_k)),
+                           call(q, cu_q, cu_k, max(lens_q), max(lens_k)))
+    assert counter.frame_count <= 3, counter.frame_count
+
+
 def test_varlen_arguments_are_ints_and_fake_checks_max_seqlen():
     args = _args()
     args["max_seqlen_q"] = 5.9
