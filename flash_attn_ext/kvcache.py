@@ -169,9 +169,13 @@ def flash_attn_with_kvcache(
             raise RuntimeError(f"flash_attn_ext: k_cache and v_cache have batch {k_cache.shape[0]} but q has batch "
                                f"{q.shape[0]}; expected at least batch cache entries (sequence b uses entry b), or "
                                "pass cache_batch_idx / block_table")
-        if k_cache.shape[0] > q.shape[0] and k_cache.stride(0) != 0 and v_cache.stride(0) != 0:
+        if k_cache.shape[0] > q.shape[0]:
             # flash-attn's contiguous cache of more entries than sequences: sequence b uses entry b
-            # (views: the append still writes in place; an expanded cache keeps the op's refusal).
+            # (views: the append still writes in place).
+            if k is not None and (k_cache.stride(0) == 0 or v_cache.stride(0) == 0):
+                raise RuntimeError("flash_attn_ext: k_cache / v_cache is expanded along its batch (stride 0), so "
+                                   "appending k / v to one entry would write every entry; pass caches whose "
+                                   "entries own their memory")
             k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
     # The caches are written in place: they must have a contiguous last dim; q, k, v are copied.
     q, k, v = _maybe_contiguous(q, k, v)

@@ -110,8 +110,10 @@ def test_kvcache_larger_cache_uses_its_first_entries(device, dtype, backend):
     with pytest.raises(RuntimeError, match="v_cache"):
         flash_attn_ext.flash_attn_with_kvcache(q, kc, vc[:2], cache_seqlens=seqlens)  # unequal caches
     one = kc[:1].expand(3, -1, -1, -1)  # an expanded cache: appending to entry 0 would change all three
-    with pytest.raises(RuntimeError, match="k_cache"):
+    with pytest.raises(RuntimeError, match="expanded along its batch"):
         flash_attn_ext.flash_attn_with_kvcache(q[:1], one, one.clone(), k_new[:1], v_new[:1], cache_seqlens=seqlens[:1])
+    read = flash_attn_ext.flash_attn_with_kvcache(q[:1], one, vc[:1].expand(3, -1, -1, -1), cache_seqlens=seqlens[:1])
+    assert torch.equal(read, flash_attn_ext.flash_attn_with_kvcache(q[:1], kc[:1], vc[:1], cache_seqlens=seqlens[:1]))
 
 
 def test_kvcache_no_keys_gives_zero_and_inf():

@@ -218,6 +218,10 @@ def test_compiled_checks_keep_their_messages():
         f(qv, cu, m)
     with pytest.raises(Exception, match="max_seqlen_q and max_seqlen_k must be in"):
         f(qv, cu, -1)
+    torch._dynamo.reset()  # with fullgraph=True Dynamo reports a fake kernel's NotImplementedError as
+    with pytest.raises(Exception, match="dropout_p > 0 with a sliding window's left bound"):  # Unsupported
+        torch.compile(lambda q: flash_attn_ext.flash_attn_func(q, q, q, dropout_p=0.1, window_size=(2, 0)),
+                      backend="eager", fullgraph=True)(q)
 
 
 def test_paged_varlen_max_seqlen_stays_symbolic_under_compile():
@@ -242,6 +246,12 @@ def test_paged_varlen_max_seqlen_stays_symbolic_under_compile():
         assert torch.equal(compiled(q, cu_q, cu_k, max(lens_q), max(lens_k)),
                            call(q, cu_q, cu_k, max(lens_q), max(lens_k)))
     assert counter.frame_count <= 3, counter.frame_count
+    # The KV-cache op it calls takes no max_seqlen: the range is checked on this path itself (a
+    # second engineer's case: 2^31 - 255 ran under compile where the eager call refused it).
+    with pytest.raises(Exception, match="2147483392"):  # torch's message names the bound it checked
+        compiled(q, cu_q, cu_k, max(lens_q), 2**31 - 255)
+    with pytest.raises(RuntimeError, match="max_seqlen_q and max_seqlen_k must be in"):
+        call(q, cu_q, cu_k, max(lens_q), 2**31 - 255)
 
 
 def test_varlen_arguments_are_ints_and_fake_checks_max_seqlen():
