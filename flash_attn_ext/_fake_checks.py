@@ -299,13 +299,19 @@ def check_sinks(sinks, nheads: int) -> None:
         _fail("sinks has shape ", _shape(sinks), "; expected (nheads,) = (", nheads, ",): one logit per query head")
 
 
-def check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
+def check_max_seqlens(max_seqlen_q, max_seqlen_k, traced: bool = False) -> None:
     """The varlen ops' range of max_seqlen_q / max_seqlen_k, ints or SymInts (the user function checks
-    it too, before the op: a Python int past int64 would not reach the op's own check)."""
+    it too, before the op: a Python int past int64 would not reach the op's own check). traced: the
+    caller calls no op that rechecks them (paged varlen's KV-cache op), so while Dynamo traces the
+    range is checked here, message-less (the form torch 2.11's Dynamo traces; torch's message names
+    the bound)."""
     if type(max_seqlen_q) is int and type(max_seqlen_k) is int and not torch.compiler.is_compiling() and \
             0 <= max_seqlen_q <= MAX_SEQLEN and 0 <= max_seqlen_k <= MAX_SEQLEN:
         return  # the eager call's case, at its old cost
     inside = _and(_and(max_seqlen_q >= 0, max_seqlen_q <= MAX_SEQLEN), _and(max_seqlen_k >= 0, max_seqlen_k <= MAX_SEQLEN))
+    if traced and torch.compiler.is_dynamo_compiling():
+        torch._check(inside)
+        return
     _require(inside, RuntimeError, f"max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = {MAX_SEQLEN}] (tile "
              "counts are int32)", lambda: f", got {max_seqlen_q} and {max_seqlen_k}")
 

@@ -183,13 +183,8 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     if block_table.dtype != torch.int32 or k_cache.shape[1] % 16:  # the KV-cache op's, before any early return
         raise RuntimeError(f"flash_attn_ext: with block_table, block_table must be int32 (got {block_table.dtype}) "
                            f"and page_size (k.size(1)) a positive multiple of 16 (got {k_cache.shape[1]})")
-    if torch.compiler.is_dynamo_compiling():
-        # flash_attn_varlen_func's range check of max_seqlen steps aside while Dynamo traces (the
-        # varlen ops' fake kernels redo it); the KV-cache op this path calls does not take max_seqlen,
-        # so it is checked here (message-less, the form torch 2.11's Dynamo traces).
-        for size in (max_seqlen_q, max_seqlen_k):
-            torch._check(size >= 0)
-            torch._check(size <= _fake_checks.MAX_SEQLEN)
+    # The KV-cache op this path calls takes no max_seqlen: checked here while Dynamo traces too.
+    _fake_checks.check_max_seqlens(max_seqlen_q, max_seqlen_k, traced=True)
     # The values, as the CPU varlen op checks them (CUDA: no host read): in the graph under
     # torch.compile, else on the host (fake tensors outside Dynamo, e.g. make_fx: no values).
     compiling = torch.compiler.is_compiling()

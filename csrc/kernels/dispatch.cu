@@ -453,8 +453,8 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
 // ragged batch then balances over more, smaller units, and one the heuristic leaves unsplit
 // (S = 1) can still be split where it is ragged (its units past the full-cache grid, and the
 // combine's rows of one split, do nothing). A requested num_splits is the units per sequence
-// itself. The balanced kernels are twins (kBalanced) of the plain split kernel and combine, whose
-// code stays as it was (F = 0: every sequence S splits). F = 2 ran lengths spread over [0, Nk]
+// itself. The balanced kernels are twins (kBalanced) of the plain split kernel and combine, which
+// F = 0 runs (every sequence S splits; both store through SplitSlots, splitkv_work.cuh). F = 2 ran lengths spread over [0, Nk]
 // +13-23 % at B4 / B8 / B16 and full caches 0-1.7 % slower (H100, hd128 GQA 32:8,
 // docs/PERF_NOTES.md, thirty-fourth and thirty-fifth sessions).
 void plan_kvcache_splits(Flash_fwd_params& params, int requested) {
