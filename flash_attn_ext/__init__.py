@@ -18,7 +18,7 @@ Public API:
     flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, ...,
         cache_seqlens=None, ..., block_table=None, ..., num_splits=0, ...): inference against a
         (paged) KV cache, split-KV; flash-attn's rotary_cos / rotary_sin, cache_batch_idx,
-        cache_leftpad and softcap.
+        cache_leftpad and softcap, and alibi_slopes and sinks.
     (Every flash_attn_* function takes flash-attn's arguments in flash-attn's positional order,
     and sinks= and return_lse= keyword-only.)
     (* : the arguments after it are keyword-only.)

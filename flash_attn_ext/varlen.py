@@ -180,9 +180,12 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
                            f"1, batch + 1 and (batch, max_blocks) = ({batch}, max_blocks)")
     total_q, nheads, d = q.shape
     lens_q, lens_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
-    if block_table.dtype != torch.int32 or k_cache.shape[1] % 16:  # the KV-cache op's, before any early return
-        raise RuntimeError(f"flash_attn_ext: with block_table, block_table must be int32 (got {block_table.dtype}) "
-                           f"and page_size (k.size(1)) a positive multiple of 16 (got {k_cache.shape[1]})")
+    # The KV-cache op's checks, before any early return, each with its own message.
+    if block_table.dtype != torch.int32:
+        raise RuntimeError(f"flash_attn_ext: block_table has dtype {block_table.dtype}; expected int32")
+    if k_cache.shape[1] <= 0 or k_cache.shape[1] % 16:
+        raise RuntimeError(f"flash_attn_ext: paged k has page_size {k_cache.shape[1]} (k.size(1)); expected a "
+                           "positive multiple of 16")
     # The KV-cache op this path calls takes no max_seqlen: checked here while Dynamo traces too.
     _fake_checks.check_max_seqlens(max_seqlen_q, max_seqlen_k, traced=True)
     # The values, as the CPU varlen op checks them (CUDA: no host read): in the graph under

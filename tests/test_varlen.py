@@ -417,8 +417,12 @@ def test_paged_varlen_refusals():
         call(q, kc, vc, cu_q, torch.tensor([0, 33, 40], dtype=torch.int32), 5, 40, block_table=table)
     with pytest.raises(RuntimeError, match="at most max_seqlen_q = 4 queries"):
         call(q, kc, vc, cu_q, cu_k, 4, 20, block_table=table)
-    with pytest.raises(RuntimeError, match="block_table"):
+    with pytest.raises(RuntimeError, match="block_table has dtype torch.int64; expected int32$"):
         call(q, kc, vc, cu_q, cu_k, 5, 20, block_table=table.long())
+    kc8, vc8 = (c.reshape(-1, 8, *c.shape[2:]) for c in (kc, vc))   # pages of 8 rows: the message names them alone
+    with pytest.raises(RuntimeError, match=r"^flash_attn_ext: paged k has page_size 8 \(k.size\(1\)\); expected a "
+                                           "positive multiple of 16$"):
+        call(q, kc8, vc8, cu_q, cu_k, 5, 20, block_table=table)
     with pytest.raises(RuntimeError, match="with block_table, headdim must be a multiple of 8 .* got 12"):
         call(q[..., :12], kc[..., :12], vc[..., :12], cu_q, cu_k, 5, 20, block_table=table)
     with pytest.raises(RuntimeError, match="with block_table, k must have a contiguous last dimension"):
