@@ -1,11 +1,13 @@
 // flash_attn_ext: the only torch translation unit.
 //
-// Declares the two ops (schemas below, docs/DESIGN.md), checks every argument before any
+// Declares the six ops (forward, backward, varlen_forward, varlen_backward, fwd_kvcache,
+// backward_dsinks; schemas below, docs/DESIGN.md), checks every argument before any
 // work (errors name the argument and what was expected), allocates outputs and workspaces,
 // fills flash::Flash_fwd_params / Flash_bwd_params (csrc/flash.h) and dispatches:
 //   CPU  -> flash::cpu::run_mha_{fwd,bwd}_cpu   (csrc/kernels/cpu/flash_cpu.cpp)
-//   CUDA -> flash::run_mha_fwd / run_mha_bwd    (csrc/kernels/dispatch.cu)
-// Autograd and the fake (meta) kernels are registered in Python: flash_attn_ext/ops.py.
+//   CUDA -> flash::run_mha_fwd / run_mha_bwd / run_mha_fwd_kvcache   (csrc/kernels/dispatch.cu)
+// Autograd and the fake (meta) kernels are registered in Python: flash_attn_ext/ops.py (the fake
+// kernels) and the _ops_* modules it imports (autograd, forward mode, vmap).
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/MemoryOverlap.h>

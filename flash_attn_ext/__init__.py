@@ -27,7 +27,7 @@ Public API:
     build_info() -> dict: CUDA archs / head dims compiled, CUDA and torch versions built against.
     force_sm80_path(force=True) -> bool: run the sm80 kernels on every GPU (tests, comparisons).
     torch.ops.flash_attn_ext.forward / backward: the raw ops (flash_attn_ext.ops).
-Submodules loaded on first use: nn, reference, benchmark, integrations, sdpa.
+Submodules loaded on first use: nn, reference, benchmark, bench, integrations, sdpa.
 """
 
 import importlib

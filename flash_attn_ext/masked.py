@@ -6,7 +6,7 @@ patterns and the transformers side), the SDPA drop-in's ``attn_mask`` and
 ``MultiheadFlashAttention``'s ``key_padding_mask``.
 
 ``masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False,
-softcap=0.0)`` takes BSHD q (B, Lq, H, D), k / v (B, Lk, Hk, D) and a mask (B or 1, 1, Lq, Lk), boolean (True =
+softcap=0.0, dropout_p=0.0)`` takes BSHD q (B, Lq, H, D), k / v (B, Lk, Hk, D) and a mask (B or 1, 1, Lq, Lk), boolean (True =
 attend) or additive (0 = attend; values <= -32752, half of float16's minimum: -inf, any dtype's
 minimum, -1e9 = masked); it raises MaskNotSupported (a NotImplementedError whose message is the
 reason; each entry point words its own refusal around it) for a pattern it does not take. Rows

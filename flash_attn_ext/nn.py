@@ -119,8 +119,8 @@ class MultiheadFlashAttention(nn.Module):
     mask and ``need_weights=False``.
 
     Args:
-        embed_dim: model width E; ``E % num_heads == 0``, headdim = E // num_heads (a multiple of
-            8, at most 256).
+        embed_dim: model width E; ``E % num_heads == 0``, headdim = E // num_heads (at most 256;
+            one that is not a multiple of 8 runs zero-padded; even with ``rotary``).
         num_heads: query heads H.
         num_kv_heads: key/value heads Hk (default H); ``H % Hk == 0``. Hk < H is GQA, Hk = 1 MQA.
         bias: biases in the input and output projections.

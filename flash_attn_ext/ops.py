@@ -1,5 +1,5 @@
 """torch.library registrations for the C++ ops ``torch.ops.flash_attn_ext.{forward, backward,
-varlen_forward, varlen_backward, fwd_kvcache}``.
+varlen_forward, varlen_backward, fwd_kvcache, backward_dsinks}``.
 
 The schemas and the CPU/CUDA kernels are registered in C++ (csrc/flash_api.cpp); this module
 adds what lives in Python:

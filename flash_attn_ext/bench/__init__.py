@@ -1,6 +1,6 @@
 """Benchmark: flash_attn_ext against SDPA's backends, standard attention and FlashAttention.
 
-    python -m flash_attn_ext.benchmark                  # CPU: small sizes; CUDA: the ANCHORS sweep
+    python -m flash_attn_ext.benchmark                  # CPU: small sizes; CUDA: the anchor sweep
     python -m flash_attn_ext.benchmark --quick          # a shorter sweep
     python -m flash_attn_ext.benchmark --help           # every flag
     (python -m flash_attn_ext.bench: the same command)
@@ -20,7 +20,7 @@ Modules: peers (the implementations compared), problems (each case's inputs and 
 counts), timing (time, peak memory), accuracy (errors against the float64 reference), sweeps (the
 loops over cases), report (tables, CSV/JSON, plots), cli (flags, main).
 Each documents the columns it produces. Requires the ``bench`` extra (pandas, matplotlib, tqdm):
-``pip install -e '.[bench]'``.
+``pip install --no-build-isolation -e '.[bench]'``.
 """
 
 from flash_attn_ext.bench.accuracy import measure_errors, reference_chunked

@@ -4,7 +4,7 @@
 //   dense   (b, seqlen, heads, d) tensors, every sequence seqlen_q x seqlen_k;
 //   varlen  packed (total, heads, d) tensors, sequence b = rows [cu_seqlens[b], cu_seqlens[b + 1])
 //           of each side (batch_stride 0), its lengths the differences;
-//   KV cache  dense or packed q, a (b, seqlen_k, heads_k, d) cache of which sequence b sees its
+//   KV cache  dense q, a (b, seqlen_k, heads_k, d) cache of which sequence b sees its
 //           first cache_seqlens[b] + seqlen_knew rows (with leftpad_k: those from row leftpad_k[b]
 //           on). A KV-cache kernel reads the cache's rows through common/paged_kv.cuh
 //           (KvCacheRows: the block table, the leftpad), never through k_row below.

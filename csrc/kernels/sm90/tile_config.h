@@ -1,8 +1,9 @@
 // Tile configuration of the Hopper (sm90: wgmma) path, forward and backward, one row per head dim it
 // covers (and the extra rows below: FwdLongTile, FwdShortTile, Sm80FwdTile, DkvLongTile, DkvMidTile,
 // DqShortTile). This is THE sm90 table (shapes: kernels/common/tile_shapes.h): the sm90 launch
-// templates (sm90/flash_fwd*_launch.cuh, sm90/flash_bwd_*_launch.cuh, the end of
-// flash_bwd_{dkv,dq}_kernel.cuh) and dispatch.cu's row rules read only it.
+// templates (sm90/flash_fwd*_launch.cuh, sm90/flash_bwd_*_launch.cuh, the ends of
+// flash_bwd_{dkv,dq}_kernel.cuh and flash_bwd_{dkv,dq}_roles_kernel.cuh: FLASH_SM90_BWD_LAUNCH) and
+// dispatch.cu's row rules read only it.
 //
 // dK/dV kernel (sm90/flash_bwd_dkv_kernel.cuh), one CTA per K/V tile of the row's kBlockN rows
 // (kBlockN / 64 warpgroups); Q_i / dO_i tiles of its kBlockM rows stream through kStages
