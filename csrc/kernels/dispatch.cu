@@ -14,8 +14,9 @@
 //
 // The backward (FlashAttention-2, Dao 2023, Alg. 2) is three launches:
 //   1. preprocess: D = rowsum(dO o O), LSE_log2 = hi + lo   (common/bwd_preprocess.cuh)
-//   2. dK, dV per K/V block      (<arch>/flash_bwd_dkv_kernel.cuh; sm90 d192 / d256: flash_bwd_dkv_roles_kernel.cuh)
-//   3. dQ per Q tile             (<arch>/flash_bwd_dq_kernel.cuh; sm90 d192 / d256: flash_bwd_dq_roles_kernel.cuh)
+//   2. dK, dV per K/V block                                  (<arch>/flash_bwd_dkv_kernel.cuh)
+//   3. dQ per Q tile                                         (<arch>/flash_bwd_dq_kernel.cuh)
+//   (sm90 d192 / d256: flash_bwd_{dkv,dq}_roles_kernel.cuh)
 // 1 and 2 on `stream`, 3 on a side stream forked after 1 and joined back (kernels/bwd_fork.h), so 2
 // and 3 run side by side (in sequence on `stream` where the fork has no side stream: see there).
 // No atomics: every output element is written once by one thread, in a fixed order.

@@ -12,7 +12,8 @@
 namespace flash {
 namespace cpu {
 
-// Element type of q/k/v/out/dout/dq/dk/dv. Accumulation is float32 for 16-bit inputs, float64 for kFloat32 and kFloat64.
+// Element type of q/k/v/out/dout/dq/dk/dv. Accumulation is float32 for 16-bit inputs, float64 for
+// kFloat32 and kFloat64.
 enum class Dtype { kFloat32, kFloat64, kFloat16, kBFloat16 };
 
 // Writes params.o (BSHD), params.softmax_lse_ptr ((b, h, seqlen_q) float32, natural log; +inf
