@@ -61,6 +61,20 @@ def _require(ok, error: type, message: str, got=None) -> None:
         raise error("flash_attn_ext: " + message + (got() if got else ""))
 
 
+def _no_left_bound(window_size_left, seqlen_k):
+    """Whether a window's left bound hides no key: none (< 0), or as wide as the keys (a symbolic
+    seqlen_k: a SymBool, no guard)."""
+    return _or(window_size_left < 0, window_size_left >= seqlen_k - 1)
+
+
+def check_page_size(page_size, cache_name: str) -> None:
+    """A paged cache's page_size (its dim 1): a positive multiple of 16 (the kernels' key tiles);
+    cache_name as the caller's argument (k_cache, or k for paged varlen)."""
+    if page_size <= 0 or page_size % 16 != 0:
+        _fail(f"paged {cache_name} has page_size {page_size} ({cache_name}.size(1)); expected a positive "
+              "multiple of 16")
+
+
 def _shape(t: torch.Tensor) -> list:
     return list(t.shape)
 
@@ -164,7 +178,7 @@ def check_window(window_size_left: int, window_size_right: int, causal: bool, se
         _fail("window_size_right must be -1 (no right bound) or >= 0, got ", window_size_right)
     causal = causal or window_size_right == 0  # a window (w, 0) is causal with left bound w
     # Each bound hides no key (row): none, or as wide as the sequence (a symbolic size: no guard).
-    no_left = _or(window_size_left < 0, window_size_left >= seqlen_k - 1)
+    no_left = _no_left_bound(window_size_left, seqlen_k)
     no_right = _or(causal or window_size_right < 0, window_size_right >= seqlen_q - 1)
     _require(_or(_and(no_left, no_right), seqlen_q + seqlen_k <= MAX_WINDOWED_SEQLENS), RuntimeError,
              f"a sliding window needs seqlen_q + seqlen_k <= 2^31 - 512 = {MAX_WINDOWED_SEQLENS} (the kernels' "
@@ -188,7 +202,7 @@ def check_dropout(dropout_p: float, rng_state, q, window_size_left: int, causal:
     if rng_state.dtype != torch.int64 or rng_state.dim() != 1 or rng_state.shape[0] != 2:
         raise ValueError(f"flash_attn_ext: rng_state has dtype {rng_state.dtype} and shape {list(rng_state.shape)}; "
                          "expected int64 of shape (2,): (seed, offset)")
-    no_left = _or(window_size_left < 0, window_size_left >= seqlen_k - 1)
+    no_left = _no_left_bound(window_size_left, seqlen_k)
     what = ("softcap > 0" if softcap != 0.0
             else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1)")
     _require(_and(softcap == 0.0, no_left), NotImplementedError,
@@ -211,7 +225,7 @@ def check_alibi(alibi_slopes, q, batch: int, nheads: int, softmax_scale: float, 
     if softmax_scale == 0.0:
         raise ValueError("flash_attn_ext: alibi_slopes with softmax_scale = 0 is not supported (the kernels add the "
                          "bias in units of the scaled score)")
-    no_left = _or(window_size_left < 0, window_size_left >= seqlen_k - 1)
+    no_left = _no_left_bound(window_size_left, seqlen_k)
     what = ("softcap > 0" if softcap != 0.0 else "dropout_p > 0" if dropout_p != 0.0
             else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1; a KV "
             "cache's seqlen_k: its capacity, the keys in use being known on the device only)")
@@ -308,7 +322,8 @@ def check_max_seqlens(max_seqlen_q, max_seqlen_k, traced: bool = False) -> None:
     if type(max_seqlen_q) is int and type(max_seqlen_k) is int and not torch.compiler.is_compiling() and \
             0 <= max_seqlen_q <= MAX_SEQLEN and 0 <= max_seqlen_k <= MAX_SEQLEN:
         return  # the eager call's case, at its old cost
-    inside = _and(_and(max_seqlen_q >= 0, max_seqlen_q <= MAX_SEQLEN), _and(max_seqlen_k >= 0, max_seqlen_k <= MAX_SEQLEN))
+    inside = _and(_and(max_seqlen_q >= 0, max_seqlen_q <= MAX_SEQLEN),
+                  _and(max_seqlen_k >= 0, max_seqlen_k <= MAX_SEQLEN))
     if traced and torch.compiler.is_dynamo_compiling():
         torch._check(inside)
         return
@@ -394,8 +409,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
         if block_table.stride(1) != 1:
             _fail("block_table must have a contiguous last dimension")
         page_size = k_cache.shape[1]
-        if page_size <= 0 or page_size % 16 != 0:
-            _fail(f"paged k_cache has page_size {page_size} (k_cache.size(1)); expected a positive multiple of 16")
+        check_page_size(page_size, "k_cache")
         if block_table.shape[1] * page_size > MAX_SEQLEN:
             _fail("block_table.size(1) * page_size (the longest sequence's cache) must be at most 2^31 - 256 = "
                   f"{MAX_SEQLEN}, got {block_table.shape[1]} * {page_size}")

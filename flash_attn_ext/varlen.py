@@ -183,9 +183,7 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     # The KV-cache op's checks, before any early return, each with its own message.
     if block_table.dtype != torch.int32:
         raise RuntimeError(f"flash_attn_ext: block_table has dtype {block_table.dtype}; expected int32")
-    if k_cache.shape[1] <= 0 or k_cache.shape[1] % 16:
-        raise RuntimeError(f"flash_attn_ext: paged k has page_size {k_cache.shape[1]} (k.size(1)); expected a "
-                           "positive multiple of 16")
+    _fake_checks.check_page_size(k_cache.shape[1], "k")
     # The KV-cache op this path calls takes no max_seqlen: checked here while Dynamo traces too.
     _fake_checks.check_max_seqlens(max_seqlen_q, max_seqlen_k, traced=True)
     # The values, as the CPU varlen op checks them (CUDA: no host read): in the graph under
