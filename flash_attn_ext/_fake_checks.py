@@ -75,6 +75,14 @@ def check_page_size(page_size, cache_name: str) -> None:
               "multiple of 16")
 
 
+def check_num_blocks(num_blocks, cache_name: str) -> None:
+    """A paged cache's num_blocks (its dim 0, an expanded view's too): at most 2^31 - 1, the int32
+    block numbers of block_table (the kernels hold the count in int32)."""
+    if num_blocks > _INT32_MAX:
+        _fail(f"paged {cache_name} has num_blocks {num_blocks} ({cache_name}.size(0)); expected at most 2^31 - 1 "
+              "(block_table holds int32 block numbers)")
+
+
 def _shape(t: torch.Tensor) -> list:
     return list(t.shape)
 
@@ -362,6 +370,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         _fail(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
               "expected equal (batch + 1 each)")
+    if cu_seqlens_q.shape[0] - 1 > _INT32_MAX:
+        _fail(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected batch + 1 with batch = "
+              f"{cu_seqlens_q.shape[0] - 1} fitting in int32")
     check_max_seqlens(max_seqlen_q, max_seqlen_k)
     if q.shape[0] > MAX_SEQLEN or k.shape[0] > MAX_SEQLEN:
         _fail(f"total_q and total_k must be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32), got "
@@ -410,6 +421,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             _fail("block_table must have a contiguous last dimension")
         page_size = k_cache.shape[1]
         check_page_size(page_size, "k_cache")
+        check_num_blocks(k_cache.shape[0], "k_cache")
         if block_table.shape[1] * page_size > MAX_SEQLEN:
             _fail("block_table.size(1) * page_size (the longest sequence's cache) must be at most 2^31 - 256 = "
                   f"{MAX_SEQLEN}, got {block_table.shape[1]} * {page_size}")
@@ -451,6 +463,11 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             check_last_dim_contiguous(t, name)
         if v.shape[1] != k.shape[1]:
             _fail(f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; expected equal")
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        if k.shape[1] > capacity:
+            _fail(f"k has seqlen_new {k.shape[1]} (k.size(1)) but the cache holds {capacity} rows per sequence ("
+                  + ("block_table.size(1) * page_size" if block_table is not None else "k_cache.size(1)")
+                  + "); expected at most that many")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             for d in range(3):
                 if t.stride(d) == 0 and t.shape[d] > 1:

@@ -98,15 +98,16 @@ def flash_attn_varlen_func(
 
     Raises:
         RuntimeError naming the argument for wrong ranks, shapes, dtypes, devices, a
-        cu_seqlens that is not int32 (batch + 1,) or whose two lengths differ, max_seqlen
-        outside [0, 2^31 - 256], total_q or total_k above 2^31 - 256.
+        cu_seqlens that is not int32 (batch + 1,) or whose two lengths differ, a batch past
+        int32, max_seqlen outside [0, 2^31 - 256], total_q or total_k above 2^31 - 256.
         TypeError: a tensor argument that is not a torch.Tensor, max_seqlen that is not an int,
         causal or return_lse that is not a bool, softmax_scale or softcap as flash_attn_func's,
         more than 16 positional arguments. ValueError: softcap as flash_attn_func's.
         NotImplementedError: nested tensors; the flash-attn keywords as ``flash_attn_func``'s.
         With block_table: RuntimeError for k / v not paged (rank 4), a block_table that is not
         (batch, max_blocks), grad with an input that requires it, and the KV-cache call's
-        checks (``flash_attn_with_kvcache``: block_table int32, page_size a multiple of 16).
+        checks (``flash_attn_with_kvcache``: block_table int32, page_size a multiple of 16,
+        at most 2^31 - 1 blocks).
         On CPU the values are checked too (starting at 0, non-decreasing, inside the tensors,
         <= max_seqlen).
         On CUDA they are not (that would need a device sync): a sequence longer than
@@ -184,6 +185,7 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     if block_table.dtype != torch.int32:
         raise RuntimeError(f"flash_attn_ext: block_table has dtype {block_table.dtype}; expected int32")
     _fake_checks.check_page_size(k_cache.shape[1], "k")
+    _fake_checks.check_num_blocks(k_cache.shape[0], "k")
     # The KV-cache op this path calls takes no max_seqlen: checked here while Dynamo traces too.
     _fake_checks.check_max_seqlens(max_seqlen_q, max_seqlen_k, traced=True)
     # The values, as the CPU varlen op checks them (CUDA: no host read): in the graph under

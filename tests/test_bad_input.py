@@ -118,6 +118,41 @@ def test_sequence_lengths_past_the_int32_tile_counts(device):
            flash_attn_ext.flash_attn_with_kvcache, qk, cache, cache)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _cuda_build(), reason="needs a CUDA device and a CUDA build (the CUDA entries' own checks)"))])
+def test_sizes_the_kernels_hold_in_int32(device):
+    """Sizes the kernels hold in int32 and no other check bounds, refused by name before any work
+    (each used to be truncated on CUDA, silently): a varlen batch past int32 (cu_seqlens of 2^31 + 2
+    entries: only sequence 0 ran), a paged cache of more than 2^31 - 1 blocks (an expanded view: a
+    valid block number read as invalid, its keys as zeros), and new keys k / v of more rows than the
+    cache holds (on CPU: the per-sequence check's message; on CUDA dropped, past 2^31 rows wrapped).
+    meta: the fake kernels' twins of the checks."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    on = lambda t: t.to(device)  # noqa: E731
+    q, q3 = on(torch.randn(1, 1, 1, 16)), on(torch.randn(1, 1, 16))
+    table, cu = on(torch.zeros(1, 1, dtype=torch.int32)), on(torch.tensor([0, 1], dtype=torch.int32))
+    blocks = _huge((2**31, 16, 1, 16), device, dtype) if device != "meta" else torch.empty(
+        2**31, 16, 1, 16, device="meta")
+    raises(r"paged k_cache has num_blocks 2147483648 \(k_cache.size\(0\)\); expected at most 2\^31 - 1 "
+           r"\(block_table holds int32 block numbers\)", flash_attn_ext.flash_attn_with_kvcache, q, blocks, blocks,
+           None, None, None, None, on(torch.ones(1, dtype=torch.int32)), None, None, table)
+    with torch.no_grad():
+        raises(r"paged k has num_blocks 2147483648 \(k.size\(0\)\); expected at most 2\^31 - 1",
+               flash_attn_ext.flash_attn_varlen_func, q3, blocks, blocks, cu, cu, 1, 1, 0.0, None, False, (-1, -1),
+               0.0, None, False, False, table)
+    for paged in (False, True):
+        cache = on(torch.randn(1, 16, 1, 16, dtype=dtype))
+        new = on(torch.randn(1, 17, 1, 16, dtype=dtype))
+        where = r"block_table.size\(1\) \* page_size" if paged else r"k_cache.size\(1\)"
+        raises(rf"k has seqlen_new 17 \(k.size\(1\)\) but the cache holds 16 rows per sequence \({where}\); "
+               "expected at most that many", flash_attn_ext.flash_attn_with_kvcache, q, cache, cache.clone(), new, new,
+               None, None, on(torch.zeros(1, dtype=torch.int32)), None, None, table if paged else None)
+    if device != "cuda":  # on CPU a virtual allocation: the check reads no entry (CUDA: 8 GiB of device memory)
+        many = torch.empty(2**31 + 2, dtype=torch.int32, device=device)
+        raises(r"cu_seqlens_q has 2147483650 entries; expected batch \+ 1 with batch = 2147483649 fitting in int32",
+               flash_attn_ext.flash_attn_varlen_func, q3, q3, q3, many, many, 1, 1)
+
+
 def test_headdim_mismatch():
     q, k, v = qkv(d=32)
     raises(r"headdim mismatch: q has headdim 32, k has 24", fwd, q, k[..., :24], v[..., :24], 0.1, False)

@@ -465,3 +465,39 @@ def test_balanced_splits_units(tmp_path):
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.splitlines()
     got = {case: tuple(int(x) for x in line.split()) for case, line in zip(cases, out)}
     assert got == expected
+
+
+_USED_ROWS_DRIVER = r"""
+#include <algorithm>
+#include <cstdio>
+#define __host__
+#define __device__
+#define __forceinline__ inline
+using std::max;
+using std::min;
+#include "kernels/common/seqlen.cuh"
+int main() {  // per line of stdin: cache_seqlens[0] seqlen_knew seqlen_k
+  int cached = 0;
+  flash::Flash_fwd_params p{};
+  p.cache_seqlens = &cached;
+  while (std::scanf("%d %d %d", &cached, &p.seqlen_knew, &p.seqlen_k) == 3) {
+    std::printf("%d\n", flash::SeqInfo::kv_used_rows(p, 0));
+  }
+}
+"""
+
+
+def test_kvcache_used_rows_for_any_int32_cache_seqlens(tmp_path):
+    """The rows a KV-cache sequence uses on CUDA (csrc/kernels/common/seqlen.cuh: kv_used_rows,
+    host arithmetic compiled here): cache_seqlens[b] + seqlen_new capped to [0, the cache's rows],
+    for every int32 cache_seqlens, which CUDA calls do not read on the host. cache_seqlens = 2^31 - 1
+    with one new key used to wrap negative in int and hide every key (0 rows) where the whole cache
+    is meant; test_kvcache_cuda.py::test_kvcache_cache_seqlens_near_int32_max runs it on the GPU."""
+    exe = _compile_host_driver(tmp_path, "used_rows", _USED_ROWS_DRIVER)
+    int_max, max_seqlen = 2**31 - 1, 2**31 - 256
+    cases = [(c, n, cap) for c in (-2**31, -7, -1, 0, 1, 250, 255, 256, 257, 2**31 - 256, int_max - 5, int_max)
+             for n in (0, 1, 5, 256) for cap in (0, 1, 256, max_seqlen) if n <= cap]
+    stdin = "".join(f"{c} {n} {cap}\n" for c, n, cap in cases)
+    out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
+    got = {case: int(x) for case, x in zip(cases, out)}
+    assert got == {(c, n, cap): min(max(c + n, 0), cap) for c, n, cap in cases}

@@ -197,6 +197,36 @@ def test_kvcache_append(page_size, seqlen_new, causal, num_splits, poison_empty)
     _check(q, kc, vc, table, visible, causal, out, lse)
 
 
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("num_splits", [1, 0, 4])
+def test_kvcache_cache_seqlens_near_int32_max(page_size, num_splits, poison_empty):
+    """cache_seqlens past the cache up to 2^31 - 1 (not read on the host on CUDA): the whole cache is
+    attended and the new rows are dropped, as for any value past the cache. 2^31 - 1 plus one new
+    key used to wrap negative in int (common/seqlen.cuh: kv_used_rows) and hide every key: out 0,
+    LSE +inf. num_splits 4 takes the balanced splits, which share CTAs out by these lengths."""
+    d, dtype, nheads_k, ratio, capacity = 128, torch.bfloat16, 2, 4, 256
+    require_hdim(d)
+    lens = [2**31 - 1, 100, 2**31 - 2, 2**31 - 256]
+    batch = len(lens)
+    kc, vc, table = _make_cache([capacity] * batch, capacity, nheads_k, d, dtype, page_size=page_size)
+    kc0, vc0 = kc.clone(), vc.clone()
+    q = torch.randn(batch, 1, nheads_k * ratio, d, device="cuda", dtype=dtype)
+    k_new = torch.randn(batch, 1, nheads_k, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(batch, 1, nheads_k, d, device="cuda", dtype=dtype)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(
+        q, kc, vc, k_new, v_new, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+        block_table=table, num_splits=num_splits, return_lse=True)
+    # Sequence 1 appends at row 100; the others' rows are past the cache: dropped.
+    k_exp, v_exp = kc0.clone(), vc0.clone()
+    if table is None:
+        k_exp[1, 100], v_exp[1, 100] = k_new[1, 0], v_new[1, 0]
+    else:
+        blk = int(table[1, 100 // page_size])
+        k_exp[blk, 100 % page_size], v_exp[blk, 100 % page_size] = k_new[1, 0], v_new[1, 0]
+    assert torch.equal(_bits(kc), _bits(k_exp)) and torch.equal(_bits(vc), _bits(v_exp)), "the caches after the append"
+    _check(q, kc, vc, table, [capacity, 101, capacity, capacity], False, out, lse)
+
+
 # ---- Split-KV stays exact: 1 split, several (also more than the key tiles: empty splits), and
 # the heuristic's choice (0) all meet the rule against the reference and lie within the rule's
 # budget of each other.

@@ -45,8 +45,12 @@ struct SeqInfo {
   // the API cannot check it on the device without a sync; it sets cache_seqlens whenever it sets
   // leftpad_k). Its keys are rows [leftpad, used): seqlen_k = used - leftpad, and KvCacheRows adds
   // the leftpad to a key row.
+  // Without overflow for any int32 cache_seqlens (on CUDA it is not read on the host; 2^31 - 1 plus
+  // seqlen_knew wrapped negative and hid every key): the sum is formed only where it is below
+  // seqlen_k (both sizes are >= 0, so seqlen_k - seqlen_knew cannot overflow).
   __host__ __device__ __forceinline__ static int kv_used_rows(const Flash_fwd_params& p, int bidb) {
-    return min(max(p.cache_seqlens[bidb] + p.seqlen_knew, 0), p.seqlen_k);
+    const int cached = p.cache_seqlens[bidb];
+    return cached >= p.seqlen_k - p.seqlen_knew ? p.seqlen_k : max(cached + p.seqlen_knew, 0);
   }
   __host__ __device__ __forceinline__ static int kv_leftpad(const Flash_fwd_params& p, int bidb, int used) {
     return p.leftpad_k == nullptr ? 0 : min(max(p.leftpad_k[bidb], 0), used);
