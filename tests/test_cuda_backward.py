@@ -27,6 +27,7 @@ import flash_attn_ext  # noqa: F401  (registers torch.ops.flash_attn_ext)
 from accuracy import check_accuracy
 from conftest import require_hdim
 from flash_attn_ext.reference import attention_ref
+from long_keys import check_long_key_grads, long_key_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the CUDA backward kernels need an NVIDIA GPU (sm_80 or newer)")
@@ -394,6 +395,27 @@ def test_backward_rows_without_keys(dtype, headdim, poison_empty):
     assert torch.equal(dq[:, :blind], torch.zeros_like(dq[:, :blind]))
     assert dq[:, blind:].abs().amax() > 0
     _check_grads(q, k, v, dout, True, (dq, dk, dv))
+
+
+def test_backward_tensors_over_2pow31_elements(poison_empty):
+    """k, v, dk and dv of > 2^31 elements each (bf16, ~4.3 GB each): 64-bit offsets in the
+    preprocess, dK/dV and dQ kernels. Each query row's key of most weight lies past element 2^31
+    (tests/long_keys.py), with probability ~0.9 (median; a few % to ~1 over the rows, sampled)
+    rather than all of it, so that dK, dQ and dV there all depend on the keys read: a key that
+    takes a row's whole probability has dS = P (dP - D) ~ 0, and a zeroed dK or a dQ without those
+    keys would pass (tried on the CPU op). The references are computed one key chunk at a time."""
+    require_hdim(128)
+    free, _ = torch.cuda.mem_get_info()
+    if free < 32 * 2**30:
+        pytest.skip(f"needs ~32 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    h, d = 8, 128
+    seqlen_k = 2**31 // (h * d) + 1000  # k.numel() = 2^31 + 8,192,000
+    q, k, v = long_key_inputs(seqlen_k, nheads=h, headdim=d, dominance=1.5)  # score ~17 against ~2.1M keys
+    assert k.numel() > 2**31
+    dout = _rand(*q.shape, dtype=q.dtype)
+    scale = 1.0 / math.sqrt(d)
+    dq, dk, dv = _flash_bwd(q, k, v, dout, False, scale)
+    check_long_key_grads(q, k, v, dout, scale, dq, dk, dv)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -23,6 +23,7 @@ import flash_attn_ext
 from conftest import require_hdim
 from accuracy import check_accuracy
 from flash_attn_ext.reference import attention_ref
+from long_keys import chunked_ref, long_key_inputs
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA forward kernel tests need a CUDA GPU (none visible)"
@@ -197,51 +198,20 @@ def test_forward_batch_heads_70000():
     check_forward(q, k, v, causal=True)
 
 
-def _chunked_ref(q, k, v, softmax_scale, chunk, upcast):
-    """Attention over a very long k/v, one key chunk at a time, merged exactly by LSE weights.
-    upcast=True: float64 per chunk (the reference); False: the inputs' dtype per chunk (the
-    same-dtype baseline), merged in float32."""
-    out_acc, lse_acc = None, None
-    for start in range(0, k.shape[1], chunk):
-        o, l = attention_ref(q, k[:, start:start + chunk], v[:, start:start + chunk], softmax_scale,
-                             causal=False, upcast=upcast)
-        acc_dtype = torch.float64 if upcast else torch.float32
-        o = o.to(acc_dtype)
-        l = l.to(acc_dtype).transpose(1, 2).unsqueeze(-1)  # (b, s, h, 1)
-        if out_acc is None:
-            out_acc, lse_acc = o, l
-        else:
-            new = torch.logaddexp(lse_acc, l)
-            out_acc = out_acc * torch.exp(lse_acc - new) + o * torch.exp(l - new)
-            lse_acc = new
-    # The baseline ends in the inputs' dtype, like a same-dtype computation would.
-    out_acc = out_acc if upcast else out_acc.to(q.dtype)
-    return out_acc, lse_acc.squeeze(-1).transpose(1, 2).float()
-
-
 def test_forward_tensor_over_2pow31_elements():
-    """k and v of > 2^31 elements each (bf16, ~4.3 GB): 64-bit offsets in the kernel."""
+    """k and v of > 2^31 elements each (bf16, ~4.3 GB): 64-bit offsets in the kernel (tests/long_keys.py:
+    the keys past element 2^31 dominate every row; the references one key chunk at a time)."""
     require_hdim(128)
     free, _ = torch.cuda.mem_get_info()
     if free < 24 * 2**30:
         pytest.skip(f"needs ~24 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
     h, d = 8, 128
     seqlen_k = 2**31 // (h * d) + 1000  # k.numel() = 2^31 + 8,192,000
-    q = torch.randn(1, 16, h, d, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(1, seqlen_k, h, d, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn(1, seqlen_k, h, d, dtype=torch.bfloat16, device="cuda")
+    q, k, v = long_key_inputs(seqlen_k, nheads=h, headdim=d)
     assert k.numel() > 2**31
-    # Make the keys past element 2^31 matter: every query row gets a dominant key (score ~45)
-    # among the last 1000 keys, all of which lie past element 2^31, plus a shifted value block.
-    # (Without dominant keys each row would average ~2M comparable terms in one fp32 mma
-    # accumulator, whose truncating adds drift by ~1%: a precision limit of fp32 tensor-core
-    # accumulation that FA2 shares, not what this test is about.)
-    v[:, -(1 << 20):] += 2.0
-    for i in range(q.shape[1]):
-        k[:, -3 - i] = q[:, i] * 4
     scale = 1.0 / math.sqrt(d)
     out, lse, _ = fwd_poisoned(q, k, v, scale, False)
-    ref_out, ref_lse = _chunked_ref(q, k, v, scale, 1 << 17, upcast=True)
-    base_out, base_lse = _chunked_ref(q, k, v, scale, 1 << 17, upcast=False)
+    ref_out, ref_lse = chunked_ref(q, k, v, scale, 1 << 17, upcast=True)
+    base_out, base_lse = chunked_ref(q, k, v, scale, 1 << 17, upcast=False)
     check_accuracy("out", out, ref_out, base_out)
     check_accuracy("softmax_lse", lse, ref_lse, base_lse)

@@ -549,6 +549,63 @@ def test_kvcache_cache_beyond_l2(page_size, poison_empty):
     _check(q, kc, vc, table, lens, False, out, lse)
 
 
+# ---- A cache pool of more than 2^31 elements (serving pools are larger): the rows past element
+# 2^31 read and appended with 64-bit offsets (paged_kv.cuh: KvCacheRows::row_ptr and the TMA boxes,
+# append_kv.cuh), each way a sequence finds its cache.
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "cache_batch_idx"])
+def test_kvcache_cache_over_2pow31_elements(layout, poison_empty):
+    """contiguous: sequence b at entry b of 2,051 (the last three past element 2^31 hold keys, the
+    others none but their new one); paged: blocks of 256 rows numbered past 2^31 elements;
+    cache_batch_idx: entries past it. One new key appended per sequence (past element 2^31 but for
+    one entry and one block below it)."""
+    require_hdim(128)
+    free, _ = torch.cuda.mem_get_info()
+    if free < 16 * 2**30:
+        pytest.skip(f"needs ~16 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    dtype, nheads_k, ratio, d, rows = torch.bfloat16, 8, 4, 128, 1024
+    entries = 2**31 // (rows * nheads_k * d) + 3  # 2,051 entries; entry 2,048 starts at element 2^31
+    kc = torch.randn(entries, rows, nheads_k, d, device="cuda", dtype=dtype)
+    vc = torch.randn(entries, rows, nheads_k, d, device="cuda", dtype=dtype)
+    assert kc.numel() > 2**31
+    lens = [1000, 0, 517]  # the sequences' cached keys before the append
+    if layout == "contiguous":
+        used = [entries - 3, entries - 2, entries - 1]  # the entries of the sequences with keys
+        batch, table, call_kc, call_vc = entries, None, kc, vc
+        seqlens = [0] * entries
+        for e, n in zip(used, lens):
+            seqlens[e] = n
+    else:
+        used, batch, seqlens = list(range(3)), 3, lens
+        if layout == "paged":  # the same memory as (entries * 4) blocks of 256 rows
+            call_kc, call_vc = (t.view(entries * 4, 256, nheads_k, d) for t in (kc, vc))
+            table = torch.tensor([[8195, 8192, 3, 8201], [8199, 8200, 8194, 8193], [8202, 17, 8197, 8196]],
+                                 dtype=torch.int32, device="cuda")
+        else:
+            call_kc, call_vc, table = kc, vc, torch.tensor([2050, 7, 2048], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, nheads_k * ratio, d, device="cuda", dtype=dtype)
+    k_new = torch.randn(batch, 1, nheads_k, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(batch, 1, nheads_k, d, device="cuda", dtype=dtype)
+    out, lse = flash_attn_ext.flash_attn_with_kvcache(
+        q, call_kc, call_vc, k_new, v_new, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device="cuda"),
+        block_table=table if layout == "paged" else None,
+        cache_batch_idx=table if layout == "cache_batch_idx" else None, return_lse=True)
+    def cache_of(t, i):  # the i-th sequence with keys: its cache as a (1, rows, ...) tensor, after the append
+        if layout == "paged":
+            return t.view(entries * 4, 256, nheads_k, d)[table[i].long()].reshape(1, rows, nheads_k, d)
+        return t[int(table[i]) if layout == "cache_batch_idx" else used[i]].unsqueeze(0)
+
+    for i, (b, n) in enumerate(zip(used, lens)):  # b: the sequence (contiguous: its entry too)
+        k_b, v_b = cache_of(kc, i), cache_of(vc, i)
+        assert torch.equal(_bits(k_b[0, n]), _bits(k_new[b, 0])), f"sequence {b}: the appended key"
+        assert torch.equal(_bits(v_b[0, n]), _bits(v_new[b, 0])), f"sequence {b}: the appended value"
+        _check(q[b:b + 1], k_b, v_b, None, [n + 1], False, out[b:b + 1], lse[b:b + 1])
+    if layout == "contiguous":  # the sequences without keys but the new one
+        rest = torch.ones(batch, dtype=torch.bool, device="cuda")
+        rest[used] = False
+        _check(q[rest][:4], kc[:4], vc[:4], None, [1] * 4, False, out[rest][:4], lse[rest][:4])
+
+
 # ---- CUDA graphs: a decode step (append + attention, heuristic splits) captured once and
 # replayed with new inputs written into the captured tensors, equal to eager runs bit for bit.
 
