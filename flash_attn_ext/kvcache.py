@@ -127,11 +127,11 @@ def flash_attn_with_kvcache(
         cache_seqlens[b] + seqlen_new rows) outside [0, num_blocks), and rotary positions past
         rotary_cos's rows raise too; on CUDA they are not read on the host (no sync): cache rows
         past the cache are dropped from the append and the attention (any int32 cache_seqlens,
-        2^31 - 1 included), and block numbers are trusted. TypeError: q / k_cache / v_cache not a torch.Tensor (k,
-        v, block_table: a tensor or None), num_splits not an int, cache_seqlens not a tensor, an
-        int or None, causal or return_lse that is not a bool, softmax_scale or softcap as
-        flash_attn_func's, more than 19 positional arguments. ValueError: softcap negative or
-        not finite. RuntimeError naming rotary_cos / rotary_sin /
+        2^31 - 1 included), and block numbers are trusted. TypeError: q / k_cache / v_cache not
+        a torch.Tensor (k, v, block_table: a tensor or None), num_splits not an int,
+        cache_seqlens not a tensor, an int or None, causal or return_lse that is not a bool,
+        softmax_scale or softcap as flash_attn_func's, more than 19 positional arguments.
+        ValueError: softcap negative or not finite. RuntimeError naming rotary_cos / rotary_sin /
         cache_batch_idx / cache_leftpad for the requirements above. NotImplementedError: nested
         tensors; the flash-attn features above.
     """
