@@ -630,9 +630,8 @@ VarlenSizes check_varlen(const Tensor& q, const Tensor& k, const Tensor& v, cons
   TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "flash_attn_ext: cu_seqlens_q has ",
               cu_seqlens_q.size(0), " entries but cu_seqlens_k has ", cu_seqlens_k.size(0),
               "; expected equal (batch + 1 each)");
-  TORCH_CHECK(cu_seqlens_q.size(0) - 1 <= std::numeric_limits<int>::max(), "flash_attn_ext: cu_seqlens_q has ",
-              cu_seqlens_q.size(0), " entries; expected batch + 1 with batch = ", cu_seqlens_q.size(0) - 1,
-              " fitting in int32");
+  TORCH_CHECK(cu_seqlens_q.size(0) - 1 <= std::numeric_limits<int>::max(),
+              "flash_attn_ext: batch (cu_seqlens_q.size(0) - 1) must fit in int32, got ", cu_seqlens_q.size(0) - 1);
   const int64_t max_len = flash::kMaxSeqlen;
   TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_q <= max_len && max_seqlen_k >= 0 && max_seqlen_k <= max_len,
               "flash_attn_ext: max_seqlen_q and max_seqlen_k must be in [0, 2^31 - 256 = ", max_len,
@@ -835,8 +834,9 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
     ks.max_blocks = bt.size(1);
     TORCH_CHECK(ks.page_size > 0 && ks.page_size % 16 == 0, "flash_attn_ext: paged k_cache has page_size ",
                 ks.page_size, " (k_cache.size(1)); expected a positive multiple of 16");
-    TORCH_CHECK(ks.num_blocks <= std::numeric_limits<int>::max(), "flash_attn_ext: paged k_cache has num_blocks ",
-                ks.num_blocks, " (k_cache.size(0)); expected at most 2^31 - 1 (block_table holds int32 block numbers)");
+    TORCH_CHECK(ks.num_blocks <= std::numeric_limits<int>::max(), "flash_attn_ext: paged k_cache's num_blocks "
+                "(k_cache.size(0)) must be at most 2^31 - 1 (block_table holds int32 block numbers), got ",
+                ks.num_blocks);
     TORCH_CHECK(ks.max_blocks * ks.page_size <= flash::kMaxSeqlen,
                 "flash_attn_ext: block_table.size(1) * page_size (the longest sequence's cache) must be at most "
                 "2^31 - 256 = ", flash::kMaxSeqlen, ", got ", ks.max_blocks, " * ", ks.page_size);
@@ -884,9 +884,9 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
     TORCH_CHECK(v->size(1) == k->size(1), "flash_attn_ext: v has seqlen_new ", v->size(1), " but k has ", k->size(1),
                 "; expected equal");
     ks.seqlen_new = k->size(1);
-    TORCH_CHECK(ks.seqlen_new <= ks.s.seqlen_k, "flash_attn_ext: k has seqlen_new ", ks.seqlen_new,
-                " (k.size(1)) but the cache holds ", ks.s.seqlen_k, " rows per sequence (",
-                ks.paged ? "block_table.size(1) * page_size" : "k_cache.size(1)", "); expected at most that many");
+    TORCH_CHECK(ks.seqlen_new <= ks.s.seqlen_k, "flash_attn_ext: k's seqlen_new (k.size(1)) must be at most the "
+                "cache's rows per sequence (", ks.paged ? "block_table.size(1) * page_size" : "k_cache.size(1)",
+                "), got ", ks.seqlen_new, " and ", ks.s.seqlen_k);
     for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
       for (int64_t d = 0; d < 3; ++d) {
         TORCH_CHECK(t.stride(d) != 0 || t.size(d) <= 1, "flash_attn_ext: ", name, " has stride 0 in dim ", d,

@@ -76,11 +76,10 @@ def check_page_size(page_size, cache_name: str) -> None:
 
 
 def check_num_blocks(num_blocks, cache_name: str) -> None:
-    """A paged cache's num_blocks (its dim 0, an expanded view's too): at most 2^31 - 1, the int32
-    block numbers of block_table (the kernels hold the count in int32)."""
-    if num_blocks > _INT32_MAX:
-        _fail(f"paged {cache_name} has num_blocks {num_blocks} ({cache_name}.size(0)); expected at most 2^31 - 1 "
-              "(block_table holds int32 block numbers)")
+    """A paged cache's num_blocks (its dim 0, an expanded view's too), an int or a SymInt: at most
+    2^31 - 1, the int32 block numbers of block_table (the kernels hold the count in int32)."""
+    _require(num_blocks <= _INT32_MAX, RuntimeError, f"paged {cache_name}'s num_blocks ({cache_name}.size(0)) must "
+             "be at most 2^31 - 1 (block_table holds int32 block numbers)", lambda: f", got {num_blocks}")
 
 
 def _shape(t: torch.Tensor) -> list:
@@ -142,6 +141,10 @@ def check_heads_headdim(q, k, v, k_name: str, v_name: str) -> None:
 
 
 def check_softmax_scale(softmax_scale: float) -> None:
+    if torch.compiler.is_dynamo_compiling():
+        # A symbolic float under torch.compile(dynamic=True) (1 / sqrt(headdim)) that Dynamo cannot
+        # pass to math.isfinite; the op's fake kernel checks the value it is given.
+        return
     if not math.isfinite(softmax_scale) or abs(softmax_scale) * 1.4426950408889634 >= 3.4028234663852886e38:
         _fail("softmax_scale must be finite with |softmax_scale| * log2(e) < 3.4e38 (float32; the kernels "
               f"scale scores by it), got {softmax_scale}")
@@ -370,9 +373,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         _fail(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
               "expected equal (batch + 1 each)")
-    if cu_seqlens_q.shape[0] - 1 > _INT32_MAX:
-        _fail(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected batch + 1 with batch = "
-              f"{cu_seqlens_q.shape[0] - 1} fitting in int32")
+    batch = cu_seqlens_q.shape[0] - 1  # a SymInt, unbacked for cu_seqlens built by .nonzero() under compile
+    _require(batch <= _INT32_MAX, RuntimeError, "batch (cu_seqlens_q.size(0) - 1) must fit in int32",
+             lambda: f", got {batch}")
     check_max_seqlens(max_seqlen_q, max_seqlen_k)
     if q.shape[0] > MAX_SEQLEN or k.shape[0] > MAX_SEQLEN:
         _fail(f"total_q and total_k must be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32), got "
@@ -389,6 +392,13 @@ def check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
     check_bwd_extra(dout, q, out, softmax_lse, (nheads, total_q), "(nheads, total_q)")
     if softmax_stats is not None:
         check_stats(softmax_stats, q, (2, nheads, total_q), "(2, nheads, total_q)")
+
+
+def check_seqlen_new(seqlen_new, capacity, capacity_name: str) -> None:
+    """New keys k / v of the KV-cache op (ints or SymInts): no more rows than a sequence's cache
+    holds (capacity, named as the caller's arguments give it)."""
+    _require(seqlen_new <= capacity, RuntimeError, f"k's seqlen_new (k.size(1)) must be at most the cache's rows per "
+             f"sequence ({capacity_name})", lambda: f", got {seqlen_new} and {capacity}")
 
 
 def check_per_sequence_int32(t, name: str, q) -> None:
@@ -463,11 +473,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             check_last_dim_contiguous(t, name)
         if v.shape[1] != k.shape[1]:
             _fail(f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; expected equal")
-        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-        if k.shape[1] > capacity:
-            _fail(f"k has seqlen_new {k.shape[1]} (k.size(1)) but the cache holds {capacity} rows per sequence ("
-                  + ("block_table.size(1) * page_size" if block_table is not None else "k_cache.size(1)")
-                  + "); expected at most that many")
+        check_seqlen_new(k.shape[1], k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1),
+                         "block_table.size(1) * page_size" if block_table is not None else "k_cache.size(1)")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             for d in range(3):
                 if t.stride(d) == 0 and t.shape[d] > 1:

@@ -163,7 +163,7 @@ def flash_attn_with_kvcache(
         if cache_leftpad is not None:
             raise RuntimeError("flash_attn_ext: cache_batch_idx with cache_leftpad is not supported; pass one of "
                                "them (index the cache's entries first, e.g. k_cache[cache_batch_idx])")
-        block_table = _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache)
+        block_table = _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache, k)
     elif block_table is None and q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4 \
             and k_cache.shape[0] == v_cache.shape[0]:  # (caches of unequal batch: the op's shape check)
         if k_cache.shape[0] < q.shape[0]:
@@ -192,13 +192,14 @@ def flash_attn_with_kvcache(
     return (out, softmax_lse) if want_lse else out
 
 
-def _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache) -> torch.Tensor:
+def _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache, k=None) -> torch.Tensor:
     """flash-attn's cache_batch_idx (sequence b reads and appends to k_cache[cache_batch_idx[b]]) as
     the paged form of the same tensor: k_cache (batch_cache, seqlen_cache, ...) is a paged cache of
     batch_cache blocks of seqlen_cache rows, and block_table = cache_batch_idx[:, None]. No copy,
     the same kernels. Needs seqlen_cache a multiple of 16 (the paged loads' page sizes). The
     indices are checked here on CPU in eager calls (traced, the CPU op's block_table check names
-    them as block_table)."""
+    them as block_table). The sizes the paged op would name in its terms (blocks, block_table) are
+    checked here in the caller's: batch_cache within int32, the new keys k within seqlen_cache."""
     if block_table is not None:
         raise RuntimeError("flash_attn_ext: cache_batch_idx and block_table were both given; a paged cache is "
                            "indexed by block_table alone (as flash-attn's): pass one of them")
@@ -211,6 +212,12 @@ def _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache) ->
         raise RuntimeError(f"flash_attn_ext: cache_batch_idx needs seqlen_cache (k_cache.size(1) = {k_cache.shape[1]}) "
                            "a multiple of 16 (the cache is read as blocks of seqlen_cache rows); allocate the cache "
                            "with a multiple of 16 rows")
+    if k_cache.dim() == 4:
+        _fake_checks._require(k_cache.shape[0] <= 2**31 - 1, RuntimeError, "k_cache's batch_cache (k_cache.size(0)) "
+                              "must be at most 2^31 - 1 (cache_batch_idx holds int32 entries)",
+                              lambda: f", got {k_cache.shape[0]}")
+        if k is not None and k.dim() == 4:
+            _fake_checks.check_seqlen_new(k.shape[1], k_cache.shape[1], "k_cache.size(1)")
     if cache_batch_idx.device.type == "cpu" and not torch.compiler.is_compiling() and k_cache.dim() == 4 and (
             cache_batch_idx.numel() and (
             int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= k_cache.shape[0])):

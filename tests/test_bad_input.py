@@ -125,31 +125,37 @@ def test_sizes_the_kernels_hold_in_int32(device):
     (each used to be truncated on CUDA, silently): a varlen batch past int32 (cu_seqlens of 2^31 + 2
     entries: only sequence 0 ran), a paged cache of more than 2^31 - 1 blocks (an expanded view: a
     valid block number read as invalid, its keys as zeros), and new keys k / v of more rows than the
-    cache holds (on CPU: the per-sequence check's message; on CUDA dropped, past 2^31 rows wrapped).
+    cache holds (on CPU: the per-sequence check's message; on CUDA dropped, past 2^31 rows wrapped),
+    each in the terms of the call (paged varlen's k, cache_batch_idx's entries and seqlen_cache).
     meta: the fake kernels' twins of the checks."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    on = lambda t: t.to(device)  # noqa: E731
+    on = lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
     q, q3 = on(torch.randn(1, 1, 1, 16)), on(torch.randn(1, 1, 16))
     table, cu = on(torch.zeros(1, 1, dtype=torch.int32)), on(torch.tensor([0, 1], dtype=torch.int32))
+    one, zero = on(torch.ones(1, dtype=torch.int32)), on(torch.zeros(1, dtype=torch.int32))
     blocks = _huge((2**31, 16, 1, 16), device, dtype) if device != "meta" else torch.empty(
         2**31, 16, 1, 16, device="meta")
-    raises(r"paged k_cache has num_blocks 2147483648 \(k_cache.size\(0\)\); expected at most 2\^31 - 1 "
-           r"\(block_table holds int32 block numbers\)", flash_attn_ext.flash_attn_with_kvcache, q, blocks, blocks,
-           None, None, None, None, on(torch.ones(1, dtype=torch.int32)), None, None, table)
+    raises(r"paged k_cache's num_blocks \(k_cache.size\(0\)\) must be at most 2\^31 - 1 \(block_table holds int32 "
+           r"block numbers\), got 2147483648", flash_attn_ext.flash_attn_with_kvcache, q, blocks, blocks,
+           None, None, None, None, one, None, None, table)
+    raises(r"k_cache's batch_cache \(k_cache.size\(0\)\) must be at most 2\^31 - 1 \(cache_batch_idx holds int32 "
+           r"entries\), got 2147483648", flash_attn_ext.flash_attn_with_kvcache, q, blocks, blocks,
+           None, None, None, None, one, zero)
     with torch.no_grad():
-        raises(r"paged k has num_blocks 2147483648 \(k.size\(0\)\); expected at most 2\^31 - 1",
+        raises(r"paged k's num_blocks \(k.size\(0\)\) must be at most 2\^31 - 1 .*, got 2147483648",
                flash_attn_ext.flash_attn_varlen_func, q3, blocks, blocks, cu, cu, 1, 1, 0.0, None, False, (-1, -1),
                0.0, None, False, False, table)
-    for paged in (False, True):
-        cache = on(torch.randn(1, 16, 1, 16, dtype=dtype))
-        new = on(torch.randn(1, 17, 1, 16, dtype=dtype))
-        where = r"block_table.size\(1\) \* page_size" if paged else r"k_cache.size\(1\)"
-        raises(rf"k has seqlen_new 17 \(k.size\(1\)\) but the cache holds 16 rows per sequence \({where}\); "
-               "expected at most that many", flash_attn_ext.flash_attn_with_kvcache, q, cache, cache.clone(), new, new,
-               None, None, on(torch.zeros(1, dtype=torch.int32)), None, None, table if paged else None)
+    cache, new = on(torch.randn(1, 16, 1, 16)), on(torch.randn(1, 17, 1, 16))
+    # (cache_batch_idx, cache_leftpad, block_table): contiguous, paged, cache_batch_idx
+    for where, extra in ((r"k_cache.size\(1\)", (None, None, None)),
+                         (r"block_table.size\(1\) \* page_size", (None, None, table)),
+                         (r"k_cache.size\(1\)", (zero, None, None))):
+        raises(rf"k's seqlen_new \(k.size\(1\)\) must be at most the cache's rows per sequence \({where}\), "
+               "got 17 and 16", flash_attn_ext.flash_attn_with_kvcache, q, cache, cache.clone(), new, new,
+               None, None, zero, *extra)
     if device != "cuda":  # on CPU a virtual allocation: the check reads no entry (CUDA: 8 GiB of device memory)
         many = torch.empty(2**31 + 2, dtype=torch.int32, device=device)
-        raises(r"cu_seqlens_q has 2147483650 entries; expected batch \+ 1 with batch = 2147483649 fitting in int32",
+        raises(r"batch \(cu_seqlens_q.size\(0\) - 1\) must fit in int32, got 2147483649",
                flash_attn_ext.flash_attn_varlen_func, q3, q3, q3, many, many, 1, 1)
 
 

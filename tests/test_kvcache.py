@@ -340,6 +340,32 @@ def test_kvcache_int_cache_seqlens_compiles_once():
     assert counter.frame_count <= 2, counter.frame_count
 
 
+@pytest.mark.parametrize("cache_batch_idx", [False, True])
+def test_kvcache_new_keys_of_data_dependent_length_compile(cache_batch_idx):
+    """New keys whose count comes from the data (.item()) compile with fullgraph=True and
+    dynamic=True: their bound by the cache's rows (a refusal in eager calls) is a runtime assert on
+    the unbacked size, not a guard (a plain comparison raised GuardOnDataDependentSymNode). The
+    eager bits, the caches too."""
+    kc, vc = torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    q, k_all, v_all = torch.randn(2, 1, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    seqlens = torch.tensor([3, 20], dtype=torch.int32)
+    idx = torch.tensor([1, 0], dtype=torch.int32) if cache_batch_idx else None
+
+    def step(q, k_cache, v_cache, n):
+        m = n.item()
+        torch._check(m >= 0)
+        torch._check(m <= k_all.shape[1])
+        return flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_all[:, :m], v_all[:, :m],
+                                                      cache_seqlens=seqlens, cache_batch_idx=idx, causal=True)
+
+    torch._dynamo.reset()
+    eager_kc, eager_vc = kc.clone(), vc.clone()
+    want = step(q, eager_kc, eager_vc, torch.tensor(5))
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")(q, kc, vc, torch.tensor(5))
+    assert torch.equal(got, want) and torch.equal(kc, eager_kc) and torch.equal(vc, eager_vc)
+
+
 @pytest.mark.parametrize("change", [
     lambda a: a.update(k=torch.randn(2, 1, 2, 16)),                   # k without v
     lambda a: a.update(q=torch.randn(2, 1, 3, 16)),                   # 3 heads over 2 kv heads

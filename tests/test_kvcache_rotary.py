@@ -259,6 +259,29 @@ def test_kvcache_rotary_and_batch_idx_compile_fullgraph():
     assert torch.equal(args["k_cache"], eager_kc) and torch.equal(args["v_cache"], eager_vc)
 
 
+def test_kvcache_rotary_default_scale_compiles_dynamic():
+    """Rotary tables with the default softmax_scale under torch.compile(dynamic=True, fullgraph=True):
+    the scale 1 / sqrt(headdim) is a symbolic float there, which the wrapper's early shape checks
+    passed to math.isfinite (Dynamo: "torch.* op returned non-Tensor"); the op's fake kernel checks
+    it. Varying batch and new-key counts, each the eager bits."""
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, cos, sin):
+        return flash_attn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                                      cache_seqlens=cache_seqlens, causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    cos, sin = torch.rand(64, 8).cos(), torch.rand(64, 8).sin()
+    for batch, new in ((2, 2), (3, 5), (4, 3)):
+        q = torch.randn(batch, 1, 6, 16)
+        kc, vc = torch.randn(batch, 32, 3, 16), torch.randn(batch, 32, 3, 16)
+        k, v = torch.randn(batch, new, 3, 16), torch.randn(batch, new, 3, 16)
+        seqlens = torch.randint(0, 32 - new, (batch,), dtype=torch.int32)
+        eager_kc, eager_vc = kc.clone(), vc.clone()
+        want = step(q, eager_kc, eager_vc, k, v, seqlens, cos, sin)
+        assert torch.equal(compiled(q, kc, vc, k, v, seqlens, cos, sin), want)
+        assert torch.equal(kc, eager_kc) and torch.equal(vc, eager_vc)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kvcache_rotary_and_batch_idx_cuda_graph():
     """A decode step with rotary tables and cache_batch_idx captured in a CUDA graph: each replay

@@ -196,6 +196,28 @@ def test_varlen_max_seqlen_stays_symbolic_under_compile(device, dtype):
     assert torch.equal(out, unpadded(q, k, v, seqlens))
 
 
+def test_varlen_cu_seqlens_of_data_dependent_length_compiles():
+    """cu_seqlens whose length comes from the data (sequence starts found by .nonzero() in restarting
+    position ids, as transformers' packed-sequence path finds them) compile with fullgraph=True and
+    dynamic=True, forward and backward: the batch's int32 bound on an unbacked size is a runtime
+    assert, not a guard (a plain comparison raised GuardOnDataDependentSymNode). The eager bits."""
+    def step(q, k, v, pos):
+        starts = torch.cat([pos.new_ones(1, dtype=torch.bool), pos.diff() <= 0]).nonzero().flatten()
+        cu = torch.cat([starts, starts.new_full((1,), pos.shape[0])]).int()
+        return flash_attn_ext.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, causal=True)
+
+    pos = torch.tensor([0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4])
+    q, k, v = (torch.randn(12, 4, 16, requires_grad=True) for _ in range(3))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        out = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v, pos)
+    ref = step(q, k, v, pos)
+    assert torch.equal(out, ref)
+    for g, rg in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
+                     torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        assert torch.equal(g, rg)
+
+
 def test_compiled_checks_keep_their_messages():
     """Under torch.compile a refused call still names the cause: the checks of a fake kernel run in
     plain Python when Dynamo calls the op on fake tensors (a second engineer's review found that a
