@@ -67,9 +67,13 @@ void check_same_device(const Tensor& t, const char* name, const Tensor& q) {
               " but q is on ", q.device(), "; all tensors must be on one device");
 }
 
+// A dtype as Python spells it (torch.float32, not c10's Float): the fake kernels' messages print
+// torch.dtype, and the two sides' messages are the same text (tests/test_fake_kernels.py).
+std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
 void check_same_dtype(const Tensor& t, const char* name, const Tensor& q) {
   TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn_ext: ", name, " has dtype ",
-              t.scalar_type(), " but q has dtype ", q.scalar_type(), "; they must match");
+              dtype_name(t.scalar_type()), " but q has dtype ", dtype_name(q.scalar_type()), "; they must match");
 }
 
 void check_last_dim_contiguous(const Tensor& t, const char* name, const char* hint = "; call .contiguous() first") {
@@ -85,11 +89,11 @@ void check_devices_dtypes(const Tensor& q, const Tensor& k, const Tensor& v, boo
   check_same_device(v, v_name, q);
   const auto dt = q.scalar_type();
   if (cuda) {
-    TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, "flash_attn_ext: q has dtype ", dt,
+    TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, "flash_attn_ext: q has dtype ", dtype_name(dt),
                 "; CUDA supports float16 and bfloat16");
   } else {
     TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16,
-                "flash_attn_ext: q has dtype ", dt,
+                "flash_attn_ext: q has dtype ", dtype_name(dt),
                 "; CPU supports float32, float64, float16 and bfloat16");
   }
   check_same_dtype(k, k_name, q);
@@ -206,8 +210,8 @@ Sizes check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, double softma
 // softmax_stats: (2, batch, nheads, seqlen_q) float32 on q's device (the forward's third output).
 void check_stats(const Tensor& stats, const Tensor& q, const Sizes& s) {
   check_same_device(stats, "softmax_stats", q);
-  TORCH_CHECK(stats.scalar_type() == at::kFloat, "flash_attn_ext: softmax_stats has dtype ", stats.scalar_type(),
-              "; expected float32");
+  TORCH_CHECK(stats.scalar_type() == at::kFloat, "flash_attn_ext: softmax_stats has dtype ",
+              dtype_name(stats.scalar_type()), "; expected float32");
   TORCH_CHECK(stats.dim() == 4 && stats.size(0) == 2 && stats.size(1) == s.batch && stats.size(2) == s.nheads &&
                   stats.size(3) == s.seqlen_q,
               "flash_attn_ext: softmax_stats has shape ", stats.sizes(),
@@ -228,7 +232,7 @@ void check_bwd_extra(const Tensor& dout, const Tensor& q, const Tensor& out, con
   TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn_ext: out has shape ", out.sizes(),
               "; expected q's shape ", q.sizes());
   TORCH_CHECK(softmax_lse.scalar_type() == at::kFloat, "flash_attn_ext: softmax_lse has dtype ",
-              softmax_lse.scalar_type(), "; expected float32");
+              dtype_name(softmax_lse.scalar_type()), "; expected float32");
   TORCH_CHECK(softmax_lse.dim() == 3 && softmax_lse.size(0) == s.batch && softmax_lse.size(1) == s.nheads &&
                   softmax_lse.size(2) == s.seqlen_q,
               "flash_attn_ext: softmax_lse has shape ", softmax_lse.sizes(), "; expected (batch, nheads, seqlen_q) = (",
@@ -240,8 +244,9 @@ void check_bwd_extra(const Tensor& dout, const Tensor& q, const Tensor& out, con
 // first check, check_sinks_device). Returns the checked tensor, contiguous (undefined for None).
 Tensor check_sinks(const c10::optional<Tensor>& sinks, int64_t nheads) {
   if (!sinks.has_value() || !sinks->defined()) return Tensor();
-  TORCH_CHECK(sinks->scalar_type() == at::kFloat, "flash_attn_ext: sinks has dtype ", sinks->scalar_type(),
-              "; expected float32 (flash_attn_func and the other entry points convert it)");
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat, "flash_attn_ext: sinks has dtype ",
+              dtype_name(sinks->scalar_type()), "; expected float32 (flash_attn_func and the other entry points "
+              "convert it)");
   TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == nheads, "flash_attn_ext: sinks has shape ", sinks->sizes(),
               "; expected (nheads,) = (", nheads, ",): one logit per query head");
   return sinks->contiguous();
@@ -278,7 +283,7 @@ DropoutArgs check_dropout(double dropout_p, const c10::optional<Tensor>& rng_sta
   const Tensor& r = *rng_state;
   check_same_device(r, "rng_state", q);
   TORCH_CHECK_VALUE(r.scalar_type() == at::kLong && r.dim() == 1 && r.size(0) == 2,
-                    "flash_attn_ext: rng_state has dtype ", r.scalar_type(), " and shape ", r.sizes(),
+                    "flash_attn_ext: rng_state has dtype ", dtype_name(r.scalar_type()), " and shape ", r.sizes(),
                     "; expected int64 of shape (2,): (seed, offset)");
   TORCH_CHECK_NOT_IMPLEMENTED(mask.window_left < 0 && softcap == 0.0,
                               "flash_attn_ext: dropout_p > 0 with ",
@@ -311,7 +316,7 @@ Tensor check_alibi(const c10::optional<Tensor>& alibi_slopes, const Tensor& q, i
   check_same_device(a, "alibi_slopes", q);
   TORCH_CHECK(a.scalar_type() == at::kFloat &&
                   ((a.dim() == 1 && a.size(0) == nheads) || (a.dim() == 2 && a.size(0) == batch && a.size(1) == nheads)),
-              "flash_attn_ext: alibi_slopes has dtype ", a.scalar_type(), " and shape ", a.sizes(),
+              "flash_attn_ext: alibi_slopes has dtype ", dtype_name(a.scalar_type()), " and shape ", a.sizes(),
               "; expected float32 of shape (nheads,) = (", nheads, ",) or (batch, nheads) = (", batch, ", ", nheads, ")");
   TORCH_CHECK_VALUE(softmax_scale != 0.0, "flash_attn_ext: alibi_slopes with softmax_scale = 0 is not supported (the "
                                           "kernels add the bias in units of the scaled score)");
@@ -368,7 +373,7 @@ void check_dsinks(const c10::optional<Tensor>& dsinks, const Tensor& sinks, cons
   check_same_device(*dsinks, "dsinks", q);
   TORCH_CHECK(dsinks->scalar_type() == at::kFloat && dsinks->dim() == 1 && dsinks->size(0) == nheads &&
                   dsinks->is_contiguous(),
-              "flash_attn_ext: dsinks has dtype ", dsinks->scalar_type(), " and shape ", dsinks->sizes(),
+              "flash_attn_ext: dsinks has dtype ", dtype_name(dsinks->scalar_type()), " and shape ", dsinks->sizes(),
               "; expected contiguous float32 (nheads,) = (", nheads, ",)");
 }
 
@@ -606,7 +611,7 @@ void check_rank3(const Tensor& t, const char* name, const char* layout) {
 
 void check_cu_seqlens(const Tensor& cu, const char* name, const Tensor& q) {
   check_same_device(cu, name, q);
-  TORCH_CHECK(cu.scalar_type() == at::kInt, "flash_attn_ext: ", name, " has dtype ", cu.scalar_type(),
+  TORCH_CHECK(cu.scalar_type() == at::kInt, "flash_attn_ext: ", name, " has dtype ", dtype_name(cu.scalar_type()),
               "; expected int32");
   TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1, "flash_attn_ext: ", name, " has shape ", cu.sizes(),
               "; expected (batch + 1,) with batch >= 0");
@@ -682,14 +687,15 @@ void check_varlen_bwd_extra(const Tensor& dout, const Tensor& q, const Tensor& o
   check_last_dim_contiguous(out, "out");
   TORCH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.dim() == 2 && softmax_lse.size(0) == s.nheads &&
                   softmax_lse.size(1) == s.total_q,
-              "flash_attn_ext: softmax_lse has shape ", softmax_lse.sizes(), " and dtype ", softmax_lse.scalar_type(),
+              "flash_attn_ext: softmax_lse has shape ", softmax_lse.sizes(), " and dtype ",
+              dtype_name(softmax_lse.scalar_type()),
               "; expected (nheads, total_q) = (", s.nheads, ", ", s.total_q, ") float32");
   if (softmax_stats.has_value() && softmax_stats->defined()) {
     const Tensor& st = *softmax_stats;
     check_same_device(st, "softmax_stats", q);
     TORCH_CHECK(st.scalar_type() == at::kFloat && st.dim() == 3 && st.size(0) == 2 && st.size(1) == s.nheads &&
                     st.size(2) == s.total_q,
-                "flash_attn_ext: softmax_stats has shape ", st.sizes(), " and dtype ", st.scalar_type(),
+                "flash_attn_ext: softmax_stats has shape ", st.sizes(), " and dtype ", dtype_name(st.scalar_type()),
                 "; expected (2, nheads, total_q) = (2, ", s.nheads, ", ", s.total_q,
                 ") float32, the varlen forward's third output");
   }
@@ -801,7 +807,7 @@ struct KvcacheSizes {
 // One int32 per sequence, contiguous, on q's device (cache_seqlens, cache_leftpad).
 void check_per_sequence_int32(const Tensor& t, const char* name, const Tensor& q) {
   check_same_device(t, name, q);
-  TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_ext: ", name, " has dtype ", t.scalar_type(),
+  TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_ext: ", name, " has dtype ", dtype_name(t.scalar_type()),
               "; expected int32");
   TORCH_CHECK(t.dim() == 1 && t.size(0) == q.size(0), "flash_attn_ext: ", name, " has shape ", t.sizes(),
               "; expected (batch,) = (", q.size(0), ",)");
@@ -824,7 +830,7 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
   if (ks.paged) {
     const Tensor& bt = *block_table;
     check_same_device(bt, "block_table", q);
-    TORCH_CHECK(bt.scalar_type() == at::kInt, "flash_attn_ext: block_table has dtype ", bt.scalar_type(),
+    TORCH_CHECK(bt.scalar_type() == at::kInt, "flash_attn_ext: block_table has dtype ", dtype_name(bt.scalar_type()),
                 "; expected int32");
     TORCH_CHECK(bt.dim() == 2 && bt.size(0) == batch && bt.size(1) >= 1, "flash_attn_ext: block_table has shape ",
                 bt.sizes(), "; expected (batch, max_blocks) = (", batch, ", >= 1)");

@@ -28,6 +28,16 @@ def _fail(*parts) -> None:
     raise RuntimeError("flash_attn_ext: " + "".join(str(p) for p in parts))
 
 
+def _num(x: float) -> str:
+    """A float as the C++ messages print a double (std::ostream: 6 significant digits, 1.0 as 1)."""
+    return f"{x:g}"
+
+
+def _tuple(sizes) -> str:
+    """Sizes as the C++ messages write an expected shape: (2, 3, 4)."""
+    return "(" + ", ".join(str(n) for n in sizes) + ")"
+
+
 def _symbolic(a, b=False) -> bool:
     """Whether a condition may be symbolic: Dynamo is tracing this code (it shows a SymBool as a
     bool there), or one is a SymBool (a fake kernel's SymInt sizes)."""
@@ -145,13 +155,16 @@ def check_softmax_scale(softmax_scale: float) -> None:
         # A symbolic float under torch.compile(dynamic=True) (1 / sqrt(headdim)) that Dynamo cannot
         # pass to math.isfinite; the op's fake kernel checks the value it is given.
         return
-    if not math.isfinite(softmax_scale) or abs(softmax_scale) * 1.4426950408889634 >= 3.4028234663852886e38:
+    # As the C++ check: softmax_scale * log2(e) finite once rounded to float32 (below FLT_MAX + 2^103,
+    # half an ulp past float32's max).
+    if not math.isfinite(softmax_scale) or abs(softmax_scale * 1.4426950408889634) >= _FLOAT32_ROUNDS_TO_INF:
         _fail("softmax_scale must be finite with |softmax_scale| * log2(e) < 3.4e38 (float32; the kernels "
-              f"scale scores by it), got {softmax_scale}")
+              f"scale scores by it), got {_num(softmax_scale)}")
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+_FLOAT32_ROUNDS_TO_INF = 3.4028235677973366e38  # FLT_MAX + 2^103: doubles from here round to inf in float32
 
 
 def float32(x: float) -> float:
@@ -164,7 +177,7 @@ def check_softcap(softcap: float, softmax_scale: float) -> None:
     hold it as float32) with softcap * log2(e) and |softmax_scale / softcap| (the cap rounded to
     float32) below float32's max."""
     if not (softcap >= 0.0 and softcap < math.inf):  # NaN fails both comparisons
-        _fail(f"softcap must be a finite number >= 0 (0: no soft-capping), got {softcap}")
+        _fail(f"softcap must be a finite number >= 0 (0: no soft-capping), got {_num(softcap)}")
     if softcap == 0.0:
         return
     fits = softcap >= _FLOAT32_MIN_NORMAL and softcap * 1.4426950408889634 < _FLOAT32_MAX
@@ -173,8 +186,8 @@ def check_softcap(softcap: float, softmax_scale: float) -> None:
         fits = cap * 1.4426950408889634 < _FLOAT32_MAX and abs(softmax_scale / cap) < _FLOAT32_MAX
     if not fits:
         _fail("softcap must be within float32's range (the kernels hold it as float32): softcap >= 1.18e-38, "
-              f"softcap * log2(e) < 3.4e38 and |softmax_scale / softcap| < 3.4e38, got softcap {softcap} with "
-              f"softmax_scale {softmax_scale}")
+              f"softcap * log2(e) < 3.4e38 and |softmax_scale / softcap| < 3.4e38, got softcap {_num(softcap)} "
+              f"with softmax_scale {_num(softmax_scale)}")
 
 
 MAX_WINDOWED_SEQLENS = 2**31 - 512  # csrc/flash.h kMaxWindowedSeqlens
@@ -202,11 +215,11 @@ def check_dropout(dropout_p: float, rng_state, q, window_size_left: int, causal:
     sliding window's left bound (normalized as mask_args does) nor soft-capping. ValueError /
     NotImplementedError as the C++ check (TORCH_CHECK_VALUE / TORCH_CHECK_NOT_IMPLEMENTED)."""
     if not (0.0 <= dropout_p < 1.0):  # NaN fails
-        raise ValueError(f"flash_attn_ext: dropout_p must be in [0, 1), got {dropout_p}")
+        raise ValueError(f"flash_attn_ext: dropout_p must be in [0, 1), got {_num(dropout_p)}")
     if dropout_p == 0.0:
         return
     if rng_state is None:
-        raise ValueError(f"flash_attn_ext: dropout_p = {dropout_p} needs rng_state, the call's (seed, offset) as an "
+        raise ValueError(f"flash_attn_ext: dropout_p = {_num(dropout_p)} needs rng_state, the call's (seed, offset) as an "
                          "int64 tensor of shape (2,) on q's device (flash_attn_func and the other entry points draw "
                          "it from torch's generator; pass the forward's to the backward)")
     check_same_device(rng_state, "rng_state", q)
@@ -270,16 +283,19 @@ def check_qkv(q, k, v, softmax_scale: float) -> None:
     check_last_dims_scale(q, k, v, softmax_scale)
 
 
-def check_stats(stats, q, expected: tuple, layout: str) -> None:
-    """softmax_stats: `expected` float32 on q's device (the forward's third output)."""
+def check_stats(stats, q, expected: tuple) -> None:
+    """The dense backward's softmax_stats: `expected` float32 on q's device (the forward's third
+    output); the dtype, then the shape, as the C++ check_stats."""
     check_same_device(stats, "softmax_stats", q)
-    if stats.dtype != torch.float32 or tuple(stats.shape) != expected:
-        _fail("softmax_stats has shape ", _shape(stats), " and dtype ", stats.dtype, f"; expected {layout} = ",
-              list(expected), " float32, the forward's third output")
+    if stats.dtype != torch.float32:
+        _fail("softmax_stats has dtype ", stats.dtype, "; expected float32")
+    if tuple(stats.shape) != expected:
+        _fail("softmax_stats has shape ", _shape(stats), f"; expected (2, batch, nheads, seqlen_q) = "
+              f"{_tuple(expected)}, the forward's third output")
 
 
-def check_bwd_extra(dout, q, out, softmax_lse, lse_shape: tuple, lse_layout: str) -> None:
-    """check_bwd_extra / check_varlen_bwd_extra: dout / out like q, softmax_lse float32."""
+def _check_dout_out(dout, q, out, softmax_lse) -> None:
+    """The backward's dout / out like q (and softmax_lse on q's device)."""
     check_same_device(dout, "dout", q)
     check_same_device(out, "out", q)
     check_same_device(softmax_lse, "softmax_lse", q)
@@ -289,11 +305,34 @@ def check_bwd_extra(dout, q, out, softmax_lse, lse_shape: tuple, lse_layout: str
         _fail("dout has shape ", _shape(dout), "; expected q's shape ", _shape(q))
     if out.shape != q.shape:
         _fail("out has shape ", _shape(out), "; expected q's shape ", _shape(q))
+
+
+def check_bwd_extra(dout, q, out, softmax_lse, lse_shape: tuple) -> None:
+    """check_bwd_extra (dense): dout / out like q, softmax_lse (batch, nheads, seqlen_q) float32."""
+    _check_dout_out(dout, q, out, softmax_lse)
     if softmax_lse.dtype != torch.float32:
         _fail("softmax_lse has dtype ", softmax_lse.dtype, "; expected float32")
     if tuple(softmax_lse.shape) != lse_shape:
-        _fail("softmax_lse has shape ", _shape(softmax_lse), f"; expected {lse_layout} = ", list(lse_shape))
+        _fail("softmax_lse has shape ", _shape(softmax_lse), f"; expected (batch, nheads, seqlen_q) = "
+              f"{_tuple(lse_shape)}")
     check_last_dim_contiguous(out, "out")
+
+
+def check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats) -> None:
+    """check_varlen_bwd_extra: dout / out like q, then softmax_lse (nheads, total_q) and
+    softmax_stats (2, nheads, total_q) float32, each in one check (the C++ side's order)."""
+    _check_dout_out(dout, q, out, softmax_lse)
+    check_last_dim_contiguous(out, "out")
+    total_q, nheads, _ = q.shape
+    if softmax_lse.dtype != torch.float32 or tuple(softmax_lse.shape) != (nheads, total_q):
+        _fail("softmax_lse has shape ", _shape(softmax_lse), " and dtype ", softmax_lse.dtype, "; expected (nheads, "
+              f"total_q) = {_tuple((nheads, total_q))} float32")
+    if softmax_stats is not None:
+        check_same_device(softmax_stats, "softmax_stats", q)
+        if softmax_stats.dtype != torch.float32 or tuple(softmax_stats.shape) != (2, nheads, total_q):
+            _fail("softmax_stats has shape ", _shape(softmax_stats), " and dtype ", softmax_stats.dtype,
+                  f"; expected (2, nheads, total_q) = {_tuple((2, nheads, total_q))} float32, the varlen forward's "
+                  "third output")
 
 
 def check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale: float, softmax_stats) -> None:
@@ -302,9 +341,9 @@ def check_dense_bwd(dout, q, k, v, out, softmax_lse, softmax_scale: float, softm
     check_rank(dout, "dout", 4, "(batch, seqlen_q, nheads, headdim)")
     check_rank(out, "out", 4, "(batch, seqlen_q, nheads, headdim)")
     batch, seqlen_q, nheads, _ = q.shape
-    check_bwd_extra(dout, q, out, softmax_lse, (batch, nheads, seqlen_q), "(batch, nheads, seqlen_q)")
+    check_bwd_extra(dout, q, out, softmax_lse, (batch, nheads, seqlen_q))
     if softmax_stats is not None:
-        check_stats(softmax_stats, q, (2, batch, nheads, seqlen_q), "(2, batch, nheads, seqlen_q)")
+        check_stats(softmax_stats, q, (2, batch, nheads, seqlen_q))
 
 
 def check_sinks_device(sinks, q) -> None:
@@ -383,15 +422,14 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
 
 
 def check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                     max_seqlen_k: int, softmax_scale: float, softmax_stats) -> None:
-    """varlen_backward's checks (check_varlen, then check_varlen_bwd_extra)."""
+                     max_seqlen_k: int, softmax_scale: float, softmax_stats, sinks) -> None:
+    """varlen_backward's checks in the C++ order: check_varlen, check_sinks, then dout / out and
+    check_varlen_bwd_extra."""
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    check_sinks(sinks, q.shape[1])
     check_rank(dout, "dout", 3, "(total_q, nheads, headdim)")
     check_rank(out, "out", 3, "(total_q, nheads, headdim)")
-    total_q, nheads, _ = q.shape
-    check_bwd_extra(dout, q, out, softmax_lse, (nheads, total_q), "(nheads, total_q)")
-    if softmax_stats is not None:
-        check_stats(softmax_stats, q, (2, nheads, total_q), "(2, nheads, total_q)")
+    check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats)
 
 
 def check_seqlen_new(seqlen_new, capacity, capacity_name: str) -> None:

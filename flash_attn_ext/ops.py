@@ -269,9 +269,8 @@ def _varlen_backward_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seql
                           alibi_slopes=None):
     _checks.check_sinks_device(sinks, q)
     _checks.check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                             max_seqlen_k, softmax_scale, softmax_stats)
+                             max_seqlen_k, softmax_scale, softmax_stats, sinks)
     _checks.check_softcap(softcap, softmax_scale)
-    _checks.check_sinks(sinks, q.shape[1])
     _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
     _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, max_seqlen_q, max_seqlen_k, softcap)
     _checks.check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1], softmax_scale, softcap, dropout_p,

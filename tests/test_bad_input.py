@@ -42,7 +42,7 @@ def test_unsupported_dtype(dtype):
 def test_mismatched_dtype(name, index):
     args = list(qkv())
     args[index] = args[index].double()
-    raises(rf"{name} has dtype Double but q has dtype Float", fwd, *args, 0.1, False)
+    raises(rf"{name} has dtype torch.float64 but q has dtype torch.float32", fwd, *args, 0.1, False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to place a tensor elsewhere")
@@ -260,7 +260,7 @@ def test_bwd_dout_rank():
 def test_bwd_dout_dtype():
     args = _bwd_args()
     args[0] = args[0].double()
-    raises(r"dout has dtype Double but q has dtype Float", bwd, *args)
+    raises(r"dout has dtype torch.float64 but q has dtype torch.float32", bwd, *args)
 
 
 def test_bwd_out_shape():
@@ -278,14 +278,14 @@ def test_bwd_lse_shape():
 def test_bwd_lse_dtype():
     args = _bwd_args()
     args[5] = args[5].double()
-    raises(r"softmax_lse has dtype Double; expected float32", bwd, *args)
+    raises(r"softmax_lse has dtype torch.float64; expected float32", bwd, *args)
 
 
 def test_cuda_only_dtypes_documented_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device: checks that CUDA rejects float32 with a clear error")
     q, k, v = (t.cuda() for t in qkv())
-    raises(r"q has dtype Float; CUDA supports float16 and bfloat16|this build has no CUDA kernels", fwd, q, k, v, 0.1, False)
+    raises(r"q has dtype torch.float32; CUDA supports float16 and bfloat16|this build has no CUDA kernels", fwd, q, k, v, 0.1, False)
 
 
 def test_double_backward_raises():
@@ -450,9 +450,9 @@ def test_return_attn_probs_gives_flash_attns_triple():
     ("softcap", True, TypeError, "softcap must be a real number"),
     ("softcap", "30", TypeError, "softcap must be a real number"),
     ("alibi_slopes", [0.5, 0.25], TypeError, r"alibi_slopes must be a float32 tensor of shape \(nheads,\)"),
-    ("alibi_slopes", torch.ones(3), RuntimeError, r"alibi_slopes has dtype Float and shape \[3\]; expected float32 of "
+    ("alibi_slopes", torch.ones(3), RuntimeError, r"alibi_slopes has dtype torch.float32 and shape \[3\]; expected float32 of "
                                                   r"shape \(nheads,\) = \(4,\)"),
-    ("alibi_slopes", torch.ones(4, dtype=torch.float64), RuntimeError, "alibi_slopes has dtype Double"),
+    ("alibi_slopes", torch.ones(4, dtype=torch.float64), RuntimeError, "alibi_slopes has dtype torch.float64"),
     ("return_attn_probs", "yes", TypeError, "return_attn_probs must be a bool"),
     ("dropout_p", "0.1", TypeError, "dropout_p must be a real number"),
     ("softcap", None, TypeError, "softcap must be a real number"),

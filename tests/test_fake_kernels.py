@@ -120,6 +120,25 @@ def _set(**changes):
     return apply
 
 
+_OPTIONAL = ("window_size_left", "window_size_right", "sinks", "softcap", "dropout_p", "rng_state", "alibi_slopes")
+_DEFAULTS = dict(window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0, rng_state=None,
+                 alibi_slopes=None)
+
+
+def _optional(**values):
+    """A case: the dense / varlen ops' optional arguments (schema order, after softmax_stats for the
+    backward ops) up to the last one given, the others at their defaults; each value a function of
+    the args dict or a constant."""
+    last = max(_OPTIONAL.index(n) for n in values)
+
+    def apply(a):
+        for name in _OPTIONAL[:last + 1]:
+            value = values.get(name, _DEFAULTS[name])
+            a[name] = value(a) if callable(value) else value
+        return a
+    return apply
+
+
 def _softcap(value, kvcache=False):
     """A case: softcap (every op's last argument) set to ``value``, the optional arguments before it
     at their defaults (the args dicts are passed positionally)."""
@@ -154,6 +173,16 @@ CASES = [
     ("backward", "lse shape", _set(softmax_lse=lambda a: a["softmax_lse"][:, :, :8])),
     ("backward", "stats shape", _set(softmax_stats=lambda a: a["softmax_stats"][:1])),
     ("backward", "k last dim strided", _set(k=lambda a: _strided(a["k"]))),
+    ("backward", "stats float64", _set(softmax_stats=lambda a: a["softmax_stats"].double())),
+    # numbers in messages, printed as the C++ side prints a double (6 significant digits)
+    ("forward", "dropout_p 1", _optional(dropout_p=1.0)),
+    ("forward", "dropout_p 1/3 without rng_state", _optional(dropout_p=1 / 3)),
+    ("forward", "rng_state int32", _optional(dropout_p=0.1, rng_state=lambda a: torch.zeros(
+        2, dtype=torch.int32, device=a["q"].device))),
+    ("forward", "scale 1e39 / 3", _set(softmax_scale=lambda a: 1e39 / 3)),
+    ("forward", "softcap 1e-39 (prints softmax_scale)", _optional(softcap=1e-39)),
+    ("forward", "sinks float64", _optional(sinks=lambda a: torch.zeros(4, dtype=torch.float64, device=a["q"].device))),
+    ("forward", "alibi_slopes shape", _optional(alibi_slopes=lambda a: torch.ones(3, device=a["q"].device))),
     # varlen
     ("varlen_forward", "cu_seqlens_q strided", _set(cu_seqlens_q=lambda a: torch.stack(
         [a["cu_seqlens_q"], a["cu_seqlens_q"]], 1)[:, 0])),
@@ -168,6 +197,14 @@ CASES = [
     ("varlen_backward", "out 4-D", _set(out=lambda a: a["out"][None])),
     ("varlen_backward", "lse shape", _set(softmax_lse=lambda a: a["softmax_lse"][:, :8])),
     ("varlen_backward", "stats float64", _set(softmax_stats=lambda a: a["softmax_stats"].double())),
+    ("varlen_backward", "stats shape", _set(softmax_stats=lambda a: a["softmax_stats"][:1])),
+    ("varlen_backward", "lse float64", _set(softmax_lse=lambda a: a["softmax_lse"].double())),
+    ("varlen_backward", "out strided and lse float64 (the order)", _set(
+        out=lambda a: _strided(a["out"]), softmax_lse=lambda a: a["softmax_lse"].double())),
+    ("varlen_backward", "sinks float64 and dout 2-D (the order)", lambda a: _optional(
+        sinks=torch.zeros(4, dtype=torch.float64, device=a["q"].device))(_set(dout=lambda b: b["dout"][0])(a))),
+    ("varlen_backward", "sinks shape and softcap negative (the order)", lambda a: _optional(
+        sinks=torch.zeros(3, device=a["q"].device), softcap=-0.5)(a)),
     # softcap (check_softcap): negative, NaN, infinite, past float32's range
     ("forward", "softcap negative", _softcap(-1.0)),
     ("forward", "softcap 1e39", _softcap(1e39)),
@@ -203,16 +240,36 @@ CASES = [
 
 @pytest.mark.parametrize("op_name,what,change", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_bad_input_refused_by_op_and_fake(op_name, what, change):
-    """The op (CPU) and its fake kernel (meta) refuse the input by the same check: their messages
-    open with the same four words ("flash_attn_ext: <argument> has <what>"), so a check missing from
-    one side shows even where a later check would refuse the input too."""
-    heads = []
+    """The op (CPU) and its fake kernel (meta) refuse the input by the same check with the same
+    message, word for word (dtypes as torch spells them, numbers as the C++ side prints a double,
+    the checks in the same order: a check missing from one side, or run after another, shows even
+    where a later check would refuse the input too). The messages up to torch's appended C++
+    context (the op's own line: "flash_attn_ext: ...")."""
+    messages = []
     for dev in ("cpu", "meta"):
         args = change(OPS[op_name][1](dev))
-        with pytest.raises(RuntimeError, match="^flash_attn_ext: ") as err:
+        with pytest.raises((RuntimeError, ValueError, NotImplementedError), match="^flash_attn_ext: ") as err:
             _call(op_name, args)
-        heads.append(str(err.value).split()[:4])
-    assert heads[0] == heads[1], heads
+        messages.append((type(err.value).__name__, str(err.value).splitlines()[0]))
+    assert messages[0] == messages[1], messages
+
+
+@pytest.mark.parametrize("op_name", ["forward", "fwd_kvcache"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_softmax_scale_at_float32s_edge_taken_by_op_and_fake(op_name, sign):
+    """softmax_scale whose product with log2(e) is past float32's max as a double but rounds to it
+    in float32 (below FLT_MAX + 2^103) is taken by the op and by its fake kernel alike (the fake
+    refused |scale| in [2.3586574916681825e38, 2.358657561961658e38)); past that, both refuse."""
+    taken = sign * 2.3586575619e38
+    refused = sign * 2.3586575620e38
+    for dev in ("cpu", "meta"):
+        args = OPS[op_name][1](dev)
+        args["softmax_scale"] = taken
+        _call(op_name, args)
+        args = OPS[op_name][1](dev)
+        args["softmax_scale"] = refused
+        with pytest.raises(RuntimeError, match=r"softmax_scale must be finite .* got -?2\.35866e\+38"):
+            _call(op_name, args)
 
 
 MAX_SEQLEN = 2**31 - 256

@@ -191,7 +191,7 @@ def test_kvcache_flash_attn_keywords():
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     # (rotary_cos / rotary_sin / cache_batch_idx / cache_leftpad run: tests/test_kvcache_rotary.py)
     # alibi_slopes runs (tests/test_alibi.py); another shape is a RuntimeError naming it.
-    with pytest.raises(RuntimeError, match="alibi_slopes has dtype Float and shape \\[3\\]"):
+    with pytest.raises(RuntimeError, match="alibi_slopes has dtype torch.float32 and shape \\[3\\]"):
         flash_attn_ext.flash_attn_with_kvcache(**args, alibi_slopes=torch.ones(3))
     # softcap runs (tests/test_softcap.py); a negative one is a ValueError naming it.
     assert not torch.equal(flash_attn_ext.flash_attn_with_kvcache(**args, softcap=30.0), want)
