@@ -28,6 +28,21 @@ def _fail(*parts) -> None:
     raise RuntimeError("flash_attn_ext: " + "".join(str(p) for p in parts))
 
 
+def _sizes_ok(ok, full, static: str) -> None:
+    """A check over sizes that may be symbolic under torch.compile (a tensor sliced by .item(), rows
+    picked by .nonzero(): unbacked sizes, which an `if` cannot decide): a bool, or a SymBool that has
+    a hint, is decided now and raises RuntimeError("flash_attn_ext: " + full()), the C++ check's
+    text; an unbacked SymBool becomes torch._check's runtime assert with `static` (no sizes: a
+    formatted size would be specialized). In code Dynamo traces (the Python entries' own checks) it
+    is left to the op's fake kernel, as _require does."""
+    if torch.compiler.is_dynamo_compiling():
+        return
+    if isinstance(ok, torch.SymBool) and not ok.node.has_hint():
+        torch._check_with(RuntimeError, ok, lambda: "flash_attn_ext: " + static)
+    elif not ok:
+        raise RuntimeError("flash_attn_ext: " + full())
+
+
 def _num(x: float) -> str:
     """A float as the C++ messages print a double (std::ostream: 6 significant digits, 1.0 as 1)."""
     return f"{x:g}"
@@ -272,14 +287,15 @@ def check_qkv(q, k, v, softmax_scale: float) -> None:
     check_rank(v, "v", 4, "(batch, seqlen_k, nheads_k, headdim)")
     check_devices_dtypes(q, k, v, "k", "v")
     batch = q.shape[0]
-    if k.shape[0] != batch or v.shape[0] != batch:
-        _fail(f"batch mismatch: q has batch {batch}, k has {k.shape[0]}, v has {v.shape[0]}; expected equal")
-    if v.shape[1] != k.shape[1]:
-        _fail(f"v has seqlen {v.shape[1]} but k has seqlen_k {k.shape[1]}; expected equal")
+    _sizes_ok(_and(k.shape[0] == batch, v.shape[0] == batch),
+              lambda: f"batch mismatch: q has batch {batch}, k has {k.shape[0]}, v has {v.shape[0]}; expected equal",
+              "batch mismatch: q, k and v must have one batch")
+    _sizes_ok(v.shape[1] == k.shape[1], lambda: f"v has seqlen {v.shape[1]} but k has seqlen_k {k.shape[1]}; expected "
+              "equal", "v must have k's seqlen_k")
     check_heads_headdim(q, k, v, "k", "v")
-    if batch > _INT32_MAX or q.shape[1] > MAX_SEQLEN or k.shape[1] > MAX_SEQLEN:
-        _fail(f"batch must fit in int32 and seqlen_q, seqlen_k be at most 2^31 - 256 = {MAX_SEQLEN} (tile "
-              "counts are int32), got q shape ", _shape(q), ", k shape ", _shape(k))
+    limits = f"batch must fit in int32 and seqlen_q, seqlen_k be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32)"
+    _sizes_ok(_and(_and(batch <= _INT32_MAX, q.shape[1] <= MAX_SEQLEN), k.shape[1] <= MAX_SEQLEN),
+              lambda: f"{limits}, got q shape {_shape(q)}, k shape {_shape(k)}", limits)
     check_last_dims_scale(q, k, v, softmax_scale)
 
 
@@ -402,23 +418,23 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     check_rank(q, "q", 3, "(total_q, nheads, headdim)")
     check_rank(k, "k", 3, "(total_k, nheads_k, headdim)")
     check_rank(v, "v", 3, "(total_k, nheads_k, headdim)")
-    if v.shape[0] != k.shape[0]:
-        _fail(f"v has {v.shape[0]} rows but k has total_k = {k.shape[0]}; expected equal")
+    _sizes_ok(v.shape[0] == k.shape[0], lambda: f"v has {v.shape[0]} rows but k has total_k = {k.shape[0]}; expected "
+              "equal", "v must have k's total_k rows")
     check_devices_dtypes(q, k, v, "k", "v")
     check_heads_headdim(q, k, v, "k", "v")
     check_last_dims_scale(q, k, v, softmax_scale)
     check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
     check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q)
-    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-        _fail(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
-              "expected equal (batch + 1 each)")
+    _sizes_ok(cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0],
+              lambda: f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
+              "expected equal (batch + 1 each)", "cu_seqlens_q and cu_seqlens_k must have batch + 1 entries each")
     batch = cu_seqlens_q.shape[0] - 1  # a SymInt, unbacked for cu_seqlens built by .nonzero() under compile
     _require(batch <= _INT32_MAX, RuntimeError, "batch (cu_seqlens_q.size(0) - 1) must fit in int32",
              lambda: f", got {batch}")
     check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    if q.shape[0] > MAX_SEQLEN or k.shape[0] > MAX_SEQLEN:
-        _fail(f"total_q and total_k must be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32), got "
-              f"{q.shape[0]} and {k.shape[0]}")
+    totals = f"total_q and total_k must be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32)"
+    _sizes_ok(_and(q.shape[0] <= MAX_SEQLEN, k.shape[0] <= MAX_SEQLEN),
+              lambda: f"{totals}, got {q.shape[0]} and {k.shape[0]}", totals)
 
 
 def check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -444,8 +460,9 @@ def check_per_sequence_int32(t, name: str, q) -> None:
     check_same_device(t, name, q)
     if t.dtype != torch.int32:
         _fail(name, " has dtype ", t.dtype, "; expected int32")
-    if tuple(t.shape) != (q.shape[0],):
-        _fail(name, " has shape ", _shape(t), f"; expected (batch,) = ({q.shape[0]},)")
+    _sizes_ok(_and(t.dim() == 1, t.shape[0] == q.shape[0] if t.dim() == 1 else False),
+              lambda: f"{name} has shape {_shape(t)}; expected (batch,) = ({q.shape[0]},)",
+              f"{name} must have shape (batch,)")
     if not t.is_contiguous():
         _fail(name, " must be contiguous")
 
@@ -456,33 +473,38 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     check_rank(k_cache, "k_cache", 4, "(batch_cache, seqlen_cache, nheads_k, headdim) or paged (num_blocks, "
                "page_size, nheads_k, headdim)")
     check_rank(v_cache, "v_cache", 4, "like k_cache")
-    if v_cache.shape != k_cache.shape:
-        _fail("v_cache has shape ", _shape(v_cache), " but k_cache has shape ", _shape(k_cache), "; expected equal")
+    same = True
+    for a, b in zip(v_cache.shape, k_cache.shape):
+        same = _and(same, a == b)
+    _sizes_ok(same, lambda: f"v_cache has shape {_shape(v_cache)} but k_cache has shape {_shape(k_cache)}; expected "
+              "equal", "v_cache must have k_cache's shape")
     batch = q.shape[0]
     if block_table is not None:
         check_same_device(block_table, "block_table", q)
         if block_table.dtype != torch.int32:
             _fail("block_table has dtype ", block_table.dtype, "; expected int32")
-        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-            _fail("block_table has shape ", _shape(block_table), f"; expected (batch, max_blocks) = ({batch}, >= 1)")
+        _sizes_ok(_and(block_table.shape[0] == batch, block_table.shape[1] >= 1) if block_table.dim() == 2 else False,
+                  lambda: f"block_table has shape {_shape(block_table)}; expected (batch, max_blocks) = ({batch}, >= 1)",
+                  "block_table must have shape (batch, max_blocks >= 1)")
         if block_table.stride(1) != 1:
             _fail("block_table must have a contiguous last dimension")
         page_size = k_cache.shape[1]
         check_page_size(page_size, "k_cache")
         check_num_blocks(k_cache.shape[0], "k_cache")
-        if block_table.shape[1] * page_size > MAX_SEQLEN:
-            _fail("block_table.size(1) * page_size (the longest sequence's cache) must be at most 2^31 - 256 = "
-                  f"{MAX_SEQLEN}, got {block_table.shape[1]} * {page_size}")
-    elif k_cache.shape[0] != batch:
-        _fail(f"k_cache has batch {k_cache.shape[0]} but q has batch {batch}; expected equal (or pass block_table "
-              "for a paged cache)")
+        longest = ("block_table.size(1) * page_size (the longest sequence's cache) must be at most 2^31 - 256 = "
+                   f"{MAX_SEQLEN}")
+        _sizes_ok(block_table.shape[1] * page_size <= MAX_SEQLEN,
+                  lambda: f"{longest}, got {block_table.shape[1]} * {page_size}", longest)
+    else:
+        _sizes_ok(k_cache.shape[0] == batch, lambda: f"k_cache has batch {k_cache.shape[0]} but q has batch {batch}; "
+                  "expected equal (or pass block_table for a paged cache)", "k_cache must have q's batch")
     check_devices_dtypes(q, k_cache, v_cache, "k_cache", "v_cache")
     check_heads_headdim(q, k_cache, v_cache, "k_cache", "v_cache")
-    if batch > _INT32_MAX or k_cache.shape[1] > MAX_SEQLEN or \
-            q.shape[1] * (q.shape[2] // k_cache.shape[2]) > MAX_SEQLEN:
-        _fail("batch must fit in int32, seqlen_cache and seqlen_q * nheads / nheads_k (the packed rows of a kv "
-              f"head) be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32), got q shape ", _shape(q),
-              ", k_cache shape ", _shape(k_cache))
+    limits = ("batch must fit in int32, seqlen_cache and seqlen_q * nheads / nheads_k (the packed rows of a kv "
+              f"head) be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32)")
+    _sizes_ok(_and(_and(batch <= _INT32_MAX, k_cache.shape[1] <= MAX_SEQLEN),
+                   q.shape[1] * (q.shape[2] // k_cache.shape[2]) <= MAX_SEQLEN),
+              lambda: f"{limits}, got q shape {_shape(q)}, k_cache shape {_shape(k_cache)}", limits)
     check_last_dim_contiguous(q, "q")
     in_place = ("; the cache is written in place, so it cannot be copied: allocate it with a contiguous last "
                 "dimension")
@@ -505,12 +527,13 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             check_rank(t, name, 4, "(batch, seqlen_new, nheads_k, headdim)")
             check_same_device(t, name, q)
             check_same_dtype(t, name, q)
-            if t.shape[0] != batch or t.shape[2] != k_cache.shape[2] or t.shape[3] != q.shape[3]:
-                _fail(name, " has shape ", _shape(t), f"; expected (batch, seqlen_new, nheads_k, headdim) = ({batch}, "
-                      f"seqlen_new, {k_cache.shape[2]}, {q.shape[3]})")
+            _sizes_ok(_and(_and(t.shape[0] == batch, t.shape[2] == k_cache.shape[2]), t.shape[3] == q.shape[3]),
+                      lambda: f"{name} has shape {_shape(t)}; expected (batch, seqlen_new, nheads_k, headdim) = "
+                      f"({batch}, seqlen_new, {k_cache.shape[2]}, {q.shape[3]})",
+                      f"{name} must have shape (batch, seqlen_new, nheads_k, headdim)")
             check_last_dim_contiguous(t, name)
-        if v.shape[1] != k.shape[1]:
-            _fail(f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; expected equal")
+        _sizes_ok(v.shape[1] == k.shape[1], lambda: f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; expected "
+                  "equal", "v must have k's seqlen_new")
         check_seqlen_new(k.shape[1], k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1),
                          "block_table.size(1) * page_size" if block_table is not None else "k_cache.size(1)")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -442,10 +442,13 @@ class MultiheadFlashAttention(nn.Module):
                 f"MultiheadFlashAttention: is_causal=True with an attn_mask needs seqlen_q == seqlen_k "
                 f"(the mask is torch's square causal hint), got seqlen_q {seqlen_q} and seqlen_k {seqlen_k}; "
                 "pass attn_mask=None with is_causal=True for bottom-right aligned causal attention")
-        msg = ("MultiheadFlashAttention: with is_causal=True, attn_mask must be the square causal "
-               f"mask of shape ({seqlen_q}, {seqlen_k}) (or None); other masks are not supported")
+        def msg(sizes: bool = True) -> str:  # the sizes formatted only in eager text (a symbolic size
+            # formatted under torch.compile would be pinned to its value: one graph per length)
+            return ("MultiheadFlashAttention: with is_causal=True, attn_mask must be the square causal mask"
+                    + (f" of shape ({seqlen_q}, {seqlen_k})" if sizes else "") + " (or None); other masks are "
+                    "not supported")
         if tuple(attn_mask.shape) != (seqlen_q, seqlen_k):
-            raise NotImplementedError(msg)
+            raise NotImplementedError(msg())
         i = torch.arange(seqlen_q, device=attn_mask.device)[:, None]
         j = torch.arange(seqlen_k, device=attn_mask.device)[None, :]
         # torch.nn.MultiheadAttention's causal hint is top-left (torch.nn.Transformer
@@ -456,10 +459,10 @@ class MultiheadFlashAttention(nn.Module):
         else:  # additive float mask: 0 = attend, -inf = blocked, nothing else
             ok = torch.where(expected, attn_mask == 0, torch.isneginf(attn_mask)).all()
         if torch.compiler.is_compiling():
-            assert_in_graph(ok, msg)  # in-graph, data-dependent: no graph break
+            assert_in_graph(ok, msg(sizes=False))  # in-graph, data-dependent: no graph break
             return
         if not bool(ok):
-            raise NotImplementedError(msg)
+            raise NotImplementedError(msg())
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "

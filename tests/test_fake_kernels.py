@@ -289,3 +289,31 @@ def test_size_limits_refused_on_meta(op_name, args, match):
         a[name] = torch.empty(shape, dtype=a[name].dtype, device="meta")
     with pytest.raises(RuntimeError, match=match):
         _call(op_name, a)
+
+
+@pytest.mark.parametrize("sliced", ["dense k / v", "kvcache q", "kvcache k / v"])
+def test_sizes_of_data_dependent_length_compile(sliced):
+    """Keys or queries counted by .item() (unbacked sizes under torch.compile; no torch._check hints
+    given) compile with fullgraph=True on two input shapes: the shape checks that compare sizes (k's
+    and v's seqlen, the int32 bounds) are runtime asserts there, not guards ("Could not guard on
+    data-dependent expression Ne(u2, u1)" before). The eager bits."""
+    def step(q, k, v, n):
+        m = n.item()
+        if sliced == "dense k / v":
+            return flash_attn_ext.flash_attn_func(q, k[:, :m], v[:, :m], causal=True)
+        if sliced == "kvcache k / v":
+            kc, vc = torch.zeros(q.shape[0], 32, 2, 16), torch.zeros(q.shape[0], 32, 2, 16)
+            return flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, k[:, :m], v[:, :m], causal=True,
+                                                          cache_seqlens=torch.full((q.shape[0],), 4, dtype=torch.int32))
+        torch._check(m >= 0)
+        torch._check(m <= q.shape[1])
+        return flash_attn_ext.flash_attn_with_kvcache(q[:, :m], k, v, causal=True,
+                                                      cache_seqlens=torch.full((q.shape[0],), k.shape[1],
+                                                                               dtype=torch.int32))
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        for b, s in ((5, 6), (7, 9)):
+            q, k, v = torch.randn(b, s, 4, 16), torch.randn(b, s + 2, 2, 16), torch.randn(b, s + 2, 2, 16)
+            assert torch.equal(compiled(q, k, v, torch.tensor(3)), step(q, k, v, torch.tensor(3)))

@@ -782,6 +782,21 @@ def test_causal_hint_is_checked_under_compile(backend):
         cm(x, x, x, attn_mask=torch.zeros(7, 8), is_causal=True)
 
 
+def test_causal_hint_compiles_once_for_every_length():
+    """The causal hint under torch.compile(fullgraph=True) over six sequence lengths: two graphs (the
+    first static, then automatic dynamic), not one per length (the check's message formatted the
+    symbolic length, pinning it; the ninth length hit the recompile limit). The eager bits."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    m = _hint_module()
+    counter = CompileCounterWithBackend("aot_eager")
+    cm = torch.compile(lambda x, mask: m(x, attn_mask=mask, is_causal=True)[0], fullgraph=True, backend=counter)
+    for length in (7, 11, 19, 23, 29, 31):
+        x, mask = _randn(3, length, 64, seed=73), torch.ones(length, length, dtype=torch.bool).triu(1)
+        assert torch.equal(cm(x, mask), m(x, attn_mask=mask, is_causal=True)[0])
+    assert counter.frame_count <= 2, counter.frame_count
+
+
 def test_causal_hint_cross_attention_message():
     """seqlen_q != seqlen_k with is_causal and a mask: the message says why (the hint is torch's
     square mask), not that a (5, 9) mask should have shape (5, 9)."""

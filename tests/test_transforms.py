@@ -138,6 +138,29 @@ def test_forward_ad_dual_tensors(device, dtype):
             torch.testing.assert_close(tangent, want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_forward_ad_dual_tensors_under_compile(fullgraph):
+    """torch.autograd.forward_ad through flash_attn_func and the raw op inside torch.compile: the
+    compiled tangent is the eager one, bit for bit (it was silently None: AOTAutograd retraces
+    with forward_ad's Python-side level unset, which the op's autograd kernel read)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = _qkv(2, 7, 9, 4, 2, 16, dtype=torch.float32)
+    tq, tv = _randn(*q.shape, seed=32), _randn(*v.shape, seed=33)
+
+    def tangents(q, k, v, tq, tv):
+        with fwAD.dual_level():
+            dq, dv = fwAD.make_dual(q, tq), fwAD.make_dual(v, tv)
+            return (fwAD.unpack_dual(flash_attn_func(dq, k, dv, causal=True)).tangent,
+                    fwAD.unpack_dual(torch.ops.flash_attn_ext.forward(dq, k, dv, 0.3, False)[0]).tangent)
+
+    want = tangents(q, k, v, tq, tv)
+    torch._dynamo.reset()
+    got = torch.compile(tangents, fullgraph=fullgraph, backend="aot_eager")(q, k, v, tq, tv)
+    for g, w in zip(got, want):
+        assert g is not None and torch.equal(g, w)
+
+
 def test_jacfwd_matches_jacrev_float64():
     q, k, v = _qkv(1, 4, 6, 2, 1, 8)
     f = lambda q, k, v: flash_attn_func(q, k, v, causal=True)  # noqa: E731

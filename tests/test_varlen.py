@@ -218,6 +218,39 @@ def test_varlen_cu_seqlens_of_data_dependent_length_compiles():
         assert torch.equal(g, rg)
 
 
+def test_varlen_unpad_pattern_compiles_for_every_batch_shape():
+    """flash-attn's / transformers' padding path (token indices = mask.flatten().nonzero(), packed
+    rows gathered by them, max_seqlen by .item(), the output scattered back) under
+    torch.compile(fullgraph=True), batches of three shapes: total_q / total_k are unbacked sizes,
+    whose int32 bound was a plain comparison (the automatic-dynamic recompile of the second shape
+    raised "Could not guard on data-dependent expression"). Forward and backward, the eager bits."""
+    import torch.nn.functional as F
+    heads, d = 4, 16
+
+    def attn(q, k, v, mask):
+        b, length = mask.shape
+        idx = mask.flatten().nonzero().flatten()
+        seqlens = mask.sum(1, dtype=torch.int32)
+        cu = F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+        m = int(seqlens.max().item())
+        o = flash_attn_ext.flash_attn_varlen_func(q.flatten(0, 1)[idx], k.flatten(0, 1)[idx], v.flatten(0, 1)[idx],
+                                                  cu, cu, m, m, causal=True)
+        return torch.zeros(b * length, heads, d).index_put((idx,), o).view(b, length, heads, d)
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+        for b, length in ((3, 10), (3, 14), (5, 9)):
+            q, k, v = (torch.randn(b, length, heads, d, generator=gen, requires_grad=True) for _ in range(3))
+            mask = torch.arange(length)[None] < torch.randint(1, length + 1, (b,), generator=gen)[:, None]
+            out, ref = compiled(q, k, v, mask), attn(q, k, v, mask)
+            assert torch.equal(out, ref)
+            for g, rg in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
+                             torch.autograd.grad(ref.square().sum(), (q, k, v))):
+                assert torch.equal(g, rg)
+
+
 def test_compiled_checks_keep_their_messages():
     """Under torch.compile a refused call still names the cause: the checks of a fake kernel run in
     plain Python when Dynamo calls the op on fake tensors (a second engineer's review found that a
