@@ -225,22 +225,24 @@ def check_window(window_size_left: int, window_size_right: int, causal: bool, se
 
 
 def check_dropout(dropout_p: float, rng_state, q, window_size_left: int, causal: bool, seqlen_q, seqlen_k,
-                  softcap: float) -> None:
+                  softcap: float, rng_drawn_after: bool = False) -> None:
     """check_dropout: dropout_p in [0, 1); with p > 0 an int64 (2,) rng_state on q's device, and no
     sliding window's left bound (normalized as mask_args does) nor soft-capping. ValueError /
-    NotImplementedError as the C++ check (TORCH_CHECK_VALUE / TORCH_CHECK_NOT_IMPLEMENTED)."""
+    NotImplementedError as the C++ check (TORCH_CHECK_VALUE / TORCH_CHECK_NOT_IMPLEMENTED).
+    rng_drawn_after: the caller draws rng_state once these checks pass (not checked here)."""
     if not (0.0 <= dropout_p < 1.0):  # NaN fails
         raise ValueError(f"flash_attn_ext: dropout_p must be in [0, 1), got {_num(dropout_p)}")
     if dropout_p == 0.0:
         return
-    if rng_state is None:
-        raise ValueError(f"flash_attn_ext: dropout_p = {_num(dropout_p)} needs rng_state, the call's (seed, offset) as an "
-                         "int64 tensor of shape (2,) on q's device (flash_attn_func and the other entry points draw "
-                         "it from torch's generator; pass the forward's to the backward)")
-    check_same_device(rng_state, "rng_state", q)
-    if rng_state.dtype != torch.int64 or rng_state.dim() != 1 or rng_state.shape[0] != 2:
-        raise ValueError(f"flash_attn_ext: rng_state has dtype {rng_state.dtype} and shape {list(rng_state.shape)}; "
-                         "expected int64 of shape (2,): (seed, offset)")
+    if not rng_drawn_after:
+        if rng_state is None:
+            raise ValueError(f"flash_attn_ext: dropout_p = {_num(dropout_p)} needs rng_state, the call's (seed, "
+                             "offset) as an int64 tensor of shape (2,) on q's device (flash_attn_func and the other "
+                             "entry points draw it from torch's generator; pass the forward's to the backward)")
+        check_same_device(rng_state, "rng_state", q)
+        if rng_state.dtype != torch.int64 or rng_state.dim() != 1 or rng_state.shape[0] != 2:
+            raise ValueError(f"flash_attn_ext: rng_state has dtype {rng_state.dtype} and shape "
+                             f"{list(rng_state.shape)}; expected int64 of shape (2,): (seed, offset)")
     no_left = _no_left_bound(window_size_left, seqlen_k)
     what = ("softcap > 0" if softcap != 0.0
             else "a sliding window's left bound that hides keys (0 <= window_size[0] < seqlen_k - 1)")
@@ -453,6 +455,55 @@ def check_seqlen_new(seqlen_new, capacity, capacity_name: str) -> None:
     holds (capacity, named as the caller's arguments give it)."""
     _require(seqlen_new <= capacity, RuntimeError, f"k's seqlen_new (k.size(1)) must be at most the cache's rows per "
              f"sequence ({capacity_name})", lambda: f", got {seqlen_new} and {capacity}")
+
+
+def check_forward(q, k, v, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int, sinks,
+                  softcap: float, dropout_p: float, rng_state, alibi_slopes, rng_drawn_after: bool = False) -> None:
+    """The forward op's checks in its order: its fake kernel's, and flash_attn_func's before it
+    draws a dropout call's random state (rng_drawn_after), so that a refused call draws none."""
+    check_sinks_device(sinks, q)
+    check_qkv(q, k, v, softmax_scale)
+    check_softcap(softcap, softmax_scale)
+    check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
+    check_dropout(dropout_p, rng_state, q, window_size_left, causal, q.shape[1], k.shape[1], softcap, rng_drawn_after)
+    check_alibi(alibi_slopes, q, q.shape[0], q.shape[2], softmax_scale, softcap, dropout_p, window_size_left,
+                k.shape[1])
+    check_sinks(sinks, q.shape[2])
+
+
+def check_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale: float,
+                         causal: bool, window_size_left: int, window_size_right: int, sinks, softcap: float,
+                         dropout_p: float, rng_state, alibi_slopes, rng_drawn_after: bool = False) -> None:
+    """The varlen forward op's checks in its order, as check_forward; with rng_drawn_after on CPU
+    tensors outside torch.compile also the CPU op's checks of the cu_seqlens values."""
+    check_sinks_device(sinks, q)
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    check_softcap(softcap, softmax_scale)
+    check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
+    check_dropout(dropout_p, rng_state, q, window_size_left, causal, max_seqlen_q, max_seqlen_k, softcap,
+                  rng_drawn_after)
+    check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1], softmax_scale, softcap, dropout_p,
+                window_size_left, max_seqlen_k)
+    check_sinks(sinks, q.shape[1])
+    if rng_drawn_after and q.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_cu_seqlens_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
+        check_cu_seqlens_values(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")
+
+
+def check_cu_seqlens_values(cu, name: str, total: int, max_seqlen: int, max_name: str) -> None:
+    """host_cu_seqlens, the CPU op's checks of the values (read on the host: CPU tensors only):
+    from 0, inside the packed tensor, non-decreasing, lengths within max_seqlen."""
+    values = cu.tolist()
+    for i, x in enumerate(values):
+        if i == 0 and x != 0:
+            _fail(f"{name}[0] = {x}; expected 0 (cu_seqlens start at 0)")
+        if not 0 <= x <= total:
+            _fail(f"{name}[{i}] = {x} is outside [0, {total}] (the packed tensor's rows)")
+        if i > 0 and x < values[i - 1]:
+            _fail(f"{name} must be non-decreasing, got {name}[{i - 1}] = {values[i - 1]} > {name}[{i}] = {x}")
+        if i > 0 and x - values[i - 1] > max_seqlen:
+            _fail(f"sequence {i - 1} has {x - values[i - 1]} rows ({name}) but {max_name} = {max_seqlen}; expected "
+                  "max_seqlen >= every length")
 
 
 def check_per_sequence_int32(t, name: str, q) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _fake_checks
 from . import ops  # registers fake kernels, autograd and vmap rules
 # The dense functions are defined here; the argument helpers, the varlen and the KV-cache functions
 # live in _args.py, varlen.py and kvcache.py, re-exported here (flash_attn_ext.interface.X as before).
@@ -198,10 +199,15 @@ def flash_attn_func(
     _check_tensors(q=q, k=k, v=v)
     softcap, probs, dropout = _flash_attn_keywords(dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs)
     scale = _scale("softmax_scale", softmax_scale, q)  # from the caller's head dim
+    want_lse, causal = _as_bool("return_lse", return_lse), _as_bool("causal", causal)
+    window, sinks = _window(window_size), _sinks(sinks)
     q, k, v, d = _kernel_layout(q, k, v)
-    out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, _as_bool("causal", causal), *_window(window_size),
-                                                _sinks(sinks), softcap, *_dropout_args(dropout, q), alibi_slopes)
-    return _with_attn_probs(_cut(out, d), softmax_lse, return_lse, probs)
+    if dropout > 0.0:  # the op's checks before the draw: a refused call draws no random numbers
+        _fake_checks.check_forward(q, k, v, scale, causal, *window, sinks, softcap, dropout, None, alibi_slopes,
+                                   rng_drawn_after=True)
+    out, softmax_lse, _ = ops.attention_forward(q, k, v, scale, causal, *window, sinks, softcap,
+                                                *_dropout_args(dropout, q), alibi_slopes)
+    return _with_attn_probs(_cut(out, d), softmax_lse, want_lse, probs)
 
 
 def flash_attn_qkvpacked_func(

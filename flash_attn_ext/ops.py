@@ -136,14 +136,8 @@ _lib = torch.library.Library("flash_attn_ext", "FRAGMENT")
 @torch.library.register_fake("flash_attn_ext::forward")
 def _forward_fake(q, k, v, softmax_scale, causal, window_size_left=-1, window_size_right=-1, sinks=None,
                   softcap=0.0, dropout_p=0.0, rng_state=None, alibi_slopes=None):
-    _checks.check_sinks_device(sinks, q)
-    _checks.check_qkv(q, k, v, softmax_scale)
-    _checks.check_softcap(softcap, softmax_scale)
-    _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], k.shape[1])
-    _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, q.shape[1], k.shape[1], softcap)
-    _checks.check_alibi(alibi_slopes, q, q.shape[0], q.shape[2], softmax_scale, softcap, dropout_p, window_size_left,
-                        k.shape[1])
-    _checks.check_sinks(sinks, q.shape[2])
+    _checks.check_forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right, sinks, softcap,
+                          dropout_p, rng_state, alibi_slopes)
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -247,14 +241,9 @@ and softmax_lse (batch, nheads, seqlen_q) float32 natural log. Not differentiabl
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                          causal, window_size_left=-1, window_size_right=-1, sinks=None, softcap=0.0, dropout_p=0.0,
                          rng_state=None, alibi_slopes=None):
-    _checks.check_sinks_device(sinks, q)
-    _checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    _checks.check_softcap(softcap, softmax_scale)
-    _checks.check_window(window_size_left, window_size_right, causal, max_seqlen_q, max_seqlen_k)
-    _checks.check_dropout(dropout_p, rng_state, q, window_size_left, causal, max_seqlen_q, max_seqlen_k, softcap)
-    _checks.check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1], softmax_scale, softcap, dropout_p,
-                        window_size_left, max_seqlen_k)
-    _checks.check_sinks(sinks, q.shape[1])
+    _checks.check_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                 causal, window_size_left, window_size_right, sinks, softcap, dropout_p, rng_state,
+                                 alibi_slopes)
     total_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     softmax_lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)

@@ -125,18 +125,22 @@ def flash_attn_varlen_func(
             _scale("softmax_scale", softmax_scale, q))  # the scale from the caller's head dim
     _fake_checks.check_max_seqlens(*args[:2])
     causal, window, sinks = _as_bool("causal", causal), _window(window_size), _sinks(sinks)
+    want_lse = _as_bool("return_lse", return_lse)
     if block_table is not None:
         if dropout > 0.0:
             raise NotImplementedError("flash_attn_ext: flash_attn_varlen_func with block_table (inference over a "
                                       "paged K / V) takes no dropout; pass dropout_p=0.0")
         out, softmax_lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args[:2], block_table, args[2],
                                          causal, window, sinks, softcap, alibi_slopes)
-        return _with_attn_probs(out, softmax_lse, return_lse, probs)
+        return _with_attn_probs(out, softmax_lse, want_lse, probs)
     q, k, v, d = _kernel_layout(q, k, v)
+    if dropout > 0.0:  # the op's checks before the draw: a refused call draws no random numbers
+        _fake_checks.check_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, causal, *window, sinks, softcap,
+                                          dropout, None, alibi_slopes, rng_drawn_after=True)
     out, softmax_lse, _ = torch.ops.flash_attn_ext.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, causal,
                                                                   *window, sinks, softcap, *_dropout_args(dropout, q),
                                                                   alibi_slopes)
-    return _with_attn_probs(_cut(out, d), softmax_lse, return_lse, probs)
+    return _with_attn_probs(_cut(out, d), softmax_lse, want_lse, probs)
 
 
 def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

@@ -281,6 +281,49 @@ def test_dropout_bad_input(device):
             flash_attn_ext.flash_attn_func(dual, k, v, 0.1)
 
 
+def _generator_state(device):
+    return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state(device)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_refused_dropout_calls_draw_no_random_numbers(device):
+    """A dropout call that is refused leaves torch's generator where it was (the entries draw the
+    call's (seed, offset) only once the op's checks pass: a refused call, caught and retried, used to
+    shift every later mask), and return_lse is checked before the op runs. Dense and varlen, the
+    op's shape / dtype / feature checks and, on CPU, the cu_seqlens values."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = make_qkv(2, 16, 16, 4, 2, 16, dtype, device, requires_grad=False)
+    f = flash_attn_ext.flash_attn_func
+    q3, k3, v3 = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    cu = torch.tensor([0, 5, 32], dtype=torch.int32, device=device)
+    fv = flash_attn_ext.flash_attn_varlen_func
+    refused = [
+        (RuntimeError, lambda: f(q, k[:1], v[:1], 0.1)),                                   # batch
+        (RuntimeError, lambda: f(q, k.double() if device == "cpu" else k.half(), v, 0.1)),  # dtype
+        (RuntimeError, lambda: f(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1), 0.1)),
+        (NotImplementedError, lambda: f(q, k, v, 0.1, softcap=5.0)),
+        (NotImplementedError, lambda: f(q, k, v, 0.1, window_size=(3, 0))),
+        (NotImplementedError, lambda: f(q, k, v, 0.1, alibi_slopes=torch.ones(4, device=device))),
+        (RuntimeError, lambda: f(q, k, v, 0.1, sinks=torch.zeros(5, device=device))),
+        (RuntimeError, lambda: f(q, k, v, 0.1, float("inf"))),
+        (TypeError, lambda: f(q, k, v, 0.1, return_lse="yes")),
+        (RuntimeError, lambda: fv(q3, k3, v3, cu, cu[:2], 27, 27, 0.1)),                   # lengths differ
+        (NotImplementedError, lambda: fv(q3, k3, v3, cu, cu, 27, 27, 0.1, softcap=5.0)),
+        (TypeError, lambda: fv(q3, k3, v3, cu, cu, 27, 27, 0.1, return_lse="yes")),
+    ]
+    if device == "cpu":  # the CPU op's value checks
+        refused += [(RuntimeError, lambda: fv(q3, k3, v3, torch.tensor([0, 9, 5], dtype=torch.int32), cu, 27, 27, 0.1)),
+                    (RuntimeError, lambda: fv(q3, k3, v3, cu, cu, 3, 27, 0.1))]
+    for error, call in refused:
+        before = _generator_state(device)
+        with pytest.raises(error):
+            call()
+        assert torch.equal(_generator_state(device), before), call
+    before = _generator_state(device)
+    f(q, k, v, 0.1)  # a call that runs draws
+    assert not torch.equal(_generator_state(device), before)
+
+
 def test_rng_state_on_other_device():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU for a second device")
