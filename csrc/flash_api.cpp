@@ -893,6 +893,13 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
     TORCH_CHECK(ks.seqlen_new <= ks.s.seqlen_k, "flash_attn_ext: k's seqlen_new (k.size(1)) must be at most the "
                 "cache's rows per sequence (", ks.paged ? "block_table.size(1) * page_size" : "k_cache.size(1)",
                 "), got ", ks.seqlen_new, " and ", ks.s.seqlen_k);
+    // One memory for both caches (the same tensor, or views that ATen finds overlapping): the
+    // append's v rows would overwrite its k rows. (Read-only calls may share it.)
+    const auto shared = k_cache.is_alias_of(v_cache) ? at::get_overlap_status(k_cache, v_cache)
+                                                     : at::MemOverlapStatus::No;
+    TORCH_CHECK(shared != at::MemOverlapStatus::Full && shared != at::MemOverlapStatus::Partial,
+                "flash_attn_ext: k_cache and v_cache share memory, so appending k and v would write one over the "
+                "other; pass caches with memory of their own (calls without k / v may share it)");
     for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
       for (int64_t d = 0; d < 3; ++d) {
         TORCH_CHECK(t.stride(d) != 0 || t.size(d) <= 1, "flash_attn_ext: ", name, " has stride 0 in dim ", d,

@@ -117,8 +117,10 @@ def force_sm80_path(force: bool = True) -> bool:
     """Run the sm80 (mma.sync) kernels even where another arch path would be chosen (the sm90
     wgmma kernels on an H100/H200 with an sm_90a build), or release that with ``force=False``.
     For tests and comparisons; the initial setting comes from the environment variable
-    ``FLASH_ATTN_EXT_DISABLE_SM90`` (read once). Returns the previous setting."""
-    return bool(_C.force_sm80_path(bool(force)))
+    ``FLASH_ATTN_EXT_DISABLE_SM90`` (read once). Returns the previous setting. TypeError: force
+    not a bool (or 0 / 1)."""
+    from ._args import _as_bool
+    return bool(_C.force_sm80_path(_as_bool("force", force)))
 
 
 _LAZY_SUBMODULES = ("nn", "reference", "benchmark", "bench", "integrations", "sdpa")

@@ -95,9 +95,22 @@ DEFAULT_NAME = "fa_ext"
 
 
 _POSITION_IDS_SEEN = [None, None, None]  # [weakref to a position_ids tensor, its _version, the result]
+_FORWARD = [0, -1]  # [the model forward's epoch, the last layer_idx seen]
 
 
-def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
+def _forward_epoch(module) -> int:
+    """A count of model forwards, the key of inference tensors' analyses (masked.tensor_version:
+    they keep no version, so a buffer rewritten in place between forwards must not reuse one): a
+    new forward starts where a layer's ``layer_idx`` does not exceed the last one seen (transformers
+    runs the layers in order), and every call of a module without an int layer_idx is its own."""
+    idx = getattr(module, "layer_idx", None)
+    if not isinstance(idx, int) or idx <= _FORWARD[1]:
+        _FORWARD[0] += 1
+    _FORWARD[1] = idx if isinstance(idx, int) else -1
+    return _FORWARD[0]
+
+
+def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask, epoch=None):
     """Sequences packed in one batch row that transformers' mask does not describe, read as
     transformers' flash-attention path reads them (it unpads by a padding mask and otherwise takes
     the packing from these): the collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` /
@@ -105,8 +118,9 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
     (DataCollatorWithFlattening(return_flash_attn_kwargs=True); taken as given), else
     ``position_ids`` of shape (1, L), L = q_len = kv_len > 1: a sequence starts at index 0 and
     wherever a position does not exceed the previous one (a restart, as DataCollatorWithFlattening
-    writes, whatever the first position: transformers' flash-attention path cuts where positions
-    return to their minimum). A gap (positions that skip ahead, PoSE-style training) stays one
+    writes, whatever the first position; transformers' flash-attention path cuts only where the
+    row's minimum recurs: the same cuts for the collator's positions, each sequence from 0, but
+    [0..5, 3..8] is one sequence there, two here). A gap (positions that skip ahead, PoSE-style training) stays one
     sequence, as that path and "sdpa" with a cache keep it (transformers' mask builder, used without
     a cache, also cuts at gaps: its mask then says so and is taken). Only for batch 1 (the
     flattened layout). The caller applies
@@ -115,7 +129,7 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
 
     The position_ids are read on the host once per tensor and version (transformers passes one
     tensor to every layer; writes through ``.data`` or numpy, which keep the version, are not
-    seen, nor in-place writes to an inference-mode tensor, which has none). Under
+    seen; an inference-mode tensor, which has none, once per model forward: ``epoch``). Under
     torch.compile (no host reads) they are not unpacked: restarting position_ids with no mask or
     a mask without padding (``mask``: the layer's attention_mask or None) fail a device-side
     assert that names the way out (the collator's keywords)."""
@@ -138,7 +152,7 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask):
                                "under torch.compile need the collator keywords (DataCollatorWithFlattening("
                                "return_flash_attn_kwargs=True))")
         return None
-    version = masked.tensor_version(pos)
+    version = masked.tensor_version(pos, epoch)
     ref, seen_version, result = _POSITION_IDS_SEEN
     if ref is not None and ref() is pos and seen_version == version:
         return result
@@ -242,7 +256,7 @@ def flash_attn_ext_attention_forward(
     q, k, v, d_v = _kernel_layout(q, k, v)
     try:
         out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, dropout, q_len,
-                      kv_len, kwargs)
+                      kv_len, kwargs, None if torch.compiler.is_compiling() else _forward_epoch(module))
     except MaskNotSupported as e:
         raise NotImplementedError(f'flash_attn_ext attention: {e}; those are not supported, use '
                                   'attn_implementation="sdpa" for this model') from None
@@ -252,7 +266,7 @@ def flash_attn_ext_attention_forward(
 _PACKED_MASK_SEEN = [None, None, None, None]  # [weakref to a mask, its version, weakref to cu_seqlens, the answer]
 
 
-def _mask_is_the_packing(attention_mask, cu, is_causal, window_left):
+def _mask_is_the_packing(attention_mask, cu, is_causal, window_left, epoch=None):
     """Whether a layer's mask, given packed sequences read from position_ids or the collator's
     keywords (cu: their cu_seqlens), is to be run as that packing: it has no padding (every row
     sees itself: a sliding window's mask, the user's all-ones one, transformers' block-diagonal
@@ -260,10 +274,11 @@ def _mask_is_the_packing(attention_mask, cu, is_causal, window_left):
     ignores position_ids) and, within each sequence, it is the layer's pattern (causal and / or
     the window; across sequences anything, the packing cuts it). Then the packed call runs
     without the mask's analysis. One host read per mask and cu_seqlens (transformers hands every
-    layer the same ones); under torch.compile a device-side assert instead (and True)."""
+    layer the same ones; an inference tensor's once per ``epoch``); under torch.compile a device-side
+    assert instead (and True)."""
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        version = masked.tensor_version(attention_mask)
+        version = masked.tensor_version(attention_mask, epoch)
         ref, seen_version, cu_ref, answer = _PACKED_MASK_SEEN
         if ref is not None and ref() is attention_mask and seen_version == version and cu_ref() is cu:
             return answer
@@ -285,13 +300,15 @@ def _mask_is_the_packing(attention_mask, cu, is_causal, window_left):
     return answer
 
 
-def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, dropout, q_len, kv_len, kwargs):
+def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, dropout, q_len, kv_len, kwargs,
+            epoch=None):
     """flash_attn_ext_attention_forward's calls on the BSHD q, k, v of one head dim; returns the
-    (batch, q_len, nheads, headdim) output."""
-    packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs, attention_mask)
-    if attention_mask is not None and (packed is None or q_len != kv_len or
-                                       not _mask_is_the_packing(attention_mask, packed[0], is_causal, window_left)):
-        return masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal, softcap, dropout)
+    (batch, q_len, nheads, headdim) output. epoch: the model forward's (_forward_epoch)."""
+    packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs, attention_mask, epoch)
+    if attention_mask is not None and (packed is None or q_len != kv_len or not _mask_is_the_packing(
+            attention_mask, packed[0], is_causal, window_left, epoch)):
+        return masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal, softcap, dropout,
+                                epoch)
     if packed is not None:
         cu_q, cu_k, max_q, max_k = packed
         return masked.varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, bool(is_causal), window_left, sinks,

@@ -120,9 +120,10 @@ def flash_attn_with_kvcache(
     Raises:
         RuntimeError naming the argument for wrong shapes, dtypes, devices, a block_table or
         cache_seqlens of the wrong dtype or shape, k without v, k / v of more rows than the
-        cache holds per sequence, a paged cache of more than 2^31 - 1 blocks, num_splits
-        outside [0, 128], an input that requires grad, a cache longer than 2^31 - 256 rows or
-        seqlen_q * nheads / nheads_k above 2^31 - 256. On CPU cache_seqlens[b] + seqlen_new
+        cache holds per sequence or to append to k_cache and v_cache of one memory, a paged
+        cache of more than 2^31 - 1 blocks, num_splits outside [0, 128], an input that requires
+        grad, a cache longer than 2^31 - 256 rows or seqlen_q * nheads / nheads_k above 2^31 -
+        256. On CPU cache_seqlens[b] + seqlen_new
         past the cache, the block numbers of the pages a sequence uses (those of its first
         cache_seqlens[b] + seqlen_new rows) outside [0, num_blocks), and rotary positions past
         rotary_cos's rows raise too; on CUDA they are not read on the host (no sync): cache rows

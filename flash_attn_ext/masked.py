@@ -110,7 +110,7 @@ def varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, window_left=
 
 
 def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False, softcap=0.0,
-                     dropout_p=0.0):
+                     dropout_p=0.0, epoch=None):
     """Unpad, a few varlen calls (two without a window: the causal rows, the rows that see all
     their keys; one more per distinct count of windowed pad rows; three for a bidirectional
     window; one for packed sequences), pad (see the module docstring). q: (B, Lq, H, D) BSHD,
@@ -123,7 +123,8 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
 
     Eagerly the mask's analysis (its pattern, the index tensors and sizes of the calls: an O(Lq
     Lk) pass and a few host syncs) is kept per mask tensor and version, so a model's layers,
-    which transformers hands one mask object, pay for it once per forward (plan_for)."""
+    which transformers hands one mask object, pay for it once per forward (plan_for; ``epoch``: an
+    inference tensor's key there, tensor_version)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
     if attention_mask.is_meta or q.is_meta:
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))        # the shape alone
@@ -146,25 +147,31 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
             msg="flash_attn_ext: a sliding-window layer with an attention mask reads the sequence sizes on the "
                 "host, which torch.compile(fullgraph=True) cannot trace; compile without fullgraph (a graph "
                 "break per such call), or load the model with attn_implementation=\"sdpa\"")
-    return plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional)(q, k, v, scaling, sinks, softcap, dropout_p)
+    return plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional, epoch)(q, k, v, scaling, sinks, softcap,
+                                                                                  dropout_p)
 
 
 _PLANS: list = []  # the last few plans, most recent first: (weakref to the mask, its version, key, plan)
 
 
-def tensor_version(t: torch.Tensor):
-    """t's count of in-place writes (None for an inference tensor, which keeps none): with t's
-    identity (a weakref), the key of an analysis kept per tensor (here and in the Hugging Face
-    integration's position_ids and packing checks)."""
-    return None if t.is_inference() else t._version
+def tensor_version(t: torch.Tensor, epoch=None):
+    """t's count of in-place writes: with t's identity (a weakref), the key of an analysis kept per
+    tensor (here and in the Hugging Face integration's position_ids and packing checks). An
+    inference tensor keeps no count, so an in-place write to it cannot be seen: its key is the
+    caller's ``epoch`` (the Hugging Face integration's: one per model forward, so a buffer rewritten
+    between forwards is analysed again) or, without one, a new object that matches no other (no
+    reuse: a reused analysis of a rewritten buffer was silently the old one's)."""
+    if t.is_inference():
+        return ("epoch", epoch) if epoch is not None else object()
+    return t._version
 
 
-def plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional):
+def plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional, epoch=None):
     """The calls for ``attention_mask`` as a function plan(q, k, v, scaling, sinks, softcap), from the cache
-    when this mask tensor (same object, same version: in-place writes through ``.data`` or to an
-    inference tensor, which keep it, are not seen) was analysed for the same sizes and window;
-    a refused pattern is a plan that raises its MaskNotSupported."""
-    version = tensor_version(attention_mask)
+    when this mask tensor (same object, same version: in-place writes through ``.data``, which keep
+    it, are not seen; an inference tensor: the same ``epoch``, tensor_version) was analysed for the
+    same sizes and window; a refused pattern is a plan that raises its MaskNotSupported."""
+    version = tensor_version(attention_mask, epoch)
     key = (B, Lq, Lk, window_left, bidirectional)
     for ref, seen_version, seen_key, plan in _PLANS:
         if ref() is attention_mask and seen_version == version and seen_key == key:

@@ -1256,6 +1256,44 @@ def test_position_ids_packing_rules(count_calls):
     torch.testing.assert_close(out, fx.flash_attn_ext_attention_forward(m, q, q, q, mask)[0], rtol=0, atol=0)
 
 
+def test_inference_mode_buffers_rewritten_between_forwards(name):
+    """Under torch.inference_mode (tensors that keep no version counter) a 4-D attention mask or a
+    position_ids buffer rewritten in place between two forwards is read again (the analyses were
+    kept per tensor and version: the second forward silently ran the first's padding, or its
+    packing, 1.2 relative off), and within a forward the layers still share one analysis."""
+    cfg, make = _tiny_causal_lm("llama")
+    torch.manual_seed(0)
+    base = make(copy.deepcopy(cfg)).eval()
+    ours, sdpa = (_model_as(make, cfg, base, impl).eval() for impl in (name, "sdpa"))
+    ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(5))
+
+    def mask4d(lengths):  # causal with left padding, bool (B, 1, L, L), True = attend
+        return torch.ones(10, 10, dtype=torch.bool).tril()[None, None] & _padding_mask(lengths, 10, left=True)[:, None,
+                                                                                                            None, :]
+
+    analyses = []
+    real_allowed = masked.allowed_from_mask
+    with torch.inference_mode():
+        buf = torch.empty(2, 1, 10, 10, dtype=torch.bool)
+        for lengths in ((10, 6), (7, 10)):
+            buf.copy_(mask4d(lengths))
+            want = sdpa(input_ids=ids, attention_mask=buf, use_cache=False).logits
+            masked.allowed_from_mask = lambda m: analyses.append(1) or real_allowed(m)
+            try:
+                got = ours(input_ids=ids, attention_mask=buf, use_cache=False).logits
+            finally:
+                masked.allowed_from_mask = real_allowed
+            seen = buf[:, 0].any(-1)  # rows that see a key (sdpa's pad rows are not zeros)
+            torch.testing.assert_close(got[seen], want[seen], rtol=1e-5, atol=1e-5)
+        assert len(analyses) == 2, analyses  # once per forward, not once per layer
+        pos = torch.empty(1, 10, dtype=torch.long)
+        for starts in ((0, 6), (0, 3)):  # packed sequences (restarting positions), rewritten in place
+            pos.copy_(torch.cat([torch.arange(starts[1]), torch.arange(10 - starts[1])])[None])
+            got = ours(input_ids=ids[:1], position_ids=pos).logits
+            want = torch.cat([sdpa(input_ids=ids[:1, :starts[1]]).logits, sdpa(input_ids=ids[:1, starts[1]:]).logits], 1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------ attention sinks (gpt-oss's s_aux)
 
 

@@ -273,6 +273,40 @@ def test_kvcache_failed_call_leaves_cache_untouched():
 @pytest.mark.parametrize("device,dtype", [
     ("cpu", torch.float32),
     pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_kvcache_caches_of_one_memory(device, dtype):
+    """k_cache and v_cache of one memory with new keys to append: refused (the v rows overwrote the
+    k rows: the k append was lost, silently); without k / v the call may share it; two halves of
+    one buffer (buf[0], buf[1]: one storage, no overlap) append as separate caches do."""
+    cache = torch.randn(2, 32, 2, 16, device=device, dtype=dtype)
+    q = torch.randn(2, 1, 4, 16, device=device, dtype=dtype)
+    k, v = torch.randn(2, 1, 2, 16, device=device, dtype=dtype), torch.randn(2, 1, 2, 16, device=device, dtype=dtype)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32, device=device)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="k_cache and v_cache share memory, so appending k and v would write one "
+                                           "over the other"):
+        flash_attn_ext.flash_attn_with_kvcache(q, cache, cache, k, v, cache_seqlens=seqlens)
+    assert torch.equal(cache, before)
+    torch.testing.assert_close(flash_attn_ext.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens),
+                               flash_attn_ext.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=seqlens))
+    buf = torch.randn(2, 2, 32, 2, 16, device=device, dtype=dtype)
+    apart = [buf[0].clone(), buf[1].clone()]
+    got = flash_attn_ext.flash_attn_with_kvcache(q, buf[0], buf[1], k, v, cache_seqlens=seqlens)
+    want = flash_attn_ext.flash_attn_with_kvcache(q, *apart, k, v, cache_seqlens=seqlens)
+    assert torch.equal(got, want) and torch.equal(buf[0], apart[0]) and torch.equal(buf[1], apart[1])
+
+
+def test_force_sm80_path_takes_bools_only():
+    """force_sm80_path("no") switched the sm80 path on (bool("no") is True); a non-bool is a TypeError
+    naming force, as the entries' bool arguments are."""
+    with pytest.raises(TypeError, match="force must be a bool"):
+        flash_attn_ext.force_sm80_path("no")
+    previous = flash_attn_ext.force_sm80_path(False)
+    flash_attn_ext.force_sm80_path(previous)
+
+
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.float32),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("backend", [None, "inductor"])
 def test_kvcache_append_from_the_cache_itself(device, dtype, backend):
     """New k / v (and q) that are views of the cache rows the append overwrites are read as they
@@ -299,14 +333,13 @@ def test_kvcache_append_from_the_cache_itself(device, dtype, backend):
     torch.testing.assert_close(out, flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=0.01))
     # One storage carved into the cache and the new rows, apart (no overlap, nothing copied):
     # the same cache as from separate tensors.
-    pool = torch.randn(2, 8, 2, 16, device=device).to(dtype)
-    kc, fresh = pool[0:1].clone(), pool[0:1].clone()
-    pooled = torch.cat([kc, pool[1:2]])                        # rows 0: the cache, 1: new rows
-    flash_attn_ext.flash_attn_with_kvcache(fresh[:, :1], pooled[0:1], pooled[0:1], pooled[1:2, :3], pooled[1:2, :3],
+    pool = torch.randn(3, 8, 2, 16, device=device).to(dtype)
+    pooled = pool.clone()                                      # entries 0, 1: k_cache, v_cache; 2: new rows
+    flash_attn_ext.flash_attn_with_kvcache(pool[0:1, :1], pooled[0:1], pooled[1:2], pooled[2:3, :3], pooled[2:3, :3],
                                            cache_seqlens=3)
-    expected = kc.clone()
-    expected[:, 3:6] = pool[1:2, :3]
-    assert torch.equal(pooled[0:1], expected)
+    expected = pool[0:2].clone()
+    expected[:, 3:6] = pool[2:3, :3]
+    assert torch.equal(pooled[0:2], expected)
 
 
 def test_kvcache_scalar_cache_seqlens():
