@@ -295,7 +295,8 @@ def check_qkv(q, k, v, softmax_scale: float) -> None:
     _sizes_ok(v.shape[1] == k.shape[1], lambda: f"v has seqlen {v.shape[1]} but k has seqlen_k {k.shape[1]}; expected "
               "equal", "v must have k's seqlen_k")
     check_heads_headdim(q, k, v, "k", "v")
-    limits = f"batch must fit in int32 and seqlen_q, seqlen_k be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts are int32)"
+    limits = (f"batch must fit in int32 and seqlen_q, seqlen_k be at most 2^31 - 256 = {MAX_SEQLEN} (tile counts "
+              "are int32)")
     _sizes_ok(_and(_and(batch <= _INT32_MAX, q.shape[1] <= MAX_SEQLEN), k.shape[1] <= MAX_SEQLEN),
               lambda: f"{limits}, got q shape {_shape(q)}, k shape {_shape(k)}", limits)
     check_last_dims_scale(q, k, v, softmax_scale)
@@ -535,7 +536,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
         if block_table.dtype != torch.int32:
             _fail("block_table has dtype ", block_table.dtype, "; expected int32")
         _sizes_ok(_and(block_table.shape[0] == batch, block_table.shape[1] >= 1) if block_table.dim() == 2 else False,
-                  lambda: f"block_table has shape {_shape(block_table)}; expected (batch, max_blocks) = ({batch}, >= 1)",
+                  lambda: f"block_table has shape {_shape(block_table)}; expected (batch, max_blocks) = "
+                  f"({batch}, >= 1)",
                   "block_table must have shape (batch, max_blocks >= 1)")
         if block_table.stride(1) != 1:
             _fail("block_table must have a contiguous last dimension")

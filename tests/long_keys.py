@@ -10,6 +10,7 @@ by ~1%: a precision limit of fp32 tensor-core accumulation that FA2 shares, not 
 are about.)
 """
 
+import pytest
 import torch
 
 from accuracy import default_atol
@@ -27,6 +28,19 @@ def long_key_inputs(seqlen_k, seqlen_q=16, nheads=8, headdim=128, dtype=torch.bf
     v[:, -(1 << 20):] += 2.0
     for i in range(seqlen_q):
         k[:, -3 - i] = q[:, i] * dominance
+    return q, k, v
+
+
+def inputs_past_2pow31(min_free_gib: int, dominance: float = 4.0):
+    """long_key_inputs on the GPU with k and v of 2^31 + 8,192,000 elements each (8 heads, head dim
+    128, bf16, ~4.3 GB each), or pytest.skip without min_free_gib GiB of free GPU memory."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < min_free_gib * 2**30:
+        pytest.skip(f"needs ~{min_free_gib} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    h, d = 8, 128
+    seqlen_k = 2**31 // (h * d) + 1000
+    q, k, v = long_key_inputs(seqlen_k, nheads=h, headdim=d, dominance=dominance)
+    assert k.numel() > 2**31
     return q, k, v
 
 

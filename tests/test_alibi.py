@@ -340,8 +340,8 @@ def test_alibi_bad_input(device):
     """Wrong slopes and the combinations the kernels' ALiBi twin lacks: errors naming them, before any work."""
     q, k, v = make_qkv(2, 16, 24, 4, 2, 32, torch.bfloat16, device, requires_grad=False)
     call = flash_attn_ext.flash_attn_func
-    with pytest.raises(RuntimeError, match=r"alibi_slopes has dtype torch.float32 and shape \[2, 3\]; expected float32 of "
-                                           r"shape \(nheads,\) = \(4,\) or \(batch, nheads\) = \(2, 4\)"):
+    with pytest.raises(RuntimeError, match=r"alibi_slopes has dtype torch.float32 and shape \[2, 3\]; expected "
+                                           r"float32 of shape \(nheads,\) = \(4,\) or \(batch, nheads\) = \(2, 4\)"):
         call(q, k, v, alibi_slopes=torch.ones(2, 3, device=device))
     with pytest.raises(RuntimeError, match="alibi_slopes has dtype torch.bfloat16"):
         call(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.bfloat16, device=device))

@@ -285,7 +285,8 @@ def test_cuda_only_dtypes_documented_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device: checks that CUDA rejects float32 with a clear error")
     q, k, v = (t.cuda() for t in qkv())
-    raises(r"q has dtype torch.float32; CUDA supports float16 and bfloat16|this build has no CUDA kernels", fwd, q, k, v, 0.1, False)
+    raises(r"q has dtype torch.float32; CUDA supports float16 and bfloat16|this build has no CUDA kernels", fwd, q, k, v,
+           0.1, False)
 
 
 def test_double_backward_raises():
@@ -450,8 +451,8 @@ def test_return_attn_probs_gives_flash_attns_triple():
     ("softcap", True, TypeError, "softcap must be a real number"),
     ("softcap", "30", TypeError, "softcap must be a real number"),
     ("alibi_slopes", [0.5, 0.25], TypeError, r"alibi_slopes must be a float32 tensor of shape \(nheads,\)"),
-    ("alibi_slopes", torch.ones(3), RuntimeError, r"alibi_slopes has dtype torch.float32 and shape \[3\]; expected float32 of "
-                                                  r"shape \(nheads,\) = \(4,\)"),
+    ("alibi_slopes", torch.ones(3), RuntimeError, r"alibi_slopes has dtype torch.float32 and shape \[3\]; "
+                                                  r"expected float32 of shape \(nheads,\) = \(4,\)"),
     ("alibi_slopes", torch.ones(4, dtype=torch.float64), RuntimeError, "alibi_slopes has dtype torch.float64"),
     ("return_attn_probs", "yes", TypeError, "return_attn_probs must be a bool"),
     ("dropout_p", "0.1", TypeError, "dropout_p must be a real number"),

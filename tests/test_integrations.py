@@ -1290,7 +1290,8 @@ def test_inference_mode_buffers_rewritten_between_forwards(name):
         for starts in ((0, 6), (0, 3)):  # packed sequences (restarting positions), rewritten in place
             pos.copy_(torch.cat([torch.arange(starts[1]), torch.arange(10 - starts[1])])[None])
             got = ours(input_ids=ids[:1], position_ids=pos).logits
-            want = torch.cat([sdpa(input_ids=ids[:1, :starts[1]]).logits, sdpa(input_ids=ids[:1, starts[1]:]).logits], 1)
+            cut = starts[1]
+            want = torch.cat([sdpa(input_ids=ids[:1, :cut]).logits, sdpa(input_ids=ids[:1, cut:]).logits], 1)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
