@@ -386,6 +386,9 @@ void run_mha_fwd_kvcache(Flash_fwd_params& params, cudaStream_t stream) {
       fail("the split-KV kernel for head dim " + std::to_string(kHeadDim) + " needs " + std::to_string(smem) +
            " bytes of shared memory per block; this GPU allows " + std::to_string(max_optin));
     }
+    // An error that earlier work left pending would be reported by the append's launch check,
+    // after it wrote the cache: reported here instead, before anything is written.
+    FLASH_CHECK_CUDA(cudaPeekAtLastError());
     run_append_kv<Element>(params, stream);
     params.sm90_path = select_arch(params.arch) == ArchPath::kSm90;  // the split-KV TMA rows' condition
     run_mha_fwd_splitkv_<Element, kHeadDim>(Sm80{}, params, stream);
