@@ -894,10 +894,12 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
                 "cache's rows per sequence (", ks.paged ? "block_table.size(1) * page_size" : "k_cache.size(1)",
                 "), got ", ks.seqlen_new, " and ", ks.s.seqlen_k);
     // One memory for both caches (the same tensor, or views that ATen finds overlapping): the
-    // append's v rows would overwrite its k rows. (Read-only calls may share it.)
+    // append's v rows would overwrite its k rows, unless both are one view and k is v (the same
+    // writes). Read-only calls may share it.
     const auto shared = k_cache.is_alias_of(v_cache) ? at::get_overlap_status(k_cache, v_cache)
                                                      : at::MemOverlapStatus::No;
-    TORCH_CHECK(shared != at::MemOverlapStatus::Full && shared != at::MemOverlapStatus::Partial,
+    TORCH_CHECK(shared == at::MemOverlapStatus::No || shared == at::MemOverlapStatus::TooHard ||
+                    (shared == at::MemOverlapStatus::Full && k->is_same(*v)),
                 "flash_attn_ext: k_cache and v_cache share memory, so appending k and v would write one over the "
                 "other; pass caches with memory of their own (calls without k / v may share it)");
     for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {

@@ -193,8 +193,8 @@ def check_softcap(softcap: float, softmax_scale: float) -> None:
     float32) below float32's max."""
     if not (softcap >= 0.0 and softcap < math.inf):  # NaN fails both comparisons
         _fail(f"softcap must be a finite number >= 0 (0: no soft-capping), got {_num(softcap)}")
-    if softcap == 0.0:
-        return
+    if softcap == 0.0 or torch.compiler.is_dynamo_compiling():
+        return  # (traced by Dynamo: its struct polyfill cannot round to float32; the fake kernel checks it)
     fits = softcap >= _FLOAT32_MIN_NORMAL and softcap * 1.4426950408889634 < _FLOAT32_MAX
     if fits:
         cap = float32(softcap)

@@ -240,12 +240,14 @@ def _needs_autograd(tensors) -> bool:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return True
     level = getattr(torch.autograd.forward_ad, "_current_level", -1)
-    if level < 0 and not torch.compiler.is_dynamo_compiling() and torch._guards.TracingContext.try_get() is not None:
+    if level < 0 and tensors and type(tensors[0]) is not torch.Tensor and not torch.compiler.is_dynamo_compiling() \
+            and torch._guards.TracingContext.try_get() is not None:
         # torch.compile's tracing (AOTAutograd) runs the call with that Python-side level unset (-1)
         # while the tensors still carry their tangents at level 0, the one level PyTorch supports:
         # probe it (else a compiled forward-mode call silently lost its tangent; torch 2.11's
-        # is_compiling() is False there, a tracing context is set in both). Not in code Dynamo
-        # traces (the paged varlen entry), where the level is the user's.
+        # is_compiling() is False there, a tracing context is set in both; its tensors are fake or
+        # functional, not plain: checked first, the cheap test of an eager call). Not in code
+        # Dynamo traces (the paged varlen entry), where the level is the user's.
         level = 0
     if level >= 0 and torch._C._is_fwd_grad_enabled():
         return any(torch.autograd.forward_ad.unpack_dual(t, level=level).tangent is not None

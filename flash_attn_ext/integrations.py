@@ -78,7 +78,9 @@ parameter gets its gradient.
 
 from __future__ import annotations
 
+import itertools
 import sys
+import threading
 import weakref
 
 import torch
@@ -95,19 +97,25 @@ DEFAULT_NAME = "fa_ext"
 
 
 _POSITION_IDS_SEEN = [None, None, None]  # [weakref to a position_ids tensor, its _version, the result]
-_FORWARD = [0, -1]  # [the model forward's epoch, the last layer_idx seen]
+_FORWARD = threading.local()  # per thread: epoch (a count), seen (ids of the modules called in it), last layer_idx
+_EPOCHS = itertools.count()
 
 
 def _forward_epoch(module) -> int:
-    """A count of model forwards, the key of inference tensors' analyses (masked.tensor_version:
-    they keep no version, so a buffer rewritten in place between forwards must not reuse one): a
-    new forward starts where a layer's ``layer_idx`` does not exceed the last one seen (transformers
-    runs the layers in order), and every call of a module without an int layer_idx is its own."""
+    """A model forward's number, the key of inference tensors' analyses (masked.tensor_version: they
+    keep no version, so a buffer rewritten in place between forwards must not reuse one), per
+    thread: a new forward starts where an attention module already called in this one is called
+    again (transformers calls each once per forward; a cross-attention module is another module),
+    or where a layer_idx falls below the last one seen (another model's layers)."""
+    state = _FORWARD.__dict__
     idx = getattr(module, "layer_idx", None)
-    if not isinstance(idx, int) or idx <= _FORWARD[1]:
-        _FORWARD[0] += 1
-    _FORWARD[1] = idx if isinstance(idx, int) else -1
-    return _FORWARD[0]
+    idx = idx if isinstance(idx, int) else None
+    if "epoch" not in state or id(module) in state["seen"] or (
+            idx is not None and state["last"] is not None and idx < state["last"]):
+        state.update(epoch=next(_EPOCHS), seen=set())
+    state["seen"].add(id(module))
+    state["last"] = idx
+    return state["epoch"]
 
 
 def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask, epoch=None):

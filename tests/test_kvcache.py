@@ -275,8 +275,9 @@ def test_kvcache_failed_call_leaves_cache_untouched():
     pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_kvcache_caches_of_one_memory(device, dtype):
     """k_cache and v_cache of one memory with new keys to append: refused (the v rows overwrote the
-    k rows: the k append was lost, silently); without k / v the call may share it; two halves of
-    one buffer (buf[0], buf[1]: one storage, no overlap) append as separate caches do."""
+    k rows: the k append was lost, silently), but where k is v (the same writes); without k / v the
+    call may share it; two halves of one buffer (buf[0], buf[1]: one storage, no overlap) append as
+    separate caches do."""
     cache = torch.randn(2, 32, 2, 16, device=device, dtype=dtype)
     q = torch.randn(2, 1, 4, 16, device=device, dtype=dtype)
     k, v = torch.randn(2, 1, 2, 16, device=device, dtype=dtype), torch.randn(2, 1, 2, 16, device=device, dtype=dtype)
@@ -286,6 +287,10 @@ def test_kvcache_caches_of_one_memory(device, dtype):
                                            "over the other"):
         flash_attn_ext.flash_attn_with_kvcache(q, cache, cache, k, v, cache_seqlens=seqlens)
     assert torch.equal(cache, before)
+    both = flash_attn_ext.flash_attn_with_kvcache(q, cache, cache, k, k, cache_seqlens=seqlens)  # k is v: one write
+    assert torch.equal(both, flash_attn_ext.flash_attn_with_kvcache(q, before.clone(), before.clone(), k, k,
+                                                                   cache_seqlens=seqlens))
+    cache.copy_(before)
     torch.testing.assert_close(flash_attn_ext.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens),
                                flash_attn_ext.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=seqlens))
     buf = torch.randn(2, 2, 32, 2, 16, device=device, dtype=dtype)
