@@ -128,10 +128,10 @@ def _packed_from_kwargs(q_len, kv_len, batch, kwargs, mask, epoch=None):
     wherever a position does not exceed the previous one (a restart, as DataCollatorWithFlattening
     writes, whatever the first position; transformers' flash-attention path cuts only where the
     row's minimum recurs: the same cuts for the collator's positions, each sequence from 0, but
-    [0..5, 3..8] is one sequence there, two here). A gap (positions that skip ahead, PoSE-style training) stays one
-    sequence, as that path and "sdpa" with a cache keep it (transformers' mask builder, used without
-    a cache, also cuts at gaps: its mask then says so and is taken). Only for batch 1 (the
-    flattened layout). The caller applies
+    [0..5, 3..8] is one sequence there, two here). A gap (positions that skip ahead, PoSE-style
+    training) stays one sequence, as that path and "sdpa" with a cache keep it (transformers' mask
+    builder, used without a cache, also cuts at gaps: its mask then says so and is taken). Only for
+    batch 1 (the flattened layout). The caller applies
     the packing where the mask (if any) has no padding. Returns (cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k), or None for one sequence.
 
@@ -282,8 +282,8 @@ def _mask_is_the_packing(attention_mask, cu, is_causal, window_left, epoch=None)
     ignores position_ids) and, within each sequence, it is the layer's pattern (causal and / or
     the window; across sequences anything, the packing cuts it). Then the packed call runs
     without the mask's analysis. One host read per mask and cu_seqlens (transformers hands every
-    layer the same ones; an inference tensor's once per ``epoch``); under torch.compile a device-side
-    assert instead (and True)."""
+    layer the same ones; an inference tensor's once per ``epoch``); under torch.compile a
+    device-side assert instead (and True)."""
     compiling = torch.compiler.is_compiling()
     if not compiling:
         version = masked.tensor_version(attention_mask, epoch)
