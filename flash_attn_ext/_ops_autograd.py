@@ -239,6 +239,10 @@ def _needs_autograd(tensors) -> bool:
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return True
+    def has_tangent(level):
+        return torch._C._is_fwd_grad_enabled() and any(
+            torch.autograd.forward_ad.unpack_dual(t, level=level).tangent is not None for t in tensors)
+
     level = getattr(torch.autograd.forward_ad, "_current_level", -1)
     if level < 0 and tensors and type(tensors[0]) is not torch.Tensor and not torch.compiler.is_dynamo_compiling() \
             and torch._guards.TracingContext.try_get() is not None:
@@ -247,12 +251,13 @@ def _needs_autograd(tensors) -> bool:
         # probe it (else a compiled forward-mode call silently lost its tangent; torch 2.11's
         # is_compiling() is False there, a tracing context is set in both; its tensors are fake or
         # functional, not plain: checked first, the cheap test of an eager call). Not in code
-        # Dynamo traces (the paged varlen entry), where the level is the user's.
-        level = 0
-    if level >= 0 and torch._C._is_fwd_grad_enabled():
-        return any(torch.autograd.forward_ad.unpack_dual(t, level=level).tangent is not None
-                   for t in tensors)
-    return False
+        # Dynamo traces (the paged varlen entry), where the level is the user's. Probed with the
+        # tracer off: the probe's ops are no part of the graph (inductor's re-trace of an op's
+        # functionalization counts the nodes).
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+        with disable_proxy_modes_tracing():
+            return has_tangent(0)
+    return level >= 0 and has_tangent(level)
 
 
 _VARLEN_FUNCTORCH_MSG = (
