@@ -451,6 +451,11 @@ def check_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
     check_varlen_bwd_extra(dout, q, out, softmax_lse, softmax_stats)
 
 
+def cache_capacity(k_cache, block_table):
+    """The rows a KV-cache sequence can hold: seqlen_cache, or max_blocks * page_size when paged."""
+    return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+
+
 def check_seqlen_new(seqlen_new, capacity, capacity_name: str) -> None:
     """New keys k / v of the KV-cache op (ints or SymInts): no more rows than a sequence's cache
     holds (capacity, named as the caller's arguments give it)."""
@@ -512,7 +517,7 @@ def check_per_sequence_int32(t, name: str, q) -> None:
     check_same_device(t, name, q)
     if t.dtype != torch.int32:
         _fail(name, " has dtype ", t.dtype, "; expected int32")
-    _sizes_ok(_and(t.dim() == 1, t.shape[0] == q.shape[0] if t.dim() == 1 else False),
+    _sizes_ok(t.shape[0] == q.shape[0] if t.dim() == 1 else False,
               lambda: f"{name} has shape {_shape(t)}; expected (batch,) = ({q.shape[0]},)",
               f"{name} must have shape (batch,)")
     if not t.is_contiguous():
@@ -587,7 +592,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             check_last_dim_contiguous(t, name)
         _sizes_ok(v.shape[1] == k.shape[1], lambda: f"v has seqlen_new {v.shape[1]} but k has {k.shape[1]}; expected "
                   "equal", "v must have k's seqlen_new")
-        check_seqlen_new(k.shape[1], k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1),
+        check_seqlen_new(k.shape[1], cache_capacity(k_cache, block_table),
                          "block_table.size(1) * page_size" if block_table is not None else "k_cache.size(1)")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             for d in range(3):

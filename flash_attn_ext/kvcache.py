@@ -244,7 +244,7 @@ def _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved: bool, cache_s
     if k is None:
         raise RuntimeError("flash_attn_ext: rotary_cos / rotary_sin rotate the new keys k as they are appended "
                            "(flash-attn's rule); pass k and v, or rotate q yourself and pass no tables")
-    seqlen_cache = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    seqlen_cache = _fake_checks.cache_capacity(k_cache, block_table)
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if t.dim() != 2 or t.dtype != q.dtype or t.device != q.device:
             raise RuntimeError(f"flash_attn_ext: {name} has shape {list(t.shape)}, dtype {t.dtype} on {t.device}; "

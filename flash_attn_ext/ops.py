@@ -279,7 +279,7 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, sof
     _checks.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, num_splits,
                           cache_leftpad)
     _checks.check_softcap(softcap, softmax_scale)
-    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    capacity = _checks.cache_capacity(k_cache, block_table)
     _checks.check_window(window_size_left, window_size_right, causal, q.shape[1], capacity)
     _checks.check_alibi(alibi_slopes, q, q.shape[0], q.shape[2], softmax_scale, softcap, 0.0, window_size_left,
                         capacity)
