@@ -1,0 +1,125 @@
+"""Why tests/test_cuda_backward.py::test_backward_tensors_over_2pow31_elements fails on the GPU.
+
+The fortieth session ran it on an H100 for the first time: dq's max error 2.56e-1 against the rule's
+2 x 8.56e-2, on both arch paths ([auto] and [sm80]); every other test past 2^31 elements passed
+(the forward's, the KV cache's). A CPU emulation of the dQ kernel's arithmetic on the same kind of
+inputs (P and dS rounded to bf16, fp32 accumulation per 16-key mma step with round-toward-zero, D
+from the bf16 output) predicts 5.5e-2 at the test's size, so the cause is open: a fault (keys past
+element 2^31, or long rows) or a precision limit the emulation understates (fp32 tensor-core
+accumulation over ~2M keys: the forward's O drifts ~1 % in rows without a dominant key, see
+tests/long_keys.py, and D = rowsum(dO o O) carries that drift into dq). One call tells them apart,
+each case printing the forward's and the three gradients' max errors beside the same-dtype
+baseline's (tests/long_keys.py: the chunked references) and the rows of the largest dq errors:
+
+  the test's inputs                 (keys past 2^31, dominance 1.5), both arch paths
+  early                             the same, each row's dominant key moved to row 1000 + i
+  1M keys                           no element past 2^31
+  equal norms                       every q row of norm sqrt(128): every row's dominant key ~0.88
+  flat                              no dominant key: the forward's drift alone
+and, per case, dq from the reference's O (in bf16) and LSE: if that one passes, the backward
+kernels are right and the forward's O / LSE carry the error.
+
+  python scripts/long_keys_diag.py [--cases test,sm80,early,1m,equal,flat]   (~24 GiB of GPU memory)
+  python scripts/long_keys_diag.py --device cpu --seqlen-k 4096   (the CPU op, short keys: a smoke test)
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import flash_attn_ext  # noqa: E402
+from long_keys import _chunked_grads, chunked_ref, long_key_inputs  # noqa: E402
+
+BIG = 2**31 // (8 * 128) + 1000  # k.numel() = 2^31 + 8,192,000, as inputs_past_2pow31
+CASES = {  # name: (seqlen_k, dominance, force_sm80, transform)
+    "test": (BIG, 1.5, False, None), "sm80": (BIG, 1.5, True, None), "early": (BIG, 1.5, False, "early"),
+    "1m": (1 << 20, 1.5, False, None), "equal": (BIG, 1.5, False, "equal"), "flat": (BIG, 0.0, False, None),
+}
+
+
+def inputs(seqlen_k, dominance, transform, device):
+    q, k, v = long_key_inputs(seqlen_k, dominance=dominance, device=device)
+    if transform == "early":  # each row's dominant key moved before element 2^31
+        for i in range(q.shape[1]):
+            k[:, 1000 + i], k[:, -3 - i] = k[:, -3 - i].clone(), k[:, 1000 + i].clone()
+    elif transform == "equal":  # every row's dominant score 1.5 * 128 / sqrt(128) ~ 17
+        q = (q.float() * math.sqrt(q.shape[-1]) / q.float().norm(dim=-1, keepdim=True)).to(q.dtype)
+        for i in range(q.shape[1]):
+            k[:, -3 - i] = q[:, i] * dominance
+    return q, k, v
+
+
+def run(name, device, seqlen_k=None, chunk=1 << 17):
+    default_k, dominance, sm80, transform = CASES[name]
+    seqlen_k = seqlen_k or default_k
+    torch.manual_seed(0)
+    q, k, v = inputs(seqlen_k, dominance, transform, device)
+    dout = torch.randn_like(q)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    previous = flash_attn_ext.force_sm80_path(sm80)
+    try:
+        out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, scale, False)
+        dq, dk, dv = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, False, stats)
+        ref_out, ref_lse = chunked_ref(q, k, v, scale, chunk, True)
+        base_out, _ = chunked_ref(q, k, v, scale, chunk, False)
+        dq_ref_fwd, _, _ = torch.ops.flash_attn_ext.backward(dout, q, k, v, ref_out.to(q.dtype), ref_lse.contiguous(),
+                                                             scale, False, None)
+    finally:
+        flash_attn_ext.force_sm80_path(previous)
+    print(f"== {name}: seqlen_k {seqlen_k}, dominance {dominance}, sm80 {sm80}, {transform or 'as generated'}")
+    print(f"  out: err {(out.double() - ref_out).abs().max().item():.3e}, baseline "
+          f"{(base_out.double() - ref_out).abs().max().item():.3e}; lse err "
+          f"{(lse.double() - ref_lse.double()).abs().max().item():.3e}")
+    # each row's dominant-key probability, from the reference's LSE: (s, h)
+    rows = torch.arange(q.shape[1], device=q.device)
+    dominant = 1000 + rows if transform == "early" else seqlen_k - 3 - rows
+    s_dom = (q[0].double() * k[0, dominant].double()).sum(-1) * scale
+    p_dom = torch.exp(s_dom - ref_lse[0].transpose(0, 1).double())
+    errs = {}
+    for (start, ref1, ref2), (_, base1, base2) in zip(_chunked_grads(q, k, v, dout, scale, chunk, True),
+                                                      _chunked_grads(q, k, v, dout, scale, chunk, False)):
+        pairs = (("dq", dq, ref1, base1), ("dq from the reference's O, LSE", dq_ref_fwd, ref1, base1)) \
+            if start is None else (("dk", dk[:, start:start + chunk], ref1, base1),
+                                   ("dv", dv[:, start:start + chunk], ref2, base2))
+        for what, ours, ref, base in pairs:
+            e = errs.setdefault(what, [0.0, 0.0, 0.0])
+            e[0] = max(e[0], (ours.double() - ref).abs().max().item())
+            e[1] = max(e[1], (base.double() - ref).abs().max().item())
+            e[2] = max(e[2], ref.abs().max().item())
+        if start is None:
+            row_err = (dq.double() - ref1).abs().amax(-1)[0]        # (s, h)
+            top = row_err.flatten().topk(4).indices
+            out_row = (out.double() - ref_out).abs().amax(-1)[0]
+            for i in top.tolist():
+                s, h = divmod(i, q.shape[2])
+                print(f"  dq row {s} head {h}: err {row_err[s, h].item():.3e}, |dq| "
+                      f"{ref1[0, s, h].abs().max().item():.3e}, P(dominant key) {p_dom[s, h].item():.3f}, "
+                      f"out err {out_row[s, h].item():.3e}")
+    for what, (e, b, m) in errs.items():
+        verdict = "ok" if e <= 2 * b + 1e-3 else "FAILS the rule"
+        print(f"  {what}: err {e:.3e}, baseline {b:.3e} (x{e / max(b, 1e-30):.2f}), max|ref| {m:.3e}: {verdict}")
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma list of: " + ", ".join(CASES))
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the CPU op)")
+    parser.add_argument("--seqlen-k", type=int, default=None, help="every case's key count (default: its own)")
+    args = parser.parse_args(argv)
+    names = args.cases.split(",")
+    for name in names:
+        if name not in CASES:
+            parser.error(f"--cases: unknown case {name!r}; expected some of {', '.join(CASES)}")
+    for name in names:
+        run(name, args.device, args.seqlen_k)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
