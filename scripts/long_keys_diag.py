@@ -1,25 +1,26 @@
-"""Why tests/test_cuda_backward.py::test_backward_tensors_over_2pow31_elements fails on the GPU.
+"""Why tests/test_cuda_backward.py::test_backward_tensors_over_2pow31_elements failed on the GPU.
 
-The fortieth session ran it on an H100 for the first time: dq's max error 2.56e-1 against the rule's
-2 x 8.56e-2, on both arch paths ([auto] and [sm80]); every other test past 2^31 elements passed
-(the forward's, the KV cache's). A CPU emulation of the dQ kernel's arithmetic on the same kind of
-inputs (P and dS rounded to bf16, fp32 accumulation per 16-key mma step with round-toward-zero, D
-from the bf16 output) predicts 5.5e-2 at the test's size, so the cause is open: a fault (keys past
-element 2^31, or long rows) or a precision limit the emulation understates (fp32 tensor-core
-accumulation over ~2M keys: the forward's O drifts ~1 % in rows without a dominant key, see
-tests/long_keys.py, and D = rowsum(dO o O) carries that drift into dq). One call tells them apart,
-each case printing the forward's and the three gradients' max errors beside the same-dtype
-baseline's (tests/long_keys.py: the chunked references) and the rows of the largest dq errors:
+The fortieth session ran it on an H100 for the first time, with 8 heads (2,098,152 keys per row,
+dominance 1.5): dq's max error 2.56e-1 against the rule's 2 x 8.56e-2, on both arch paths; every
+other test past 2^31 elements passed. A read of both paths found no indexing fault and a likely
+precision limit (tests/long_keys.py): the forward walks key blocks last to first, so a row's
+dominant key (among the last) is in O's fp32 tensor-core accumulator first, and each 16-key step
+rounds toward zero, up to an ulp of |O| lost per step (~N / 16 * 2^-24 of |O| over N keys); D =
+rowsum(dO o O) carries that into dq. The test now uses 128 heads (132,072 keys per row, dominance
+1.3). One call checks both, each case printing the forward's and the three gradients' max errors
+beside the same-dtype baseline's (tests/long_keys.py: the chunked references) and the rows of the
+largest dq errors with their dominant key's probability:
 
-  the test's inputs                 (keys past 2^31, dominance 1.5), both arch paths
-  early                             the same, each row's dominant key moved to row 1000 + i
-  1M keys                           no element past 2^31
-  equal norms                       every q row of norm sqrt(128): every row's dominant key ~0.88
-  flat                              no dominant key: the forward's drift alone
-and, per case, dq from the reference's O (in bf16) and LSE: if that one passes, the backward
-kernels are right and the forward's O / LSE carry the error.
+  test    the test's inputs now (128 heads, 132k keys per row), both arch paths: "sm80" too
+  8h      the failing inputs (8 heads, 2.1M keys per row): out's error should exceed the baseline's
+  early   8h with each row's dominant key moved to row 1000 + i (walked last): should pass
+  1m      8 heads, 1M keys (no element past 2^31)
+  equal   8h with every q row of norm sqrt(128): every row's dominant key ~0.88
+  flat    8h without a dominant key: the forward's drift alone
+and, per case, dq from the reference's O (in bf16) and LSE: passing there puts the error in the
+forward's O (the precision limit), failing in the backward kernels.
 
-  python scripts/long_keys_diag.py [--cases test,sm80,early,1m,equal,flat]   (~24 GiB of GPU memory)
+  python scripts/long_keys_diag.py [--cases test,sm80,8h,early,1m,equal,flat]   (~24 GiB of GPU memory)
   python scripts/long_keys_diag.py --device cpu --seqlen-k 4096   (the CPU op, short keys: a smoke test)
 """
 
@@ -32,17 +33,19 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import flash_attn_ext  # noqa: E402
-from long_keys import _chunked_grads, chunked_ref, long_key_inputs  # noqa: E402
+from long_keys import _chunked_grads, chunked_ref, key_chunk, long_key_inputs  # noqa: E402
 
-BIG = 2**31 // (8 * 128) + 1000  # k.numel() = 2^31 + 8,192,000, as inputs_past_2pow31
-CASES = {  # name: (seqlen_k, dominance, force_sm80, transform)
-    "test": (BIG, 1.5, False, None), "sm80": (BIG, 1.5, True, None), "early": (BIG, 1.5, False, "early"),
-    "1m": (1 << 20, 1.5, False, None), "equal": (BIG, 1.5, False, "equal"), "flat": (BIG, 0.0, False, None),
+BIG = 2**31 // (8 * 128) + 1000  # 8 heads: k.numel() = 2^31 + 8,192,000 (the inputs that failed)
+TEST = 2**31 // (128 * 128) + 1000  # 128 heads: inputs_past_2pow31's
+CASES = {  # name: (seqlen_k, nheads, dominance, force_sm80, transform)
+    "test": (TEST, 128, 1.3, False, None), "sm80": (TEST, 128, 1.3, True, None), "8h": (BIG, 8, 1.5, False, None),
+    "early": (BIG, 8, 1.5, False, "early"), "1m": (1 << 20, 8, 1.5, False, None), "equal": (BIG, 8, 1.5, False, "equal"),
+    "flat": (BIG, 8, 0.0, False, None),
 }
 
 
-def inputs(seqlen_k, dominance, transform, device):
-    q, k, v = long_key_inputs(seqlen_k, dominance=dominance, device=device)
+def inputs(seqlen_k, nheads, dominance, transform, device):
+    q, k, v = long_key_inputs(seqlen_k, nheads=nheads, dominance=dominance, device=device)
     if transform == "early":  # each row's dominant key moved before element 2^31
         for i in range(q.shape[1]):
             k[:, 1000 + i], k[:, -3 - i] = k[:, -3 - i].clone(), k[:, 1000 + i].clone()
@@ -53,11 +56,12 @@ def inputs(seqlen_k, dominance, transform, device):
     return q, k, v
 
 
-def run(name, device, seqlen_k=None, chunk=1 << 17):
-    default_k, dominance, sm80, transform = CASES[name]
+def run(name, device, seqlen_k=None):
+    default_k, nheads, dominance, sm80, transform = CASES[name]
     seqlen_k = seqlen_k or default_k
     torch.manual_seed(0)
-    q, k, v = inputs(seqlen_k, dominance, transform, device)
+    q, k, v = inputs(seqlen_k, nheads, dominance, transform, device)
+    chunk = key_chunk(k)
     dout = torch.randn_like(q)
     scale = 1.0 / math.sqrt(q.shape[-1])
     previous = flash_attn_ext.force_sm80_path(sm80)
@@ -70,7 +74,8 @@ def run(name, device, seqlen_k=None, chunk=1 << 17):
                                                              scale, False, None)
     finally:
         flash_attn_ext.force_sm80_path(previous)
-    print(f"== {name}: seqlen_k {seqlen_k}, dominance {dominance}, sm80 {sm80}, {transform or 'as generated'}")
+    print(f"== {name}: seqlen_k {seqlen_k}, {nheads} heads, dominance {dominance}, sm80 {sm80}, "
+          f"{transform or 'as generated'}")
     print(f"  out: err {(out.double() - ref_out).abs().max().item():.3e}, baseline "
           f"{(base_out.double() - ref_out).abs().max().item():.3e}; lse err "
           f"{(lse.double() - ref_lse.double()).abs().max().item():.3e}")

@@ -405,7 +405,7 @@ def test_backward_tensors_over_2pow31_elements(poison_empty):
     takes a row's whole probability has dS = P (dP - D) ~ 0, and a zeroed dK or a dQ without those
     keys would pass (tried on the CPU op). The references are computed one key chunk at a time."""
     require_hdim(128)
-    q, k, v = inputs_past_2pow31(32, dominance=1.5)  # the key's score ~17 against ~2.1M keys
+    q, k, v = inputs_past_2pow31(32, dominance=1.3)  # the key's score ~15 against ~132k keys
     dout = _rand(*q.shape, dtype=q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq, dk, dv = _flash_bwd(q, k, v, dout, False, scale)

@@ -23,7 +23,7 @@ import flash_attn_ext
 from conftest import require_hdim
 from accuracy import check_accuracy
 from flash_attn_ext.reference import attention_ref
-from long_keys import chunked_ref, inputs_past_2pow31
+from long_keys import chunked_ref, inputs_past_2pow31, key_chunk
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA forward kernel tests need a CUDA GPU (none visible)"
@@ -205,7 +205,7 @@ def test_forward_tensor_over_2pow31_elements():
     q, k, v = inputs_past_2pow31(24)
     scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse, _ = fwd_poisoned(q, k, v, scale, False)
-    ref_out, ref_lse = chunked_ref(q, k, v, scale, 1 << 17, upcast=True)
-    base_out, base_lse = chunked_ref(q, k, v, scale, 1 << 17, upcast=False)
+    ref_out, ref_lse = chunked_ref(q, k, v, scale, key_chunk(k), upcast=True)
+    base_out, base_lse = chunked_ref(q, k, v, scale, key_chunk(k), upcast=False)
     check_accuracy("out", out, ref_out, base_out)
     check_accuracy("softmax_lse", lse, ref_lse, base_lse)
