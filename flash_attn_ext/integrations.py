@@ -60,6 +60,10 @@ Masks (never ignored):
     ``position_ids`` of a batch of one that restart (``_packed_from_kwargs``); a
     padding mask is taken as is (that path unpads by it). Under torch.compile only the keywords
     (fullgraph works with them): restarting position_ids without them fail a device-side assert.
+  * Chunked attention (Llama 4's local layers, ``config.attention_chunk_size``: each token sees
+    the earlier tokens of its chunk) runs as packed sequences (the chunks of an unpadded batch),
+    in decode steps and within a chunk; a chunk boundary inside a padded sequence or a multi-token
+    step after a cache raises NotImplementedError naming it.
   * Any other pattern (a window the layer does not pass, per-head masks, additive biases)
     raises NotImplementedError naming the cause: use attn_implementation="sdpa" for those
     models.
@@ -266,9 +270,30 @@ def flash_attn_ext_attention_forward(
         out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, dropout, q_len,
                       kv_len, kwargs, None if torch.compiler.is_compiling() else _forward_epoch(module))
     except MaskNotSupported as e:
+        chunk = _chunk_size(module)
+        if chunk is not None and isinstance(e, masked.MaskPatternNotSupported):
+            raise NotImplementedError(
+                f"flash_attn_ext attention: this layer's chunked attention (config.attention_chunk_size={chunk}, "
+                "Llama 4's: each token sees only the earlier tokens of its chunk) is not supported where a "
+                "sequence crosses a chunk boundary in a padded batch or in a multi-token step after cached "
+                "tokens; chunks run here only as packed sequences (no padding, the sequence from its first "
+                "token), in one-token decode steps or within one chunk, so pass such sequences unpadded (e.g. "
+                'one at a time) or use attn_implementation="sdpa" for this model') from None
         raise NotImplementedError(f'flash_attn_ext attention: {e}; those are not supported, use '
                                   'attn_implementation="sdpa" for this model') from None
     return _cut(out, d_v), None
+
+
+def _chunk_size(module):
+    """config.attention_chunk_size where ``module`` is a chunked-attention layer (Llama 4's local
+    layers: "chunked_attention" in config.layer_types, or every layer where the config lists no
+    types, as transformers picks the layer's mask), else None."""
+    config = getattr(module, "config", None)
+    chunk, types = getattr(config, "attention_chunk_size", None), getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if chunk is not None and isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types):
+        return chunk if types[idx] == "chunked_attention" else None
+    return chunk
 
 
 _PACKED_MASK_SEEN = [None, None, None, None]  # [weakref to a mask, its version, weakref to cu_seqlens, the answer]

@@ -34,6 +34,11 @@ class MaskNotSupported(NotImplementedError):
     adds its own)."""
 
 
+class MaskPatternNotSupported(MaskNotSupported):
+    """A boolean mask whose pattern (which query sees which key) is none that padding_plan runs: not
+    padding, causal + padding nor packed sequences (an entry point may know the layer's cause)."""
+
+
 # Additive mask values at or below this count as masked: -inf, every float dtype's minimum (a
 # float16 mask's -65504 too, also after a cast to float32), -1e9. exp(-32752) is 0 in float64.
 BLOCKED = -32752.0
@@ -186,7 +191,7 @@ def plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional, epoch=None):
             plan = padding_plan(m, window_left)
     except MaskNotSupported as e:
         def plan(*args, _e=e):
-            raise MaskNotSupported(str(_e))
+            raise type(_e)(str(_e))
     _PLANS.insert(0, (weakref.ref(attention_mask), version, key, plan))
     del _PLANS[4:]  # a model's few masks (full and sliding layers, encoder and decoder)
     return plan
@@ -208,7 +213,7 @@ def padding_plan(m, window_left=-1):
         packed = packed_plan(m, window_left) if Lq == Lk else None
         if packed is not None:
             return packed
-        raise MaskNotSupported(
+        raise MaskPatternNotSupported(
             f"the attention mask of batch element {int(bad.nonzero()[0])} is neither padding, causal+padding nor "
             "packed sequences" + (" with the layer's sliding window" if window_left >= 0
                                   else " (e.g. a sliding window the call does not pass)"))

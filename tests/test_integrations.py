@@ -664,6 +664,58 @@ def test_llama_like_causal_gqa_left_padding_and_decode(name, count_calls):
     check_accuracy("llama decode logits", ours[1], ref[1], base[1])
 
 
+def test_llama4_chunked_attention_refusal_names_the_chunks(name, count_calls):
+    """Llama 4's chunked layers (attention_chunk_size=4 here): an unpadded batch longer than a
+    chunk (packed sequences), padded sequences within one chunk, decode steps and a continuation
+    within a chunk equal sdpa's; a chunk boundary inside a padded sequence or inside a multi-token
+    step after a cache is refused naming the chunked attention (it used to hint at a sliding
+    window), and another refusal on such a layer (an attention bias) keeps its own cause."""
+    import transformers as tf
+
+    if not hasattr(tf, "Llama4TextConfig"):
+        pytest.skip("this transformers has no Llama 4")
+    cfg = tf.Llama4TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=64, attention_chunk_size=4, moe_layers=[])
+    assert cfg.layer_types[0] == "chunked_attention"
+    torch.manual_seed(0)
+    base_model = tf.Llama4ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 96, (3, 11), generator=torch.Generator().manual_seed(2))
+    ours, ref = (_model_as(tf.Llama4ForCausalLM, cfg, base_model, impl, torch.float64).eval()
+                 for impl in (name, "sdpa"))
+    chunked = r"chunked attention \(config\.attention_chunk_size=4"
+    with torch.no_grad():
+        for mask in (None, _padding_mask([4, 3, 2], 11, left=True).long(), _padding_mask([4, 3, 2], 11).long()):
+            n, real = len(count_calls), ... if mask is None else mask.bool()
+            torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[real],
+                                       ref(input_ids=ids, attention_mask=mask).logits[real])
+            assert len(count_calls) > n
+        steps = []
+        for model in (ours, ref):
+            o = model(input_ids=ids[:, :4], use_cache=True)
+            o2 = model(input_ids=ids[:, 4:7], past_key_values=o.past_key_values, use_cache=True)  # in chunk 1
+            o3 = model(input_ids=ids[:, 7:8], past_key_values=o2.past_key_values, use_cache=True)  # decode
+            steps.append((o2.logits, o3.logits))
+        torch.testing.assert_close(steps[0], steps[1])
+        for left in (True, False):                                                    # sequences over a chunk
+            mask = _padding_mask([11, 9, 6], 11, left).long()
+            with pytest.raises(NotImplementedError, match=chunked) as e:
+                ours(input_ids=ids, attention_mask=mask)
+            assert "sliding window" not in str(e.value)
+        o = ours(input_ids=ids[:, :3], use_cache=True)
+        with pytest.raises(NotImplementedError, match=chunked):                      # rows 3, 4: two chunks
+            ours(input_ids=ids[:, 3:5], past_key_values=o.past_key_values, use_cache=True)
+        q, layer = _bhsd(1, 4, 8, 16, 16), ours.model.layers[0].self_attn
+        i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+        padded_chunks = ((j <= i) & (i // 4 == j // 4) & (j >= 1))[None, None]       # key 0 padding
+        for _ in range(2):                                                            # the kept analysis too
+            with pytest.raises(NotImplementedError, match=chunked):
+                fx.flash_attn_ext_attention_forward(layer, q, q, q, padded_chunks)
+        with pytest.raises(NotImplementedError, match="bias") as e:
+            fx.flash_attn_ext_attention_forward(layer, q, q, q, torch.randn(1, 1, 8, 8))
+        assert "chunk" not in str(e.value)
+
+
 # ------------------------------------------------------------ MiniLM (real weights, real text)
 
 
