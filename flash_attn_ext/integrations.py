@@ -63,7 +63,8 @@ Masks (never ignored):
   * Chunked attention (Llama 4's local layers, ``config.attention_chunk_size``: each token sees
     the earlier tokens of its chunk) runs as packed sequences (the chunks of an unpadded batch),
     in decode steps and within a chunk; a chunk boundary inside a padded sequence or a multi-token
-    step after a cache raises NotImplementedError naming it.
+    step after a cache (or another pattern) on such a layer raises NotImplementedError naming the
+    chunked attention beside the pattern.
   * Any other pattern (a window the layer does not pass, per-head masks, additive biases)
     raises NotImplementedError naming the cause: use attn_implementation="sdpa" for those
     models.
@@ -273,12 +274,12 @@ def flash_attn_ext_attention_forward(
         chunk = _chunk_size(module)
         if chunk is not None and isinstance(e, masked.MaskPatternNotSupported):
             raise NotImplementedError(
-                f"flash_attn_ext attention: this layer's chunked attention (config.attention_chunk_size={chunk}, "
-                "Llama 4's: each token sees only the earlier tokens of its chunk) is not supported where a "
-                "sequence crosses a chunk boundary in a padded batch or in a multi-token step after cached "
-                "tokens; chunks run here only as packed sequences (no padding, the sequence from its first "
-                "token), in one-token decode steps or within one chunk, so pass such sequences unpadded (e.g. "
-                'one at a time) or use attn_implementation="sdpa" for this model') from None
+                f"flash_attn_ext attention: {e.pattern}, on a layer with chunked attention (config.attention_chunk_size="
+                f"{chunk}, Llama 4's: each token sees only the earlier tokens of its chunk), which runs here only as "
+                "packed sequences (no padding, each sequence from its first token), in one-token decode steps or "
+                "within one chunk: a sequence that crosses a chunk boundary in a padded batch or in a multi-token "
+                "step after cached tokens is not supported, nor is another mask pattern; pass such sequences "
+                'unpadded (e.g. one at a time) or use attn_implementation="sdpa" for this model') from None
         raise NotImplementedError(f'flash_attn_ext attention: {e}; those are not supported, use '
                                   'attn_implementation="sdpa" for this model') from None
     return _cut(out, d_v), None
@@ -286,14 +287,14 @@ def flash_attn_ext_attention_forward(
 
 def _chunk_size(module):
     """config.attention_chunk_size where ``module`` is a chunked-attention layer (Llama 4's local
-    layers: "chunked_attention" in config.layer_types, or every layer where the config lists no
-    types, as transformers picks the layer's mask), else None."""
+    layers: "chunked_attention" at its layer_idx in config.layer_types, which transformers >= 5
+    fills), else None."""
     config = getattr(module, "config", None)
     chunk, types = getattr(config, "attention_chunk_size", None), getattr(config, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
     if chunk is not None and isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types):
         return chunk if types[idx] == "chunked_attention" else None
-    return chunk
+    return None
 
 
 _PACKED_MASK_SEEN = [None, None, None, None]  # [weakref to a mask, its version, weakref to cu_seqlens, the answer]

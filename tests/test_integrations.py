@@ -669,7 +669,8 @@ def test_llama4_chunked_attention_refusal_names_the_chunks(name, count_calls):
     chunk (packed sequences), padded sequences within one chunk, decode steps and a continuation
     within a chunk equal sdpa's; a chunk boundary inside a padded sequence or inside a multi-token
     step after a cache is refused naming the chunked attention (it used to hint at a sliding
-    window), and another refusal on such a layer (an attention bias) keeps its own cause."""
+    window), another pattern on such a layer names that pattern beside it, and another refusal (an
+    attention bias) keeps its own cause."""
     import transformers as tf
 
     if not hasattr(tf, "Llama4TextConfig"):
@@ -714,6 +715,16 @@ def test_llama4_chunked_attention_refusal_names_the_chunks(name, count_calls):
         with pytest.raises(NotImplementedError, match="bias") as e:
             fx.flash_attn_ext_attention_forward(layer, q, q, q, torch.randn(1, 1, 8, 8))
         assert "chunk" not in str(e.value)
+        # Another pattern on a chunked layer (a prefix-LM mask inside one chunk): the message names
+        # the pattern beside the chunked attention, not a chunk boundary alone.
+        prefix = ((j <= i) | (j < 2))[None, None, :4, :4]
+        with pytest.raises(NotImplementedError, match=chunked) as e:
+            fx.flash_attn_ext_attention_forward(layer, q[:, :, :4], q[:, :, :4], q[:, :, :4], prefix)
+        assert "neither padding, causal+padding nor packed sequences" in str(e.value)
+        assert "sliding window" not in str(e.value)
+        # No layer_types in the config: no layer is taken for a chunked one.
+        del ours.config.layer_types
+        assert fx._chunk_size(layer) is None
 
 
 # ------------------------------------------------------------ MiniLM (real weights, real text)
