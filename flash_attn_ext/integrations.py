@@ -64,7 +64,10 @@ Masks (never ignored):
     the earlier tokens of its chunk) runs as packed sequences (the chunks of an unpadded batch),
     in decode steps and within a chunk; a chunk boundary inside a padded sequence or a multi-token
     step after a cache (or another pattern) on such a layer raises NotImplementedError naming the
-    chunked attention beside the pattern.
+    chunked attention beside the pattern. Under torch.compile the traced path (no packed sequences
+    from a mask there) runs them within a chunk; past one, padded or not, its device-side assert
+    names the chunked attention and the ways out (``_traced_refusal``: for every layer of such a
+    model, as a layer's own would cost a graph per layer).
   * Any other pattern (a window the layer does not pass, per-head masks, additive biases)
     raises NotImplementedError naming the cause: use attn_implementation="sdpa" for those
     models.
@@ -267,9 +270,11 @@ def flash_attn_ext_attention_forward(
     # once here for every call below (interface.py: _kernel_layout), the default scale from d_qk.
     scaling = d_qk ** -0.5 if scaling is None else scaling
     q, k, v, d_v = _kernel_layout(q, k, v)
+    compiling = torch.compiler.is_compiling()
     try:
         out = _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, dropout, q_len,
-                      kv_len, kwargs, None if torch.compiler.is_compiling() else _forward_epoch(module))
+                      kv_len, kwargs, None if compiling else _forward_epoch(module),
+                      _traced_refusal(module) if compiling and attention_mask is not None else None)
     except MaskNotSupported as e:
         chunk = _chunk_size(module)
         if chunk is not None and isinstance(e, masked.MaskPatternNotSupported):
@@ -295,6 +300,24 @@ def _chunk_size(module):
     if chunk is not None and isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types):
         return chunk if types[idx] == "chunked_attention" else None
     return None
+
+
+def _traced_refusal(module):
+    """The message of masked_attention_traced's device-side pattern check for ``module``'s model
+    (None: its own): in a model with chunked-attention layers (Llama 4, _chunk_size), whose masks
+    past one chunk are neither padding nor causal + padding, one that names the chunked attention
+    and the ways out. Read from the config, for every layer of such a model: the layer's own kind
+    (its layer_idx) would be a guard per layer, so a model whose layers are compiled one by one
+    (torch.compile of each decoder layer) would compile a graph per layer, past torch's recompile
+    limit, rather than one per kind of layer; the message names the rule first, true of the
+    model's full layers too."""
+    config = getattr(module, "config", None)
+    chunk, types = getattr(config, "attention_chunk_size", None), getattr(config, "layer_types", None)
+    if chunk is None or (isinstance(types, (list, tuple)) and "chunked_attention" not in types):
+        return None
+    return (f"flash_attn_ext: under torch.compile a mask must be padding or causal+padding; chunked attention "
+            f"(config.attention_chunk_size={chunk}) past one chunk is neither: run it without torch.compile "
+            "(unpadded) or with attn_implementation=sdpa")
 
 
 _PACKED_MASK_SEEN = [None, None, None, None]  # [weakref to a mask, its version, weakref to cu_seqlens, the answer]
@@ -335,14 +358,15 @@ def _mask_is_the_packing(attention_mask, cu, is_causal, window_left, epoch=None)
 
 
 def _attend(q, k, v, attention_mask, scaling, is_causal, window_left, sinks, softcap, dropout, q_len, kv_len, kwargs,
-            epoch=None):
+            epoch=None, traced_refusal=None):
     """flash_attn_ext_attention_forward's calls on the BSHD q, k, v of one head dim; returns the
-    (batch, q_len, nheads, headdim) output. epoch: the model forward's (_forward_epoch)."""
+    (batch, q_len, nheads, headdim) output. epoch: the model forward's (_forward_epoch);
+    traced_refusal: under torch.compile, the mask pattern check's message (_traced_refusal)."""
     packed = _packed_from_kwargs(q_len, kv_len, q.shape[0], kwargs, attention_mask, epoch)
     if attention_mask is not None and (packed is None or q_len != kv_len or not _mask_is_the_packing(
             attention_mask, packed[0], is_causal, window_left, epoch)):
         return masked_attention(q, k, v, attention_mask, scaling, window_left, sinks, not is_causal, softcap, dropout,
-                                epoch)
+                                epoch, traced_refusal)
     if packed is not None:
         cu_q, cu_k, max_q, max_k = packed
         return masked.varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, bool(is_causal), window_left, sinks,

@@ -14,7 +14,8 @@ that see no key get 0; the output stays connected to q, k, v (zero gradients) wh
 key. Eager calls read sizes on the host (a few syncs per mask tensor: its analysis is kept,
 plan_for); under torch.compile
 ``masked_attention_traced`` runs padding and causal + padding (one run of real rows and keys per
-batch element) in a static-shape form, the pattern and the mask's values checked on the device.
+batch element) in a static-shape form, the pattern and the mask's values checked on the device
+(an entry point may word the pattern check's message: ``traced_refusal``, one per model).
 Meta tensors give an output of the right shape.
 """
 
@@ -120,7 +121,7 @@ def varlen_flat(q, k, v, cu_q, cu_k, max_q, max_k, scaling, causal, window_left=
 
 
 def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=None, bidirectional=False, softcap=0.0,
-                     dropout_p=0.0, epoch=None):
+                     dropout_p=0.0, epoch=None, traced_refusal=None):
     """Unpad, a few varlen calls (two without a window: the causal rows, the rows that see all
     their keys; one more per distinct count of windowed pad rows; three for a bidirectional
     window; one for packed sequences), pad (see the module docstring). q: (B, Lq, H, D) BSHD,
@@ -134,7 +135,8 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
     Eagerly the mask's analysis (its pattern, the index tensors and sizes of the calls: an O(Lq
     Lk) pass and a few host syncs) is kept per mask tensor and version, so a model's layers,
     which transformers hands one mask object, pay for it once per forward (plan_for; ``epoch``: an
-    inference tensor's key there, tensor_version)."""
+    inference tensor's key there, tensor_version). ``traced_refusal``: under torch.compile, the
+    message of masked_attention_traced's pattern check (None: its own)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
     if attention_mask.is_meta or q.is_meta:
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))        # the shape alone
@@ -150,7 +152,7 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
         if m.numel() == 0:
             return _connected_zeros(q, k, v, sinks)
         if window_left < 0:
-            return masked_attention_traced(q, k, v, m, scaling, sinks, softcap, dropout_p)
+            return masked_attention_traced(q, k, v, m, scaling, sinks, softcap, dropout_p, traced_refusal)
         # The windowed split below reads sizes on the host (its number of calls depends on the
         # data): an explicit graph break, so fullgraph=True names the cause (not a guard error).
         torch._dynamo.graph_break(
@@ -366,7 +368,7 @@ def packed_plan(m, window_left=-1):
         softcap, dropout_p)
 
 
-def masked_attention_traced(q, k, v, m, scaling, sinks=None, softcap=0.0, dropout_p=0.0):
+def masked_attention_traced(q, k, v, m, scaling, sinks=None, softcap=0.0, dropout_p=0.0, refusal=None):
     """masked_attention without host syncs or data-dependent shapes, for ``torch.compile``
     (fullgraph, CUDA graphs): transformers (before torch 2.14) builds a 4-D mask there even
     without padding, since while tracing it cannot rule out packed sequences in position_ids.
@@ -377,9 +379,12 @@ def masked_attention_traced(q, k, v, m, scaling, sinks=None, softcap=0.0, dropou
     sequences, none longer than L, max_seqlen L: the dense call's own, hence its tile rows).
     Needs each element's rows of a call and its keys to be one run each (all padding and cache
     patterns are); the pattern check runs on the device (torch._assert_async: a
-    RuntimeError on the CPU, a device-side assert on CUDA) instead of MaskNotSupported. Rows
-    that see no key stay 0. Sliding windows take the eager path (their number of calls depends
-    on the data)."""
+    RuntimeError on the CPU, a device-side assert on CUDA) instead of MaskNotSupported, its
+    message ``refusal`` (None: the patterns, and packed sequences' way out). An entry point that
+    knows a cause words its own: the Hugging Face integration names Llama 4's chunked attention
+    so. The message is a constant of the graph: one that depended on the layer (its index) would
+    compile a graph per layer where each layer is compiled on its own. Rows that see no key stay
+    0. Sliding windows take the eager path (their number of calls depends on the data)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
     bad, k_in, q_parts, _ = split_mask(m)
     ks, nk, k_run = run_of(k_in)
@@ -391,9 +396,11 @@ def masked_attention_traced(q, k, v, m, scaling, sinks=None, softcap=0.0, dropou
         o = varlen_flat(q, k, v, blocked_cu_seqlens(qs, nq, Lq), blocked_cu_seqlens(ks, nk, Lk), Lq, Lk, scaling,
                         causal, sinks=sinks, softcap=softcap, dropout_p=dropout_p)
         out = torch.where(rows[:, :, None, None], o, out)
-    assert_in_graph(ok.all(), "flash_attn_ext: under torch.compile a mask must be padding or causal+padding, one "
-                              "run of real rows and keys per batch element (packed sequences: the collator "
-                              "keywords, DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+    if refusal is None:
+        refusal = ("flash_attn_ext: under torch.compile a mask must be padding or causal+padding, one run of real "
+                   "rows and keys per batch element (packed sequences: the collator keywords, "
+                   "DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+    assert_in_graph(ok.all(), refusal)
     return out
 
 

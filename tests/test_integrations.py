@@ -727,6 +727,62 @@ def test_llama4_chunked_attention_refusal_names_the_chunks(name, count_calls):
         assert fx._chunk_size(layer) is None
 
 
+def test_llama4_chunked_attention_under_compile_names_the_chunks(name, count_calls, monkeypatch):
+    """Under torch.compile (the traced path, which takes no packed sequences from a mask) Llama 4's
+    chunked layers run padded sequences within one chunk as eagerly; past one chunk (unpadded
+    here, which runs eagerly as packed sequences) the device-side assert names the chunked
+    attention and the ways out (it used to point at the packing collator's keywords). The message
+    is the model's, not the layer's: with each decoder layer compiled on its own, no more graphs
+    than sdpa's (a guard on layer_idx made one per layer). Other modules keep the generic one."""
+    import transformers as tf
+    from torch._dynamo.testing import CompileCounter
+
+    if not hasattr(tf, "Llama4TextConfig"):
+        pytest.skip("this transformers has no Llama 4")
+    cfg = tf.Llama4TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=64, attention_chunk_size=4, moe_layers=[])
+    assert cfg.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
+    torch.manual_seed(0)
+    base_model = tf.Llama4ForCausalLM(cfg).eval()
+    ours = _model_as(tf.Llama4ForCausalLM, cfg, base_model, name)
+    ids = torch.randint(3, 96, (3, 11), generator=torch.Generator().manual_seed(2))
+    mask = _padding_mask([4, 3, 2], 4, left=True).long()
+    chunked = r"padding or causal\+padding; chunked attention \(config\.attention_chunk_size=4\) past one chunk"
+
+    def logits(x, am=None):
+        return ours(input_ids=x, attention_mask=am, use_cache=False).logits
+
+    with torch.no_grad():
+        eager = logits(ids[:, :4], mask)
+        torch._dynamo.reset()
+        compiled = torch.compile(logits, fullgraph=True, backend="eager")
+        count_calls.clear()
+        torch.testing.assert_close(compiled(ids[:, :4], mask)[mask.bool()], eager[mask.bool()])
+        assert count_calls == ["varlen causal", "varlen"] * 4
+        with pytest.raises(RuntimeError, match=chunked) as e:
+            compiled(ids)
+        assert "collator" not in str(e.value) and "without torch.compile" in str(e.value)
+        monkeypatch.undo()                      # count_calls' list: a guard on its length, a graph per call
+        graphs = []
+        for impl in ("sdpa", name):
+            model, counter = _model_as(tf.Llama4ForCausalLM, cfg, base_model, impl), CompileCounter()
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile(backend=counter, fullgraph=True)
+            model(input_ids=ids[:, :4], attention_mask=mask, use_cache=False)
+            graphs.append(counter.frame_count)
+        assert graphs[1] == graphs[0] < 4
+        q, layer = _bhsd(1, 4, 8, 16, 16), ours.model.layers[0].self_attn
+        i = torch.arange(8)
+        chunks = ((i[None, :] <= i[:, None]) & (i[:, None] // 4 == i[None, :] // 4))[None, None]
+        for module, message in ((layer, chunked), (_Module(True), r"causal\+padding, one run .*collator keywords")):
+            torch._dynamo.reset()
+            with pytest.raises(RuntimeError, match=message):
+                torch.compile(lambda m: fx.flash_attn_ext_attention_forward(m, q, q, q, chunks)[0], fullgraph=True,
+                              backend="eager")(module)
+
+
 # ------------------------------------------------------------ MiniLM (real weights, real text)
 
 
