@@ -290,15 +290,24 @@ def flash_attn_ext_attention_forward(
     return _cut(out, d_v), None
 
 
-def _chunk_size(module):
-    """config.attention_chunk_size where ``module`` is a chunked-attention layer (Llama 4's local
-    layers: "chunked_attention" at its layer_idx in config.layer_types, which transformers >= 5
-    fills), else None."""
+def _chunked_config(module):
+    """(config.attention_chunk_size, config.layer_types) where ``module``'s model has chunked-attention
+    layers (Llama 4's local layers: "chunked_attention" in config.layer_types, which transformers >= 5
+    fills), else (None, None)."""
     config = getattr(module, "config", None)
     chunk, types = getattr(config, "attention_chunk_size", None), getattr(config, "layer_types", None)
+    if chunk is None or not isinstance(types, (list, tuple)) or "chunked_attention" not in types:
+        return None, None
+    return chunk, types
+
+
+def _chunk_size(module):
+    """config.attention_chunk_size where ``module`` is a chunked-attention layer ("chunked_attention"
+    at its layer_idx in config.layer_types: _chunked_config), else None."""
+    chunk, types = _chunked_config(module)
     idx = getattr(module, "layer_idx", None)
-    if chunk is not None and isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types):
-        return chunk if types[idx] == "chunked_attention" else None
+    if chunk is not None and isinstance(idx, int) and 0 <= idx < len(types) and types[idx] == "chunked_attention":
+        return chunk
     return None
 
 
@@ -311,9 +320,8 @@ def _traced_refusal(module):
     (torch.compile of each decoder layer) would compile a graph per layer, past torch's recompile
     limit, rather than one per kind of layer; the message names the rule first, true of the
     model's full layers too."""
-    config = getattr(module, "config", None)
-    chunk, types = getattr(config, "attention_chunk_size", None), getattr(config, "layer_types", None)
-    if chunk is None or (isinstance(types, (list, tuple)) and "chunked_attention" not in types):
+    chunk, _ = _chunked_config(module)
+    if chunk is None:
         return None
     return (f"flash_attn_ext: under torch.compile a mask must be padding or causal+padding; chunked attention "
             f"(config.attention_chunk_size={chunk}) past one chunk is neither: run it without torch.compile "
