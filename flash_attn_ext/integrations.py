@@ -65,8 +65,8 @@ Masks (never ignored):
     in decode steps and within a chunk; a chunk boundary inside a padded sequence or a multi-token
     step after a cache (or another pattern) on such a layer raises NotImplementedError naming the
     chunked attention beside the pattern. Under torch.compile the traced path (no packed sequences
-    from a mask there) runs them within a chunk; past one, padded or not, its device-side assert
-    names the chunked attention and the ways out (``_traced_refusal``: for every layer of such a
+    from a mask there) runs them in one-token decode steps and within a chunk; for a multi-token
+    call past one, padded or not, its device-side assert names the chunked attention and the ways out (``_traced_refusal``: for every layer of such a
     model, as a layer's own would cost a graph per layer).
   * Any other pattern (a window the layer does not pass, per-head masks, additive biases)
     raises NotImplementedError naming the cause: use attn_implementation="sdpa" for those
@@ -279,12 +279,13 @@ def flash_attn_ext_attention_forward(
         chunk = _chunk_size(module)
         if chunk is not None and isinstance(e, masked.MaskPatternNotSupported):
             raise NotImplementedError(
-                f"flash_attn_ext attention: {e.pattern}, on a layer with chunked attention (config.attention_chunk_size="
-                f"{chunk}, Llama 4's: each token sees only the earlier tokens of its chunk), which runs here only as "
-                "packed sequences (no padding, each sequence from its first token), in one-token decode steps or "
-                "within one chunk: a sequence that crosses a chunk boundary in a padded batch or in a multi-token "
-                "step after cached tokens is not supported, nor is another mask pattern; pass such sequences "
-                'unpadded (e.g. one at a time) or use attn_implementation="sdpa" for this model') from None
+                "flash_attn_ext attention: this layer's mask has no plan here; it is a layer with chunked attention "
+                f"(config.attention_chunk_size={chunk}, Llama 4's: each token sees only the earlier tokens of its "
+                "chunk), which runs only as packed sequences (no padding, each sequence from its first token), in "
+                "one-token decode steps or within one chunk: a sequence that crosses a chunk boundary in a padded "
+                "batch or in a multi-token step after cached tokens is not supported, nor is another mask pattern; "
+                'pass such sequences unpadded (e.g. one at a time) or use attn_implementation="sdpa" for this '
+                "model") from None
         raise NotImplementedError(f'flash_attn_ext attention: {e}; those are not supported, use '
                                   'attn_implementation="sdpa" for this model') from None
     return _cut(out, d_v), None

@@ -37,12 +37,7 @@ class MaskNotSupported(NotImplementedError):
 
 class MaskPatternNotSupported(MaskNotSupported):
     """A boolean mask whose pattern (which query sees which key) is none that padding_plan runs: not
-    padding, causal + padding nor packed sequences. ``pattern``: that finding without the message's
-    guess at a cause (an entry point may know the layer's)."""
-
-    def __init__(self, message, pattern=None):
-        super().__init__(message)
-        self.pattern = pattern or message
+    padding, causal + padding nor packed sequences (an entry point may know the layer's cause)."""
 
 
 # Additive mask values at or below this count as masked: -inf, every float dtype's minimum (a
@@ -198,9 +193,7 @@ def plan_for(attention_mask, B, Lq, Lk, window_left, bidirectional, epoch=None):
             plan = padding_plan(m, window_left)
     except MaskNotSupported as e:
         def plan(*args, _e=e):
-            err = type(_e)(str(_e))
-            err.__dict__.update(_e.__dict__)  # MaskPatternNotSupported's pattern
-            raise err
+            raise type(_e)(str(_e))
     _PLANS.insert(0, (weakref.ref(attention_mask), version, key, plan))
     del _PLANS[4:]  # a model's few masks (full and sliding layers, encoder and decoder)
     return plan
@@ -222,10 +215,10 @@ def padding_plan(m, window_left=-1):
         packed = packed_plan(m, window_left) if Lq == Lk else None
         if packed is not None:
             return packed
-        pattern = (f"the attention mask of batch element {int(bad.nonzero()[0])} is neither padding, causal+padding "
-                   "nor packed sequences")
-        raise MaskPatternNotSupported(pattern + (" with the layer's sliding window" if window_left >= 0
-                                                 else " (e.g. a sliding window the call does not pass)"), pattern)
+        raise MaskPatternNotSupported(
+            f"the attention mask of batch element {int(bad.nonzero()[0])} is neither padding, causal+padding nor "
+            "packed sequences" + (" with the layer's sliding window" if window_left >= 0
+                                  else " (e.g. a sliding window the call does not pass)"))
     all_visible, max_k, total_q, max_q = stats[1], stats[2], stats[3::2], stats[4::2]
     # Every query sees every key: nothing masked. (Not "every row a full row and every key seen",
     # the test before windows: the full rows of an element whose first row sees all keys are
