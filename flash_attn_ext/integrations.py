@@ -66,8 +66,9 @@ Masks (never ignored):
     step after a cache (or another pattern) on such a layer raises NotImplementedError naming the
     chunked attention beside the pattern. Under torch.compile the traced path (no packed sequences
     from a mask there) runs them in one-token decode steps and within a chunk; for a multi-token
-    call past one, padded or not, its device-side assert names the chunked attention and the ways out (``_traced_refusal``: for every layer of such a
-    model, as a layer's own would cost a graph per layer).
+    call past one, padded or not, its device-side assert names the chunked attention and the ways
+    out (``_traced_refusal``: for every layer of such a model, as a layer's own would cost a graph
+    per layer).
   * Any other pattern (a window the layer does not pass, per-head masks, additive biases)
     raises NotImplementedError naming the cause: use attn_implementation="sdpa" for those
     models.

@@ -669,8 +669,9 @@ def test_llama4_chunked_attention_refusal_names_the_chunks(name, count_calls):
     chunk (packed sequences), padded sequences within one chunk, decode steps and a continuation
     within a chunk equal sdpa's; a chunk boundary inside a padded sequence or inside a multi-token
     step after a cache is refused naming the chunked attention (it used to hint at a sliding
-    window), another pattern on such a layer names that pattern beside it, and another refusal (an
-    attention bias) keeps its own cause."""
+    window; no batch element named: the first that is not plain padding may be an unpadded row that
+    runs), another pattern on such a layer is refused naming the chunked attention too, and another
+    refusal (an attention bias) keeps its own cause."""
     import transformers as tf
 
     if not hasattr(tf, "Llama4TextConfig"):
