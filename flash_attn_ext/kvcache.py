@@ -214,9 +214,9 @@ def _cache_batch_idx_as_block_table(cache_batch_idx, block_table, q, k_cache, k=
                            "a multiple of 16 (the cache is read as blocks of seqlen_cache rows); allocate the cache "
                            "with a multiple of 16 rows")
     if k_cache.dim() == 4:
-        _fake_checks._require(k_cache.shape[0] <= 2**31 - 1, RuntimeError, "k_cache's batch_cache (k_cache.size(0)) "
-                              "must be at most 2^31 - 1 (cache_batch_idx holds int32 entries)",
-                              lambda: f", got {k_cache.shape[0]}")
+        _fake_checks._require(k_cache.shape[0] <= _fake_checks._INT32_MAX, RuntimeError,
+                              "k_cache's batch_cache (k_cache.size(0)) must be at most 2^31 - 1 (cache_batch_idx "
+                              "holds int32 entries)", lambda: f", got {k_cache.shape[0]}")
         if k is not None and k.dim() == 4:
             _fake_checks.check_seqlen_new(k.shape[1], k_cache.shape[1], "k_cache.size(1)")
     if cache_batch_idx.device.type == "cpu" and not torch.compiler.is_compiling() and k_cache.dim() == 4 and (
