@@ -17,6 +17,13 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace flash {
 
+// Long rows (kernels/common/long_rows.cuh): rows of at least kLongRowKeys keys move O out of the
+// tensor cores' accumulator every kFlushKeys keys. Below 2^18 keys the accumulator's rounding
+// stays under a quarter of bf16's (docs/PERF_NOTES.md, forty-first session); the API's
+// FLASH_ATTN_EXT_LONG_ROW_KEYS knob lowers the bound for tests (the interval: min(bound, kFlushKeys)).
+constexpr int kLongRowKeys = 1 << 18;
+constexpr int kFlushKeys = 8192;
+
 // One BSHD tensor: element (b, s, h, c) is at ptr + b*batch_stride + s*row_stride + h*head_stride + c.
 struct TensorView {
   void* __restrict__ ptr = nullptr;
@@ -157,6 +164,18 @@ struct Flash_fwd_params : public Qkv_params {
   // walk, which does not read it, and the API passes none: sm90_fwd_schedule below.)
   int* __restrict__ tile_counter = nullptr;
 
+  // ---- Long rows (kernels/common/long_rows.cuh): a row whose key blocks hold at least
+  // long_row_keys keys moves O from the tensor cores' accumulator to o_flush_ptr every flush_keys
+  // keys (their accumulation rounds toward zero: past ~2^20 keys more error than bf16's). Both
+  // workspaces are the API's, allocated for calls with such rows only (null: no row flushes):
+  // o_flush_ptr (h, o_flush_rows, d_rounded) and o_flush_max_ptr (h, o_flush_rows, 4) float32,
+  // o_flush_rows = (dense: b * seqlen_q; varlen: total_q) + 512 * b. Contents need no init.
+  float* __restrict__ o_flush_ptr = nullptr;
+  float* __restrict__ o_flush_max_ptr = nullptr;
+  int64_t o_flush_rows = 0;
+  int long_row_keys = kLongRowKeys;
+  int flush_keys = kFlushKeys;
+
   // ---- KV cache (flash_attn_with_kvcache). Sequence b sees cache rows [0, min(cache_seqlens[b] +
   // seqlen_knew, seqlen_k)) (from row leftpad_k[b] on, below): the cached keys plus the seqlen_knew
   // keys this call appends (knew / vnew, (b, seqlen_knew, nheads_k, d), written into the cache at
@@ -238,6 +257,8 @@ constexpr int64_t varlen_ws_rows(int64_t total_q, int64_t batch) {  // constexpr
 // They pick the arch path (kernels/arch.h: select_arch), head dim and dtype, and throw
 // std::runtime_error on a combination that was not compiled or on a failed launch.
 void run_mha_fwd(Flash_fwd_params& params, cudaStream_t stream);
+// The bound of long rows (flash.h: long_row_keys): kLongRowKeys, or FLASH_ATTN_EXT_LONG_ROW_KEYS.
+int long_row_keys();
 void run_mha_bwd(Flash_bwd_params& params, cudaStream_t stream);
 
 // Largest sequence length (seqlen_q, seqlen_k, max_seqlen_q / _k, total_q / _k, the packed GQA rows

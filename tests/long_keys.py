@@ -6,15 +6,14 @@ FlashAttention-2 Alg. 2 per chunk from the rows' whole LSE and D = rowsum(dO o O
 The inputs make the keys past element 2^31 matter: every query row gets a dominant key among the
 last keys and the last value rows are shifted.
 
-The keys per row stay near 132k (128 heads of 128): rows that average over millions of keys meet a
-precision limit of the kernels, not what these tests are about. The forward walks the key blocks
-last to first (the causal diagonal first), so a row's heaviest key, here among the last, is in O's
-fp32 tensor-core accumulator before the rest; each 16-key step of that accumulator rounds toward
-zero, up to an ulp of |O| lost per step: about N / 16 * 2^-24 of |O| over N keys (half an ulp a
-step; at most twice that; 0.8 % at 2M,
-more than bf16's output rounding; 0.05 % here). D = rowsum(dO o O) carries it into dq and dk. With
-8 heads (2.1M keys per row) the backward test failed its dq bound on an H100 on both arch paths
-(dq 2.6e-1 against 2 x 8.6e-2; docs/PERF_NOTES.md, fortieth session; README: Accuracy rule).
+The keys per row stay near 132k (128 heads of 128): these tests are about offsets. Rows of
+millions of keys are about the accumulator: each 16-key step of O's fp32 tensor-core accumulator
+rounds toward zero, about N / 16 * 2^-25 of |O| lost over N keys, which past ~2^20 keys is more
+than bf16's output rounding (D = rowsum(dO o O) carries it into dq and dk). The forward kernels
+therefore move O into a float32 copy every 8192 keys in rows of >= 2^18 keys
+(csrc/kernels/common/long_rows.cuh); test_forward_long_rows and test_backward_long_rows check
+rows of 2.1M and 1M keys, which missed the rule without it (docs/PERF_NOTES.md, fortieth and
+forty-first sessions; README: Accuracy rule).
 """
 
 import pytest

@@ -27,7 +27,7 @@ import flash_attn_ext  # noqa: F401  (registers torch.ops.flash_attn_ext)
 from accuracy import check_accuracy
 from conftest import require_hdim
 from flash_attn_ext.reference import attention_ref
-from long_keys import check_long_key_grads, inputs_past_2pow31
+from long_keys import check_long_key_grads, inputs_past_2pow31, long_key_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the CUDA backward kernels need an NVIDIA GPU (sm_80 or newer)")
@@ -406,6 +406,23 @@ def test_backward_tensors_over_2pow31_elements(poison_empty):
     keys would pass (tried on the CPU op). The references are computed one key chunk at a time."""
     require_hdim(128)
     q, k, v = inputs_past_2pow31(32, dominance=1.3)  # the key's score ~15 against ~132k keys
+    dout = _rand(*q.shape, dtype=q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq, dk, dv = _flash_bwd(q, k, v, dout, False, scale)
+    check_long_key_grads(q, k, v, dout, scale, dq, dk, dv)
+
+
+def test_backward_long_rows(poison_empty):
+    """Rows of 2^20 keys (8 heads; every value row shifted by 2, so |D| = |rowsum(dO o O)| is large):
+    the forward moves O out of the tensor cores' accumulator every 8192 keys
+    (kernels/common/long_rows.cuh). Without that the accumulator's rounding toward zero left O low
+    by ~N / 16 * 2^-25 and D carried it into dq and dk: 3.8x and 3.7x the same-dtype baseline's
+    error on an H100, both arch paths (docs/PERF_NOTES.md, forty-first session)."""
+    require_hdim(128)
+    free, _ = torch.cuda.mem_get_info()
+    if free < 20 * 2**30:
+        pytest.skip(f"needs ~20 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    q, k, v = long_key_inputs(1 << 20, nheads=8, dominance=1.5, shifted_rows=1 << 20)
     dout = _rand(*q.shape, dtype=q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq, dk, dv = _flash_bwd(q, k, v, dout, False, scale)

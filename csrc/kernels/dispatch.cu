@@ -178,6 +178,14 @@ void dispatch(const Flash_fwd_params& params, const char* op, F&& f) {
 
 }  // namespace
 
+// FLASH_ATTN_EXT_LONG_ROW_KEYS=N (read once; for tests, 1 <= N): rows of at least N keys move O
+// out of the tensor cores' accumulator every min(N, kFlushKeys) keys (kernels/common/long_rows.cuh;
+// N = 1: every row at every key block). Unset or 0: kLongRowKeys.
+int long_row_keys() {
+  static const int n = env_int_knob("FLASH_ATTN_EXT_LONG_ROW_KEYS", kMaxSeqlen);
+  return n == 0 ? kLongRowKeys : n;
+}
+
 // -1: not read yet; then 0 / 1. Read from the environment once, set by force_sm80_path after.
 std::atomic<int> g_force_sm80{-1};
 

@@ -234,6 +234,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           mma_m16n16k16<Element>(acc_o, 2 * dp, a, b);
         }
       }
+
+      // Long rows (common/long_rows.cuh): O out of the accumulator every `every` key blocks.
+      const int done = n_block_max - n, every = long_rows_every(params, n_block_max - n_block_min, kBlockN);
+      if (every > 0 && done % every == 0 && n > n_block_min) {
+        LongRows(params, w.seq, w.bidh, w.m0 + warp_row0 + lane / 4, lane)
+            .flush(acc_o, softmax.row_max, scale_log2, done == every);
+      }
     }
   }
 
@@ -241,6 +248,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // A tile whose rows see no key (an empty block range) gets O = 0, LSE = +inf.
   {
     float lse[2 * kMAtoms], row_max[2 * kMAtoms], row_log2sum[2 * kMAtoms];
+    const int every = long_rows_every(params, n_block_max - n_block_min, kBlockN);
+    if (every > 0 && n_block_max - n_block_min > every) {  // some flush ran: its copy back into O
+      LongRows(params, w.seq, w.bidh, w.m0 + warp_row0 + lane / 4, lane).merge(acc_o, softmax.row_max, scale_log2);
+    }
     softmax.finalize(acc_o, scale_log2, head_sink(params.sinks_ptr, w.bidh), lse, row_max, row_log2sum);
     if (lane % 4 == 0) {
       const int64_t stat0 = w.seq.stat_index(params, w.bidh, w.m0);

@@ -20,6 +20,7 @@
 
 #include "flash.h"
 #include "kernels/arch.h"
+#include "kernels/common/long_rows.cuh"
 #include "kernels/common/work.cuh"
 #include "kernels/launch_utils.h"
 #include "kernels/sm80/tile_config.h"

@@ -112,6 +112,7 @@
 #include <cstdint>
 
 #include "flash.h"
+#include "kernels/common/long_rows.cuh"
 #include "kernels/common/tile_scheduler.cuh"
 #include "kernels/common/work.cuh"
 #include "kernels/sm90/smem_layout.cuh"
@@ -1089,6 +1090,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           drop(n);
           Cta::to_p(p_out, s);
         }
+        // Long rows (common/long_rows.cuh): O (key blocks of steps 0 .. i - 1) out of the
+        // accumulator every `every` steps of this warpgroup.
+        const int every = long_rows_every(params, n_wg, kBlockN);
+        if (every > 0 && i % every == 0) {
+          LongRows(params, w.seq, w.bidh, w.m0 + Cta::row0() + lane / 4, lane)
+              .flush(acc_o, softmax.row_max, scale_log2, i == every);
+        }
       };
       // The last step's O += P V (key block n_top - n_wg; then the tail skips, which read no Q).
       auto last_pv = [&](uint32_t (&p_last)[kBlockN / 16][4]) {
@@ -1132,6 +1140,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int tid_e = thread_index_opaque();
       const int c = tid_e / 128 - 1, tid_wg = tid_e % 128, lane = tid_e % 32;
       float lse[2], row_max[2], row_log2sum[2];
+      const int every = long_rows_every(params, n_wg, kBlockN);
+      if (every > 0 && n_wg > every) {  // some flush ran: its copy back into O
+        LongRows(params, wo.seq, wo.bidh, wo.m0 + Cta::row0() + lane / 4, lane).merge(acc_o, softmax.row_max, scale_log2);
+      }
       softmax.finalize(acc_o, scale_log2, sink, lse, row_max, row_log2sum);
       cta.store_lse(wo, lse, row_max, row_log2sum, lane);
       // O through this warpgroup's own 64 rows of its staging buffer (FwdCta::o_staging), with

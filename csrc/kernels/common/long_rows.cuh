@@ -1,0 +1,107 @@
+// Long rows: the forward's O accumulator in two levels.
+//
+// The tensor cores add each 16-key product P V into O's fp32 accumulator rounding toward zero, so
+// a row over N keys loses up to an ulp of |O| per 16-key step: about N / 16 * 2^-25 of |O| on
+// average, a bias, not noise. From ~2^20 keys that is more than bf16's own rounding and the
+// accuracy rule fails (docs/PERF_NOTES.md, forty-first session: out 1.5x and dq 3.8x the
+// same-dtype baseline at 2^20 keys on both arch paths; the error is the forward's O, carried into
+// dq / dk by D = rowsum(dO o O)). The remedy is the one of DeepSeek-V3's FP8 GEMMs (section 3.3.2,
+// "increasing accumulation precision"): promote a partial accumulator to CUDA-core fp32 at an
+// interval. Here, a row whose key steps reach params.long_row_keys moves O to a global fp32 copy
+// every flush_keys keys (round-to-nearest FFMA) and starts the tensor-core accumulator at 0 again,
+// so no accumulator sees more than flush_keys keys; the epilogue adds the copy back before the
+// normalization (FA2 Alg. 1 line 12).
+//
+// The copy, params.o_flush_ptr (the API allocates it only for calls with rows that long):
+// (nheads, o_flush_rows, d_rounded) float32, sequence b's rows from row_base() on, room for its
+// query tiles' rows from 256 before row 0 (a causal tile shifted to the top) to 256 past
+// seqlen_q (o_flush_rows = total rows + 512 * batch). params.o_flush_max_ptr: (nheads,
+// o_flush_rows, 4) float32, the max each thread's copy is relative to, one slot per lane of the
+// row's quad, so every thread reads back only what it wrote itself (no ordering between threads).
+// The thread's accumulator holds rows r = 2 mi + h (h = 0, 1: +8 rows) of the mma fragment layout
+// (primitives/mma.cuh; wgmma's accumulator is the same per warp): row row0 + 16 mi + 8 h, columns
+// 8 j + 2 (lane % 4) + {0, 1}.
+//
+// Whether and when a row flushes is a function of its own step count alone (long_rows_every),
+// so a sequence runs the same steps in a varlen call as alone (flash_attn_varlen_func's bitwise
+// contract), and a row below the bound runs as it would without any of this.
+#pragma once
+
+#include "flash.h"
+#include "kernels/common/seqlen.cuh"
+#include "primitives/math.cuh"
+
+namespace flash {
+
+// Steps (key blocks of block_n keys) between flushes for a row of `steps` steps; 0: it never
+// flushes (no copy, or fewer keys than params.long_row_keys).
+__device__ __forceinline__ int long_rows_every(const Flash_fwd_params& p, int steps, int block_n) {
+  if (p.o_flush_ptr == nullptr || int64_t(steps) * block_n < p.long_row_keys) return 0;
+  return max(p.flush_keys / block_n, 1);
+}
+
+struct LongRows {
+  float* o;  // (row0, column 2 (lane % 4)) of the thread's copy
+  float* m;  // (row0, lane % 4) of its maxima
+  int64_t stride;  // d_rounded: floats per row of o
+
+  // row0: the thread's first row in its sequence (the tile's m0 plus the row in the tile).
+  __device__ __forceinline__ LongRows(const Flash_fwd_params& p, const SeqInfo& seq, int bidh, int row0, int lane)
+      : stride(p.d_rounded) {
+    const int64_t start = (p.cu_seqlens_q != nullptr ? int64_t(seq.q_offset) : int64_t(seq.bidb) * p.seqlen_q) +
+                          512 * int64_t(seq.bidb) + 256;
+    const int64_t row = int64_t(bidh) * p.o_flush_rows + start + row0;
+    o = p.o_flush_ptr + row * stride + 2 * (lane % 4);
+    m = p.o_flush_max_ptr + row * 4 + lane % 4;
+  }
+
+  // After a flush interval: copy = copy * exp2((m_copy - m) c) + O (the copy is 0 at the first
+  // flush), m_copy = m, O = 0. row_max: the online softmax's m, which O is relative to.
+  template <int kMAtoms, int kDAtoms>
+  __device__ __forceinline__ void flush(float (&acc_o)[kMAtoms][kDAtoms][4], const float (&row_max)[2 * kMAtoms],
+                                        float c, bool first) const {
+#pragma unroll
+    for (int r = 0; r < 2 * kMAtoms; ++r) {
+      const int64_t off = (r / 2) * 16 + (r % 2) * 8;
+      float* orow = o + off * stride;
+      const float m_copy = first ? -INFINITY : m[off * 4];
+      // A copy of a row that saw no key yet (m = -inf) is zero: nothing to keep.
+      const bool keep = m_copy != -INFINITY;
+      const float f = keep ? fast_exp2((m_copy - row_max[r]) * c) : 0.f;
+#pragma unroll
+      for (int j = 0; j < kDAtoms; ++j) {
+        float2* q = reinterpret_cast<float2*>(orow + 8 * j);
+        const float2 old = keep ? *q : make_float2(0.f, 0.f);
+        float* a = &acc_o[r / 2][j][2 * (r % 2)];
+        *q = make_float2(fmaf(old.x, f, a[0]), fmaf(old.y, f, a[1]));
+        a[0] = a[1] = 0.f;
+        // At most four columns' loads in flight: no spills where acc_o is large (d256: 128
+        // registers) beside the key loop's own (the flush is rare; the wait costs nothing).
+        if (j % 4 == 3) __syncwarp();
+      }
+      m[off * 4] = row_max[r];
+    }
+  }
+
+  // The epilogue, before the normalization: O += copy * exp2((m_copy - m) c).
+  template <int kMAtoms, int kDAtoms>
+  __device__ __forceinline__ void merge(float (&acc_o)[kMAtoms][kDAtoms][4], const float (&row_max)[2 * kMAtoms],
+                                        float c) const {
+#pragma unroll
+    for (int r = 0; r < 2 * kMAtoms; ++r) {
+      const int64_t off = (r / 2) * 16 + (r % 2) * 8;
+      const float m_copy = m[off * 4];
+      if (m_copy == -INFINITY) continue;
+      const float f = fast_exp2((m_copy - row_max[r]) * c);
+#pragma unroll
+      for (int j = 0; j < kDAtoms; ++j) {
+        const float2 old = *reinterpret_cast<const float2*>(o + off * stride + 8 * j);
+        float* a = &acc_o[r / 2][j][2 * (r % 2)];
+        a[0] = fmaf(old.x, f, a[0]);
+        a[1] = fmaf(old.y, f, a[1]);
+      }
+    }
+  }
+};
+
+}  // namespace flash
