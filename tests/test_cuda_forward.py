@@ -201,17 +201,22 @@ def test_forward_batch_heads_70000():
     check_forward(q, k, v, causal=True)
 
 
-def test_forward_tensor_over_2pow31_elements():
-    """k and v of > 2^31 elements each (bf16, ~4.3 GB): 64-bit offsets in the kernel (tests/long_keys.py:
-    the keys past element 2^31 dominate every row; the references one key chunk at a time)."""
-    require_hdim(128)
-    q, k, v = inputs_past_2pow31(24)
+def _check_long_key_forward(q, k, v):
+    """out and softmax_lse of one long key sequence against the chunked references (tests/long_keys.py)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse, _ = fwd_poisoned(q, k, v, scale, False)
     ref_out, ref_lse = chunked_ref(q, k, v, scale, key_chunk(k), upcast=True)
     base_out, base_lse = chunked_ref(q, k, v, scale, key_chunk(k), upcast=False)
     check_accuracy("out", out, ref_out, base_out)
     check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+
+
+def test_forward_tensor_over_2pow31_elements():
+    """k and v of > 2^31 elements each (bf16, ~4.3 GB): 64-bit offsets in the kernel (tests/long_keys.py:
+    the keys past element 2^31 dominate every row; the references one key chunk at a time)."""
+    require_hdim(128)
+    q, k, v = inputs_past_2pow31(24)
+    _check_long_key_forward(q, k, v)
 
 
 def test_forward_long_rows():
@@ -229,12 +234,7 @@ def test_forward_long_rows():
     q = (q.float() * math.sqrt(q.shape[-1]) / q.float().norm(dim=-1, keepdim=True)).to(q.dtype)
     for i in range(q.shape[1]):
         k[:, -3 - i] = q[:, i] * 1.5
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse, _ = fwd_poisoned(q, k, v, scale, False)
-    ref_out, ref_lse = chunked_ref(q, k, v, scale, key_chunk(k), upcast=True)
-    base_out, base_lse = chunked_ref(q, k, v, scale, key_chunk(k), upcast=False)
-    check_accuracy("out", out, ref_out, base_out)
-    check_accuracy("softmax_lse", lse, ref_lse, base_lse)
+    _check_long_key_forward(q, k, v)
 
 
 # Run in a subprocess with FLASH_ATTN_EXT_LONG_ROW_KEYS=1: every row moves O out of the
