@@ -1107,7 +1107,11 @@ int cuda_rounded_headdim(int d) {
 // writes its rows before it reads them. Returned to keep them alive over the launch.
 std::pair<Tensor, Tensor> set_long_rows(flash::Flash_fwd_params& p, const Tensor& q, int64_t q_rows, int64_t batch,
                                         int64_t nheads, int64_t max_seqlen_k, int d_rounded) {
-  p.long_row_keys = flash::long_row_keys();
+  try {
+    p.long_row_keys = flash::long_row_keys();  // the knob's error (run_on_stream's wording)
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
   p.flush_keys = std::min(p.long_row_keys, flash::kFlushKeys);
   if (max_seqlen_k + 256 <= p.long_row_keys) return {};
   p.o_flush_rows = q_rows + 512 * batch;

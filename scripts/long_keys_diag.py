@@ -3,8 +3,9 @@
 Answered on an H100 in the forty-first session (docs/PERF_NOTES.md): the forward's O, not an
 offset. "early" passed, "1m" (no element past 2^31) failed, dq from the reference's O passed. The
 kernels now move O out of the tensor-core accumulator every 8192 keys in rows of >= 2^18 keys
-(csrc/kernels/common/long_rows.cuh), and every case below passes (H200); the script stays as the
-check of that.
+(csrc/kernels/common/long_rows.cuh), and every case below passed (H200, 8h / 1m / equal / flat, on
+the build before the flush's __syncwarp mend, which has not run on a GPU yet); the script stays
+as the check of that.
 
 The fortieth session ran it on an H100 for the first time, with 8 heads (2,098,152 keys per row,
 dominance 1.5): dq's max error 2.56e-1 against the rule's 2 x 8.56e-2, on both arch paths; every

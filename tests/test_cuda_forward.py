@@ -247,24 +247,30 @@ if sys.argv[3] == "sm80":
     flash_attn_ext.force_sm80_path(True)
 outs = [flash_attn_func(q, k, v, return_lse=True, **kw) for q, k, v, kw in cases]
 q, k, v, cu, max_len = varlen
-outs.append(flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, return_lse=True))
-outs += [flash_attn_func(q[None, a:b], k[None, a:b], v[None, a:b], return_lse=True) for a, b in zip(cu[:-1], cu[1:])]
+outs.append(flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True, return_lse=True))
+outs += [flash_attn_func(q[None, a:b], k[None, a:b], v[None, a:b], causal=True, return_lse=True)
+         for a, b in zip(cu[:-1], cu[1:])]
 torch.save(outs, sys.argv[2])
 """
 
 
-def test_forward_long_rows_at_every_block(arch_path, tmp_path):
-    """The long rows' path (kernels/common/long_rows.cuh) on ordinary shapes: in a subprocess with
-    FLASH_ATTN_EXT_LONG_ROW_KEYS=1 every row moves O out of the accumulator after every key block
-    (both arch paths; causal with GQA, a sliding window, soft-capping, the sm90 long-key tiles at
-    8192 keys, varlen). Each output meets the accuracy rule, differs from the default call's bits
-    (the path ran), and a varlen call gives each sequence's bits alone (its flushes depend on the
-    sequence only)."""
+@pytest.mark.parametrize("bound", ["1", "1000"])
+def test_forward_long_rows_at_every_block(bound, arch_path, tmp_path):
+    """The long rows' path (kernels/common/long_rows.cuh) on ordinary shapes, in a subprocess with
+    FLASH_ATTN_EXT_LONG_ROW_KEYS=bound: 1, every row moves O out of the accumulator after every key
+    block; 1000, tiles whose key blocks reach 1000 keys every 1000 keys (7 blocks of 128), the
+    others not (both arch paths; causal with GQA, with the sm90 forward's top-shifted tiles: 384
+    tiles of 192 rows, 40 rows in the last; a sliding window; soft-capping; the sm90 long-key tiles
+    at 8192 keys; causal varlen). Each output meets the accuracy rule; with bound 1 it differs from
+    the default call's bits (the path ran); a varlen call gives each sequence the bits of the
+    sequence alone (a tile's flushes depend on its own sequence: with bound 1000, the 1500-key
+    sequence flushes and the 700-key one does not)."""
     require_hdim(64)
     require_hdim(128)
     torch.manual_seed(0)
     cases = []
     for (b, sq, sk, h, hk, d), kw in [((2, 1000, 1500, 8, 2, 64), {"causal": True}),
+                                      ((4, 1000, 1000, 16, 4, 64), {"causal": True}),
                                       ((1, 2048, 2048, 4, 4, 128), {}),
                                       ((1, 777, 2000, 4, 2, 128), {"causal": True, "window_size": (300, 0)}),
                                       ((1, 512, 1024, 2, 2, 64), {"softcap": 30.0}),
@@ -275,7 +281,7 @@ def test_forward_long_rows_at_every_block(arch_path, tmp_path):
     cu = torch.tensor([0, 700, 2200, 2240], dtype=torch.int32, device="cuda")
     qv, kv, vv = (torch.randn(sum(lens), 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     torch.save((cases, (qv, kv, vv, cu, max(lens))), tmp_path / "in.pt")
-    env = dict(os.environ, FLASH_ATTN_EXT_LONG_ROW_KEYS="1")
+    env = dict(os.environ, FLASH_ATTN_EXT_LONG_ROW_KEYS=bound)
     r = subprocess.run([sys.executable, "-c", _LONG_ROWS_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt"),
                         arch_path], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -286,13 +292,14 @@ def test_forward_long_rows_at_every_block(arch_path, tmp_path):
         base_out, base_lse = attention_ref(q, k, v, None, upcast=False, **kw_ref)
         check_accuracy(f"out {tuple(q.shape)} {kw}", out, ref_out, base_out)
         check_accuracy(f"softmax_lse {tuple(q.shape)} {kw}", lse, ref_lse, base_lse)
-        default_out, _ = flash_attn_ext.flash_attn_func(q, k, v, return_lse=True, **kw)
-        assert not torch.equal(out, default_out), f"{tuple(q.shape)} {kw}: the same bits as without the knob"
+        if bound == "1":
+            default_out, _ = flash_attn_ext.flash_attn_func(q, k, v, return_lse=True, **kw)
+            assert not torch.equal(out, default_out), f"{tuple(q.shape)} {kw}: the same bits as without the knob"
     varlen_out, varlen_lse = outs[len(cases)]
     for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         alone_out, alone_lse = outs[len(cases) + 1 + i]
         assert torch.equal(varlen_out[a:b], alone_out[0]), f"varlen sequence {i}: not the bits of the sequence alone"
         assert torch.equal(varlen_lse[:, a:b], alone_lse[0])
-        ref_out, _ = attention_ref(qv[None, a:b], kv[None, a:b], vv[None, a:b], None, upcast=True)
-        base_out, _ = attention_ref(qv[None, a:b], kv[None, a:b], vv[None, a:b], None, upcast=False)
+        ref_out, _ = attention_ref(qv[None, a:b], kv[None, a:b], vv[None, a:b], None, True, upcast=True)
+        base_out, _ = attention_ref(qv[None, a:b], kv[None, a:b], vv[None, a:b], None, True, upcast=False)
         check_accuracy(f"varlen out, sequence {i}", alone_out, ref_out, base_out)

@@ -7,24 +7,28 @@
 // same-dtype baseline at 2^20 keys on both arch paths; the error is the forward's O, carried into
 // dq / dk by D = rowsum(dO o O)). The remedy is the one of DeepSeek-V3's FP8 GEMMs (section 3.3.2,
 // "increasing accumulation precision"): promote a partial accumulator to CUDA-core fp32 at an
-// interval. Here, a row whose key steps reach params.long_row_keys moves O to a global fp32 copy
-// every flush_keys keys (round-to-nearest FFMA) and starts the tensor-core accumulator at 0 again,
-// so no accumulator sees more than flush_keys keys; the epilogue adds the copy back before the
-// normalization (FA2 Alg. 1 line 12).
+// interval. Here, rows whose key blocks hold >= params.long_row_keys keys move O to a global
+// fp32 copy every flush_keys keys (round-to-nearest FFMA) and start the tensor-core accumulator
+// at 0 again, so no accumulator sees more than flush_keys keys; the epilogue adds the copy back
+// before the normalization (FA2 Alg. 1 line 12).
 //
 // The copy, params.o_flush_ptr (the API allocates it only for calls with rows that long):
-// (nheads, o_flush_rows, d_rounded) float32, sequence b's rows from row_base() on, room for its
-// query tiles' rows from 256 before row 0 (a causal tile shifted to the top) to 256 past
-// seqlen_q (o_flush_rows = total rows + 512 * batch). params.o_flush_max_ptr: (nheads,
+// (nheads, o_flush_rows, d_rounded) float32; query row i of sequence b at row (its first q row:
+// dense b * seqlen_q, varlen cu_seqlens_q[b]) + 512 b + 256 + i, so each sequence has room for its
+// query tiles' rows from 256 before row 0 (a causal tile shifted to the top) to 256 past seqlen_q
+// (o_flush_rows = total rows + 512 * batch). params.o_flush_max_ptr: (nheads,
 // o_flush_rows, 4) float32, the max each thread's copy is relative to, one slot per lane of the
 // row's quad, so every thread reads back only what it wrote itself (no ordering between threads).
 // The thread's accumulator holds rows r = 2 mi + h (h = 0, 1: +8 rows) of the mma fragment layout
 // (primitives/mma.cuh; wgmma's accumulator is the same per warp): row row0 + 16 mi + 8 h, columns
 // 8 j + 2 (lane % 4) + {0, 1}.
 //
-// Whether and when a row flushes is a function of its own step count alone (long_rows_every),
-// so a sequence runs the same steps in a varlen call as alone (flash_attn_varlen_func's bitwise
-// contract), and a row below the bound runs as it would without any of this.
+// Whether and when a tile's rows flush is a function of the key blocks they walk (sm80: the
+// tile's; sm90: the warpgroup's own range) alone: long_rows_every, the blocks times their keys
+// against the bound. So a sequence runs the same steps in a varlen call as alone
+// (flash_attn_varlen_func's bitwise contract); tiles whose blocks hold fewer keys than the bound
+// run as without any of this (a causal tile's first rows see up to kBlockM - 1 keys fewer than
+// its blocks hold, so they may flush a little below the bound).
 #pragma once
 
 #include "flash.h"
