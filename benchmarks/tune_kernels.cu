@@ -96,7 +96,7 @@ static TuneRegistrar tune_reg({3, HD,
                                },
                                [](const flash::Flash_fwd_params& p) {
                                  return flash::num_splits_for_row(p, SkTraits::kBlockN, SkTraits::kSmemBytes,
-                                                                  SkTraits::kMinBlocks);
+                                                                  SkTraits::kMinBlocks, SkTraits::kNWarps);
                                }});
 #elif KIND == 0 && defined(TUNE_SM90)
 // The Hopper forward: BLOCK_M (64 query rows per consumer warpgroup) x BLOCK_N; 4 producer warps + 4

@@ -438,7 +438,8 @@ int main() {  // per line of stdin: arch num_sms b h h_k seqlen_q seqlen_k page_
     p.window_left = -1;
     p.block_table = p.page_size > 0 ? &table : nullptr;
     using Row = flash::sm80::SplitKvTile<128>;
-    std::printf("%d\n", flash::num_splits_for_row(p, Row::kBlockN, Row::smem_bytes(128), Row::kMinBlocks));
+    std::printf("%d\n",
+                flash::num_splits_for_row(p, Row::kBlockN, Row::smem_bytes(128), Row::kMinBlocks, Row::kNWarps));
   }
 }
 """
@@ -479,6 +480,26 @@ def test_num_splits_heuristic_h200_decode(tmp_path):
     assert got == expected
 
 
+def test_num_splits_long_caches(tmp_path):
+    """Caches past 2^20 keys take at least one split per 2^20 keys (splitkv_heuristic.h:
+    splitkv_long_rows_min_splits): the split kernel's 4 warps each accumulate a quarter of every key
+    tile in fp32 on the tensor cores, whose additions round toward zero, so a split of S keys puts
+    S / 4 keys into one accumulator, and the forward's bound is 2^18 (README: Accuracy rule). The
+    occupancy rule alone runs a grid of >= 2 CTAs per slot unsplit: a 512-query chunk over a 4M-key
+    cache (1024 CTAs on 264 slots) was 1 split, 2^20 keys per accumulator. Decode grids keep
+    the occupancy rule's counts where those are larger (B1 4M: 16; B64 2M: 3)."""
+    exe = _compile_host_driver(tmp_path, "splits", _SPLITS_DRIVER)
+    expected = {  # (batch, seqlen_q, seqlen_k): num_splits
+        (1, 512, 1 << 20): 1, (1, 512, (1 << 20) + 64): 2, (1, 512, 1 << 22): 4, (8, 512, 3 << 20): 3,
+        (1, 512, 1 << 27): 128, (1, 512, (1 << 27) + 64): 128, (1, 1, 1 << 22): 16, (64, 1, 1 << 21): 3,
+    }
+    cases = list(expected)
+    stdin = "".join(f"90 132 {b} 32 8 {sq} {n} 0\n" for b, sq, n in cases)
+    out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
+    got = {case: int(s) for case, s in zip(cases, out)}
+    assert got == expected
+
+
 _BALANCE_DRIVER = r"""
 #include <cstdio>
 #include "kernels/common/splitkv_heuristic.h"
@@ -495,7 +516,7 @@ int main() {  // per line: b seqlen_q seqlen_k window_left softcap factor reques
     if (p.b < 0) p.b = -p.b;
     using Row = flash::sm80::SplitKvTile<128>;
     const int equal = p.num_blocks > 0 ? p.num_blocks
-                                       : flash::num_splits_for_row(p, Row::kBlockN, Row::smem_bytes(128), Row::kMinBlocks);
+                                       : flash::num_splits_for_row(p, Row::kBlockN, Row::smem_bytes(128), Row::kMinBlocks, Row::kNWarps);
     std::printf("%d %d\n", equal, flash::balanced_splits_units(p, equal, p.num_blocks, p.num_splits));
   }
 }

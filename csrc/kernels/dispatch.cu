@@ -441,12 +441,13 @@ Sm90FwdSchedule sm90_fwd_schedule(const Flash_fwd_params& params) {
 // FlashDecoding's split choice from shapes alone (common/splitkv_heuristic.h: the rule), with the
 // split-KV row of the head dim (sm80/tile_config.h: SplitKvTile).
 int num_splits_heuristic(const Flash_fwd_params& params) {
-  int block_n = 64, smem = 0, min_blocks = 1;
+  int block_n = 64, smem = 0, min_blocks = 1, warps = 4;
 #define FLASH_ATTN_EXT_CASE(d)                                  \
   case d:                                                       \
     block_n = sm80::SplitKvTile<d>::kBlockN;                    \
     smem = sm80::SplitKvTile<d>::smem_bytes(d);                 \
     min_blocks = sm80::SplitKvTile<d>::kMinBlocks;              \
+    warps = sm80::SplitKvTile<d>::kNWarps;                      \
     break;
   switch (params.d_rounded) {
     FLASH_ATTN_EXT_HDIMS(FLASH_ATTN_EXT_CASE)
@@ -454,7 +455,7 @@ int num_splits_heuristic(const Flash_fwd_params& params) {
   }
 #undef FLASH_ATTN_EXT_CASE
   if (splitkv_forced_splits() > 0) return splitkv_forced_splits();
-  return num_splits_for_row(params, block_n, smem, min_blocks);
+  return num_splits_for_row(params, block_n, smem, min_blocks, warps);
 }
 
 // Balanced splits (common/splitkv_work.cuh) for a KV-cache call whose sequences may differ in length

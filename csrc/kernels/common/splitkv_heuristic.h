@@ -62,20 +62,35 @@ inline int64_t splitkv_slots(const Flash_fwd_params& params, int smem_bytes, int
   return int64_t(params.num_sms) * per_sm;
 }
 
-inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks) {
+// The keys one row tile visits: the cache's capacity, or a sliding window's (its left bound plus
+// the packed queries' span, and a tile of misalignment on each side).
+inline int64_t splitkv_row_keys(const Flash_fwd_params& params, int block_n) {
+  int64_t keys = params.seqlen_k;
+  if (params.window_left >= 0) {
+    keys = std::min<int64_t>(keys, int64_t(params.window_left) + params.seqlen_q + 2 * block_n);
+  }
+  return keys;
+}
+
+// The fewest splits that keep every fp32 accumulator of the split kernel within the forward's
+// long-row bound (flash.h: kLongRowKeys; kernels/common/long_rows.cuh: the tensor cores' additions
+// round toward zero, past ~2^20 keys more error than bf16's): its kWarps warps each accumulate
+// 1 / kWarps of every key tile, so a split of S keys puts S / kWarps keys into one accumulator, and
+// splits of at most kWarps * kLongRowKeys keys keep those below the bound. 1 for caches of up to
+// 2^20 keys (at 4 warps); at most kMaxSplits (caches of up to 2^27 keys).
+inline int splitkv_long_rows_min_splits(const Flash_fwd_params& params, int block_n, int warps) {
+  const int64_t per_split = int64_t(warps) * kLongRowKeys;
+  return int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, (splitkv_row_keys(params, block_n) + per_split - 1) / per_split)));
+}
+
+inline int num_splits_by_occupancy(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks) {
   if (params.b <= 0 || params.h_k <= 0 || params.seqlen_q <= 0 || params.num_sms <= 0) return 1;
   const int64_t ctas = splitkv_unsplit_ctas(params);
   const int64_t slots = splitkv_slots(params, smem_bytes, min_blocks);
   // Pages shorter than a key tile: several boxes per tile, so fill the slots (see above).
   const bool small_pages = params.block_table != nullptr && params.page_size < block_n;
   if (ctas >= (small_pages ? 4 : 2) * slots) return 1;
-  // The key tiles one row tile visits: the cache's capacity, or a sliding window's (its left
-  // bound plus the packed queries' span, and a tile of misalignment on each side).
-  int64_t keys = params.seqlen_k;
-  if (params.window_left >= 0) {
-    keys = std::min<int64_t>(keys, int64_t(params.window_left) + params.seqlen_q + 2 * block_n);
-  }
-  const int64_t key_tiles = (keys + block_n - 1) / block_n;
+  const int64_t key_tiles = (splitkv_row_keys(params, block_n) + block_n - 1) / block_n;
   const int64_t max_splits =
       std::max<int64_t>(1, std::min<int64_t>({kMaxSplits, key_tiles / 8}));
   const int64_t sms = params.num_sms;
@@ -92,6 +107,13 @@ inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int s
     if (efficiency(s) >= 0.95 * best) return int(s);
   }
   return 1;
+}
+
+// The split count of a row of `warps` warps: the occupancy rule's, at least
+// splitkv_long_rows_min_splits.
+inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks, int warps) {
+  return std::max(num_splits_by_occupancy(params, block_n, smem_bytes, min_blocks),
+                  splitkv_long_rows_min_splits(params, block_n, warps));
 }
 
 // The balanced splits' units per sequence (common/splitkv_work.cuh; dispatch.cu:
