@@ -69,9 +69,9 @@ def flash_attn_with_kvcache(
             ``flash_attn_func``'s (a decode step with window_size=(w - 1, 0) reads the last w
             cache rows only).
         num_splits: 0 = chosen from the shapes (sized for full caches: cache_seqlens is not read on
-            the host), at least one split per 2^20 keys of the cache (each of the split kernel's
-            fp32 accumulators then sees at most 2^18 keys: README, Accuracy rule); 1 = no split;
-            up to 128. Where the balanced splits apply (batch > 1,
+            the host), at least one split per 2^20 keys of the cache up to 128 (each of the split
+            kernel's fp32 accumulators then sees at most 2^18 keys: README, Accuracy rule); 1 = no
+            split; up to 128. Where the balanced splits apply (batch > 1,
             cache_seqlens given, no window left bound, softcap or ALiBi, at most one CTA per SM
             unsplit; README: FLASH_ATTN_EXT_SPLITKV_BALANCE, on by default) the split CTAs are
             shared out by the sequences' lengths on the device, and a num_splits >= 2 is their

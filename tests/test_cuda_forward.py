@@ -237,8 +237,8 @@ def test_forward_long_rows():
     _check_long_key_forward(q, k, v)
 
 
-# Run in a subprocess with FLASH_ATTN_EXT_LONG_ROW_KEYS=1: every row moves O out of the
-# accumulator after every key block. argv: inputs, outputs, whether to force the sm80 path.
+# Run in a subprocess with FLASH_ATTN_EXT_LONG_ROW_KEYS set (test_forward_long_rows_at_every_block).
+# argv: inputs, outputs, whether to force the sm80 path.
 _LONG_ROWS_SCRIPT = """
 import sys, torch, flash_attn_ext
 from flash_attn_ext import flash_attn_func, flash_attn_varlen_func
@@ -258,13 +258,14 @@ torch.save(outs, sys.argv[2])
 def test_forward_long_rows_at_every_block(bound, arch_path, tmp_path):
     """The long rows' path (kernels/common/long_rows.cuh) on ordinary shapes, in a subprocess with
     FLASH_ATTN_EXT_LONG_ROW_KEYS=bound: 1, every row moves O out of the accumulator after every key
-    block; 1000, tiles whose key blocks reach 1000 keys every 1000 keys (7 blocks of 128), the
-    others not (both arch paths; causal with GQA, with the sm90 forward's top-shifted tiles: 384
-    tiles of 192 rows, 40 rows in the last; a sliding window; soft-capping; the sm90 long-key tiles
-    at 8192 keys; causal varlen). Each output meets the accuracy rule; with bound 1 it differs from
-    the default call's bits (the path ran); a varlen call gives each sequence the bits of the
-    sequence alone (a tile's flushes depend on its own sequence: with bound 1000, the 1500-key
-    sequence flushes and the 700-key one does not)."""
+    block; 1000, tiles whose key blocks hold >= 1000 keys every floor(1000 / kBlockN) blocks (896
+    keys at 128, 960 at 64, 864 at 144), the others not (both arch paths; causal with GQA, with the
+    sm90 forward's top-shifted tiles: 384 tiles of 192 rows shifted 128 rows up; a sliding window;
+    soft-capping; the sm90 long-key tiles at 8192 keys; causal varlen). Each output meets the
+    accuracy rule; with bound 1 it differs from the default call's bits (the path ran); a varlen
+    call gives each sequence the bits of the sequence alone (a tile's flushes depend on its own
+    sequence); with bound 1000 the 700-key sequence keeps the default bits and the 1500-key one
+    does not."""
     require_hdim(64)
     require_hdim(128)
     torch.manual_seed(0)
@@ -300,6 +301,10 @@ def test_forward_long_rows_at_every_block(bound, arch_path, tmp_path):
         alone_out, alone_lse = outs[len(cases) + 1 + i]
         assert torch.equal(varlen_out[a:b], alone_out[0]), f"varlen sequence {i}: not the bits of the sequence alone"
         assert torch.equal(varlen_lse[:, a:b], alone_lse[0])
+        if bound == "1000":  # the 700-key sequence does not flush (no workspace alone), the 1500-key one does
+            default_out, _ = flash_attn_ext.flash_attn_func(qv[None, a:b], kv[None, a:b], vv[None, a:b], causal=True,
+                                                            return_lse=True)
+            assert torch.equal(alone_out, default_out) == (b - a < 1000), f"varlen sequence {i}: flushed {b - a} keys"
         ref_out, _ = attention_ref(qv[None, a:b], kv[None, a:b], vv[None, a:b], None, True, upcast=True)
         base_out, _ = attention_ref(qv[None, a:b], kv[None, a:b], vv[None, a:b], None, True, upcast=False)
         check_accuracy(f"varlen out, sequence {i}", alone_out, ref_out, base_out)

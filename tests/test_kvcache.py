@@ -430,12 +430,19 @@ _SPLITS_DRIVER = r"""
 #include "kernels/common/splitkv_heuristic.h"
 #include "kernels/sm80/tile_config.h"
 int main() {  // per line of stdin: arch num_sms b h h_k seqlen_q seqlen_k page_size (0: contiguous)
+               // [window_left causal] (default -1 0)
   static const int table = 0;  // a non-null block_table marks a paged cache
   flash::Flash_fwd_params p{};
-  while (std::scanf("%d %d %d %d %d %d %d %d", &p.arch, &p.num_sms, &p.b, &p.h, &p.h_k, &p.seqlen_q,
-                    &p.seqlen_k, &p.page_size) == 8) {
-    p.d = p.d_rounded = 128;
+  char line[256];
+  while (std::fgets(line, sizeof line, stdin)) {
+    int causal = 0;
     p.window_left = -1;
+    if (std::sscanf(line, "%d %d %d %d %d %d %d %d %d %d", &p.arch, &p.num_sms, &p.b, &p.h, &p.h_k, &p.seqlen_q,
+                    &p.seqlen_k, &p.page_size, &p.window_left, &causal) < 8) {
+      break;
+    }
+    p.is_causal = causal != 0;
+    p.d = p.d_rounded = 128;
     p.block_table = p.page_size > 0 ? &table : nullptr;
     using Row = flash::sm80::SplitKvTile<128>;
     std::printf("%d\n",
@@ -489,12 +496,15 @@ def test_num_splits_long_caches(tmp_path):
     cache (1024 CTAs on 264 slots) was 1 split, 2^20 keys per accumulator. Decode grids keep
     the occupancy rule's counts where those are larger (B1 4M: 16; B64 2M: 3)."""
     exe = _compile_host_driver(tmp_path, "splits", _SPLITS_DRIVER)
-    expected = {  # (batch, seqlen_q, seqlen_k): num_splits
+    expected = {  # (batch, seqlen_q, seqlen_k[, window_left, causal]): num_splits
         (1, 512, 1 << 20): 1, (1, 512, (1 << 20) + 64): 2, (1, 512, 1 << 22): 4, (8, 512, 3 << 20): 3,
         (1, 512, 1 << 27): 128, (1, 512, (1 << 27) + 64): 128, (1, 1, 1 << 22): 16, (64, 1, 1 << 21): 3,
+        # a causal window (4096, 0): a tile's 16 packed rows see <= 4096 + 16 keys, whatever
+        # seqlen_q: no floor; a window with no right bound spans the queries: 2^20 + 4096 + 2 tiles
+        (1, 1 << 20, 1 << 22, 4096, 1): 1, (1, 1 << 20, 1 << 22, 4096, 0): 2,
     }
     cases = list(expected)
-    stdin = "".join(f"90 132 {b} 32 8 {sq} {n} 0\n" for b, sq, n in cases)
+    stdin = "".join(f"90 132 {c[0]} 32 8 {c[1]} {c[2]} 0 {' '.join(map(str, c[3:]))}\n" for c in cases)
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
     got = {case: int(s) for case, s in zip(cases, out)}
     assert got == expected

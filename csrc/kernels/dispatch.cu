@@ -178,9 +178,9 @@ void dispatch(const Flash_fwd_params& params, const char* op, F&& f) {
 
 }  // namespace
 
-// FLASH_ATTN_EXT_LONG_ROW_KEYS=N (read once; for tests, 1 <= N): rows of at least N keys move O
-// out of the tensor cores' accumulator every min(N, kFlushKeys) keys (kernels/common/long_rows.cuh;
-// N = 1: every row at every key block). Unset or 0: kLongRowKeys.
+// FLASH_ATTN_EXT_LONG_ROW_KEYS=N (read once; for tests, 1 <= N): query tiles whose key blocks hold
+// at least N keys move O out of the tensor cores' accumulator every min(N, kFlushKeys) keys
+// (kernels/common/long_rows.cuh; N = 1: every tile at every key block). Unset or 0: kLongRowKeys.
 int long_row_keys() {
   static const int n = env_int_knob("FLASH_ATTN_EXT_LONG_ROW_KEYS", kMaxSeqlen);
   return n == 0 ? kLongRowKeys : n;

@@ -62,12 +62,17 @@ inline int64_t splitkv_slots(const Flash_fwd_params& params, int smem_bytes, int
   return int64_t(params.num_sms) * per_sm;
 }
 
-// The keys one row tile visits: the cache's capacity, or a sliding window's (its left bound plus
-// the packed queries' span, and a tile of misalignment on each side).
+// The keys one row tile visits: the cache's capacity, or a sliding window's: its left bound plus
+// the span of the tile's queries (its 16 packed rows hold at most 16 queries; all of them where
+// the right side is unbounded) and the right bound (causal: 0), and a key tile of misalignment on
+// each side.
 inline int64_t splitkv_row_keys(const Flash_fwd_params& params, int block_n) {
   int64_t keys = params.seqlen_k;
   if (params.window_left >= 0) {
-    keys = std::min<int64_t>(keys, int64_t(params.window_left) + params.seqlen_q + 2 * block_n);
+    const bool right_bounded = params.is_causal || params.window_right >= 0;
+    const int64_t span = right_bounded ? std::min<int64_t>(params.seqlen_q, 16) + (params.is_causal ? 0 : params.window_right)
+                                       : params.seqlen_q;
+    keys = std::min<int64_t>(keys, int64_t(params.window_left) + span + 2 * block_n);
   }
   return keys;
 }
@@ -122,7 +127,7 @@ inline int num_splits_for_row(const Flash_fwd_params& params, int block_n, int s
 // give a full cache, or the caller's `requested` > 0 as is; 0 where the call is not balanced:
 // factor 0, no cache_seqlens, one sequence (or more than 2^16), the split kernel's twins with a
 // window's left bound, softcap or ALiBi (the balanced twin is the plain one), and grids of more
-// than one CTA per SM unsplit (a prefill chunk through the KV-cache call: the heuristic's 1
+// than one CTA per SM unsplit (a prefill chunk through the KV-cache call: the occupancy rule's 1
 // outright, the hardware evens the CTAs out, and the accumulators would be large; at B32 Nk 8k,
 // hd128 GQA 32:8, 1.9 CTAs per SM, the balanced grid ran full caches 4.6 % and caches half full on
 // average 2.3 % slower, H100, docs/PERF_NOTES.md, thirty-fourth session). A full cache's split
