@@ -18,9 +18,10 @@ typedef struct CUstream_st* cudaStream_t;
 namespace flash {
 
 // Long rows (kernels/common/long_rows.cuh): query tiles whose key blocks hold at least
-// kLongRowKeys keys move O out of the tensor cores' accumulator every kFlushKeys keys. Below 2^18 keys the accumulator's rounding
-// stays under a quarter of bf16's (docs/PERF_NOTES.md, forty-first session); the API's
-// FLASH_ATTN_EXT_LONG_ROW_KEYS knob lowers the bound for tests (the interval: min(bound, kFlushKeys)).
+// kLongRowKeys keys move O out of the tensor cores' accumulator every kFlushKeys keys. Below 2^18
+// keys the accumulator's rounding stays under a quarter of bf16's (docs/PERF_NOTES.md,
+// forty-first session); the API's FLASH_ATTN_EXT_LONG_ROW_KEYS knob lowers the bound for tests
+// (the interval: min(bound, kFlushKeys)).
 constexpr int kLongRowKeys = 1 << 18;
 constexpr int kFlushKeys = 8192;
 

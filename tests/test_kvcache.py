@@ -526,7 +526,8 @@ int main() {  // per line: b seqlen_q seqlen_k window_left softcap factor reques
     if (p.b < 0) p.b = -p.b;
     using Row = flash::sm80::SplitKvTile<128>;
     const int equal = p.num_blocks > 0 ? p.num_blocks
-                                       : flash::num_splits_for_row(p, Row::kBlockN, Row::smem_bytes(128), Row::kMinBlocks, Row::kNWarps);
+                                       : flash::num_splits_for_row(p, Row::kBlockN, Row::smem_bytes(128),
+                                                                   Row::kMinBlocks, Row::kNWarps);
     std::printf("%d %d\n", equal, flash::balanced_splits_units(p, equal, p.num_blocks, p.num_splits));
   }
 }

@@ -70,8 +70,8 @@ inline int64_t splitkv_row_keys(const Flash_fwd_params& params, int block_n) {
   int64_t keys = params.seqlen_k;
   if (params.window_left >= 0) {
     const bool right_bounded = params.is_causal || params.window_right >= 0;
-    const int64_t span = right_bounded ? std::min<int64_t>(params.seqlen_q, 16) + (params.is_causal ? 0 : params.window_right)
-                                       : params.seqlen_q;
+    const int64_t right = params.is_causal ? 0 : params.window_right;
+    const int64_t span = right_bounded ? std::min<int64_t>(params.seqlen_q, 16) + right : params.seqlen_q;
     keys = std::min<int64_t>(keys, int64_t(params.window_left) + span + 2 * block_n);
   }
   return keys;
@@ -85,7 +85,8 @@ inline int64_t splitkv_row_keys(const Flash_fwd_params& params, int block_n) {
 // 2^20 keys (at 4 warps); at most kMaxSplits (caches of up to 2^27 keys).
 inline int splitkv_long_rows_min_splits(const Flash_fwd_params& params, int block_n, int warps) {
   const int64_t per_split = int64_t(warps) * kLongRowKeys;
-  return int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, (splitkv_row_keys(params, block_n) + per_split - 1) / per_split)));
+  const int64_t splits = (splitkv_row_keys(params, block_n) + per_split - 1) / per_split;
+  return int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, splits)));
 }
 
 inline int num_splits_by_occupancy(const Flash_fwd_params& params, int block_n, int smem_bytes, int min_blocks) {
