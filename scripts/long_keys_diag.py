@@ -57,14 +57,12 @@ CASES = {  # name: (seqlen_k, nheads, dominance, force_sm80, transform)
 def inputs(seqlen_k, nheads, dominance, transform, device):
     # the 8-head cases shift the last 2^20 value rows, as the inputs that failed did
     shifted = min(1 << 20, seqlen_k) if nheads == 8 else None
-    q, k, v = long_key_inputs(seqlen_k, nheads=nheads, dominance=dominance, device=device, shifted_rows=shifted)
+    # "equal": every row's dominant score 1.5 * 128 / sqrt(128) ~ 17
+    q, k, v = long_key_inputs(seqlen_k, nheads=nheads, dominance=dominance, device=device, shifted_rows=shifted,
+                              equal_norms=transform == "equal")
     if transform == "early":  # each row's dominant key moved before element 2^31
         for i in range(q.shape[1]):
             k[:, 1000 + i], k[:, -3 - i] = k[:, -3 - i].clone(), k[:, 1000 + i].clone()
-    elif transform == "equal":  # every row's dominant score 1.5 * 128 / sqrt(128) ~ 17
-        q = (q.float() * math.sqrt(q.shape[-1]) / q.float().norm(dim=-1, keepdim=True)).to(q.dtype)
-        for i in range(q.shape[1]):
-            k[:, -3 - i] = q[:, i] * dominance
     return q, k, v
 
 

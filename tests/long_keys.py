@@ -16,19 +16,31 @@ rows of 2.1M and 1M keys, which missed the rule without it (docs/PERF_NOTES.md, 
 forty-first sessions; README: Accuracy rule).
 """
 
+import math
+
 import pytest
 import torch
 
 from accuracy import default_atol
 
 
+def require_free_gib(gib: int) -> None:
+    """pytest.skip without gib GiB of free GPU memory."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < gib * 2**30:
+        pytest.skip(f"needs ~{gib} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+
+
 def long_key_inputs(seqlen_k, seqlen_q=16, nheads=8, headdim=128, dtype=torch.bfloat16, device="cuda",
-                    dominance=4.0, shifted_rows=None):
+                    dominance=4.0, shifted_rows=None, equal_norms=False):
     """q (1, seqlen_q, nheads, headdim), k, v (1, seqlen_k, nheads, headdim): random, query row i's
     dominant key at row seqlen_k - 3 - i (dominance * q_i: score ~ 11 * dominance at headdim 128,
     the default's ~45 takes all of the row's probability), value rows of the last shifted_rows keys
-    (default: a quarter of them, at most 2^20) shifted by 2."""
+    (default: a quarter of them, at most 2^20) shifted by 2. equal_norms: every q row scaled to norm
+    sqrt(headdim) first, so every row's dominant score is dominance * sqrt(headdim)."""
     q = torch.randn(1, seqlen_q, nheads, headdim, dtype=dtype, device=device)
+    if equal_norms:
+        q = (q.float() * math.sqrt(headdim) / q.float().norm(dim=-1, keepdim=True)).to(dtype)
     k = torch.randn(1, seqlen_k, nheads, headdim, dtype=dtype, device=device)
     v = torch.randn(1, seqlen_k, nheads, headdim, dtype=dtype, device=device)
     v[:, -(shifted_rows or min(1 << 20, seqlen_k // 4)):] += 2.0
@@ -41,9 +53,7 @@ def inputs_past_2pow31(min_free_gib: int, dominance: float = 4.0):
     """long_key_inputs on the GPU with k and v of 2^31 + 16,384,000 elements each (128 heads, head
     dim 128, 132,072 keys, bf16, ~4.3 GB each; the last 1000 keys lie past element 2^31), or
     pytest.skip without min_free_gib GiB of free GPU memory."""
-    free, _ = torch.cuda.mem_get_info()
-    if free < min_free_gib * 2**30:
-        pytest.skip(f"needs ~{min_free_gib} GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    require_free_gib(min_free_gib)
     h, d = 128, 128
     seqlen_k = 2**31 // (h * d) + 1000
     q, k, v = long_key_inputs(seqlen_k, nheads=h, headdim=d, dominance=dominance)

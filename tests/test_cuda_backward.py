@@ -27,7 +27,7 @@ import flash_attn_ext  # noqa: F401  (registers torch.ops.flash_attn_ext)
 from accuracy import check_accuracy
 from conftest import require_hdim
 from flash_attn_ext.reference import attention_ref
-from long_keys import check_long_key_grads, inputs_past_2pow31, long_key_inputs
+from long_keys import check_long_key_grads, inputs_past_2pow31, long_key_inputs, require_free_gib
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the CUDA backward kernels need an NVIDIA GPU (sm_80 or newer)")
@@ -419,9 +419,7 @@ def test_backward_long_rows(poison_empty):
     by ~N / 16 * 2^-25 and D carried it into dq and dk: 3.8x and 3.7x the same-dtype baseline's
     error on an H100, both arch paths (docs/PERF_NOTES.md, forty-first session)."""
     require_hdim(128)
-    free, _ = torch.cuda.mem_get_info()
-    if free < 20 * 2**30:
-        pytest.skip(f"needs ~20 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    require_free_gib(20)
     q, k, v = long_key_inputs(1 << 20, nheads=8, dominance=1.5, shifted_rows=1 << 20)
     dout = _rand(*q.shape, dtype=q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -26,7 +26,7 @@ import flash_attn_ext
 from conftest import require_hdim
 from accuracy import check_accuracy
 from flash_attn_ext.reference import attention_ref
-from long_keys import chunked_ref, inputs_past_2pow31, key_chunk, long_key_inputs
+from long_keys import chunked_ref, inputs_past_2pow31, key_chunk, long_key_inputs, require_free_gib
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA forward kernel tests need a CUDA GPU (none visible)"
@@ -226,14 +226,9 @@ def test_forward_long_rows():
     Without that, out's error was 2.4x the same-dtype baseline's on an H100 (7.97e-2 against
     3.28e-2; docs/PERF_NOTES.md, forty-first session)."""
     require_hdim(128)
-    free, _ = torch.cuda.mem_get_info()
-    if free < 24 * 2**30:
-        pytest.skip(f"needs ~24 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    require_free_gib(24)
     seqlen_k = 2**31 // (8 * 128) + 1000
-    q, k, v = long_key_inputs(seqlen_k, nheads=8, dominance=1.5, shifted_rows=1 << 20)
-    q = (q.float() * math.sqrt(q.shape[-1]) / q.float().norm(dim=-1, keepdim=True)).to(q.dtype)
-    for i in range(q.shape[1]):
-        k[:, -3 - i] = q[:, i] * 1.5
+    q, k, v = long_key_inputs(seqlen_k, nheads=8, dominance=1.5, shifted_rows=1 << 20, equal_norms=True)
     _check_long_key_forward(q, k, v)
 
 

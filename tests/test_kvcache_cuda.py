@@ -22,6 +22,7 @@ import flash_attn_ext
 from conftest import kernel_bool_args, require_hdim
 from accuracy import check_accuracy
 from flash_attn_ext.reference import attention_kvcache_ref
+from long_keys import require_free_gib
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="KV-cache CUDA kernel tests need a CUDA GPU (none visible)"
@@ -560,9 +561,7 @@ def test_kvcache_cache_over_2pow31_elements(layout, poison_empty):
     cache_batch_idx: entries past it. One new key appended per sequence (past element 2^31 but for
     one entry and one block below it)."""
     require_hdim(128)
-    free, _ = torch.cuda.mem_get_info()
-    if free < 16 * 2**30:
-        pytest.skip(f"needs ~16 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    require_free_gib(16)
     dtype, nheads_k, ratio, d, rows = torch.bfloat16, 8, 4, 128, 1024
     entries = 2**31 // (rows * nheads_k * d) + 3  # 2,051 entries; entry 2,048 starts at element 2^31
     kc = torch.randn(entries, rows, nheads_k, d, device="cuda", dtype=dtype)
