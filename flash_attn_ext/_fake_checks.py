@@ -170,11 +170,15 @@ def check_softmax_scale(softmax_scale: float) -> None:
         # A symbolic float under torch.compile(dynamic=True) (1 / sqrt(headdim)) that Dynamo cannot
         # pass to math.isfinite; the op's fake kernel checks the value it is given.
         return
-    # As the C++ check: softmax_scale * log2(e) finite once rounded to float32 (below FLT_MAX + 2^103,
-    # half an ulp past float32's max).
-    if not math.isfinite(softmax_scale) or abs(softmax_scale * 1.4426950408889634) >= _FLOAT32_ROUNDS_TO_INF:
+    if not softmax_scale_ok(softmax_scale):
         _fail("softmax_scale must be finite with |softmax_scale| * log2(e) < 3.4e38 (float32; the kernels "
               f"scale scores by it), got {_num(softmax_scale)}")
+
+
+def softmax_scale_ok(softmax_scale: float) -> bool:
+    """As the C++ check: softmax_scale * log2(e) finite once rounded to float32 (below FLT_MAX + 2^103,
+    half an ulp past float32's max)."""
+    return math.isfinite(softmax_scale) and abs(softmax_scale * 1.4426950408889634) < _FLOAT32_ROUNDS_TO_INF
 
 
 _FLOAT32_MAX = 3.4028234663852886e38

@@ -24,12 +24,10 @@ as torch does (query, key, value; BHSD shapes), never the kernels' internal BSHD
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import _C
-from ._fake_checks import MAX_HEADDIM as _MAX_HEADDIM
+from ._fake_checks import MAX_HEADDIM as _MAX_HEADDIM, softmax_scale_ok
 from ._args import _check_tensors, _dropout_p, _maybe_contiguous, _scale
 from .interface import flash_attn_func
 
@@ -124,7 +122,8 @@ def scaled_dot_product_attention(
         is_causal: causal mask aligned to the top-left corner, exactly as torch: query i sees
             key j <= i. (flash_attn_ext's own ``causal`` is bottom-right aligned; this function
             converts, so the result equals torch's also when L != S.)
-        scale: softmax scale, default 1 / sqrt(headdim); must be finite.
+        scale: softmax scale, default 1 / sqrt(headdim); must be finite with |scale| * log2(e)
+            < 3.4e38 (float32).
         enable_gqa: allow nheads_k < nheads (see above).
 
     Differentiable in reverse mode and forward mode, and usable under torch.func transforms
@@ -151,7 +150,7 @@ def scaled_dot_product_attention(
             also refuse (nheads_k != nheads without enable_gqa; nheads % nheads_k != 0), key/value
             without heads for a query with some (nheads = 0: an empty output, as torch),
             headdim <= 0 or > 256 (or without a compiled CUDA kernel), a
-            non-finite scale, ``dropout_p`` outside [0, 1).
+            scale that is not finite or past float32's range, ``dropout_p`` outside [0, 1).
         RuntimeError: query, key, value (or attn_mask) on different devices, or on a device
             other than cpu/cuda; under torch.compile, a mask that is not the static form's
             pattern (a device-side assert).
@@ -228,9 +227,9 @@ def scaled_dot_product_attention(
             f"FLASH_ATTN_EXT_HDIMS including a head dim >= {max(D, Ev)}")
     if scale is not None:
         scale = _scale("scale", scale, query)  # a real number (TypeError naming scale otherwise)
-        if not math.isfinite(scale):
-            raise ValueError(f"flash_attn_ext.scaled_dot_product_attention: scale must be finite, got "
-                             f"{scale}")
+        if not softmax_scale_ok(scale):
+            raise ValueError("flash_attn_ext.scaled_dot_product_attention: scale must be finite with |scale| * "
+                             f"log2(e) < 3.4e38 (float32; the kernels scale scores by it), got {scale}")
     query, key, value = _autocast_and_check_dtype({"query": query, "key": key, "value": value})
     if H == 0:
         # No heads (as torch: an empty output); the sum ties it to the inputs for autograd (their

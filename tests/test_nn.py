@@ -743,6 +743,9 @@ def test_sdpa_errors_are_in_torch_terms():
     _sdpa_error(TypeError, r"value has dtype torch.float64 but query has torch.float32", q, q,
                 q.double())
     _sdpa_error(ValueError, r"scale must be finite", q, q, q, scale=float("nan"))
+    # finite, but its float32 scaling of the scores is not: named as torch names it, not softmax_scale
+    _sdpa_error(ValueError, r"scaled_dot_product_attention: scale must be finite with \|scale\| \* log2\(e\) < 3.4e38",
+                q, q, q, scale=1e39)
     _sdpa_error(TypeError, r"scale must be a real number, got str", q, q, q, scale="0.5")
     _sdpa_error(ValueError, r"key/value shape \(1, 4, 8, 16\) does not match query \(1, 4, 8, 32\)",
                 q, _randn(1, 4, 8, 16), _randn(1, 4, 8, 16))
