@@ -167,13 +167,22 @@ struct Flash_fwd_params : public Qkv_params {
 
   // ---- Long rows (kernels/common/long_rows.cuh): a row whose key blocks hold at least
   // long_row_keys keys moves O from the tensor cores' accumulator to o_flush_ptr every flush_keys
-  // keys (their accumulation rounds toward zero: past ~2^20 keys more error than bf16's). Both
-  // workspaces are the API's, allocated for calls with such rows only (null: no row flushes):
-  // o_flush_ptr (h, o_flush_rows, d_rounded) and o_flush_max_ptr (h, o_flush_rows, 4) float32,
-  // o_flush_rows = (dense: b * seqlen_q; varlen: total_q) + 512 * b. Contents need no init.
+  // keys (their accumulation rounds toward zero: past ~2^20 keys more error than bf16's). The
+  // API sets long_rows_alloc (torch's allocator, on the call's stream, the memory alive until the
+  // call returns) for calls with such rows only; the forward's launch sizes both workspaces for
+  // its grid and asks for them (long_rows.cuh: alloc_long_rows; null: no row flushes), float32:
+  //   o_flush_slots == 0, one slot per query row (a grid of one CTA per tile): o_flush_ptr (h,
+  //     o_flush_rows, d_rounded), o_flush_max_ptr (h, o_flush_rows, 4), o_flush_rows = (dense:
+  //     b * seqlen_q; varlen: total_q) + 512 * b;
+  //   o_flush_slots > 0, one slot per CTA (the sm90 forward, whose CTAs run their tiles one after
+  //     another; gridDim.x slots): (o_flush_slots, o_flush_rows, ...), o_flush_rows = kBlockM.
+  // Contents need no init.
+  float* (*long_rows_alloc)(void* ctx, int64_t floats) = nullptr;  // never null on return (throws)
+  void* long_rows_alloc_ctx = nullptr;
   float* __restrict__ o_flush_ptr = nullptr;
   float* __restrict__ o_flush_max_ptr = nullptr;
   int64_t o_flush_rows = 0;
+  int o_flush_slots = 0;
   int long_row_keys = kLongRowKeys;
   int flush_keys = kFlushKeys;
 

@@ -1100,26 +1100,32 @@ int cuda_rounded_headdim(int d) {
   return d_rounded;
 }
 
-// The long rows' workspaces (flash.h: o_flush_ptr; kernels/common/long_rows.cuh) when some row
-// of the call can reach params.long_row_keys keys (a row's key blocks run past seqlen_k by less
-// than 256 keys): (nheads, rows + 512 * batch, d_rounded) and (nheads, rows + 512 * batch, 4)
-// float32, rows the q side's (dense: batch * seqlen_q; varlen: total_q). No init: each thread
-// writes its rows before it reads them. Returned to keep them alive over the launch.
-std::pair<Tensor, Tensor> set_long_rows(flash::Flash_fwd_params& p, const Tensor& q, int64_t q_rows, int64_t batch,
-                                        int64_t nheads, int64_t max_seqlen_k, int d_rounded) {
+// The long rows' workspaces (flash.h: long_rows_alloc; kernels/common/long_rows.cuh) for a call
+// where some row can reach params.long_row_keys keys (a row's key blocks run past seqlen_k by less
+// than 256 keys): the forward's launch sizes them for its grid and allocates them here, float32
+// tensors on q's device and the current stream, held by the LongRowsWorkspace until the call
+// returns. No init: each thread writes its rows before it reads them.
+struct LongRowsWorkspace {
+  at::TensorOptions options;
+  std::vector<Tensor> held;
+  static float* alloc(void* self, int64_t floats) {
+    auto* w = static_cast<LongRowsWorkspace*>(self);
+    w->held.push_back(torch::empty({floats}, w->options));
+    return w->held.back().data_ptr<float>();
+  }
+};
+
+void set_long_rows(flash::Flash_fwd_params& p, LongRowsWorkspace& workspace, const Tensor& q, int64_t max_seqlen_k) {
   try {
     p.long_row_keys = flash::long_row_keys();  // the knob's error (run_on_stream's wording)
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, e.what());
   }
   p.flush_keys = std::min(p.long_row_keys, flash::kFlushKeys);
-  if (max_seqlen_k + 256 <= p.long_row_keys) return {};
-  p.o_flush_rows = q_rows + 512 * batch;
-  Tensor o = torch::empty({nheads, p.o_flush_rows, d_rounded}, q.options().dtype(at::kFloat));
-  Tensor m = torch::empty({nheads, p.o_flush_rows, 4}, q.options().dtype(at::kFloat));
-  p.o_flush_ptr = o.data_ptr<float>();
-  p.o_flush_max_ptr = m.data_ptr<float>();
-  return {o, m};
+  if (max_seqlen_k + 256 <= p.long_row_keys) return;
+  workspace.options = q.options().dtype(at::kFloat);
+  p.long_rows_alloc = &LongRowsWorkspace::alloc;
+  p.long_rows_alloc_ctx = &workspace;
 }
 
 FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, double softmax_scale, bool causal,
@@ -1147,7 +1153,8 @@ FwdOut forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, 
   params.sinks_ptr = sinks_ptr(sinks);
   set_dropout(params, dropout);
   set_alibi(params, alibi);
-  const auto long_rows = set_long_rows(params, q, s.batch * s.seqlen_q, s.batch, s.nheads, s.seqlen_k, d_rounded);
+  LongRowsWorkspace long_rows;
+  set_long_rows(params, long_rows, q, s.seqlen_k);
   launch_on_device(flash::run_mha_fwd, params, d_rounded, q.get_device());
   return outs;
 }
@@ -1333,7 +1340,8 @@ FwdOut varlen_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor&
   set_alibi(params, alibi);
   params.d_rounded = d_rounded;
   set_device_facts(params, q.get_device());
-  const auto long_rows = set_long_rows(params, q, s.total_q, s.batch, s.nheads, max_seqlen_k, d_rounded);
+  LongRowsWorkspace long_rows;
+  set_long_rows(params, long_rows, q, max_seqlen_k);
   // The sm90 forward's dynamic walk claims its tiles from a counter that is zero at the launch
   // (flash.h: tile_counter); compute capability 9.x only, and not for a full pack (the static walk).
   Tensor fresh_counter;  // where varlen_tile_counter gives a fresh one: alive until the launch

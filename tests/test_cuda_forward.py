@@ -232,6 +232,30 @@ def test_forward_long_rows():
     _check_long_key_forward(q, k, v)
 
 
+def test_forward_long_rows_workspace(arch_path):
+    """The long rows' workspace (kernels/common/long_rows.cuh) of a call with 2^18 keys (32 heads of
+    4096 query rows, d128): the sm90 forward's, one slot per CTA, is at most 32 MB (9 MB on 132 SMs);
+    the sm80 kernel's, one per query row, twice a bf16 out (here 75 MB). The peak over the call's
+    outputs (out, softmax_lse and its two float32 parts) is measured; out must be finite."""
+    require_hdim(128)
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, 4096, 1 << 18, 32, 4, 128, torch.bfloat16)
+    outputs = q.numel() * 2 + 3 * 32 * 4096 * 4
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = torch.ops.flash_attn_ext.forward(q, k, v, 1.0 / math.sqrt(128), False)[0]
+    torch.cuda.synchronize()
+    workspace = torch.cuda.max_memory_allocated() - before - outputs
+    assert torch.isfinite(out).all()
+    sm90 = arch_path == "auto" and torch.cuda.get_device_capability() == (9, 0) and \
+        "90a" in flash_attn_ext.build_info().get("cuda_archs", "")
+    if sm90:
+        assert workspace <= 32 * 2**20, f"the sm90 forward's long-row workspace took {workspace / 2**20:.1f} MB"
+    else:  # per row: 32 heads x (4096 + 512) rows x (128 + 4) float32
+        assert workspace >= 32 * (4096 + 512) * 132 * 4, f"{workspace / 2**20:.1f} MB: no per-row workspace?"
+
+
 # Run in a subprocess with FLASH_ATTN_EXT_LONG_ROW_KEYS set (test_forward_long_rows_at_every_block).
 # argv: inputs, outputs, whether to force the sm80 path.
 _LONG_ROWS_SCRIPT = """

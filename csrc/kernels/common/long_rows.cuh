@@ -12,13 +12,20 @@
 // at 0 again, so no accumulator sees more than flush_keys keys; the epilogue adds the copy back
 // before the normalization (FA2 Alg. 1 line 12).
 //
-// The copy, params.o_flush_ptr (the API allocates it only for calls with rows that long):
-// (nheads, o_flush_rows, d_rounded) float32; query row i of sequence b at row (its first q row:
-// dense b * seqlen_q, varlen cu_seqlens_q[b]) + 512 b + 256 + i, so each sequence has room for its
-// query tiles' rows from 256 before row 0 (a causal tile shifted to the top) to 256 past seqlen_q
-// (o_flush_rows = total rows + 512 * batch). params.o_flush_max_ptr: (nheads,
-// o_flush_rows, 4) float32, the max each thread's copy is relative to, one slot per lane of the
-// row's quad, so every thread reads back only what it wrote itself (no ordering between threads).
+// The copy, params.o_flush_ptr, and params.o_flush_max_ptr, the max each thread's copy is relative
+// to (one slot per lane of the row's quad, so every thread reads back only what it wrote itself:
+// no ordering between threads), are sized by the launch for its grid (alloc_long_rows below, only
+// for calls whose rows can be that long) in one of two layouts:
+//   per row (o_flush_slots == 0; the sm80 kernel's grid of one CTA per tile): (nheads,
+//     o_flush_rows, d_rounded) and (nheads, o_flush_rows, 4) float32; query row i of sequence b at
+//     row (its first q row: dense b * seqlen_q, varlen cu_seqlens_q[b]) + 512 b + 256 + i, so each
+//     sequence has room for its query tiles' rows from 256 before row 0 (a causal tile shifted to
+//     the top) to 256 past seqlen_q (o_flush_rows = total rows + 512 * batch);
+//   per CTA (o_flush_slots = gridDim.x; the sm90 kernel, whose CTAs run their tiles one after
+//     another, each thread's rows of one tile flushed and merged before its next tile's):
+//     (gridDim.x, kBlockM, d_rounded) and (gridDim.x, kBlockM, 4), row (blockIdx.x, row in the
+//     tile): on the persistent grid 9 MB at d128 on 132 SMs (18 at d256), where the per-row layout takes
+//     twice a bf16 output.
 // The thread's accumulator holds rows r = 2 mi + h (h = 0, 1: +8 rows) of the mma fragment layout
 // (primitives/mma.cuh; wgmma's accumulator is the same per warp): row row0 + 16 mi + 8 h, columns
 // 8 j + 2 (lane % 4) + {0, 1}.
@@ -49,14 +56,17 @@ struct LongRows {
   float* m;  // (row0, lane % 4) of its maxima
   int64_t stride;  // d_rounded: floats per row of o
 
-  // row0: the thread's first row in its sequence (the tile's m0 plus the row in the tile).
+  // Per row (the sm80 kernel): row0, the thread's first row in its sequence (the tile's m0 plus
+  // the row in the tile).
   __device__ __forceinline__ LongRows(const Flash_fwd_params& p, const SeqInfo& seq, int bidh, int row0, int lane)
       : stride(p.d_rounded) {
     const int64_t start = (p.cu_seqlens_q != nullptr ? int64_t(seq.q_offset) : int64_t(seq.bidb) * p.seqlen_q) +
                           512 * int64_t(seq.bidb) + 256;
-    const int64_t row = int64_t(bidh) * p.o_flush_rows + start + row0;
-    o = p.o_flush_ptr + row * stride + 2 * (lane % 4);
-    m = p.o_flush_max_ptr + row * 4 + lane % 4;
+    at(p, int64_t(bidh) * p.o_flush_rows + start + row0, lane);
+  }
+  // Per CTA (the sm90 kernel): row, the thread's first row in the tile.
+  __device__ __forceinline__ LongRows(const Flash_fwd_params& p, int row, int lane) : stride(p.d_rounded) {
+    at(p, int64_t(blockIdx.x) * p.o_flush_rows + row, lane);
   }
 
   // After a flush interval: copy = copy * exp2((m_copy - m) c) + O (the copy is 0 at the first
@@ -87,6 +97,11 @@ struct LongRows {
     }
   }
 
+  __device__ __forceinline__ void at(const Flash_fwd_params& p, int64_t row, int lane) {
+    o = p.o_flush_ptr + row * stride + 2 * (lane % 4);
+    m = p.o_flush_max_ptr + row * 4 + lane % 4;
+  }
+
   // The epilogue, before the normalization: O += copy * exp2((m_copy - m) c).
   template <int kMAtoms, int kDAtoms>
   __device__ __forceinline__ void merge(float (&acc_o)[kMAtoms][kDAtoms][4], const float (&row_max)[2 * kMAtoms],
@@ -107,5 +122,21 @@ struct LongRows {
     }
   }
 };
+
+// The launch's side (host): the workspaces for a grid of `slots` CTAs of rows_per_slot rows each
+// (per CTA: the sm90 kernel) or, slots == 0, per row (the sm80 kernel), when long_rows_alloc is
+// set (the call may have long rows; flash.h). Nothing for other calls (o_flush_ptr stays null).
+// A grid of one CTA per tile takes about as much per CTA as per row (without the per-row layout's
+// 512 rows a sequence); a persistent one (<= one CTA per SM) a few MB.
+inline void alloc_long_rows(Flash_fwd_params& p, int slots, int rows_per_slot) {
+  if (p.long_rows_alloc == nullptr) return;
+  p.o_flush_slots = slots;
+  p.o_flush_rows = slots > 0 ? rows_per_slot
+                             : (p.cu_seqlens_q != nullptr ? int64_t(p.total_q) : int64_t(p.b) * p.seqlen_q) +
+                                   512 * int64_t(p.b);
+  const int64_t rows = (slots > 0 ? int64_t(slots) : int64_t(p.h)) * p.o_flush_rows;
+  p.o_flush_ptr = p.long_rows_alloc(p.long_rows_alloc_ctx, rows * p.d_rounded);
+  p.o_flush_max_ptr = p.long_rows_alloc(p.long_rows_alloc_ctx, rows * 4);
+}
 
 }  // namespace flash

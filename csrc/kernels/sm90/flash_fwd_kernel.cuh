@@ -1094,7 +1094,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // accumulator every `every` steps of this warpgroup.
         const int every = long_rows_every(params, n_wg, kBlockN);
         if (every > 0 && i % every == 0) {
-          LongRows(params, w.seq, w.bidh, w.m0 + Cta::row0() + lane / 4, lane)
+          LongRows(params, Cta::row0() + lane / 4, lane)
               .flush(acc_o, softmax.row_max, scale_log2, i == every);
         }
       };
@@ -1142,7 +1142,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       float lse[2], row_max[2], row_log2sum[2];
       const int every = long_rows_every(params, n_wg, kBlockN);
       if (every > 0 && n_wg > every) {  // some flush ran: its copy back into O
-        LongRows(params, wo.seq, wo.bidh, wo.m0 + Cta::row0() + lane / 4, lane)
+        LongRows(params, Cta::row0() + lane / 4, lane)
             .merge(acc_o, softmax.row_max, scale_log2);
       }
       softmax.finalize(acc_o, scale_log2, sink, lse, row_max, row_log2sum);

@@ -57,6 +57,10 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   const auto sched =
       Sched::make(params, typename Sched::Schedule(sm90_fwd_schedule(params)), Traits::kWarpgroupKeyRanges);
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
+  // Long rows' workspaces (common/long_rows.cuh), from here on nothing declines the call: one slot
+  // per CTA, as each runs its tiles one after another.
+  const int grid = sched.grid_size(params);
+  alloc_long_rows(params, grid, Traits::kBlockM);
   // The call's twin of the kernel (a window's left bound, soft-capping, dropout, ALiBi:
   // flash_fwd_kernel.cuh).
   launch_1d(pick_attention_twin(params,
@@ -64,7 +68,7 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
                                   return &flash_fwd_kernel<Traits, decltype(local)::value, decltype(softcap)::value,
                                                            decltype(dropout)::value, decltype(alibi)::value>;
                                 }),
-            sched.grid_size(params), Traits::kThreads, Traits::kSmemBytes, "forward (sm90)", kHeadDim, stream, params,
+            grid, Traits::kThreads, Traits::kSmemBytes, "forward (sm90)", kHeadDim, stream, params,
             maps, sched);
   return true;
 }
