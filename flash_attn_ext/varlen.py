@@ -241,7 +241,9 @@ def _paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     # The pages a sequence can use (at most max_seqlen_k keys): the KV-cache op sizes its split count
     # by the table's capacity (splitkv_heuristic.h: one split per 2^20 keys at least), so a table
     # sized for the longest context would split this call, and allocate for it, by that instead.
-    block_table = block_table[:, :torch.sym_max((max_seqlen_k + k_cache.shape[1] - 1) // k_cache.shape[1], 1)]
+    # (floor(max_seqlen_k / page) + 1 pages: at least one, at most one past the need; no sym_max,
+    # which Dynamo of torch 2.11 does not trace on SymInts.)
+    block_table = block_table[:, :max_seqlen_k // k_cache.shape[1] + 1]
     out_p, lse_p = torch.ops.flash_attn_ext.fwd_kvcache(
         padded, k_cache, v_cache, None, None, cache_seqlens, block_table, scale, causal, 0, *window, sinks, None,
         softcap, alibi_slopes)
