@@ -15,15 +15,15 @@
 // The copy, params.o_flush_ptr, and params.o_flush_max_ptr, the max each thread's copy is relative
 // to (one slot per lane of the row's quad, so every thread reads back only what it wrote itself:
 // no ordering between threads), are sized by the launch for its grid (alloc_long_rows below, only
-// for calls whose rows can be that long) in one of two layouts:
+// for calls whose rows can be that long) in one of two layouts (width: o_flush_width, the kernel's O columns):
 //   per row (o_flush_slots == 0; the sm80 kernel's grid of one CTA per tile): (nheads,
-//     o_flush_rows, d_rounded) and (nheads, o_flush_rows, 4) float32; query row i of sequence b at
+//     o_flush_rows, width) and (nheads, o_flush_rows, 4) float32; query row i of sequence b at
 //     row (its first q row: dense b * seqlen_q, varlen cu_seqlens_q[b]) + 512 b + 256 + i, so each
 //     sequence has room for its query tiles' rows from 256 before row 0 (a causal tile shifted to
 //     the top) to 256 past seqlen_q (o_flush_rows = total rows + 512 * batch);
 //   per CTA (o_flush_slots = gridDim.x; the sm90 kernel, whose CTAs run their tiles one after
 //     another, each thread's rows of one tile flushed and merged before its next tile's):
-//     (gridDim.x, kBlockM, d_rounded) and (gridDim.x, kBlockM, 4), row (blockIdx.x, row in the
+//     (gridDim.x, kBlockM, width) and (gridDim.x, kBlockM, 4), row (blockIdx.x, row in the
 //     tile): on the persistent grid 9 MB at d128 on 132 SMs (18 at d256), where the per-row layout takes
 //     twice a bf16 output.
 // The thread's accumulator holds rows r = 2 mi + h (h = 0, 1: +8 rows) of the mma fragment layout
@@ -54,18 +54,18 @@ __device__ __forceinline__ int long_rows_every(const Flash_fwd_params& p, int st
 struct LongRows {
   float* o;  // (row0, column 2 (lane % 4)) of the thread's copy
   float* m;  // (row0, lane % 4) of its maxima
-  int64_t stride;  // d_rounded: floats per row of o
+  int64_t stride;  // o_flush_width: floats per row of o
 
   // Per row (the sm80 kernel): row0, the thread's first row in its sequence (the tile's m0 plus
   // the row in the tile).
   __device__ __forceinline__ LongRows(const Flash_fwd_params& p, const SeqInfo& seq, int bidh, int row0, int lane)
-      : stride(p.d_rounded) {
+      : stride(p.o_flush_width) {
     const int64_t start = (p.cu_seqlens_q != nullptr ? int64_t(seq.q_offset) : int64_t(seq.bidb) * p.seqlen_q) +
                           512 * int64_t(seq.bidb) + 256;
     at(p, int64_t(bidh) * p.o_flush_rows + start + row0, lane);
   }
   // Per CTA (the sm90 kernel): row, the thread's first row in the tile.
-  __device__ __forceinline__ LongRows(const Flash_fwd_params& p, int row, int lane) : stride(p.d_rounded) {
+  __device__ __forceinline__ LongRows(const Flash_fwd_params& p, int row, int lane) : stride(p.o_flush_width) {
     at(p, int64_t(blockIdx.x) * p.o_flush_rows + row, lane);
   }
 
@@ -124,18 +124,23 @@ struct LongRows {
 };
 
 // The launch's side (host): the workspaces for a grid of `slots` CTAs of rows_per_slot rows each
-// (per CTA: the sm90 kernel) or, slots == 0, per row (the sm80 kernel), when long_rows_alloc is
+// (per CTA: the sm90 kernel) or, slots == 0, per row (the sm80 kernel), rows of `width` floats
+// (the kernel's O accumulator columns: d_rounded, or the sm90 d96's 128 in a build with
+// FLASH_ATTN_EXT_SM90_NARROW_MMA=0), when long_rows_alloc is
 // set (the call may have long rows; flash.h). Nothing for other calls (o_flush_ptr stays null).
-// A grid of one CTA per tile takes about as much per CTA as per row (without the per-row layout's
-// 512 rows a sequence); a persistent one (<= one CTA per SM) a few MB.
-inline void alloc_long_rows(Flash_fwd_params& p, int slots, int rows_per_slot) {
+// A dense grid of one CTA per tile, or a varlen one of real tiles only (the tight grid), takes
+// about as much per CTA as per row (without the per-row layout's 512 rows a sequence); a
+// persistent one (<= one CTA per SM) a few MB. (The sm90 launch never asks for slots of a varlen
+// grid of one CTA per max_seqlen_q tile, mostly empty.)
+inline void alloc_long_rows(Flash_fwd_params& p, int slots, int rows_per_slot, int width) {
   if (p.long_rows_alloc == nullptr) return;
   p.o_flush_slots = slots;
+  p.o_flush_width = width;
   p.o_flush_rows = slots > 0 ? rows_per_slot
                              : (p.cu_seqlens_q != nullptr ? int64_t(p.total_q) : int64_t(p.b) * p.seqlen_q) +
                                    512 * int64_t(p.b);
   const int64_t rows = (slots > 0 ? int64_t(slots) : int64_t(p.h)) * p.o_flush_rows;
-  p.o_flush_ptr = p.long_rows_alloc(p.long_rows_alloc_ctx, rows * p.d_rounded);
+  p.o_flush_ptr = p.long_rows_alloc(p.long_rows_alloc_ctx, rows * width);
   p.o_flush_max_ptr = p.long_rows_alloc(p.long_rows_alloc_ctx, rows * 4);
 }
 

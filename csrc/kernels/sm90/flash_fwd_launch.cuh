@@ -54,13 +54,18 @@ bool launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
     return false;
   }
   using Sched = FwdTileScheduler<Traits::kBlockM>;
-  const auto sched =
-      Sched::make(params, typename Sched::Schedule(sm90_fwd_schedule(params)), Traits::kWarpgroupKeyRanges);
+  auto sched = Sched::make(params, typename Sched::Schedule(sm90_fwd_schedule(params)), Traits::kWarpgroupKeyRanges);
+  // The long rows' workspaces are per CTA (below): a varlen grid of one CTA per (sequence, head,
+  // max_seqlen_q tile), most of them empty (the SCHEDULE knob's "tile" without the tight grid),
+  // would take one copy per empty tile too, so a call that may have long rows walks persistently.
+  if (params.long_rows_alloc != nullptr && varlen && !sched.persistent && !sched.dynamic && !sched.varlen_tight) {
+    sched = Sched::make(params, Sched::kPersistent, Traits::kWarpgroupKeyRanges);
+  }
   if (sched.num_units == 0 && sched.tiles(params) > 0) return false;  // > 2^30 work units: the sm80 grid
   // Long rows' workspaces (common/long_rows.cuh), from here on nothing declines the call: one slot
   // per CTA, as each runs its tiles one after another.
   const int grid = sched.grid_size(params);
-  alloc_long_rows(params, grid, Traits::kBlockM);
+  if (grid > 0) alloc_long_rows(params, grid, Traits::kBlockM, Traits::kHeadDimMma);
   // The call's twin of the kernel (a window's left bound, soft-capping, dropout, ALiBi:
   // flash_fwd_kernel.cuh).
   launch_1d(pick_attention_twin(params,
