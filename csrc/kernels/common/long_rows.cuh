@@ -15,7 +15,8 @@
 // The copy, params.o_flush_ptr, and params.o_flush_max_ptr, the max each thread's copy is relative
 // to (one slot per lane of the row's quad, so every thread reads back only what it wrote itself:
 // no ordering between threads), are sized by the launch for its grid (alloc_long_rows below, only
-// for calls whose rows can be that long) in one of two layouts (width: o_flush_width, the kernel's O columns):
+// for calls whose rows can be that long) in one of two layouts (width: o_flush_width, the
+// kernel's O columns):
 //   per row (o_flush_slots == 0; the sm80 kernel's grid of one CTA per tile): (nheads,
 //     o_flush_rows, width) and (nheads, o_flush_rows, 4) float32; query row i of sequence b at
 //     row (its first q row: dense b * seqlen_q, varlen cu_seqlens_q[b]) + 512 b + 256 + i, so each
@@ -24,8 +25,8 @@
 //   per CTA (o_flush_slots = gridDim.x; the sm90 kernel, whose CTAs run their tiles one after
 //     another, each thread's rows of one tile flushed and merged before its next tile's):
 //     (gridDim.x, kBlockM, width) and (gridDim.x, kBlockM, 4), row (blockIdx.x, row in the
-//     tile): on the persistent grid 9 MB at d128 on 132 SMs (18 at d256), where the per-row layout takes
-//     twice a bf16 output.
+//     tile): on the persistent grid 9 MB at d128 on 132 SMs (18 at d256), where the per-row
+//     layout takes twice a bf16 output.
 // The thread's accumulator holds rows r = 2 mi + h (h = 0, 1: +8 rows) of the mma fragment layout
 // (primitives/mma.cuh; wgmma's accumulator is the same per warp): row row0 + 16 mi + 8 h, columns
 // 8 j + 2 (lane % 4) + {0, 1}.
@@ -126,8 +127,8 @@ struct LongRows {
 // The launch's side (host): the workspaces for a grid of `slots` CTAs of rows_per_slot rows each
 // (per CTA: the sm90 kernel) or, slots == 0, per row (the sm80 kernel), rows of `width` floats
 // (the kernel's O accumulator columns: d_rounded, or the sm90 d96's 128 in a build with
-// FLASH_ATTN_EXT_SM90_NARROW_MMA=0), when long_rows_alloc is
-// set (the call may have long rows; flash.h). Nothing for other calls (o_flush_ptr stays null).
+// FLASH_ATTN_EXT_SM90_NARROW_MMA=0), when long_rows_alloc is set (the call may have long rows;
+// flash.h). Nothing for other calls (o_flush_ptr stays null).
 // A dense grid of one CTA per tile, or a varlen one of real tiles only (the tight grid), takes
 // about as much per CTA as per row (without the per-row layout's 512 rows a sequence); a
 // persistent one (<= one CTA per SM) a few MB. (The sm90 launch never asks for slots of a varlen

@@ -14,7 +14,8 @@ namespace sm80 {
 template <typename Traits>
 void launch_fwd(Flash_fwd_params& params, cudaStream_t stream) {
   static_assert(Traits::kSmemBytes <= kMaxSmem, "forward tile row exceeds sm_80 shared memory");
-  alloc_long_rows(params, 0, 0, Traits::kHeadDim);  // long rows' workspaces, one slot per query row (one CTA per tile)
+  // Long rows' workspaces (common/long_rows.cuh): one slot per query row (one CTA per tile).
+  alloc_long_rows(params, 0, 0, Traits::kHeadDim);
   if (params.dropout_p > 0.0) {  // attention dropout: its twin on its own row (tile_config.h: FwdDropoutTile)
     using Dropout = FwdKernelTraits<typename Traits::Element, Traits::kHeadDim, FwdDropoutTile<Traits::kHeadDim>>;
     static_assert(Dropout::kSmemBytes <= 99 * 1024, "the dropout row fits every sm_8x GPU's shared memory");
