@@ -29,7 +29,16 @@ largest dq errors with their dominant key's probability:
 and, per case, dq from the reference's O (in bf16) and LSE: passing there puts the error in the
 forward's O (the precision limit), failing in the backward kernels.
 
-  python scripts/long_keys_diag.py [--cases test,sm80,8h,early,1m,equal,flat]   (~29 GiB of GPU memory)
+and the same question for dK / dV over long query rows (not yet run on a GPU; docs/PERF_NOTES.md,
+forty-second session): the dK/dV kernels accumulate P^T dO and dS^T Q over every query of a key
+block in fp32 tensor-core accumulators, the same rounding toward zero, over the queries:
+
+  longq       8 heads, 2^20 queries, 1024 keys (seqlen_q set by --seqlen-q): dk / dv against
+              float64 and a same-dtype baseline (products of bf16-rounded operands summed in
+              float32, rounded to bf16 once: stricter than a bf16 matmul), one query chunk at a time
+  longq-sm80  the same on the sm80 path
+
+  python scripts/long_keys_diag.py [--cases test,sm80,8h,early,1m,equal,flat,longq]   (~29 GiB of GPU memory)
   python scripts/long_keys_diag.py --device cpu --seqlen-k 4096   (the CPU op, short keys: a smoke test)
 """
 
@@ -52,6 +61,7 @@ CASES = {  # name: (seqlen_k, nheads, dominance, force_sm80, transform)
     "early": (BIG, 8, 1.5, False, "early"), "1m": (1 << 20, 8, 1.5, False, None), "equal": (BIG, 8, 1.5, False, "equal"),
     "flat": (BIG, 8, 0.0, False, None),
 }
+LONG_QUERY_CASES = ("longq", "longq-sm80")  # run_long_queries
 
 
 def inputs(seqlen_k, nheads, dominance, transform, device):
@@ -120,18 +130,70 @@ def run(name, device, seqlen_k=None):
     sys.stdout.flush()
 
 
+def run_long_queries(name, device, seqlen_q=None):
+    """The longq cases: dq, dk, dv of 2^20 query rows over 1024 keys, references per query chunk."""
+    seqlen_q, nheads, seqlen_k, d = seqlen_q or 1 << 20, 8, 1024, 128
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(1, n, nheads, d, dtype=torch.bfloat16, device=device)
+                     for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
+    scale = 1.0 / math.sqrt(d)
+    previous = flash_attn_ext.force_sm80_path(name.endswith("sm80"))
+    try:
+        out, lse, stats = torch.ops.flash_attn_ext.forward(q, k, v, scale, False)
+        dq, dk, dv = torch.ops.flash_attn_ext.backward(dout, q, k, v, out, lse, scale, False, stats)
+    finally:
+        flash_attn_ext.force_sm80_path(previous)
+    chunk = max(2**27 // (nheads * seqlen_k), 1)
+    acc = {w: torch.zeros(1, seqlen_k, nheads, d, dtype=torch.float64, device=device)
+           for w in ("dk ref", "dv ref", "dk base", "dv base")}
+    err = {"dq": [0.0, 0.0, 0.0]}
+    for a in range(0, seqlen_q, chunk):
+        qc, doc = q[:, a:a + chunk], dout[:, a:a + chunk]
+        for what, t in (("ref", torch.float64), ("base", torch.float32)):
+            # ref: float64 throughout; base: every operand rounded to bf16, products summed in float32
+            r = (lambda x: x.to(t)) if what == "ref" else (lambda x: x.to(torch.bfloat16).to(t))
+            s = torch.einsum("bqhd,bkhd->bhqk", r(qc), r(k)) * scale
+            p = r(torch.softmax(r(s), dim=-1))
+            o = r(torch.einsum("bhqk,bkhd->bqhd", p, r(v)))
+            d_rows = (r(doc) * o).sum(-1).transpose(1, 2)[..., None]  # D = rowsum(dO o O)
+            acc["dv " + what] += torch.einsum("bhqk,bqhd->bkhd", p, r(doc)).double()
+            ds = r(p * (r(torch.einsum("bqhd,bkhd->bhqk", r(doc), r(v))) - d_rows))
+            acc["dk " + what] += (torch.einsum("bhqk,bqhd->bkhd", ds, r(qc)) * scale).double()
+            dqc = torch.einsum("bhqk,bkhd->bqhd", ds, r(k)) * scale
+            if what == "ref":
+                dq_ref = dqc
+            else:
+                e = err["dq"]
+                e[0] = max(e[0], (dq[:, a:a + chunk].double() - dq_ref).abs().max().item())
+                e[1] = max(e[1], (dqc.to(torch.bfloat16).double() - dq_ref).abs().max().item())
+                e[2] = max(e[2], dq_ref.abs().max().item())
+    for what, ours in (("dk", dk), ("dv", dv)):
+        ref, base = acc[what + " ref"], acc[what + " base"].to(torch.bfloat16).double()
+        err[what] = [(ours.double() - ref).abs().max().item(), (base - ref).abs().max().item(), ref.abs().max().item()]
+    print(f"== {name}: seqlen_q {seqlen_q}, seqlen_k {seqlen_k}, {nheads} heads")
+    for what, (e, b, m) in err.items():
+        verdict = "ok" if e <= 2 * b + default_atol(q.dtype) else "FAILS the rule"
+        print(f"  {what}: err {e:.3e}, baseline {b:.3e} (x{e / max(b, 1e-30):.2f}), max|ref| {m:.3e}: {verdict}")
+    sys.stdout.flush()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=",".join(CASES), help="comma list of: " + ", ".join(CASES))
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="comma list of: " + ", ".join([*CASES, *LONG_QUERY_CASES]) + " (default: the key cases)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the CPU op)")
     parser.add_argument("--seqlen-k", type=int, default=None, help="every case's key count (default: its own)")
+    parser.add_argument("--seqlen-q", type=int, default=None, help="the longq cases' query count (default 2^20)")
     args = parser.parse_args(argv)
     names = args.cases.split(",")
     for name in names:
-        if name not in CASES:
-            parser.error(f"--cases: unknown case {name!r}; expected some of {', '.join(CASES)}")
+        if name not in CASES and name not in LONG_QUERY_CASES:
+            parser.error(f"--cases: unknown case {name!r}; expected some of {', '.join([*CASES, *LONG_QUERY_CASES])}")
     for name in names:
-        run(name, args.device, args.seqlen_k)
+        if name in LONG_QUERY_CASES:
+            run_long_queries(name, args.device, args.seqlen_q)
+        else:
+            run(name, args.device, args.seqlen_k)
         if args.device == "cuda":
             torch.cuda.empty_cache()
 

@@ -375,18 +375,21 @@ def test_varlen_idle_ctas_smoke(capsys):
 
 def test_long_keys_diag_smoke(capsys):
     """scripts/long_keys_diag.py (the GPU backward-past-2^31 diagnosis) runs end to end on the CPU op
-    with short keys: every case's header and verdicts, and the CPU op meets the rule in each."""
+    with short keys (and the long-query case with short queries): every case's header and verdicts,
+    and the CPU op meets the rule in each."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("long_keys_diag", os.path.join(REPO, "scripts", "long_keys_diag.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    script.main(["--device", "cpu", "--seqlen-k", "2048", "--cases", "test,early,equal,flat"])
+    script.main(["--device", "cpu", "--seqlen-k", "2048", "--seqlen-q", "1024",
+                 "--cases", "test,early,equal,flat,longq"])
     out = capsys.readouterr().out
     for case in ("test", "early", "equal", "flat"):
         assert f"== {case}: seqlen_k 2048" in out, out
+    assert "== longq: seqlen_q 1024, seqlen_k 1024" in out, out
     verdicts = [line for line in out.splitlines() if line.rstrip().endswith(("ok", "FAILS the rule"))]
-    assert len(verdicts) == 16 and all(v.rstrip().endswith("ok") for v in verdicts), out
+    assert len(verdicts) == 19 and all(v.rstrip().endswith("ok") for v in verdicts), out
 
 
 def test_window_bench_smoke(capsys):
