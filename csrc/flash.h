@@ -171,18 +171,17 @@ struct Flash_fwd_params : public Qkv_params {
   // API sets long_rows_alloc (torch's allocator, on the call's stream, the memory alive until the
   // call returns) for calls with such rows only; the forward's launch sizes both workspaces for
   // its grid and asks for them (long_rows.cuh: alloc_long_rows; null: no row flushes), float32:
-  //   o_flush_slots == 0, one slot per query row (a grid of one CTA per tile): o_flush_ptr (h,
+  //   the sm80 kernel, one slot per query row (a grid of one CTA per tile): o_flush_ptr (h,
   //     o_flush_rows, o_flush_width), o_flush_max_ptr (h, o_flush_rows, 4), o_flush_rows = (dense:
   //     b * seqlen_q; varlen: total_q) + 512 * b;
-  //   o_flush_slots > 0, one slot per CTA (the sm90 forward, whose CTAs run their tiles one after
-  //     another; gridDim.x slots): (o_flush_slots, o_flush_rows, ...), o_flush_rows = kBlockM.
+  //   the sm90 kernel, one slot per CTA (its CTAs run their tiles one after another): (gridDim.x,
+  //     o_flush_rows, ...), o_flush_rows = kBlockM.
   // Contents need no init.
   float* (*long_rows_alloc)(void* ctx, int64_t floats) = nullptr;  // never null on return (throws)
   void* long_rows_alloc_ctx = nullptr;
   float* __restrict__ o_flush_ptr = nullptr;
   float* __restrict__ o_flush_max_ptr = nullptr;
   int64_t o_flush_rows = 0;
-  int o_flush_slots = 0;
   int o_flush_width = 0;  // floats per row of o_flush_ptr: the kernel's O accumulator columns
   int long_row_keys = kLongRowKeys;
   int flush_keys = kFlushKeys;

@@ -17,13 +17,13 @@
 // no ordering between threads), are sized by the launch for its grid (alloc_long_rows below, only
 // for calls whose rows can be that long) in one of two layouts (width: o_flush_width, the
 // kernel's O columns):
-//   per row (o_flush_slots == 0; the sm80 kernel's grid of one CTA per tile): (nheads,
-//     o_flush_rows, width) and (nheads, o_flush_rows, 4) float32; query row i of sequence b at
+//   per row (the sm80 kernel's grid of one CTA per tile): (nheads, o_flush_rows, width) and
+//     (nheads, o_flush_rows, 4) float32; query row i of sequence b at
 //     row (its first q row: dense b * seqlen_q, varlen cu_seqlens_q[b]) + 512 b + 256 + i, so each
 //     sequence has room for its query tiles' rows from 256 before row 0 (a causal tile shifted to
 //     the top) to 256 past seqlen_q (o_flush_rows = total rows + 512 * batch);
-//   per CTA (o_flush_slots = gridDim.x; the sm90 kernel, whose CTAs run their tiles one after
-//     another, each thread's rows of one tile flushed and merged before its next tile's):
+//   per CTA (the sm90 kernel, whose CTAs run their tiles one after another, each thread's rows
+//     of one tile flushed and merged before its next tile's):
 //     (gridDim.x, kBlockM, width) and (gridDim.x, kBlockM, 4), row (blockIdx.x, row in the
 //     tile): on the persistent grid 9 MB at d128 on 132 SMs (18 at d256), where the per-row
 //     layout takes twice a bf16 output.
@@ -135,7 +135,6 @@ struct LongRows {
 // grid of one CTA per max_seqlen_q tile, mostly empty.)
 inline void alloc_long_rows(Flash_fwd_params& p, int slots, int rows_per_slot, int width) {
   if (p.long_rows_alloc == nullptr) return;
-  p.o_flush_slots = slots;
   p.o_flush_width = width;
   p.o_flush_rows = slots > 0 ? rows_per_slot
                              : (p.cu_seqlens_q != nullptr ? int64_t(p.total_q) : int64_t(p.b) * p.seqlen_q) +
