@@ -133,8 +133,11 @@ def masked_attention(q, k, v, attention_mask, scaling, window_left=-1, sinks=Non
     inference tensor's key there, tensor_version). ``traced_refusal``: under torch.compile, the
     message of masked_attention_traced's pattern check (None: its own)."""
     B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
-    if attention_mask.is_meta or q.is_meta:
+    if q.is_meta:
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))        # the shape alone
+    if attention_mask.device != q.device:                        # (a meta mask has no values to read)
+        raise RuntimeError(f"flash_attn_ext: the attention mask is on {attention_mask.device} but the query is on "
+                           f"{q.device}; expected one device")
     if attention_mask.dim() != 4 or attention_mask.shape[0] not in (1, B) or \
             attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (Lq, Lk):
         if attention_mask.is_floating_point() and not torch.compiler.is_compiling():

@@ -153,7 +153,9 @@ class MultiheadFlashAttention(nn.Module):
     real number (with rotary).
 
     Works as ``self_attn`` of torch.nn.TransformerEncoderLayer / TransformerDecoderLayer, in train
-    and eval mode (the encoder layer's fused eval fast path is declined: ``_qkv_same_embed_dim``).
+    and eval mode (the encoder layer's fused eval fast path is declined: ``_qkv_same_embed_dim``),
+    also swapped into an encoder built with torch's attention, whose eval mode hands the layers
+    nested tensors when given a src_key_padding_mask (see ``forward``'s query).
 
     Differences from torch.nn.MultiheadAttention: always batch-first; dropout keyword-only; no add_bias_kv,
     add_zero_attn, kdim/vdim; ``key``/``value`` may be omitted (self-attention, one fused
@@ -283,7 +285,11 @@ class MultiheadFlashAttention(nn.Module):
                 ) -> tuple[torch.Tensor, None]:
         """
         Args:
-            query: (batch, seqlen_q, embed_dim).
+            query: (batch, seqlen_q, embed_dim); or a nested tensor (batch, ragged seqlen,
+                embed_dim), strided or jagged, for self-attention without masks (as
+                torch.nn.TransformerEncoder passes its layers in eval mode with a
+                src_key_padding_mask): run right-padded with the matching key_padding_mask,
+                returned nested in the same layout.
             key, value: (batch, seqlen_k, embed_dim), both or neither; omitted means
                 self-attention (key = value = query, one fused QKV matmul).
             key_padding_mask: None, or (batch, seqlen_k) as torch.nn.MultiheadAttention's: bool
@@ -318,8 +324,10 @@ class MultiheadFlashAttention(nn.Module):
                 backend) with an asymmetric window in a non-causal call or seqlen_q != seqlen_k
                 there, of another pattern (e.g. real keys not one run per batch element),
                 differing per head, with values other than 0 / -inf, or requiring grad.
-            TypeError: key_padding_mask / attn_mask neither bool nor floating.
-            RuntimeError: under torch.compile on CPU, an attn_mask whose values are not causal
+            TypeError: key_padding_mask / attn_mask neither bool nor floating; is_causal not a
+                bool (or 0 / 1).
+            RuntimeError: key_padding_mask, or attn_mask without is_causal, on another device
+                than query; under torch.compile on CPU, an attn_mask whose values are not causal
                 (with is_causal) or differ per head, or a mask not of the static form's pattern.
             ValueError: wrong ranks or widths, key without value, key_padding_mask not (batch,
                 seqlen_k), attn_mask not (seqlen_q, seqlen_k) or (batch * num_heads, seqlen_q,
@@ -331,7 +339,10 @@ class MultiheadFlashAttention(nn.Module):
                 "are never materialised); pass need_weights=False")
         if (key is None) != (value is None):
             raise ValueError("MultiheadFlashAttention: pass both key and value, or neither")
+        is_causal = _as_bool("is_causal", is_causal)
         self_attn = key is None or (key is query and value is query)
+        if isinstance(query, torch.Tensor) and query.is_nested:
+            return self._nested_self_attention(query, self_attn, key_padding_mask, attn_mask, is_causal)
         if query.dim() != 3 or query.shape[-1] != self.embed_dim:
             raise ValueError(f"MultiheadFlashAttention: query must be (batch, seqlen, "
                              f"{self.embed_dim}), got {tuple(query.shape)}")
@@ -347,6 +358,10 @@ class MultiheadFlashAttention(nn.Module):
         seqlen_k = query.shape[1] if self_attn else key.shape[1]
         causal = self.causal or is_causal
         allowed = None
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", None if is_causal else attn_mask)):
+            if isinstance(mask, torch.Tensor) and mask.device != query.device:
+                raise RuntimeError(f"MultiheadFlashAttention: {name} is on {mask.device} but query is on "
+                                   f"{query.device}; expected one device")
         if key_padding_mask is not None:
             allowed = self._keys(key_padding_mask, query.shape[0], seqlen_k)[:, None, None, :]
         if attn_mask is not None and is_causal:
@@ -381,6 +396,30 @@ class MultiheadFlashAttention(nn.Module):
         out = self._attention(q, k, v, causal, allowed)         # (B, Lq, H, D)
         out = out.reshape(out.shape[0], out.shape[1], H * D)
         return self.out_proj(out), None
+
+    def _nested_self_attention(self, query: torch.Tensor, self_attn: bool, key_padding_mask, attn_mask,
+                               is_causal: bool) -> tuple[torch.Tensor, None]:
+        """Self-attention over a nested query (batch, ragged seqlen, embed_dim), strided or jagged
+        layout, as torch.nn.TransformerEncoder hands its layers in eval mode with a
+        src_key_padding_mask (its sparsity fast path, chosen when the encoder was built): the
+        sequences padded on the right, run with the matching key_padding_mask (the masked path's
+        varlen calls), and returned nested in the query's layout."""
+        if not self_attn or key_padding_mask is not None or attn_mask is not None:
+            raise NotImplementedError(
+                "MultiheadFlashAttention: a nested query is taken for self-attention only (key and value None or "
+                "the query itself) and without key_padding_mask / attn_mask (its sequence lengths are the padding)")
+        lengths = [t.shape[0] for t in query.unbind()]
+        padded = query.to_padded_tensor(0.0)                     # (batch, longest, embed_dim)
+        if padded.dim() != 3 or padded.shape[-1] != self.embed_dim:
+            raise ValueError(f"MultiheadFlashAttention: query must be (batch, seqlen, {self.embed_dim}), got a "
+                             f"nested tensor of padded shape {tuple(padded.shape)}")
+        longest = padded.shape[1]
+        padding = None
+        if any(n != longest for n in lengths):
+            padding = (torch.arange(longest, device=padded.device)[None, :]
+                       >= torch.tensor(lengths, device=padded.device)[:, None])
+        out, _ = self.forward(padded, key_padding_mask=padding, is_causal=is_causal)
+        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out.unbind(), lengths)], layout=query.layout), None
 
     def _allowed(self, mask: torch.Tensor, name: str) -> torch.Tensor:
         """Bool "may attend" from one of torch.nn.MultiheadAttention's masks (``name``): bool with

@@ -28,7 +28,7 @@ import torch
 
 from . import _C
 from ._fake_checks import MAX_HEADDIM as _MAX_HEADDIM, softmax_scale_ok
-from ._args import _check_tensors, _dropout_p, _maybe_contiguous, _scale
+from ._args import _as_bool, _check_tensors, _dropout_p, _maybe_contiguous, _scale
 from .interface import flash_attn_func
 
 __all__ = ["scaled_dot_product_attention"]
@@ -156,8 +156,9 @@ def scaled_dot_product_attention(
             pattern (a device-side assert).
         TypeError: mixed dtypes, a dtype other than float16/bfloat16/float32/float64, or
             float32/float64 on CUDA outside autocast; an attn_mask that is not a bool or
-            floating tensor.
+            floating tensor; ``is_causal`` or ``enable_gqa`` not a bool (or 0 / 1).
     """
+    is_causal, enable_gqa = _as_bool("is_causal", is_causal), _as_bool("enable_gqa", enable_gqa)
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor) or not (attn_mask.dtype == torch.bool or
                                                            attn_mask.is_floating_point()):
@@ -273,7 +274,7 @@ def _masked(q, k, v, attn_mask, scale, shape, dropout_p=0.0):
     except RuntimeError:
         raise ValueError(f"flash_attn_ext.scaled_dot_product_attention: attn_mask of shape {tuple(attn_mask.shape)} "
                          f"does not broadcast to (batch, nheads, L, S) = {shape}") from None
-    if attn_mask.device != q.device and not attn_mask.is_meta:
+    if attn_mask.device != q.device:
         raise RuntimeError(f"flash_attn_ext.scaled_dot_product_attention: attn_mask is on {attn_mask.device} but "
                            f"query is on {q.device}")
     mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))

@@ -106,6 +106,51 @@ def test_mha_as_self_attn_of_torch_transformer_layers(layer, train):
     check_accuracy(f"{layer} layer (train={train})", out, ref, base)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("causal", [False, True])
+def test_mha_swapped_into_a_torch_encoder_takes_its_nested_eval_path(causal):
+    """An nn.TransformerEncoder built with torch's attention chooses its nested-tensor eval path at
+    construction; MultiheadFlashAttention swapped in afterwards (model surgery) then receives nested
+    tensors in eval mode with a src_key_padding_mask (it raised NestedTensorImpl's 'doesn't support
+    sizes'). The padded positions' output is torch's (zeros), the rest meets the accuracy rule
+    against torch's encoder in float64; a nested query of either layout gives each sequence's rows
+    of a run alone."""
+    torch.manual_seed(0)
+    ref = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4, 128, 0.0, batch_first=True), 2)
+    ours = copy.deepcopy(ref)
+    for layer in ours.layers:
+        mha = MultiheadFlashAttention(64, 4, causal=causal)
+        mha.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = mha
+    ref.eval(), ours.eval()
+    assert ours.use_nested_tensor
+    x = _randn(3, 10, 64, seed=1)
+    padding = torch.zeros(3, 10, dtype=torch.bool)
+    padding[1, 7:], padding[2, 3:] = True, True
+    causal_mask = torch.ones(10, 10, dtype=torch.bool).triu(1) if causal else None
+    with torch.no_grad():
+        out = ours(x, src_key_padding_mask=padding, is_causal=causal, mask=None)
+        # torch's reference: the same layers, the causal mask given explicitly (its nested path takes none)
+        ref64 = copy.deepcopy(ref).double()
+        ref_out = ref64(x.double(), mask=causal_mask, src_key_padding_mask=padding)
+        base = ref(x, mask=causal_mask, src_key_padding_mask=padding)
+    keep = ~padding[..., None]
+    assert torch.equal(out * ~keep, torch.zeros_like(out))
+    check_accuracy(f"encoder nested eval path (causal={causal})", out * keep, ref_out * keep, base * keep)
+    mha = ours.layers[0].self_attn
+    rows = [_randn(n, 64, seed=n) for n in (5, 2, 7)]
+    with torch.no_grad():
+        alone = [mha(r[None])[0][0] for r in rows]
+        for layout in (torch.strided, torch.jagged):
+            nested, _ = mha(torch.nested.nested_tensor(rows, layout=layout))
+            assert nested.is_nested and nested.layout == layout
+            for got, want in zip(nested.unbind(), alone):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    nested = torch.nested.nested_tensor(rows, layout=torch.jagged)
+    with pytest.raises(NotImplementedError, match="nested query is taken for self-attention only"):
+        mha(nested, key_padding_mask=torch.zeros(3, 7, dtype=torch.bool))
+
+
 def test_mha_torch_positional_order_is_a_clear_error():
     """torch.nn.MultiheadAttention(E, H, dropout) positionally: the third argument here is
     num_kv_heads, so a float there is a TypeError that points at dropout=, not a division error."""
@@ -314,6 +359,12 @@ def test_mha_autocast_cpu_bf16():
 def test_mha_errors_are_clear():
     m = MultiheadFlashAttention(64, 2)
     x = _randn(2, 8, 64)
+    with pytest.raises(TypeError, match="is_causal must be a bool, got str 'no'"):
+        m(x, is_causal="no")
+    with pytest.raises(RuntimeError, match="key_padding_mask is on meta but query is on cpu"):
+        m(x, key_padding_mask=torch.zeros(2, 8, dtype=torch.bool, device="meta"))
+    with pytest.raises(RuntimeError, match="attn_mask is on meta but query is on cpu"):
+        m(x, attn_mask=torch.zeros(8, 8, dtype=torch.bool, device="meta"))
     with pytest.raises(NotImplementedError, match="need_weights"):
         m(x, x, x, need_weights=True)
     with pytest.raises(ValueError, match="key_padding_mask must be .batch=2, seqlen_k=8"):
@@ -739,6 +790,13 @@ def test_sdpa_errors_are_in_torch_terms():
     _sdpa_error(ValueError, r"at most 256, got 264", *(_randn(1, 1, 2, 264),) * 3)
     _sdpa_error(RuntimeError, r"query is on cpu but key is on meta", q, q.to("meta"), q.to("meta"))
     _sdpa_error(RuntimeError, r"query is on cpu but value is on meta", q, q, q.to("meta"))
+    # a meta mask with real inputs has no values to compute with (it returned uninitialised memory)
+    _sdpa_error(RuntimeError, r"attn_mask is on meta but query is on cpu", q, q, q,
+                attn_mask=torch.ones(8, 8, dtype=torch.bool, device="meta"))
+    # the flags are checked as torch checks them, under their own names (is_causal was named causal)
+    _sdpa_error(TypeError, r"is_causal must be a bool, got str 'yes'", q, q, q, is_causal="yes")
+    _sdpa_error(TypeError, r"enable_gqa must be a bool, got str 'no'", q, _randn(1, 2, 8, 32),
+                _randn(1, 2, 8, 32), enable_gqa="no")
     _sdpa_error(TypeError, r"query has dtype torch.int32", *(q.int(),) * 3)
     _sdpa_error(TypeError, r"value has dtype torch.float64 but query has torch.float32", q, q,
                 q.double())
