@@ -94,8 +94,9 @@ def flash_attn_func(
             right, off = seqlen_k - seqlen_q (bottom-right aligned); -1 leaves that side unbounded
             (the default (-1, -1): full attention). With causal=True the right side is 0 whatever
             window_size[1] says (flash-attn's rule, so ``causal=True, window_size=(w, w)`` is
-            ``(w, 0)``). Unlike flash-attn, a right bound >= seqlen_k stays a bound (flash-attn
-            drops it; they differ only where seqlen_q > seqlen_k + 1). Rows whose window holds no
+            ``(w, 0)``). Unlike flash-attn's kernels, each side is what it says: flash-attn drops
+            a right bound >= seqlen_k, and with a left bound turns a right -1 into seqlen_k (they
+            differ only where seqlen_q > seqlen_k + 1; README.md, window_size). Rows whose window holds no
             key give out 0, LSE +inf, zero gradients. A window that hides keys needs seqlen_q +
             seqlen_k <= 2^31 - 512 (RuntimeError).
         return_lse: also return the log-sum-exp.
@@ -163,10 +164,10 @@ def flash_attn_func(
             visible; with softcap the capped logits in place of softmax_scale * q_i . k_j); with
             sinks the sink's exp is in the sum (a row without keys: LSE = sinks[h], out 0). It
             carries no gradient.
-        With return_attn_probs=True (whatever return_lse): (out, softmax_lse, None), as flash-attn
-            returns (out, softmax_lse, S_dmask) without dropout: its S_dmask, the dropout pattern
-            for its tests, is None there (and here with dropout too); the probabilities are never
-            materialised.
+        With return_attn_probs=True (whatever return_lse): (out, softmax_lse, None), in the place of
+            flash-attn's (out, softmax_lse, S_dmask): its S_dmask, the dropout pattern for its
+            tests, is an empty tensor without dropout in flash-attn >= 2.7 (None before); here it
+            is None with dropout too; the probabilities are never materialised.
 
     Raises:
         RuntimeError: before any work, with a message naming the argument, for: tensors on
