@@ -403,16 +403,23 @@ class MultiheadFlashAttention(nn.Module):
         layout, as torch.nn.TransformerEncoder hands its layers in eval mode with a
         src_key_padding_mask (its sparsity fast path, chosen when the encoder was built): the
         sequences padded on the right, run with the matching key_padding_mask (the masked path's
-        varlen calls), and returned nested in the query's layout."""
+        varlen calls), and returned nested in the query's layout. A non-causal asymmetric window,
+        which the masked path does not take with padding, runs each sequence alone."""
         if not self_attn or key_padding_mask is not None or attn_mask is not None:
             raise NotImplementedError(
                 "MultiheadFlashAttention: a nested query is taken for self-attention only (key and value None or "
                 "the query itself) and without key_padding_mask / attn_mask (its sequence lengths are the padding)")
-        lengths = [t.shape[0] for t in query.unbind()]
+        rows = query.unbind()
+        if getattr(query, "_ragged_idx", 1) != 1 or any(t.dim() != 2 or t.shape[1] != self.embed_dim for t in rows):
+            raise ValueError(f"MultiheadFlashAttention: a nested query must be (batch, ragged seqlen, "
+                             f"{self.embed_dim}), ragged in dim 1, got rows of shapes "
+                             f"{[tuple(t.shape) for t in rows[:4]]}{' ...' if len(rows) > 4 else ''}")
+        lengths = [t.shape[0] for t in rows]
+        left, right = self.window_size
+        if not (self.causal or is_causal) and left != right or not any(lengths):
+            outs = [self.forward(t[None], is_causal=is_causal)[0][0] for t in rows]
+            return torch.nested.as_nested_tensor(outs, layout=query.layout), None
         padded = query.to_padded_tensor(0.0)                     # (batch, longest, embed_dim)
-        if padded.dim() != 3 or padded.shape[-1] != self.embed_dim:
-            raise ValueError(f"MultiheadFlashAttention: query must be (batch, seqlen, {self.embed_dim}), got a "
-                             f"nested tensor of padded shape {tuple(padded.shape)}")
         longest = padded.shape[1]
         padding = None
         if any(n != longest for n in lengths):

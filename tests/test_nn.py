@@ -149,6 +149,18 @@ def test_mha_swapped_into_a_torch_encoder_takes_its_nested_eval_path(causal):
     nested = torch.nested.nested_tensor(rows, layout=torch.jagged)
     with pytest.raises(NotImplementedError, match="nested query is taken for self-attention only"):
         mha(nested, key_padding_mask=torch.zeros(3, 7, dtype=torch.bool))
+    # rows of another width were padded to embed_dim and run (a review found it): refused
+    with pytest.raises(ValueError, match=r"nested query must be \(batch, ragged seqlen, 64\).*\(2, 32\)"):
+        mha(torch.nested.nested_tensor([rows[0], _randn(2, 32)]))
+    # a non-causal asymmetric window (the padded path's masks refuse it) and all-empty rows: each
+    # sequence alone
+    windowed = MultiheadFlashAttention(64, 4, window_size=(2, 1))
+    with torch.no_grad():
+        out, _ = windowed(torch.nested.nested_tensor(rows))
+        for got, row in zip(out.unbind(), rows):
+            torch.testing.assert_close(got, windowed(row[None])[0][0], rtol=0, atol=0)
+        empty, _ = windowed(torch.nested.nested_tensor([_randn(0, 64), _randn(0, 64)]))
+    assert [tuple(t.shape) for t in empty.unbind()] == [(0, 64), (0, 64)]
 
 
 def test_mha_torch_positional_order_is_a_clear_error():
