@@ -235,7 +235,8 @@ def _dropout_args(dropout: float, q: torch.Tensor) -> tuple:
 def _with_attn_probs(out: torch.Tensor, softmax_lse: torch.Tensor, return_lse, return_attn_probs: bool):
     """What a dense or varlen entry returns: flash-attn's ``(out, softmax_lse, S_dmask)`` with
     return_attn_probs=True, where S_dmask (the dropout pattern, for flash-attn's tests; an empty
-    tensor without dropout in flash-attn >= 2.7) is None: code ported from it gets the LSE that way. Else ``(out, softmax_lse)`` with return_lse, else out."""
+    tensor without dropout in flash-attn >= 2.7) is None: code ported from it gets the LSE that
+    way. Else ``(out, softmax_lse)`` with return_lse, else out."""
     want_lse = _as_bool("return_lse", return_lse)
     if return_attn_probs:
         return out, softmax_lse, None

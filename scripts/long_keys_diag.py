@@ -29,9 +29,10 @@ largest dq errors with their dominant key's probability:
 and, per case, dq from the reference's O (in bf16) and LSE: passing there puts the error in the
 forward's O (the precision limit), failing in the backward kernels.
 
-and the same question for dK / dV over long query rows (not yet run on a GPU; docs/PERF_NOTES.md,
-forty-second session): the dK/dV kernels accumulate P^T dO and dS^T Q over every query of a key
-block in fp32 tensor-core accumulators, the same rounding toward zero, over the queries:
+and the same question for dK / dV over long query rows (docs/PERF_NOTES.md, forty-second session;
+run on an H100 in the forty-third: both paths within the rule at 2^20 queries): the dK/dV kernels
+accumulate P^T dO and dS^T Q over every query of a key block in fp32 tensor-core accumulators,
+the same rounding toward zero, over the queries:
 
   longq       8 heads, 2^20 queries, 1024 keys (seqlen_q set by --seqlen-q): dk / dv against
               float64 and a same-dtype baseline (products of bf16-rounded operands summed in
