@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Last call of a closing GPU session, right after the test calls (`STEPS="build test" SHARD=1/3 bash
-# scripts/gpu_run.sh`, then SHARD=2/3 and 3/3 with STEPS=test: the build stays in place while the
-# machine is warm) and with FlashAttention-4's libraries unpacked to
+# Last call of a closing GPU session, right after the test calls (`STEPS="build test" SHARD=1/4 bash
+# scripts/gpu_run.sh`, then SHARD=2/4, 3/4 and 4/4 with STEPS=test: the build stays in place while
+# the machine is warm) and with FlashAttention-4's libraries unpacked to
 # /tmp/site (../shared/scripts/fa4_bundle.sh, step 1): installs FA4 from .fa4/whl (step 2), then
 # gpu_run.sh's sanitize, memory, ncu and bench steps: the benchmark with SDPA flash / cuDNN / FA4 as
 # peers, issue 14's decode (KV cache, contiguous and paged) and varlen tables against the same

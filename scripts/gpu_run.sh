@@ -11,9 +11,11 @@
 # call's: every bounded step is cut to what is left of it, or skipped (said in the summary), so the
 # logs come back before the device tool's 600 s kill (a killed call returns nothing). Set it lower
 # when the call does other work first (e.g. unpacking FA4's libraries: ~20 s).
-# SHARD=i/n runs the i-th of n shards of the tests (tests/conftest.py: FLASH_ATTN_EXT_TEST_SHARD):
-# the whole GPU suite takes ~15 min on an H100 (2026-12-07), more than one call, so e.g.
-#   STEPS="build test" SHARD=1/3 bash scripts/gpu_run.sh; then STEPS=test SHARD=2/3, SHARD=3/3
+# The test step leaves out the CPU-only tests (GPU_ONLY=1, the default; tests/conftest.py:
+# FLASH_ATTN_EXT_TEST_GPU_ONLY; CI runs them; GPU_ONLY=0 keeps them). SHARD=i/n runs the i-th of n
+# shards of the tests (FLASH_ATTN_EXT_TEST_SHARD): the whole suite took ~25 min on an H100
+# (2026-12-07: 2,103 tests in 518 s), the GPU-only ~20, far more than one call, so e.g.
+#   STEPS="build test" SHARD=1/4 bash scripts/gpu_run.sh; then STEPS=test SHARD=2/4, 3/4, 4/4
 # in the next calls while the machine is warm (the build stays in place).
 # The bench step runs the dense sweep (BENCH_ARGS), then issue 14's decode (KV cache) and varlen
 # tables (BENCH3_ARGS; BENCH3_ARGS= skips it), the decode cases as CUDA graph replays
@@ -100,6 +102,7 @@ $PY -c "import flash_attn_ext as f; print(f.build_info())" | tee -a "$OUT/gpu.tx
 if [[ " $STEPS " == *" test "* ]]; then
   TESTS=${TESTS:-tests}
   [ -n "${SHARD:-}" ] && export FLASH_ATTN_EXT_TEST_SHARD=$SHARD
+  export FLASH_ATTN_EXT_TEST_GPU_ONLY=${GPU_ONLY:-1}
   # PYTEST_X= (empty) runs past the first failure; the step's bound (TEST_TIMEOUT_S and CALL_S) ends
   # it by an interrupt (SIGINT), on which pytest stops and still lists the failures so far (a plain
   # kill leaves only the progress dots), then a kill 20 s later. pytest.log lists the 30 slowest

@@ -1,5 +1,5 @@
 """Shared pytest setup: report header with the build facts, input factories, output poisoning, test
-shards (FLASH_ATTN_EXT_TEST_SHARD)."""
+shards (FLASH_ATTN_EXT_TEST_SHARD) and the GPU-only selection (FLASH_ATTN_EXT_TEST_GPU_ONLY)."""
 
 import os
 import re
@@ -28,10 +28,30 @@ def parse_shard(value: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+GPU_ONLY_ENV = "FLASH_ATTN_EXT_TEST_GPU_ONLY"
+
+
+def is_cpu_only(item) -> bool:
+    """A test that never touches a GPU: its ``device`` parameter is the CPU, its name has the word
+    ``cpu`` (``test_sinks_cpu_window``, ``test_cli_cpu_tiny``), or it is in test_cpu_attention.py."""
+    params = getattr(item, "callspec", None)
+    device = params.params.get("device") if params is not None else None
+    if device is not None and torch.device(device).type == "cpu":
+        return True
+    return item.path.name == "test_cpu_attention.py" or "cpu" in item.originalname.split("_")
+
+
 def pytest_collection_modifyitems(config, items):
-    """FLASH_ATTN_EXT_TEST_SHARD=i/n runs the i-th of n shards of the selected tests: every n-th
+    """FLASH_ATTN_EXT_TEST_GPU_ONLY=1 leaves out the CPU-only tests (is_cpu_only; CI runs them), and
+    FLASH_ATTN_EXT_TEST_SHARD=i/n then runs the i-th of n shards of the selected tests: every n-th
     test in collection order from the i-th, so each shard holds a like mix of every file (the GPU
-    suite no longer fits one device call: scripts/gpu_run.sh's SHARD)."""
+    suite does not fit one device call: scripts/gpu_run.sh's GPU_ONLY and SHARD)."""
+    gpu_only = os.environ.get(GPU_ONLY_ENV, "").strip()
+    if gpu_only not in ("", "0", "1"):
+        raise pytest.UsageError(f"{GPU_ONLY_ENV} must be 0 or 1, got {gpu_only!r}")
+    if gpu_only == "1":
+        config.hook.pytest_deselected(items=[item for item in items if is_cpu_only(item)])
+        items[:] = [item for item in items if not is_cpu_only(item)]
     value = os.environ.get(SHARD_ENV, "")
     if not value.strip():
         return

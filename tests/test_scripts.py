@@ -643,3 +643,31 @@ def test_test_shards_partition_the_selection():
     assert len(whole) >= 4 and all(shards) and sorted(shards[0] + shards[1]) == sorted(whole)
     bad = collect("3/2")
     assert bad.returncode != 0 and "FLASH_ATTN_EXT_TEST_SHARD must be 'i/n'" in bad.stdout + bad.stderr
+
+
+def test_gpu_only_selection_leaves_out_the_cpu_tests():
+    """FLASH_ATTN_EXT_TEST_GPU_ONLY=1 (tests/conftest.py; scripts/gpu_run.sh's GPU_ONLY) leaves out
+    exactly the CPU-only tests: those with a CPU ``device`` parameter or the word cpu in their name;
+    0 leaves every test in; another value is a usage error naming the variable."""
+    def collect(value):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("FLASH_ATTN_EXT_TEST_SHARD", "FLASH_ATTN_EXT_TEST_GPU_ONLY")}
+        if value is not None:
+            env["FLASH_ATTN_EXT_TEST_GPU_ONLY"] = value
+        return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               os.path.join("tests", "test_transforms.py"), os.path.join("tests", "test_window.py")],
+                              env=env, cwd=REPO, capture_output=True, text=True)
+
+    def ids(r):
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return [line for line in r.stdout.splitlines() if "::" in line]
+
+    whole, gpu = ids(collect(None)), ids(collect("1"))
+    assert ids(collect("0")) == whole
+    left_out = set(whole) - set(gpu)
+    assert set(gpu) <= set(whole) and left_out
+    by_param = {t for t in whole if re.search(r"[\[-]cpu[\]-]", t)}
+    by_name = {t for t in whole if "cpu" in t.split("::")[1].split("[")[0].split("_")}
+    assert by_param and by_name and left_out == by_param | by_name
+    bad = collect("yes")
+    assert bad.returncode != 0 and "FLASH_ATTN_EXT_TEST_GPU_ONLY must be 0 or 1" in bad.stdout + bad.stderr
