@@ -27,7 +27,8 @@ Public API:
     build_info() -> dict: CUDA archs / head dims compiled, CUDA and torch versions built against.
     force_sm80_path(force=True) -> bool: run the sm80 kernels on every GPU (tests, comparisons).
     torch.ops.flash_attn_ext.forward / backward: the raw ops (flash_attn_ext.ops).
-Submodules loaded on first use: nn, reference, benchmark, bench, integrations, sdpa.
+Submodules loaded on first use: nn, reference, benchmark, bench, integrations, sdpa, bert_padding
+(flash-attn's unpad_input / pad_input).
 """
 
 import importlib
@@ -123,7 +124,7 @@ def force_sm80_path(force: bool = True) -> bool:
     return bool(_C.force_sm80_path(_as_bool("force", force)))
 
 
-_LAZY_SUBMODULES = ("nn", "reference", "benchmark", "bench", "integrations", "sdpa")
+_LAZY_SUBMODULES = ("nn", "reference", "benchmark", "bench", "integrations", "sdpa", "bert_padding")
 
 
 def __getattr__(name):
