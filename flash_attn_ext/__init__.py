@@ -28,7 +28,7 @@ Public API:
     force_sm80_path(force=True) -> bool: run the sm80 kernels on every GPU (tests, comparisons).
     torch.ops.flash_attn_ext.forward / backward: the raw ops (flash_attn_ext.ops).
 Submodules loaded on first use: nn, reference, benchmark, bench, integrations, sdpa, bert_padding
-(flash-attn's unpad_input / pad_input).
+(flash-attn's unpad_input / pad_input), rotary (flash-attn's apply_rotary_emb).
 """
 
 import importlib
@@ -124,7 +124,7 @@ def force_sm80_path(force: bool = True) -> bool:
     return bool(_C.force_sm80_path(_as_bool("force", force)))
 
 
-_LAZY_SUBMODULES = ("nn", "reference", "benchmark", "bench", "integrations", "sdpa", "bert_padding")
+_LAZY_SUBMODULES = ("nn", "reference", "benchmark", "bench", "integrations", "sdpa", "bert_padding", "rotary")
 
 
 def __getattr__(name):

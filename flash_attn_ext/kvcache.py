@@ -8,6 +8,7 @@ import torch
 from . import _fake_checks
 from ._args import (_as_bool, _as_int, _check_tensors, _flash_attn_keywords, _maybe_contiguous, _scale, _sinks,
                     _window)
+from .rotary import rotate_channels
 
 
 def flash_attn_with_kvcache(
@@ -272,18 +273,8 @@ def _rotary_for_kvcache(q, k, rotary_cos, rotary_sin, interleaved: bool, cache_s
     start = cache_seqlens.to(torch.int64).clamp(0, seqlen_ro - 1)[:, None]
 
     def rotate(x, positions):
-        positions = positions.clamp(max=seqlen_ro - 1)
-        compute = torch.promote_types(x.dtype, torch.float32)
-        cos = rotary_cos[positions].to(compute).unsqueeze(2)  # (batch, seqlen, 1, rotary_dim / 2)
-        sin = rotary_sin[positions].to(compute).unsqueeze(2)
-        xr = x[..., :rotary_dim].to(compute)
-        if interleaved:
-            x1, x2 = xr[..., 0::2], xr[..., 1::2]
-            y = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-        else:
-            x1, x2 = xr.chunk(2, dim=-1)
-            y = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-        return torch.cat((y.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+        positions = positions.clamp(max=seqlen_ro - 1)  # (batch, seqlen) -> tables (batch, seqlen, 1, rotary_dim / 2)
+        return rotate_channels(x, rotary_cos[positions].unsqueeze(2), rotary_sin[positions].unsqueeze(2), interleaved)
 
     steps_q = torch.arange(q.shape[1], device=q.device) if q_per_token else torch.zeros(q.shape[1], dtype=torch.int64,
                                                                                          device=q.device)
