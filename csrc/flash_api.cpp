@@ -12,7 +12,9 @@
 #include <torch/library.h>
 #include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <initializer_list>
 #include <limits>
 #include <map>
@@ -74,6 +76,81 @@ std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::ge
 void check_same_dtype(const Tensor& t, const char* name, const Tensor& q) {
   TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn_ext: ", name, " has dtype ",
               dtype_name(t.scalar_type()), " but q has dtype ", dtype_name(q.scalar_type()), "; they must match");
+}
+
+// Whether sum_t a_t x_t == delta has an integer solution with lo_t <= x_t <= hi_t (a_t > 0; with
+// `nonzero`, one with some x_t != 0): two strided views of one storage addressing one element (x:
+// index differences, or one view's indices and the other's negated). Depth first over the terms by
+// decreasing a_t, each level trying only the x_t that leave the rest able to reach delta: one to
+// three values for real layouts (each stride past the reach of the smaller ones). Past 2^16 nodes
+// it answers true: a layout it cannot clear counts as overlapping. _fake_checks.strides_can_meet is
+// its twin.
+struct StrideTerm {
+  int64_t a, lo, hi;
+};
+bool strides_can_meet(int64_t delta, std::vector<StrideTerm> terms, bool nonzero) {
+  std::sort(terms.begin(), terms.end(), [](const StrideTerm& x, const StrideTerm& y) { return x.a > y.a; });
+  const size_t n = terms.size();
+  std::vector<__int128> rest_lo(n + 1, 0), rest_hi(n + 1, 0);  // reach of terms t.. (all of them past t - 1)
+  for (size_t t = n; t-- > 0;) {
+    rest_lo[t] = rest_lo[t + 1] + static_cast<__int128>(terms[t].a) * terms[t].lo;
+    rest_hi[t] = rest_hi[t + 1] + static_cast<__int128>(terms[t].a) * terms[t].hi;
+  }
+  int64_t budget = 1 << 16;
+  auto floor_div = [](__int128 p, int64_t q) { return p >= 0 ? p / q : -((-p + q - 1) / q); };
+  std::function<bool(size_t, __int128, bool)> solve = [&](size_t t, __int128 d, bool moved) -> bool {
+    if (--budget < 0) return true;
+    if (t == n) return d == 0 && (moved || !nonzero);
+    const int64_t a = terms[t].a;
+    const __int128 first = std::max<__int128>(terms[t].lo, -floor_div(rest_hi[t + 1] - d, a));
+    const __int128 last = std::min<__int128>(terms[t].hi, floor_div(d - rest_lo[t + 1], a));
+    for (__int128 x = first; x <= last; ++x) {
+      if (solve(t + 1, d - a * x, moved || x != 0)) return true;
+    }
+    return false;
+  };
+  return solve(0, delta, false);
+}
+
+// Whether two elements of t (a view: any strides) share one address: two dims of size > 1 with one
+// stride, or an index difference that strides_can_meet finds (none for a dense tensor: the fast path).
+bool has_internal_overlap(const Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) return false;
+  std::vector<StrideTerm> terms;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) <= 1) continue;
+    const int64_t a = std::abs(t.stride(d));
+    if (a == 0) return true;
+    for (const auto& term : terms) {
+      if (term.a == a) return true;
+    }
+    terms.push_back({a, -(t.size(d) - 1), t.size(d) - 1});
+  }
+  return strides_can_meet(0, terms, /*nonzero=*/true);
+}
+
+// Whether views a and b of one storage (same element size) share an element: a's index sums minus
+// b's reach their offsets' difference; terms of one stride merged (their sum takes every value in
+// between).
+bool views_meet(const Tensor& a, const Tensor& b) {
+  std::vector<StrideTerm> terms;
+  auto add = [&](int64_t stride, int64_t lo, int64_t hi) {
+    if (lo == hi) return;
+    if (stride < 0) std::tie(stride, lo, hi) = std::make_tuple(-stride, -hi, -lo);
+    for (auto& term : terms) {
+      if (term.a == stride) {
+        term.lo += lo;
+        term.hi += hi;
+        return;
+      }
+    }
+    terms.push_back({stride, lo, hi});
+  };
+  for (int64_t d = 0; d < a.dim(); ++d) add(a.stride(d), 0, a.size(d) - 1);
+  for (int64_t d = 0; d < b.dim(); ++d) add(-b.stride(d), 0, b.size(d) - 1);
+  terms.erase(std::remove_if(terms.begin(), terms.end(), [](const StrideTerm& t) { return t.a == 0; }),
+              terms.end());  // stride 0: no reach
+  return strides_can_meet(b.storage_offset() - a.storage_offset(), terms, /*nonzero=*/false);
 }
 
 void check_last_dim_contiguous(const Tensor& t, const char* name, const char* hint = "; call .contiguous() first") {
@@ -893,13 +970,12 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
     TORCH_CHECK(ks.seqlen_new <= ks.s.seqlen_k, "flash_attn_ext: k's seqlen_new (k.size(1)) must be at most the "
                 "cache's rows per sequence (", ks.paged ? "block_table.size(1) * page_size" : "k_cache.size(1)",
                 "), got ", ks.seqlen_new, " and ", ks.s.seqlen_k);
-    // One memory for both caches (the same tensor, or views that ATen finds overlapping): the
+    // One memory for both caches (views of one storage with an element in common: views_meet): the
     // append's v rows would overwrite its k rows, unless both are one view and k is v (the same
     // writes). Read-only calls may share it.
-    const auto shared = k_cache.is_alias_of(v_cache) ? at::get_overlap_status(k_cache, v_cache)
-                                                     : at::MemOverlapStatus::No;
-    TORCH_CHECK(shared == at::MemOverlapStatus::No || shared == at::MemOverlapStatus::TooHard ||
-                    (shared == at::MemOverlapStatus::Full && k->is_same(*v)),
+    const bool one_view = k_cache.is_alias_of(v_cache) && k_cache.storage_offset() == v_cache.storage_offset() &&
+                          k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides();
+    TORCH_CHECK(!k_cache.is_alias_of(v_cache) || (one_view && k->is_same(*v)) || !views_meet(k_cache, v_cache),
                 "flash_attn_ext: k_cache and v_cache share memory, so appending k and v would write one over the "
                 "other; pass caches with memory of their own (calls without k / v may share it)");
     for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
@@ -908,6 +984,9 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
                     " (an expanded view): appending k / v would write one cache row for several; pass a cache "
                     "with its own storage per row");
       }
+      TORCH_CHECK(!has_internal_overlap(t), "flash_attn_ext: ", name, " has strides ", t.strides(), " for shape ",
+                  t.sizes(), ", under which two of its elements share memory: appending k / v would write one "
+                  "over the other; pass a cache with its own storage per element");
     }
   }
   TORCH_CHECK(num_splits >= 0 && num_splits <= flash::kMaxSplits, "flash_attn_ext: num_splits must be in [0, ",

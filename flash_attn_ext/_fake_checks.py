@@ -107,6 +107,65 @@ def check_num_blocks(num_blocks, cache_name: str) -> None:
              "be at most 2^31 - 1 (block_table holds int32 block numbers)", lambda: f", got {num_blocks}")
 
 
+def strides_can_meet(delta: int, terms: list, nonzero: bool) -> bool:
+    """Whether sum_t a_t x_t == delta has an integer solution with lo_t <= x_t <= hi_t (terms: (a_t >
+    0, lo_t, hi_t); with ``nonzero``, one with some x_t != 0): two strided views of one storage
+    addressing one element. The twin of flash_api.cpp's (depth first by decreasing a_t, only the x_t
+    that leave delta reachable; past 2^16 nodes: True, the layout counted as overlapping)."""
+    terms = sorted(terms, key=lambda t: -t[0])
+    rest_lo, rest_hi = [0] * (len(terms) + 1), [0] * (len(terms) + 1)
+    for t in range(len(terms) - 1, -1, -1):
+        a, lo, hi = terms[t]
+        rest_lo[t], rest_hi[t] = rest_lo[t + 1] + a * lo, rest_hi[t + 1] + a * hi
+    budget = [1 << 16]
+
+    def solve(t, d, moved):
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        if t == len(terms):
+            return d == 0 and (moved or not nonzero)
+        a, lo, hi = terms[t]
+        for x in range(max(lo, -((rest_hi[t + 1] - d) // a)), min(hi, (d - rest_lo[t + 1]) // a) + 1):
+            if solve(t + 1, d - a * x, moved or x != 0):
+                return True
+        return False
+
+    return solve(0, delta, False)
+
+
+def _static_layout(*tensors) -> bool:
+    """Whether the tensors' sizes, strides and storage offsets are all plain ints (not symbolic:
+    the overlap checks then run in the real op alone)."""
+    return all(isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """flash_api.cpp's twin: two elements of t share one address."""
+    terms = []
+    for n, s in zip(t.shape, t.stride()):
+        if n <= 1:
+            continue
+        if s == 0 or any(a == abs(s) for a, _, _ in terms):
+            return True
+        terms.append((abs(s), -(n - 1), n - 1))
+    return strides_can_meet(0, terms, True)
+
+
+def views_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """flash_api.cpp's twin: views a and b of one storage share an element."""
+    merged = {}
+    for sign, t in ((1, a), (-1, b)):
+        for n, s in zip(t.shape, t.stride()):
+            lo, hi, s = (0, n - 1, s) if sign * s >= 0 else (-(n - 1), 0, -s)
+            s = abs(s)
+            if s and lo != hi:
+                old = merged.get(s, (0, 0))
+                merged[s] = (old[0] + lo, old[1] + hi)
+    return strides_can_meet(b.storage_offset() - a.storage_offset(), [(s, lo, hi) for s, (lo, hi) in merged.items()],
+                            False)
+
+
 def _shape(t: torch.Tensor) -> list:
     return list(t.shape)
 
@@ -598,9 +657,21 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
                   "equal", "v must have k's seqlen_new")
         check_seqlen_new(k.shape[1], cache_capacity(k_cache, block_table),
                          "block_table.size(1) * page_size" if block_table is not None else "k_cache.size(1)")
+        static = _static_layout(k_cache, v_cache)
+        if static and k_cache.untyped_storage()._cdata == v_cache.untyped_storage()._cdata and not (
+                k.untyped_storage()._cdata == v.untyped_storage()._cdata and _static_layout(k, v)
+                and (k.storage_offset(), k.shape, k.stride()) == (v.storage_offset(), v.shape, v.stride())
+                and (k_cache.storage_offset(), k_cache.shape, k_cache.stride())
+                == (v_cache.storage_offset(), v_cache.shape, v_cache.stride())) and views_meet(k_cache, v_cache):
+            _fail("k_cache and v_cache share memory, so appending k and v would write one over the other; pass "
+                  "caches with memory of their own (calls without k / v may share it)")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             for d in range(3):
                 if t.stride(d) == 0 and t.shape[d] > 1:
                     _fail(name, f" has stride 0 in dim {d} (an expanded view): appending k / v would write one "
                           "cache row for several; pass a cache with its own storage per row")
+            if static and has_internal_overlap(t):
+                _fail(name, f" has strides {list(t.stride())} for shape {list(t.shape)}, under which two of its "
+                      "elements share memory: appending k / v would write one over the other; pass a cache with "
+                      "its own storage per element")
     check_num_splits(num_splits)

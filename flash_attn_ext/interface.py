@@ -80,8 +80,10 @@ def flash_attn_func(
             its max and sum apart, softmax_stats, so ties stay exact at any magnitude). Past that
             (|q . k| > 3.4e38 in float32 accumulation) CUDA scores overflow to inf and outputs
             are NaN; the CPU twin accumulates float32 inputs in float64 (finite outputs there)
-            and float64 inputs in float64, but returns the LSE in float32: +inf past its range,
-            the value that otherwise marks a row without visible keys. Gradients of near-tied
+            and float64 inputs in float64, but returns the LSE in float32: +inf or -inf past its
+            range (its sign; +inf otherwise marks a row without visible keys), so there only a
+            backward given softmax_stats (as autograd's is) stays right: the raw backward without
+            them recomputes P from that LSE (-inf: infinite gradients). Gradients of near-tied
             scores at magnitudes where float32 score rounding is
             coarse (|scaled score| >> 1e4) carry that rounding (on CUDA the backward recomputes the
             scores in another summation order and treats scores within 2-4 float32 ulps of the row

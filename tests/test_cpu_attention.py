@@ -178,3 +178,22 @@ def test_float32_long_sequences_need_no_slack(case):
     check_accuracy(f"{case} out", out, ref64, base, atol=0.0)
     for name, g, g64, gb in zip("qkv", grads, ref64_grads, base_grads):
         check_accuracy(f"{case} d{name}", g, g64, gb, atol=0.0)
+
+
+def test_lse_past_float32_takes_its_sign_and_autograd_stays_exact():
+    """The docstring's magnitude note (flash_attn_func, interface.py): float64 scores past float32's
+    range give an LSE of +inf or -inf by its sign (a review found the text said +inf alone); the
+    output and autograd's gradients (which pass softmax_stats) equal float64 torch math there."""
+    q = torch.ones(1, 2, 1, 8, dtype=torch.float64)
+    v = torch.randn(1, 3, 1, 8, dtype=torch.float64)
+    for sign in (1.0, -1.0):
+        k = (sign * torch.ones(1, 3, 1, 8, dtype=torch.float64)).requires_grad_()
+        out, lse = flash_attn_ext.flash_attn_func(q, k, v, softmax_scale=2e38, return_lse=True)
+        assert torch.equal(lse, torch.full_like(lse, sign * math.inf))
+        kr = k.detach().clone().requires_grad_()
+        ref = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, kr) * 2e38, dim=-1)
+        ref = torch.einsum("bhqk,bkhd->bqhd", ref, v)  # float64 math: scores of 1.6e39 fit there
+        torch.testing.assert_close(out, ref)
+        out.sum().backward()
+        ref.sum().backward()
+        torch.testing.assert_close(k.grad, kr.grad)

@@ -597,3 +597,105 @@ def test_kvcache_used_rows_for_any_int32_cache_seqlens(tmp_path):
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
     got = {case: int(x) for case, x in zip(cases, out)}
     assert got == {(c, n, cap): min(max(c + n, 0), cap) for c, n, cap in cases}
+
+
+def _addresses(t):
+    """Every element's storage index of view t (brute force)."""
+    idx = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        idx = idx[..., None] + torch.arange(n) * s
+    return (idx + t.storage_offset()).flatten().tolist()
+
+
+def test_overlap_checks_equal_brute_force():
+    """_fake_checks.has_internal_overlap / views_meet (the twins of flash_api.cpp's) against every
+    element's address, on random strided views of one buffer (sizes 1..4, strides -1..40)."""
+    from flash_attn_ext import _fake_checks
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.empty(4096)
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        def view():
+            shape = torch.randint(1, 5, (4,), generator=gen).tolist()
+            stride = torch.randint(0, 41, (4,), generator=gen).tolist()
+            return buf.as_strided(shape, stride, int(torch.randint(0, 200, (1,), generator=gen)))
+        a, b = view(), view()
+        addr_a, addr_b = _addresses(a), _addresses(b)
+        internal = len(set(addr_a)) < len(addr_a)
+        assert _fake_checks.has_internal_overlap(a) == internal, (a.shape, a.stride())
+        meet = bool(set(addr_a) & set(addr_b))
+        assert _fake_checks.views_meet(a, b) == meet, (a.shape, a.stride(), a.storage_offset(), b.shape, b.stride(),
+                                                       b.storage_offset())
+        seen[meet] += 1
+    assert min(seen.values()) > 300  # both answers exercised
+
+
+def test_kvcache_append_refuses_caches_that_overlap():
+    """Caches whose append would write one element twice (a review found both accepted: the ATen
+    check answers "too hard" for such views): k_cache and v_cache sharing a head of one buffer, and
+    one cache whose entry 1 row 0 is entry 0 row 8 (as_strided). Refused by the op and its fake
+    kernel, before any write; flash-attn's interleaved kv[:, :, 0] / kv[:, :, 1] caches and k / v
+    halves of one buffer's head dim still append, as separate caches do."""
+    q = torch.randn(2, 1, 2, 8, dtype=torch.float64)
+    kn, vn = torch.randn(2, 1, 2, 8, dtype=torch.float64), torch.randn(2, 1, 2, 8, dtype=torch.float64)
+    buf = torch.zeros(2, 32, 3, 8, dtype=torch.float64)
+    one = torch.zeros(2 * 32 * 2 * 8, dtype=torch.float64).as_strided((2, 32, 2, 8), (8 * 16, 16, 8, 1))
+    cases = [(buf[:, :, 0:2], buf[:, :, 1:3], "k_cache and v_cache share memory"),
+             (one, torch.zeros(2, 32, 2, 8, dtype=torch.float64), r"k_cache has strides \[128, 16, 8, 1\] for shape "
+              r"\[2, 32, 2, 8\], under which two of its elements share memory")]
+    for kc, vc, message in cases:
+        before = (kc.clone(), vc.clone())
+        with pytest.raises(RuntimeError, match=message):
+            flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.tensor([8, 0],
+                                                                                                 dtype=torch.int32))
+        assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+        bases = {}  # one meta storage per CPU storage, the views' layouts kept (.to("meta") would make
+        for t in (kc, vc):  # an overlapping view contiguous)
+            bases.setdefault(t.untyped_storage()._cdata, torch.empty(t.untyped_storage().nbytes() // 8,
+                                                                     dtype=t.dtype, device="meta"))
+        meta_kc, meta_vc = (bases[t.untyped_storage()._cdata].as_strided(t.shape, t.stride(), t.storage_offset())
+                            for t in (kc, vc))
+        meta = [q.to("meta"), meta_kc, meta_vc, kn.to("meta"), vn.to("meta")]
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.flash_attn_ext.fwd_kvcache(meta[0], meta[1], meta[2], meta[3], meta[4],
+                                                 torch.zeros(2, dtype=torch.int32, device="meta"), None, 1.0, False, 0)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    for layout in ("interleaved", "head dim halves"):
+        kv = (torch.randn(2, 32, 2, 2, 8, dtype=torch.float64) if layout == "interleaved"
+              else torch.randn(2, 32, 2, 16, dtype=torch.float64))
+        kc, vc = (kv[:, :, 0], kv[:, :, 1]) if layout == "interleaved" else (kv[..., :8], kv[..., 8:])
+        apart = (kc.clone(), vc.clone())
+        got = flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens)
+        want = flash_attn_ext.flash_attn_with_kvcache(q, *apart, kn, vn, cache_seqlens=seqlens)
+        assert torch.equal(got, want) and torch.equal(kc, apart[0]) and torch.equal(vc, apart[1])
+
+
+def test_kvcache_append_overlap_check_equals_brute_force():
+    """The op's own check (flash_api.cpp) on random cache layouts: an append is refused exactly when
+    two elements of a cache share an address, or the two caches one."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 1, 2, 8, dtype=torch.float64)
+    kn, vn = torch.randn(2, 1, 2, 8, dtype=torch.float64), torch.randn(2, 1, 2, 8, dtype=torch.float64)
+    buf = torch.zeros(8192, dtype=torch.float64)
+    refused = {True: 0, False: 0}
+    for _ in range(300):
+        def view():  # dims 0-2 nested in a random order with padding, a stride sometimes cut short
+            shape, stride, step = (2, 16, 2, 8), [0, 0, 0, 1], 8 + int(torch.randint(0, 3, (1,), generator=gen))
+            for d in torch.randperm(3, generator=gen).tolist():
+                cut = int(torch.randint(0, 9, (1,), generator=gen)) if torch.rand(1, generator=gen) < 0.2 else 0
+                stride[d] = max(1, step - cut)
+                step = stride[d] * shape[d] + int(torch.randint(0, 3, (1,), generator=gen))
+            return buf.as_strided(shape, stride, int(torch.randint(0, 4000, (1,), generator=gen)))
+        kc, vc = view(), view()
+        a, b = _addresses(kc), _addresses(vc)
+        expect = len(set(a)) < len(a) or len(set(b)) < len(b) or bool(set(a) & set(b))
+        try:
+            flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.tensor([0, 5],
+                                                                                               dtype=torch.int32))
+            got = False
+        except RuntimeError as e:
+            assert "share memory" in str(e), e
+            got = True
+        assert got == expect, (kc.stride(), kc.storage_offset(), vc.stride(), vc.storage_offset())
+        refused[got] += 1
+    assert min(refused.values()) > 30, refused
