@@ -136,8 +136,9 @@ def strides_can_meet(delta: int, terms: list, nonzero: bool) -> bool:
 
 def _static_layout(*tensors) -> bool:
     """Whether the tensors' sizes, strides and storage offsets are all plain ints (not symbolic:
-    the overlap checks then run in the real op alone)."""
-    return all(isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride(), t.storage_offset()))
+    the overlap checks then run in the real op alone), outside code Dynamo traces (the Python
+    entries' own checks: the op's fake kernel runs them on its fake tensors)."""
+    return not torch.compiler.is_dynamo_compiling() and all(isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:
