@@ -83,12 +83,13 @@ void check_same_dtype(const Tensor& t, const char* name, const Tensor& q) {
 // index differences, or one view's indices and the other's negated). Depth first over the terms by
 // decreasing a_t, each level trying only the x_t that leave the rest able to reach delta: one to
 // three values for real layouts (each stride past the reach of the smaller ones). Past 2^16 nodes
-// it answers true: a layout it cannot clear counts as overlapping. _fake_checks.strides_can_meet is
-// its twin.
+// it answers kUndecided: a layout it cannot clear is refused as one that may overlap.
+// _fake_checks.strides_can_meet is its twin.
 struct StrideTerm {
   int64_t a, lo, hi;
 };
-bool strides_can_meet(int64_t delta, std::vector<StrideTerm> terms, bool nonzero) {
+enum class Meet { kNo, kYes, kUndecided };
+Meet strides_can_meet(int64_t delta, std::vector<StrideTerm> terms, bool nonzero) {
   std::sort(terms.begin(), terms.end(), [](const StrideTerm& x, const StrideTerm& y) { return x.a > y.a; });
   const size_t n = terms.size();
   std::vector<__int128> rest_lo(n + 1, 0), rest_hi(n + 1, 0);  // reach of terms t.. (all of them past t - 1)
@@ -97,9 +98,10 @@ bool strides_can_meet(int64_t delta, std::vector<StrideTerm> terms, bool nonzero
     rest_hi[t] = rest_hi[t + 1] + static_cast<__int128>(terms[t].a) * terms[t].hi;
   }
   int64_t budget = 1 << 16;
+  bool undecided = false;
   auto floor_div = [](__int128 p, int64_t q) { return p >= 0 ? p / q : -((-p + q - 1) / q); };
   std::function<bool(size_t, __int128, bool)> solve = [&](size_t t, __int128 d, bool moved) -> bool {
-    if (--budget < 0) return true;
+    if (--budget < 0) return undecided = true;  // (ends the search)
     if (t == n) return d == 0 && (moved || !nonzero);
     const int64_t a = terms[t].a;
     const __int128 first = std::max<__int128>(terms[t].lo, -floor_div(rest_hi[t + 1] - d, a));
@@ -109,20 +111,20 @@ bool strides_can_meet(int64_t delta, std::vector<StrideTerm> terms, bool nonzero
     }
     return false;
   };
-  return solve(0, delta, false);
+  return !solve(0, delta, false) ? Meet::kNo : undecided ? Meet::kUndecided : Meet::kYes;
 }
 
 // Whether two elements of t (a view: any strides) share one address: two dims of size > 1 with one
 // stride, or an index difference that strides_can_meet finds (none for a dense tensor: the fast path).
-bool has_internal_overlap(const Tensor& t) {
-  if (t.is_non_overlapping_and_dense()) return false;
+Meet has_internal_overlap(const Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) return Meet::kNo;
   std::vector<StrideTerm> terms;
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.size(d) <= 1) continue;
     const int64_t a = std::abs(t.stride(d));
-    if (a == 0) return true;
+    if (a == 0) return Meet::kYes;
     for (const auto& term : terms) {
-      if (term.a == a) return true;
+      if (term.a == a) return Meet::kYes;
     }
     terms.push_back({a, -(t.size(d) - 1), t.size(d) - 1});
   }
@@ -132,7 +134,7 @@ bool has_internal_overlap(const Tensor& t) {
 // Whether views a and b of one storage (same element size) share an element: a's index sums minus
 // b's reach their offsets' difference; terms of one stride merged (their sum takes every value in
 // between).
-bool views_meet(const Tensor& a, const Tensor& b) {
+Meet views_meet(const Tensor& a, const Tensor& b) {
   std::vector<StrideTerm> terms;
   auto add = [&](int64_t stride, int64_t lo, int64_t hi) {
     if (lo == hi) return;
@@ -975,18 +977,24 @@ KvcacheSizes check_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor&
     // writes). Read-only calls may share it.
     const bool one_view = k_cache.is_alias_of(v_cache) && k_cache.storage_offset() == v_cache.storage_offset() &&
                           k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides();
-    TORCH_CHECK(!k_cache.is_alias_of(v_cache) || (one_view && k->is_same(*v)) || !views_meet(k_cache, v_cache),
-                "flash_attn_ext: k_cache and v_cache share memory, so appending k and v would write one over the "
-                "other; pass caches with memory of their own (calls without k / v may share it)");
+    const Meet meet = !k_cache.is_alias_of(v_cache) || (one_view && k->is_same(*v)) ? Meet::kNo
+                                                                                  : views_meet(k_cache, v_cache);
+    TORCH_CHECK(meet == Meet::kNo, "flash_attn_ext: k_cache and v_cache ",
+                meet == Meet::kYes ? "share memory" : "may share memory (views of one buffer whose strides the "
+                                                      "check could not clear in 2^16 steps)",
+                ", so appending k and v would write one over the other; pass caches with memory of their own "
+                "(calls without k / v may share it)");
     for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{k_cache, "k_cache"}, {v_cache, "v_cache"}}) {
       for (int64_t d = 0; d < 3; ++d) {
         TORCH_CHECK(t.stride(d) != 0 || t.size(d) <= 1, "flash_attn_ext: ", name, " has stride 0 in dim ", d,
                     " (an expanded view): appending k / v would write one cache row for several; pass a cache "
                     "with its own storage per row");
       }
-      TORCH_CHECK(!has_internal_overlap(t), "flash_attn_ext: ", name, " has strides ", t.strides(), " for shape ",
-                  t.sizes(), ", under which two of its elements share memory: appending k / v would write one "
-                  "over the other; pass a cache with its own storage per element");
+      const Meet self = has_internal_overlap(t);
+      TORCH_CHECK(self == Meet::kNo, "flash_attn_ext: ", name, " has strides ", t.strides(), " for shape ", t.sizes(),
+                  self == Meet::kYes ? ", under which two of its elements share memory"
+                                     : ", which the check could not clear of shared elements in 2^16 steps",
+                  ": appending k / v would write one over the other; pass a cache with its own storage per element");
     }
   }
   TORCH_CHECK(num_splits >= 0 && num_splits <= flash::kMaxSplits, "flash_attn_ext: num_splits must be in [0, ",

@@ -107,11 +107,12 @@ def check_num_blocks(num_blocks, cache_name: str) -> None:
              "be at most 2^31 - 1 (block_table holds int32 block numbers)", lambda: f", got {num_blocks}")
 
 
-def strides_can_meet(delta: int, terms: list, nonzero: bool) -> bool:
+def strides_can_meet(delta: int, terms: list, nonzero: bool):
     """Whether sum_t a_t x_t == delta has an integer solution with lo_t <= x_t <= hi_t (terms: (a_t >
     0, lo_t, hi_t); with ``nonzero``, one with some x_t != 0): two strided views of one storage
-    addressing one element. The twin of flash_api.cpp's (depth first by decreasing a_t, only the x_t
-    that leave delta reachable; past 2^16 nodes: True, the layout counted as overlapping)."""
+    addressing one element. True / False, or None past 2^16 nodes (undecided: refused as a layout
+    that may overlap). The twin of flash_api.cpp's (depth first by decreasing a_t, only the x_t
+    that leave delta reachable)."""
     terms = sorted(terms, key=lambda t: -t[0])
     rest_lo, rest_hi = [0] * (len(terms) + 1), [0] * (len(terms) + 1)
     for t in range(len(terms) - 1, -1, -1):
@@ -122,7 +123,7 @@ def strides_can_meet(delta: int, terms: list, nonzero: bool) -> bool:
     def solve(t, d, moved):
         budget[0] -= 1
         if budget[0] < 0:
-            return True
+            return True  # (ends the search: undecided)
         if t == len(terms):
             return d == 0 and (moved or not nonzero)
         a, lo, hi = terms[t]
@@ -131,18 +132,23 @@ def strides_can_meet(delta: int, terms: list, nonzero: bool) -> bool:
                 return True
         return False
 
-    return solve(0, delta, False)
+    found = solve(0, delta, False)
+    return None if budget[0] < 0 else found
 
 
 def _static_layout(*tensors) -> bool:
-    """Whether the tensors' sizes, strides and storage offsets are all plain ints (not symbolic:
-    the overlap checks then run in the real op alone), outside code Dynamo traces (the Python
-    entries' own checks: the op's fake kernel runs them on its fake tensors)."""
-    return not torch.compiler.is_dynamo_compiling() and all(isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride(), t.storage_offset()))
+    """Whether the overlap checks run here: in a fake kernel (fake or meta tensors; a real call's op
+    runs its own, the C++ ones), not in code Dynamo traces (the Python entries' own checks: the op's
+    fake kernel runs them on its fake tensors), on sizes, strides and storage offsets that are all
+    plain ints (not symbolic)."""
+    return not torch.compiler.is_dynamo_compiling() and all(
+        t.is_meta or torch._subclasses.fake_tensor.is_fake(t) for t in tensors) and all(isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride(), t.storage_offset()))
 
 
-def has_internal_overlap(t: torch.Tensor) -> bool:
-    """flash_api.cpp's twin: two elements of t share one address."""
+def has_internal_overlap(t: torch.Tensor):
+    """flash_api.cpp's twin: two elements of t share one address (None: undecided)."""
+    if t.is_contiguous():
+        return False
     terms = []
     for n, s in zip(t.shape, t.stride()):
         if n <= 1:
@@ -153,8 +159,8 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     return strides_can_meet(0, terms, True)
 
 
-def views_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """flash_api.cpp's twin: views a and b of one storage share an element."""
+def views_meet(a: torch.Tensor, b: torch.Tensor):
+    """flash_api.cpp's twin: views a and b of one storage share an element (None: undecided)."""
     merged = {}
     for sign, t in ((1, a), (-1, b)):
         for n, s in zip(t.shape, t.stride()):
@@ -659,20 +665,23 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
         check_seqlen_new(k.shape[1], cache_capacity(k_cache, block_table),
                          "block_table.size(1) * page_size" if block_table is not None else "k_cache.size(1)")
         static = _static_layout(k_cache, v_cache)
-        if static and k_cache.untyped_storage()._cdata == v_cache.untyped_storage()._cdata and not (
-                k.untyped_storage()._cdata == v.untyped_storage()._cdata and _static_layout(k, v)
-                and (k.storage_offset(), k.shape, k.stride()) == (v.storage_offset(), v.shape, v.stride())
-                and (k_cache.storage_offset(), k_cache.shape, k_cache.stride())
-                == (v_cache.storage_offset(), v_cache.shape, v_cache.stride())) and views_meet(k_cache, v_cache):
-            _fail("k_cache and v_cache share memory, so appending k and v would write one over the other; pass "
-                  "caches with memory of their own (calls without k / v may share it)")
+        one_view = (k_cache.storage_offset(), k_cache.shape, k_cache.stride()) == (
+            v_cache.storage_offset(), v_cache.shape, v_cache.stride()) if static else False
+        meet = views_meet(k_cache, v_cache) if static and k_cache.untyped_storage()._cdata == \
+            v_cache.untyped_storage()._cdata and not (one_view and k is v) else False
+        if meet is not False:
+            _fail("k_cache and v_cache ", "share memory" if meet else "may share memory (views of one buffer whose "
+                  "strides the check could not clear in 2^16 steps)", ", so appending k and v would write one over "
+                  "the other; pass caches with memory of their own (calls without k / v may share it)")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             for d in range(3):
                 if t.stride(d) == 0 and t.shape[d] > 1:
                     _fail(name, f" has stride 0 in dim {d} (an expanded view): appending k / v would write one "
                           "cache row for several; pass a cache with its own storage per row")
-            if static and has_internal_overlap(t):
-                _fail(name, f" has strides {list(t.stride())} for shape {list(t.shape)}, under which two of its "
-                      "elements share memory: appending k / v would write one over the other; pass a cache with "
-                      "its own storage per element")
+            self_meet = has_internal_overlap(t) if static else False
+            if self_meet is not False:
+                _fail(name, f" has strides {list(t.stride())} for shape {list(t.shape)}",
+                      ", under which two of its elements share memory" if self_meet else
+                      ", which the check could not clear of shared elements in 2^16 steps",
+                      ": appending k / v would write one over the other; pass a cache with its own storage per element")
     check_num_splits(num_splits)

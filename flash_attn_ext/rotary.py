@@ -9,6 +9,8 @@ in-place qkv / kv variants are not provided (``flash_attn_ext.nn.rotary_cos_sin`
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 __all__ = ["apply_rotary_emb"]
@@ -51,14 +53,15 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
             at position ``i + seqlen_offsets[b]`` (decoding with a KV cache).
         cu_seqlens: ``(batch + 1,)`` int32 / int64 packed-sequence offsets (as flash_attn_varlen_func's):
             positions restart at each sequence; rows past ``cu_seqlens[-1]`` are left unchanged.
-        max_seqlen: the longest packed sequence, as flash-attn asks with cu_seqlens (used only to
-            check the tables' length against an int offset).
+        max_seqlen: the longest packed sequence, needed with cu_seqlens (as flash-attn's): an int
+            offset plus max_seqlen must fit the tables (a sequence longer than max_seqlen is not
+            checked: its positions past the tables are not rotated).
     Returns:
         ``x``'s shape and dtype; channels past rotary_dim unchanged. A position past the tables
         (reachable with tensor offsets) is not rotated (cos 1, sin 0), as flash-attn's kernel.
     Raises:
-        ValueError: a shape, dtype or device not as above; an int offset plus seqlen (or max_seqlen)
-            past seqlen_ro.
+        ValueError: a shape, dtype or device not as above; cu_seqlens without max_seqlen; an int
+            offset plus seqlen (or max_seqlen) past seqlen_ro.
     """
     varlen = cu_seqlens is not None
     if not isinstance(x, torch.Tensor) or x.dim() != (3 if varlen else 4) or not x.is_floating_point():
@@ -84,6 +87,9 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
                    or cu_seqlens.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"flash_attn_ext: cu_seqlens has shape {list(cu_seqlens.shape)}, dtype {cu_seqlens.dtype} "
                          f"on {cu_seqlens.device}; expected int32 or int64 (batch + 1,) on x's device")
+    if varlen and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or max_seqlen < 0):
+        raise ValueError(f"flash_attn_ext: max_seqlen = {max_seqlen!r}; expected a non-negative int with cu_seqlens "
+                         "(the longest packed sequence, as flash-attn's)")
     if isinstance(seqlen_offsets, torch.Tensor):
         if tuple(seqlen_offsets.shape) != (batch,) or seqlen_offsets.dtype not in (torch.int32, torch.int64) \
                 or seqlen_offsets.device != x.device:
@@ -92,14 +98,14 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
                              f"(batch,) = ({batch},) on x's device")
         offsets = seqlen_offsets.to(torch.int64)
     else:
-        longest = (max_seqlen if max_seqlen is not None else 0) if varlen else x.shape[1]
-        if isinstance(seqlen_offsets, bool) or not isinstance(seqlen_offsets, int) or seqlen_offsets < 0 \
+        longest = int(max_seqlen) if varlen else x.shape[1]
+        if isinstance(seqlen_offsets, bool) or not isinstance(seqlen_offsets, numbers.Integral) or seqlen_offsets < 0 \
                 or seqlen_offsets + longest > seqlen_ro:
             raise ValueError(f"flash_attn_ext: seqlen_offsets = {seqlen_offsets!r} with "
                              f"{'max_seqlen' if varlen else 'seqlen'} = {longest}; expected a non-negative int with "
                              f"seqlen_offsets + {'max_seqlen' if varlen else 'seqlen'} at most the tables' "
                              f"seqlen_ro = {seqlen_ro}")
-        offsets = torch.full((max(batch, 0),), seqlen_offsets, dtype=torch.int64, device=x.device)
+        offsets = torch.full((max(batch, 0),), int(seqlen_offsets), dtype=torch.int64, device=x.device)
     if varlen:
         token = torch.arange(x.shape[0], device=x.device)
         cu = cu_seqlens.to(torch.int64)

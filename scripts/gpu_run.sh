@@ -14,7 +14,8 @@
 # The test step leaves out the CPU-only tests (GPU_ONLY=1, the default; tests/conftest.py:
 # FLASH_ATTN_EXT_TEST_GPU_ONLY; CI runs them; GPU_ONLY=0 keeps them). SHARD=i/n runs the i-th of n
 # shards of the tests (FLASH_ATTN_EXT_TEST_SHARD): the whole suite took ~25 min on an H100
-# (2026-12-07: 2,103 tests in 518 s), the GPU-only ~20, far more than one call, so e.g.
+# (2026-12-07: one of three shards, 2,103 tests, in 518 s), an estimated ~20 GPU-only: more than
+# three calls, so e.g.
 #   STEPS="build test" SHARD=1/4 bash scripts/gpu_run.sh; then STEPS=test SHARD=2/4, 3/4, 4/4
 # in the next calls while the machine is warm (the build stays in place).
 # The bench step runs the dense sweep (BENCH_ARGS), then issue 14's decode (KV cache) and varlen

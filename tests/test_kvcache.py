@@ -699,3 +699,24 @@ def test_kvcache_append_overlap_check_equals_brute_force():
         assert got == expect, (kc.stride(), kc.storage_offset(), vc.stride(), vc.storage_offset())
         refused[got] += 1
     assert min(refused.values()) > 30, refused
+
+
+def test_kvcache_overlap_check_says_when_it_cannot_decide():
+    """A layout the search cannot clear in 2^16 steps (a review's: k and v take alternate 16-element
+    chunks of one buffer, their heads and rows permuted against each other, 131,072 rows) is refused
+    with words that say so, not as memory that is shared; by the op and its fake kernel alike."""
+    from flash_attn_ext import _fake_checks
+    s, h, d = 131072, 2, 16
+    buf = torch.zeros(2 * s * h * d)
+    kc = buf.as_strided((1, s, h, d), (2 * s * h * d, 2 * h * d, 2 * d, 1), 0)
+    vc = buf.as_strided((1, s, h, d), (2 * h * s * d, 2 * d, 2 * s * d, 1), d)
+    assert _fake_checks.views_meet(kc, vc) is None
+    q, kn, vn = torch.randn(1, 1, h, d), torch.randn(1, 1, h, d), torch.randn(1, 1, h, d)
+    message = r"k_cache and v_cache may share memory \(views of one buffer whose strides the check could not clear"
+    with pytest.raises(RuntimeError, match=message):
+        flash_attn_ext.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=0)
+    base = torch.empty(buf.shape, device="meta")
+    meta_kc, meta_vc = (base.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (kc, vc))
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.flash_attn_ext.fwd_kvcache(q.to("meta"), meta_kc, meta_vc, kn.to("meta"), vn.to("meta"),
+                                             torch.zeros(1, dtype=torch.int32, device="meta"), None, 1.0, False, 0)

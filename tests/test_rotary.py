@@ -113,3 +113,11 @@ def test_refusals_name_the_argument():
         apply_rotary_emb(x[0], cos, sin, cu_seqlens=torch.tensor([0.0, 8.0]), max_seqlen=8)
     with pytest.raises(ValueError, match="cos is shape"):
         apply_rotary_emb(x, cos.to(torch.int32), sin)
+    packed = torch.randn(20, 1, 32)  # a review: without max_seqlen, rows past the tables went unrotated, unchecked
+    with pytest.raises(ValueError, match="max_seqlen = None; expected a non-negative int with cu_seqlens"):
+        apply_rotary_emb(packed, cos, sin, cu_seqlens=torch.tensor([0, 20], dtype=torch.int32))
+    with pytest.raises(ValueError, match="seqlen_offsets = 0 with max_seqlen = 20"):
+        apply_rotary_emb(packed, cos, sin, cu_seqlens=torch.tensor([0, 20], dtype=torch.int32), max_seqlen=20)
+    np = pytest.importorskip("numpy")
+    assert torch.equal(apply_rotary_emb(x[:, :4], cos, sin, seqlen_offsets=np.int64(3)),
+                       apply_rotary_emb(x[:, :4], cos, sin, seqlen_offsets=3))
