@@ -141,8 +141,9 @@ def _static_layout(*tensors) -> bool:
     runs its own, the C++ ones), not in code Dynamo traces (the Python entries' own checks: the op's
     fake kernel runs them on its fake tensors), on sizes, strides and storage offsets that are all
     plain ints (not symbolic)."""
-    return not torch.compiler.is_dynamo_compiling() and all(
-        t.is_meta or torch._subclasses.fake_tensor.is_fake(t) for t in tensors) and all(isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride(), t.storage_offset()))
+    return (not torch.compiler.is_dynamo_compiling()
+            and all(t.is_meta or torch._subclasses.fake_tensor.is_fake(t) for t in tensors)
+            and all(isinstance(n, int) for t in tensors for n in (*t.shape, *t.stride(), t.storage_offset())))
 
 
 def has_internal_overlap(t: torch.Tensor):
