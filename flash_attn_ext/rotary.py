@@ -48,7 +48,9 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
             headdim.
         interleaved: rotate channel pairs ``(2c, 2c + 1)`` (GPT-J) instead of ``(c, c + rotary_dim /
             2)`` (GPT-NeoX / Llama, the default).
-        inplace: write the result into ``x`` and return it.
+        inplace: write the result into ``x`` and return it (a torch in-place write: refused on a leaf
+            that requires grad, which flash-attn's autograd Function overwrites; pass inplace=False
+            there).
         seqlen_offsets: an int, or an int32 / int64 ``(batch,)`` tensor: token i of sequence b sits
             at position ``i + seqlen_offsets[b]`` (decoding with a KV cache).
         cu_seqlens: ``(batch + 1,)`` int32 / int64 packed-sequence offsets (as flash_attn_varlen_func's):
