@@ -154,7 +154,7 @@ def has_internal_overlap(t: torch.Tensor):
     for n, s in zip(t.shape, t.stride()):
         if n <= 1:
             continue
-        if s == 0 or any(a == abs(s) for a, _, _ in terms):
+        if s == 0:
             return True
         terms.append((abs(s), -(n - 1), n - 1))
     return strides_can_meet(0, terms, True)
@@ -162,14 +162,14 @@ def has_internal_overlap(t: torch.Tensor):
 
 def views_meet(a: torch.Tensor, b: torch.Tensor):
     """flash_api.cpp's twin: views a and b of one storage share an element (None: undecided)."""
-    merged = {}
+    merged = {}  # |coefficient| -> the range of its summed index terms
     for sign, t in ((1, a), (-1, b)):
         for n, s in zip(t.shape, t.stride()):
-            lo, hi, s = (0, n - 1, s) if sign * s >= 0 else (-(n - 1), 0, -s)
-            s = abs(s)
-            if s and lo != hi:
-                old = merged.get(s, (0, 0))
-                merged[s] = (old[0] + lo, old[1] + hi)
+            c = sign * s
+            if c and n > 1:
+                lo, hi = (0, n - 1) if c > 0 else (-(n - 1), 0)
+                old = merged.get(abs(c), (0, 0))
+                merged[abs(c)] = (old[0] + lo, old[1] + hi)
     return strides_can_meet(b.storage_offset() - a.storage_offset(), [(s, lo, hi) for s, (lo, hi) in merged.items()],
                             False)
 

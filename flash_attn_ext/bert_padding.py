@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .masked import cu_seqlens
+
 __all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "pad_input",
            "unpad_input_for_concatenated_sequences"]
 
@@ -83,13 +85,14 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     _check_mask(attention_mask, "attention_mask", hidden_states)
     if unused_mask is not None:
         _check_mask(unused_mask, "unused_mask", hidden_states)
-    used = attention_mask.to(torch.int32)
-    rows = used if unused_mask is None else used + unused_mask.to(torch.int32)
+    used = attention_mask.to(torch.int64)
+    unused = unused_mask.to(torch.int64) if unused_mask is not None else None
+    rows = used if unused is None else used + unused
     seqlens = rows.sum(dim=-1, dtype=torch.int32)
     # One host read for the longest sequence and the masks' validity (0 / 1 each, their sum too).
-    bad = (attention_mask.to(torch.int64) < 0) | (attention_mask.to(torch.int64) > 1) | (rows > 1)
-    if unused_mask is not None:
-        bad |= (unused_mask.to(torch.int64) < 0) | (unused_mask.to(torch.int64) > 1)
+    bad = (used < 0) | (used > 1) | (rows > 1)
+    if unused is not None:
+        bad |= (unused < 0) | (unused > 1)
     max_seqlen, n_bad = torch.stack([seqlens.max() if seqlens.numel() else seqlens.new_zeros(()),
                                      bad.sum(dtype=torch.int32)]).tolist()
     if n_bad:
@@ -98,9 +101,8 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
                                                                        if unused_mask is not None else "")
                          + "; expected 1 for a kept row and 0 for padding")
     indices = torch.nonzero(rows.flatten()).flatten()
-    cu_seqlens = torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
     packed = index_first_axis(hidden_states.flatten(0, 1), indices)
-    return packed, indices, cu_seqlens, max_seqlen, used.sum(dim=-1, dtype=torch.int32)
+    return packed, indices, cu_seqlens(seqlens), max_seqlen, used.sum(dim=-1, dtype=torch.int32)
 
 
 def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attention_mask_in_length: torch.Tensor):
@@ -128,8 +130,7 @@ def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attentio
                          f"sum past seqlen = {seqlen}; expected each row's sequence lengths, then zeros")
     keep = torch.arange(seqlen, device=lengths.device) < totals[:, None]
     indices = torch.nonzero(keep.flatten()).flatten()
-    cu_seqlens = torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
-    return index_first_axis(hidden_states.flatten(0, 1), indices), indices, cu_seqlens, max_seqlen
+    return index_first_axis(hidden_states.flatten(0, 1), indices), indices, cu_seqlens(seqlens), max_seqlen
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
